@@ -1,0 +1,5 @@
+"""`python -m tpurun` runs the CLI."""
+
+from tpurun.cli import main
+
+main()

@@ -1,0 +1,207 @@
+"""One place that resolves project, zone, TPU name, API endpoint and tpurun's home.
+
+Precedence (CONTRACT.md): command-line flag > TPURUN_* environment variable > tpurun.toml in the
+current directory or a parent > $XDG_CONFIG_HOME/tpurun/config.toml > the active gcloud
+configuration (read as files; gcloud itself is not needed).
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpurun.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+KEYS = ("project", "zone", "tpu", "api_endpoint")
+ENV = {key: f"TPURUN_{key.upper()}" for key in KEYS}
+PROJECT_FILE = "tpurun.toml"
+DEFAULT_ENDPOINT = "https://tpu.googleapis.com"
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: str | None
+    source: str  # where it came from, e.g. "flag --zone", "env TPURUN_ZONE", "/p/tpurun.toml"
+
+
+@dataclass(frozen=True)
+class Settings:
+    project: Setting
+    zone: Setting
+    tpu: Setting
+    api_endpoint: Setting
+    home: Setting
+    searched: tuple[str, ...]  # every place that was looked at, for error messages
+
+    def all(self) -> list[Setting]:
+        return [self.project, self.zone, self.tpu, self.api_endpoint, self.home]
+
+    def require_location(self) -> tuple[str, str]:
+        """Project and zone, or one error naming every place they could come from."""
+        missing = [s.key for s in (self.project, self.zone) if not s.value]
+        if missing:
+            names = " and ".join(missing)
+            places = "; ".join(
+                [
+                    " / ".join(f"--{k}" for k in missing),
+                    " / ".join(ENV[k] for k in missing),
+                    f"{PROJECT_FILE} in this directory or a parent",
+                    str(user_config_path()),
+                    "the active gcloud configuration (gcloud config set project|compute/zone)",
+                ]
+            )
+            raise UsageError(f"no {names} configured: set it with one of: {places}")
+        assert self.project.value and self.zone.value
+        return self.project.value, self.zone.value
+
+    @property
+    def endpoint(self) -> str:
+        return self.api_endpoint.value or DEFAULT_ENDPOINT
+
+    @property
+    def home_path(self) -> Path:
+        assert self.home.value
+        return Path(self.home.value)
+
+
+def xdg_config_home(env: Mapping[str, str]) -> Path:
+    base = env.get("XDG_CONFIG_HOME")
+    return Path(base) if base else Path(env.get("HOME", str(Path.home()))) / ".config"
+
+
+def user_config_path(env: Mapping[str, str] | None = None) -> Path:
+    return xdg_config_home(os.environ if env is None else env) / "tpurun" / "config.toml"
+
+
+def find_project_file(start: Path) -> Path | None:
+    for directory in [start, *start.parents]:
+        candidate = directory / PROJECT_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def read_toml(path: Path) -> dict[str, str]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML: {exc}; fix or delete it") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        if key not in KEYS:
+            continue  # other sections belong to other commands (e.g. [train])
+        if not isinstance(value, str):
+            raise UsageError(f"{path}: '{key}' must be a string, got {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+def gcloud_config(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """project and zone of the active gcloud configuration, and the file they came from."""
+    root = Path(env["CLOUDSDK_CONFIG"]) if env.get("CLOUDSDK_CONFIG") else xdg_config_home(env) / "gcloud"
+    name = env.get("CLOUDSDK_ACTIVE_CONFIG_NAME")
+    if not name:
+        try:
+            name = (root / "active_config").read_text(encoding="utf-8").strip()
+        except OSError:
+            name = "default"
+    path = root / "configurations" / f"config_{name}"
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(path.read_text(encoding="utf-8"))
+    except (OSError, configparser.Error, UnicodeDecodeError):
+        return {}, None
+    out = {}
+    if parser.has_option("core", "project"):
+        out["project"] = parser.get("core", "project").strip()
+    if parser.has_option("compute", "zone"):
+        out["zone"] = parser.get("compute", "zone").strip()
+    return {k: v for k, v in out.items() if v}, str(path)
+
+
+def resolve(
+    flags: Mapping[str, str | None] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Settings:
+    env = dict(os.environ if env is None else env)
+    cwd = cwd or Path.cwd()
+    flags = flags or {}
+
+    layers: list[tuple[str, dict[str, str]]] = []
+    layers.append(("flag", {k: v for k, v in flags.items() if v}))
+    layers.append(("env", {k: env[ENV[k]] for k in KEYS if env.get(ENV[k])}))
+    searched = [f"flags --{'/--'.join(k.replace('_', '-') for k in KEYS)}", "env " + ", ".join(ENV.values())]
+
+    project_file = find_project_file(cwd)
+    searched.append(f"{PROJECT_FILE} in {cwd} and parents")
+    if project_file:
+        layers.append((str(project_file), read_toml(project_file)))
+    user_file = user_config_path(env)
+    searched.append(str(user_file))
+    if user_file.is_file():
+        layers.append((str(user_file), read_toml(user_file)))
+    gcloud, gcloud_path = gcloud_config(env)
+    searched.append("active gcloud configuration")
+    if gcloud_path:
+        layers.append((f"gcloud {gcloud_path}", gcloud))
+
+    def pick(key: str) -> Setting:
+        for source, values in layers:
+            if values.get(key):
+                label = source
+                if source == "flag":
+                    label = f"flag --{key.replace('_', '-')}"
+                elif source == "env":
+                    label = f"env {ENV[key]}"
+                return Setting(key, values[key], label)
+        return Setting(key, None, "not set")
+
+    home_env = env.get("TPURUN_HOME")
+    home = (
+        Setting("home", home_env, "env TPURUN_HOME")
+        if home_env
+        else Setting("home", str(xdg_config_home(env) / "tpurun"), "default")
+    )
+    return Settings(
+        project=pick("project"),
+        zone=pick("zone"),
+        tpu=pick("tpu"),
+        api_endpoint=pick("api_endpoint"),
+        home=home,
+        searched=tuple(searched),
+    )
+
+
+def write_project_setting(key: str, value: str, directory: Path | None = None) -> Path:
+    """Set KEY in the nearest tpurun.toml (or create one in DIRECTORY), keeping other lines."""
+    directory = directory or Path.cwd()
+    path = find_project_file(directory) or directory / PROJECT_FILE
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    if path.exists():
+        read_toml(path)  # refuse to rewrite a malformed file
+    new_line = f"{key} = {json.dumps(value)}"
+    for i, line in enumerate(lines):
+        if line.split("=", 1)[0].strip() == key and not line.lstrip().startswith("#"):
+            lines[i] = new_line
+            break
+    else:
+        # top-level keys must come before the first [table]
+        insert_at = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
+        lines.insert(insert_at, new_line)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

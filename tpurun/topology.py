@@ -1,0 +1,296 @@
+"""The shape of every Cloud TPU accelerator type users can order.
+
+A pure table: accelerator type name -> hosts, chips, cores, PJRT devices, device files and
+bounds. Sources are listed in docs/topology.md (Cloud TPU documentation pages per generation,
+and the topology tables of Google's own launchers).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from tpurun.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Generation:
+    name: str  # prefix of the accelerator type, e.g. "v5litepod"
+    api_type: str  # AcceleratorConfig.Type enum name
+    size_unit: str  # what N in "<gen>-N" counts: "cores" or "chips"
+    cores_per_chip: int
+    chips_per_host: int  # in multi-host slices
+    device_kind: str  # "accel" (/dev/accelN) or "vfio" (/dev/vfio/N)
+    process_per_chip_devices: int  # PJRT devices one chip contributes
+    default_runtime: str
+    # size -> physical topology (chips along each axis)
+    shapes: dict[int, str] = field(default_factory=dict)
+    # single-host shapes with more or fewer chips than chips_per_host
+    single_host_max_chips: int = 4
+    megacore: bool = False
+    alias: str = ""  # other spelling users meet, e.g. "v5e"
+
+
+def _v5p_shapes() -> dict[int, str]:
+    """v5p sizes: the four small shapes, then every AxBxC of multiples of 4 (A<=B<=C) that fits the
+    16x20x28 pod and the documented 6144-chip single-slice limit; per size the most cube-like shape."""
+    shapes = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4"}
+    best: dict[int, tuple[int, int, int]] = {}
+    for a in range(4, 17, 4):
+        for b in range(a, 21, 4):
+            for c in range(b, 29, 4):
+                chips = a * b * c
+                if chips > 6144:
+                    continue
+                size = 2 * chips
+                if size not in best or (c, b) < (best[size][2], best[size][1]):
+                    best[size] = (a, b, c)
+    shapes.update({size: "x".join(map(str, dims)) for size, dims in best.items()})
+    return dict(sorted(shapes.items()))
+
+
+GENERATIONS: dict[str, Generation] = {
+    g.name: g
+    for g in [
+        Generation(
+            name="v2",
+            api_type="V2",
+            size_unit="cores",
+            cores_per_chip=2,
+            chips_per_host=4,
+            device_kind="accel",
+            process_per_chip_devices=2,
+            default_runtime="tpu-ubuntu2204-base",
+            shapes={8: "2x2", 32: "4x4", 128: "8x8", 256: "8x16", 512: "16x16"},
+        ),
+        Generation(
+            name="v3",
+            api_type="V3",
+            size_unit="cores",
+            cores_per_chip=2,
+            chips_per_host=4,
+            device_kind="accel",
+            process_per_chip_devices=2,
+            default_runtime="tpu-ubuntu2204-base",
+            shapes={
+                8: "2x2",
+                32: "4x4",
+                64: "4x8",
+                128: "8x8",
+                256: "8x16",
+                512: "16x16",
+                1024: "16x32",
+                2048: "32x32",
+            },
+        ),
+        Generation(
+            name="v4",
+            api_type="V4",
+            size_unit="cores",
+            cores_per_chip=2,
+            chips_per_host=4,
+            device_kind="accel",
+            process_per_chip_devices=1,
+            default_runtime="tpu-ubuntu2204-base",
+            megacore=True,
+            shapes={
+                8: "2x2x1",
+                16: "2x2x2",
+                32: "2x2x4",
+                64: "2x4x4",
+                128: "4x4x4",
+                256: "4x4x8",
+                384: "4x4x12",
+                512: "4x8x8",
+                1024: "8x8x8",
+                1536: "8x8x12",
+                2048: "8x8x16",
+                4096: "8x16x16",
+            },
+        ),
+        Generation(
+            name="v5litepod",
+            api_type="V5LITE_POD",
+            size_unit="chips",
+            cores_per_chip=1,
+            chips_per_host=4,
+            device_kind="vfio",
+            process_per_chip_devices=1,
+            default_runtime="v2-alpha-tpuv5-lite",
+            single_host_max_chips=8,
+            alias="v5e",
+            shapes={
+                1: "1x1",
+                4: "2x2",
+                8: "2x4",
+                16: "4x4",
+                32: "4x8",
+                64: "8x8",
+                128: "8x16",
+                256: "16x16",
+            },
+        ),
+        Generation(
+            name="v5p",
+            api_type="V5P",
+            size_unit="cores",
+            cores_per_chip=2,
+            chips_per_host=4,
+            device_kind="vfio",
+            process_per_chip_devices=1,
+            default_runtime="v2-alpha-tpuv5",
+            megacore=True,
+            shapes=_v5p_shapes(),
+        ),
+        Generation(
+            name="v6e",
+            api_type="V6E",
+            size_unit="chips",
+            cores_per_chip=1,
+            chips_per_host=4,
+            device_kind="vfio",
+            process_per_chip_devices=1,
+            default_runtime="v2-alpha-tpuv6e",
+            single_host_max_chips=8,
+            alias="trillium",
+            shapes={
+                1: "1x1",
+                4: "2x2",
+                8: "2x4",
+                16: "4x4",
+                32: "4x8",
+                64: "8x8",
+                128: "8x16",
+                256: "16x16",
+            },
+        ),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What one accelerator type is, seen from a launcher."""
+
+    name: str
+    generation: str
+    api_type: str
+    topology: str  # chips along each axis, e.g. "2x2x4"
+    chips: int
+    cores: int
+    hosts: int
+    chips_per_host: int
+    cores_per_chip: int
+    cores_per_host: int
+    pjrt_devices_per_host: int
+    host_bounds: str  # TPU_HOST_BOUNDS / TPU_PROCESS_BOUNDS at one process per host, "x,y,z"
+    chips_per_host_bounds: str  # TPU_CHIPS_PER_HOST_BOUNDS, "x,y,z"
+    device_files: tuple[str, ...]
+    default_runtime_version: str
+
+    @property
+    def multi_host(self) -> bool:
+        return self.hosts > 1
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["device_files"] = list(self.device_files)
+        d["multi_host"] = self.multi_host
+        return d
+
+
+_NAME_RE = re.compile(r"^(?P<gen>[a-z0-9]+?)-(?P<size>\d+)$")
+
+
+def _dims(shape: str) -> list[int]:
+    dims = [int(x) for x in shape.split("x")]
+    while len(dims) < 3:
+        dims.append(1)
+    return dims
+
+
+def _build(gen: Generation, size: int) -> Topology:
+    shape = gen.shapes[size]
+    chips = size if gen.size_unit == "chips" else size // gen.cores_per_chip
+    if chips <= gen.single_host_max_chips and (chips <= gen.chips_per_host or gen.size_unit == "chips"):
+        hosts, per_host = 1, chips
+        per_host_bounds = _dims(shape)
+    else:
+        per_host = gen.chips_per_host
+        hosts = chips // per_host
+        per_host_bounds = [2, 2, 1]
+    dims = _dims(shape)
+    host_bounds = [d // b for d, b in zip(dims, per_host_bounds, strict=True)]
+    if gen.device_kind == "accel":
+        devices = tuple(f"/dev/accel{i}" for i in range(per_host))
+    else:
+        devices = tuple(f"/dev/vfio/{i}" for i in range(per_host)) + ("/dev/vfio/vfio",)
+    cores_per_host = per_host * gen.cores_per_chip
+    return Topology(
+        name=f"{gen.name}-{size}",
+        generation=gen.name,
+        api_type=gen.api_type,
+        topology=shape,
+        chips=chips,
+        cores=chips * gen.cores_per_chip,
+        hosts=hosts,
+        chips_per_host=per_host,
+        cores_per_chip=gen.cores_per_chip,
+        cores_per_host=cores_per_host,
+        pjrt_devices_per_host=per_host * gen.process_per_chip_devices,
+        host_bounds=",".join(str(b) for b in host_bounds),
+        chips_per_host_bounds=",".join(str(b) for b in per_host_bounds),
+        device_files=devices,
+        default_runtime_version=gen.default_runtime,
+    )
+
+
+def valid_sizes(generation: str) -> list[int]:
+    return sorted(GENERATIONS[generation].shapes)
+
+
+def all_accelerator_types() -> list[str]:
+    return [f"{g.name}-{s}" for g in GENERATIONS.values() for s in sorted(g.shapes)]
+
+
+def default_runtime_version(generation: str) -> str:
+    return GENERATIONS[generation].default_runtime
+
+
+def _generation_for(prefix: str) -> Generation | None:
+    if prefix in GENERATIONS:
+        return GENERATIONS[prefix]
+    for g in GENERATIONS.values():
+        if g.alias and g.alias == prefix:
+            return g
+    return None
+
+
+def parse_accelerator_type(name: str) -> Topology:
+    """Topology of NAME (e.g. "v4-32"), or UsageError naming what is valid."""
+    text = name.strip().lower()
+    m = _NAME_RE.match(text)
+    gens = ", ".join(GENERATIONS)
+    if not m:
+        raise UsageError(
+            f"'{name}' is not an accelerator type: expected GENERATION-SIZE such as v4-32 "
+            f"(generations: {gens}; `tpurun topology --list` shows all)"
+        )
+    gen = _generation_for(m.group("gen"))
+    if m.group("gen") in ("tpu7x", "v7", "v7x", "ironwood"):
+        raise UsageError(
+            f"'{name}': TPU7x (Ironwood) is not offered through the Cloud TPU API that tpurun drives; "
+            "use GKE or Compute Engine for it"
+        )
+    if gen is None:
+        raise UsageError(f"unknown TPU generation '{m.group('gen')}' in '{name}': known generations are {gens}")
+    if gen.alias == m.group("gen"):
+        raise UsageError(
+            f"'{name}': the Cloud TPU API calls this generation '{gen.name}'; use {gen.name}-{m.group('size')}"
+        )
+    size = int(m.group("size"))
+    if size not in gen.shapes:
+        unit = "TensorCores" if gen.size_unit == "cores" else "chips"
+        sizes = ", ".join(str(s) for s in sorted(gen.shapes))
+        raise UsageError(f"'{name}' is not a valid {gen.name} size: {gen.name}-N counts {unit}, N is one of {sizes}")
+    return _build(gen, size)

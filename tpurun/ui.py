@@ -1,0 +1,77 @@
+"""How tpurun shows things: rich on a terminal, plain lines when piped or with --plain, JSON on request.
+
+The library returns data; commands hand it to these helpers, so --json and --plain come for free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass
+class UiState:
+    plain: bool = False
+    debug: bool = False
+
+
+state = UiState()
+
+
+def is_plain() -> bool:
+    return state.plain or not sys.stdout.isatty() or os.environ.get("TERM") == "dumb"
+
+
+def out() -> Console:
+    # a new Console each time: tests swap sys.stdout, and piped output must never wrap or colour
+    if is_plain():
+        return Console(file=sys.stdout, color_system=None, highlight=False, soft_wrap=True, width=10_000)
+    return Console(file=sys.stdout, highlight=False)
+
+
+def err() -> Console:
+    plain = state.plain or not sys.stderr.isatty()
+    return Console(file=sys.stderr, color_system=None if plain else "auto", highlight=False, soft_wrap=True)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def info(message: str) -> None:
+    """A status line for people; on stderr so stdout stays clean for data."""
+    err().print(message, markup=False)
+
+
+def warn(message: str) -> None:
+    err().print(f"warning: {message}", markup=False, style="yellow")
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    rows = [[("" if c is None else str(c)) for c in row] for row in rows]
+    if is_plain():
+        # aligned plain text: easy to read and to grep
+        widths = [len(c) for c in columns]
+        for row in rows:
+            widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+        if title:
+            print(title)
+        print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        sys.stdout.flush()
+        return
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c)
+    for row in rows:
+        t.add_row(*row)
+    out().print(t)
