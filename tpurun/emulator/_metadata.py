@@ -1,0 +1,232 @@
+"""The emulated GCE metadata server of the workers (``metadata.google.internal``).
+
+One HTTP listener per worker address (loopback only, port 80 by default), all driven by
+a single selector thread; each request is then handled on its own short-lived thread.
+Each worker's ``/etc/hosts`` maps ``metadata.google.internal`` to the worker's own
+address, so a worker reaches *its* metadata (worker number, guest attributes, ...).
+
+Served below ``/computeMetadata/v1/`` (header ``Metadata-Flavor: Google`` required,
+403 otherwise): the tree a `MetadataSource` returns (directory listings, leaves as text,
+``?recursive=true`` / ``?alt=json`` as JSON) and ``instance/guest-attributes/NS/KEY``
+(PUT stores, GET reads).
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from socketserver import TCPServer, ThreadingMixIn
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+PREFIX = "/computeMetadata/v1"
+_MAX_GUEST_VALUE = 256 * 1024
+
+
+class MetadataSource(Protocol):
+    def tree(self) -> dict[str, Any]:
+        """The whole metadata tree of one worker: nested dicts, leaves are strings."""
+        ...
+
+    def guest_get(self, namespace: str, key: str) -> str | None: ...
+
+    def guest_put(self, namespace: str, key: str, value: str) -> None: ...
+
+    def guest_items(self) -> dict[tuple[str, str], str]: ...
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("-")
+    return head + "".join(p[:1].upper() + p[1:] for p in rest)
+
+
+def _recursive_json(node: Any, *, raw_keys: bool = False) -> Any:
+    # Like GCE: recursive listings use camelCase keys, but user-chosen keys (attributes) stay as given.
+    if not isinstance(node, dict):
+        return node
+    return {(k if raw_keys else _camel(k)): _recursive_json(v, raw_keys=(k == "attributes")) for k, v in node.items()}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "Metadata Server for VM"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        pass
+
+    def _reply(self, code: int, body: str, ctype: str = "application/text") -> None:
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Metadata-Flavor", "Google")
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _route(self) -> tuple[list[str], dict[str, list[str]]] | None:
+        if self.headers.get("Metadata-Flavor") != "Google":
+            self._reply(403, "Missing required header: Metadata-Flavor: Google\n", "text/plain")
+            return None
+        url = urlsplit(self.path)
+        if url.path.rstrip("/") in ("", "/computeMetadata"):
+            self._reply(200, "computeMetadata/\n" if url.path in ("", "/") else "v1/\n")
+            return None
+        if not (url.path == PREFIX or url.path.startswith(PREFIX + "/")):
+            self._reply(404, "Not Found\n", "text/plain")
+            return None
+        parts = [p for p in url.path[len(PREFIX) :].split("/") if p]
+        return parts, parse_qs(url.query)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+        routed = self._route()
+        if routed is None:
+            return
+        parts, query = routed
+        src = self.server.source
+        if parts[:2] == ["instance", "guest-attributes"]:
+            items = src.guest_items()
+            node: Any = {}
+            for (ns, key), value in items.items():
+                node.setdefault(ns, {})[key] = value
+            tree: Any = node
+            parts = parts[2:]
+        else:
+            tree = src.tree()
+        for p in parts:
+            if not isinstance(tree, dict) or p not in tree:
+                self._reply(404, "Not Found\n", "text/plain")
+                return
+            tree = tree[p]
+        recursive = query.get("recursive", ["false"])[0].lower() == "true"
+        as_json = query.get("alt", [""])[0] == "json"
+        if isinstance(tree, dict):
+            if recursive or as_json:
+                raw = bool(parts) and parts[-1] == "attributes"
+                self._reply(200, json.dumps(_recursive_json(tree, raw_keys=raw)), "application/json")
+            else:
+                self._reply(200, "".join(k + ("/" if isinstance(v, dict) else "") + "\n" for k, v in tree.items()))
+        elif as_json:
+            self._reply(200, json.dumps(tree), "application/json")
+        else:
+            self._reply(200, str(tree))
+
+    do_HEAD = do_GET
+
+    def do_PUT(self) -> None:  # noqa: N802
+        routed = self._route()
+        if routed is None:
+            return
+        parts, _ = routed
+        if len(parts) != 4 or parts[:2] != ["instance", "guest-attributes"]:
+            self._reply(405, "Method Not Allowed\n", "text/plain")
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > _MAX_GUEST_VALUE:
+            self._reply(400, "value too large\n", "text/plain")
+            return
+        value = self.rfile.read(length).decode("utf-8", "replace")
+        self.server.source.guest_put(parts[2], parts[3], value)
+        self._reply(200, "")
+
+
+class _Server(ThreadingMixIn, HTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], source: MetadataSource) -> None:
+        self.source = source
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind does a reverse DNS lookup (getfqdn); skip it.
+        TCPServer.server_bind(self)
+        self.server_name = str(self.server_address[0])
+        self.server_port = int(self.server_address[1])
+
+
+class MetadataService:
+    """All workers' metadata listeners, served by one selector thread."""
+
+    def __init__(self, port: int = 80) -> None:
+        self.port = port
+        self._sel = selectors.DefaultSelector()
+        self._servers: dict[str, _Server] = {}
+        self._ops: list[tuple[str, _Server, threading.Event]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._loop, name="tpurun-metadata", daemon=True)
+        self._thread.start()
+
+    def _submit(self, op: str, server: _Server) -> None:
+        done = threading.Event()
+        with self._lock:
+            if self._closed:
+                server.server_close()
+                return
+            self._ops.append((op, server, done))
+        self._wake_w.send(b"x")
+        done.wait()
+
+    def add(self, address: str, source: MetadataSource) -> None:
+        """Start serving `source` on address:port (replacing what served there before)."""
+        self.remove(address)
+        server = _Server((address, self.port), source)  # binds now: errors surface here
+        with self._lock:
+            self._servers[address] = server
+        self._submit("add", server)
+
+    def remove(self, address: str) -> None:
+        """Stop serving on `address`; the port is free when this returns."""
+        with self._lock:
+            server = self._servers.pop(address, None)
+        if server is not None:
+            self._submit("remove", server)
+
+    def addresses(self) -> list[str]:
+        with self._lock:
+            return list(self._servers)
+
+    def close(self) -> None:
+        for address in self.addresses():
+            self.remove(address)
+        with self._lock:
+            self._closed = True
+        self._wake_w.send(b"x")
+        self._thread.join(timeout=5)
+        self._wake_r.close()
+        self._wake_w.close()
+        self._sel.close()
+
+    def _loop(self) -> None:
+        while True:
+            for key, _ in self._sel.select(timeout=1.0):
+                if key.data is None:
+                    try:
+                        self._wake_r.recv(4096)
+                    except BlockingIOError:
+                        pass
+                    with self._lock:
+                        ops, self._ops = self._ops, []
+                        closed = self._closed
+                    for op, server, done in ops:
+                        if op == "add":
+                            self._sel.register(server.socket, selectors.EVENT_READ, server)
+                        else:
+                            self._sel.unregister(server.socket)
+                            server.server_close()
+                        done.set()
+                    if closed:
+                        return
+                else:
+                    server = key.data
+                    server._handle_request_noblock()  # accept + hand off to a thread

@@ -1,0 +1,234 @@
+"""PID 1 of one emulated TPU worker.
+
+`hosts.WorkerHosts` starts this file (as a script, stdlib only) through
+``unshare --pid --mount --uts --ipc --fork``; it therefore runs as PID 1 of a fresh
+PID namespace, in a private mount namespace and its own UTS namespace.  It:
+
+1. builds the worker's private view of the machine (``/proc``, ``/run``, ``/dev`` with
+   fake TPU device files, ``/root``, ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``),
+2. sets the hostname,
+3. starts the worker's own ``sshd -D`` and, if the node has one, its startup script,
+4. reaps every process of the namespace forever (orphans are re-parented to PID 1).
+
+When this process dies the kernel kills every other process of the namespace and the
+mount namespace (with every mount made here) disappears with its last process; nothing
+is ever mounted in the host's namespace.
+
+Signals from the host: SIGUSR1 restarts sshd if it is not running.  Everything else is
+the host's business (it kills this process with SIGKILL).
+
+Argument: the host-side worker directory, which holds ``init.json`` written by hosts.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+
+STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SSHD = "/usr/sbin/sshd"
+
+
+def _b(s: str | None) -> bytes | None:
+    return None if s is None else s.encode()
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    if _libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target} ({fstype}): {os.strerror(err)}")
+
+
+def bind(source: str, target: str) -> None:
+    mount(source, target, None, MS_BIND)
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[init {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+# Character devices a login shell, sshd and ordinary tools need: (name, major, minor).
+_CHAR_DEVICES = [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)]
+
+
+def setup_dev(fake_devices: list[str]) -> None:
+    # Keep handles on the host's device nodes before /dev is covered, in case mknod is
+    # refused (device cgroup); then we bind-mount them instead.
+    host_fds = {
+        name: os.open(f"/dev/{name}", os.O_PATH) for name, _, _ in _CHAR_DEVICES if os.path.exists(f"/dev/{name}")
+    }
+    mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=4m")
+    for name, major, minor in _CHAR_DEVICES:
+        path = f"/dev/{name}"
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            os.chmod(path, 0o666)
+        except PermissionError:
+            if name in host_fds:
+                open(path, "w").close()
+                bind(f"/proc/self/fd/{host_fds[name]}", path)
+    for fd in host_fds.values():
+        os.close(fd)
+    # A private devpts instance: ptys allocated for `ssh -t` sessions belong to this worker.
+    os.mkdir("/dev/pts")
+    mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5")
+    os.symlink("pts/ptmx", "/dev/ptmx")
+    os.mkdir("/dev/shm")
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    os.symlink("/proc/self/fd", "/dev/fd")
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{i}", f"/dev/{name}")
+    # The fake TPU: plain files that anyone can open read/write; a holder shows up in
+    # /proc/PID/fd as /dev/accel0 (or /dev/vfio/0), which is what stale-process hunters look at.
+    for path in fake_devices:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o666)
+        os.close(fd)
+        os.chmod(path, 0o666)
+
+
+def build_view(wdir: str, cfg: dict) -> None:
+    view = cfg["view"]
+    # The host path of the worker directory may be hidden by what we mount below
+    # (it may live under /tmp, /root or /run), so hold it by a file descriptor and
+    # re-attach it at `view`, a path under our own /run that contains the host path
+    # (so `pgrep -f STATE_DIR` still finds this worker's processes).
+    wfd = os.open(wdir, os.O_PATH | os.O_DIRECTORY)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # never propagate anything to the host
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=64m")
+    os.makedirs(view)
+    bind(f"/proc/self/fd/{wfd}", view)
+    os.close(wfd)
+    os.mkdir("/run/sshd", 0o755)  # sshd's privilege-separation directory
+    os.mkdir("/run/lock")
+    os.chmod("/run/lock", 0o1777)
+    setup_dev(cfg["devices"])
+    bind(f"{view}/home", "/root")
+    bind(f"{view}/tmp", "/tmp")
+    for name in ("hosts", "hostname", "passwd", "shadow", "group"):
+        bind(f"{view}/etc/{name}", f"/etc/{name}")
+    socket.sethostname(cfg["hostname"])
+    os.chdir("/")
+
+
+class Init:
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.view: str = cfg["view"]
+        self.sshd_pid: int | None = None
+        self.script_pid: int | None = None
+
+    def _spawn(self, argv: list[str], env: dict[str, str], out: str) -> int:
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+        ]
+        return os.posix_spawn(
+            argv[0],
+            argv,
+            env,
+            file_actions=actions,
+            setsid=True,
+            setsigdef=(signal.SIGUSR1, signal.SIGCHLD, signal.SIGPIPE),
+        )
+
+    def start_sshd(self) -> None:
+        if self.sshd_pid is not None:
+            return
+        env = {"PATH": STD_PATH, "LANG": "C.UTF-8"}
+        self.sshd_pid = self._spawn([SSHD, "-D", "-e", "-f", f"{self.view}/sshd_config"], env, f"{self.view}/sshd.log")
+
+    def start_script(self) -> None:
+        script = f"{self.view}/startup-script"
+        status = f"{self.view}/startup.status"
+        if not os.path.exists(script):
+            self._write_status(0)  # like google-startup-scripts.service with no script: done
+            return
+        env = {
+            "PATH": STD_PATH,
+            "HOME": "/root",
+            "USER": "root",
+            "LOGNAME": "root",
+            "SHELL": "/bin/bash",
+            "LANG": "C.UTF-8",
+            "GCE_METADATA_HOST": self.cfg["metadata_host"],
+        }
+        with open(script, "rb") as f:
+            shebang = f.read(2) == b"#!"
+        argv = [script] if shebang else ["/bin/bash", script]
+        logf = f"{self.view}/startup.log"
+        with open(logf, "a") as f:
+            f.write(
+                f"--- startup-script: boot {self.cfg['boot']} on {self.cfg['hostname']} "
+                f"at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+            )
+        if os.path.exists(status):
+            os.unlink(status)
+        self.script_pid = self._spawn(argv, env, logf)
+
+    def _write_status(self, code: int) -> None:
+        tmp = f"{self.view}/startup.status.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{code}\n")
+        os.rename(tmp, f"{self.view}/startup.status")
+
+    def reaped(self, pid: int, status: int) -> None:
+        if pid == self.sshd_pid:
+            self.sshd_pid = None
+            log(f"sshd exited ({status:#x})")
+        elif pid == self.script_pid:
+            self.script_pid = None
+            code = os.waitstatus_to_exitcode(status)
+            with open(f"{self.view}/startup.log", "a") as f:
+                f.write(f"--- startup-script finished with exit status {code}\n")
+            self._write_status(code)
+
+    def run(self) -> None:
+        # A handler must exist for the host's SIGUSR1 to reach PID 1 at all.
+        signal.signal(signal.SIGUSR1, lambda *_: self.start_sshd())
+        self.start_sshd()
+        if self.cfg.get("run_startup_script", True):
+            self.start_script()
+        while True:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                time.sleep(0.5)  # nobody left for now; orphans may still be re-parented to us
+                continue
+            self.reaped(pid, status)
+
+
+def main() -> None:
+    wdir = sys.argv[1]
+    os.umask(0o022)
+    with open(os.path.join(wdir, "init.json")) as f:
+        cfg = json.load(f)
+    try:
+        build_view(wdir, cfg)
+    except OSError as e:
+        log(f"cannot build the worker's view: {e}")
+        sys.exit(3)
+    Init(cfg).run()
+
+
+if __name__ == "__main__":
+    main()

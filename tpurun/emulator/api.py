@@ -1,0 +1,473 @@
+"""HTTP front of the emulator: the Cloud TPU v2 REST surface plus an admin interface.
+
+The REST routes are the ones google-cloud-tpu's REST transport calls (see its
+`services/tpu/transports/rest_base.py`); bodies are parsed with the package's own proto-plus
+message types, so an unknown field is a 400 exactly where the real API would reject it. Errors are
+Google's error JSON, so the client raises the same exceptions it raises against Google.
+
+Admin and fault-injection routes live under /emulator/v1/, a prefix the real API never uses; they
+are not part of the request log, which records only what a Cloud TPU client sent.
+The server binds to 127.0.0.1 only: it grants root-made hosts to whoever can reach it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from google.cloud import tpu_v2
+from google.protobuf import json_format
+
+from tpurun.emulator.state import ApiError, Emulator, invalid
+
+ADMIN_PREFIX = "/emulator/v1"
+_PARENT = r"projects/[^/]+/locations/[^/:]+"
+_ID = r"[^/:]+"
+
+Handler = Callable[["Request"], Any]
+
+
+class Request:
+    def __init__(self, method: str, path: str, query: dict[str, list[str]], body: bytes, groups: dict[str, str]):
+        self.method = method
+        self.path = path
+        self.query = query
+        self.body = body
+        self.groups = groups
+
+    def q(self, key: str, default: str = "") -> str:
+        vals = self.query.get(key)
+        return vals[-1] if vals else default
+
+    def q_int(self, key: str) -> int:
+        raw = self.q(key, "0")
+        try:
+            return int(raw)
+        except ValueError as e:
+            raise invalid(f"Invalid value at '{key}' (TYPE_INT32), \"{raw}\"") from e
+
+    def q_bool(self, key: str) -> bool:
+        return self.q(key, "false").lower() in ("true", "1")
+
+    def text(self) -> str:
+        return self.body.decode("utf-8") if self.body else "{}"
+
+    def json(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.text())
+        except ValueError as e:
+            raise invalid(f"Invalid JSON payload received. {e}") from e
+        if not isinstance(data, dict):
+            raise invalid("Invalid JSON payload received. Expected an object.")
+        return data
+
+
+def parse_message(cls: Any, req: Request, where: str) -> Any:
+    """REQ's body as a proto-plus CLS; unknown fields and bad values are 400s in the API's words."""
+    try:
+        return cls.from_json(req.text(), ignore_unknown_fields=False)
+    except json_format.ParseError as e:
+        msg = str(e).splitlines()[0]
+        m = re.search(r'has no field named "([^"]+)"', msg)
+        if m:
+            raise invalid(
+                f"Invalid JSON payload received. Unknown name \"{m.group(1)}\" at '{where}': Cannot find field."
+            ) from e
+        raise invalid(f"Invalid JSON payload received. {msg}") from e
+
+
+class Router:
+    def __init__(self) -> None:
+        self.routes: list[tuple[str, re.Pattern[str], Handler, frozenset[str]]] = []
+
+    def add(self, method: str, pattern: str, handler: Handler, params: tuple[str, ...] = ()) -> None:
+        self.routes.append((method, re.compile(f"^{pattern}$"), handler, frozenset(params)))
+
+    def match(self, method: str, path: str) -> tuple[Handler, dict[str, str], frozenset[str]] | None:
+        for m, rx, h, params in self.routes:
+            if m == method:
+                hit = rx.match(path)
+                if hit:
+                    return h, hit.groupdict(), params
+        return None
+
+
+def build_api_router(emu: Emulator) -> Router:
+    r = Router()
+    page = ("pageSize", "pageToken", "filter", "orderBy")
+
+    r.add(
+        "POST",
+        f"/v2/(?P<parent>{_PARENT})/nodes",
+        lambda q: emu.create_node(q.groups["parent"], q.q("nodeId"), parse_message(tpu_v2.Node, q, "node")),
+        ("nodeId", "requestId"),
+    )
+    r.add(
+        "GET",
+        f"/v2/(?P<parent>{_PARENT})/nodes",
+        lambda q: emu.list_nodes(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
+        page,
+    )
+    r.add("GET", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
+    r.add("DELETE", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.delete_node(q.groups["name"]), ("requestId",))
+
+    def empty_body(q: Request) -> None:
+        # stop/start carry no fields besides the name (in the path); anything else is unknown
+        extra = list(q.json())
+        if extra:
+            raise invalid(f'Invalid JSON payload received. Unknown name "{extra[0]}": Cannot find field.')
+
+    def stop(q: Request) -> Any:
+        empty_body(q)
+        return emu.stop_node(q.groups["name"])
+
+    def start(q: Request) -> Any:
+        empty_body(q)
+        return emu.start_node(q.groups["name"])
+
+    def update(q: Request) -> Any:
+        node = parse_message(tpu_v2.Node, q, "node")
+        node.name = q.groups["name"]
+        return emu.update_node(node, q.q("updateMask"))
+
+    def guest(q: Request) -> Any:
+        body = parse_message(tpu_v2.GetGuestAttributesRequest, q, "")
+        return emu.get_guest_attributes(q.groups["name"], body.query_path, list(body.worker_ids))
+
+    r.add("POST", f"/v2/(?P<name>{_PARENT}/nodes/{_ID}):stop", stop)
+    r.add("POST", f"/v2/(?P<name>{_PARENT}/nodes/{_ID}):start", start)
+    r.add("PATCH", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", update, ("updateMask",))
+    r.add("POST", f"/v2/(?P<name>{_PARENT}/nodes/{_ID}):getGuestAttributes", guest)
+
+    r.add("GET", f"/v2/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
+    r.add(
+        "GET",
+        f"/v2/(?P<name>{_PARENT})/operations",
+        lambda q: emu.list_operations(q.groups["name"], q.q_int("pageSize"), q.q("pageToken")),
+        page,
+    )
+
+    def op_delete(q: Request) -> Any:
+        emu.delete_operation(q.groups["name"])
+        return {}
+
+    def op_cancel(q: Request) -> Any:
+        emu.cancel_operation(q.groups["name"])
+        return {}
+
+    r.add("DELETE", f"/v2/(?P<name>{_PARENT}/operations/{_ID})", op_delete)
+    r.add("POST", f"/v2/(?P<name>{_PARENT}/operations/{_ID}):cancel", op_cancel)
+
+    r.add(
+        "GET",
+        f"/v2/(?P<parent>{_PARENT})/acceleratorTypes",
+        lambda q: emu.list_accelerator_types(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
+        page,
+    )
+    r.add(
+        "GET", f"/v2/(?P<name>{_PARENT}/acceleratorTypes/{_ID})", lambda q: emu.get_accelerator_type(q.groups["name"])
+    )
+    r.add(
+        "GET",
+        f"/v2/(?P<parent>{_PARENT})/runtimeVersions",
+        lambda q: emu.list_runtime_versions(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
+        page,
+    )
+    r.add("GET", f"/v2/(?P<name>{_PARENT}/runtimeVersions/{_ID})", lambda q: emu.get_runtime_version(q.groups["name"]))
+
+    r.add(
+        "POST",
+        f"/v2/(?P<parent>{_PARENT})/queuedResources",
+        lambda q: emu.create_queued_resource(
+            q.groups["parent"], q.q("queuedResourceId"), parse_message(tpu_v2.QueuedResource, q, "queued_resource")
+        ),
+        ("queuedResourceId", "requestId"),
+    )
+    r.add(
+        "GET",
+        f"/v2/(?P<parent>{_PARENT})/queuedResources",
+        lambda q: emu.list_queued_resources(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
+        page,
+    )
+    r.add("GET", f"/v2/(?P<name>{_PARENT}/queuedResources/{_ID})", lambda q: emu.get_queued_resource(q.groups["name"]))
+    r.add(
+        "DELETE",
+        f"/v2/(?P<name>{_PARENT}/queuedResources/{_ID})",
+        lambda q: emu.delete_queued_resource(q.groups["name"], q.q_bool("force")),
+        ("requestId", "force"),
+    )
+    r.add(
+        "POST",
+        f"/v2/(?P<name>{_PARENT}/queuedResources/{_ID}):reset",
+        lambda q: emu.reset_queued_resource(q.groups["name"]),
+    )
+
+    r.add(
+        "POST",
+        f"/v2/(?P<parent>{_PARENT}):generateServiceIdentity",
+        lambda q: {
+            "identity": {"email": f"service-{q.groups['parent'].split('/')[1]}@cloud-tpu.iam.gserviceaccount.com"}
+        },
+    )
+    r.add(
+        "GET",
+        "/v2/(?P<name>projects/[^/]+)/locations",
+        lambda q: emu.list_locations(q.groups["name"], q.q_int("pageSize"), q.q("pageToken")),
+        page,
+    )
+    r.add("GET", f"/v2/(?P<name>{_PARENT})", lambda q: emu.get_location(q.groups["name"]))
+    return r
+
+
+def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
+    r = Router()
+    A = ADMIN_PREFIX
+    r.add("GET", f"{A}/status", lambda q: {"pid": _pid(), "port": server.port, **emu.status()})
+
+    def log(q: Request) -> Any:
+        with emu.lock:
+            return {"requests": list(emu.request_log)}
+
+    def reset(q: Request) -> Any:
+        emu.reset()
+        return {}
+
+    def shutdown(q: Request) -> Any:
+        # answer first, then stop: the caller waits for the process to exit
+        threading.Thread(target=server.stop, daemon=True).start()
+        return {}
+
+    def fail_api(q: Request) -> Any:
+        d = q.json()
+        emu.add_fail_rule(
+            int(d.get("count", 1)), int(d.get("code", 503)), str(d.get("match", "")), str(d.get("message", ""))
+        )
+        return emu.status()
+
+    def delays(q: Request) -> Any:
+        emu.config.delays.update_from(q.json())
+        return emu.status()
+
+    def capacity(q: Request) -> Any:
+        from tpurun.emulator.state import Capacity
+
+        d = q.json()
+        with emu.lock:
+            if d.get("clear"):
+                emu.config.capacity.limits.clear()
+            for spec in d.get("specs", []):
+                k, v = Capacity.parse(str(spec))
+                emu.config.capacity.limits[k] = v
+            if "maxWorkersPerNode" in d:
+                emu.config.max_workers_per_node = int(d["maxWorkersPerNode"])
+        return emu.status()
+
+    def preempt(q: Request) -> Any:
+        return emu.preempt(unquote(q.groups["node"]), force=bool(q.json().get("force")))
+
+    def kill_worker(q: Request) -> Any:
+        emu.kill_worker(unquote(q.groups["node"]), int(q.groups["i"]))
+        return {}
+
+    def kill_sshd(q: Request) -> Any:
+        emu.kill_sshd(unquote(q.groups["node"]), int(q.groups["i"]))
+        return {}
+
+    r.add("GET", f"{A}/requests", log)
+    r.add("POST", f"{A}/reset", reset)
+    r.add("POST", f"{A}/shutdown", shutdown)
+    r.add("POST", f"{A}/fail-api", fail_api)
+    r.add("POST", f"{A}/delays", delays)
+    r.add("POST", f"{A}/capacity", capacity)
+    r.add("GET", f"{A}/nodes/(?P<node>.+)", lambda q: emu.node_info(unquote(q.groups["node"])))
+    r.add("POST", f"{A}/nodes/(?P<node>.+):preempt", preempt)
+    r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):kill", kill_worker)
+    r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):kill-sshd", kill_sshd)
+    return r
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as google-auth's requests session expects
+    server: EmulatorServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass  # the request log replaces the stderr access log
+
+    def _dispatch(self) -> None:
+        srv = self.server
+        parts = urlsplit(self.path)
+        path = unquote(parts.path)
+        query = parse_qs(parts.query, keep_blank_values=True)
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        is_api = not path.startswith(ADMIN_PREFIX)
+        status: int = 200
+        payload: Any = {}
+        try:
+            if is_api:
+                fault = srv.emu.take_fault(self.command, path)
+                if fault is not None:
+                    raise fault
+            router = srv.api if is_api else srv.admin
+            hit = router.match(self.command, path)
+            if hit is None:
+                raise ApiError(
+                    404, f"The requested URL {self.command} {path} was not found on this server.", "NOT_FOUND"
+                )
+            handler, groups, params = hit
+            if is_api:
+                for key in query:
+                    if key not in params and not key.startswith("$"):
+                        raise invalid(
+                            f'Invalid JSON payload received. Unknown name "{key}": Cannot bind query parameter.'
+                        )
+            result = handler(Request(self.command, path, query, body, groups))
+            payload = {} if result is None else result
+        except ApiError as e:
+            status, payload = e.http, e.body()
+        except Exception as e:  # a bug here must still answer like a server, not hang the client
+            status = 500
+            payload = ApiError(500, f"Internal error in the tpurun emulator: {type(e).__name__}: {e}").body()
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        if is_api:
+            detail = parts.query
+            if status >= 400:
+                detail = (detail + " " if detail else "") + str(payload.get("error", {}).get("message", ""))
+            srv.emu.log_request(self.command, path, status, detail)
+
+    do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _dispatch
+
+
+class EmulatorServer(ThreadingHTTPServer):
+    """The HTTP server; `port` is the one it bound (pass 0 to let the OS pick)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, emu: Emulator, port: int = 0, host: str = "127.0.0.1") -> None:
+        super().__init__((host, port), _Handler)
+        self.emu = emu
+        self.api = build_api_router(emu)
+        self.admin = build_admin_router(emu, self)
+        self.port = int(self.server_address[1])
+        self.stopped = threading.Event()  # no longer answering
+        self.closed = threading.Event()  # and every node torn down
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_thread(self) -> None:
+        self._thread = threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.1}, name="emulator-http", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop answering, then tear every node down (idempotent)."""
+        if self.stopped.is_set():
+            self.closed.wait()
+            return
+        self.stopped.set()
+        self.shutdown()
+        try:
+            self.emu.close()
+        finally:
+            self.server_close()
+            self.closed.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.time() + timeout
+        while not self.closed.wait(0.2):
+            if end is not None and time.time() > end:
+                return False
+        return True
+
+
+class AdminClient:
+    """Talks to a running emulator's /emulator/v1 interface (what `tpurun emulator` fault commands use)."""
+
+    def __init__(self, endpoint: str, timeout: float = 120.0) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """METHOD ADMIN_PREFIX/PATH; raises ApiError with the server's message on an error answer."""
+        import urllib.error
+        import urllib.request
+        from urllib.parse import quote
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"{self.endpoint}{ADMIN_PREFIX}/{quote(path, safe='/:')}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            try:
+                err = json.loads(e.read()).get("error", {})
+            except ValueError:
+                err = {}
+            raise ApiError(e.code, str(err.get("message") or e.reason), err.get("status")) from e
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.call("GET", "status")
+        return out
+
+    def requests(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = self.call("GET", "requests")["requests"]
+        return out
+
+    def preempt(self, node: str, force: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = self.call("POST", f"nodes/{node}:preempt", {"force": force})
+        return out
+
+    def kill_worker(self, node: str, worker: int) -> None:
+        self.call("POST", f"nodes/{node}/workers/{worker}:kill", {})
+
+    def kill_sshd(self, node: str, worker: int) -> None:
+        self.call("POST", f"nodes/{node}/workers/{worker}:kill-sshd", {})
+
+    def fail_api(self, count: int, code: int, match: str = "", message: str = "") -> None:
+        self.call("POST", "fail-api", {"count": count, "code": code, "match": match, "message": message})
+
+    def set_delays(self, **delays: float) -> None:
+        self.call("POST", "delays", delays)
+
+    def set_capacity(self, specs: list[str], clear: bool = False, max_workers: int | None = None) -> None:
+        body: dict[str, Any] = {"specs": specs, "clear": clear}
+        if max_workers is not None:
+            body["maxWorkersPerNode"] = max_workers
+        self.call("POST", "capacity", body)
+
+    def node_info(self, node: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.call("GET", f"nodes/{node}")
+        return out
+
+    def reset(self) -> None:
+        self.call("POST", "reset", {})
+
+    def shutdown(self) -> None:
+        self.call("POST", "shutdown", {})

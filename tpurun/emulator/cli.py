@@ -1,0 +1,394 @@
+"""`tpurun emulator ...`: start, stop and inspect the local Cloud TPU emulator, and inject faults.
+
+`start` detaches `python -m tpurun.emulator serve` into its own session (so closing the terminal does
+not take the workers with it) and prints, as its last line on stdout, the `export
+TPURUN_API_ENDPOINT=...` line that points tpurun at it: `eval "$(tpurun emulator start)"`.
+Everything the server started is recorded in the state dir, so `stop` can verify (and if need be
+force) that no process or mount is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tpurun import ui
+from tpurun.emulator.api import AdminClient
+from tpurun.emulator.state import ApiError, Delays
+from tpurun.errors import ApiError as TpurunApiError
+from tpurun.errors import ExitCode, TpurunError, UsageError
+
+SSHD = Path("/usr/sbin/sshd")
+START_TIMEOUT = 30.0
+
+app = typer.Typer(
+    help="A local Cloud TPU API whose nodes are real sshd hosts (start, stop, status, faults).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+StateDirOpt = Annotated[
+    Path | None,
+    typer.Option("--state-dir", help="Where the emulator keeps its state [default: $TPURUN_HOME/emulator]."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+
+
+def default_state_dir() -> Path:
+    home = os.environ.get("TPURUN_HOME")
+    if home:
+        return Path(home) / "emulator"
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".config"
+    return base / "tpurun" / "emulator"
+
+
+def _state_dir(opt: Path | None) -> Path:
+    return (opt or default_state_dir()).expanduser().resolve()
+
+
+def _require_host() -> None:
+    """The emulator makes namespaces and runs sshd: it needs root and OpenSSH's server."""
+    if os.geteuid() != 0:
+        raise UsageError("the emulator needs root (it creates namespaces and runs sshd): run it with sudo")
+    if not SSHD.exists():
+        raise UsageError(f"{SSHD} is missing: install the Debian package openssh-server")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is as good as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _server_info(state_dir: Path) -> dict[str, Any] | None:
+    """server.json of a live server in STATE_DIR, or None."""
+    try:
+        info: dict[str, Any] = json.loads((state_dir / "server.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not _pid_alive(int(info.get("pid", 0))):
+        return None
+    return info
+
+
+def _admin(state_dir: Path) -> AdminClient:
+    info = _server_info(state_dir)
+    if info is None:
+        raise UsageError(f"no emulator is running with state dir {state_dir}: start one with `tpurun emulator start`")
+    return AdminClient(str(info["endpoint"]))
+
+
+def _api_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except ApiError as e:
+        code = ExitCode.USAGE if e.http in (400, 404) else ExitCode.API
+        raise TpurunError(e.message, exit_code=code) from None
+    except OSError as e:
+        raise TpurunApiError(f"the emulator does not answer: {e}") from None
+
+
+# ------------------------------------------------------------------ start / stop / status
+
+
+@app.command()
+def start(
+    state_dir: StateDirOpt = None,
+    port: Annotated[int, typer.Option("--port", help="API port on 127.0.0.1 (0: any free port).")] = 0,
+    ssh_port: Annotated[int, typer.Option("--ssh-port", help="Port every worker's sshd listens on.")] = 22,
+    delay_create: Annotated[float, typer.Option("--delay-create", help="Seconds a node stays CREATING.")] = 2.0,
+    delay_delete: Annotated[float, typer.Option("--delay-delete", help="Seconds a node stays DELETING.")] = 1.0,
+    delay_stop: Annotated[float, typer.Option("--delay-stop", help="Seconds a node stays STOPPING.")] = 1.0,
+    delay_start: Annotated[float, typer.Option("--delay-start", help="Seconds a node stays STARTING.")] = 1.0,
+    delay_update: Annotated[float, typer.Option("--delay-update", help="Seconds an update takes.")] = 0.2,
+    delay_queue: Annotated[
+        float, typer.Option("--delay-queue", help="Seconds a queued resource waits before provisioning.")
+    ] = 2.0,
+    capacity: Annotated[
+        list[str] | None,
+        typer.Option("--capacity", help="Free capacity, e.g. v4=32 (chips) or us-central2-b/v4=4h (hosts)."),
+    ] = None,
+    max_workers: Annotated[int, typer.Option("--max-workers", help="Most workers one node may have.")] = 128,
+) -> None:
+    """Start the emulator in the background; the last line printed is the `export` to use it."""
+    _require_host()
+    sd = _state_dir(state_dir)
+    running = _server_info(sd)
+    if running is not None:
+        ui.info(f"the emulator is already running (pid {running['pid']}, state dir {sd})")
+        print(f"export TPURUN_API_ENDPOINT={running['endpoint']}", flush=True)
+        return
+    sd.mkdir(parents=True, exist_ok=True)
+    (sd / "server.json").unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tpurun.emulator",
+        "serve",
+        "--state-dir",
+        str(sd),
+        "--port",
+        str(port),
+        "--ssh-port",
+        str(ssh_port),
+        "--max-workers",
+        str(max_workers),
+    ]
+    delays = {
+        "create": delay_create,
+        "delete": delay_delete,
+        "stop": delay_stop,
+        "start": delay_start,
+        "update": delay_update,
+        "queue": delay_queue,
+    }
+    assert set(delays) == set(Delays.__dataclass_fields__)
+    for k, v in delays.items():
+        cmd += [f"--delay-{k}", str(v)]
+    for spec in capacity or []:
+        cmd += ["--capacity", spec]
+    log_path = sd / "server.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True
+        )
+    deadline = time.time() + START_TIMEOUT
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+            why = lines[-1] if lines else f"exit status {proc.returncode}"
+            raise TpurunError(f"the emulator did not start: {why} (log: {log_path})", exit_code=1)
+        info = _server_info(sd)
+        if info is not None and info.get("pid") == proc.pid:
+            try:
+                AdminClient(str(info["endpoint"]), timeout=2).status()
+            except (ApiError, OSError):
+                pass
+            else:
+                ui.info(f"emulator running: pid {proc.pid}, state dir {sd}, log {log_path}")
+                print(f"export TPURUN_API_ENDPOINT={info['endpoint']}", flush=True)
+                return
+        time.sleep(0.1)
+    proc.kill()
+    raise TpurunError(f"the emulator did not answer within {START_TIMEOUT:.0f}s (log: {log_path})", exit_code=1)
+
+
+def _leftovers(sd: Path) -> list[str]:
+    """What the emulator of SD still has running or mounted (empty when everything is gone)."""
+    from tpurun.emulator.hosts import _INIT_SCRIPT
+
+    left: list[str] = []
+    try:
+        recorded = json.loads((sd / "workers.json").read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    for node, pids in recorded.items():
+        left += [f"worker init pid {p} of {node}" for p in pids if _pid_alive(p)]
+    marker, where = str(_INIT_SCRIPT), str(sd)
+    for p in (int(x) for x in os.listdir("/proc") if x.isdigit()):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if where in cmd and (marker in cmd or "tpurun.emulator" in cmd or "sshd" in cmd) and _pid_alive(p):
+            left.append(f"process {p}: {cmd.strip()[:80]}")
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        mounts = []
+    left += [f"mount {ln.split()[4]}" for ln in mounts if len(ln.split()) > 4 and ln.split()[4].startswith(where)]
+    return sorted(set(left))
+
+
+def _force_cleanup(sd: Path) -> None:
+    from tpurun.emulator.hosts import kill_orphans
+
+    kill_orphans(sd)
+    try:
+        recorded = json.loads((sd / "workers.json").read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    for pids in recorded.values():
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)  # a pid namespace's init takes every process in it along
+            except (ProcessLookupError, PermissionError):
+                pass
+    mounts = [
+        ln.split()[4]
+        for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+        if len(ln.split()) > 4 and ln.split()[4].startswith(str(sd))
+    ]
+    for m in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", m], capture_output=True, check=False)
+
+
+@app.command()
+def stop(
+    state_dir: StateDirOpt = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for a clean shutdown.")] = 60.0,
+) -> None:
+    """Stop the emulator and everything it started (sshd hosts, namespaces, mounts), and check."""
+    _require_host()
+    sd = _state_dir(state_dir)
+    info = _server_info(sd)
+    if info is not None:
+        pid = int(info["pid"])
+        try:
+            AdminClient(str(info["endpoint"]), timeout=10).shutdown()
+        except (ApiError, OSError):
+            os.kill(pid, signal.SIGTERM)  # the server tears down on SIGTERM too
+        deadline = time.time() + timeout
+        while _pid_alive(pid) and time.time() < deadline:
+            time.sleep(0.1)
+        if _pid_alive(pid):
+            ui.warn(f"the emulator (pid {pid}) did not stop within {timeout:.0f}s: killing it and its workers")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if _leftovers(sd):
+        _force_cleanup(sd)
+        time.sleep(0.2)
+    left = _leftovers(sd)
+    if left:
+        raise TpurunError(f"the emulator left {len(left)} things behind: {'; '.join(left[:5])}", exit_code=1)
+    (sd / "server.json").unlink(missing_ok=True)
+    (sd / "workers.json").unlink(missing_ok=True)
+    ui.info("emulator stopped; nothing of it is left running" if info else "the emulator was not running")
+
+
+@app.command()
+def status(state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> None:
+    """Say whether the emulator runs, where, and what nodes it has."""
+    sd = _state_dir(state_dir)
+    info = _server_info(sd)
+    if info is None:
+        if json_out:
+            ui.print_json({"running": False, "stateDir": str(sd)})
+        else:
+            print(f"the emulator is not running (state dir {sd})")
+        return
+    st = _api_call(AdminClient(str(info["endpoint"]), timeout=10).status)
+    if json_out:
+        ui.print_json({"running": True, "stateDir": str(sd), "endpoint": info["endpoint"], **st})
+        return
+    print(f"the emulator is running: {info['endpoint']} (pid {info['pid']}, state dir {sd})")
+    if st["nodes"]:
+        ui.table(
+            None,
+            ["node", "type", "state", "workers", "addresses"],
+            [
+                (n["name"].rsplit("/", 1)[-1], n["acceleratorType"], n["state"], n["workers"], ",".join(n["addresses"]))
+                for n in st["nodes"]
+            ],
+        )
+    else:
+        print("no nodes")
+
+
+# ------------------------------------------------------------------ faults
+
+
+@app.command()
+def preempt(
+    node: Annotated[str, typer.Argument(help="Node id or full name.")],
+    force: Annotated[bool, typer.Option("--force", help="Preempt even an on-demand (non-spot) node.")] = False,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Preempt a spot/preemptible node: its workers die and it reads PREEMPTED."""
+    _api_call(_admin(_state_dir(state_dir)).preempt, node, force)
+    ui.info(f"{node} preempted")
+
+
+@app.command("kill-worker")
+def kill_worker(
+    node: Annotated[str, typer.Argument(help="Node id or full name.")],
+    worker: Annotated[int, typer.Argument(help="Worker index.")],
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Kill one worker's whole host (every process on it), as if the VM crashed."""
+    _api_call(_admin(_state_dir(state_dir)).kill_worker, node, worker)
+    ui.info(f"worker {worker} of {node} killed")
+
+
+@app.command("kill-sshd")
+def kill_sshd(
+    node: Annotated[str, typer.Argument(help="Node id or full name.")],
+    worker: Annotated[int, typer.Argument(help="Worker index.")],
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Kill one worker's sshd (its other processes keep running): new ssh connections fail."""
+    _api_call(_admin(_state_dir(state_dir)).kill_sshd, node, worker)
+    ui.info(f"sshd of worker {worker} of {node} killed")
+
+
+@app.command("fail-api")
+def fail_api(
+    count: Annotated[int, typer.Option("--count", help="How many API calls fail.")] = 1,
+    code: Annotated[int, typer.Option("--code", help="HTTP status they fail with: 429, 503, 500, 403, ...")] = 503,
+    match: Annotated[str, typer.Option("--match", help="Only calls whose 'METHOD /path' contains this text.")] = "",
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Make the next COUNT Cloud TPU API calls fail with HTTP status CODE."""
+    if count < 1:
+        raise UsageError("--count must be at least 1")
+    _api_call(_admin(_state_dir(state_dir)).fail_api, count, code, match)
+    ui.info(f"the next {count} API call(s){f' matching {match!r}' if match else ''} fail with HTTP {code}")
+
+
+@app.command("set")
+def set_cmd(
+    state_dir: StateDirOpt = None,
+    delay: Annotated[
+        list[str] | None,
+        typer.Option("--delay", help="NAME=SECONDS, NAME one of " + ", ".join(Delays.__dataclass_fields__)),
+    ] = None,
+    capacity: Annotated[list[str] | None, typer.Option("--capacity", help="[ZONE/]GEN=N chips or =Nh hosts.")] = None,
+    clear_capacity: Annotated[bool, typer.Option("--clear-capacity", help="Unlimited capacity again.")] = False,
+    max_workers: Annotated[int | None, typer.Option("--max-workers", help="Most workers one node may have.")] = None,
+) -> None:
+    """Change delays and capacity of the running emulator."""
+    admin = _admin(_state_dir(state_dir))
+    delays: dict[str, float] = {}
+    for d in delay or []:
+        name, _, value = d.partition("=")
+        try:
+            delays[name] = float(value)
+        except ValueError:
+            raise UsageError(f"--delay {d!r}: expected NAME=SECONDS") from None
+    if delays:
+        _api_call(admin.set_delays, **delays)
+    if capacity or clear_capacity or max_workers is not None:
+        _api_call(admin.set_capacity, list(capacity or []), clear_capacity, max_workers)
+
+
+@app.command("requests")
+def requests_cmd(state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> None:
+    """The log of Cloud TPU API calls the emulator answered."""
+    log = _api_call(_admin(_state_dir(state_dir)).requests)
+    if json_out:
+        ui.print_json(log)
+        return
+    for r in log:
+        print(f"{r['time']} {r['status']} {r['method']} {r['path']} {r['detail']}".rstrip())

@@ -1,0 +1,759 @@
+"""Real hosts behind the emulated Cloud TPU API: one namespace "VM" per TPU worker.
+
+Each worker of an emulated node is a real OpenSSH ``sshd`` that you log into with the
+system ``ssh`` client.  It runs under its own init (``_worker_init.py``) in its own PID,
+mount, UTS and IPC namespaces (``unshare``), listening on ``<address>:<ssh_port>`` where
+worker ``i`` of the node in slot ``s`` has address ``127.77.s.(i+1)`` (all of 127/8 is
+local on Linux, so no network namespace or interface setup is needed; the network is
+shared with the host).
+
+What a worker has of its own (everything else -- /usr, /opt, /home, /work, ... -- is the
+host's, shared by all workers):
+
+* hostname ``t1v-n-<8 hex>-w-<i>`` (UTS namespace), ``/etc/hostname``;
+* a process table: ``ps`` on worker 1 does not show worker 2's processes (PID namespace
+  with its own /proc); killing the worker's init kills everything it ran;
+* ``/root`` (a per-worker directory under the state dir, seeded from /etc/skel and kept
+  across stop/start), ``/tmp`` (per-worker directory, emptied on every boot, like a
+  rebooted VM), ``/run`` (fresh tmpfs, with ``/run/sshd``), ``/dev`` (tmpfs with
+  null/zero/full/random/urandom/tty, a private devpts on /dev/pts so ``ssh -t`` works,
+  /dev/shm, and the fake TPU: ``/dev/accel0..3`` for v2/v3/v4, ``/dev/vfio/0..3`` and
+  ``/dev/vfio/vfio`` for later generations -- plain files anyone can open read/write);
+* ``/etc/hosts``: ``metadata.google.internal`` and every worker's hostname of the node;
+* ``/etc/passwd``, ``/etc/shadow``, ``/etc/group``: the host's, plus users from metadata.
+
+Users and keys (the choice made here): every user name in the node's ``ssh-keys``
+metadata (``USER:ssh-ed25519 AAAA... comment``, one per line; keys whose
+``google-ssh {"expireOn": ...}`` comment lies in the past are ignored) becomes an alias
+of root -- uid 0, gid 0, home /root -- in the worker's passwd (real TPU VMs give these
+users sudo; mapping them to root keeps one home per worker and needs no sudo).  A key
+listed for USER lets you log in as USER only: sshd reads ``AuthorizedKeysFile
+<worker dir>/authorized_keys/%u``, one file per user.  Logging in as ``root`` needs a
+key listed under ``root:``.  Names that already exist on the host other than root
+(``daemon``, ``sshd``, ...) are not remapped.  Aliases are never removed once created
+(like the guest agent, which keeps accounts and only drops keys).  Key changes reach
+the workers ``key_propagation_delay`` seconds after `refresh_ssh_keys`.
+
+Each worker also gets a metadata server (`_metadata.py`) on port 80 of its address and
+runs the node's ``startup-script`` on every boot, as root in its namespaces, from its
+init (log: `startup_log`; exit status: `startup_exit_code`).  At boot the worker's host
+key is published in guest attribute ``hostkeys/ssh-ed25519``, as Google's guest agent does.
+
+Everything started here lives in the workers' namespaces or is a thread of this
+process: `close` (or killing the `unshare` processes, which take their worker with
+them) leaves no process and no mount behind.  `kill_orphans` cleans up after a crashed
+emulator process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from tpurun.emulator._metadata import MetadataService
+
+__all__ = ["WorkerInfo", "WorkerHosts", "parse_ssh_keys", "kill_orphans", "GENERATIONS"]
+
+_INIT_SCRIPT = Path(__file__).with_name("_worker_init.py")
+_UNSHARE = [
+    "unshare",
+    "--pid",
+    "--mount",
+    "--uts",
+    "--ipc",
+    "--fork",
+    "--kill-child=SIGKILL",
+    "--propagation",
+    "private",
+]
+_SSHD = "/usr/sbin/sshd"
+BOOT_TIMEOUT = 60.0
+GENERATIONS = ("v2", "v3", "v4", "v5litepod", "v5p", "v6e", "7x")
+_ACCEL_GENERATIONS = ("v2", "v3", "v4")
+_USER_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
+
+
+@dataclass
+class WorkerInfo:
+    index: int
+    address: str  # e.g. "127.77.3.1"
+    hostname: str  # e.g. "t1v-n-<8hex>-w-<index>"
+    ssh_port: int
+    host_key: str  # public key line "ssh-ed25519 AAAA..." (no comment)
+    init_pid: int | None  # pid (root pid ns) of the worker namespace's init; None when down
+
+
+def device_files(generation: str) -> list[str]:
+    """The fake TPU device files of one worker of `generation` (FACTS.md)."""
+    if generation in _ACCEL_GENERATIONS:
+        return [f"/dev/accel{i}" for i in range(4)]
+    return [f"/dev/vfio/{i}" for i in range(4)] + ["/dev/vfio/vfio"]
+
+
+def parse_ssh_keys(value: str, *, now: datetime | None = None) -> dict[str, list[str]]:
+    """``ssh-keys`` metadata -> {user: [authorized_keys lines]}; skips bad lines and expired keys."""
+    now = now or datetime.now(timezone.utc)
+    users: dict[str, list[str]] = {}
+    for raw in value.splitlines():
+        line = raw.strip()
+        user, sep, key = line.partition(":")
+        if not sep or not _USER_RE.match(user):
+            continue
+        parts = key.split(None, 2)
+        if len(parts) < 2:
+            continue
+        ktype, kdata = parts[0], parts[1]
+        comment = parts[2] if len(parts) > 2 else ""
+        if comment.startswith("google-ssh "):
+            try:
+                expire = json.loads(comment[len("google-ssh ") :]).get("expireOn")
+                if expire and datetime.fromisoformat(expire.replace("Z", "+00:00")) <= now:
+                    continue
+            except (ValueError, AttributeError, TypeError):
+                pass
+        users.setdefault(user, []).append(f"{ktype} {kdata} {user}")
+    return users
+
+
+def _write(path: Path, data: str, mode: int = 0o644) -> None:
+    """Atomic replace (for files that are not bind-mounted into a worker)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(data)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _write_in_place(path: Path, data: str, mode: int = 0o644) -> None:
+    """Rewrite a file without changing its inode: a running worker has it bind-mounted."""
+    if not path.exists():
+        _write(path, data, mode)
+        return
+    raw = data.encode()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, raw, 0)
+        os.ftruncate(fd, len(raw))
+    finally:
+        os.close(fd)
+
+
+def _safe_name(key: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", key)[-60:]
+    if name != key:
+        name += "-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+    return name
+
+
+def _stable_int(text: str, digits: int) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest(), 16) % (10**digits)
+
+
+def _proc_ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
+def _ns(pid: int, kind: str = "pid") -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
+    except OSError:
+        return None
+
+
+def kill_orphans(state_dir: Path) -> int:
+    """SIGKILL the workers left behind by a crashed emulator that used `state_dir`; returns how many.
+
+    Kills each worker's init (its pid namespace goes with it); the `unshare` above it
+    then reaps it and exits.
+    """
+    marker = str(_INIT_SCRIPT)
+    wanted = str(Path(state_dir).resolve()) + "/"
+    killed = 0
+    for pid in _all_pids():
+        cmd = _cmdline(pid)
+        if not cmd.startswith("unshare ") and marker in cmd and wanted in cmd:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+@dataclass
+class _Worker:
+    index: int
+    address: str
+    hostname: str
+    dir: Path
+    host_key: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    init_pid: int | None = None
+    pid_ns: str | None = None  # "pid:[inode]" of the last boot, for worker_root_pids
+    guest: dict[tuple[str, str], str] = field(default_factory=dict)
+    users: set[str] = field(default_factory=set)  # root aliases ever created on this worker
+
+
+@dataclass
+class _Node:
+    key: str
+    slot: int
+    dir: Path
+    generation: str
+    accelerator_type: str
+    get_metadata: Callable[[], dict[str, str]]
+    project: str
+    zone: str
+    workers: list[_Worker]
+    boots: int = 0
+    lock: threading.RLock = field(default_factory=threading.RLock)  # boot/stop/fault of this node
+    # Guest attributes have their own lock: the metadata server writes them while a boot holds `lock`.
+    guest_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _WorkerSource:
+    """What one worker's metadata server serves (implements _metadata.MetadataSource)."""
+
+    def __init__(self, hosts: WorkerHosts, node: _Node, worker: _Worker) -> None:
+        self._hosts, self._node, self._worker = hosts, node, worker
+
+    def tree(self) -> dict[str, Any]:
+        node, w = self._node, self._worker
+        attrs = dict(node.get_metadata())
+        attrs.update(self._hosts._computed_attributes(node, w))
+        project_number = str(_stable_int("project:" + node.project, 12))
+        return {
+            "instance": {
+                "attributes": attrs,
+                "hostname": w.hostname,
+                "name": w.hostname,
+                "id": str(_stable_int(f"{node.key}/{w.index}", 19)),
+                "zone": f"projects/{project_number}/zones/{node.zone}",
+                "machine-type": f"projects/{project_number}/machineTypes/tpu-vm",
+                "network-interfaces": {"0": {"ip": w.address, "network": "default"}},
+            },
+            "project": {"project-id": node.project, "numeric-project-id": project_number},
+        }
+
+    def guest_get(self, namespace: str, key: str) -> str | None:
+        with self._node.guest_lock:
+            return self._worker.guest.get((namespace, key))
+
+    def guest_put(self, namespace: str, key: str, value: str) -> None:
+        with self._node.guest_lock:
+            self._worker.guest[(namespace, key)] = value
+
+    def guest_items(self) -> dict[tuple[str, str], str]:
+        with self._node.guest_lock:
+            return dict(self._worker.guest)
+
+
+class WorkerHosts:
+    """Boots, faults and tears down the namespace hosts of every emulated TPU node."""
+
+    def __init__(
+        self, state_dir: Path, *, ssh_port: int = 22, key_propagation_delay: float = 0.5, metadata_port: int = 80
+    ) -> None:
+        self.state_dir = Path(state_dir).resolve()
+        self.root = self.state_dir / "hosts"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ssh_port = ssh_port
+        self.metadata_port = metadata_port
+        self.key_propagation_delay = key_propagation_delay
+        self._nodes: dict[str, _Node] = {}
+        self._lock = threading.Lock()
+        self._timers: set[threading.Timer] = set()
+        self._metadata: MetadataService | None = None
+        self._closed = False
+        self._base = {name: Path(f"/etc/{name}").read_text() for name in ("passwd", "shadow", "group")}
+        self._base_users = {ln.split(":", 1)[0] for ln in self._base["passwd"].splitlines() if ":" in ln}
+
+    # ------------------------------------------------------------------ boot
+    def boot_node(
+        self,
+        node_key: str,
+        slot: int,
+        *,
+        num_workers: int,
+        generation: str,
+        accelerator_type: str,
+        get_metadata: Callable[[], dict[str, str]],
+        project: str = "emulated-project",
+        zone: str = "emulated-zone",
+    ) -> list[WorkerInfo]:
+        """Boot (or reboot) every worker of a node; returns once each sshd accepts connections."""
+        if not 1 <= slot <= 250:
+            raise ValueError(f"slot must be 1..250, got {slot}")
+        if not 1 <= num_workers <= 254:
+            raise ValueError(f"num_workers must be 1..254, got {num_workers}")
+        if generation not in GENERATIONS:
+            raise ValueError(f"unknown TPU generation {generation!r}; one of {', '.join(GENERATIONS)}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("WorkerHosts is closed")
+            node = self._nodes.get(node_key)
+            if node is not None and node.slot != slot:
+                raise ValueError(f"node {node_key} already uses slot {node.slot}")
+            if node is None:
+                for other in self._nodes.values():
+                    if other.slot == slot:
+                        raise ValueError(f"slot {slot} is used by node {other.key}")
+                node = _Node(
+                    node_key,
+                    slot,
+                    self.root / _safe_name(node_key),
+                    generation,
+                    accelerator_type,
+                    get_metadata,
+                    project,
+                    zone,
+                    [],
+                )
+                self._nodes[node_key] = node
+            if self._metadata is None:
+                self._metadata = MetadataService(self.metadata_port)
+            metadata = self._metadata
+        with node.lock:
+            self._stop_workers(node)
+            node.generation, node.accelerator_type, node.get_metadata = generation, accelerator_type, get_metadata
+            node.project, node.zone = project, zone
+            tag = hashlib.sha256(node_key.encode()).hexdigest()[:8]
+            node.workers = [
+                node.workers[i]
+                if i < len(node.workers)
+                else _Worker(i, f"127.77.{slot}.{i + 1}", f"t1v-n-{tag}-w-{i}", node.dir / f"w{i}")
+                for i in range(num_workers)
+            ]
+            node.boots += 1
+            md = get_metadata()
+            for w in node.workers:
+                self._prepare(node, w, md)
+            try:
+                for w in node.workers:
+                    metadata.add(w.address, _WorkerSource(self, node, w))
+                for w in node.workers:
+                    with open(w.dir / "init.log", "ab") as log:
+                        w.proc = subprocess.Popen(
+                            [*_UNSHARE, sys.executable, "-I", "-S", str(_INIT_SCRIPT), str(w.dir)],
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL,
+                            stderr=log,
+                            start_new_session=True,
+                        )  # the emulator's Ctrl-C must not reach workers
+                self._wait_ready(node)
+            except BaseException:
+                self._stop_workers(node)
+                raise
+            return [self._info(w) for w in node.workers]
+
+    def _prepare(self, node: _Node, w: _Worker, md: dict[str, str]) -> None:
+        """Write everything a worker's init reads (host side)."""
+        d = w.dir
+        fresh_home = not (d / "home").exists()
+        for sub in ("home", "tmp", "etc", "authorized_keys"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        if fresh_home:
+            shutil.copytree("/etc/skel", d / "home", dirs_exist_ok=True)
+        os.chmod(d / "home", 0o700)
+        # /tmp of a rebooted VM is empty.
+        for entry in (d / "tmp").iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        os.chmod(d / "tmp", 0o1777)
+        view = "/run/tpurun" + str(d)  # where the init re-attaches d inside the worker
+        w.host_key = self._host_key(d)
+        hosts = [
+            "127.0.0.1\tlocalhost",
+            "::1\tlocalhost ip6-localhost ip6-loopback",
+            f"{w.address}\tmetadata.google.internal metadata",
+        ]
+        hosts += [f"{o.address}\t{o.hostname}" for o in node.workers]
+        _write_in_place(d / "etc" / "hosts", "\n".join(hosts) + "\n")
+        _write_in_place(d / "etc" / "hostname", w.hostname + "\n")
+        self._apply_keys(w, md.get("ssh-keys", ""))
+        _write(d / "sshd_config", self._sshd_config(w, view))
+        script = md.get("startup-script")
+        if script:
+            _write(d / "startup-script", script, 0o755)
+        else:
+            (d / "startup-script").unlink(missing_ok=True)
+        (d / "startup.status").unlink(missing_ok=True)
+        (d / "startup.log").touch()
+        _write(
+            d / "init.json",
+            json.dumps(
+                {
+                    "view": view,
+                    "hostname": w.hostname,
+                    "boot": node.boots,
+                    "devices": device_files(node.generation),
+                    "metadata_host": f"{w.address}:{self.metadata_port}",
+                }
+            ),
+        )
+        with node.guest_lock:
+            w.guest.clear()  # guest attributes do not survive a reboot; the agent republishes
+            w.guest[("hostkeys", "ssh-ed25519")] = w.host_key
+
+    @staticmethod
+    def _host_key(d: Path) -> str:
+        """The worker's ed25519 host key: generated once, kept across stop/start."""
+        priv, pub = d / "ssh_host_ed25519_key", d / "ssh_host_ed25519_key.pub"
+        if not (priv.exists() and pub.exists()):
+            key = Ed25519PrivateKey.generate()
+            pem = key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+            ).decode()
+            line = (
+                key.public_key()
+                .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+                .decode()
+            )
+            _write(priv, pem, 0o600)  # sshd refuses host keys readable by others
+            _write(pub, line + "\n")
+        return " ".join(pub.read_text().split()[:2])
+
+    def _sshd_config(self, w: _Worker, view: str) -> str:
+        return "\n".join(
+            [
+                f"ListenAddress {w.address}:{self.ssh_port}",
+                f"HostKey {view}/ssh_host_ed25519_key",
+                "PidFile none",
+                f"AuthorizedKeysFile {view}/authorized_keys/%u",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "PermitRootLogin prohibit-password",
+                # Key files live in the emulator's state dir, whose parents we do not control.
+                "StrictModes no",
+                "MaxStartups 1000",
+                "MaxSessions 100",
+                "LoginGraceTime 30",
+                "Subsystem sftp internal-sftp",
+                # No AcceptEnv line: sshd then accepts no client environment variables.
+                "LogLevel ERROR",
+                "ClientAliveInterval 30",
+                "ClientAliveCountMax 4",
+                "UseDNS no",
+                "PrintMotd no",
+                "PrintLastLog no",
+                "X11Forwarding no",
+                "AllowTcpForwarding yes",
+                "",
+            ]
+        )
+
+    def _apply_keys(self, w: _Worker, ssh_keys: str) -> None:
+        """Write a worker's authorized keys (per user) and its passwd/shadow/group with root aliases."""
+        users = parse_ssh_keys(ssh_keys)
+        kdir = w.dir / "authorized_keys"
+        for user, lines in users.items():
+            _write(kdir / user, "\n".join(lines) + "\n", 0o600)
+        for old in kdir.iterdir():
+            if old.name not in users and not old.name.endswith(".tmp"):
+                old.unlink(missing_ok=True)
+        w.users |= {u for u in users if u not in self._base_users}
+        aliases = sorted(w.users)
+        passwd = self._base["passwd"].rstrip("\n").splitlines()
+        passwd += [f"{u}:x:0:0:{u} (tpurun emulator alias of root):/root:/bin/bash" for u in aliases]
+        # A locked root ("!" in shadow) would make sshd refuse even key logins: use "*".
+        shadow = [re.sub(r"^root:!?[^:]*:", "root:*:", ln) for ln in self._base["shadow"].splitlines()]
+        shadow += [f"{u}:*:19000:0:99999:7:::" for u in aliases]
+        etc = w.dir / "etc"
+        _write_in_place(etc / "passwd", "\n".join(passwd) + "\n")
+        _write_in_place(etc / "shadow", "\n".join(shadow) + "\n", 0o600)
+        _write_in_place(etc / "group", self._base["group"])
+
+    def _wait_ready(self, node: _Node) -> None:
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        pending = list(node.workers)
+        while pending:
+            still = []
+            for w in pending:
+                assert w.proc is not None
+                if w.proc.poll() is not None:
+                    raise RuntimeError(f"worker {w.index} of {node.key} failed to boot: {self._why(w)}")
+                if w.init_pid is None:
+                    w.init_pid = self._find_init(w.proc.pid)
+                    w.pid_ns = _ns(w.init_pid) if w.init_pid else None
+                if w.init_pid is None or not self._accepts(w.address, self.ssh_port):
+                    still.append(w)
+            pending = still
+            if pending:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"worker {pending[0].index} of {node.key} did not start sshd within "
+                        f"{BOOT_TIMEOUT:.0f} s: {self._why(pending[0])}"
+                    )
+                time.sleep(0.02)
+
+    @staticmethod
+    def _accepts(address: str, port: int) -> bool:
+        try:
+            with socket.create_connection((address, port), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _find_init(unshare_pid: int) -> int | None:
+        # unshare --fork has exactly one child: the worker's init.
+        for pid in _all_pids():
+            if pid != unshare_pid and _proc_ppid(pid) == unshare_pid:
+                return pid
+        return None
+
+    @staticmethod
+    def _why(w: _Worker) -> str:
+        out = []
+        for name in ("init.log", "sshd.log"):
+            p = w.dir / name
+            if p.exists():
+                tail = p.read_text(errors="replace").strip().splitlines()[-5:]
+                out += [f"{name}: {ln}" for ln in tail]
+        return "; ".join(out) or "no log output"
+
+    # ------------------------------------------------------------------ stop
+    def _stop_workers(self, node: _Node) -> None:
+        """Kill every worker of the node and wait until their namespaces are empty."""
+        with node.lock:
+            self._kill(node.workers)
+            if self._metadata is not None:
+                for w in node.workers:
+                    self._metadata.remove(w.address)
+
+    @staticmethod
+    def _kill(workers: list[_Worker]) -> None:
+        # Only namespaces of workers alive now are waited on: a dead worker's namespace id may
+        # already have been reused by a running worker, and waiting on it would time out.
+        namespaces = {w.pid_ns for w in workers if w.pid_ns is not None and w.init_pid is not None}
+        # Signal all first, then wait: stopping 128 workers takes one wait, not 128.
+        for w in workers:
+            if w.init_pid is not None:
+                try:
+                    os.kill(w.init_pid, signal.SIGKILL)  # the kernel then kills the whole pid namespace
+                except ProcessLookupError:
+                    pass
+            elif w.proc is not None and w.proc.poll() is None:
+                w.proc.kill()  # init not known yet: unshare's --kill-child takes it along
+        for w in workers:
+            if w.proc is not None:
+                # unshare reaps its child, the init (killing unshare instead would leave init a zombie).
+                try:
+                    w.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
+                w.proc = None
+            w.init_pid = None
+            w.pid_ns = None
+        # Under gVisor a namespace's other processes may outlive its reaped init for a moment.
+        deadline = time.monotonic() + 10
+        while namespaces and time.monotonic() < deadline:
+            if not any(_ns(pid) in namespaces for pid in _all_pids()):
+                break
+            time.sleep(0.01)
+
+    def shutdown_node(self, node_key: str, *, delete: bool = False) -> None:
+        """Kill every process of every worker (stop/preempt/delete); delete=True also removes its dirs."""
+        node = self._get(node_key)
+        self._stop_workers(node)
+        if delete:
+            with self._lock:
+                self._nodes.pop(node_key, None)
+            shutil.rmtree(node.dir, ignore_errors=True)
+
+    def kill_sshd(self, node_key: str, index: int) -> None:
+        """Fault: that worker's listening sshd dies; its sessions and other processes live on."""
+        w = self._worker(node_key, index)
+        if w.init_pid is None:
+            return
+        # The listener is the init's sshd child (sessions are the listener's children); its
+        # cmdline is rewritten by setproctitle, so identify it by executable.
+        for pid in _all_pids():
+            if _proc_ppid(pid) == w.init_pid and _exe(pid) == _SSHD:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        while self._accepts(w.address, self.ssh_port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd of worker {index} of {node_key} still accepts connections")
+            time.sleep(0.02)
+
+    def restart_sshd(self, node_key: str, index: int) -> None:
+        """Undo kill_sshd: the worker's init starts sshd again; returns once it accepts connections."""
+        w = self._worker(node_key, index)
+        if w.init_pid is None:
+            raise RuntimeError(f"worker {index} of {node_key} is down")
+        os.kill(w.init_pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not self._accepts(w.address, self.ssh_port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd of worker {index} of {node_key} did not come back: {self._why(w)}")
+            time.sleep(0.02)
+
+    def kill_worker(self, node_key: str, index: int) -> None:
+        """Fault: the whole worker namespace dies (its metadata server stays up, like a hung VM's)."""
+        w = self._worker(node_key, index)
+        with self._get(node_key).lock:
+            self._kill([w])
+
+    # ------------------------------------------------------------------ keys, queries
+    def refresh_ssh_keys(self, node_key: str) -> None:
+        """`ssh-keys` metadata changed: rewrite authorized keys after the propagation delay (background)."""
+        node = self._get(node_key)
+
+        def apply() -> None:
+            with self._lock:
+                self._timers.discard(timer)
+                if self._closed or self._nodes.get(node_key) is not node:
+                    return
+            self._refresh_now(node)
+
+        timer = threading.Timer(self.key_propagation_delay, apply)
+        timer.daemon = True
+        with self._lock:
+            self._timers.add(timer)
+        timer.start()
+
+    def _refresh_now(self, node: _Node) -> None:
+        keys = node.get_metadata().get("ssh-keys", "")
+        with node.lock:
+            for w in node.workers:
+                if w.dir.exists():
+                    self._apply_keys(w, keys)
+
+    def guest_attributes(self, node_key: str) -> list[dict[tuple[str, str], str]]:
+        node = self._get(node_key)
+        with node.guest_lock:
+            return [dict(w.guest) for w in node.workers]
+
+    def workers(self, node_key: str) -> list[WorkerInfo]:
+        node = self._get(node_key)
+        with node.lock:
+            return [self._info(w) for w in node.workers]
+
+    def startup_log(self, node_key: str, index: int) -> Path:
+        return self._worker(node_key, index).dir / "startup.log"
+
+    def startup_exit_code(self, node_key: str, index: int) -> int | None:
+        """Exit status of this boot's startup script (0 if there was none); None while it runs."""
+        try:
+            return int((self._worker(node_key, index).dir / "startup.status").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def worker_root_pids(self, node_key: str, index: int) -> list[int]:
+        """Pids (root pid ns) of every process in the worker's pid namespace of its last boot."""
+        ns = self._worker(node_key, index).pid_ns
+        if ns is None:
+            return []
+        return sorted(pid for pid in _all_pids() if _ns(pid) == ns)
+
+    def _info(self, w: _Worker) -> WorkerInfo:
+        alive = w.proc is not None and w.proc.poll() is None
+        return WorkerInfo(w.index, w.address, w.hostname, self.ssh_port, w.host_key, w.init_pid if alive else None)
+
+    def _computed_attributes(self, node: _Node, w: _Worker) -> dict[str, str]:
+        endpoints = ",".join(
+            f"{o.hostname}:{_stable_int(f'{node.key}/{o.index}', 19)}:{o.address}" for o in node.workers
+        )
+        env = {
+            "ACCELERATOR_TYPE": node.accelerator_type,
+            "CONSUMER_PROJECT_ID": node.project,
+            "NODE_ID": node.key.rsplit("/", 1)[-1],
+            "TYPE": node.generation.upper(),
+            "WORKER_ID": str(w.index),
+            "NUM_WORKERS": str(len(node.workers)),
+            "ZONE": node.zone,
+        }
+        return {
+            "agent-worker-number": str(w.index),
+            "accelerator-type": node.accelerator_type,
+            "worker-network-endpoints": endpoints,
+            "tpu-env": "".join(f"{k}: '{v}'\n" for k, v in env.items()),
+        }
+
+    def _get(self, node_key: str) -> _Node:
+        with self._lock:
+            node = self._nodes.get(node_key)
+        if node is None:
+            raise KeyError(f"no hosts for node {node_key!r}")
+        return node
+
+    def _worker(self, node_key: str, index: int) -> _Worker:
+        node = self._get(node_key)
+        if not 0 <= index < len(node.workers):
+            raise IndexError(f"node {node_key} has no worker {index}")
+        return node.workers[index]
+
+    def node_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._nodes)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Shut everything down: no process, mount or namespace is left behind."""
+        with self._lock:
+            self._closed = True
+            timers, self._timers = self._timers, set()
+            nodes = list(self._nodes.values())
+        for t in timers:
+            t.cancel()
+        for node in nodes:
+            self._stop_workers(node)
+        if self._metadata is not None:
+            self._metadata.close()
+            self._metadata = None
+
+    def __enter__(self) -> WorkerHosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
