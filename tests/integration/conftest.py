@@ -1,0 +1,92 @@
+"""Fixtures for integration tests that drive the real `tpurun` CLI against the emulator."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Result, tpurun
+
+
+@dataclass
+class Cli:
+    """The `tpurun` command pointed at the emulator, with its own HOME, TPURUN_HOME and project dir."""
+
+    cwd: Path
+    home: Path
+    env: dict[str, str]
+
+    def __call__(self, *args: str, timeout: float = 180, input: str | None = None) -> Result:
+        return tpurun(*args, cwd=self.cwd, env=self.env, timeout=timeout, input=input)
+
+    @property
+    def tpurun_home(self) -> Path:
+        return Path(self.env["TPURUN_HOME"])
+
+    @property
+    def key(self) -> Path:
+        return self.tpurun_home / "ssh" / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.tpurun_home / "ssh" / "known_hosts"
+
+    def ssh(self, address: str, *command: str, user: str | None = None) -> list[str]:
+        """The system OpenSSH client with tpurun's key and pinned known_hosts (strict host key checking)."""
+        return [
+            "ssh",
+            "-i", str(self.key),
+            "-o", "IdentitiesOnly=yes",
+            "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=10",
+            "-o", "LogLevel=ERROR",
+            f"{user or os.environ.get('USER', 'root')}@{address}",
+            *command,
+        ]  # fmt: skip
+
+
+@pytest.fixture
+def cli(emulator, tmp_path) -> Cli:
+    home = tmp_path / "home"
+    work = tmp_path / "project"
+    home.mkdir()
+    work.mkdir()
+    env = dict(emulator.env)
+    env.update(
+        {
+            "HOME": str(home),
+            "XDG_CONFIG_HOME": str(home / ".config"),
+            "TPURUN_HOME": str(home / ".tpurun"),
+            "TPURUN_POLL_INTERVAL": "0.1",
+            "TPURUN_RETRY_DELAY": "0.05",
+            "TPURUN_SSH_USER": "root",
+        }
+    )
+    try:
+        yield Cli(work, home, env)
+    finally:
+        emulator.restore()
+        from tpurun.emulator.pytest_plugin import fast_polling
+
+        client = emulator.client()
+        ops = []
+        for qr in list(client.list_queued_resources(parent=emulator.parent)):
+            try:
+                ops.append(client.delete_queued_resource(request={"name": qr.name, "force": True}))
+            except Exception:
+                pass  # already being deleted
+        for node in list(client.list_nodes(parent=emulator.parent)):
+            try:
+                ops.append(client.delete_node(name=node.name))
+            except Exception:
+                pass  # already being deleted
+        for op in ops:
+            try:
+                op.result(polling=fast_polling())
+            except Exception:
+                pass

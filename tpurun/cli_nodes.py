@@ -1,0 +1,234 @@
+"""Commands of the control plane: create, attach, list, describe, delete, stop, start."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tpurun import provision, settings, ui
+from tpurun.cli import JsonOpt, app
+from tpurun.cloud import Cloud
+from tpurun.errors import UsageError
+
+ProjectOpt = Annotated[str | None, typer.Option("--project", help="GCP project (else settings).")]
+ZoneOpt = Annotated[str | None, typer.Option("--zone", help="Zone, e.g. us-central2-b (else settings).")]
+
+
+def cloud_for(project: str | None, zone: str | None) -> tuple[Cloud, settings.Settings]:
+    s = settings.resolve({"project": project, "zone": zone})
+    return Cloud(s), s
+
+
+@contextlib.contextmanager
+def progress_display() -> Iterator[Callable[[str], None]]:
+    """A spinner with the latest state on a terminal; one stderr line per change otherwise."""
+    if ui.is_plain() or not sys.stderr.isatty():
+        yield provision.Progress(lambda text: ui.info(text))
+        return
+    with ui.err().status("starting…") as status:
+        yield provision.Progress(lambda text: status.update(text))
+
+
+def _workers_table(view: provision.NodeView) -> None:
+    rows = []
+    for w in view.workers:
+        r = w.report
+        status = r.status if r else "-"
+        if r and r.duration is not None:
+            status += f" ({r.duration:.0f} s)"
+        rows.append((w.index, w.internal_ip, w.external_ip or "-", status))
+    ui.table(
+        f"{view.name} ({view.accelerator_type}, {view.state})",
+        ["worker", "internal ip", "external ip", "startup"],
+        rows,
+    )
+
+
+@app.command("create")
+def create_cmd(
+    name: Annotated[str, typer.Argument(help="Node name: lowercase letters, digits, '-'.")],
+    accelerator_type: Annotated[str, typer.Option("--accelerator-type", "-t", help="e.g. v4-16, v5litepod-8.")],
+    version: Annotated[str | None, typer.Option(help="Runtime version (default per generation).")] = None,
+    spot: Annotated[bool, typer.Option("--spot", help="Spot VM (cheaper, can be preempted).")] = False,
+    preemptible: Annotated[bool, typer.Option("--preemptible", help="Preemptible VM.")] = False,
+    queued: Annotated[bool, typer.Option("--queued", help="Wait in line through a queued resource.")] = False,
+    valid_until: Annotated[
+        str | None, typer.Option("--valid-until", help="With --queued: give up after e.g. 6h.")
+    ] = None,
+    startup_script: Annotated[
+        Path | None, typer.Option("--startup-script", help="Script every worker runs as root at every boot.")
+    ] = None,
+    setup: Annotated[
+        list[str] | None, typer.Option("--setup", help="A shell command to run at boot (repeatable).")
+    ] = None,
+    label: Annotated[list[str] | None, typer.Option("--label", help="KEY=VALUE (repeatable).")] = None,
+    network: Annotated[str | None, typer.Option(help="VPC network.")] = None,
+    subnetwork: Annotated[str | None, typer.Option(help="VPC subnetwork.")] = None,
+    internal_ips: Annotated[bool, typer.Option("--internal-ips", help="No external IPs.")] = False,
+    code: Annotated[
+        str | None, typer.Option("--code", help="DIR[:DEST] unpacked on every worker at boot (small dirs).")
+    ] = None,
+    data: Annotated[
+        list[str] | None, typer.Option("--data", help="URL[#sha256=HEX]=DEST downloaded at boot (repeatable).")
+    ] = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once the request is accepted.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for READY and startup.")] = 1800.0,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Provision a TPU VM or pod slice; waits until every worker finished its startup script."""
+    spec = provision.CreateSpec(
+        name=name,
+        accelerator_type=accelerator_type,
+        version=version,
+        spot=spot,
+        preemptible=preemptible,
+        queued=queued,
+        valid_until=valid_until,
+        startup_script=startup_script,
+        setup=setup or [],
+        labels=label or [],
+        network=network,
+        subnetwork=subnetwork,
+        internal_ips=internal_ips,
+        code=code,
+        data=data or [],
+        wait=not no_wait,
+        timeout=timeout,
+    )
+    provision.prepare_create(spec)  # every local check before settings or the API are touched
+    cloud, s = cloud_for(project, zone)
+    try:
+        with progress_display() as progress:
+            result = provision.create(cloud, s, spec, progress)
+    except provision.StartupFailed as exc:
+        if not json_out:
+            _workers_table(exc.view)
+        raise
+    view = result.view if isinstance(result, provision.CreateResult) else result
+    if isinstance(result, provision.CreateResult) and not s.tpu.value:
+        path = settings.write_project_setting("tpu", name)
+        ui.info(f"{name} is now the default TPU here (recorded in {path})")
+    if json_out:
+        ui.print_json(view.to_dict(full=True))
+        return
+    _workers_table(view)
+
+
+@app.command("attach")
+def attach_cmd(
+    name: Annotated[str, typer.Argument(help="An existing node.")],
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Adopt an existing TPU: pin its host keys, add tpurun's ssh key, make it this directory's default."""
+    provision.validate_name(name)
+    cloud, s = cloud_for(project, zone)
+    with progress_display() as progress:
+        view = provision.attach(cloud, s, name, progress)
+    if json_out:
+        ui.print_json(view.to_dict(full=True))
+        return
+    ui.info(f"attached {name}: host keys pinned, ssh key installed, default TPU in tpurun.toml")
+    _workers_table(view)
+
+
+@app.command("list")
+def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False) -> None:
+    """List TPU nodes in the zone."""
+    cloud, _ = cloud_for(project, zone)
+    views = provision.list_nodes(cloud)
+    if json_out:
+        ui.print_json([v.to_dict() for v in views])
+        return
+    ui.table(
+        None,
+        ["name", "accelerator", "state", "health", "workers", "spot/preemptible", "age"],
+        [
+            (
+                v.name,
+                v.accelerator_type,
+                v.state,
+                v.health,
+                len(v.workers),
+                "spot" if v.spot else "preemptible" if v.preemptible else "-",
+                v.age(),
+            )
+            for v in views
+        ],
+    )
+
+
+@app.command("describe")
+def describe_cmd(
+    name: Annotated[str, typer.Argument(help="Node name.")],
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Everything about one node: workers, IPs, startup status, labels (ssh keys shortened)."""
+    provision.validate_name(name)
+    cloud, _ = cloud_for(project, zone)
+    view = provision.describe(cloud, name)
+    if json_out:
+        ui.print_json(view.to_dict(full=True))
+        return
+    d = view.to_dict(full=True)
+    rows = [(k, v) for k, v in d.items() if k not in ("workerEndpoints", "metadata", "labels")]
+    rows.append(("labels", ", ".join(f"{k}={v}" for k, v in view.labels.items()) or "-"))
+    for k, v in d["metadata"].items():
+        rows.append((f"metadata {k}", v))
+    ui.table(view.name, ["field", "value"], rows)
+    _workers_table(view)
+
+
+@app.command("delete")
+def delete_cmd(
+    name: Annotated[str, typer.Argument(help="Node name.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+) -> None:
+    """Delete a node (and the queued resource it came from); asks unless --yes."""
+    provision.validate_name(name)
+    cloud, _ = cloud_for(project, zone)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"refusing to delete {name} without confirmation: pass --yes")
+        if not typer.confirm(f"Delete {name} in {cloud.project}/{cloud.zone}?", default=False):
+            raise typer.Exit(1)
+    with progress_display() as progress:
+        qr = provision.delete(cloud, name, progress)
+    ui.info(f"deleted {name}" + (" and its queued resource" if qr else ""))
+
+
+@app.command("stop")
+def stop_cmd(name: Annotated[str, typer.Argument()], project: ProjectOpt = None, zone: ZoneOpt = None) -> None:
+    """Stop a single-host TPU VM (pod slices can only be deleted)."""
+    provision.validate_name(name)
+    cloud, _ = cloud_for(project, zone)
+    with progress_display() as progress:
+        view = provision.stop(cloud, name, progress)
+    ui.info(f"{name} is {view.state}")
+
+
+@app.command("start")
+def start_cmd(
+    name: Annotated[str, typer.Argument()], project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False
+) -> None:
+    """Start a stopped single-host TPU VM and wait for its startup script."""
+    provision.validate_name(name)
+    cloud, s = cloud_for(project, zone)
+    with progress_display() as progress:
+        result = provision.start(cloud, s, name, progress)
+    if json_out:
+        ui.print_json(result.view.to_dict(full=True))
+        return
+    _workers_table(result.view)

@@ -1,0 +1,291 @@
+"""The control plane's one small interface to the Cloud TPU API (google-cloud-tpu, v2, REST).
+
+Every command goes through `Cloud`: it never knows whether the endpoint is Google or the local
+emulator. Transient failures (429, 503, timeouts, dropped connections) are retried with backoff and
+shown; everything else becomes an `ApiError` with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
+
+from tpurun import ui
+from tpurun.errors import ApiError, UsageError
+from tpurun.settings import Settings
+
+T = TypeVar("T")
+
+TRANSIENT = (
+    gexc.TooManyRequests,
+    gexc.ServiceUnavailable,
+    gexc.DeadlineExceeded,
+    gexc.InternalServerError,
+    gexc.BadGateway,
+    gexc.GatewayTimeout,
+)
+
+
+def is_emulator(endpoint: str) -> bool:
+    """An http:// endpoint on a loopback address is the local emulator (anonymous credentials)."""
+    url = urlparse(endpoint)
+    if url.scheme != "http" or not url.hostname:
+        return False
+    try:
+        return ipaddress.ip_address(url.hostname).is_loopback
+    except ValueError:
+        return url.hostname == "localhost"
+
+
+def _credentials(endpoint: str) -> Any:
+    if is_emulator(endpoint):
+        from google.auth.credentials import AnonymousCredentials
+
+        return AnonymousCredentials()
+    if endpoint.startswith("http://"):
+        raise UsageError(
+            f"refusing to send Google credentials over plain http to {endpoint}: "
+            "use an https endpoint, or a loopback http endpoint for the emulator"
+        )
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        creds, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+    except DefaultCredentialsError:
+        raise ApiError(
+            "no Google credentials found",
+            hint="run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS "
+            "to a service-account key file",
+        ) from None
+    return creds
+
+
+@dataclass(frozen=True)
+class Retry:
+    attempts: int = 6
+    first_delay: float = 1.0
+    multiplier: float = 2.0
+    max_delay: float = 20.0
+
+
+def _short_name(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+class Cloud:
+    """Nodes, queued resources and operations in one project and zone."""
+
+    def __init__(self, s: Settings, *, retry: Retry | None = None) -> None:
+        self.project, self.zone = s.require_location()
+        self.endpoint = s.endpoint
+        self.parent = f"projects/{self.project}/locations/{self.zone}"
+        self.retry = retry or Retry(
+            first_delay=float(os.environ.get("TPURUN_RETRY_DELAY", "1.0")),
+            attempts=int(os.environ.get("TPURUN_RETRY_ATTEMPTS", "6")),
+        )
+        self.client = tpu_v2.TpuClient(
+            transport="rest",
+            client_options={"api_endpoint": self.endpoint},
+            credentials=_credentials(self.endpoint),
+        )
+
+    # ------------------------------------------------------------------ plumbing
+
+    def node_path(self, name: str) -> str:
+        return name if name.startswith("projects/") else f"{self.parent}/nodes/{name}"
+
+    def qr_path(self, name: str) -> str:
+        return name if name.startswith("projects/") else f"{self.parent}/queuedResources/{name}"
+
+    def call(self, what: str, fn: Callable[[], T], *, node: str | None = None) -> T:
+        """FN with transient errors retried (and shown); other API errors mapped to clear messages."""
+        delay = self.retry.first_delay
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                return fn()
+            except TRANSIENT as exc:
+                if attempt == self.retry.attempts:
+                    raise ApiError(
+                        f"{what} failed: the Cloud TPU API kept answering {exc.code} "
+                        f"({_api_message(exc)}) after {attempt} attempts",
+                        hint="try again in a minute",
+                    ) from None
+                ui.warn(f"{what}: {exc.code} {_api_message(exc)}; retrying in {delay:.0f} s ({attempt})")
+                time.sleep(delay)
+                delay = min(delay * self.retry.multiplier, self.retry.max_delay)
+            except gexc.GoogleAPICallError as exc:
+                raise self._explain(what, exc, node) from None
+            except (ConnectionError, OSError) as exc:
+                # requests' ConnectionError is an OSError: the endpoint is down or unreachable
+                if attempt == self.retry.attempts:
+                    raise ApiError(
+                        f"{what} failed: cannot reach the Cloud TPU API at {self.endpoint} ({exc.__class__.__name__})",
+                        hint="check TPURUN_API_ENDPOINT and your network; `tpurun emulator status` for the emulator",
+                    ) from None
+                ui.warn(f"{what}: cannot reach {self.endpoint}; retrying in {delay:.0f} s ({attempt})")
+                time.sleep(delay)
+                delay = min(delay * self.retry.multiplier, self.retry.max_delay)
+        raise AssertionError("unreachable")
+
+    def _explain(self, what: str, exc: gexc.GoogleAPICallError, node: str | None) -> ApiError:
+        # REST errors arrive as HTTP classes (Forbidden, Conflict, ...), failed operations as gRPC ones
+        msg = _api_message(exc)
+        where = f"project {self.project}, zone {self.zone}"
+        if isinstance(exc, gexc.PermissionDenied | gexc.Forbidden):
+            return ApiError(
+                f"{what}: permission denied in {where}: {msg}",
+                hint="your account needs the Cloud TPU Admin role (roles/tpu.admin) on the project, "
+                "and the Cloud TPU API enabled (gcloud services enable tpu.googleapis.com)",
+            )
+        if isinstance(exc, gexc.NotFound):
+            hint = "`tpurun list` shows the nodes that exist"
+            if node:
+                similar = self.similar_names(node)
+                if similar:
+                    hint = f"did you mean {', '.join(similar)}?"
+                return ApiError(f"{what}: no TPU named '{node}' in {where}", hint=hint)
+            return ApiError(f"{what}: not found in {where}: {msg}", hint=hint)
+        if isinstance(exc, gexc.ResourceExhausted | gexc.TooManyRequests):
+            return ApiError(
+                f"{what}: out of capacity or quota in {where}: {msg}",
+                hint="retry with --spot, wait in line with --queued, or try another zone",
+            )
+        if isinstance(exc, gexc.AlreadyExists | gexc.Conflict):
+            return ApiError(
+                f"{what}: already exists in {where}: {msg}",
+                hint="choose another name, `tpurun attach` the existing node, or delete it first",
+            )
+        if isinstance(exc, gexc.InvalidArgument | gexc.FailedPrecondition | gexc.BadRequest):
+            return ApiError(f"{what}: the Cloud TPU API refused the request: {msg}")
+        if isinstance(exc, gexc.Unauthenticated | gexc.Unauthorized):
+            return ApiError(f"{what}: not authenticated: {msg}", hint="run `gcloud auth application-default login`")
+        return ApiError(f"{what}: Cloud TPU API error {exc.code}: {msg}")
+
+    def similar_names(self, name: str) -> list[str]:
+        try:
+            names = [_short_name(n.name) for n in self.client.list_nodes(parent=self.parent)]
+        except gexc.GoogleAPICallError:
+            return []
+        return difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+
+    # ------------------------------------------------------------------ nodes
+
+    def get_node(self, name: str) -> tpu_v2.Node:
+        return self.call(f"get {name}", lambda: self.client.get_node(name=self.node_path(name)), node=name)
+
+    def find_node(self, name: str) -> tpu_v2.Node | None:
+        try:
+            return self.client.get_node(name=self.node_path(name))
+        except gexc.NotFound:
+            return None
+        except gexc.GoogleAPICallError:
+            return self.get_node(name)  # retried and explained
+
+    def list_nodes(self) -> list[tpu_v2.Node]:
+        return self.call("list nodes", lambda: list(self.client.list_nodes(parent=self.parent)))
+
+    def create_node(self, node_id: str, node: tpu_v2.Node) -> Any:
+        return self.call(
+            f"create {node_id}",
+            lambda: self.client.create_node(parent=self.parent, node=node, node_id=node_id),
+        )
+
+    def delete_node(self, name: str) -> Any:
+        return self.call(f"delete {name}", lambda: self.client.delete_node(name=self.node_path(name)), node=name)
+
+    def stop_node(self, name: str) -> Any:
+        return self.call(
+            f"stop {name}", lambda: self.client.stop_node(request={"name": self.node_path(name)}), node=name
+        )
+
+    def start_node(self, name: str) -> Any:
+        return self.call(
+            f"start {name}", lambda: self.client.start_node(request={"name": self.node_path(name)}), node=name
+        )
+
+    def update_metadata(self, name: str, metadata: dict[str, str]) -> Any:
+        """Replace the node's whole metadata map (callers merge first: the API replaces it all)."""
+        node = tpu_v2.Node(name=self.node_path(name), metadata=metadata)
+        return self.call(
+            f"update metadata of {name}",
+            lambda: self.client.update_node(node=node, update_mask={"paths": ["metadata"]}),
+            node=name,
+        )
+
+    def guest_attributes(self, name: str, query_path: str = "") -> list[dict[tuple[str, str], str]]:
+        """Per worker, {(namespace, key): value} under QUERY_PATH (e.g. "hostkeys/" or "tpurun/")."""
+        resp = self.call(
+            f"read guest attributes of {name}",
+            lambda: self.client.get_guest_attributes(request={"name": self.node_path(name), "query_path": query_path}),
+            node=name,
+        )
+        out: list[dict[tuple[str, str], str]] = []
+        for ga in resp.guest_attributes:
+            out.append({(item.namespace, item.key): item.value for item in ga.query_value.items})
+        return out
+
+    # ------------------------------------------------------------------ queued resources
+
+    def create_queued_resource(self, qr_id: str, qr: tpu_v2.QueuedResource) -> Any:
+        return self.call(
+            f"create queued resource {qr_id}",
+            lambda: self.client.create_queued_resource(
+                parent=self.parent, queued_resource=qr, queued_resource_id=qr_id
+            ),
+        )
+
+    def get_queued_resource(self, name: str) -> tpu_v2.QueuedResource:
+        return self.call(
+            f"get queued resource {name}", lambda: self.client.get_queued_resource(name=self.qr_path(name))
+        )
+
+    def delete_queued_resource(self, name: str, *, force: bool = True) -> Any:
+        return self.call(
+            f"delete queued resource {name}",
+            lambda: self.client.delete_queued_resource(request={"name": self.qr_path(name), "force": force}),
+        )
+
+    # ------------------------------------------------------------------ operations
+
+    def wait(self, what: str, op: Any, *, timeout: float = 1800, on_poll: Callable[[], None] | None = None) -> Any:
+        """Wait for a long-running operation, polling through `call` so transient errors are retried."""
+        deadline = time.monotonic() + timeout
+        interval = float(os.environ.get("TPURUN_POLL_INTERVAL", "2.0"))
+        while True:
+            done = self.call(what, op.done)
+            if done:
+                try:
+                    return op.result(timeout=0)
+                except gexc.GoogleAPICallError as exc:
+                    raise self._explain(what, exc, None) from None
+            if on_poll:
+                on_poll()
+            if time.monotonic() > deadline:
+                raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`")
+            time.sleep(interval)
+
+    def iter_poll(self, interval: float | None = None) -> Iterator[None]:
+        interval = interval if interval is not None else float(os.environ.get("TPURUN_POLL_INTERVAL", "2.0"))
+        while True:
+            yield None
+            time.sleep(interval)
+
+
+def _api_message(exc: gexc.GoogleAPICallError) -> str:
+    """The service's own words, without the "POST http://…: " prefix the REST transport adds."""
+    return re.sub(r"^(GET|POST|PATCH|PUT|DELETE) \S+: ", "", _first_line(exc.message))
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""

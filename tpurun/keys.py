@@ -1,0 +1,121 @@
+"""tpurun's own SSH identity and the host keys it has pinned.
+
+The ed25519 key is created once under $TPURUN_HOME/ssh (0600, directory 0700). Host keys are never
+learned on first contact: they are pinned from the guest attributes the TPU guest agent publishes
+(namespace `hostkeys`), and stored in $TPURUN_HOME/known_hosts in OpenSSH format so that both paramiko
+and the system `ssh` can check them.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+KEY_COMMENT = "tpurun"
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def ssh_dir(home: Path) -> Path:
+    _private_dir(home)
+    return _private_dir(home / "ssh")
+
+
+def key_path(home: Path) -> Path:
+    return home / "ssh" / "id_ed25519"
+
+
+def known_hosts_path(home: Path) -> Path:
+    return home / "ssh" / "known_hosts"
+
+
+def ensure_key(home: Path) -> tuple[Path, str]:
+    """Path of tpurun's private key (created on first use) and its public key line."""
+    path = key_path(home)
+    pub = path.with_suffix(".pub")
+    if not path.exists():
+        ssh_dir(home)
+        key = Ed25519PrivateKey.generate()
+        data = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        )
+        # create 0600 from the start: the key must never be readable by others, not even briefly
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        pub.write_text(f"{public.decode()} {KEY_COMMENT}\n")
+    os.chmod(path, 0o600)
+    return path, pub.read_text().strip()
+
+
+def ssh_user() -> str:
+    """The user tpurun logs in as: $TPURUN_SSH_USER, else the local user name (as gcloud does)."""
+    return os.environ.get("TPURUN_SSH_USER") or getpass.getuser()
+
+
+def ssh_keys_entry(user: str, public_line: str) -> str:
+    """One `ssh-keys` metadata line: USER:KEYTYPE KEYDATA COMMENT."""
+    return f"{user}:{public_line}"
+
+
+def merge_ssh_keys(existing: str, entry: str) -> tuple[str, bool]:
+    """EXISTING ssh-keys value with ENTRY added unless its key is already there; never drops a line."""
+    lines = [line for line in existing.splitlines() if line.strip()]
+    user, _, key = entry.partition(":")
+    key_body = key.split()[:2]
+    for line in lines:
+        u, _, k = line.partition(":")
+        if u == user and k.split()[:2] == key_body:
+            return existing, False
+    lines.append(entry)
+    return "\n".join(lines) + "\n", True
+
+
+def host_entry(address: str, port: int) -> str:
+    return address if port == 22 else f"[{address}]:{port}"
+
+
+def pin_host_keys(home: Path, hosts: dict[str, str]) -> None:
+    """Record HOSTS ({"addr" or "[addr]:port": "ssh-ed25519 AAAA..."}) as the only trusted keys for them.
+
+    A host's earlier entries are replaced: the guest attributes are the authority (a recreated node
+    reuses addresses with new keys). The file is rewritten atomically.
+    """
+    path = known_hosts_path(home)
+    ssh_dir(home)
+    kept = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if fields and fields[0] in hosts:
+                continue
+            kept.append(line)
+    for host, key in sorted(hosts.items()):
+        key_type, key_data = key.split()[:2]
+        kept.append(f"{host} {key_type} {key_data}")
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(kept) + "\n")
+    os.replace(tmp, path)
+
+
+def pinned_key(home: Path, address: str, port: int = 22) -> str | None:
+    path = known_hosts_path(home)
+    if not path.exists():
+        return None
+    host = host_entry(address, port)
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[0] == host:
+            return f"{fields[1]} {fields[2]}"
+    return None

@@ -1,0 +1,499 @@
+"""Provisioning: create, attach, list, describe, delete, stop and start TPU nodes.
+
+Everything is validated locally before the first API call, so bad input never creates anything.
+`create` only returns when every worker finished its startup script (or one failed, with its log
+tail), with host keys pinned from guest attributes and tpurun's key in `ssh-keys`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from google.cloud import tpu_v2
+
+from tpurun import keys, settings, startup
+from tpurun.cloud import Cloud
+from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
+from tpurun.topology import Topology, parse_accelerator_type
+
+NAME_RE = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
+STATE = tpu_v2.Node.State
+
+
+def validate_name(name: str) -> str:
+    if not NAME_RE.match(name or ""):
+        raise UsageError(
+            f"invalid TPU name '{name}': use 1-63 lowercase letters, digits and '-', starting with a letter "
+            "and not ending with '-'"
+        )
+    return name
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not LABEL_RE.match(key) or not LABEL_VALUE_RE.match(value):
+            raise UsageError(
+                f"invalid --label '{item}': expected KEY=VALUE, KEY starting with a lowercase letter; "
+                "lowercase letters, digits, '_' and '-' only"
+            )
+        labels[key] = value
+    return labels
+
+
+def parse_duration(text: str) -> int:
+    """'6h', '30m', '2d', '90s' or seconds -> seconds."""
+    m = re.match(r"^(\d+)([smhd]?)$", text.strip())
+    if not m:
+        raise UsageError(f"invalid duration '{text}': use e.g. 90s, 30m, 6h or 2d")
+    return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+@dataclass
+class CreateSpec:
+    name: str
+    accelerator_type: str
+    version: str | None = None
+    spot: bool = False
+    preemptible: bool = False
+    queued: bool = False
+    valid_until: str | None = None
+    startup_script: Path | None = None
+    setup: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    network: str | None = None
+    subnetwork: str | None = None
+    internal_ips: bool = False
+    code: str | None = None  # DIR[:DEST]
+    data: list[str] = field(default_factory=list)
+    wait: bool = True
+    timeout: float = 1800.0
+
+
+@dataclass
+class WorkerView:
+    index: int
+    internal_ip: str
+    external_ip: str
+    report: startup.StartupReport | None = None
+
+
+@dataclass
+class NodeView:
+    """What `list` and `describe` show: one node, with the fields users ask about."""
+
+    name: str
+    accelerator_type: str
+    state: str
+    health: str
+    runtime_version: str
+    workers: list[WorkerView]
+    spot: bool
+    preemptible: bool
+    created: dt.datetime | None
+    labels: dict[str, str]
+    metadata: dict[str, str]
+    queued_resource: str
+
+    def age(self) -> str:
+        if not self.created:
+            return "-"
+        seconds = int((dt.datetime.now(dt.timezone.utc) - self.created).total_seconds())
+        for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+            if seconds >= size:
+                return f"{seconds // size}{unit}"
+        return f"{max(seconds, 0)}s"
+
+    def to_dict(self, *, full: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "acceleratorType": self.accelerator_type,
+            "state": self.state,
+            "health": self.health,
+            "workers": len(self.workers),
+            "spot": self.spot,
+            "preemptible": self.preemptible,
+            "age": self.age(),
+            "createTime": self.created.isoformat() if self.created else None,
+        }
+        if full:
+            d["runtimeVersion"] = self.runtime_version
+            d["labels"] = self.labels
+            d["queuedResource"] = self.queued_resource
+            d["metadata"] = {k: shorten_metadata(k, v) for k, v in self.metadata.items()}
+            d["workerEndpoints"] = [
+                {
+                    "index": w.index,
+                    "internalIp": w.internal_ip,
+                    "externalIp": w.external_ip,
+                    "startup": w.report.status if w.report else "unknown",
+                }
+                for w in self.workers
+            ]
+        return d
+
+
+def shorten_metadata(key: str, value: str) -> str:
+    """ssh-keys shown as user + key type + fingerprint-ish prefix; big values summarised."""
+    if key == "ssh-keys":
+        out = []
+        for line in value.splitlines():
+            user, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) >= 2:
+                out.append(f"{user}:{parts[0]} {parts[1][:12]}…{parts[1][-6:]}")
+        return "\n".join(out)
+    if len(value) > 200:
+        return f"<{len(value)} bytes>"
+    return value
+
+
+def node_view(node: tpu_v2.Node, reports: list[startup.StartupReport] | None = None) -> NodeView:
+    workers = []
+    for i, ep in enumerate(node.network_endpoints):
+        ext = ep.access_config.external_ip if ep.access_config else ""
+        workers.append(WorkerView(i, ep.ip_address, ext, reports[i] if reports and i < len(reports) else None))
+    created = None
+    if node.create_time:
+        created = node.create_time if node.create_time.tzinfo else node.create_time.replace(tzinfo=dt.timezone.utc)
+    return NodeView(
+        name=node.name.rsplit("/", 1)[-1],
+        accelerator_type=node.accelerator_type,
+        state=STATE(node.state).name,
+        health=tpu_v2.Node.Health(node.health).name if node.health else "-",
+        runtime_version=node.runtime_version,
+        workers=workers,
+        spot=bool(node.scheduling_config.spot),
+        preemptible=bool(node.scheduling_config.preemptible),
+        created=created,
+        labels=dict(node.labels),
+        metadata=dict(node.metadata),
+        queued_resource=node.queued_resource,
+    )
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Status lines while waiting: a spinner on a terminal, one line per change when piped."""
+
+    def __init__(self, show: Callable[[str], None]) -> None:
+        self.show = show
+        self.last = ""
+
+    def __call__(self, text: str) -> None:
+        if text != self.last:
+            self.last = text
+            self.show(text)
+
+
+# ---------------------------------------------------------------------------- create
+
+
+@dataclass
+class CreateResult:
+    view: NodeView
+    reports: list[startup.StartupReport]
+    set_default: bool = False
+
+
+def prepare_create(spec: CreateSpec) -> tuple[Topology, dict[str, str], dict[str, str], int | None]:
+    """Everything that can be checked without the API: returns topology, metadata, labels, valid-until."""
+    validate_name(spec.name)
+    topo = parse_accelerator_type(spec.accelerator_type)
+    if spec.spot and spec.preemptible:
+        raise UsageError("choose one of --spot and --preemptible")
+    if spec.valid_until and not spec.queued:
+        raise UsageError("--valid-until only applies with --queued")
+    valid_until = parse_duration(spec.valid_until) if spec.valid_until else None
+    user_script = None
+    if spec.startup_script is not None:
+        path = spec.startup_script
+        if not path.is_file():
+            raise UsageError(f"--startup-script {path}: no such file")
+        try:
+            user_script = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--startup-script {path}: cannot read it ({exc})") from None
+    code = None
+    if spec.code:
+        directory, _, dest = spec.code.partition(":")
+        src = Path(directory).expanduser()
+        code = startup.pack_code(src, dest or f"{startup.DEFAULT_CODE_DEST}/{src.resolve().name}")
+    data = [startup.parse_data_item(d) for d in spec.data]
+    for cmd in spec.setup:
+        if not cmd.strip():
+            raise UsageError("--setup needs a command")
+    labels = parse_labels(spec.labels)
+    metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data)
+    return topo, metadata, labels, valid_until
+
+
+def create(
+    cloud: Cloud, s: settings.Settings, spec: CreateSpec, progress: Callable[[str], None]
+) -> CreateResult | NodeView:
+    topo, metadata, labels, valid_until = prepare_create(spec)
+    home = s.home_path
+    _, public = keys.ensure_key(home)
+    metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
+    node = tpu_v2.Node(
+        accelerator_type=topo.name,
+        runtime_version=spec.version or topo.default_runtime_version,
+        labels=labels,
+        metadata=metadata,
+        network_config=tpu_v2.NetworkConfig(
+            network=spec.network or "",
+            subnetwork=spec.subnetwork or "",
+            enable_external_ips=not spec.internal_ips,
+        ),
+        scheduling_config=tpu_v2.SchedulingConfig(spot=spec.spot, preemptible=spec.preemptible),
+    )
+    if spec.queued:
+        _create_queued(cloud, spec, node, valid_until, progress)
+    else:
+        op = cloud.create_node(spec.name, node)
+        if not spec.wait:
+            return node_view(cloud.get_node(spec.name))
+        cloud.wait(f"create {spec.name}", op, timeout=spec.timeout, on_poll=lambda: progress(f"{spec.name}: CREATING"))
+    if not spec.wait:
+        return node_view(cloud.get_node(spec.name))
+    ready = wait_ready(cloud, spec.name, progress, timeout=spec.timeout)
+    reports = wait_startup(cloud, spec.name, ready, progress, timeout=spec.timeout)
+    pin_from_guest_attributes(cloud, home, spec.name, ready)
+    result = CreateResult(node_view(ready, reports), reports)
+    _raise_if_startup_failed(spec.name, result.view, reports)
+    return result
+
+
+def _create_queued(
+    cloud: Cloud, spec: CreateSpec, node: tpu_v2.Node, valid_until: int | None, progress: Callable[[str], None]
+) -> None:
+    qr = tpu_v2.QueuedResource(
+        tpu=tpu_v2.QueuedResource.Tpu(
+            node_spec=[tpu_v2.QueuedResource.Tpu.NodeSpec(parent=cloud.parent, node_id=spec.name, node=node)]
+        ),
+    )
+    if spec.spot:
+        qr.spot = tpu_v2.QueuedResource.Spot()
+    if valid_until:
+        qr.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(valid_until_duration={"seconds": valid_until})
+    op = cloud.create_queued_resource(spec.name, qr)
+    cloud.wait(f"queue {spec.name}", op, timeout=120)
+    deadline = time.monotonic() + (valid_until or spec.timeout)
+    if not spec.wait:
+        return
+    for _ in cloud.iter_poll():
+        got = cloud.get_queued_resource(spec.name)
+        state = tpu_v2.QueuedResourceState.State(got.state.state).name
+        progress(f"{spec.name}: queued resource {state}")
+        if state == "ACTIVE":
+            return
+        if state in ("FAILED", "SUSPENDED"):
+            detail = got.state.failed_data.error.message if got.state.failed_data else ""
+            raise ApiError(
+                f"queued resource {spec.name} {state}{': ' + detail if detail else ''}",
+                hint=f"delete it with `tpurun delete {spec.name} --yes` and try another zone or size",
+            )
+        if time.monotonic() > deadline:
+            raise ApiError(
+                f"queued resource {spec.name} is still {state} after {spec.timeout:.0f} s",
+                hint="it stays queued; check later with `tpurun list`, or `tpurun delete` it",
+            )
+
+
+def wait_ready(cloud: Cloud, name: str, progress: Callable[[str], None], *, timeout: float) -> tpu_v2.Node:
+    deadline = time.monotonic() + timeout
+    for _ in cloud.iter_poll():
+        node = cloud.find_node(name)
+        if node is None:
+            progress(f"{name}: waiting for the node to appear")
+        else:
+            state = STATE(node.state).name
+            progress(f"{name}: {state}")
+            if state == "READY":
+                return node
+            if state in ("PREEMPTED", "TERMINATED", "STOPPED"):
+                raise ApiError(f"{name} went {state} while waiting for it to be READY")
+        if time.monotonic() > deadline:
+            raise ApiError(f"{name} is not READY after {timeout:.0f} s", hint="check `tpurun describe " + name + "`")
+    raise AssertionError("unreachable")
+
+
+def wait_startup(
+    cloud: Cloud,
+    name: str,
+    node: tpu_v2.Node,
+    progress: Callable[[str], None],
+    *,
+    timeout: float,
+) -> list[startup.StartupReport]:
+    """Poll guest attributes until every worker's startup wrapper finished (or one failed)."""
+    n = len(node.network_endpoints)
+    deadline = time.monotonic() + timeout
+    reports: list[startup.StartupReport] = []
+    for _ in cloud.iter_poll(max(float(os.environ.get("TPURUN_POLL_INTERVAL", "2.0")), 0.2)):
+        attrs = cloud.guest_attributes(name, startup.NAMESPACE + "/")
+        reports = [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(n)]
+        done = sum(r.finished for r in reports)
+        failed = [i for i, r in enumerate(reports) if r.status == "failed"]
+        steps = ", ".join(sorted({r.step or r.status for r in reports if not r.finished})) or "-"
+        progress(f"{name}: startup finished on {done}/{n} workers (running: {steps})")
+        if done == n or failed:
+            return reports
+        if time.monotonic() > deadline:
+            waiting = [str(i) for i, r in enumerate(reports) if not r.finished]
+            raise ApiError(
+                f"{name}: the startup script has not finished on worker(s) {','.join(waiting)} after {timeout:.0f} s",
+                hint=f"look at its log with `tpurun ssh --tpu {name} --worker {waiting[0]} -- cat {startup.LOG_PATH}`",
+            )
+    raise AssertionError("unreachable")
+
+
+def _raise_if_startup_failed(name: str, view: NodeView, reports: list[startup.StartupReport]) -> None:
+    for i, r in enumerate(reports):
+        if r.status == "failed":
+            failed_items = "; ".join(v for v in r.data.values() if v.startswith("failed"))
+            detail = f" ({failed_items})" if failed_items else ""
+            tail = "\n".join("    " + line for line in r.tail.splitlines()[-20:])
+            raise StartupFailed(
+                f"{name}: the startup script failed on worker {i} ({view.workers[i].internal_ip}) with exit code "
+                f"{r.exit_code} in step '{r.step}'{detail}; last lines of {startup.LOG_PATH}:\n{tail}",
+                view=view,
+                reports=reports,
+            )
+
+
+class StartupFailed(ProgramFailed):
+    def __init__(self, message: str, *, view: NodeView, reports: list[startup.StartupReport]) -> None:
+        super().__init__(message, hint=f"fix the script, then `tpurun delete {view.name}` and create again")
+        self.view = view
+        self.reports = reports
+
+
+# ---------------------------------------------------------------------------- attach & keys
+
+
+def host_keys_from(attrs: list[dict[tuple[str, str], str]], node: tpu_v2.Node) -> dict[str, str]:
+    pinned = {}
+    for i, ep in enumerate(node.network_endpoints):
+        key = attrs[i].get(("hostkeys", "ssh-ed25519")) if i < len(attrs) else None
+        if not key:
+            raise ApiError(
+                f"worker {i} ({ep.ip_address}) has not published its ssh host key in guest attributes yet",
+                hint="wait a minute after the node is READY and run `tpurun attach` again",
+            )
+        for address in {ep.ip_address, ep.access_config.external_ip if ep.access_config else ""} - {""}:
+            pinned[keys.host_entry(address, 22)] = key
+    return pinned
+
+
+def pin_from_guest_attributes(cloud: Cloud, home: Path, name: str, node: tpu_v2.Node) -> None:
+    attrs = cloud.guest_attributes(name, "hostkeys/")
+    keys.pin_host_keys(home, host_keys_from(attrs, node))
+
+
+def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> NodeView:
+    validate_name(name)
+    node = cloud.get_node(name)
+    state = STATE(node.state).name
+    if state != "READY":
+        raise UsageError(f"{name} is {state}; only a READY node can be attached", hint=f"`tpurun start {name}`?")
+    home = s.home_path
+    pin_from_guest_attributes(cloud, home, name, node)
+    _, public = keys.ensure_key(home)
+    entry = keys.ssh_keys_entry(keys.ssh_user(), public)
+    metadata = dict(node.metadata)
+    merged, changed = keys.merge_ssh_keys(metadata.get("ssh-keys", ""), entry)
+    if changed:
+        metadata["ssh-keys"] = merged
+        progress(f"{name}: adding tpurun's ssh key to the node's ssh-keys")
+        op = cloud.update_metadata(name, metadata)
+        cloud.wait(f"update {name}", op, timeout=300)
+    settings.write_project_setting("tpu", name)
+    return node_view(cloud.get_node(name))
+
+
+# ---------------------------------------------------------------------------- list / describe / delete
+
+
+def list_nodes(cloud: Cloud) -> list[NodeView]:
+    return [node_view(n) for n in sorted(cloud.list_nodes(), key=lambda n: n.name)]
+
+
+def describe(cloud: Cloud, name: str) -> NodeView:
+    validate_name(name)
+    node = cloud.get_node(name)
+    reports = None
+    if STATE(node.state).name == "READY":
+        try:
+            attrs = cloud.guest_attributes(name, startup.NAMESPACE + "/")
+            reports = [startup.parse_report(a) for a in attrs]
+        except TpurunError:
+            reports = None
+    return node_view(node, reports)
+
+
+def delete(cloud: Cloud, name: str, progress: Callable[[str], None]) -> str | None:
+    """Delete NAME (and the queued resource it came from). Returns the queued resource deleted, if any."""
+    validate_name(name)
+    node = cloud.find_node(name)
+    qr_name = node.queued_resource if node is not None else ""
+    if node is None:
+        # maybe only a queued resource of that name is waiting
+        try:
+            cloud.get_queued_resource(name)
+            qr_name = name
+        except ApiError:
+            cloud.get_node(name)  # raises NotFound with similar names
+    if node is not None:
+        op = cloud.delete_node(name)
+        cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
+    if qr_name:
+        progress(f"{name}: deleting queued resource {qr_name.rsplit('/', 1)[-1]}")
+        op = cloud.delete_queued_resource(qr_name)
+        cloud.wait(f"delete queued resource {qr_name}", op, timeout=600)
+    return qr_name or None
+
+
+def _single_host(cloud: Cloud, name: str, verb: str) -> tpu_v2.Node:
+    validate_name(name)
+    node = cloud.get_node(name)
+    topo = parse_accelerator_type(node.accelerator_type)
+    if topo.multi_host:
+        raise UsageError(
+            f"{name} is a {topo.name} pod slice with {topo.hosts} workers; Cloud TPU can {verb} only single-host "
+            f"TPU VMs",
+            hint=f"delete it with `tpurun delete {name}` and create it again when needed",
+        )
+    return node
+
+
+def stop(cloud: Cloud, name: str, progress: Callable[[str], None]) -> NodeView:
+    _single_host(cloud, name, "stop")
+    op = cloud.stop_node(name)
+    cloud.wait(f"stop {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: STOPPING"))
+    return node_view(cloud.get_node(name))
+
+
+def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> CreateResult:
+    _single_host(cloud, name, "start")
+    op = cloud.start_node(name)
+    cloud.wait(f"start {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: STARTING"))
+    ready = wait_ready(cloud, name, progress, timeout=1800)
+    # guest attributes start empty at boot, so the startup report read now is this boot's
+    reports = wait_startup(cloud, name, ready, progress, timeout=1800)
+    pin_from_guest_attributes(cloud, s.home_path, name, ready)
+    view = node_view(ready, reports)
+    _raise_if_startup_failed(name, view, reports)
+    return CreateResult(view, reports)
