@@ -1,0 +1,405 @@
+"""The data plane's connections: one runner per worker, SSH (paramiko) or this machine.
+
+A `Runner` runs one argv on its worker in a new process group, streams whole lines back as they are
+printed, and stops the group on request. Remote commands are wrapped in a small POSIX-sh watchdog:
+the command's process group is killed (TERM, then KILL after a grace) when the channel's stdin
+closes, i.e. when tpurun stops it on purpose *or* when tpurun dies and the connection drops. So a
+remote process never outlives the tpurun that started it.
+
+Host keys are checked against tpurun's pinned known_hosts only; unknown or changed keys are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from tpurun.errors import UnreachableError, UsageError
+
+LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line without newline)
+
+DEFAULT_GRACE = 3.0
+
+
+@dataclass(frozen=True)
+class Worker:
+    index: int
+    address: str
+    port: int = 22
+    user: str = "root"
+
+    def label(self) -> str:
+        return f"w{self.index} ({self.address})"
+
+
+@dataclass
+class RunResult:
+    worker: int
+    exit_code: int | None  # None: never ran (unreachable)
+    error: str = ""  # why it could not run
+    stopped: bool = False  # stopped by tpurun (fail-fast, Ctrl-C)
+    duration: float = 0.0
+
+
+def parse_worker_spec(spec: str, count: int) -> list[int]:
+    """`all`, `0`, `0,2`, `1-3` (and mixes) -> sorted worker indexes, checked against COUNT."""
+    text = (spec or "all").strip()
+    if text == "all":
+        return list(range(count))
+    chosen: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo_s, hi_s = part.split("-", 1)
+                lo, hi = int(lo_s), int(hi_s)
+                if lo > hi:
+                    raise ValueError
+                chosen.update(range(lo, hi + 1))
+            else:
+                chosen.add(int(part))
+        except ValueError:
+            raise UsageError(f"bad --worker '{spec}': use all, N, N,M or N-M (workers are 0..{count - 1})") from None
+    bad = sorted(i for i in chosen if i < 0 or i >= count)
+    if bad:
+        raise UsageError(f"bad --worker '{spec}': this TPU has workers 0..{count - 1}, not {bad[0]}")
+    return sorted(chosen)
+
+
+# The watchdog. $1 = grace seconds, the rest = the user's argv (never re-split: "$@").
+# fd 3 keeps the channel's stdin for the watchdog (an asynchronous list's stdin is /dev/null
+# otherwise); the command itself reads /dev/null. setsid gives the command its own process group
+# (its pid = pgid), which is what we signal.
+_WRAPPER = (
+    'g=$1; shift; exec 3<&0; setsid "$@" </dev/null & p=$!; '
+    '( while read -r _ <&3; do :; done; kill -TERM -$p 2>/dev/null; i=0; '
+    'while kill -0 -$p 2>/dev/null && [ $i -lt $((g*10)) ]; do sleep 0.1; i=$((i+1)); done; '
+    "kill -KILL -$p 2>/dev/null ) & w=$!; exec 3<&-; "
+    "wait $p; rc=$?; kill $w 2>/dev/null; "
+    # whatever the command left behind in its group goes too
+    "if kill -0 -$p 2>/dev/null; then kill -TERM -$p 2>/dev/null; sleep 0.2; kill -KILL -$p 2>/dev/null; fi; "
+    "exit $rc"
+)
+
+
+def wrap_command(argv: Sequence[str], grace: float = DEFAULT_GRACE) -> str:
+    """The one shell line sshd runs: the watchdog with ARGV quoted so it arrives exactly."""
+    for arg in argv:
+        if "\0" in arg:
+            raise UsageError("arguments cannot contain NUL bytes (no program can receive them)")
+    return shlex.join(["sh", "-c", _WRAPPER, "tpurun", str(max(1, int(round(grace)))), *argv])
+
+
+class _LineSplitter:
+    """Bytes in, whole lines out (a partial line waits for its end, or for flush at EOF)."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self.buf = b""
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        if b"\n" not in data:
+            return
+        *lines, self.buf = self.buf.split(b"\n")
+        for line in lines:
+            self.emit(line.decode("utf-8", errors="replace").rstrip("\r"))
+
+    def flush(self) -> None:
+        if self.buf:
+            self.emit(self.buf.decode("utf-8", errors="replace"))
+            self.buf = b""
+
+
+class Runner:
+    """Runs commands on one worker."""
+
+    worker: Worker
+
+    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class LocalRunner(Runner):
+    """This machine as worker 0 of a one-host pod."""
+
+    def __init__(self, worker: Worker | None = None) -> None:
+        self.worker = worker or Worker(0, "127.0.0.1")
+
+    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            sink(self.worker.index, "err", f"cannot start {argv[0]}: {exc.strerror}")
+            return 127
+        assert proc.stdout and proc.stderr
+        splitters = {
+            proc.stdout.fileno(): _LineSplitter(lambda line: sink(self.worker.index, "out", line)),
+            proc.stderr.fileno(): _LineSplitter(lambda line: sink(self.worker.index, "err", line)),
+        }
+        open_fds = set(splitters)
+        stopping_since: float | None = None
+        while open_fds:
+            ready, _, _ = select.select(list(open_fds), [], [], 0.1)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if data:
+                    splitters[fd].feed(data)
+                else:
+                    splitters[fd].flush()
+                    open_fds.discard(fd)
+            if stop.is_set():
+                stopping_since = _stop_group(proc.pid, stopping_since, grace)
+        rc = proc.wait()
+        _kill_group(proc.pid)
+        return rc if rc >= 0 else 128 - rc
+
+    def __repr__(self) -> str:
+        return "LocalRunner()"
+
+
+def _stop_group(pgid: int, since: float | None, grace: float) -> float:
+    now = time.monotonic()
+    if since is None:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        return now
+    if now - since > grace:
+        _kill_group(pgid)
+    return since
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class SshRunner(Runner):
+    """One paramiko connection to one worker, host key checked against the pinned known_hosts."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        *,
+        key_path: Path,
+        known_hosts: Path,
+        connect_timeout: float = 15.0,
+        auth_retries: int | None = None,
+        auth_retry_delay: float | None = None,
+        node_name: str = "",
+    ) -> None:
+        self.worker = worker
+        self.key_path = key_path
+        self.known_hosts = known_hosts
+        self.connect_timeout = connect_timeout
+        self.auth_retries = auth_retries if auth_retries is not None else int(os.environ.get("TPURUN_SSH_RETRIES", "10"))
+        self.auth_retry_delay = (
+            auth_retry_delay if auth_retry_delay is not None else float(os.environ.get("TPURUN_SSH_RETRY_DELAY", "2"))
+        )
+        self.node_name = node_name
+        self.client: paramiko.SSHClient | None = None
+
+    def _attach_hint(self) -> str:
+        return f"`tpurun attach {self.node_name}`" if self.node_name else "`tpurun attach NAME`"
+
+    def connect(self) -> None:
+        client = paramiko.SSHClient()
+        # only tpurun's pinned keys; never the user's known_hosts, never trust on first use
+        if self.known_hosts.exists():
+            client.load_host_keys(str(self.known_hosts))
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        pkey = paramiko.Ed25519Key.from_private_key_file(str(self.key_path)) if self.key_path.exists() else None
+        w = self.worker
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                client.connect(
+                    w.address,
+                    port=w.port,
+                    username=w.user,
+                    pkey=pkey,
+                    allow_agent=pkey is None,
+                    look_for_keys=pkey is None,
+                    timeout=self.connect_timeout,
+                    banner_timeout=self.connect_timeout,
+                    auth_timeout=self.connect_timeout,
+                )
+                break
+            except paramiko.BadHostKeyException:
+                client.close()
+                raise UnreachableError(
+                    f"HOST KEY CHANGED for worker {w.label()}: refusing to connect (it does not match the key "
+                    f"pinned from the TPU's guest attributes; this could be a man-in-the-middle)",
+                    hint=f"if the node was recreated, {self._attach_hint()} re-pins its keys",
+                ) from None
+            except paramiko.SSHException as exc:
+                client.close()
+                if "not found in known_hosts" in str(exc):
+                    raise UnreachableError(
+                        f"no pinned host key for worker {w.label()}: refusing to trust an unknown host",
+                        hint=f"{self._attach_hint()} pins the keys the TPU published",
+                    ) from None
+                auth = isinstance(exc, paramiko.AuthenticationException)
+                if attempt > self.auth_retries or not auth:
+                    what = "authentication failed" if auth else f"ssh error: {exc}"
+                    raise UnreachableError(
+                        f"cannot log in to worker {w.label()} as {w.user}: {what}",
+                        hint=f"{self._attach_hint()} installs tpurun's key in the node's ssh-keys",
+                    ) from None
+                # a key freshly added to metadata takes a moment to reach the workers
+                time.sleep(self.auth_retry_delay)
+                client = paramiko.SSHClient()
+                if self.known_hosts.exists():
+                    client.load_host_keys(str(self.known_hosts))
+                client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            except (OSError, EOFError) as exc:
+                client.close()
+                reason = "timed out" if isinstance(exc, socket.timeout | TimeoutError) else str(exc) or type(exc).__name__
+                raise UnreachableError(f"cannot reach worker {w.label()} port {w.port}: {reason}") from None
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(15)
+        self.client = client
+
+    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+        assert self.client is not None, "connect() first"
+        transport = self.client.get_transport()
+        assert transport is not None
+        chan = transport.open_session()
+        chan.exec_command(wrap_command(argv, grace))
+        i = self.worker.index
+        out = _LineSplitter(lambda line: sink(i, "out", line))
+        err = _LineSplitter(lambda line: sink(i, "err", line))
+        stop_sent = False
+        last_alive = time.monotonic()
+        while True:
+            if stop.is_set() and not stop_sent:
+                chan.shutdown_write()  # the watchdog sees EOF and stops the process group
+                stop_sent = True
+            r, _, _ = select.select([chan], [], [], 0.1)
+            got = False
+            while chan.recv_ready():
+                out.feed(chan.recv(65536))
+                got = True
+            while chan.recv_stderr_ready():
+                err.feed(chan.recv_stderr(65536))
+                got = True
+            if got:
+                last_alive = time.monotonic()
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                # drain anything that raced with the exit status
+                while True:
+                    data = chan.recv(65536) if chan.recv_ready() else b""
+                    edata = chan.recv_stderr(65536) if chan.recv_stderr_ready() else b""
+                    if not data and not edata:
+                        break
+                    out.feed(data)
+                    err.feed(edata)
+                break
+            if chan.closed or not transport.is_active():
+                break
+            if stop_sent and time.monotonic() - last_alive > grace + 30:
+                break
+        out.flush()
+        err.flush()
+        if not transport.is_active() and not chan.exit_status_ready():
+            raise UnreachableError(f"lost the connection to worker {self.worker.label()}")
+        rc = chan.recv_exit_status()
+        chan.close()
+        return rc
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def __repr__(self) -> str:
+        return f"SshRunner({self.worker})"
+
+
+def connect_all(runners: Sequence[Runner]) -> dict[int, str]:
+    """Connect every SSH runner at once; {worker index: error} for those that failed."""
+    errors: dict[int, str] = {}
+    ssh = [r for r in runners if isinstance(r, SshRunner)]
+    if not ssh:
+        return errors
+
+    def one(r: SshRunner) -> tuple[int, str]:
+        try:
+            r.connect()
+            return r.worker.index, ""
+        except UnreachableError as exc:
+            return r.worker.index, str(exc)
+
+    with ThreadPoolExecutor(max_workers=min(len(ssh), 128)) as pool:
+        for index, error in pool.map(one, ssh):
+            if error:
+                errors[index] = error
+    return errors
+
+
+def fan_out(
+    runners: Sequence[Runner],
+    argv: Sequence[str],
+    sink: LineSink,
+    *,
+    stop: threading.Event,
+    fail_fast: bool = False,
+    grace: float = DEFAULT_GRACE,
+    on_exit: Callable[[RunResult], None] | None = None,
+) -> list[RunResult]:
+    """Run ARGV on every runner at once; with FAIL_FAST the first non-zero exit stops the others."""
+    results: dict[int, RunResult] = {}
+    lock = threading.Lock()
+
+    def one(r: Runner) -> None:
+        started = time.monotonic()
+        try:
+            rc: int | None = r.run(argv, sink, stop, grace)
+            res = RunResult(r.worker.index, rc, stopped=stop.is_set(), duration=time.monotonic() - started)
+        except UnreachableError as exc:
+            res = RunResult(r.worker.index, None, error=str(exc), duration=time.monotonic() - started)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            res = RunResult(
+                r.worker.index, None, error=f"worker {r.worker.label()}: {exc}", duration=time.monotonic() - started
+            )
+        with lock:
+            results[r.worker.index] = res
+        if fail_fast and (res.exit_code not in (0, None) or res.error) and not stop.is_set():
+            stop.set()
+        if on_exit:
+            on_exit(res)
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True, name=f"run-w{r.worker.index}") for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)
+    return [results[r.worker.index] for r in runners]
