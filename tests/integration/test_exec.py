@@ -1,0 +1,176 @@
+"""tpurun exec and ssh on emulated nodes: prefixes, exit codes, fail-fast, Ctrl-C cleanup, unreachable workers,
+refused host keys, and arguments that arrive exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import assert_clean_error
+
+pytestmark = pytest.mark.integration
+
+
+def _create(cli, name: str, accel: str) -> dict:
+    r = cli("create", name, "-t", accel, "--json")
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
+def _pids_matching(emulator, node: str, worker: int, needle: str) -> list[int]:
+    """Processes in that worker's own pid namespace whose command line contains NEEDLE."""
+    found = []
+    for pid in emulator.emu.hosts.worker_root_pids(emulator.node_name(node), worker):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in cmd:
+            found.append(pid)
+    return found
+
+
+@pytest.fixture
+def pod8(cli):
+    return _create(cli, "pod8", "v4-64")  # 8 workers
+
+
+def test_exec_every_worker_prefixed_with_exit_codes(cli, pod8):
+    r = cli("exec", "--", "sh", "-c", 'echo "host $(hostname)"; echo "to stderr" >&2; exit 0')
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert sorted(line.split()[0] for line in lines) == sorted(f"[w{i}]" for i in range(8))
+    assert len({line.split()[-1] for line in lines}) == 8  # eight different hostnames
+    assert sum(1 for line in r.err.splitlines() if line.endswith("] to stderr")) == 8
+    # failure on one worker: exit 1 naming it, the others still report
+    r = cli("exec", "--", "sh", "-c", 'n=$(hostname); case "$n" in *-w-3) exit 5;; esac; echo ok')
+    assert r.code == 1
+    assert r.out.count("ok") == 7 and "w3" in r.err and "exit code 5" in r.err
+
+
+def test_worker_selection(cli, pod8):
+    r = cli("exec", "--worker", "1-2,5", "--", "hostname")
+    assert r.code == 0
+    assert sorted(line.split()[0] for line in r.out.splitlines()) == ["[w1]", "[w2]", "[w5]"]
+    assert_clean_error(cli("exec", "--worker", "9", "--", "true"), 2)
+    assert_clean_error(cli("exec", "--worker", "x-", "--", "true"), 2)
+
+
+def test_fail_fast_stops_the_others(cli, emulator, pod8):
+    t0 = time.monotonic()
+    r = cli("exec", "--fail-fast", "--", "sh", "-c", 'case "$(hostname)" in *-w-2) sleep 0.5; exit 4;; esac; sleep 300')
+    assert r.code == 1 and time.monotonic() - t0 < 60
+    assert "w2" in r.err
+    for w in range(8):
+        assert _pids_matching(emulator, "pod8", w, "sleep 300") == []
+
+
+def test_sigint_leaves_no_remote_process(cli, emulator):
+    _create(cli, "pod4", "v4-32")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "exec", "--", "sh", "-c", "echo started; sleep 1000"],
+        cwd=cli.cwd,
+        env={**os.environ, **cli.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen = 0
+    assert proc.stdout is not None
+    while seen < 4:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        seen += "started" in line
+    assert any(_pids_matching(emulator, "pod4", w, "sleep 1000") for w in range(4))
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    for w in range(4):
+        assert _pids_matching(emulator, "pod4", w, "sleep 1000") == [], f"w{w} still runs it"
+
+
+def test_client_killed_remote_group_dies(cli, emulator):
+    _create(cli, "pod2", "v4-16")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "exec", "--", "sh", "-c", "echo started; sleep 2000"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    assert "started" in proc.stdout.readline() and "started" in proc.stdout.readline()
+    proc.kill()  # SIGKILL: no cleanup code runs on the client; the connection drop must do it
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not any(_pids_matching(emulator, "pod2", w, "sleep 2000") for w in range(2)):
+            break
+        time.sleep(0.2)
+    assert not any(_pids_matching(emulator, "pod2", w, "sleep 2000") for w in range(2))
+
+
+def test_unreachable_worker_reported_others_finish(cli, emulator):
+    d = _create(cli, "pod4b", "v4-32")
+    emulator.kill_sshd(emulator.node_name("pod4b"), 2)
+    r = cli("exec", "--", "echo", "alive")
+    assert r.code == 4, (r.out, r.err)
+    assert r.out.count("alive") == 3
+    addr = d["workerEndpoints"][2]["internalIp"]
+    assert "w2" in r.err and addr in r.err
+
+
+def test_changed_host_key_is_refused(cli, emulator):
+    d = _create(cli, "mitm", "v4-16")
+    addr = d["workerEndpoints"][1]["internalIp"]
+    # a stranger's key pinned for worker 1: what a man in the middle would present
+    stranger = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(cli.home / "k")], check=True)
+    del stranger
+    pub = (cli.home / "k.pub").read_text().split()
+    lines = [
+        f"{addr} {pub[0]} {pub[1]}" if line.startswith(addr + " ") else line
+        for line in cli.known_hosts.read_text().splitlines()
+    ]
+    cli.known_hosts.write_text("\n".join(lines) + "\n")
+    r = cli("exec", "--", "true")
+    assert r.code == 4
+    assert "HOST KEY CHANGED" in r.err and addr in r.err and "w1" in r.err
+
+
+def test_unknown_host_is_refused(cli, emulator):
+    _create(cli, "unpinned", "v4-8")
+    cli.known_hosts.write_text("")
+    r = cli("exec", "--", "true")
+    assert r.code == 4 and "no pinned host key" in r.err
+
+
+def test_ssh_runs_one_command_exactly(cli):
+    _create(cli, "sshnode", "v4-16")
+    r = cli("ssh", "--worker", "1", "--", "printf", "%s|", "a b", "$HOME", "it's")
+    assert r.code == 0, r.err
+    assert r.out == "a b|$HOME|it's|"
+
+
+_text = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=0, max_size=40
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=st.lists(_text, min_size=1, max_size=4))
+def test_arguments_arrive_exactly(cli, emulator, args):
+    node = "argnode"
+    if not any(n.name.endswith("/" + node) for n in emulator.client().list_nodes(parent=emulator.parent)):
+        _create(cli, node, "v4-8")
+    # each argument comes back as one JSON string: exact bytes, no shell re-splitting
+    r = cli(
+        "exec", "--", "python3", "-c", "import json,sys; print(json.dumps(sys.argv[1:]))", *args,
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    line = r.out.rstrip("\n")
+    assert line.startswith("[w0] ")
+    assert json.loads(line[len("[w0] ") :]) == args
