@@ -1,0 +1,413 @@
+"""The env contract of `tpurun train`: which processes run on which worker and what each one sees.
+
+Pure functions over a `Topology` (no I/O), so every runtime's table is checked by golden tests
+(tests/unit/test_env_contract.py) and printed by `--dry-run`. Sources for every variable are in
+docs/train.md: /work/shared/FACTS.md, pytorch/xla `torch_xla/_internal/tpu.py` (xmp.spawn's
+`configure_topology`), `torch_xla/_internal/pjrt.py` and `torch_xla/distributed/xla_dist.py` (≤ 2.0).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
+from tpurun.topology import Topology
+
+RUNTIMES = ("pjrt", "xrt", "cpu")
+
+# xmp.spawn's base port for per-process TPU clients (tpu.configure_topology(base_port=8476)).
+PJRT_BASE_PORT = 8476
+# xla_dist (torch_xla ≤ 2.0): XRT local service, mesh service, mesh controller, TPU Node port.
+XRT_SERVER_PORT = 51011
+XRT_MESH_SERVICE_PORT = 8477
+XRT_MESH_CONTROLLER_PORT = 8476
+XRT_TPU_NODE_PORT = 8470
+# XRT (torch_xla ≤ 2.0) predates v5e/v5p/v6e, which need torch_xla ≥ 2.1 (PJRT only).
+XRT_GENERATIONS = ("v2", "v3", "v4")
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """One process tpurun starts on one worker: its place in the job, its environment and command."""
+
+    worker: int
+    core: int  # index on its worker (names its log file w<worker>-c<core>.log and TPURUN_CORE)
+    local_rank: int
+    rank: int
+    env: dict[str, str]
+    argv: list[str]
+
+
+def _devices_per_chip(topology: Topology) -> int:
+    # v2/v3: 2 PJRT devices (TensorCores) per chip; v4/v5p megacore and v5e/v6e: 1.
+    return topology.pjrt_devices_per_host // topology.chips_per_host
+
+
+def explain_core(topology: Topology, core: int) -> str:
+    """What `--core K` runs under PJRT on TOPOLOGY, in one sentence for the user."""
+    per_chip = _devices_per_chip(topology)
+    n = topology.pjrt_devices_per_host
+    if not 0 <= core < n:
+        raise UsageError(
+            f"--core {core} is out of range: a {topology.name} host has {n} PJRT devices (cores 0-{n - 1})"
+        )
+    chip = core // per_chip
+    gen = topology.generation
+    if per_chip > 1:
+        first = chip * per_chip
+        last = first + per_chip - 1
+        return (
+            f"core {core} is TensorCore {core % per_chip} of chip {chip}; PJRT cannot select one core of a "
+            f"{gen} chip, so tpurun runs chip {chip} (cores {first}-{last}) in one process"
+        )
+    if topology.cores_per_chip > 1:
+        return (
+            f"core {core} is chip {chip}: a {gen} chip's {topology.cores_per_chip} TensorCores form one "
+            f"megacore PJRT device, so tpurun runs chip {chip} in one process"
+        )
+    return f"core {core} is chip {chip} ({gen} has one TensorCore per chip); tpurun runs it in one process"
+
+
+def _common_env(
+    *,
+    job_id: str,
+    worker: int,
+    num_workers: int,
+    core: int,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    master_addr: str,
+    master_port: int,
+    restart_count: int,
+) -> dict[str, str]:
+    """CONTRACT.md's variables, the same under every runtime."""
+    return {
+        "TPURUN_JOB_ID": job_id,
+        "TPURUN_WORKER_ID": str(worker),
+        "TPURUN_NUM_WORKERS": str(num_workers),
+        "TPURUN_CORE": str(core),
+        "TPURUN_RESTART_COUNT": str(restart_count),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        # Lines must reach the log as they are printed, not when a block buffer fills.
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _mul_bounds(a: str, b: str) -> str:
+    return ",".join(str(int(x) * int(y)) for x, y in zip(a.split(","), b.split(","), strict=True))
+
+
+def _slots(
+    *, runtime: str, topology: Topology | None, num_workers: int, cores: int | None, core: int | None
+) -> list[int]:
+    """The core indices (process slots) to start on every worker."""
+    if cores is not None and core is not None:
+        raise UsageError("--cores and --core exclude each other: give one")
+    if cores is not None and cores < 1:
+        raise UsageError(f"--cores {cores}: give a positive number")
+    if runtime == "cpu":
+        if core is not None:
+            if core < 0:
+                raise UsageError(f"--core {core}: give a core index ≥ 0")
+            return [core]
+        n = cores if cores is not None else (topology.pjrt_devices_per_host if topology else 1)
+        return list(range(n))
+    assert topology is not None
+    if runtime == "xrt":
+        # xla_dist ran one process per host; the script's own xmp.spawn(nprocs=1|None) picks the cores.
+        if core is not None:
+            raise UsageError(
+                "--core is not available with --runtime xrt: XRT runs one process per host and the script's "
+                "xmp.spawn picks the cores (nprocs=1 runs only the first)"
+            )
+        if cores not in (None, 1, topology.cores_per_host, topology.pjrt_devices_per_host):
+            raise UsageError(f"--cores {cores}: with --runtime xrt give 1 or all ({topology.cores_per_host})")
+        return [0]
+    # pjrt: one process per chip (xmp.spawn's rule), or one chip.
+    all_values = {topology.cores_per_host, topology.pjrt_devices_per_host, topology.chips_per_host}
+    single = core is not None or cores == 1
+    if single and topology.multi_host:
+        raise UsageError(
+            f"--cores 1 / --core K run one chip of a single-host TPU; {topology.name} is a {topology.hosts}-host "
+            "slice whose chips must all take part: drop the option"
+        )
+    if core is not None:
+        explain_core(topology, core)  # validates the range
+        return [core]
+    if cores == 1:
+        return [0]
+    if cores is not None and cores not in all_values:
+        raise UsageError(
+            f"--cores {cores}: a {topology.name} host runs 1 or all of its cores "
+            f"({topology.cores_per_host} cores = {topology.chips_per_host} chips, one process per chip)"
+        )
+    return list(range(topology.chips_per_host))
+
+
+def plan_job(
+    *,
+    job_id: str,
+    topology: Topology | None,
+    runtime: str,
+    worker_addresses: list[str],
+    cores: int | None,
+    core: int | None,
+    script: str,
+    args: list[str],
+    python: str = "python3",
+    master_port: int = 12355,
+    extra_env: dict[str, str] | None = None,
+    precision: str = "32",
+    restart_count: int = 0,
+    tpu_ip: str | None = None,
+) -> list[list[CoreSpec]]:
+    """Every process of the job: one list per worker, one CoreSpec per process on it.
+
+    `cores`: None = every process slot of a host; 1 = one. `core`: one specific core index (pjrt: a PJRT
+    device index of the host, mapped to its chip, see explain_core). Ranks are global process indices
+    (torchrun's meaning), worker-major.
+    """
+    if runtime not in RUNTIMES:
+        raise UsageError(f"unknown runtime '{runtime}': use one of auto, {', '.join(RUNTIMES)}")
+    if precision not in ("32", "bf16"):
+        raise UsageError(f"--precision {precision}: use 32 or bf16")
+    if not worker_addresses:
+        raise UsageError("no workers to run on")
+    num_workers = len(worker_addresses)
+    if runtime in ("pjrt", "xrt"):
+        if topology is None:
+            raise UsageError(f"--runtime {runtime} needs a TPU accelerator type; use --runtime cpu on this machine")
+        if tpu_ip is None and topology.hosts != num_workers:
+            raise UsageError(
+                f"{topology.name} has {topology.hosts} hosts but {num_workers} worker addresses were given"
+            )
+    if runtime == "xrt" and topology is not None and topology.generation not in XRT_GENERATIONS:
+        raise UsageError(
+            f"--runtime xrt: XRT was removed after torch_xla 2.0 and never ran on {topology.generation}; "
+            "use --runtime pjrt"
+        )
+    if tpu_ip is not None and (runtime != "xrt" or num_workers != 1):
+        raise UsageError("--tpu-ip (the old TPU Node architecture) works only with --runtime xrt and one client VM")
+
+    slots = _slots(runtime=runtime, topology=topology, num_workers=num_workers, cores=cores, core=core)
+    local_world = len(slots)
+    world_size = num_workers * local_world
+    master_addr = worker_addresses[0]
+    argv = [python, script, *args]
+    plan: list[list[CoreSpec]] = []
+    for worker in range(num_workers):
+        specs: list[CoreSpec] = []
+        for local_rank, slot in enumerate(slots):
+            rank = worker * local_world + local_rank
+            env = _common_env(
+                job_id=job_id,
+                worker=worker,
+                num_workers=num_workers,
+                core=slot,
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                local_world_size=local_world,
+                master_addr=master_addr,
+                master_port=master_port,
+                restart_count=restart_count,
+            )
+            if runtime == "pjrt":
+                assert topology is not None
+                env.update(
+                    _pjrt_env(
+                        topology=topology,
+                        worker=worker,
+                        worker_addresses=worker_addresses,
+                        local_rank=local_rank,
+                        local_world=local_world,
+                        single_chip=None if (core is None and cores != 1) else slot // _devices_per_chip(topology),
+                    )
+                )
+                # torch_xla.launch(fn) and the xla:// rendezvous then run fn(LOCAL_RANK) in this process
+                # (torchrun mode) instead of spawning one process per chip a second time.
+                env["TORCHELASTIC_RUN_ID"] = job_id
+            elif runtime == "xrt":
+                assert topology is not None
+                env.update(_xrt_env(topology=topology, worker=worker, worker_addresses=worker_addresses, tpu_ip=tpu_ip))
+            else:
+                env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "TORCHELASTIC_RUN_ID": job_id})
+            if precision == "bf16":
+                env["XLA_USE_BF16"] = "1"
+            env.update(extra_env or {})  # last: the user's values win, as with xmp.spawn's setdefault
+            specs.append(CoreSpec(worker=worker, core=slot, local_rank=local_rank, rank=rank, env=env, argv=list(argv)))
+        plan.append(specs)
+    return plan
+
+
+def _pjrt_env(
+    *,
+    topology: Topology,
+    worker: int,
+    worker_addresses: list[str],
+    local_rank: int,
+    local_world: int,
+    single_chip: int | None,
+) -> dict[str, str]:
+    """What xmp.spawn's tpu.configure_topology / configure_one_chip_topology set, made explicit."""
+    env = {
+        "PJRT_DEVICE": "TPU",
+        # Topology from these variables rather than the metadata server (tpu.get_tpu_env): the same
+        # answer on a real TPU VM, and the only one where no metadata server answers.
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": topology.name,
+        "TPU_WORKER_ID": str(worker),
+        "TPU_WORKER_HOSTNAMES": ",".join(worker_addresses),
+    }
+    if single_chip is not None:
+        env.update(
+            {
+                "TPU_PROCESS_BOUNDS": "1,1,1",
+                "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+                "TPU_VISIBLE_CHIPS": str(single_chip),
+                "PJRT_LOCAL_PROCESS_RANK": "0",
+                "PJRT_LOCAL_PROCESS_COUNT": "1",
+            }
+        )
+        return env
+    # tpu.get_worker_ips(): a single host is always 'localhost'.
+    ips = worker_addresses if len(worker_addresses) > 1 else ["localhost"]
+    ports = [PJRT_BASE_PORT + i for i in range(local_world)]
+    env.update(
+        {
+            # host bounds × chips-per-host bounds = one chip per process (v2/v3: chips per host 2,2,1).
+            "TPU_PROCESS_BOUNDS": _mul_bounds(topology.host_bounds, topology.chips_per_host_bounds),
+            "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+            "TPU_VISIBLE_CHIPS": str(local_rank),
+            "CLOUD_TPU_TASK_ID": str(worker * local_world + local_rank),
+            "TPU_PROCESS_ADDRESSES": ",".join(f"{ip}:{port}" for ip in ips for port in ports),
+            "TPU_PROCESS_PORT": str(ports[local_rank]),
+            "PJRT_LOCAL_PROCESS_RANK": str(local_rank),
+            "PJRT_LOCAL_PROCESS_COUNT": str(local_world),
+        }
+    )
+    return env
+
+
+def _xrt_env(*, topology: Topology, worker: int, worker_addresses: list[str], tpu_ip: str | None) -> dict[str, str]:
+    """What torch_xla.distributed.xla_dist (torch_xla 2.0) exported on each worker, or the one-VM configs."""
+    devices = str(topology.pjrt_devices_per_host)  # 8 on v2/v3, 4 on v4 (one per megacore)
+    if tpu_ip is not None:
+        # Old TPU Node architecture: a user VM drives the TPU's own host over gRPC.
+        return {"XRT_TPU_CONFIG": f"tpu_worker;0;{tpu_ip}:{XRT_TPU_NODE_PORT}", "TPU_NUM_DEVICES": devices}
+    if not topology.multi_host:
+        # One TPU VM: the client starts its own local XRT service; no mesh, no xrt_run_server.
+        return {"XRT_TPU_CONFIG": f"localservice;0;localhost:{XRT_SERVER_PORT}", "TPU_NUM_DEVICES": devices}
+    w0 = worker_addresses[0]
+    env = {
+        "XRT_LOCAL_WORKER": f"c_localservice:{worker}",
+        "XRT_MESH_SERVICE_ADDRESS": f"{w0}:{XRT_MESH_SERVICE_PORT}",
+        "XRT_SHARD_WORLD_SIZE": str(len(worker_addresses)),
+        "XRT_SHARD_ORDINAL": str(worker),
+        "TPU_NUM_DEVICES": devices,
+        "XLA_EMIT_STEPLOG": "1",
+        "TPU_CHIPS_PER_HOST_BOUNDS": topology.chips_per_host_bounds,
+        "TPUVM_MODE": "1",
+        "CLOUD_TPU_TASK_ID": str(worker),
+        "TPU_HOST_BOUNDS": topology.host_bounds,
+        "TPU_MESH_CONTROLLER_ADDRESS": f"{w0}:{XRT_MESH_CONTROLLER_PORT}",
+        "TPU_MESH_CONTROLLER_PORT": str(XRT_MESH_CONTROLLER_PORT),
+    }
+    if worker == 0:
+        env["XRT_TPU_CONFIG"] = "|".join(
+            f"c_localservice;{i};{ip}:{XRT_SERVER_PORT}" for i, ip in enumerate(worker_addresses)
+        )
+    return env
+
+
+def pre_commands(topology: Topology | None, runtime: str, worker: int, python: str = "python3") -> list[list[str]]:
+    """Commands the agent runs on WORKER before the cores (xla_dist started the XRT server on each TPU VM
+    of a pod; on one VM the client's localservice config starts its own)."""
+    del worker  # every worker of a pod runs the same server
+    if runtime == "xrt" and topology is not None and topology.multi_host:
+        return [[python, "-m", "torch_xla.core.xrt_run_server", "--port", str(XRT_SERVER_PORT)]]
+    return []
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        m = re.match(r"\d+", piece)
+        parts.append(int(m.group()) if m else 0)
+    return tuple(parts)
+
+
+def pick_runtime(requested: str, probe: dict[str, object]) -> tuple[str, str]:
+    """(runtime, reason): REQUESTED unless it is `auto`, which picks from what PROBE_SCRIPT saw on a worker."""
+    version = probe.get("torch_xla_version")
+    tpu = bool(probe.get("libtpu_installed")) and bool(probe.get("device_files_present"))
+    if requested in RUNTIMES:
+        return requested, f"--runtime {requested} was requested"
+    if requested != "auto":
+        raise UsageError(f"unknown runtime '{requested}': use auto, {', '.join(RUNTIMES)}")
+    if not tpu:
+        missing = []
+        if not probe.get("libtpu_installed"):
+            missing.append("libtpu is not installed")
+        if not probe.get("device_files_present"):
+            missing.append("no TPU device files (/dev/accel*, /dev/vfio/*)")
+        return "cpu", "auto picked cpu: " + " and ".join(missing)
+    if not isinstance(version, str) or not version:
+        return "cpu", "auto picked cpu: TPU present but torch_xla is not installed"
+    if _version_tuple(version) < (2, 1):
+        return "xrt", f"auto picked xrt: torch_xla {version} < 2.1 (XRT era) and a TPU is present"
+    return "pjrt", f"auto picked pjrt: libtpu and TPU device files present, torch_xla {version}"
+
+
+# Runs on a worker with its own python3 (any 3.8+); prints one JSON object for pick_runtime and doctor.
+PROBE_SCRIPT = r"""
+import glob, json, os, sys
+try:
+    import importlib.util as iu
+    import importlib.metadata as md
+except Exception:
+    iu = md = None
+
+def version(name):
+    try:
+        return md.version(name) if md else None
+    except Exception:
+        return None
+
+libtpu = None
+try:
+    spec = iu.find_spec("libtpu") if iu else None
+    if spec is not None:
+        libtpu = (list(spec.submodule_search_locations or []) or [spec.origin])[0]
+except Exception:
+    pass
+if libtpu is None:
+    candidates = ["/lib/libtpu.so", "/usr/lib/libtpu.so", "/usr/local/lib/libtpu.so"]
+    for base in sys.path:
+        if base and os.path.isdir(base):
+            candidates += glob.glob(os.path.join(base, "libtpu*", "libtpu*.so"))
+            candidates += glob.glob(os.path.join(base, "libtpu*.so"))
+    for c in candidates:
+        if os.path.exists(c):
+            libtpu = c
+            break
+devices = sorted(glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*") if p != "/dev/vfio/vfio"])
+print(json.dumps({
+    "libtpu_installed": libtpu is not None,
+    "libtpu_path": libtpu,
+    "device_files_present": bool(devices),
+    "device_files": devices,
+    "torch_xla_version": version("torch_xla") or version("torch-xla"),
+    "torch_version": version("torch"),
+    "python": sys.executable,
+    "python_version": "%d.%d.%d" % sys.version_info[:3],
+}))
+"""
