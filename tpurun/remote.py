@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import paramiko
 
@@ -84,8 +85,8 @@ def parse_worker_spec(spec: str, count: int) -> list[int]:
 # (its pid = pgid), which is what we signal.
 _WRAPPER = (
     'g=$1; shift; exec 3<&0; setsid "$@" </dev/null & p=$!; '
-    '( while read -r _ <&3; do :; done; kill -TERM -$p 2>/dev/null; i=0; '
-    'while kill -0 -$p 2>/dev/null && [ $i -lt $((g*10)) ]; do sleep 0.1; i=$((i+1)); done; '
+    "( while read -r _ <&3; do :; done; kill -TERM -$p 2>/dev/null; i=0; "
+    "while kill -0 -$p 2>/dev/null && [ $i -lt $((g*10)) ]; do sleep 0.1; i=$((i+1)); done; "
     "kill -KILL -$p 2>/dev/null ) & w=$!; exec 3<&-; "
     "wait $p; rc=$?; kill $w 2>/dev/null; "
     # whatever the command left behind in its group goes too
@@ -199,6 +200,43 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
+    """A paramiko Transport that prefers AES-GCM: one AEAD call per packet instead of AES-CTR plus a
+    separate HMAC, about 40% less CPU per byte on both ends (matters for `sync`'s bulk data)."""
+    t = paramiko.Transport(*args, **kwargs)
+    opts = t.get_security_options()
+    gcm = [c for c in ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com") if c in opts.ciphers]
+    opts.ciphers = tuple(gcm + [c for c in opts.ciphers if c not in gcm])
+    return t
+
+
+_host_keys_cache: dict[tuple[str, int, int], paramiko.HostKeys] = {}
+_host_keys_lock = threading.Lock()
+
+
+def _pin_host_keys(client: paramiko.SSHClient, known_hosts: Path, worker: Worker) -> None:
+    """Give CLIENT the pinned keys of WORKER only. The file is parsed once per process, not once per
+    connection: with N workers' lines, N clients each parsing it cost O(N^2) key objects (1.4 s of CPU
+    at 128 workers)."""
+    try:
+        st = known_hosts.stat()
+    except FileNotFoundError:
+        return
+    cache_key = (str(known_hosts), st.st_mtime_ns, st.st_size)
+    with _host_keys_lock:
+        keys = _host_keys_cache.get(cache_key)
+        if keys is None:
+            keys = paramiko.HostKeys(str(known_hosts))
+            _host_keys_cache.clear()
+            _host_keys_cache[cache_key] = keys
+    # the name paramiko checks the server's key under
+    host = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
+    entry = keys.lookup(host)
+    if entry is not None:
+        for keytype in entry.keys():
+            client.get_host_keys().add(host, keytype, entry[keytype])
+
+
 class SshRunner(Runner):
     """One paramiko connection to one worker, host key checked against the pinned known_hosts."""
 
@@ -217,7 +255,9 @@ class SshRunner(Runner):
         self.key_path = key_path
         self.known_hosts = known_hosts
         self.connect_timeout = connect_timeout
-        self.auth_retries = auth_retries if auth_retries is not None else int(os.environ.get("TPURUN_SSH_RETRIES", "10"))
+        self.auth_retries = (
+            auth_retries if auth_retries is not None else int(os.environ.get("TPURUN_SSH_RETRIES", "10"))
+        )
         self.auth_retry_delay = (
             auth_retry_delay if auth_retry_delay is not None else float(os.environ.get("TPURUN_SSH_RETRY_DELAY", "2"))
         )
@@ -231,7 +271,7 @@ class SshRunner(Runner):
         client = paramiko.SSHClient()
         # only tpurun's pinned keys; never the user's known_hosts, never trust on first use
         if self.known_hosts.exists():
-            client.load_host_keys(str(self.known_hosts))
+            _pin_host_keys(client, self.known_hosts, self.worker)
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
         pkey = paramiko.Ed25519Key.from_private_key_file(str(self.key_path)) if self.key_path.exists() else None
         w = self.worker
@@ -249,6 +289,7 @@ class SshRunner(Runner):
                     timeout=self.connect_timeout,
                     banner_timeout=self.connect_timeout,
                     auth_timeout=self.connect_timeout,
+                    transport_factory=_fast_transport,
                 )
                 break
             except paramiko.BadHostKeyException:
@@ -276,11 +317,13 @@ class SshRunner(Runner):
                 time.sleep(self.auth_retry_delay)
                 client = paramiko.SSHClient()
                 if self.known_hosts.exists():
-                    client.load_host_keys(str(self.known_hosts))
+                    _pin_host_keys(client, self.known_hosts, self.worker)
                 client.set_missing_host_key_policy(paramiko.RejectPolicy())
             except (OSError, EOFError) as exc:
                 client.close()
-                reason = "timed out" if isinstance(exc, socket.timeout | TimeoutError) else str(exc) or type(exc).__name__
+                reason = (
+                    "timed out" if isinstance(exc, socket.timeout | TimeoutError) else str(exc) or type(exc).__name__
+                )
                 raise UnreachableError(f"cannot reach worker {w.label()} port {w.port}: {reason}") from None
         transport = client.get_transport()
         assert transport is not None
@@ -403,3 +446,148 @@ def fan_out(
         while t.is_alive():
             t.join(0.2)
     return [results[r.worker.index] for r in runners]
+
+
+class Stream:
+    """One long-running command on a worker whose stdin stays open: closing it is the stop signal."""
+
+    def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close_stdin(self) -> None:
+        raise NotImplementedError
+
+    def read(self, timeout: float = 0.1) -> bytes | None:
+        """Some stdout bytes; b"" while nothing arrived yet; None at EOF."""
+        raise NotImplementedError
+
+    def stderr_text(self) -> str:
+        raise NotImplementedError
+
+    def wait(self) -> int:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+
+class SshStream(Stream):
+    def __init__(self, chan: paramiko.Channel) -> None:
+        self.chan = chan
+        self.err = b""
+
+    def write(self, data: bytes) -> None:
+        self.chan.sendall(data)
+
+    def close_stdin(self) -> None:
+        try:
+            self.chan.shutdown_write()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+
+    def read(self, timeout: float = 0.1) -> bytes | None:
+        while self.chan.recv_stderr_ready():
+            self.err += self.chan.recv_stderr(65536)
+        if self.chan.recv_ready():
+            return self.chan.recv(1 << 20)
+        if self.chan.eof_received or self.chan.closed:
+            data = self.chan.recv(1 << 20) if self.chan.recv_ready() else b""
+            return data or None
+        transport = self.chan.get_transport()
+        if transport is None or not transport.is_active():
+            return None
+        select.select([self.chan], [], [], timeout)
+        if self.chan.recv_ready():
+            return self.chan.recv(1 << 20)
+        return b""
+
+    def stderr_text(self) -> str:
+        while self.chan.recv_stderr_ready():
+            self.err += self.chan.recv_stderr(65536)
+        return self.err.decode("utf-8", errors="replace")
+
+    def wait(self) -> int:
+        transport = self.chan.get_transport()
+        if transport is None or not transport.is_active():
+            return -1 if not self.chan.exit_status_ready() else self.chan.recv_exit_status()
+        return self.chan.recv_exit_status()
+
+    def kill(self) -> None:
+        self.chan.close()
+
+
+class LocalStream(Stream):
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.err = b""
+
+    def write(self, data: bytes) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def close_stdin(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+
+    def read(self, timeout: float = 0.1) -> bytes | None:
+        assert self.proc.stdout
+        fd = self.proc.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            return b""
+        data = os.read(fd, 1 << 20)
+        return data or None
+
+    def stderr_text(self) -> str:
+        return self.err.decode("utf-8", errors="replace")
+
+    def wait(self) -> int:
+        if self.proc.stderr:
+            self.err += self.proc.stderr.read()
+        return self.proc.wait()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def open_stream(runner: Runner, argv: Sequence[str]) -> Stream:
+    """Start ARGV on RUNNER's worker with stdin, stdout and stderr connected to us."""
+    for arg in argv:
+        if "\0" in arg:
+            raise UsageError("arguments cannot contain NUL bytes")
+    if isinstance(runner, SshRunner):
+        assert runner.client is not None, "connect() first"
+        transport = runner.client.get_transport()
+        assert transport is not None
+        chan = transport.open_session()
+        chan.exec_command(shlex.join(argv))
+        return SshStream(chan)
+    proc = subprocess.Popen(
+        list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    return LocalStream(proc)
+
+
+def run_capture(
+    runner: Runner, argv: Sequence[str], stdin: bytes = b"", timeout: float = 120
+) -> tuple[int, bytes, str]:
+    """Run ARGV to completion with STDIN; (exit code, stdout, stderr)."""
+    stream = open_stream(runner, argv)
+    if stdin:
+        stream.write(stdin)
+    stream.close_stdin()
+    out = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        data = stream.read(0.2)
+        if data is None:
+            break
+        out += data
+        if time.monotonic() > deadline:
+            stream.kill()
+            raise UnreachableError(f"worker {runner.worker.label()} did not answer within {timeout:.0f} s")
+    return stream.wait(), out, stream.stderr_text()

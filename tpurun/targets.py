@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 from tpurun import keys, settings, ui
@@ -22,6 +24,24 @@ class Target:
     def close(self) -> None:
         for r in self.runners:
             r.close()
+
+
+def _mapped(address: str) -> tuple[str, int]:
+    """ADDRESS rewritten by TPURUN_ADDRESS_MAP (testing only: JSON {"real_ip": "other_ip[:port]"}), and its port.
+
+    Lets tests and benchmarks put something between tpurun and a worker, e.g. the latency proxy of
+    tpurun.testing.latency_proxy; host keys are then checked under the mapped address.
+    """
+    raw = os.environ.get("TPURUN_ADDRESS_MAP")
+    if not raw:
+        return address, 22
+    try:
+        mapping = json.loads(raw)
+        to = str(mapping.get(address, address))
+        host, _, port = to.partition(":")
+        return host, int(port or 22)
+    except (ValueError, AttributeError):
+        raise UsageError('bad TPURUN_ADDRESS_MAP: give JSON like {"10.0.0.2": "127.0.0.1:2222"}') from None
 
 
 def resolve(
@@ -61,7 +81,8 @@ def resolve(
     workers = []
     for i, ep in enumerate(node.network_endpoints):
         external = ep.access_config.external_ip if ep.access_config else ""
-        workers.append(Worker(i, external or ep.ip_address, 22, user))
+        address, port = _mapped(external or ep.ip_address)
+        workers.append(Worker(i, address, port, user))
     chosen = parse_worker_spec(worker_spec, len(workers))
     home = s.home_path
     runners: list[Runner] = [

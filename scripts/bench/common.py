@@ -1,0 +1,262 @@
+"""Shared pieces of tpurun's benchmarks: the emulator, nodes made with the real CLI, timing, statistics.
+
+Every benchmark runs its contenders interleaved (A B C A B C ..., the order rotated each repetition)
+on the same emulated workers, times each run as a child process (wall time, and user+sys CPU seconds
+and peak RSS of that child and the children it waited for, from wait4), and reports the median and
+min-max. Needs root (the emulator does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+BENCH_DOCS = DOCS / "bench"
+PROJECT = "bench"
+ZONE = "us-central2-b"
+# accelerator type with that many workers (v4: 4 chips per host, 2 cores per chip)
+TIME = Path("/usr/bin/time").exists()  # GNU time (Debian package `time`)
+V4_FOR_WORKERS = {8: "v4-64", 16: "v4-128", 32: "v4-256", 64: "v4-512", 128: "v4-1024"}
+
+
+def tpurun_bin() -> list[str]:
+    exe = Path(sys.executable).with_name("tpurun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "tpurun"]
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, RAM, kernel, date: what a reader needs to compare runs."""
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    return {
+        "cpu": model or platform.processor(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    return f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['kernel']}, Python {m['python']}, {m['date']}"
+
+
+@dataclass
+class Sample:
+    wall: float
+    cpu: float  # user + sys seconds of the child and the children it waited for
+    rss_mib: float  # peak resident set size of the child (or its largest waited-for child)
+    code: int
+
+
+def timed(argv: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> Sample:
+    """Run ARGV (output discarded) under GNU time: wall time here, CPU and peak RSS of that child alone.
+
+    (wait4's ru_maxrss of a child forked from this big process would count this process's RSS at the
+    fork; /usr/bin/time is small, so its child's peak RSS is the command's own.)
+    """
+    with tempfile.NamedTemporaryFile("r", prefix="bench-time-") as tf:
+        wrapped = ["/usr/bin/time", "-q", "-f", "%U %S %M", "-o", tf.name, *argv] if TIME else list(argv)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            wrapped, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        wall = time.perf_counter() - t0
+        fields = tf.read().split()
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace")[-500:]
+        print(f"  ! {' '.join(argv[:3])}... exited {proc.returncode}: {tail}", file=sys.stderr)
+    if len(fields) >= 3:
+        return Sample(wall, float(fields[-3]) + float(fields[-2]), int(fields[-1]) / 1024, proc.returncode)
+    return Sample(wall, float("nan"), float("nan"), proc.returncode)
+
+
+def summary(samples: Sequence[Sample]) -> dict[str, Any]:
+    walls = [s.wall for s in samples]
+    return {
+        "n": len(samples),
+        "median": statistics.median(walls),
+        "min": min(walls),
+        "max": max(walls),
+        "samples": [round(w, 4) for w in walls],
+        "cpu_median": statistics.median(s.cpu for s in samples),
+        "rss_mib_max": max(s.rss_mib for s in samples),
+        "failures": sum(1 for s in samples if s.code != 0),
+    }
+
+
+def interleave(
+    contenders: dict[str, Callable[[], Sample]], repetitions: int, warmup: int = 1, label: str = ""
+) -> dict[str, dict[str, Any]]:
+    """Run every contender REPETITIONS times, interleaved (order rotated each round) after WARMUP unmeasured rounds."""
+    names = list(contenders)
+    got: dict[str, list[Sample]] = {n: [] for n in names}
+    for rnd in range(warmup + repetitions):
+        k = rnd % len(names)
+        for name in names[k:] + names[:k]:
+            s = contenders[name]()
+            if rnd >= warmup:
+                got[name].append(s)
+    out = {n: summary(v) for n, v in got.items()}
+    for n in names:
+        r = out[n]
+        print(
+            f"  {label}{n:>12}: median {r['median'] * 1000:7.1f} ms  [{r['min'] * 1000:.1f}-{r['max'] * 1000:.1f}]"
+            f"  cpu {r['cpu_median'] * 1000:6.1f} ms  rss {r['rss_mib_max']:.0f} MiB"
+            + (f"  FAILURES {r['failures']}" if r["failures"] else ""),
+            flush=True,
+        )
+    return out
+
+
+@dataclass
+class Node:
+    name: str
+    workers: list[str]  # addresses, index order
+    user: str = "root"
+
+
+@dataclass
+class Bench:
+    """A running emulator with tpurun pointed at it (own TPURUN_HOME), and the nodes made so far."""
+
+    endpoint: str
+    home: Path
+    env: dict[str, str]
+    server: Any
+    state_dir: Path
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    @property
+    def key(self) -> Path:
+        return Path(self.env["TPURUN_HOME"]) / "ssh" / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return Path(self.env["TPURUN_HOME"]) / "ssh" / "known_hosts"
+
+    def ssh_options(self) -> list[str]:
+        """OpenSSH options: tpurun's key and pinned known_hosts, strict checking, never a prompt."""
+        return [
+            "-i", str(self.key),
+            "-o", "IdentitiesOnly=yes",
+            "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=10",
+            "-o", "LogLevel=ERROR",
+        ]  # fmt: skip
+
+    def tpurun(self, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
+        r = subprocess.run(
+            [*tpurun_bin(), *args], env=env or self.env, cwd=self.home, capture_output=True, text=True, timeout=900
+        )
+        if check and r.returncode != 0:
+            raise RuntimeError(f"tpurun {' '.join(args)} failed ({r.returncode}): {r.stderr[-2000:]}")
+        return r.stdout
+
+    def create(self, workers: int) -> Node:
+        """A READY node of WORKERS workers made with `tpurun create` (which pins its host keys)."""
+        name = f"bench{workers}"
+        t0 = time.monotonic()
+        self.tpurun("create", name, "-t", V4_FOR_WORKERS[workers])
+        info = self.server.emu.node_info(f"projects/{PROJECT}/locations/{ZONE}/nodes/{name}")
+        node = Node(name, [w["address"] for w in info["workers"]])
+        print(f"created {name} ({workers} workers) in {time.monotonic() - t0:.1f}s", flush=True)
+        self.nodes[name] = node
+        return node
+
+    def delete(self, node: Node) -> None:
+        self.tpurun("delete", node.name, "--yes", check=False)
+        self.nodes.pop(node.name, None)
+
+
+@contextmanager
+def bench_emulator() -> Iterator[Bench]:
+    """The emulator (zero delays) on a thread of this process, and a fresh TPURUN_HOME; torn down after."""
+    sys.path.insert(0, str(ROOT))
+    from tpurun.emulator.api import EmulatorServer
+    from tpurun.emulator.cli import _leftovers
+    from tpurun.emulator.hosts import WorkerHosts
+    from tpurun.emulator.pytest_plugin import host_problem
+    from tpurun.emulator.state import Delays, Emulator, EmulatorConfig
+
+    problem = host_problem()
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    state_dir = Path(tempfile.mkdtemp(prefix="tpurun-bench-")).resolve()
+    home = state_dir / "home"
+    home.mkdir()
+    hosts = WorkerHosts(state_dir / "emu", key_propagation_delay=0.1)
+    emu = Emulator(hosts, EmulatorConfig(state_dir=state_dir / "emu", delays=Delays(0, 0, 0, 0, 0, 0)))
+    server = EmulatorServer(emu)
+    server.start_thread()
+    env = dict(os.environ)
+    env.pop("TPURUN_TPU", None)
+    env.pop("TPURUN_ADDRESS_MAP", None)
+    env.update(
+        {
+            "TPURUN_API_ENDPOINT": server.endpoint,
+            "TPURUN_PROJECT": PROJECT,
+            "TPURUN_ZONE": ZONE,
+            "HOME": str(home),
+            "XDG_CONFIG_HOME": str(home / ".config"),
+            "TPURUN_HOME": str(home / ".tpurun"),
+            "TPURUN_POLL_INTERVAL": "0.1",
+            "TPURUN_RETRY_DELAY": "0.05",
+            "TPURUN_SSH_USER": "root",
+        }
+    )
+    bench = Bench(server.endpoint, home, env, server, state_dir)
+    try:
+        yield bench
+    finally:
+        for node in list(bench.nodes.values()):
+            bench.delete(node)
+        server.stop()
+        left = _leftovers(state_dir / "emu")
+        if left:
+            print(f"warning: the emulator left things behind: {left}", file=sys.stderr)
+        else:
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def replace_section(doc: Path, marker: str, text: str, heading: str) -> None:
+    """Put TEXT between `<!-- MARKER:begin -->` and `<!-- MARKER:end -->` in DOC (appended under HEADING if absent)."""
+    block = f"<!-- {marker}:begin (generated; do not edit by hand) -->\n{text.rstrip()}\n<!-- {marker}:end -->"
+    current = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    begin, end = f"<!-- {marker}:begin", f"<!-- {marker}:end -->"
+    if begin in current and end in current:
+        i = current.index(begin)
+        j = current.index(end) + len(end)
+        new = current[:i] + block + current[j:]
+    else:
+        new = current.rstrip() + f"\n\n{heading}\n\n{block}\n"
+    doc.write_text(new)
+    print(f"wrote {doc.relative_to(ROOT)} ({marker})")

@@ -1,0 +1,1 @@
+"""Test and benchmark tooling shipped with tpurun (the latency proxy); not used by tpurun itself."""
