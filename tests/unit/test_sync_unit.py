@@ -1,0 +1,180 @@
+"""sync without workers: framing, manifest and hash cache, --delete filtering, and the helper driven
+directly through a local subprocess (needs, verify, atomic writes, stale temp files, unsafe paths)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tpurun import ignore
+from tpurun import sync_remote as proto
+from tpurun.sync import FrameReader, LocalStream, build_manifest, deletions, frame, helper_command, is_ignored
+
+
+def _old(path: Path) -> None:
+    t = time.time_ns() - 3600 * 10**9
+    os.utime(path, ns=(t, t), follow_symlinks=False)
+
+
+@given(st.lists(st.tuples(st.sampled_from([b"M", b"D", b"Z", b"E"]), st.binary(max_size=3000)), max_size=20),
+       st.integers(min_value=1, max_value=7000))  # fmt: skip
+def test_frames_round_trip_whatever_the_read_sizes(frames, step):
+    data = b"".join(frame(k, p) for k, p in frames)
+    pos = 0
+
+    def recv(n: int) -> bytes:
+        nonlocal pos
+        chunk = data[pos : pos + min(n, step)]
+        pos += len(chunk)
+        return chunk
+
+    reader = FrameReader(recv)
+    assert [reader.read_frame() for _ in frames] == frames
+    with pytest.raises(proto.Eof):
+        reader.read_frame()
+
+
+def test_manifest_respects_ignores_and_caches_hashes(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("a")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o751)
+    (src / "x.log").write_text("log")
+    (src / "skip.tmp").write_text("t")
+    (src / ".gitignore").write_text("*.log\n")
+    (src / ".tpurunignore").write_text("skip.*\n")
+    (src / "link").symlink_to("run.sh")
+    for p in src.rglob("*"):
+        _old(p)
+    cache = tmp_path / "cache"
+    m = build_manifest(src, ["pkg/nothing"], cache_dir=cache)
+    assert sorted(f.path for f in m.files) == [".gitignore", ".tpurunignore", "pkg/a.py", "run.sh"]
+    assert m.links == [("link", "run.sh")]
+    by = {f.path: f for f in m.files}
+    assert by["run.sh"].mode == 0o751 and by["pkg/a.py"].sha256 == hashlib.sha256(b"a").hexdigest()
+    assert m.hashed == 4
+    assert build_manifest(src, cache_dir=cache).hashed == 0  # nothing changed: nothing read
+    (src / "pkg" / "a.py").write_text("b")  # same size, new mtime
+    m2 = build_manifest(src, cache_dir=cache)
+    assert m2.hashed == 1 and {f.path: f for f in m2.files}["pkg/a.py"].sha256 == hashlib.sha256(b"b").hexdigest()
+    # a file modified just now is "racy": hashed again next time, never trusted from the cache
+    assert build_manifest(src, cache_dir=cache).hashed == 1
+    assert [f.path for f in build_manifest(src, ["pkg/"]).files] == [".gitignore", ".tpurunignore", "run.sh"]
+
+
+def test_delete_keeps_ignored_paths(tmp_path):
+    (tmp_path / ".gitignore").write_text("data/\n*.ckpt\n")
+    spec = ignore.load_spec(tmp_path, ["logs/"])
+    extra = ["old.py", "data/x.bin", "a/b/model.ckpt", "logs/run.txt", "src/gone.py", ".git/HEAD"]
+    assert deletions(extra, spec) == ["old.py", "src/gone.py"]
+    assert is_ignored(spec, "data/deep/file") and not is_ignored(spec, "database.py")
+
+
+def test_helper_command_is_self_contained():
+    argv = helper_command(sys.executable)
+    # runs with no tpurun importable (as on a worker): an empty manifest to a temp dir
+    r = subprocess.run(argv[:2] + [argv[2]], input=frame(b"M", proto.pack_json({"v": 99})), capture_output=True,
+                       env={"PATH": os.environ["PATH"], "PYTHONPATH": "/nonexistent"}, cwd="/")  # fmt: skip
+    assert r.returncode == 2 and r.stdout[:1] == b"Q"
+
+
+# ------------------------------------------------------------------ the helper through a subprocess
+
+
+def _entry(path: str, data: bytes, mode: int = 0o644, mtime_ns: int = 1_600_000_000 * 10**9) -> list:
+    return [path, len(data), mtime_ns, mode, hashlib.sha256(data).hexdigest()]
+
+
+class Helper:
+    def __init__(self, dest: Path, files: list, links=(), delete: bool = False) -> None:
+        self.s = LocalStream()
+        self.r = FrameReader(self.s.recv)
+        manifest = {"v": proto.PROTOCOL, "dest": str(dest), "delete": delete, "files": files, "links": list(links)}
+        self.s.send(frame(b"M", proto.pack_json(manifest)))
+        kind, payload = self.r.read_frame()
+        assert kind == b"N", payload
+        self.reply = proto.unpack_json(payload)
+
+    def file(self, index: int, data: bytes, sha: str | None = None) -> None:
+        self.s.send(frame(b"F", struct.pack(">I", index)) + frame(b"D", data))
+        self.s.send(frame(b"Z", (sha or hashlib.sha256(data).hexdigest()).encode()))
+
+    def finish(self, delete: list[str] | None = None) -> dict:
+        if delete is not None:
+            self.s.send(frame(b"X", proto.pack_json(delete)))
+        self.s.send(frame(b"E"))
+        kind, payload = self.r.read_frame()
+        assert kind == b"R"
+        self.s.close()
+        return proto.unpack_json(payload)
+
+
+def test_helper_needs_writes_and_caches(tmp_path):
+    dest = tmp_path / "dest"
+    files = [_entry("a.txt", b"hello", 0o600), _entry("sub/dir/b.sh", b"#!/bin/sh\n", 0o755)]
+    h = Helper(dest, files, links=[["ln", "a.txt"]])
+    assert h.reply["need"] == [0, 1] and h.reply["dest"] == str(dest)
+    h.file(0, b"hello")
+    h.file(1, b"#!/bin/sh\n")
+    res = h.finish()
+    assert res == {"written": 3, "bytes": 15, "deleted": 0, "errors": []}
+    assert (dest / "a.txt").read_bytes() == b"hello" and (dest / "a.txt").stat().st_mode & 0o777 == 0o600
+    assert (dest / "sub/dir/b.sh").stat().st_mode & 0o777 == 0o755
+    assert (dest / "a.txt").stat().st_mtime_ns == files[0][2]
+    assert os.readlink(dest / "ln") == "a.txt"
+    cache = json.loads((dest / proto.CACHE_NAME).read_text())["files"]
+    assert cache["a.txt"] == [files[0][1], files[0][2], files[0][4]]
+    # unchanged: nothing needed; changed content with the same size: needed
+    assert Helper(dest, files).reply["need"] == []
+    changed = _entry("a.txt", b"HELLO", 0o600)
+    assert Helper(dest, [changed, files[1]]).reply["need"] == [0]
+
+
+def test_helper_rejects_bad_hash_and_leaves_no_temp(tmp_path):
+    dest = tmp_path / "dest"
+    h = Helper(dest, [_entry("a.txt", b"good")])
+    h.file(0, b"evil", sha=hashlib.sha256(b"good").hexdigest())  # what arrived is not what was announced
+    res = h.finish()
+    assert res["written"] == 0 and res["errors"] == [["a.txt", "verify", "sha256 mismatch after transfer"]]
+    assert os.listdir(dest) == [proto.CACHE_NAME]
+
+
+def test_helper_killed_mid_file_cleans_up_and_next_run_removes_stale_temps(tmp_path):
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    stale = dest / ".tpurun-tmp-a.txt-deadbeef"
+    stale.write_text("half")
+    h = Helper(dest, [_entry("a.txt", b"x" * 100)])
+    assert not stale.exists()  # removed at the start
+    h.s.send(frame(b"F", struct.pack(">I", 0)) + frame(b"D", b"x" * 50))
+    time.sleep(0.2)
+    assert any(n.startswith(".tpurun-tmp-") for n in os.listdir(dest))
+    h.s.close_write()  # the client vanishes mid-file
+    assert h.s.proc.wait(timeout=10) == 3
+    assert os.listdir(dest) == []
+
+
+def test_helper_refuses_unsafe_paths_and_deletes_only_listed_extras(tmp_path):
+    dest = tmp_path / "dest"
+    (dest / "old").mkdir(parents=True)
+    (dest / "old" / "gone.txt").write_text("x")
+    (dest / "keep.txt").write_text("k")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("o")
+    files = [_entry("../outside.txt", b"pwned"), _entry("/etc/x", b"y"), _entry("keep.txt", b"k")]
+    h = Helper(dest, files, delete=True)
+    assert h.reply["need"] == [] and h.reply["extra"] == ["old/gone.txt"]
+    res = h.finish(delete=["old/gone.txt", "../outside.txt", proto.CACHE_NAME])
+    assert res["deleted"] == 1 and [e[1] for e in res["errors"]] == ["path", "path"]
+    assert outside.read_text() == "o" and not (dest / "old").exists() and (dest / proto.CACHE_NAME).exists()

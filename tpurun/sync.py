@@ -1,0 +1,540 @@
+"""`tpurun sync`: an incremental, content-checked copy of a directory to every selected worker at once.
+
+The sending side. Per worker, over one SSH channel (or a local subprocess), it runs the stdlib-only
+helper `tpurun.sync_remote` (shipped inline on the command line, nothing installed on workers) and
+speaks the framed protocol documented there:
+
+    manifest (one frame)  ->  paths the worker needs (+ extra paths for --delete)  ->
+    every needed file in one stream, then deletions, then end  ->  result
+
+so the round trips do not grow with the number of files. The exec request is pipelined with the
+manifest (no wait for the server's reply), so a sync costs: channel open, manifest -> needs,
+data -> result.
+
+Local hashes are cached under $TPURUN_HOME/sync-cache keyed by (path, size, mtime_ns), so a no-op
+sync of a big tree stats files and hashes nothing; the helper keeps the same kind of cache in dest.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol
+
+from tpurun import ignore
+from tpurun import sync_remote as proto
+from tpurun.errors import UsageError
+from tpurun.remote import Runner, SshRunner
+
+CHUNK = 1 << 20  # bytes per data frame
+SEND_BUFFER = 1 << 20  # small files are batched until this much is queued
+RACY_SECONDS = 2.0  # a file modified this recently may change again within the same mtime tick
+
+
+# ------------------------------------------------------------------ framing
+
+
+def frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return proto.HEADER.pack(kind, len(payload)) + payload
+
+
+class FrameReader:
+    """Frames from a byte source that returns b'' at EOF (a paramiko channel's recv, os.read, ...)."""
+
+    def __init__(self, recv: Callable[[int], bytes]) -> None:
+        self.recv = recv
+        self.buf = bytearray()
+
+    def _fill(self, n: int) -> None:
+        while len(self.buf) < n:
+            data = self.recv(max(65536, n - len(self.buf)))
+            if not data:
+                raise proto.Eof()
+            self.buf += data
+
+    def read_frame(self) -> tuple[bytes, bytes]:
+        self._fill(proto.HEADER.size)
+        kind, length = proto.HEADER.unpack_from(self.buf)
+        self._fill(proto.HEADER.size + length)
+        payload = bytes(self.buf[proto.HEADER.size : proto.HEADER.size + length])
+        del self.buf[: proto.HEADER.size + length]
+        return kind, payload
+
+
+# ------------------------------------------------------------------ manifest
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative, POSIX separators
+    size: int
+    mtime_ns: int
+    mode: int  # permission bits (st_mode & 0o7777)
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    files: list[FileEntry] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)  # (path, symlink target)
+    hashed: int = 0  # files whose content had to be read (not in the local cache)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_wire(self, dest: str, delete: bool) -> dict[str, Any]:
+        return {
+            "v": proto.PROTOCOL,
+            "dest": dest,
+            "delete": delete,
+            "files": [[f.path, f.size, f.mtime_ns, f.mode, f.sha256] for f in self.files],
+            "links": [list(x) for x in self.links],
+        }
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class HashCache:
+    """sha256 of local files keyed by (path, size, mtime_ns), one JSON file per source directory."""
+
+    def __init__(self, cache_dir: Path | None, src: Path) -> None:
+        self.path = None
+        if cache_dir is not None:
+            key = hashlib.sha256(str(src).encode("utf-8", "surrogateescape")).hexdigest()[:20]
+            self.path = cache_dir / f"{key}.json"
+        self.entries: dict[str, list[Any]] = {}
+        self.dirty = False
+        if self.path and self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("src") == str(src):
+                    self.entries = data.get("files", {})
+            except (OSError, ValueError, AttributeError):
+                self.entries = {}
+
+    def get(self, path: str, size: int, mtime_ns: int) -> str | None:
+        e = self.entries.get(path)
+        return e[2] if e and e[0] == size and e[1] == mtime_ns else None
+
+    def put(self, path: str, size: int, mtime_ns: int, sha: str) -> None:
+        # a file changed within the filesystem's timestamp granularity of our read could change again
+        # without its mtime moving: such "racy" entries are hashed again next time
+        if time.time_ns() - mtime_ns < RACY_SECONDS * 1e9:
+            self.entries.pop(path, None)
+        else:
+            self.entries[path] = [size, mtime_ns, sha]
+        self.dirty = True
+
+    def save(self, keep: Iterable[str], src: Path) -> None:
+        if not self.path or not self.dirty:
+            return
+        keep_set = set(keep)
+        files = {k: v for k, v in self.entries.items() if k in keep_set}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"src": str(src), "files": files}, separators=(",", ":")))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # only a cache
+
+
+def build_manifest(src: Path, excludes: Sequence[str] = (), cache_dir: Path | None = None) -> Manifest:
+    """Every file of SRC that is not ignored, with its sha256 (from the cache when size and mtime match)."""
+    src = src.resolve()
+    cache = HashCache(cache_dir, src)
+    m = Manifest()
+    for rel in ignore.walk(src, excludes):
+        rel_s = rel.as_posix()
+        full = src / rel
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue  # vanished while walking
+        if stat.S_ISLNK(st.st_mode):
+            m.links.append((rel_s, os.readlink(full)))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        sha = cache.get(rel_s, st.st_size, st.st_mtime_ns)
+        if sha is None:
+            try:
+                sha = sha256_file(full)
+            except OSError:
+                continue  # unreadable: it cannot be sent either
+            cache.put(rel_s, st.st_size, st.st_mtime_ns, sha)
+            m.hashed += 1
+        m.files.append(FileEntry(rel_s, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), sha))
+    cache.save((f.path for f in m.files), src)
+    return m
+
+
+def is_ignored(spec: Any, path: str) -> bool:
+    """Whether SPEC (ignore.load_spec) matches PATH or one of its directories."""
+    parts = PurePosixPath(path).parts
+    for i in range(1, len(parts)):
+        if spec.match_file("/".join(parts[:i]) + "/"):
+            return True
+    return bool(spec.match_file(path))
+
+
+def deletions(extra: Sequence[str], spec: Any) -> list[str]:
+    """The worker's extra paths that --delete removes: ignored ones are kept (like rsync without
+    --delete-excluded), so data/ or checkpoints/ on the worker survive a sync of the code."""
+    return [p for p in extra if not is_ignored(spec, p)]
+
+
+# ------------------------------------------------------------------ one worker
+
+
+class Stream(Protocol):
+    def send(self, data: bytes) -> None: ...
+    def recv(self, n: int) -> bytes: ...
+    def close_write(self) -> None: ...
+    def close(self) -> None: ...
+    def failure(self) -> str: ...
+
+
+def helper_command(python: str = "python3") -> list[str]:
+    """argv that runs the helper from its source, compressed inline: nothing to install on workers."""
+    source = Path(proto.__file__).read_bytes()
+    blob = base64.b64encode(zlib.compress(source, 9)).decode("ascii")
+    return [python, "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))"]
+
+
+class SshStream:
+    """The helper on a worker, over one new channel of an SshRunner's connection."""
+
+    def __init__(self, runner: SshRunner) -> None:
+        import shlex
+
+        assert runner.client is not None, "connect() first"
+        transport = runner.client.get_transport()
+        assert transport is not None
+        self.chan = transport.open_session()
+        command = shlex.join(helper_command())
+        try:
+            # pipelined exec: send the request and go on to the manifest without waiting for the
+            # server's reply (a refused request closes the channel, which the reader then sees)
+            from paramiko.common import cMSG_CHANNEL_REQUEST
+            from paramiko.message import Message
+
+            msg = Message()
+            msg.add_byte(cMSG_CHANNEL_REQUEST)
+            msg.add_int(self.chan.remote_chanid)
+            msg.add_string("exec")
+            msg.add_boolean(True)
+            msg.add_string(command)
+            self.chan._event_pending()
+            self.chan.transport._send_user_message(msg)  # type: ignore[union-attr]
+        except (ImportError, AttributeError):
+            self.chan.exec_command(command)
+
+    def send(self, data: bytes) -> None:
+        self.chan.sendall(data)
+
+    def recv(self, n: int) -> bytes:
+        return self.chan.recv(n)
+
+    def close_write(self) -> None:
+        self.chan.shutdown_write()
+
+    def close(self) -> None:
+        self.chan.close()
+
+    def failure(self) -> str:
+        err = b""
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not self.chan.exit_status_ready():
+            time.sleep(0.05)
+        while self.chan.recv_stderr_ready():
+            err += self.chan.recv_stderr(65536)
+        rc = self.chan.exit_status if self.chan.exit_status_ready() else None
+        return _describe_failure(rc, err)
+
+
+class LocalStream:
+    """The helper as a subprocess of this machine (the one-host pod)."""
+
+    def __init__(self) -> None:
+        argv = helper_command(sys.executable)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.proc.stdin and self.proc.stdout
+
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def recv(self, n: int) -> bytes:
+        assert self.proc.stdout
+        return self.proc.stdout.read1(n)  # type: ignore[attr-defined]
+
+    def close_write(self) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.close()
+
+    def close(self) -> None:
+        # end its input first: the helper then removes its temp file itself; kill only if it hangs
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def failure(self) -> str:
+        try:
+            rc = self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            rc = None
+        err = self.proc.stderr.read() if self.proc.stderr and rc is not None else b""
+        return _describe_failure(rc, err)
+
+
+def _describe_failure(rc: int | None, err: bytes) -> str:
+    text = err.decode("utf-8", "replace").strip().splitlines()
+    last = text[-1] if text else ""
+    if rc == 127:
+        return "python3 not found on the worker (sync needs Python >= 3.8 there)"
+    if last:
+        return last
+    return f"the sync helper ended unexpectedly (exit {rc})" if rc is not None else "the connection was lost"
+
+
+class Interrupted(Exception):
+    """The user stopped the sync (Ctrl-C / SIGTERM)."""
+
+
+@dataclass
+class WorkerStats:
+    worker: int
+    address: str
+    files_total: int = 0
+    files_sent: int = 0
+    bytes_sent: int = 0
+    deleted: int = 0
+    seconds: float = 0.0
+    error: str = ""  # the worker could not be synced at all
+    unreachable: bool = False
+    errors: list[list[str]] = field(default_factory=list)  # [path, kind, message] per failed file
+    files_needed: int = 0
+    bytes_needed: int = 0
+    dest: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["worker"] = self.worker
+        return d
+
+
+@dataclass
+class Progress:
+    """Counters the sending threads bump and the progress bar reads."""
+
+    bytes_total: int = 0
+    bytes_done: int = 0
+    files_total: int = 0
+    files_done: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def plan(self, files: int, nbytes: int) -> None:
+        with self.lock:
+            self.files_total += files
+            self.bytes_total += nbytes
+
+    def sent(self, files: int, nbytes: int) -> None:
+        with self.lock:
+            self.files_done += files
+            self.bytes_done += nbytes
+
+
+def sync_stream(
+    stream: Stream,
+    stats: WorkerStats,
+    manifest: Manifest,
+    src: Path,
+    dest: str,
+    *,
+    delete: bool,
+    spec: Any,
+    progress: Progress,
+    stop: threading.Event,
+) -> None:
+    """The whole protocol with one helper; fills STATS (errors included)."""
+    reader = FrameReader(stream.recv)
+    stats.files_total = len(manifest.files) + len(manifest.links)
+    try:
+        stream.send(frame(b"M", proto.pack_json(manifest.to_wire(dest, delete))))
+        kind, payload = reader.read_frame()
+        reply = proto.unpack_json(payload)
+        if kind == b"Q":
+            stats.error = str(reply.get("error"))
+            return
+        if kind != b"N":
+            raise proto.Eof()
+        stats.dest = reply.get("dest", "")
+        need: list[int] = reply["need"]
+        stats.files_needed = len(need)
+        stats.bytes_needed = sum(manifest.files[i].size for i in need)
+        progress.plan(len(need), stats.bytes_needed)
+        buf = bytearray()
+        for i in need:
+            if stop.is_set():
+                raise Interrupted()
+            entry = manifest.files[i]
+            buf += frame(b"F", struct.pack(">I", i))
+            h = hashlib.sha256()
+            sent = 0
+            try:
+                with open(src / entry.path, "rb") as f:
+                    while chunk := f.read(CHUNK):
+                        h.update(chunk)
+                        buf += proto.HEADER.pack(b"D", len(chunk))
+                        if len(chunk) >= SEND_BUFFER // 4:
+                            # big chunks go out directly instead of being copied into the buffer
+                            stream.send(bytes(buf))
+                            buf.clear()
+                            stream.send(chunk)
+                        else:
+                            buf += chunk
+                        sent += len(chunk)
+                        if len(buf) >= SEND_BUFFER:
+                            stream.send(bytes(buf))
+                            buf.clear()
+                        progress.sent(0, len(chunk))
+                        if stop.is_set():
+                            raise Interrupted()
+                buf += frame(b"Z", h.hexdigest().encode("ascii"))
+            except OSError as exc:
+                buf += frame(b"A", (exc.strerror or str(exc)).encode("utf-8", "replace"))
+            stats.bytes_sent += sent
+            progress.sent(1, 0)
+        if delete:
+            doomed = deletions(reply.get("extra", []), spec)
+            if doomed:
+                buf += frame(b"X", proto.pack_json(doomed))
+        buf += frame(b"E")
+        stream.send(bytes(buf))
+        kind, payload = reader.read_frame()
+        if kind != b"R":
+            raise proto.Eof()
+        result = proto.unpack_json(payload)
+        stats.files_sent = result["written"]
+        stats.deleted = result["deleted"]
+        stats.errors = result["errors"]
+    except (proto.Eof, OSError, EOFError) as exc:
+        if stop.is_set():
+            raise Interrupted() from None
+        why = stream.failure()
+        if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError) and why == "the connection was lost":
+            why = f"{why}: {exc}"
+        stats.error = why
+
+
+def sync(
+    runners: Sequence[Runner],
+    src: Path,
+    dest: str,
+    *,
+    manifest: Manifest,
+    excludes: Sequence[str] = (),
+    delete: bool = False,
+    progress: Progress | None = None,
+    stop: threading.Event | None = None,
+    connect_errors: dict[int, str] | None = None,
+) -> list[WorkerStats]:
+    """Sync MANIFEST of SRC to DEST on every runner at once (connected SshRunners or LocalRunners)."""
+    progress = progress or Progress()
+    stop = stop or threading.Event()
+    spec = ignore.load_spec(src, excludes)
+    stats = {r.worker.index: WorkerStats(r.worker.index, r.worker.address) for r in runners}
+    for index, error in (connect_errors or {}).items():
+        stats[index].error = error
+        stats[index].unreachable = True
+    interrupted = threading.Event()
+    streams: dict[int, Stream] = {}
+
+    def one(r: Runner) -> None:
+        st = stats[r.worker.index]
+        started = time.monotonic()
+        stream: Stream | None = None
+        try:
+            stream = SshStream(r) if isinstance(r, SshRunner) else LocalStream()
+            streams[r.worker.index] = stream
+            sync_stream(stream, st, manifest, src, dest, delete=delete, spec=spec, progress=progress, stop=stop)
+        except Interrupted:
+            interrupted.set()
+        except Exception as exc:  # paramiko errors, a dropped connection: this worker fails, not the others
+            st.error = f"{type(exc).__name__}: {exc}" if not str(exc).strip() == "" else type(exc).__name__
+            st.unreachable = True
+        finally:
+            if stream is not None:
+                stream.close()
+            st.seconds = round(time.monotonic() - started, 3)
+
+    threads = [
+        threading.Thread(target=one, args=(r,), daemon=True, name=f"sync-w{r.worker.index}")
+        for r in runners
+        if not stats[r.worker.index].error
+    ]
+    for t in threads:
+        t.start()
+    closed = False
+    for t in threads:
+        while t.is_alive():
+            t.join(0.1)
+            if stop.is_set() and not closed:
+                # a thread waiting for a reply would not notice the stop: closing its stream wakes it,
+                # and the helper, seeing its input end, removes its temp file and exits
+                closed = True
+                for s in list(streams.values()):
+                    s.close()
+    if interrupted.is_set() or stop.is_set():
+        raise Interrupted()
+    return [stats[r.worker.index] for r in runners]
+
+
+def default_dest(src: Path) -> str:
+    """`~/<basename of SRC>`: in the login user's home on every worker."""
+    name = src.resolve().name
+    if not name:
+        raise UsageError("cannot sync the root directory without --dest")
+    return f"~/{name}"
+
+
+def check_local_dest(src: Path, dest: str) -> Path:
+    """For --local: the destination on this machine, refused if it is SRC itself or inside it."""
+    d = Path(os.path.expanduser(dest))
+    if not d.is_absolute():
+        d = Path.home() / d
+    real_src, real_dest = src.resolve(), d.resolve()
+    if real_dest == real_src or real_src in real_dest.parents:
+        raise UsageError(
+            f"the destination {d} is the source directory or inside it: pass --dest elsewhere "
+            "(with no TPU, sync copies to a directory of this machine)"
+        )
+    return d

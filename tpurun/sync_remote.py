@@ -1,0 +1,448 @@
+"""The receiving end of `tpurun sync`: a stdlib-only program run on each worker (or locally).
+
+tpurun ships this file's source with the command line (``python3 -c ...``), so workers need no
+install; it must therefore stay stdlib-only and run on Python 3.8 or newer (no ``match``, no
+``X | Y`` outside annotations, no ``str.removeprefix``).
+
+Protocol, on the process's stdin/stdout, every message a frame: 1 type byte, a 4-byte big-endian
+payload length, the payload. JSON payloads are zlib-compressed.
+
+    client -> helper   M  manifest {v, dest, delete, files: [[path, size, mtime_ns, mode, sha256]...],
+                                    links: [[path, target]...]}
+    helper -> client   N  {dest, need: [file indexes], extra: [paths in dest not in the manifest] (with delete)}
+                          (or Q {error} when it cannot start, e.g. dest is not writable)
+    client -> helper   for each needed file: F <index u32>, D <bytes>..., Z <sha256 hex of what was sent>
+                          (or A <reason> instead of Z when the client could not read it)
+                       X [paths to delete] (optional, a subset of `extra`), then E (end)
+    helper -> client   R {written, bytes, deleted, errors: [[path, kind, message]...]}
+
+So a sync is one exchange for the manifest and one stream for the data, whatever the file count.
+
+Every file is written to ``.tpurun-tmp-<name>-<random>`` in its target directory and renamed over
+the real name only after its size and sha256 matched: a killed sync never leaves a half file under a
+real name. Temp files are removed on any error or EOF, and stale ones at the start of the next sync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import stat
+import struct
+import sys
+import zlib
+
+CACHE_NAME = ".tpurun-sync-manifest"
+TMP_PREFIX = ".tpurun-tmp-"
+HEADER = struct.Struct(">cI")
+PROTOCOL = 1
+
+
+class Eof(Exception):
+    """The client went away (killed, connection dropped) in the middle of the protocol."""
+
+
+# ------------------------------------------------------------------ framing (mirrored in tpurun.sync)
+
+
+def read_exact(stream, n: int) -> bytes:
+    data = stream.read(n)
+    if data is None or len(data) != n:
+        raise Eof()
+    return data
+
+
+def read_frame(stream):
+    kind, length = HEADER.unpack(read_exact(stream, HEADER.size))
+    return kind, read_exact(stream, length) if length else b""
+
+
+def write_frame(stream, kind: bytes, payload: bytes = b"") -> None:
+    stream.write(HEADER.pack(kind, len(payload)))
+    stream.write(payload)
+
+
+def pack_json(obj) -> bytes:
+    return zlib.compress(json.dumps(obj, separators=(",", ":")).encode("utf-8"), 1)
+
+
+def unpack_json(payload: bytes):
+    return json.loads(zlib.decompress(payload).decode("utf-8"))
+
+
+# ------------------------------------------------------------------ paths
+
+
+def safe_relpath(path: str) -> bool:
+    """A manifest path must stay inside dest: relative, normalized, no '..', no NUL."""
+    if not path or "\0" in path or path.startswith("/") or path == ".":
+        return False
+    parts = path.split("/")
+    return all(p not in ("", ".", "..") for p in parts)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Receiver:
+    """Applies one manifest and one data stream to DEST."""
+
+    def __init__(self, manifest: dict) -> None:
+        dest = os.path.expanduser(manifest["dest"])
+        if not os.path.isabs(dest):
+            dest = os.path.join(os.path.expanduser("~"), dest)
+        self.dest = os.path.normpath(dest)
+        self.delete = bool(manifest.get("delete"))
+        self.files = manifest.get("files", [])
+        self.links = manifest.get("links", [])
+        self.errors: list[list[str]] = []  # [path, kind, message]
+        self.written = 0
+        self.bytes = 0
+        self.deleted = 0
+        self.cache: dict[str, list] = {}  # path -> [size, mtime_ns, sha256]
+        self.new_cache: dict[str, list] = {}
+        self.ok_dirs: set[str] = set()  # directories known to be real directories inside dest
+        self.extra: list[str] = []
+        self.tmp_path: str | None = None  # the file being received, removed on any failure
+
+    # -------------------------------------------------------------- setup and compare
+
+    def start(self) -> dict:
+        os.makedirs(self.dest, exist_ok=True)
+        if not os.path.isdir(self.dest):
+            raise OSError(f"{self.dest} is not a directory")
+        self.ok_dirs.add("")
+        self.load_cache()
+        self.remove_stale_temps()
+        need = []
+        for i, entry in enumerate(self.files):
+            path = entry[0]
+            if not safe_relpath(path):
+                self.errors.append([path, "path", "unsafe path refused"])
+                continue
+            try:
+                if self.needs(entry):
+                    need.append(i)
+            except OSError as exc:
+                self.errors.append([path, "read", exc.strerror or str(exc)])
+        for path, target in self.links:
+            if not safe_relpath(path):
+                self.errors.append([path, "path", "unsafe path refused"])
+                continue
+            try:
+                self.apply_link(path, target)
+            except OSError as exc:
+                self.errors.append([path, "write", exc.strerror or str(exc)])
+        reply = {"dest": self.dest, "need": need}
+        if self.delete:
+            self.extra = self.list_extra()
+            reply["extra"] = self.extra
+        return reply
+
+    def load_cache(self) -> None:
+        try:
+            with open(os.path.join(self.dest, CACHE_NAME), "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+            if isinstance(data, dict) and data.get("v") == PROTOCOL:
+                self.cache = data.get("files", {})
+        except (OSError, ValueError):
+            self.cache = {}
+
+    def remove_stale_temps(self) -> None:
+        # temp files live next to their targets, so the manifest's directories are where to look
+        dirs = {""}
+        for entry in self.files:
+            dirs.add(os.path.dirname(entry[0]))
+        for d in dirs:
+            full = os.path.join(self.dest, d)
+            try:
+                with os.scandir(full) as it:
+                    for e in it:
+                        if e.name.startswith(TMP_PREFIX) and not e.is_dir(follow_symlinks=False):
+                            try:
+                                os.unlink(e.path)
+                            except OSError:
+                                pass
+            except OSError:
+                pass
+
+    def needs(self, entry) -> bool:
+        path, size, mtime_ns, mode, sha = entry[:5]
+        full = os.path.join(self.dest, path)
+        try:
+            st = os.lstat(full)
+        except OSError:
+            return True
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return True
+        cached = self.cache.get(path)
+        if cached and cached[0] == st.st_size and cached[1] == st.st_mtime_ns:
+            have = cached[2]
+        else:
+            have = sha256_file(full)
+        if have != sha:
+            return True
+        # same content: fix metadata in place, no transfer
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(full, mode)
+        if st.st_mtime_ns != mtime_ns:
+            os.utime(full, ns=(mtime_ns, mtime_ns))
+        self.new_cache[path] = [size, mtime_ns, sha]
+        return False
+
+    def ensure_parent(self, path: str) -> str:
+        """Make PATH's parent a real directory inside dest (a symlink or file in the way is replaced,
+        as rsync does), so nothing is ever written outside dest."""
+        parent = os.path.dirname(path)
+        if parent in self.ok_dirs:
+            return os.path.join(self.dest, parent)
+        sofar = ""
+        for part in parent.split("/"):
+            sofar = part if not sofar else sofar + "/" + part
+            if sofar in self.ok_dirs:
+                continue
+            full = os.path.join(self.dest, sofar)
+            try:
+                st = os.lstat(full)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(full)
+                    os.mkdir(full)
+            except FileNotFoundError:
+                os.mkdir(full)
+            self.ok_dirs.add(sofar)
+        return os.path.join(self.dest, parent)
+
+    def replace_into(self, tmp: str, full: str) -> None:
+        try:
+            st = os.lstat(full)
+            if stat.S_ISDIR(st.st_mode):
+                if not self.delete:
+                    raise OSError("a directory is in the way on the worker (use --delete to replace it)")
+                shutil.rmtree(full)
+        except FileNotFoundError:
+            pass
+        os.replace(tmp, full)
+
+    def tmp_name(self, parent: str, name: str) -> str:
+        return os.path.join(parent, f"{TMP_PREFIX}{name[:100]}-{os.urandom(6).hex()}")
+
+    def apply_link(self, path: str, target: str) -> None:
+        full = os.path.join(self.dest, path)
+        try:
+            if os.path.islink(full) and os.readlink(full) == target:
+                return
+        except OSError:
+            pass
+        parent = self.ensure_parent(path)
+        tmp = self.tmp_name(parent, os.path.basename(path))
+        os.symlink(target, tmp)
+        try:
+            self.replace_into(tmp, full)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self.written += 1
+
+    def list_extra(self) -> list:
+        """Files and symlinks in dest that the manifest does not name (the client decides which to delete)."""
+        known = set(e[0] for e in self.files) | set(p for p, _ in self.links)
+        extra = []
+        for dirpath, dirnames, filenames in os.walk(self.dest):
+            rel_dir = os.path.relpath(dirpath, self.dest)
+            rel_dir = "" if rel_dir == "." else rel_dir + "/"
+            for d in list(dirnames):
+                if os.path.islink(os.path.join(dirpath, d)):
+                    filenames.append(d)  # a symlink to a directory is a file here: never followed
+                    dirnames.remove(d)
+            for name in filenames:
+                rel = rel_dir + name
+                if rel == CACHE_NAME or name.startswith(TMP_PREFIX):
+                    continue
+                if rel not in known:
+                    extra.append(rel)
+        extra.sort()
+        return extra
+
+    # -------------------------------------------------------------- data stream
+
+    def receive(self, stream) -> None:
+        while True:
+            kind, payload = read_frame(stream)
+            if kind == b"F":
+                (index,) = struct.unpack(">I", payload)
+                self.receive_file(stream, self.files[index])
+            elif kind == b"X":
+                self.delete_paths(unpack_json(payload))
+            elif kind == b"E":
+                return
+            else:
+                raise ValueError(f"unexpected frame {kind!r}")
+
+    def receive_file(self, stream, entry) -> None:
+        path, size, mtime_ns, mode, sha = entry[:5]
+        full = os.path.join(self.dest, path)
+        h = hashlib.sha256()
+        got = 0
+        fd = -1
+        tmp = ""
+        failed = None
+        try:
+            parent = self.ensure_parent(path)
+            tmp = self.tmp_path = self.tmp_name(parent, os.path.basename(path))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            failed = ["write", exc.strerror or str(exc)]
+        while True:
+            kind, payload = read_frame(stream)
+            if kind == b"D":
+                h.update(payload)
+                got += len(payload)
+                if failed is None:
+                    try:
+                        view = memoryview(payload)
+                        while view:
+                            view = view[os.write(fd, view) :]
+                    except OSError as exc:
+                        failed = ["write", exc.strerror or str(exc)]
+                continue
+            if kind == b"A":
+                failed = failed or ["read", "not sent: " + payload.decode("utf-8", "replace")]
+                break
+            if kind == b"Z":
+                sent_sha = payload.decode("ascii", "replace")
+                if failed is None and (got != size or sent_sha != sha):
+                    failed = ["changed", "changed on the sending machine during the sync; sync again"]
+                elif failed is None and h.hexdigest() != sent_sha:
+                    failed = ["verify", "sha256 mismatch after transfer"]
+                break
+            raise ValueError(f"unexpected frame {kind!r} inside a file")
+        if failed is None:
+            try:
+                os.fchmod(fd, mode)
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+                os.close(fd)  # (unwritten data cannot fail here: writes are unbuffered)
+                fd = -1
+                self.replace_into(tmp, full)
+                self.tmp_path = None
+                self.written += 1
+                self.bytes += got
+                self.new_cache[path] = [size, mtime_ns, sha]
+            except OSError as exc:
+                failed = ["write", exc.strerror or str(exc)]
+        if fd >= 0:
+            os.close(fd)
+        if failed is not None:
+            self.drop_tmp()
+            self.errors.append([path, failed[0], failed[1]])
+
+    def drop_tmp(self) -> None:
+        if self.tmp_path:
+            try:
+                os.unlink(self.tmp_path)
+            except OSError:
+                pass
+            self.tmp_path = None
+
+    def delete_paths(self, paths) -> None:
+        allowed = set(self.extra)  # only what we listed: inside dest, never the cache file
+        keep_dirs = set()
+        for entry in self.files:
+            d = os.path.dirname(entry[0])
+            while d and d not in keep_dirs:
+                keep_dirs.add(d)
+                d = os.path.dirname(d)
+        for path in paths:
+            if path not in allowed:
+                continue
+            try:
+                os.unlink(os.path.join(self.dest, path))
+                self.deleted += 1
+            except OSError as exc:
+                self.errors.append([path, "delete", exc.strerror or str(exc)])
+                continue
+            d = os.path.dirname(path)
+            while d and d not in keep_dirs:
+                try:
+                    os.rmdir(os.path.join(self.dest, d))
+                except OSError:
+                    break
+                d = os.path.dirname(d)
+
+    def save_cache(self) -> None:
+        data = json.dumps({"v": PROTOCOL, "files": self.new_cache}, separators=(",", ":")).encode("utf-8")
+        tmp = self.tmp_name(self.dest, CACHE_NAME)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(self.dest, CACHE_NAME))
+        except OSError:
+            # only a cache: the next sync rehashes instead
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def result(self) -> dict:
+        return {"written": self.written, "bytes": self.bytes, "deleted": self.deleted, "errors": self.errors}
+
+
+def _stop(signum, frame):
+    raise Eof()
+
+
+def main() -> int:
+    # a hang-up or termination mid-stream must still remove the temp file (the finally below)
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    stdin = sys.stdin.buffer
+    stdout = sys.stdout.buffer
+    receiver = None
+    try:
+        kind, payload = read_frame(stdin)
+        if kind != b"M":
+            raise ValueError("expected a manifest")
+        manifest = unpack_json(payload)
+        if manifest.get("v") != PROTOCOL:
+            write_frame(stdout, b"Q", pack_json({"error": "protocol version mismatch"}))
+            stdout.flush()
+            return 2
+        receiver = Receiver(manifest)
+        try:
+            reply = receiver.start()
+        except OSError as exc:
+            write_frame(stdout, b"Q", pack_json({"error": f"{receiver.dest}: {exc.strerror or exc}"}))
+            stdout.flush()
+            return 1
+        write_frame(stdout, b"N", pack_json(reply))
+        stdout.flush()
+        receiver.receive(stdin)
+        receiver.save_cache()
+        write_frame(stdout, b"R", pack_json(receiver.result()))
+        stdout.flush()
+        return 0
+    except (Eof, BrokenPipeError):
+        return 3  # the client is gone; the finally below removes the half-written temp file
+    except Exception as exc:  # a bug or a protocol error: one line for the client to show
+        sys.stderr.write(f"tpurun sync helper: {type(exc).__name__}: {exc}\n")
+        return 1
+    finally:
+        if receiver is not None:
+            receiver.drop_tmp()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
