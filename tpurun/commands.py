@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from tpurun import cli_nodes, cli_remote  # noqa: F401  (importing registers their commands)
+from tpurun import cli_nodes, cli_remote, cli_sync, cli_train  # noqa: F401  (importing registers their commands)
 from tpurun.cli import register_placeholders
 
-IMPLEMENTED: set[str] = {"create", "attach", "list", "describe", "delete", "stop", "start", "exec", "ssh"}
+IMPLEMENTED: set[str] = {
+    "create",
+    "attach",
+    "list",
+    "describe",
+    "delete",
+    "stop",
+    "start",
+    "exec",
+    "ssh",
+    "sync",
+    "train",
+    "jobs",
+    "logs",
+    "cancel",
+}
 
 register_placeholders(IMPLEMENTED)

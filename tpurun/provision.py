@@ -497,3 +497,26 @@ def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str
     view = node_view(ready, reports)
     _raise_if_startup_failed(name, view, reports)
     return CreateResult(view, reports)
+
+
+def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> CreateResult:
+    """Delete a preempted node and create it again with the same settings (for train --max-restarts)."""
+    old = cloud.get_node(name)
+    node = tpu_v2.Node(
+        accelerator_type=old.accelerator_type,
+        runtime_version=old.runtime_version,
+        labels=dict(old.labels),
+        metadata=dict(old.metadata),
+        network_config=old.network_config,
+        scheduling_config=old.scheduling_config,
+    )
+    op = cloud.delete_node(name)
+    cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
+    op = cloud.create_node(name, node)
+    cloud.wait(f"create {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: CREATING"))
+    ready = wait_ready(cloud, name, progress, timeout=1800)
+    reports = wait_startup(cloud, name, ready, progress, timeout=1800)
+    pin_from_guest_attributes(cloud, s.home_path, name, ready)
+    view = node_view(ready, reports)
+    _raise_if_startup_failed(name, view, reports)
+    return CreateResult(view, reports)

@@ -1,0 +1,251 @@
+"""tpurun train on emulated workers: per-core prefixes and logs, fail-fast, Ctrl-C, detach/reattach,
+preemption recovery, and the dry-run env through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import assert_clean_error
+
+pytestmark = pytest.mark.integration
+
+PRINTER = """\
+import os, sys, time
+w, c = os.environ["TPURUN_WORKER_ID"], os.environ["TPURUN_CORE"]
+for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 5):
+    print(f"line {i} from w{w} c{c} rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']}", flush=True)
+    if i % 2:
+        print(f"stderr {i} from w{w} c{c}", file=sys.stderr, flush=True)
+print("restart", os.environ["TPURUN_RESTART_COUNT"], flush=True)
+"""
+
+
+def _create(cli, name: str, accel: str = "v4-16") -> dict:
+    r = cli("create", name, "-t", accel, "--json")
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
+def _lines_by_core(out: str) -> dict[tuple[int, int], list[str]]:
+    found: dict[tuple[int, int], list[str]] = {}
+    for line in out.splitlines():
+        m = re.match(r"^\[w(\d+)/c(\d+)\] (.*)$", line)
+        if m:
+            found.setdefault((int(m.group(1)), int(m.group(2))), []).append(m.group(3))
+    return found
+
+
+def _job_pids(emulator, node: str, needle: str) -> list[int]:
+    pids = []
+    for w in range(len(emulator.node_info(emulator.node_name(node))["workers"])):
+        for pid in emulator.emu.hosts.worker_root_pids(emulator.node_name(node), w):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmd:
+                pids.append(pid)
+    return pids
+
+
+def test_every_core_streams_in_order_and_logs_match(cli):
+    d = _create(cli, "t2")
+    (cli.cwd / "printer.py").write_text(PRINTER)
+    r = cli("train", "printer.py", "7", "--runtime", "cpu", "--cores", "2", "--python", "python3")
+    assert r.code == 0, r.err
+    by_core = _lines_by_core(r.out)
+    assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ranks = set()
+    for (w, c), lines in by_core.items():
+        stdout_lines = [line for line in lines if line.startswith("line ")]
+        assert stdout_lines == [f"line {i} from w{w} c{c} rank {w * 2 + c}/4" for i in range(7)]
+        assert [line for line in lines if line.startswith("stderr ")] == [
+            f"stderr {i} from w{w} c{c}" for i in (1, 3, 5)
+        ]
+        ranks.add(w * 2 + c)
+    assert ranks == {0, 1, 2, 3}
+    job = re.search(r"job (\S+):", r.err).group(1)
+    for w, ep in enumerate(d["workerEndpoints"]):
+        for c in range(2):
+            out = subprocess.run(
+                cli.ssh(ep["internalIp"], f"cat ~/.tpurun/jobs/{job}/w{w}-c{c}.log"), capture_output=True, text=True
+            )
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.splitlines() == by_core[(w, c)]
+
+
+def test_fail_fast_names_first_failure_and_cleans_every_worker(cli, emulator):
+    _create(cli, "ff")
+    (cli.cwd / "fail.py").write_text(
+        "import os, sys, time\n"
+        "w, c = os.environ['TPURUN_WORKER_ID'], os.environ['TPURUN_CORE']\n"
+        "print('up', flush=True)\n"
+        "if (w, c) == ('1', '1'):\n    time.sleep(1); print('dying now', flush=True); sys.exit(3)\n"
+        "time.sleep(600)\n"
+    )
+    t0 = time.monotonic()
+    r = cli("train", "fail.py", "--runtime", "cpu", "--cores", "2", "--python", "python3")
+    assert r.code == 1, (r.out, r.err)
+    assert time.monotonic() - t0 < 60
+    assert "w1/c1" in r.err and "exit code 3" in r.err and "dying now" in r.err
+    assert _job_pids(emulator, "ff", "fail.py") == []
+
+
+def test_sigint_stops_everything_then_exits_130(cli, emulator):
+    _create(cli, "sig")
+    (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    ups = 0
+    while ups < 4:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        ups += "up" in line
+    assert _job_pids(emulator, "sig", "sleepy.py")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert _job_pids(emulator, "sig", "sleepy.py") == []
+
+
+def test_client_sigkill_stops_attached_job(cli, emulator):
+    _create(cli, "killc")
+    (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    ups = 0
+    while ups < 4:
+        ups += "up" in proc.stdout.readline()
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _job_pids(emulator, "killc", "sleepy.py") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _job_pids(emulator, "killc", "sleepy.py") == []
+
+
+def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
+    _create(cli, "det")
+    (cli.cwd / "slow.py").write_text(
+        "import os, time\nfor i in range(30):\n    print(f'tick {i}', flush=True); time.sleep(0.1)\n"
+    )
+    r = cli("train", "slow.py", "--runtime", "cpu", "--cores", "2", "--python", "python3", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    # a follower that is SIGKILLed half-way does not stop a detached job
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "logs", job, "--follow"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.kill()
+    proc.wait()
+    r = cli("logs", job, "--follow", timeout=120)
+    assert r.code == 0, r.err
+    by_core = _lines_by_core(r.out)
+    assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for lines in by_core.values():
+        assert lines == [f"tick {i}" for i in range(30)]
+    assert job in cli("jobs", "--json").out
+    assert_clean_error(cli("logs", "no-such-job"), 2)
+
+
+def test_second_train_on_same_node_refuses(cli):
+    _create(cli, "busy")
+    (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    first = cli("train", "sleepy.py", "--runtime", "cpu", "--python", "python3", "--detach")
+    assert first.code == 0, first.err
+    job = first.out.strip().splitlines()[-1]
+    r = cli("train", "sleepy.py", "--runtime", "cpu", "--python", "python3")
+    assert r.code != 0
+    assert job in r.err and "cancel" in r.err
+    assert cli("cancel", job).code == 0
+
+
+def test_preemption_with_max_restarts_recreates_and_finishes(cli, emulator):
+    r = cli("create", "pre", "-t", "v4-16", "--spot")
+    assert r.code == 0, r.err
+    (cli.cwd / "long.py").write_text(
+        "import os, time\n"
+        "n = os.environ['TPURUN_RESTART_COUNT']\n"
+        "print('restart count', n, flush=True)\n"
+        "time.sleep(600 if n == '0' else 0.1)\n"
+        "print('finished', flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "train", "long.py", "--runtime", "cpu", "--cores", "1", "--python", "python3", "--max-restarts", "1"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen = 0
+    while seen < 2:
+        seen += "restart count 0" in proc.stdout.readline()
+    emulator.preempt(emulator.node_name("pre"))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert "restart 1/1" in err
+    assert out.count("restart count 1") == 2 and out.count("finished") == 2
+
+
+@pytest.mark.parametrize("accel", ["v2-8", "v3-32", "v4-32", "v5litepod-16", "v6e-8"])
+@pytest.mark.parametrize("runtime", ["pjrt", "xrt"])
+def test_dry_run_env_matches_the_contract(cli, emulator, tpu_node, accel, runtime):
+    from tpurun.runtime.env import plan_job
+    from tpurun.topology import parse_accelerator_type
+
+    node = tpu_node(accel, user="root", wait_startup=False)
+    (cli.cwd / "train.py").write_text("print('x')\n")
+    r = cli("train", "train.py", "--tpu", node.node_id, "--runtime", runtime, "--dry-run", "--json")
+    if runtime == "xrt" and accel.startswith(("v5litepod", "v6e")):
+        assert_clean_error(r, 2)  # XRT never ran on these generations: a clear refusal, not a wrong env
+        assert "use --runtime pjrt" in r.err
+        return
+    assert r.code == 0, r.err
+    got = json.loads(r.out)
+    addresses = [w.address for w in node.workers]
+    want = plan_job(
+        job_id=got["job_id"], topology=parse_accelerator_type(accel), runtime=runtime, worker_addresses=addresses,
+        cores=None, core=None, script="train.py", args=[], python="python3",
+    )  # fmt: skip
+    flat = [c for per in want for c in per]
+    assert len(got["processes"]) == len(flat)
+    for row, spec in zip(got["processes"], flat, strict=True):
+        assert (row["worker"], row["core"]) == (spec.worker, spec.core)
+        assert row["env"] == spec.env
+        assert row["command"] == spec.argv
+    env0 = got["processes"][0]["env"]
+    if runtime == "pjrt":
+        assert env0["PJRT_DEVICE"] == "TPU"
+    else:
+        assert "XRT_TPU_CONFIG" in env0 or "XRT_LOCAL_WORKER" in env0
+
+
+def test_bad_train_input(cli):
+    (cli.cwd / "ok.py").write_text("print(1)\n")
+    for args, needle in [
+        (["missing.py"], "no such script"),
+        (["ok.py", "--cores", "0"], "--cores"),
+        (["ok.py", "--core", "-1"], "--core"),
+        (["ok.py", "--runtime", "gpu"], "--runtime"),
+        (["ok.py", "--precision", "16"], "--precision"),
+        (["ok.py", "--env", "=x"], "--env"),
+        (["ok.py", "--env", "NOEQUALS"], "--env"),
+        (["ok.py", "--cores", "2", "--core", "1"], "one of --cores and --core"),
+    ]:
+        r = cli("train", *args)
+        assert_clean_error(r, 2)
+        assert needle in r.err, (args, r.err)

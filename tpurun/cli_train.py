@@ -1,0 +1,428 @@
+"""Commands of the job runner: train, jobs, logs, cancel."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tpurun import settings, targets, train, ui
+from tpurun.cli import JsonOpt, app
+from tpurun.cli_remote import LocalOpt, TpuOpt, stop_on_signals
+from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun.remote import open_stream, run_capture
+from tpurun.runtime import env as envc
+from tpurun.topology import parse_accelerator_type
+
+RUNTIMES = ("auto", "pjrt", "xrt", "cpu")
+
+
+def _check_inputs(script: str, cores: int | None, core: int | None, runtime: str, precision: str) -> None:
+    path = Path(script)
+    if not path.is_file():
+        raise UsageError(f"no such script: {script}")
+    if path.is_absolute() or ".." in path.parts:
+        try:
+            path.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            raise UsageError(
+                f"{script} is outside this directory: tpurun syncs the current directory, so run it from "
+                "the project that holds the script"
+            ) from None
+    if cores is not None and cores < 1:
+        raise UsageError(f"--cores {cores}: must be at least 1")
+    if core is not None and core < 0:
+        raise UsageError(f"--core {core}: must be 0 or more")
+    if cores is not None and core is not None:
+        raise UsageError("choose one of --cores and --core")
+    if runtime not in RUNTIMES:
+        raise UsageError(f"--runtime {runtime}: use one of {', '.join(RUNTIMES)}")
+    if precision not in ("32", "bf16"):
+        raise UsageError(f"--precision {precision}: use 32 or bf16")
+
+
+@app.command("train", context_settings={"ignore_unknown_options": True})
+def train_cmd(
+    script: Annotated[str, typer.Argument(help="The training script (relative to this directory).")],
+    args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
+    tpu: TpuOpt = None,
+    local: LocalOpt = False,
+    cores: Annotated[
+        int | None, typer.Option(help="Processes per worker: 1, or all (default) per the runtime.")
+    ] = None,
+    core: Annotated[int | None, typer.Option(help="Run on one specific core index (like devices=[5]).")] = None,
+    runtime: Annotated[str, typer.Option(help="auto, pjrt, xrt or cpu.")] = "auto",
+    precision: Annotated[str, typer.Option(help="32 or bf16 (sets XLA_USE_BF16=1).")] = "32",
+    env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")] = None,
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")
+    ] = False,
+    max_restarts: Annotated[int, typer.Option(help="Recreate a preempted node and relaunch, up to N times.")] = 0,
+    metrics: Annotated[bool, typer.Option("--metrics", help="torch_xla metrics report per core at exit.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print each core's command and env; start nothing.")
+    ] = False,
+    python: Annotated[str | None, typer.Option(help="Python on the workers (default python3; here: this one).")] = None,
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = 5.0,
+    dest: Annotated[str | None, typer.Option(help="Where the code goes on the workers (default ~/<dir name>).")] = None,
+    tpu_ip: Annotated[str | None, typer.Option("--tpu-ip", help="xrt on the old TPU Node architecture.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Sync this directory and run SCRIPT once per core on every worker, streaming every core's lines."""
+    _check_inputs(script, cores, core, runtime, precision)
+    if max_restarts < 0:
+        raise UsageError("--max-restarts must be 0 or more")
+    spec = train.TrainSpec(
+        script=str(Path(script))
+        if not Path(script).is_absolute()
+        else str(Path(script).resolve().relative_to(Path.cwd().resolve())),
+        args=list(args or []),
+        cores=cores,
+        core=core,
+        runtime=runtime,
+        precision=precision,
+        env=train.parse_env(env or []),
+        detach=detach,
+        max_restarts=max_restarts,
+        metrics=metrics,
+        dry_run=dry_run,
+        python=python,
+        grace=grace,
+        tpu_ip=tpu_ip,
+    )
+    s = settings.resolve({"tpu": tpu})
+    code = run_training(spec, tpu=tpu, local=local, dest=dest, json_out=json_out, home=s.home_path)
+    raise typer.Exit(code)
+
+
+def run_training(
+    spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | None, json_out: bool, home: Path
+) -> int:
+    restarts = 0
+    while True:
+        target = targets.resolve(tpu=tpu, local=local)
+        try:
+            result = _attempt(spec, target, restarts, dest=dest, json_out=json_out, home=home)
+        finally:
+            target.close()
+        if result != "preempted":
+            return int(result)
+        if restarts >= spec.max_restarts:
+            ui.err().print(
+                f"error: {target.name} was preempted and --max-restarts {spec.max_restarts} is used up", markup=False
+            )
+            return ExitCode.UNREACHABLE
+        restarts += 1
+        ui.info(f"restart {restarts}/{spec.max_restarts}: recreating {target.name}")
+        _recreate(target.name)
+
+
+def _recreate(name: str) -> None:
+    from tpurun import provision
+    from tpurun.cli_nodes import progress_display
+    from tpurun.cloud import Cloud
+
+    s = settings.resolve({})
+    cloud = Cloud(s)
+    with progress_display() as progress:
+        provision.recreate(cloud, s, name, progress)
+
+
+def _attempt(
+    spec: train.TrainSpec, target: targets.Target, restart: int, *, dest: str | None, json_out: bool, home: Path
+) -> int | str:
+    job_id = train.new_job_id()
+    if spec.runtime == "auto" or not spec.dry_run:
+        train.connect(target)  # a dry run with an explicit runtime needs no worker at all
+    runtime, why, specs = train.plan(target, spec, job_id, restart_count=restart)
+    where = "this machine" if target.local else f"{target.name} ({len(target.all_workers)} workers)"
+    per_worker = len(specs[0]) if specs else 0
+    ui.info(f"job {job_id}: {per_worker} process(es) per worker on {where}, runtime {runtime} ({why})")
+    if spec.core is not None and target.accelerator_type:
+        ui.info(envc.explain_core(parse_accelerator_type(target.accelerator_type), spec.core))
+    if spec.precision == "bf16":
+        ui.warn("XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
+    if spec.dry_run:
+        rows = train.dry_run_text(target, runtime, why, specs)
+        if json_out:
+            ui.print_json({"job_id": job_id, "runtime": runtime, "reason": why, "processes": rows})
+        else:
+            for row in rows:
+                print(f"[w{row['worker']}/c{row['core']}] {row['address']}: {train.quote(row['command'])}")
+                for k, v in sorted(row["env"].items()):
+                    print(f"    {k}={v}")
+        return ExitCode.OK
+    python = train.worker_python(target, spec)
+    cwd = str(Path.cwd()) if target.local else (dest or f"~/{Path.cwd().resolve().name}")
+    if not target.local:
+        _sync_code(target, cwd, home)
+    record = train.JobRecord(
+        job_id=job_id,
+        tpu=target.name,
+        workers=[r.worker.index for r in target.runners],
+        cores={w: [c.core for c in per] for w, per in enumerate(specs)},
+        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        detached=spec.detach,
+        command=[spec.script, *spec.args],
+        python=python,
+    )
+    record.save(home)
+    topo = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
+    renderer = train.Renderer(colour=not ui.is_plain(), quiet=json_out)
+    run = train.JobRun(
+        target,
+        job_id,
+        specs,
+        renderer,
+        cwd=cwd,
+        python=python,
+        detach=spec.detach,
+        grace=spec.grace,
+        pre=lambda w: envc.pre_commands(topo, runtime, w, python),
+        on_event=ui.info,
+    )
+    with stop_on_signals(run.stop) as seen:
+        run.run()
+    if spec.detach:
+        if run.lost:
+            return train.outcome_code(run, False)
+        if json_out:
+            ui.print_json({"job_id": job_id, "detached": True})
+        else:
+            print(job_id)
+        ui.info(f"detached: `tpurun logs {job_id} --follow` to watch, `tpurun cancel {job_id}` to stop")
+        return ExitCode.OK
+    if run.lost and not seen["interrupted"] and run.first_failure is None and _preempted(target):
+        ui.warn(f"{target.name} was preempted while job {job_id} ran")
+        return "preempted" if spec.max_restarts else _lost_code(run)
+    if json_out:
+        ui.print_json(
+            {
+                "job_id": job_id,
+                "cores": [
+                    {"worker": o.worker, "core": o.core, "status": o.status, "exit_code": o.exit_code}
+                    for o in sorted(run.outcomes.values(), key=lambda o: (o.worker, o.core))
+                ],
+            }
+        )
+    else:
+        train.render_summary(run)
+    return train.outcome_code(run, seen["interrupted"])
+
+
+def _lost_code(run: train.JobRun) -> int:
+    return train.outcome_code(run, False)
+
+
+def _preempted(target: targets.Target) -> bool:
+    if target.local:
+        return False
+    from tpurun.cloud import Cloud
+    from tpurun.provision import STATE
+
+    # the API may report the preemption a little after the workers vanished: look for a while
+    deadline = time.monotonic() + float(os.environ.get("TPURUN_PREEMPT_CHECK", "20"))
+    while True:
+        try:
+            node = Cloud(settings.resolve({})).find_node(target.name)
+        except TpurunError:
+            return False
+        if node is None or STATE(node.state).name in ("PREEMPTED", "TERMINATED"):
+            return True
+        if STATE(node.state).name != "READY" or time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+
+
+def _sync_code(target: targets.Target, dest: str, home: Path) -> None:
+    """This directory to DEST on every worker (incremental: unchanged files cost nothing)."""
+    from tpurun import sync
+
+    src = Path.cwd()
+    started = time.monotonic()
+    manifest = sync.build_manifest(src, cache_dir=home / "sync-cache")
+    stats = sync.sync(target.runners, src, dest, manifest=manifest)
+    failed = [st for st in stats if st.error or st.errors]
+    if failed:
+        raise UnreachableError(
+            "could not sync the code: "
+            + "; ".join(f"w{st.worker} ({st.address}): {st.error or st.errors[0]}" for st in failed)
+        )
+    sent = sum(st.files_sent for st in stats)
+    ui.info(
+        f"synced {src} to {dest} on {len(stats)} worker(s): {sent} file(s) sent in {time.monotonic() - started:.1f} s"
+    )
+
+
+# ---------------------------------------------------------------------------- jobs, logs, cancel
+
+
+def _record_target(record: train.JobRecord) -> targets.Target:
+    if record.tpu == "local":
+        return targets.resolve(tpu=None, local=True, announce=False)
+    spec = ",".join(str(w) for w in record.workers)
+    return targets.resolve(tpu=record.tpu, local=False, worker_spec=spec, announce=False)
+
+
+def _agent_argv(record: train.JobRecord, *args: str) -> list[str]:
+    script = 'p=$1; a=$2; shift 2; exec "$p" "$HOME/.tpurun/bin/$a" "$@"'
+    return ["sh", "-c", script, "tpurun", record.python, train.agent_name(), *args]
+
+
+@app.command("jobs")
+def jobs_cmd(tpu: TpuOpt = None, json_out: JsonOpt = False) -> None:
+    """Jobs started with `train` (attached and detached), with their state on worker 0."""
+    s = settings.resolve({"tpu": tpu})
+    records = [r for r in train.list_records(s.home_path) if not tpu or r.tpu == tpu]
+    rows: list[dict[str, Any]] = []
+    for r in records:
+        status = "unknown"
+        try:
+            target = _record_target(r)
+            try:
+                train.connect(target)
+                rc, out, _ = run_capture(target.runners[0], _agent_argv(r, "state", r.job_id), timeout=30)
+                if rc == 0:
+                    status = json.loads(out.decode()).get("status", "unknown")
+            finally:
+                target.close()
+        except TpurunError as exc:
+            status = f"unreachable ({exc.message[:40]})"
+        rows.append(
+            {
+                "job_id": r.job_id,
+                "tpu": r.tpu,
+                "status": status,
+                "created": r.created,
+                "detached": r.detached,
+                "command": " ".join(r.command),
+            }
+        )
+    if json_out:
+        ui.print_json(rows)
+        return
+    ui.table(
+        None,
+        ["job", "tpu", "status", "created", "detached", "command"],
+        [
+            (d["job_id"], d["tpu"], d["status"], d["created"], "yes" if d["detached"] else "no", d["command"])
+            for d in rows
+        ],
+    )
+
+
+@app.command("logs")
+def logs_cmd(
+    job: Annotated[str, typer.Argument(help="Job id (from `tpurun jobs`).")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
+) -> None:
+    """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
+    s = settings.resolve({})
+    record = train.JobRecord.load(s.home_path, job)
+    target = _record_target(record)
+    renderer = train.Renderer(colour=not ui.is_plain())
+    offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
+    stop = threading.Event()
+    done: set[int] = set()
+    errors: dict[int, str] = {}
+    try:
+        train.connect(target)
+
+        def one(runner: Any) -> None:
+            w = runner.worker.index
+            attempts = 0
+            while w not in done and not stop.is_set():
+                args = ["stream", job, "--offsets", json.dumps(offsets[w])]
+                if follow:
+                    args.append("--follow")
+                try:
+                    stream = open_stream(runner, _agent_argv(record, *args))
+                    buf = b""
+                    while True:
+                        data = stream.read(0.2)
+                        if data is None or stop.is_set():
+                            break
+                        buf += data
+                        *lines, buf = buf.split(b"\n")
+                        for raw in lines:
+                            rec = json.loads(raw)
+                            if rec.get("event") == "done":
+                                done.add(w)
+                            elif rec.get("event") is None:
+                                renderer.line(w, rec["c"], rec.get("l", ""))
+                                offsets[w][rec["c"]] = rec["o"]
+                    rc = stream.wait()
+                    if rc == 2:
+                        errors[w] = stream.stderr_text().strip() or f"job {job} is not on w{w}"
+                        return
+                    if not follow:
+                        return
+                except (OSError, EOFError, TpurunError) as exc:
+                    attempts += 1
+                    if attempts > 5:
+                        errors[w] = str(exc)
+                        return
+                    # reconnect and resume from the offsets already printed: no line lost, none twice
+                    time.sleep(1)
+                    try:
+                        runner.close()
+                        train.connect(
+                            targets.Target(
+                                target.name, target.accelerator_type, [runner], target.all_workers, target.local
+                            )
+                        )
+                    except TpurunError:
+                        continue
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in target.runners]
+        with stop_on_signals(stop):
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        renderer.flush()
+    finally:
+        target.close()
+    for w, e in sorted(errors.items()):
+        ui.err().print(f"error: w{w}: {e}", markup=False)
+    if errors:
+        raise typer.Exit(ExitCode.UNREACHABLE if not any("not" in e for e in errors.values()) else ExitCode.USAGE)
+
+
+@app.command("cancel")
+def cancel_cmd(
+    job: Annotated[str, typer.Argument(help="Job id.")],
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
+) -> None:
+    """Stop a job on every worker; returns when none of its processes is left."""
+    s = settings.resolve({})
+    record = train.JobRecord.load(s.home_path, job)
+    target = _record_target(record)
+    failures = []
+    try:
+        train.connect(target)
+        results: dict[int, tuple[int, str]] = {}
+
+        def one(runner: Any) -> None:
+            rc, _, err = run_capture(
+                runner, _agent_argv(record, "stop", job, "--grace", str(grace)), timeout=grace + 120
+            )
+            results[runner.worker.index] = (rc, err)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in target.runners]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failures = [f"w{w}: {err.strip() or rc}" for w, (rc, err) in sorted(results.items()) if rc != 0]
+    finally:
+        target.close()
+    if failures:
+        raise UnreachableError("could not stop the job everywhere: " + "; ".join(failures))
+    ui.info(f"job {job} stopped on {len(target.runners)} worker(s)")
