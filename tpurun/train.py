@@ -445,14 +445,24 @@ class JobRun:
             o.status = rec.get("status") or "exited"
             o.ended = time.monotonic() - self.started_at
             if o.exit_code not in (0, None) and not self.stop.is_set():
-                with self.lock:
-                    if self.first_failure is None:
-                        self.first_failure = o
+                # a core the agent killed because a sibling failed is not the origin: wait for the sibling's record
+                if o.status != "killed":
+                    with self.lock:
+                        if self.first_failure is None:
+                            self.first_failure = o
                 self.on_event(f"w{w}/c{c} exited with code {o.exit_code}: stopping the job everywhere")
                 self.stop.set()
+            elif o.exit_code not in (0, None) and o.status != "killed" and self.first_failure is None:
+                with self.lock:
+                    self.first_failure = o  # its worker's agent reported the killed sibling first
             return False
         if event == "done":
             state = rec.get("state", {})
+            origin = state.get("first_failure") or {}
+            if origin and self.first_failure is None and (w, int(origin.get("core", -1))) in self.outcomes:
+                with self.lock:
+                    if self.first_failure is None:
+                        self.first_failure = self.outcomes[(w, int(origin["core"]))]
             for core in state.get("cores", []):
                 o = self.outcomes.get((w, int(core["core"])))
                 if o is not None and o.exit_code is None:

@@ -1,0 +1,41 @@
+"""tpurun train on this machine (the local default): arguments, dry run, and a real run of the agent."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from tests.helpers import tpurun
+
+
+def test_unknown_options_and_after_dashdash_go_to_the_script(tmp_path):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    r = tpurun(
+        "train", "t.py", "--lr", "0.1", "--runtime", "cpu", "--cores", "2", "--dry-run", "--json", "--", "--cores", "x y",
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    assert [p["command"][1:] for p in d["processes"]] == [["t.py", "--lr", "0.1", "--cores", "x y"]] * 2
+    assert d["processes"][0]["command"][0] == sys.executable  # this machine: tpurun's own interpreter
+    assert {p["env"]["RANK"] for p in d["processes"]} == {"0", "1"}
+    assert "one-host pod" in r.err
+
+
+def test_local_run_streams_every_core_and_fails_fast(tmp_path):
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    (tmp_path / "ok.py").write_text(
+        "import os\nfor i in range(3): print('n', i, os.environ['RANK'], os.environ['PJRT_DEVICE'], flush=True)\n"
+    )
+    r = tpurun("train", "ok.py", "--cores", "3", cwd=tmp_path, env=env)
+    assert r.code == 0, r.err
+    for c in range(3):
+        assert re.findall(rf"^\[w0/c{c}\] n (\d) {c} CPU$", r.out, re.M) == ["0", "1", "2"]
+    (tmp_path / "bad.py").write_text(
+        "import os, sys, time\nif os.environ['RANK'] == '1':\n    print('bye'); sys.exit(7)\ntime.sleep(300)\n"
+    )
+    r = tpurun("train", "bad.py", "--cores", "2", cwd=tmp_path, env=env, timeout=60)
+    assert r.code == 1
+    assert "w0/c1" in r.err and "exit code 7" in r.err and "bye" in r.err
