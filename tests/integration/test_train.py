@@ -249,3 +249,20 @@ def test_bad_train_input(cli):
         r = cli("train", *args)
         assert_clean_error(r, 2)
         assert needle in r.err, (args, r.err)
+
+
+def test_digits_example_trains_across_two_workers(cli):
+    """The real example with real torch_xla on CPU: 4 processes on 2 emulated workers, gloo across them."""
+    import shutil
+    from pathlib import Path
+
+    _create(cli, "digits")
+    shutil.copy(Path(__file__).parents[2] / "examples" / "digits_xla.py", cli.cwd / "digits_xla.py")
+    # workers share this machine's filesystem, so the interpreter that has torch_xla is there too
+    r = cli("train", "digits_xla.py", "--runtime", "cpu", "--cores", "2", "--python", sys.executable, timeout=600)
+    assert r.code == 0, r.err[-3000:]
+    by_core = _lines_by_core(r.out)
+    assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    final = [line for line in by_core[(0, 0)] if line.startswith("final test accuracy")]
+    assert final, r.out[-2000:]
+    assert float(final[0].split()[-1]) >= 0.90

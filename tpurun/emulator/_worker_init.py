@@ -31,9 +31,11 @@ import stat
 import sys
 import time
 
+MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
@@ -111,6 +113,8 @@ def build_view(wdir: str, cfg: dict) -> None:
     # re-attach it at `view`, a path under our own /run that contains the host path
     # (so `pgrep -f STATE_DIR` still finds this worker's processes).
     wfd = os.open(wdir, os.O_PATH | os.O_DIRECTORY)
+    # the host's Python installation under /root or /tmp (see hosts.image_paths): held the same way
+    image_fds = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in cfg.get("image_paths", []) if os.path.isdir(p)]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # never propagate anything to the host
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=64m")
@@ -125,6 +129,11 @@ def build_view(wdir: str, cfg: dict) -> None:
     bind(f"{view}/tmp", "/tmp")
     for name in ("hosts", "hostname", "passwd", "shadow", "group"):
         bind(f"{view}/etc/{name}", f"/etc/{name}")
+    for path, fd in image_fds:
+        os.makedirs(path, exist_ok=True)
+        bind(f"/proc/self/fd/{fd}", path)
+        mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)  # part of the image: read-only
+        os.close(fd)
     socket.sethostname(cfg["hostname"])
     os.chdir("/")
 

@@ -100,6 +100,24 @@ class WorkerInfo:
     init_pid: int | None  # pid (root pid ns) of the worker namespace's init; None when down
 
 
+def image_paths() -> list[str]:
+    """Host directories of the Python installation (and this venv) that live under /root or /tmp.
+
+    A real TPU VM image ships its Python stack; an emulated worker shares this machine's filesystem
+    as its image, except /root and /tmp, which are the worker's own. When the interpreter (pyenv
+    under /root, a venv under /tmp) lives there, the worker gets a read-only view of it at the same
+    path, so `--python <this interpreter>` works on every worker.
+    """
+    found = set()
+    for p in {sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)}:
+        real = os.path.realpath(p)
+        for top in ("/root/", "/tmp/"):
+            if real.startswith(top):
+                found.add(real if os.path.isdir(real) else os.path.dirname(real))
+    # keep only the outermost of nested paths
+    return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
+
+
 def device_files(generation: str) -> list[str]:
     """The fake TPU device files of one worker of `generation` (FACTS.md)."""
     if generation in _ACCEL_GENERATIONS:
@@ -431,6 +449,7 @@ class WorkerHosts:
                     "boot": node.boots,
                     "devices": device_files(node.generation),
                     "metadata_host": f"{w.address}:{self.metadata_port}",
+                    "image_paths": image_paths(),
                 }
             ),
         )
