@@ -39,3 +39,19 @@ def test_local_run_streams_every_core_and_fails_fast(tmp_path):
     r = tpurun("train", "bad.py", "--cores", "2", cwd=tmp_path, env=env, timeout=60)
     assert r.code == 1
     assert "w0/c1" in r.err and "exit code 7" in r.err and "bye" in r.err
+
+
+def test_metrics_report_per_core(tmp_path):
+    """--metrics with real torch_xla on CPU: a summary line per core and the full report in the job dir."""
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    (tmp_path / "m.py").write_text(
+        "import torch, torch_xla\nx = torch.ones(3, device=torch_xla.device()) * 2\nprint('sum', x.sum().item())\n"
+    )
+    r = tpurun("train", "m.py", "--metrics", cwd=tmp_path, env=env, timeout=300)
+    assert r.code == 0, r.err
+    assert "[w0/c0] sum 6.0" in r.out
+    summary = next(line for line in r.out.splitlines() if "tpurun metrics:" in line)
+    assert "compiles=" in summary and "execute_time=" in summary
+    report = summary.rsplit("report=", 1)[1]
+    text = open(report).read()
+    assert "CompileTime" in text and "ExecuteTime" in text
