@@ -1,0 +1,414 @@
+"""`tpurun doctor`'s judgement: what one worker's probe (tpurun.stale, mode `doctor`) means, as checks.
+
+Every check is pass, warn or fail; every fail (and most warns) carries one fix, a command where one
+exists. Pure functions over the probe's JSON, unit-tested in tests/unit/test_stale_unit.py; the CLI
+(tpurun.cli_health) runs the probes and renders the rows.
+
+Thresholds (docs/troubleshooting.md): free disk in home and /tmp warns below 10 GiB and fails below
+1 GiB; a worker's clock warns when it is more than 1 s off the client's (after correcting for half
+the round trip) and fails beyond 300 s (Google credentials and TLS start failing there).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GIB = 1 << 30
+DISK_WARN = 10 * GIB
+DISK_FAIL = 1 * GIB
+CLOCK_WARN = 1.0
+CLOCK_FAIL = 300.0
+PJRT_DEVICES = ("TPU", "CPU", "CUDA", "GPU", "ROCM", "XPU", "NEURON")
+
+
+@dataclass
+class Check:
+    worker: int
+    name: str
+    status: str  # "pass" | "warn" | "fail"
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def version_tuple(version: str | None) -> tuple[int, ...]:
+    """'2.9.0+cpu' -> (2, 9, 0); '' or None -> ()."""
+    if not version:
+        return ()
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        m = re.match(r"\d+", piece)
+        if not m:
+            break
+        parts.append(int(m.group()))
+    return tuple(parts)
+
+
+def major_minor(version: str | None) -> str:
+    return ".".join(str(x) for x in version_tuple(version)[:2])
+
+
+def _pip(python: str, spec: str) -> str:
+    return f"`{python} -m pip install {spec}` on the worker (or `tpurun exec -- {python} -m pip install {spec}`)"
+
+
+def check_versions(worker: int, probe: dict[str, Any], python: str) -> Check:
+    """Python present; torch and torch_xla installed for it, with the same major.minor (the torch_xla
+    wheel declares no torch dependency, so pip never enforces the pairing)."""
+    p = probe.get("python_probe") or {}
+    if p.get("error"):
+        return Check(worker, "python", "fail", p["error"], "install Python 3 there, or pass --python PATH")
+    torch, xla = p.get("torch_version"), p.get("torch_xla_version")
+    head = f"python {p.get('python_version', '?')} ({p.get('python', python)})"
+    if not torch and not xla:
+        return Check(
+            worker,
+            "torch_xla",
+            "fail",
+            f"{head}: neither torch nor torch_xla is installed",
+            "install the pair: " + _pip(python, "torch==2.9.0 'torch_xla[tpu]==2.9.0'") + ", or pass --python PATH",
+        )
+    if not xla:
+        mm = major_minor(torch)
+        return Check(
+            worker,
+            "torch_xla",
+            "fail",
+            f"{head}: torch {torch} but torch_xla is not installed",
+            "install the matching torch_xla: " + _pip(python, f"'torch_xla[tpu]=={mm}.*'") + ", or pass --python PATH",
+        )
+    if not torch:
+        mm = major_minor(xla)
+        return Check(
+            worker,
+            "torch_xla",
+            "fail",
+            f"{head}: torch_xla {xla} but torch is not installed",
+            "install the matching torch: " + _pip(python, f"'torch=={mm}.*'"),
+        )
+    if major_minor(torch) != major_minor(xla):
+        return Check(
+            worker,
+            "torch_xla",
+            "fail",
+            f"{head}: torch {torch} and torch_xla {xla} do not match (they must share major.minor)",
+            "install the torch_xla that matches torch: " + _pip(python, f"'torch_xla[tpu]=={major_minor(torch)}.*'"),
+        )
+    return Check(worker, "torch_xla", "pass", f"{head}, torch {torch}, torch_xla {xla}")
+
+
+def versions_key(probe: dict[str, Any]) -> tuple[str, str, str] | None:
+    p = probe.get("python_probe") or {}
+    if p.get("error"):
+        return None
+    return (str(p.get("python_version")), str(p.get("torch_version")), str(p.get("torch_xla_version")))
+
+
+def check_same_versions(probes: dict[int, dict[str, Any]]) -> list[Check]:
+    """Every worker has the versions most workers have (a pod runs one program everywhere)."""
+    keys = {w: versions_key(p) for w, p in probes.items()}
+    counts = Counter(k for k in keys.values() if k is not None)
+    if len(probes) < 2 or not counts:
+        return []
+    common, _ = counts.most_common(1)[0]
+    out = []
+    for w, k in sorted(keys.items()):
+        if k is None:
+            continue
+        if k == common:
+            out.append(Check(w, "same versions", "pass", "same python/torch/torch_xla as the other workers"))
+            continue
+        diffs = [
+            f"{name} {mine} (others: {theirs})"
+            for name, mine, theirs in zip(("python", "torch", "torch_xla"), k, common, strict=True)
+            if mine != theirs
+        ]
+        out.append(
+            Check(
+                w,
+                "same versions",
+                "fail",
+                "differs from the other workers: " + ", ".join(diffs),
+                f"install torch=={common[1]} and torch_xla=={common[2]} on this worker like on the others",
+            )
+        )
+    return out
+
+
+def _tpu_ready(probe: dict[str, Any]) -> bool:
+    p = probe.get("python_probe") or {}
+    return bool(p.get("libtpu_installed")) and bool(probe.get("devices_present"))
+
+
+def check_libtpu(worker: int, probe: dict[str, Any], python: str) -> Check:
+    p = probe.get("python_probe") or {}
+    if p.get("error"):
+        return Check(worker, "libtpu", "warn", "not checked: the python probe failed", "see the python row")
+    if not probe.get("devices_present"):
+        return Check(worker, "libtpu", "pass", "not needed: no TPU device files here (CPU runtime only)")
+    if p.get("libtpu_installed"):
+        return Check(worker, "libtpu", "pass", f"found: {p.get('libtpu_path')}")
+    xla = p.get("torch_xla_version") or "2.9.0"
+    return Check(
+        worker,
+        "libtpu",
+        "fail",
+        f"libtpu not found for {python}: PJRT cannot open the TPU ('No TPU devices were found')",
+        "install it with torch_xla's tpu extra: " + _pip(python, f"'torch_xla[tpu]=={xla}'"),
+    )
+
+
+def _describe(h: dict[str, Any]) -> str:
+    cmd = str(h.get("command", ""))
+    cmd = cmd if len(cmd) <= 60 else cmd[:57] + "..."
+    return f"pid {h.get('pid')} holds {' '.join(h.get('holds') or [])} ({h.get('user')}: {cmd})"
+
+
+def check_devices(worker: int, probe: dict[str, Any], *, named_tpu: bool, kill_stale_cmd: str) -> list[Check]:
+    """Device files present (those of the generation, for a named TPU), free, and no stale lock file."""
+    out = []
+    present = probe.get("devices_present") or []
+    missing = probe.get("devices_missing") or []
+    holders = probe.get("holders") or []
+    if missing:
+        out.append(
+            Check(
+                worker,
+                "devices",
+                "fail",
+                "device files missing: " + " ".join(missing),
+                "the TPU driver did not come up on this worker: restart it (`tpurun stop`/`start` a single host) "
+                "or recreate the slice",
+            )
+        )
+    elif not present:
+        status = "fail" if named_tpu else "warn"
+        out.append(
+            Check(
+                worker,
+                "devices",
+                status,
+                "no TPU device files (/dev/accel*, /dev/vfio/*): only --runtime cpu works",
+                "run on a TPU VM (`tpurun create`), or use --runtime cpu here",
+            )
+        )
+    elif holders:
+        shown = "; ".join(_describe(h) for h in holders[:3]) + (
+            f"; +{len(holders) - 3} more" if len(holders) > 3 else ""
+        )
+        out.append(
+            Check(
+                worker,
+                "devices",
+                "fail",
+                f"the TPU is in use: {shown}",
+                f"if that is a stale run, `{kill_stale_cmd}` frees it (--dry-run first to see what it would stop)",
+            )
+        )
+    else:
+        out.append(Check(worker, "devices", "pass", f"{len(present)} device files present, none in use"))
+    if probe.get("scan_note"):
+        out.append(
+            Check(
+                worker, "devices", "warn", str(probe["scan_note"]), "run as root or allow passwordless sudo (sudo -n)"
+            )
+        )
+    stale = [lk["path"] for lk in probe.get("locks") or [] if not lk.get("open_in")]
+    if stale and not holders:
+        out.append(
+            Check(
+                worker,
+                "lock files",
+                "warn",
+                "stale libtpu lock file: "
+                + " ".join(stale)
+                + " (libtpu: 'The TPU is already in use or the lock file is stale')",
+                f"`{kill_stale_cmd}` removes it when nothing holds the TPU",
+            )
+        )
+    return out
+
+
+def xla_settings(probe: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(name, value, where) of every XLA variable in the probe's environment and in the user's shell files."""
+    found = [(k, str(v), "the environment of a tpurun command") for k, v in (probe.get("env") or {}).items()]
+    for e in probe.get("env_files") or []:
+        found.append((str(e["name"]), str(e["value"]), f"{e['file']}:{e['line']}"))
+    return found
+
+
+def _unset_fix(where: str, name: str) -> str:
+    if ":" in where and not where.startswith("the "):
+        return f"delete the {name} line at {where}"
+    return f"unset {name} where tpurun runs"
+
+
+def check_xla_config(worker: int, probe: dict[str, Any]) -> list[Check]:
+    """XRT_TPU_CONFIG / PJRT_DEVICE set in a way that cannot work (the seeds' 'Missing XLA configuration')."""
+    p = probe.get("python_probe") or {}
+    xla = p.get("torch_xla_version") if not p.get("error") else None
+    v = version_tuple(xla)
+    xrt_only_build = bool(xla and "+xrt" in xla)
+    found = xla_settings(probe)
+    xrt = [s for s in found if s[0].startswith("XRT_")]
+    pjrt = [s for s in found if s[0] == "PJRT_DEVICE"]
+    out: list[Check] = []
+    if xrt and v and v >= (2, 1) and not xrt_only_build:
+        name, value, where = xrt[0]
+        out.append(
+            Check(
+                worker,
+                "xla config",
+                "fail",
+                f"{name}={value} is set ({where}) but torch_xla {xla} has no XRT runtime (removed after 2.0); "
+                "it keeps PJRT from picking the TPU ('Missing XLA configuration', 'No TPU devices were found')",
+                _unset_fix(where, name) + "; PJRT needs only PJRT_DEVICE=TPU, which `tpurun train` sets",
+            )
+        )
+    elif xrt and pjrt:
+        out.append(
+            Check(
+                worker,
+                "xla config",
+                "fail",
+                f"both {xrt[0][0]} ({xrt[0][2]}) and PJRT_DEVICE ({pjrt[0][2]}) are set: they select two runtimes",
+                "keep PJRT_DEVICE for torch_xla ≥ 2.1, XRT_TPU_CONFIG for ≤ 2.0; "
+                + _unset_fix(pjrt[0][2], "the other"),
+            )
+        )
+    for name, value, where in pjrt:
+        if value.upper() not in PJRT_DEVICES:
+            out.append(
+                Check(
+                    worker,
+                    "xla config",
+                    "fail",
+                    f"PJRT_DEVICE={value} ({where}) is not a PJRT device",
+                    f"use PJRT_DEVICE=TPU or CPU, or {_unset_fix(where, name)}",
+                )
+            )
+        elif value.upper() == "TPU" and not _tpu_ready(probe):
+            why = "no TPU device files" if not probe.get("devices_present") else "libtpu is not installed"
+            out.append(
+                Check(
+                    worker,
+                    "xla config",
+                    "fail",
+                    f"PJRT_DEVICE=TPU ({where}) but {why}: torch_xla will fail ('No TPU devices were found')",
+                    "install torch_xla[tpu] on a TPU VM, or use PJRT_DEVICE=CPU / --runtime cpu here",
+                )
+            )
+    if not xrt and not pjrt and v and v < (2, 0) and probe.get("devices_present"):
+        out.append(
+            Check(
+                worker,
+                "xla config",
+                "warn",
+                f"torch_xla {xla} (XRT) with no XRT_TPU_CONFIG: a plain `python` run fails with "
+                "'Missing XLA configuration'",
+                "run through `tpurun train` (it sets XRT_TPU_CONFIG), or export "
+                'XRT_TPU_CONFIG="localservice;0;localhost:51011"',
+            )
+        )
+    if not out:
+        shown = ", ".join(f"{n}={val} ({w})" for n, val, w in found) or "none set"
+        out.append(Check(worker, "xla config", "pass", f"XLA variables: {shown}"))
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def check_disk(worker: int, probe: dict[str, Any]) -> list[Check]:
+    out = []
+    for label, (path, free) in sorted((probe.get("disk") or {}).items()):
+        name = f"disk {label}"
+        if free is None:
+            out.append(Check(worker, name, "warn", f"cannot stat {path}"))
+        elif free < DISK_FAIL:
+            out.append(
+                Check(
+                    worker,
+                    name,
+                    "fail",
+                    f"{path}: only {_gib(free)} free (< {_gib(DISK_FAIL)})",
+                    f"free space in {path}: old checkpoints, ~/.cache/pip, `tpurun exec -- du -sh {path}/*`",
+                )
+            )
+        elif free < DISK_WARN:
+            out.append(
+                Check(worker, name, "warn", f"{path}: {_gib(free)} free (< {_gib(DISK_WARN)})", f"free space in {path}")
+            )
+        else:
+            out.append(Check(worker, name, "pass", f"{path}: {_gib(free)} free"))
+    return out
+
+
+def clock_offset(t0: float, t1: float, worker_clock: float, elapsed: float) -> tuple[float, float]:
+    """(worker clock - client clock, ± uncertainty) from one exchange: the client sent at T0 and got the
+    answer at T1 (its clock); the worker read WORKER_CLOCK first thing and answered ELAPSED later.
+    Like NTP: the two one-way trips are taken as equal, so the error is at most half the round trip."""
+    rtt = max(0.0, (t1 - t0) - elapsed)
+    return worker_clock - (t0 + rtt / 2), rtt / 2
+
+
+def check_clock(worker: int, offset: float | None, uncertainty: float = 0.0) -> Check:
+    if offset is None:
+        return Check(worker, "clock", "pass", "this machine's own clock")
+    text = f"{offset:+.3f} s vs this machine (±{uncertainty:.3f} s)"
+    if abs(offset) - uncertainty > CLOCK_FAIL:
+        return Check(worker, "clock", "fail", text, "sync the worker's clock: `sudo systemctl restart chrony`")
+    if abs(offset) - uncertainty > CLOCK_WARN:
+        return Check(worker, "clock", "warn", text, "sync the worker's clock: `sudo systemctl restart chrony`")
+    return Check(worker, "clock", "pass", text)
+
+
+def check_ssh(worker: int, error: str | None, detail: str = "") -> Check:
+    if error:
+        return Check(worker, "ssh", "fail", error, "`tpurun attach NAME` re-pins host keys and installs tpurun's key")
+    return Check(worker, "ssh", "pass", detail or "reachable, host key pinned")
+
+
+def check_startup(worker: int, report: Any, log_cmd: str) -> Check:
+    """REPORT: a tpurun.startup.StartupReport (None: the API could not be asked)."""
+    if report is None:
+        return Check(worker, "startup script", "warn", "could not read the guest attributes")
+    if report.status == "done":
+        took = f" in {report.duration:.0f} s" if report.duration is not None else ""
+        return Check(worker, "startup script", "pass", f"finished{took}")
+    if report.status == "failed":
+        tail = report.tail.strip().splitlines()[-1:] if report.tail else []
+        return Check(
+            worker,
+            "startup script",
+            "fail",
+            f"failed with exit code {report.exit_code} in step '{report.step}'" + (f": {tail[0]}" if tail else ""),
+            f"read its log: `{log_cmd}`; fix the script, then `tpurun stop`/`start` (or recreate) to rerun it",
+        )
+    if report.status == "running":
+        return Check(worker, "startup script", "warn", f"still running (step '{report.step}')", f"wait, or `{log_cmd}`")
+    return Check(worker, "startup script", "warn", "no tpurun startup report (the node was not created by tpurun?)")
+
+
+def worker_checks(
+    worker: int, probe: dict[str, Any], *, python: str, named_tpu: bool, kill_stale_cmd: str
+) -> list[Check]:
+    """Every per-worker check that depends only on that worker's probe."""
+    return [
+        check_versions(worker, probe, python),
+        check_libtpu(worker, probe, python),
+        *check_devices(worker, probe, named_tpu=named_tpu, kill_stale_cmd=kill_stale_cmd),
+        *check_xla_config(worker, probe),
+        *check_disk(worker, probe),
+    ]
+
+
+def summary(checks: list[Check]) -> dict[str, int]:
+    c = Counter(ch.status for ch in checks)
+    return {"pass": c["pass"], "warn": c["warn"], "fail": c["fail"]}

@@ -1,0 +1,505 @@
+"""The worker-side program of `tpurun kill-stale` and `tpurun doctor` (stdlib only, Python ≥ 3.8).
+
+tpurun ships this file's source on the command line (`python3 -c SOURCE MODE CONFIG_JSON`, see
+`program_argv`), so a worker needs nothing installed. It prints one JSON document on stdout.
+
+Modes:
+- `kill-stale`: find the processes that hold the TPU -- an open fd on a device file (`/dev/accel*`,
+  `/dev/vfio/*`, read with readlink from /proc/PID/fd, so no lsof is needed) or a mapping of a
+  `libtpu*.so` (from /proc/PID/maps) -- never this program or its ancestors, never pid 1. Unless
+  dry-run: SIGTERM, wait up to the grace, SIGKILL the rest, verify; then remove stale libtpu lock files
+  if no holder is left.
+- `doctor`: everything `tpurun doctor` judges on a worker: the same holder scan, device files, the
+  versions seen by the user's python (tpurun.runtime.env.PROBE_SCRIPT run with it), XLA variables in the
+  environment and in the shell files users export them from, free disk, and the worker's clock.
+
+As a non-root user, /proc/PID/fd and /proc/PID/maps of other users' processes cannot be read: the
+scan is then re-run under `sudo -n` (never prompting) and, if that is impossible, the result says how
+many processes could not be inspected. Pure helpers (parsing, matching) are unit-tested
+(tests/unit/test_stale_unit.py).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import json
+import os
+import pwd
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+DEFAULT_DEVICE_GLOBS = ["/dev/accel*", "/dev/vfio/*"]
+DEFAULT_LIBTPU_GLOB = "libtpu*.so"
+# libtpu's lock files (FACTS.md); "~" is the login user's home, expanded by the caller's side.
+DEFAULT_LOCK_GLOBS = ["/tmp/libtpu_lockfile", "/tmp/libtpu_lock_*/libtpu_lockfile", "~/.libtpu_lockfile"]
+# Where users export XLA variables that an interactive `tpurun ssh` session (and their own shells) see.
+ENV_FILES = ["/etc/environment", "~/.bashrc", "~/.profile", "~/.bash_profile", "~/.zshrc", "/etc/profile.d/*.sh"]
+XLA_VARS = ("XRT_TPU_CONFIG", "PJRT_DEVICE", "TPU_NUM_DEVICES", "XRT_DEVICE_MAP", "XRT_WORKERS")
+
+
+# ------------------------------------------------------------------ pure helpers (unit-tested)
+
+
+def strip_deleted(path: str) -> str:
+    """readlink and maps say 'PATH (deleted)' for a file removed while open; the path is what matters."""
+    return path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+
+
+def matches_device(target: str, globs: list[str]) -> bool:
+    target = strip_deleted(target)
+    return any(fnmatch.fnmatchcase(target, g) for g in globs)
+
+
+def matches_libtpu(path: str, pattern: str) -> bool:
+    """PATTERN with a '/' is matched against the whole path, else against the file name."""
+    path = strip_deleted(path)
+    if "/" in pattern:
+        return fnmatch.fnmatchcase(path, pattern)
+    return fnmatch.fnmatchcase(os.path.basename(path), pattern)
+
+
+def maps_paths(text: str) -> set[str]:
+    """The file paths mapped in a /proc/PID/maps text (6th column onwards; may contain spaces)."""
+    paths = set()
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            paths.add(strip_deleted(parts[5].strip()))
+    return paths
+
+
+def parse_stat(text: str) -> tuple[int, str, int]:
+    """(ppid, state, starttime in clock ticks) from /proc/PID/stat (the comm field may hold ') ')."""
+    rest = text[text.rindex(")") + 2 :].split()
+    return int(rest[1]), rest[0], int(rest[19])
+
+
+def parse_status_uid(text: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    return None
+
+
+def format_cmdline(raw: bytes) -> str:
+    raw = raw[:-1] if raw.endswith(b"\0") else raw  # one NUL ends each argument; "" is an argument too
+    args = [a.decode("utf-8", "replace") for a in raw.split(b"\0")] if raw else []
+    return " ".join(shlex.quote(a) if a else "''" for a in args)
+
+
+_ENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+
+
+def parse_env_exports(text: str, names: tuple[str, ...] = XLA_VARS) -> list[tuple[int, str, str]]:
+    """(line number, name, value) for every `NAME=value` / `export NAME=value` of NAMES in a shell or
+    /etc/environment file. Comments are skipped; the value is unquoted the way a shell would for the
+    simple forms users write (`"..."`, `'...'`)."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        m = _ENV_LINE.match(stripped)
+        if m and m.group(1) in names:
+            value = m.group(2).split(" #", 1)[0].strip().rstrip(";")
+            try:
+                parts = shlex.split(value)
+                value = parts[0] if parts else ""
+            except ValueError:
+                pass
+            found.append((number, m.group(1), value))
+    return found
+
+
+def plan_signals(elapsed: float, grace: float, alive: list[int], termed: set[int]) -> tuple[list[int], list[int]]:
+    """(pids to SIGTERM now, pids to SIGKILL now) for the kill loop: TERM every live holder once at the
+    start, KILL whoever is still alive once the grace is over."""
+    term = [p for p in alive if p not in termed]
+    kill = [p for p in alive if p in termed] if elapsed >= grace else []
+    return term, kill
+
+
+# ------------------------------------------------------------------ /proc scanning
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def ancestors(pid: int) -> set[int]:
+    """PID and every parent up to init: never signal ourselves, the shell, sshd or sudo above us."""
+    seen = set()
+    while pid > 0 and pid not in seen:
+        seen.add(pid)
+        try:
+            pid = parse_stat(_read(f"/proc/{pid}/stat"))[0]
+        except (OSError, ValueError, IndexError):
+            break
+    return seen
+
+
+def _clock() -> tuple[float, int]:
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime, os.sysconf("SC_CLK_TCK")
+
+
+def _user(uid: int | None) -> str:
+    if uid is None:
+        return "?"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def scan(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> dict:
+    """Every process holding the TPU: {"holders": [...], "denied": [pids], "lock_users": {path: [pids]}}."""
+    protected = ancestors(os.getpid())
+    uptime, ticks = _clock()
+    holders = []
+    denied = []
+    lock_users: dict[str, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in protected:
+            continue
+        holds: list[str] = []
+        blocked = False
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = strip_deleted(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    continue
+                if matches_device(target, device_globs) and target not in holds:
+                    holds.append(target)
+                if target in lock_paths:
+                    lock_users.setdefault(target, []).append(pid)
+        except PermissionError:
+            blocked = True
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            for path in sorted(maps_paths(_read(f"/proc/{pid}/maps"))):
+                if matches_libtpu(path, libtpu_glob) and path not in holds:
+                    holds.append(path)
+        except PermissionError:
+            blocked = True
+        except OSError:
+            pass
+        if blocked and not holds:
+            denied.append(pid)
+            continue
+        if not holds:
+            continue
+        try:
+            _, state, start = parse_stat(_read(f"/proc/{pid}/stat"))
+            uid = parse_status_uid(_read(f"/proc/{pid}/status"))
+            cmd = format_cmdline(_read_bytes(f"/proc/{pid}/cmdline"))
+        except (OSError, ValueError, IndexError):
+            continue
+        if state == "Z":
+            continue  # a zombie holds nothing any more
+        holders.append(
+            {
+                "pid": pid,
+                "uid": uid,
+                "user": _user(uid),
+                "age": round(max(0.0, uptime - start / ticks), 1),
+                "start": start,
+                "command": cmd,
+                "holds": holds,
+                "protected": pid == 1,
+            }
+        )
+    return {"holders": holders, "denied": denied, "lock_users": lock_users}
+
+
+def _alive(pid: int, start: int) -> bool:
+    """PID still runs and is still the same process (not a reused pid), and is not a zombie."""
+    try:
+        _, state, now_start = parse_stat(_read(f"/proc/{pid}/stat"))
+    except (OSError, ValueError, IndexError):
+        return False
+    return now_start == start and state != "Z"
+
+
+def _signal(pid: int, sig: int, errors: list[str]) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        errors.append(f"no permission to signal pid {pid} (run as root or allow passwordless sudo)")
+
+
+def kill_holders(holders: list[dict], grace: float) -> list[str]:
+    """SIGTERM every holder, SIGKILL whoever is alive after GRACE; sets each holder's "result"."""
+    errors: list[str] = []
+    targets = {h["pid"]: h for h in holders if not h["protected"]}
+    for h in holders:
+        if h["protected"]:
+            h["result"] = "kept (init)"
+    termed: set[int] = set()
+    killed: set[int] = set()
+    started = time.monotonic()
+    while True:
+        alive = [p for p, h in targets.items() if _alive(p, h["start"])]
+        for p, h in targets.items():
+            if p not in alive and "result" not in h:
+                h["result"] = "killed (SIGKILL)" if p in killed else "terminated (SIGTERM)"
+        if not alive:
+            break
+        elapsed = time.monotonic() - started
+        term, kill = plan_signals(elapsed, grace, alive, termed)
+        for p in term:
+            _signal(p, signal.SIGTERM, errors)
+            termed.add(p)
+        for p in kill:
+            if p not in killed:
+                _signal(p, signal.SIGKILL, errors)
+                killed.add(p)
+        if elapsed > grace + 5:  # SIGKILL did not take: unkillable (D state) or not ours
+            for p in alive:
+                targets[p]["result"] = "survived"
+            break
+        time.sleep(0.05)
+    return errors
+
+
+def lock_files(globs: list[str], home: str) -> list[str]:
+    found = []
+    for g in globs:
+        g = home + g[1:] if g.startswith("~") else g
+        found += sorted(p for p in glob.glob(g) if os.path.isfile(p))
+    return found
+
+
+def remove_locks(paths: list[str], lock_users: dict[str, list[int]], dry_run: bool) -> list[dict]:
+    out = []
+    for path in paths:
+        users = lock_users.get(path)
+        if users:
+            out.append({"path": path, "result": "kept: open in pid " + ",".join(map(str, users))})
+        elif dry_run:
+            out.append({"path": path, "result": "would remove"})
+        else:
+            try:
+                os.unlink(path)
+                out.append({"path": path, "result": "removed"})
+            except FileNotFoundError:
+                out.append({"path": path, "result": "removed"})
+            except OSError as exc:
+                out.append({"path": path, "result": f"not removed: {exc.strerror}"})
+    return out
+
+
+# ------------------------------------------------------------------ running as root when needed
+
+
+def own_source() -> str | None:
+    """The -c program this process was started with (to re-run it under sudo)."""
+    try:
+        args = _read_bytes("/proc/self/cmdline").split(b"\0")
+        return args[args.index(b"-c") + 1].decode()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_as_root(mode: str, cfg: dict) -> tuple[dict | None, str]:
+    """Run MODE with CFG under `sudo -n` (never prompts): (its JSON result, or None and why not)."""
+    source = own_source()
+    if source is None:
+        return None, "cannot re-run under sudo (program source not found)"
+    cfg = dict(cfg, elevated=True)
+    try:
+        proc = subprocess.run(
+            ["sudo", "-n", sys.executable, "-c", source, mode, json.dumps(cfg)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=float(cfg.get("grace", 10)) + 120,
+        )
+    except FileNotFoundError:
+        return None, "sudo is not installed"
+    except subprocess.TimeoutExpired:
+        return None, "sudo -n timed out"
+    if proc.returncode != 0:
+        why = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        return None, "sudo -n refused" + (f" ({why[-1]})" if why else "")
+    try:
+        return json.loads(proc.stdout.decode()), ""
+    except ValueError:
+        return None, "sudo -n run printed no result"
+
+
+def _scan_cfg(cfg: dict) -> tuple[list[str], str, list[str]]:
+    home = cfg.get("home") or os.path.expanduser("~")
+    locks = lock_files(cfg.get("lock_globs") or DEFAULT_LOCK_GLOBS, home)
+    return cfg.get("device_globs") or DEFAULT_DEVICE_GLOBS, cfg.get("libtpu_glob") or DEFAULT_LIBTPU_GLOB, locks
+
+
+def kill_stale(cfg: dict) -> dict:
+    # the login user's home, fixed before any sudo re-run (sudo may change HOME)
+    cfg = dict(cfg, home=cfg.get("home") or os.path.expanduser("~"))
+    device_globs, libtpu_glob, locks = _scan_cfg(cfg)
+    found = scan(device_globs, libtpu_glob, locks)
+    errors: list[str] = []
+    result: dict[str, Any] = {"root": os.geteuid() == 0, "sudo": bool(cfg.get("elevated")), "errors": errors}
+    if found["denied"] and os.geteuid() != 0 and not cfg.get("elevated"):
+        elevated, why = run_as_root("kill-stale", cfg)
+        if elevated is not None:
+            return elevated
+        errors.append(
+            f"cannot inspect {len(found['denied'])} processes of other users: {why}; holders among them are not "
+            "shown (run as root or allow passwordless sudo)"
+        )
+    holders = found["holders"]
+    if cfg.get("dry_run"):
+        for h in holders:
+            h["result"] = "kept (init)" if h["protected"] else "would kill"
+    else:
+        errors += kill_holders(holders, float(cfg.get("grace", 10)))
+    # What is left now decides whether the lock files are stale (a new holder may have started).
+    after = scan(device_globs, libtpu_glob, locks) if not cfg.get("dry_run") else found
+    left = after["holders"]
+    known = {h["pid"] for h in holders}
+    for h in left:
+        if h["pid"] not in known:
+            h["result"] = "appeared during kill-stale"
+            holders.append(h)
+    if left and not cfg.get("dry_run"):
+        locks_out = [{"path": p, "result": "kept: the TPU is still held"} for p in locks]
+    else:
+        locks_out = remove_locks(locks, after["lock_users"], bool(cfg.get("dry_run")))
+    for h in holders:
+        h.pop("start", None)
+    result.update(
+        holders=holders,
+        locks=locks_out,
+        denied=len(after["denied"]),
+        free=not left,
+        survivors=[h["pid"] for h in left],
+    )
+    return result
+
+
+# ------------------------------------------------------------------ doctor
+
+
+def disk_free(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def env_file_exports(home: str) -> list[dict]:
+    found = []
+    for pattern in ENV_FILES:
+        pattern = home + pattern[1:] if pattern.startswith("~") else pattern
+        for path in sorted(glob.glob(pattern)):
+            try:
+                text = _read(path)
+            except OSError:
+                continue
+            shown = "~" + path[len(home) :] if home and path.startswith(home + "/") else path
+            for line, name, value in parse_env_exports(text):
+                found.append({"file": shown, "line": line, "name": name, "value": value})
+    return found
+
+
+def run_python_probe(python: str, probe: str) -> dict:
+    """The versions PYTHON sees (tpurun.runtime.env.PROBE_SCRIPT run with it)."""
+    try:
+        proc = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except FileNotFoundError:
+        return {"error": f"{python}: not found"}
+    except PermissionError:
+        return {"error": f"{python}: not executable"}
+    except subprocess.TimeoutExpired:
+        return {"error": f"{python} did not answer within 60 s"}
+    lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        return {"error": f"{python} failed: {err[-1] if err else 'exit ' + str(proc.returncode)}"}
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        return {"error": f"{python} printed no probe result"}
+
+
+def doctor(cfg: dict) -> dict:
+    clock = time.time()
+    started = time.monotonic()
+    home = cfg.get("home") or os.path.expanduser("~")
+    cfg = dict(cfg, home=home)
+    device_globs, libtpu_glob, locks = _scan_cfg(cfg)
+    python = cfg.get("python") or "python3"
+    found = scan(device_globs, libtpu_glob, locks)
+    scan_note = ""
+    if found["denied"] and os.geteuid() != 0:
+        elevated, why = run_as_root("scan", cfg)
+        if elevated is not None:
+            found = elevated
+        else:
+            scan_note = f"could not inspect {len(found['denied'])} processes of other users: {why}"
+    for h in found["holders"]:
+        h.pop("start", None)
+    expected = cfg.get("expected_devices") or []
+    present = sorted(p for g in device_globs for p in glob.glob(g))
+    return {
+        "clock": clock,
+        "hostname": os.uname().nodename,
+        "user": _user(os.geteuid()),
+        "root": os.geteuid() == 0,
+        "python_probe": run_python_probe(python, cfg.get("probe", "")),
+        "devices_present": present,
+        "devices_missing": [p for p in expected if not os.path.exists(p)],
+        "holders": found["holders"],
+        "scan_note": scan_note,
+        "locks": [{"path": p, "open_in": found["lock_users"].get(p, [])} for p in locks],
+        "env": {k: os.environ[k] for k in XLA_VARS if k in os.environ},
+        "env_files": env_file_exports(home),
+        "disk": {"home": [home, disk_free(home)], "tmp": ["/tmp", disk_free("/tmp")]},
+        "elapsed": time.monotonic() - started,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in ("kill-stale", "doctor", "scan"):
+        sys.stderr.write("usage: MODE CONFIG_JSON (MODE: kill-stale, doctor, scan)\n")
+        return 2
+    cfg = json.loads(args[1])
+    if args[0] == "kill-stale":
+        out = kill_stale(cfg)
+    elif args[0] == "doctor":
+        out = doctor(cfg)
+    else:
+        out = scan(*_scan_cfg(cfg))
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def program_argv(python: str, mode: str, cfg: dict) -> list[str]:
+    """The argv that runs MODE of this file on a worker: its own source, shipped with `-c`."""
+    with open(__file__, encoding="utf-8") as f:
+        source = f.read()
+    return [python, "-c", source + "\nsys.exit(main())\n", mode, json.dumps(cfg)]
