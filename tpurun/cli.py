@@ -182,11 +182,42 @@ def _debug_requested(argv: list[str]) -> bool:
     return ui.state.debug or "--debug" in argv or os.environ.get("TPURUN_DEBUG") == "1"
 
 
+# Which module defines each command: `tpurun exec` imports only what exec needs, not every command
+# group (cli_nodes alone pulls in provision/startup, sync and train modules). A command not listed here
+# (or `--help`, or a typo, so that click can suggest names) loads them all through tpurun.commands;
+# `None` means the command lives in this module. tests/cli/test_lazy_commands.py keeps this map true.
+COMMAND_MODULES: dict[str, str | None] = {
+    "topology": None,
+    "config": None,
+    "emulator": None,
+    **dict.fromkeys(("create", "attach", "list", "describe", "delete", "stop", "start"), "tpurun.cli_nodes"),
+    **dict.fromkeys(("exec", "ssh"), "tpurun.cli_remote"),
+    "sync": "tpurun.cli_sync",
+    **dict.fromkeys(("train", "jobs", "logs", "cancel"), "tpurun.cli_train"),
+    **dict.fromkeys(("kill-stale", "doctor"), "tpurun.cli_health"),
+}
+_ROOT_FLAGS = {"--plain", "--debug", "--version", "-h", "--help"}
+
+
+def load_commands(args: list[str]) -> None:
+    """Register the command ARGS names (only its module), or every command when that is unclear."""
+    import importlib
+
+    name = next((a for a in args if not a.startswith("-")), None)
+    if name is None and "--version" in args and not {"-h", "--help"} & set(args):
+        return  # `tpurun --version`: eager callback, no command needed
+    if name is not None and all(a in _ROOT_FLAGS for a in args[: args.index(name)]) and name in COMMAND_MODULES:
+        module = COMMAND_MODULES[name]
+        if module is not None:
+            importlib.import_module(module)
+        return
+    importlib.import_module("tpurun.commands")  # registers every command and the placeholders
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a CONTRACT.md exit code."""
-    from tpurun import commands  # noqa: F401  (registers the commands that exist)
-
     args = sys.argv[1:] if argv is None else argv
+    load_commands(args)
     command = typer.main.get_command(app)
     try:
         rc = command.main(args=args, prog_name="tpurun", standalone_mode=False)

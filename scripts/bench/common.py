@@ -69,7 +69,14 @@ class Sample:
     code: int
 
 
-def timed(argv: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> Sample:
+def timed_to(argv: Sequence[str], stdout: Any, env: dict[str, str] | None = None, cwd: Path | None = None) -> Sample:
+    """`timed`, with the command's standard output going to STDOUT (a file) instead of nowhere."""
+    return timed(argv, env, cwd, stdout=stdout)
+
+
+def timed(
+    argv: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None, stdout: Any = None
+) -> Sample:
     """Run ARGV (output discarded) under GNU time: wall time here, CPU and peak RSS of that child alone.
 
     (wait4's ru_maxrss of a child forked from this big process would count this process's RSS at the
@@ -79,7 +86,12 @@ def timed(argv: Sequence[str], env: dict[str, str] | None = None, cwd: Path | No
         wrapped = ["/usr/bin/time", "-q", "-f", "%U %S %M", "-o", tf.name, *argv] if TIME else list(argv)
         t0 = time.perf_counter()
         proc = subprocess.run(
-            wrapped, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            wrapped,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL if stdout is None else stdout,
+            stderr=subprocess.PIPE,
         )
         wall = time.perf_counter() - t0
         fields = tf.read().split()
