@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from tpurun import provision, settings, ui
+from tpurun import provision, settings, targets, ui
 from tpurun.cli import JsonOpt, app
 from tpurun.cloud import Cloud
 from tpurun.errors import UsageError
@@ -104,6 +104,7 @@ def create_cmd(
     )
     provision.prepare_create(spec)  # every local check before settings or the API are touched
     cloud, s = cloud_for(project, zone)
+    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)  # a new node: new addresses, new keys
     try:
         with progress_display() as progress:
             result = provision.create(cloud, s, spec, progress)
@@ -206,6 +207,7 @@ def delete_cmd(
             raise typer.Exit(1)
     with progress_display() as progress:
         qr = provision.delete(cloud, name, progress)
+    targets.forget_node(settings.resolve({}).home_path, cloud.project, cloud.zone, name)
     ui.info(f"deleted {name}" + (" and its queued resource" if qr else ""))
 
 
@@ -216,6 +218,7 @@ def stop_cmd(name: Annotated[str, typer.Argument()], project: ProjectOpt = None,
     cloud, _ = cloud_for(project, zone)
     with progress_display() as progress:
         view = provision.stop(cloud, name, progress)
+    targets.forget_node(settings.resolve({}).home_path, cloud.project, cloud.zone, name)
     ui.info(f"{name} is {view.state}")
 
 
@@ -226,6 +229,7 @@ def start_cmd(
     """Start a stopped single-host TPU VM and wait for its startup script."""
     provision.validate_name(name)
     cloud, s = cloud_for(project, zone)
+    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)
     with progress_display() as progress:
         result = provision.start(cloud, s, name, progress)
     if json_out:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpurun import cli_nodes, cli_remote, cli_sync, cli_train  # noqa: F401  (importing registers their commands)
+from tpurun import cli_health, cli_nodes, cli_remote, cli_sync, cli_train  # noqa: F401  (importing registers their commands)
 from tpurun.cli import register_placeholders
 
 IMPLEMENTED: set[str] = {
@@ -20,6 +20,8 @@ IMPLEMENTED: set[str] = {
     "jobs",
     "logs",
     "cancel",
+    "kill-stale",
+    "doctor",
 }
 
 register_placeholders(IMPLEMENTED)

@@ -16,14 +16,14 @@ ALWAYS_IGNORED = [".git/", "__pycache__/", "*.pyc", ".tpurun-tmp-*", ".venv/", "
 IGNORE_FILES = (".gitignore", ".tpurunignore")
 
 
-def load_spec(root: Path, extra: Iterable[str] = ()) -> pathspec.PathSpec:
+def load_spec(root: Path, extra: Iterable[str] = ()) -> pathspec.GitIgnoreSpec:
     lines = list(ALWAYS_IGNORED)
     for name in IGNORE_FILES:
         path = root / name
         if path.is_file():
             lines.extend(path.read_text(encoding="utf-8", errors="replace").splitlines())
     lines.extend(extra)
-    return pathspec.PathSpec.from_lines("gitwildmatch", lines)
+    return pathspec.GitIgnoreSpec.from_lines(lines)  # gitignore semantics, as git itself applies them
 
 
 def walk(root: Path, extra_excludes: Iterable[str] = ()) -> Iterator[Path]:

@@ -21,21 +21,12 @@ from google.cloud import tpu_v2
 from tpurun import keys, settings, startup
 from tpurun.cloud import Cloud
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
+from tpurun.naming import NAME_RE, validate_name  # noqa: F401  (re-exported)
 from tpurun.topology import Topology, parse_accelerator_type
 
-NAME_RE = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 STATE = tpu_v2.Node.State
-
-
-def validate_name(name: str) -> str:
-    if not NAME_RE.match(name or ""):
-        raise UsageError(
-            f"invalid TPU name '{name}': use 1-63 lowercase letters, digits and '-', starting with a letter "
-            "and not ending with '-'"
-        )
-    return name
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from tpurun import keys, settings, ui
 from tpurun.errors import UnreachableError, UsageError
-from tpurun.remote import LocalRunner, Runner, SshRunner, Worker, parse_worker_spec
+from tpurun.remote import LocalRunner, Runner, SshRunner, Worker, connect_all, parse_worker_spec
 
 
 @dataclass
@@ -20,10 +23,31 @@ class Target:
     runners: list[Runner]
     all_workers: list[Worker]  # every worker of the node, selected or not (rank math needs them)
     local: bool
+    cached: bool = False  # built from remembered endpoints, without an API call
+    refresh: Callable[[], Target] | None = field(default=None, repr=False)
 
     def close(self) -> None:
         for r in self.runners:
             r.close()
+
+    def connect(self) -> dict[int, str]:
+        """Connect every runner at once; {worker: error} for those that failed.
+
+        Remembered endpoints save the API call (and importing its client) on every command; they are
+        checked against the API as soon as a worker cannot be reached, so a preempted, stopped or
+        recreated node is reported as such.
+        """
+        errors = connect_all(self.runners)
+        if not errors or not self.cached or self.refresh is None:
+            return errors
+        fresh = self.refresh()  # raises UnreachableError when the node is not READY any more
+        if [w.address for w in fresh.all_workers] == [w.address for w in self.all_workers]:
+            fresh.close()
+            return errors
+        self.close()
+        self.runners, self.all_workers, self.cached = fresh.runners, fresh.all_workers, False
+        self.accelerator_type = fresh.accelerator_type
+        return connect_all(self.runners)
 
 
 def _mapped(address: str) -> tuple[str, int]:
@@ -65,33 +89,86 @@ def resolve(
         w = Worker(0, "127.0.0.1")
         return Target("local", None, [LocalRunner(w)], [w], True)
 
-    from tpurun.cloud import Cloud
-    from tpurun.provision import STATE, validate_name
+    from tpurun.naming import validate_name
 
     validate_name(name)
-    cloud = Cloud(s)
-    node = cloud.get_node(name)
+    project, zone = s.require_location()
+    cache = node_cache_path(s.home_path, project, zone, name)
+    remembered = _read_cache(cache)
+
+    def from_api() -> Target:
+        accelerator_type, endpoints = _fetch(s, name)
+        _write_cache(cache, accelerator_type, endpoints)
+        return _build(s, name, accelerator_type, endpoints, worker_spec, cached=False)
+
+    if remembered is None:
+        return from_api()
+    target = _build(s, name, remembered[0], remembered[1], worker_spec, cached=True)
+    target.refresh = from_api
+    return target
+
+
+def node_cache_path(home: Path, project: str, zone: str, name: str) -> Path:
+    return home / "nodes" / f"{project}--{zone}--{name}.json"
+
+
+def forget_node(home: Path, project: str, zone: str, name: str) -> None:
+    node_cache_path(home, project, zone, name).unlink(missing_ok=True)
+
+
+def _read_cache(path: Path) -> tuple[str, list[tuple[str, str]]] | None:
+    if os.environ.get("TPURUN_NODE_CACHE") == "0":
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return str(data["acceleratorType"]), [(str(a), str(b)) for a, b in data["endpoints"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(path: Path, accelerator_type: str, endpoints: list[tuple[str, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"acceleratorType": accelerator_type, "endpoints": endpoints, "saved": time.time()}))
+    os.replace(tmp, path)
+
+
+def _fetch(s: settings.Settings, name: str) -> tuple[str, list[tuple[str, str]]]:
+    """The node's accelerator type and (internal, external) address per worker, if it is READY."""
+    from tpurun.cloud import Cloud
+    from tpurun.provision import STATE
+
+    node = Cloud(s).get_node(name)
     state = STATE(node.state).name
     if state != "READY":
         raise UnreachableError(
             f"{name} is {state}, so its workers cannot be reached",
             hint=f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else ""),
         )
+    endpoints = [
+        (ep.ip_address, ep.access_config.external_ip if ep.access_config else "") for ep in node.network_endpoints
+    ]
+    return node.accelerator_type, endpoints
+
+
+def _build(
+    s: settings.Settings,
+    name: str,
+    accelerator_type: str,
+    endpoints: list[tuple[str, str]],
+    worker_spec: str,
+    *,
+    cached: bool,
+) -> Target:
     user = keys.ssh_user()
     workers = []
-    for i, ep in enumerate(node.network_endpoints):
-        external = ep.access_config.external_ip if ep.access_config else ""
-        address, port = _mapped(external or ep.ip_address)
+    for i, (internal, external) in enumerate(endpoints):
+        address, port = _mapped(external or internal)
         workers.append(Worker(i, address, port, user))
     chosen = parse_worker_spec(worker_spec, len(workers))
     home = s.home_path
     runners: list[Runner] = [
-        SshRunner(
-            workers[i],
-            key_path=keys.key_path(home),
-            known_hosts=keys.known_hosts_path(home),
-            node_name=name,
-        )
+        SshRunner(workers[i], key_path=keys.key_path(home), known_hosts=keys.known_hosts_path(home), node_name=name)
         for i in chosen
     ]
-    return Target(name, node.accelerator_type, runners, workers, False)
+    return Target(name, accelerator_type, runners, workers, False, cached=cached)

@@ -1,0 +1,18 @@
+"""Cloud TPU resource names: checked locally, before anything reaches the API."""
+
+from __future__ import annotations
+
+import re
+
+from tpurun.errors import UsageError
+
+NAME_RE = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def validate_name(name: str) -> str:
+    if not NAME_RE.match(name or ""):
+        raise UsageError(
+            f"invalid TPU name {name!r}: use 1-63 lowercase letters, digits and '-', starting with a letter "
+            "and not ending with '-'"
+        )
+    return name
