@@ -16,7 +16,7 @@ import typer
 from tpurun import keys, settings, targets, ui
 from tpurun.cli import app
 from tpurun.errors import ExitCode, TpurunError, UsageError
-from tpurun.remote import DEFAULT_GRACE, RunResult, connect_all, fan_out
+from tpurun.remote import DEFAULT_GRACE, RunResult, fan_out
 
 TpuOpt = Annotated[str | None, typer.Option("--tpu", help="TPU name (else TPURUN_TPU / tpurun.toml).")]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Act on this machine as a one-host pod.")]
@@ -119,7 +119,7 @@ def exec_cmd(
     stop = threading.Event()
     try:
         with stop_on_signals(stop) as seen:
-            errors = connect_all(target.runners)
+            errors = target.connect()
             for _, error in sorted(errors.items()):
                 ui.err().print(f"error: {error}", markup=False)
             reachable = [r for r in target.runners if r.worker.index not in errors]

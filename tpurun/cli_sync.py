@@ -13,7 +13,6 @@ from tpurun import settings, targets, ui
 from tpurun.cli import JsonOpt, app
 from tpurun.cli_remote import LocalOpt, TpuOpt, WorkerOpt, stop_on_signals
 from tpurun.errors import ExitCode, UsageError
-from tpurun.remote import connect_all
 from tpurun.sync import Interrupted, Progress, WorkerStats, build_manifest, check_local_dest, default_dest, sync
 
 
@@ -167,7 +166,7 @@ def sync_cmd(
     progress = Progress()
     try:
         with stop_on_signals(stop) as seen:
-            errors = connect_all(target.runners)
+            errors = target.connect()
             show_bar = not json_out and not ui.is_plain()
             try:
                 if show_bar:

@@ -129,6 +129,7 @@ def _recreate(name: str) -> None:
 
     s = settings.resolve({})
     cloud = Cloud(s)
+    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)
     with progress_display() as progress:
         provision.recreate(cloud, s, name, progress)
 
@@ -188,6 +189,8 @@ def _attempt(
     )
     with stop_on_signals(run.stop) as seen:
         run.run()
+    if run.busy and not run.lost:
+        return train.outcome_code(run, False)  # refused: another job runs there; nothing was started
     if spec.detach:
         if run.lost:
             return train.outcome_code(run, False)
@@ -198,8 +201,18 @@ def _attempt(
         ui.info(f"detached: `tpurun logs {job_id} --follow` to watch, `tpurun cancel {job_id}` to stop")
         return ExitCode.OK
     if run.lost and not seen["interrupted"] and run.first_failure is None and _preempted(target):
-        ui.warn(f"{target.name} was preempted while job {job_id} ran")
-        return "preempted" if spec.max_restarts else _lost_code(run)
+        if spec.max_restarts:
+            ui.warn(f"{target.name} was preempted while job {job_id} ran")
+            return "preempted"
+        ui.err().print(
+            f"error: {target.name} was preempted while job {job_id} ran: its processes are gone on every worker "
+            "(--max-restarts 0)",
+            markup=False,
+        )
+        ui.err().print(
+            "hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job", markup=False
+        )
+        return ExitCode.UNREACHABLE
     if json_out:
         ui.print_json(
             {

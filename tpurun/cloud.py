@@ -113,7 +113,13 @@ class Cloud:
         delay = self.retry.first_delay
         for attempt in range(1, self.retry.attempts + 1):
             try:
-                return fn()
+                try:
+                    return fn()
+                except gexc.RetryError as retry_error:
+                    # api_core's own retry (operation polls: 10 s on 503) gave up: one transient failure for us
+                    if isinstance(retry_error.cause, TRANSIENT):
+                        raise retry_error.cause from None
+                    raise ApiError(f"{what} failed: {retry_error.message}", hint="try again in a minute") from None
             except TRANSIENT as exc:
                 if attempt == self.retry.attempts:
                     raise ApiError(

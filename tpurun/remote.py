@@ -33,6 +33,65 @@ LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line w
 
 DEFAULT_GRACE = 3.0
 
+# A worker that stops answering (network partition, hung VM) leaves TCP silent rather than closed.
+# Every connection sends an SSH keepalive that asks for a reply every KEEPALIVE_INTERVAL seconds;
+# no reply within KEEPALIVE_TIMEOUT seconds closes the connection, so every command on that worker
+# ends with "stopped answering" (exit 4) within INTERVAL + TIMEOUT seconds (20 s by default).
+KEEPALIVE_INTERVAL = 5.0
+KEEPALIVE_TIMEOUT = 15.0
+
+
+def keepalive_settings() -> tuple[float, float]:
+    """(interval, timeout) in seconds; TPURUN_KEEPALIVE_INTERVAL / TPURUN_KEEPALIVE_TIMEOUT override."""
+    try:
+        interval = float(os.environ.get("TPURUN_KEEPALIVE_INTERVAL", KEEPALIVE_INTERVAL))
+        timeout = float(os.environ.get("TPURUN_KEEPALIVE_TIMEOUT", KEEPALIVE_TIMEOUT))
+    except ValueError:
+        raise UsageError("TPURUN_KEEPALIVE_INTERVAL and TPURUN_KEEPALIVE_TIMEOUT must be seconds") from None
+    return max(0.1, interval), max(0.5, timeout)
+
+
+class _Liveness:
+    """Pings one SSH transport (keepalive@openssh.com, reply wanted) and closes it when no reply comes.
+
+    sshd answers unknown global requests with REQUEST_FAILURE, which is all we need: an answer.
+    """
+
+    def __init__(self, transport: paramiko.Transport, worker: Worker) -> None:
+        self.transport = transport
+        self.worker = worker
+        self.interval, self.timeout = keepalive_settings()
+        self.dead: str = ""  # why the connection was given up, once it was
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=f"keepalive-w{worker.index}")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        t = self.transport
+        while not self._stop.wait(self.interval):
+            if not t.is_active():
+                return
+            answered = threading.Event()
+
+            def ping(answered: threading.Event = answered) -> None:
+                try:
+                    t.global_request("keepalive@openssh.com", wait=True)  # returns on any reply or close
+                except Exception:
+                    pass
+                answered.set()
+
+            threading.Thread(target=ping, daemon=True, name=f"ping-w{self.worker.index}").start()
+            if not answered.wait(self.timeout) and not self._stop.is_set():
+                self.dead = (
+                    f"worker {self.worker.label()} stopped answering: no reply to an SSH keepalive "
+                    f"for {self.timeout:.0f} s"
+                )
+                t.close()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
 
 @dataclass(frozen=True)
 class Worker:
@@ -63,6 +122,8 @@ def parse_worker_spec(spec: str, count: int) -> list[int]:
     for part in text.split(","):
         part = part.strip()
         try:
+            if not part.isascii():
+                raise ValueError  # int() takes '１' (fullwidth) too
             if "-" in part:
                 lo_s, hi_s = part.split("-", 1)
                 lo, hi = int(lo_s), int(hi_s)
@@ -263,6 +324,11 @@ class SshRunner(Runner):
         )
         self.node_name = node_name
         self.client: paramiko.SSHClient | None = None
+        self.liveness: _Liveness | None = None
+
+    @property
+    def dead_reason(self) -> str:
+        return self.liveness.dead if self.liveness is not None else ""
 
     def _attach_hint(self) -> str:
         return f"`tpurun attach {self.node_name}`" if self.node_name else "`tpurun attach NAME`"
@@ -328,6 +394,7 @@ class SshRunner(Runner):
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(15)
+        self.liveness = _Liveness(transport, w)
         self.client = client
 
     def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
@@ -372,12 +439,14 @@ class SshRunner(Runner):
         out.flush()
         err.flush()
         if not transport.is_active() and not chan.exit_status_ready():
-            raise UnreachableError(f"lost the connection to worker {self.worker.label()}")
+            raise UnreachableError(self.dead_reason or f"lost the connection to worker {self.worker.label()}")
         rc = chan.recv_exit_status()
         chan.close()
         return rc
 
     def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -472,9 +541,10 @@ class Stream:
 
 
 class SshStream(Stream):
-    def __init__(self, chan: paramiko.Channel) -> None:
+    def __init__(self, chan: paramiko.Channel, liveness: _Liveness | None = None) -> None:
         self.chan = chan
         self.err = b""
+        self.liveness = liveness
 
     def write(self, data: bytes) -> None:
         self.chan.sendall(data)
@@ -504,7 +574,10 @@ class SshStream(Stream):
     def stderr_text(self) -> str:
         while self.chan.recv_stderr_ready():
             self.err += self.chan.recv_stderr(65536)
-        return self.err.decode("utf-8", errors="replace")
+        text = self.err.decode("utf-8", errors="replace")
+        if self.liveness is not None and self.liveness.dead:
+            text += ("\n" if text and not text.endswith("\n") else "") + self.liveness.dead
+        return text
 
     def wait(self) -> int:
         transport = self.chan.get_transport()
@@ -565,7 +638,7 @@ def open_stream(runner: Runner, argv: Sequence[str]) -> Stream:
         assert transport is not None
         chan = transport.open_session()
         chan.exec_command(shlex.join(argv))
-        return SshStream(chan)
+        return SshStream(chan, runner.liveness)
     proc = subprocess.Popen(
         list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )

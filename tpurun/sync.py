@@ -269,6 +269,9 @@ class SshStream:
         while self.chan.recv_stderr_ready():
             err += self.chan.recv_stderr(65536)
         rc = self.chan.exit_status if self.chan.exit_status_ready() else None
+        transport = self.chan.get_transport()
+        if rc in (None, -1) and not err.strip() and (transport is None or not transport.is_active()):
+            return "the connection was lost"  # paramiko reports -1 when the connection, not the helper, ended
         return _describe_failure(rc, err)
 
 
@@ -452,7 +455,8 @@ def sync_stream(
         why = stream.failure()
         if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError) and why == "the connection was lost":
             why = f"{why}: {exc}"
-        stats.error = why
+        stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
+        stats.error = f"w{stats.worker} ({stats.address}): {why}" if stats.unreachable else why
 
 
 def sync(

@@ -199,7 +199,7 @@ class Topology:
         return d
 
 
-_NAME_RE = re.compile(r"^(?P<gen>[a-z0-9]+?)-(?P<size>\d+)$")
+_NAME_RE = re.compile(r"^(?P<gen>[a-z0-9]+?)-(?P<size>[0-9]+)$")  # ASCII digits: \d takes '８' too
 
 
 def _dims(shape: str) -> list[int]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from tpurun import ui
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
-from tpurun.remote import Runner, Stream, connect_all, open_stream, run_capture
+from tpurun.remote import Runner, Stream, open_stream, run_capture
 from tpurun.runtime import env as envc
 from tpurun.targets import Target
 from tpurun.topology import Topology, parse_accelerator_type
@@ -87,10 +87,11 @@ def parse_env(items: list[str]) -> dict[str, str]:
         if (
             not sep
             or not key
+            or not key.isascii()  # str.isalnum() takes 'Ä' too; variable names are ASCII
             or not (key[0].isalpha() or key[0] == "_")
             or not all(c.isalnum() or c == "_" for c in key)
         ):
-            raise UsageError(f"bad --env '{item}': expected NAME=VALUE with NAME of letters, digits and '_'")
+            raise UsageError(f"bad --env {item!r}: expected NAME=VALUE with NAME of letters, digits and '_'")
         if "\0" in value:
             raise UsageError(f"bad --env '{key}': values cannot contain NUL bytes")
         out[key] = value
@@ -155,7 +156,7 @@ class JobRecord:
         if not job_id or "/" in job_id or not path.is_file():
             known = sorted(p.stem for p in (home / "jobs").glob("*.json")) if (home / "jobs").is_dir() else []
             hint = f"known jobs: {', '.join(known[-5:])}" if known else "`tpurun jobs` lists them"
-            raise UsageError(f"unknown job '{job_id}'", hint=hint)
+            raise UsageError(f"unknown job {job_id!r}", hint=hint)
         data = json.loads(path.read_text())
         data["cores"] = {int(k): v for k, v in data["cores"].items()}
         return cls(**data)
@@ -344,6 +345,7 @@ class JobRun:
         }
         self.first_failure: CoreOutcome | None = None
         self.lost: dict[int, str] = {}
+        self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
         self.stop = threading.Event()
         self.started_at = time.monotonic()
         self.lock = threading.Lock()
@@ -414,7 +416,10 @@ class JobRun:
             if rc == AGENT_MISSING:
                 return rc
             if rc == 3 and "still running" in err:
-                self._lose(w, f"w{w}: {err.splitlines()[-1]}")
+                # another job holds this worker: a refusal (nothing of ours started), not a lost worker
+                with self.lock:
+                    self.busy[w] = err.splitlines()[-1]
+                self.stop.set()
             elif self.detach and rc == 0:
                 return rc
             else:
@@ -512,6 +517,10 @@ def render_summary(run: JobRun) -> None:
 
 
 def outcome_code(run: JobRun, interrupted: bool) -> int:
+    if run.busy and not run.lost and run.first_failure is None:
+        workers = ",".join(f"w{w}" for w in sorted(run.busy))
+        ui.err().print(f"error: {run.target.name} is busy on {workers}: {run.busy[min(run.busy)]}", markup=False)
+        return ExitCode.USAGE
     if interrupted:
         return ExitCode.INTERRUPTED
     if run.first_failure is not None:
@@ -537,7 +546,7 @@ def outcome_code(run: JobRun, interrupted: bool) -> int:
 
 
 def connect(target: Target) -> None:
-    errors = connect_all(target.runners)
+    errors = target.connect()
     if errors:
         raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
 

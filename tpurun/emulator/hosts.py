@@ -633,12 +633,14 @@ class WorkerHosts:
             return
         # The listener is the init's sshd child (sessions are the listener's children); its
         # cmdline is rewritten by setproctitle, so identify it by executable.
-        for pid in _all_pids():
-            if _proc_ppid(pid) == w.init_pid and _exe(pid) == _SSHD:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        # Find the listener(s) first, then kill: killed while scanning, the listener's sessions are
+        # reparented to the init and would match too (sessions are sshd processes on OpenSSH < 9.8).
+        listeners = [pid for pid in _all_pids() if _proc_ppid(pid) == w.init_pid and _exe(pid) == _SSHD]
+        for pid in listeners:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + 5
         while self._accepts(w.address, self.ssh_port):
             if time.monotonic() > deadline:

@@ -1,0 +1,140 @@
+"""Shared pieces of the reliability suite: the `cli` fixture of the integration tests, and helpers that
+look at each emulated worker from the host (its process table, its per-core log files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import Cli, cli  # noqa: F401  (re-exported fixture)
+
+MUTATING = ("POST", "PATCH", "DELETE", "PUT")
+
+
+def timing(what: str, seconds: float) -> None:
+    """Measured numbers for docs/reliability.md (run with -s to see them)."""
+    print(f"\n[reliability] {what}: {seconds:.2f} s", file=sys.stderr)
+
+
+def create(tp: Cli, name: str, accel: str = "v4-16", *extra: str) -> dict:
+    r = tp("create", name, "-t", accel, "--json", *extra)
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
+def lines_by_core(out: str) -> dict[tuple[int, int], list[str]]:
+    found: dict[tuple[int, int], list[str]] = {}
+    for line in out.splitlines():
+        m = re.match(r"^\[w(\d+)/c(\d+)\] (.*)$", line)
+        if m:
+            found.setdefault((int(m.group(1)), int(m.group(2))), []).append(m.group(3))
+    return found
+
+
+def worker_count(emulator, node: str) -> int:
+    return len(emulator.node_info(emulator.node_name(node))["workers"])
+
+
+def job_pids(emulator, node: str, needle: str, workers: list[int] | None = None) -> list[int]:
+    """Processes in the workers' own pid namespaces whose command line contains NEEDLE."""
+    pids = []
+    for w in workers if workers is not None else range(worker_count(emulator, node)):
+        for pid in emulator.emu.hosts.worker_root_pids(emulator.node_name(node), w):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmd:
+                pids.append(pid)
+    return pids
+
+
+def wait_no_pids(emulator, node: str, needle: str, timeout: float, workers: list[int] | None = None) -> float:
+    """Seconds until no process matching NEEDLE is left on the workers (fails after TIMEOUT)."""
+    t0 = time.monotonic()
+    while job_pids(emulator, node, needle, workers):
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"processes of {needle} still on {node} after {timeout} s")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def worker_home(emulator, node: str, worker: int) -> Path:
+    """The worker's /root as the host sees it (readable even when the worker or its sshd is dead)."""
+    return emulator.emu.hosts._worker(emulator.node_name(node), worker).dir / "home"
+
+
+def core_log(emulator, node: str, job: str, worker: int, core: int) -> list[str]:
+    path = worker_home(emulator, node, worker) / ".tpurun" / "jobs" / job / f"w{worker}-c{core}.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def job_id(err: str) -> str:
+    m = re.search(r"job (\d{8}-\d{6}-[0-9a-f]{4})", err)
+    assert m, err
+    return m.group(1)
+
+
+def popen(tp: Cli, *args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
+    env = {**os.environ, **tp.env}
+    env.pop("TPURUN_TPU", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tpurun", *args],
+        cwd=tp.cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )  # fmt: skip
+
+
+def read_until(proc: subprocess.Popen, predicate, timeout: float = 60) -> list[str]:
+    """Lines of PROC's stdout until PREDICATE(lines) holds."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not predicate(lines):
+        assert time.monotonic() < deadline, lines
+        line = proc.stdout.readline()
+        assert line, (lines, proc.stderr.read() if proc.stderr else "")
+        lines.append(line.rstrip("\n"))
+    return lines
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    """The rest of PROC's stdout and stderr once it exits (through its buffered readers: never
+    `communicate()` after `readline()`, which would skip what the reader already buffered)."""
+    import threading
+
+    box: dict[str, str] = {}
+    t = threading.Thread(target=lambda: box.setdefault("err", proc.stderr.read() if proc.stderr else ""))
+    t.start()
+    out = proc.stdout.read() if proc.stdout else ""
+    proc.wait(timeout=timeout)
+    t.join(timeout)
+    return out, box.get("err", "")
+
+
+def no_mutations(emulator, since: int) -> list[dict]:
+    return [r for r in emulator.requests(since) if r["method"] in MUTATING]
+
+
+# A script whose every line is numbered: "n <i> w<W> c<C>", one every PERIOD seconds, N lines.
+TICKER = """\
+import os, sys, time
+w, c = os.environ["TPURUN_WORKER_ID"], os.environ["TPURUN_CORE"]
+n, period = int(sys.argv[1]), float(sys.argv[2])
+for i in range(n):
+    print(f"n {i} w{w} c{c}", flush=True)
+    time.sleep(period)
+print(f"done w{w} c{c}", flush=True)
+"""
+
+
+@pytest.fixture
+def ticker(cli):  # noqa: F811  (the re-exported fixture)
+    (cli.cwd / "ticker.py").write_text(TICKER)
+    return "ticker.py"

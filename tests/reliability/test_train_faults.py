@@ -1,0 +1,218 @@
+"""Faults during `tpurun train` on a 2-worker emulated node (2 cores each): each case checks the outcome,
+the message, the exit code, that no process of the job is left in any worker's process table, and that
+every line printed before the fault is in the per-core log files and (attached) on tpurun's output."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.reliability.conftest import (
+    core_log,
+    create,
+    finish,
+    job_id,
+    job_pids,
+    lines_by_core,
+    popen,
+    read_until,
+    timing,
+    wait_no_pids,
+)
+
+pytestmark = pytest.mark.integration
+
+TRAIN = ("--runtime", "cpu", "--cores", "2", "--python", "python3")
+CORES = [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _each_core_printed(k: int):
+    """Predicate over stdout lines: every core printed its line n K."""
+    return lambda lines: all(any(line == f"[w{w}/c{c}] n {k} w{w} c{c}" for line in lines) for w, c in CORES)
+
+
+def _assert_lines_kept(emulator, node: str, job: str, out: str, seen: list[str], cores=CORES) -> None:
+    """Every line seen before the fault is in the per-core log and on the client's output, in order."""
+    by_core = lines_by_core(out)
+    before = lines_by_core("\n".join(seen))
+    for w, c in cores:
+        log = core_log(emulator, node, job, w, c)
+        got = by_core.get((w, c), [])
+        assert log[: len(got)] == got, ((w, c), log, got)  # the client's lines are the file's, in order
+        assert len(log) - len(got) <= 1, ((w, c), log, got)  # at most one line in flight at the fault
+        assert before.get((w, c), []) == got[: len(before.get((w, c), []))]
+
+
+@pytest.fixture
+def node(cli, ticker):
+    cli.env["TPURUN_PREEMPT_CHECK"] = "3"  # a lost worker on a READY node: look 3 s for a preemption, not 20
+    create(cli, "rel", "v4-16")
+    return "rel"
+
+
+def test_sshd_killed_mid_train_job_finishes(cli, emulator, node):
+    """Killing a worker's listening sshd leaves its open sessions alive (as OpenSSH does): the job runs to
+    the end with every line; only new connections to that worker fail, clearly."""
+    proc = popen(cli, "train", "ticker.py", "20", "0.1", *TRAIN)
+    seen = read_until(proc, _each_core_printed(2))
+    emulator.kill_sshd(emulator.node_name(node), 1)
+    out, err = finish(proc, 120)
+    out = "\n".join(seen) + "\n" + out
+    assert proc.returncode == 0, err
+    job = job_id(err)
+    for w, c in CORES:
+        want = [f"n {i} w{w} c{c}" for i in range(20)] + [f"done w{w} c{c}"]
+        assert lines_by_core(out)[(w, c)] == want
+        assert core_log(emulator, node, job, w, c) == want
+    assert job_pids(emulator, node, "ticker.py") == []
+    r = cli("logs", job)  # a new connection to w1 cannot be made
+    assert r.code == 4 and "w1" in r.err and "Traceback" not in r.err, (r.code, r.err)
+    emulator.emu.hosts.restart_sshd(emulator.node_name(node), 1)
+
+
+def test_worker_killed_mid_train(cli, emulator, node):
+    proc = popen(cli, "train", "ticker.py", "600", "0.1", *TRAIN)
+    seen = read_until(proc, _each_core_printed(3))
+    t0 = time.monotonic()
+    emulator.kill_worker(emulator.node_name(node), 1)
+    out, err = finish(proc, 120)
+    timing("worker killed: tpurun exits", time.monotonic() - t0)
+    assert proc.returncode == 4, err
+    assert "lost worker w1" in err and "Traceback" not in err, err
+    job = job_id(err)
+    timing("worker killed: no process left", time.monotonic() - t0 + wait_no_pids(emulator, node, "ticker.py", 30))
+    _assert_lines_kept(emulator, node, job, "\n".join(seen) + "\n" + out, seen)
+
+
+def test_client_sigkilled_attached_job_stops(cli, emulator, node):
+    proc = popen(cli, "train", "ticker.py", "600", "0.1", *TRAIN)
+    seen = read_until(proc, _each_core_printed(3))
+    assert job_pids(emulator, node, "ticker.py")
+    t0 = time.monotonic()
+    proc.kill()  # no cleanup code runs in tpurun: the dropped connections (stdin EOF) stop the agents
+    out, err = finish(proc)
+    cleanup = wait_no_pids(emulator, node, "ticker.py", 30)  # far below the agent's 60 s lease
+    timing("client SIGKILLed (attached): no process left", time.monotonic() - t0)
+    assert cleanup < 30
+    _assert_lines_kept(emulator, node, job_id(err), "\n".join(seen) + "\n" + out, seen)
+
+
+def test_client_sigkilled_detached_job_goes_on_and_logs_reattach(cli, emulator, node):
+    r = cli("train", "ticker.py", "40", "0.1", *TRAIN, "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    follower = popen(cli, "logs", job, "--follow")
+    read_until(follower, lambda lines: len(lines) >= 4)
+    follower.kill()  # SIGKILL the attached reader
+    follower.wait()
+    time.sleep(0.5)
+    assert job_pids(emulator, node, "ticker.py"), "a detached job must survive its client"
+    r = cli("logs", job, "--follow", timeout=120)
+    assert r.code == 0, r.err
+    by_core = lines_by_core(r.out)
+    for w, c in CORES:
+        want = [f"n {i} w{w} c{c}" for i in range(40)] + [f"done w{w} c{c}"]
+        assert by_core[(w, c)] == want  # every line exactly once
+        assert core_log(emulator, node, job, w, c) == want
+    assert job_pids(emulator, node, "ticker.py") == []
+
+
+def test_preempted_mid_train_without_restarts(cli, emulator, ticker):
+    cli.env["TPURUN_PREEMPT_CHECK"] = "20"
+    create(cli, "spot", "v4-16", "--spot")
+    proc = popen(cli, "train", "ticker.py", "600", "0.1", *TRAIN)
+    seen = read_until(proc, _each_core_printed(3))
+    t0 = time.monotonic()
+    emulator.preempt(emulator.node_name("spot"))
+    out, err = finish(proc, 120)
+    timing("preempted (no restarts): tpurun exits", time.monotonic() - t0)
+    assert proc.returncode == 4, err
+    assert "spot was preempted" in err and "--max-restarts" in err and "lost worker" not in err, err
+    assert job_pids(emulator, "spot", "ticker.py") == []
+    _assert_lines_kept(emulator, "spot", job_id(err), "\n".join(seen) + "\n" + out, seen)
+
+
+def test_preempted_mid_train_with_restarts_finishes(cli, emulator, ticker):
+    create(cli, "spot2", "v4-16", "--spot")
+    (cli.cwd / "resume.py").write_text(
+        "import os, time\n"
+        "w, c, n = os.environ['TPURUN_WORKER_ID'], os.environ['TPURUN_CORE'], os.environ['TPURUN_RESTART_COUNT']\n"
+        "for i in range(3 if n != '0' else 600):\n"
+        "    print(f'n {i} w{w} c{c} restart {n}', flush=True); time.sleep(0.1)\n"
+    )
+    proc = popen(cli, "train", "resume.py", *TRAIN, "--max-restarts", "1")
+    seen = read_until(
+        proc, lambda lines: all(any(f"[w{w}/c{c}] n 2 w{w} c{c} restart 0" == x for x in lines) for w, c in CORES)
+    )
+    t0 = time.monotonic()
+    emulator.preempt(emulator.node_name("spot2"))
+    out, err = finish(proc, 240)
+    timing("preempted (--max-restarts 1): job finished after recreate", time.monotonic() - t0)
+    assert proc.returncode == 0, err
+    assert "restart 1/1" in err and "spot2 was preempted" in err
+    by_core = lines_by_core("\n".join(seen) + "\n" + out)
+    job = job_id(err.split("restart 1/1")[1])  # the relaunched attempt's job
+    for w, c in CORES:
+        first = [x for x in by_core[(w, c)] if x.endswith("restart 0")]
+        assert first == [f"n {i} w{w} c{c} restart 0" for i in range(len(first))] and len(first) >= 3
+        again = [f"n {i} w{w} c{c} restart 1" for i in range(3)]
+        assert [x for x in by_core[(w, c)] if x.endswith("restart 1")] == again
+        assert core_log(emulator, "spot2", job, w, c) == again
+    assert job_pids(emulator, "spot2", "resume.py") == []
+
+
+def test_worker_stops_answering_is_detected(cli, emulator, node):
+    """A silent worker (the proxy swallows every byte, closes nothing) is given up within the keepalive
+    timeout; the other workers' cores are stopped; once the network heals `cancel` cleans the silent one."""
+    from tpurun.remote import keepalive_settings
+    from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, pin_proxies, proxy_workers
+
+    info = emulator.node_info(emulator.node_name(node))
+    group = ProxyGroup().start()
+    try:
+        mapping = proxy_workers(group, [(w["address"], w["sshPort"]) for w in info["workers"]])
+        pin_proxies(cli.known_hosts, mapping)
+        cli.env["TPURUN_ADDRESS_MAP"] = address_map_env(mapping)
+        proc = popen(cli, "train", "ticker.py", "600", "0.1", *TRAIN)
+        seen = read_until(proc, _each_core_printed(3))
+        w1_proxy = group.proxies[1]
+        t0 = time.monotonic()
+        w1_proxy.set_drop(True)
+        out, err = finish(proc, 120)
+        detected = time.monotonic() - t0
+        timing("worker stops answering: tpurun exits", detected)
+        interval, timeout = keepalive_settings()
+        assert detected < interval + timeout + 3 + 10, detected  # stated timeout + preemption look + margin
+        assert proc.returncode == 4, err
+        assert "stopped answering" in err and "w1" in err and "Traceback" not in err, err
+        job = job_id(err)
+        wait_no_pids(emulator, node, "ticker.py", 30, workers=[0])  # the answering worker is cleaned at once
+        _assert_lines_kept(emulator, node, job, "\n".join(seen) + "\n" + out, seen, cores=[(0, 0), (0, 1)])
+        w1 = lines_by_core("\n".join(seen) + "\n" + out)
+        for c in (0, 1):  # w1's lines up to the partition reached the client and are all in its file
+            got = w1.get((1, c), [])
+            assert core_log(emulator, node, job, 1, c)[: len(got)] == got
+        w1_proxy.set_drop(False)
+        t1 = time.monotonic()
+        r = cli("cancel", job)
+        assert r.code == 0, r.err
+        timing("silent worker healed: cancel leaves no process", time.monotonic() - t1)
+        assert job_pids(emulator, node, "ticker.py") == []
+    finally:
+        group.close()
+
+
+def test_second_train_on_same_node_refuses(cli, emulator, node):
+    first = popen(cli, "train", "ticker.py", "600", "0.1", *TRAIN)
+    read_until(first, _each_core_printed(1))
+    before = len(job_pids(emulator, node, "ticker.py"))
+    r = cli("train", "ticker.py", "1", "0", *TRAIN)
+    assert r.code == 2, (r.code, r.err)
+    assert "rel is busy on w0,w1" in r.err and "still running" in r.err, r.err
+    assert "cancel" in r.err and "Traceback" not in r.err
+    assert len(job_pids(emulator, node, "ticker.py")) == before  # nothing new started, nothing stopped
+    first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=60) == 130
+    assert job_pids(emulator, node, "ticker.py") == []
