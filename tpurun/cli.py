@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         ui.err().print("interrupted", markup=False)
         code = ExitCode.INTERRUPTED
     except _ClickException as exc:
-        exc.show()  # type: ignore[attr-defined]
+        # one line, like every other error (the framework's own box spans several)
+        message = " ".join(str(exc.format_message()).split())  # type: ignore[attr-defined]
+        ctx = getattr(exc, "ctx", None)
+        where = ctx.command_path if ctx is not None else "tpurun"
+        ui.err().print(f"error: {message} (see `{where} --help`)", markup=False, style="red")
         code = getattr(exc, "exit_code", 0) or ExitCode.USAGE
     except KeyboardInterrupt:
         ui.err().print("interrupted", markup=False)

@@ -51,8 +51,10 @@ def test_topology_list_json():
 
 
 def test_unknown_command_and_option_exit_2():
-    assert_clean_error(tpurun("no-such-command"), 2)
-    assert_clean_error(tpurun("topology", "--no-such-flag"), 2)
+    for args in (["no-such-command"], ["topology", "--no-such-flag"], ["create"], ["train", "x.py", "--cores", "abc"]):
+        r = tpurun(*args)
+        assert_clean_error(r, 2)
+        assert len(r.err.strip().splitlines()) == 1, r.err  # one line, even for the framework's own errors
 
 
 def _command_paths():
