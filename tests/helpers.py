@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -44,3 +46,37 @@ def assert_clean_error(r: Result, code: int = 2) -> None:
     assert r.code == code, (r.code, r.out, r.err)
     assert "Traceback" not in r.err and "Traceback" not in r.out, r.err
     assert r.err.strip(), "an error must say something on stderr"
+
+
+def create_node(cli, name: str, accel: str = "v4-16", *extra: str) -> dict:
+    """`tpurun create NAME -t ACCEL --json` through the CLI fixture; the node as JSON."""
+    r = cli("create", name, "-t", accel, "--json", *extra)
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
+def lines_by_core(out: str) -> dict[tuple[int, int], list[str]]:
+    """`[wN/cM] line` output grouped by (worker, core), in order."""
+    found: dict[tuple[int, int], list[str]] = {}
+    for line in out.splitlines():
+        m = re.match(r"^\[w(\d+)/c(\d+)\] (.*)$", line)
+        if m:
+            found.setdefault((int(m.group(1)), int(m.group(2))), []).append(m.group(3))
+    return found
+
+
+def job_pids(emulator, node: str, needle: str, workers: list[int] | None = None) -> list[int]:
+    """Processes in the emulated workers' own pid namespaces whose command line contains NEEDLE."""
+    name = emulator.node_name(node)
+    if workers is None:
+        workers = list(range(len(emulator.node_info(name)["workers"])))
+    pids = []
+    for w in workers:
+        for pid in emulator.emu.hosts.worker_root_pids(name, w):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmd:
+                pids.append(pid)
+    return pids

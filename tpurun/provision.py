@@ -259,12 +259,7 @@ def create(
         cloud.wait(f"create {spec.name}", op, timeout=spec.timeout, on_poll=lambda: progress(f"{spec.name}: CREATING"))
     if not spec.wait:
         return node_view(cloud.get_node(spec.name))
-    ready = wait_ready(cloud, spec.name, progress, timeout=spec.timeout)
-    reports = wait_startup(cloud, spec.name, ready, progress, timeout=spec.timeout)
-    pin_from_guest_attributes(cloud, home, spec.name, ready)
-    result = CreateResult(node_view(ready, reports), reports)
-    _raise_if_startup_failed(spec.name, result.view, reports)
-    return result
+    return until_started(cloud, home, spec.name, progress, timeout=spec.timeout)
 
 
 def _create_queued(
@@ -481,10 +476,17 @@ def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str
     _single_host(cloud, name, "start")
     op = cloud.start_node(name)
     cloud.wait(f"start {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: STARTING"))
-    ready = wait_ready(cloud, name, progress, timeout=1800)
     # guest attributes start empty at boot, so the startup report read now is this boot's
-    reports = wait_startup(cloud, name, ready, progress, timeout=1800)
-    pin_from_guest_attributes(cloud, s.home_path, name, ready)
+    return until_started(cloud, s.home_path, name, progress, timeout=1800)
+
+
+def until_started(
+    cloud: Cloud, home: Path, name: str, progress: Callable[[str], None], *, timeout: float
+) -> CreateResult:
+    """Wait for READY and every worker's startup script, pin the host keys; StartupFailed if one failed."""
+    ready = wait_ready(cloud, name, progress, timeout=timeout)
+    reports = wait_startup(cloud, name, ready, progress, timeout=timeout)
+    pin_from_guest_attributes(cloud, home, name, ready)
     view = node_view(ready, reports)
     _raise_if_startup_failed(name, view, reports)
     return CreateResult(view, reports)
@@ -505,9 +507,4 @@ def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[
     cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
     op = cloud.create_node(name, node)
     cloud.wait(f"create {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: CREATING"))
-    ready = wait_ready(cloud, name, progress, timeout=1800)
-    reports = wait_startup(cloud, name, ready, progress, timeout=1800)
-    pin_from_guest_attributes(cloud, s.home_path, name, ready)
-    view = node_view(ready, reports)
-    _raise_if_startup_failed(name, view, reports)
-    return CreateResult(view, reports)
+    return until_started(cloud, s.home_path, name, progress, timeout=1800)

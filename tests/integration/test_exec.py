@@ -14,33 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import assert_clean_error
+from tests.helpers import assert_clean_error, create_node, job_pids
 
 pytestmark = pytest.mark.integration
 
 
-def _create(cli, name: str, accel: str) -> dict:
-    r = cli("create", name, "-t", accel, "--json")
-    assert r.code == 0, r.err
-    return json.loads(r.out)
-
-
-def _pids_matching(emulator, node: str, worker: int, needle: str) -> list[int]:
-    """Processes in that worker's own pid namespace whose command line contains NEEDLE."""
-    found = []
-    for pid in emulator.emu.hosts.worker_root_pids(emulator.node_name(node), worker):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if needle in cmd:
-            found.append(pid)
-    return found
-
-
 @pytest.fixture
 def pod8(cli):
-    return _create(cli, "pod8", "v4-64")  # 8 workers
+    return create_node(cli, "pod8", "v4-64")  # 8 workers
 
 
 def test_exec_every_worker_prefixed_with_exit_codes(cli, pod8):
@@ -70,11 +51,11 @@ def test_fail_fast_stops_the_others(cli, emulator, pod8):
     assert r.code == 1 and time.monotonic() - t0 < 60
     assert "w2" in r.err
     for w in range(8):
-        assert _pids_matching(emulator, "pod8", w, "sleep 300") == []
+        assert job_pids(emulator, "pod8", "sleep 300", [w]) == []
 
 
 def test_sigint_leaves_no_remote_process(cli, emulator):
-    _create(cli, "pod4", "v4-32")
+    create_node(cli, "pod4", "v4-32")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpurun", "exec", "--", "sh", "-c", "echo started; sleep 1000"],
         cwd=cli.cwd,
@@ -89,15 +70,15 @@ def test_sigint_leaves_no_remote_process(cli, emulator):
         line = proc.stdout.readline()
         assert line, proc.stderr.read() if proc.stderr else ""
         seen += "started" in line
-    assert any(_pids_matching(emulator, "pod4", w, "sleep 1000") for w in range(4))
+    assert any(job_pids(emulator, "pod4", "sleep 1000", [w]) for w in range(4))
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     for w in range(4):
-        assert _pids_matching(emulator, "pod4", w, "sleep 1000") == [], f"w{w} still runs it"
+        assert job_pids(emulator, "pod4", "sleep 1000", [w]) == [], f"w{w} still runs it"
 
 
 def test_client_killed_remote_group_dies(cli, emulator):
-    _create(cli, "pod2", "v4-16")
+    create_node(cli, "pod2", "v4-16")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpurun", "exec", "--", "sh", "-c", "echo started; sleep 2000"],
         cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, text=True,
@@ -108,14 +89,14 @@ def test_client_killed_remote_group_dies(cli, emulator):
     proc.wait()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if not any(_pids_matching(emulator, "pod2", w, "sleep 2000") for w in range(2)):
+        if not any(job_pids(emulator, "pod2", "sleep 2000", [w]) for w in range(2)):
             break
         time.sleep(0.2)
-    assert not any(_pids_matching(emulator, "pod2", w, "sleep 2000") for w in range(2))
+    assert not any(job_pids(emulator, "pod2", "sleep 2000", [w]) for w in range(2))
 
 
 def test_unreachable_worker_reported_others_finish(cli, emulator):
-    d = _create(cli, "pod4b", "v4-32")
+    d = create_node(cli, "pod4b", "v4-32")
     emulator.kill_sshd(emulator.node_name("pod4b"), 2)
     r = cli("exec", "--", "echo", "alive")
     assert r.code == 4, (r.out, r.err)
@@ -125,7 +106,7 @@ def test_unreachable_worker_reported_others_finish(cli, emulator):
 
 
 def test_changed_host_key_is_refused(cli, emulator):
-    d = _create(cli, "mitm", "v4-16")
+    d = create_node(cli, "mitm", "v4-16")
     addr = d["workerEndpoints"][1]["internalIp"]
     # a stranger's key pinned for worker 1: what a man in the middle would present
     stranger = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(cli.home / "k")], check=True)
@@ -142,14 +123,14 @@ def test_changed_host_key_is_refused(cli, emulator):
 
 
 def test_unknown_host_is_refused(cli, emulator):
-    _create(cli, "unpinned", "v4-8")
+    create_node(cli, "unpinned", "v4-8")
     cli.known_hosts.write_text("")
     r = cli("exec", "--", "true")
     assert r.code == 4 and "no pinned host key" in r.err
 
 
 def test_ssh_runs_one_command_exactly(cli):
-    _create(cli, "sshnode", "v4-16")
+    create_node(cli, "sshnode", "v4-16")
     r = cli("ssh", "--worker", "1", "--", "printf", "%s|", "a b", "$HOME", "it's")
     assert r.code == 0, r.err
     assert r.out == "a b|$HOME|it's|"
@@ -165,7 +146,7 @@ _text = st.text(
 def test_arguments_arrive_exactly(cli, emulator, args):
     node = "argnode"
     if not any(n.name.endswith("/" + node) for n in emulator.client().list_nodes(parent=emulator.parent)):
-        _create(cli, node, "v4-8")
+        create_node(cli, node, "v4-8")
     # each argument comes back as one JSON string: exact bytes, no shell re-splitting
     r = cli(
         "exec", "--", "python3", "-c", "import json,sys; print(json.dumps(sys.argv[1:]))", *args,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.helpers import assert_clean_error
+from tests.helpers import assert_clean_error, create_node, job_pids, lines_by_core
 
 pytestmark = pytest.mark.integration
 
@@ -28,40 +28,12 @@ print("restart", os.environ["TPURUN_RESTART_COUNT"], flush=True)
 """
 
 
-def _create(cli, name: str, accel: str = "v4-16") -> dict:
-    r = cli("create", name, "-t", accel, "--json")
-    assert r.code == 0, r.err
-    return json.loads(r.out)
-
-
-def _lines_by_core(out: str) -> dict[tuple[int, int], list[str]]:
-    found: dict[tuple[int, int], list[str]] = {}
-    for line in out.splitlines():
-        m = re.match(r"^\[w(\d+)/c(\d+)\] (.*)$", line)
-        if m:
-            found.setdefault((int(m.group(1)), int(m.group(2))), []).append(m.group(3))
-    return found
-
-
-def _job_pids(emulator, node: str, needle: str) -> list[int]:
-    pids = []
-    for w in range(len(emulator.node_info(emulator.node_name(node))["workers"])):
-        for pid in emulator.emu.hosts.worker_root_pids(emulator.node_name(node), w):
-            try:
-                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if needle in cmd:
-                pids.append(pid)
-    return pids
-
-
 def test_every_core_streams_in_order_and_logs_match(cli):
-    d = _create(cli, "t2")
+    d = create_node(cli, "t2")
     (cli.cwd / "printer.py").write_text(PRINTER)
     r = cli("train", "printer.py", "7", "--runtime", "cpu", "--cores", "2", "--python", "python3")
     assert r.code == 0, r.err
-    by_core = _lines_by_core(r.out)
+    by_core = lines_by_core(r.out)
     assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     ranks = set()
     for (w, c), lines in by_core.items():
@@ -83,7 +55,7 @@ def test_every_core_streams_in_order_and_logs_match(cli):
 
 
 def test_fail_fast_names_first_failure_and_cleans_every_worker(cli, emulator):
-    _create(cli, "ff")
+    create_node(cli, "ff")
     (cli.cwd / "fail.py").write_text(
         "import os, sys, time\n"
         "w, c = os.environ['TPURUN_WORKER_ID'], os.environ['TPURUN_CORE']\n"
@@ -96,11 +68,11 @@ def test_fail_fast_names_first_failure_and_cleans_every_worker(cli, emulator):
     assert r.code == 1, (r.out, r.err)
     assert time.monotonic() - t0 < 60
     assert "w1/c1" in r.err and "exit code 3" in r.err and "dying now" in r.err
-    assert _job_pids(emulator, "ff", "fail.py") == []
+    assert job_pids(emulator, "ff", "fail.py") == []
 
 
 def test_sigint_stops_everything_then_exits_130(cli, emulator):
-    _create(cli, "sig")
+    create_node(cli, "sig")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpurun", "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3"],
@@ -112,14 +84,14 @@ def test_sigint_stops_everything_then_exits_130(cli, emulator):
         line = proc.stdout.readline()
         assert line, proc.stderr.read() if proc.stderr else ""
         ups += "up" in line
-    assert _job_pids(emulator, "sig", "sleepy.py")
+    assert job_pids(emulator, "sig", "sleepy.py")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
-    assert _job_pids(emulator, "sig", "sleepy.py") == []
+    assert job_pids(emulator, "sig", "sleepy.py") == []
 
 
 def test_client_sigkill_stops_attached_job(cli, emulator):
-    _create(cli, "killc")
+    create_node(cli, "killc")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpurun", "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3"],
@@ -132,13 +104,13 @@ def test_client_sigkill_stops_attached_job(cli, emulator):
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 30
-    while _job_pids(emulator, "killc", "sleepy.py") and time.monotonic() < deadline:
+    while job_pids(emulator, "killc", "sleepy.py") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _job_pids(emulator, "killc", "sleepy.py") == []
+    assert job_pids(emulator, "killc", "sleepy.py") == []
 
 
 def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
-    _create(cli, "det")
+    create_node(cli, "det")
     (cli.cwd / "slow.py").write_text(
         "import os, time\nfor i in range(30):\n    print(f'tick {i}', flush=True); time.sleep(0.1)\n"
     )
@@ -156,7 +128,7 @@ def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
     proc.wait()
     r = cli("logs", job, "--follow", timeout=120)
     assert r.code == 0, r.err
-    by_core = _lines_by_core(r.out)
+    by_core = lines_by_core(r.out)
     assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for lines in by_core.values():
         assert lines == [f"tick {i}" for i in range(30)]
@@ -165,7 +137,7 @@ def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
 
 
 def test_second_train_on_same_node_refuses(cli):
-    _create(cli, "busy")
+    create_node(cli, "busy")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     first = cli("train", "sleepy.py", "--runtime", "cpu", "--python", "python3", "--detach")
     assert first.code == 0, first.err
@@ -256,12 +228,12 @@ def test_digits_example_trains_across_two_workers(cli):
     import shutil
     from pathlib import Path
 
-    _create(cli, "digits")
+    create_node(cli, "digits")
     shutil.copy(Path(__file__).parents[2] / "examples" / "digits_xla.py", cli.cwd / "digits_xla.py")
     # workers share this machine's filesystem, so the interpreter that has torch_xla is there too
     r = cli("train", "digits_xla.py", "--runtime", "cpu", "--cores", "2", "--python", sys.executable, timeout=600)
     assert r.code == 0, r.err[-3000:]
-    by_core = _lines_by_core(r.out)
+    by_core = lines_by_core(r.out)
     assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     final = [line for line in by_core[(0, 0)] if line.startswith("final test accuracy")]
     assert final, r.out[-2000:]

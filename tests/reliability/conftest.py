@@ -3,7 +3,6 @@ look at each emulated worker from the host (its process table, its per-core log 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import create_node, job_pids, lines_by_core  # noqa: F401  (re-exported for the tests)
 from tests.integration.conftest import Cli, cli  # noqa: F401  (re-exported fixture)
 
 MUTATING = ("POST", "PATCH", "DELETE", "PUT")
@@ -23,37 +23,11 @@ def timing(what: str, seconds: float) -> None:
     print(f"\n[reliability] {what}: {seconds:.2f} s", file=sys.stderr)
 
 
-def create(tp: Cli, name: str, accel: str = "v4-16", *extra: str) -> dict:
-    r = tp("create", name, "-t", accel, "--json", *extra)
-    assert r.code == 0, r.err
-    return json.loads(r.out)
-
-
-def lines_by_core(out: str) -> dict[tuple[int, int], list[str]]:
-    found: dict[tuple[int, int], list[str]] = {}
-    for line in out.splitlines():
-        m = re.match(r"^\[w(\d+)/c(\d+)\] (.*)$", line)
-        if m:
-            found.setdefault((int(m.group(1)), int(m.group(2))), []).append(m.group(3))
-    return found
+create = create_node
 
 
 def worker_count(emulator, node: str) -> int:
     return len(emulator.node_info(emulator.node_name(node))["workers"])
-
-
-def job_pids(emulator, node: str, needle: str, workers: list[int] | None = None) -> list[int]:
-    """Processes in the workers' own pid namespaces whose command line contains NEEDLE."""
-    pids = []
-    for w in workers if workers is not None else range(worker_count(emulator, node)):
-        for pid in emulator.emu.hosts.worker_root_pids(emulator.node_name(node), w):
-            try:
-                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if needle in cmd:
-                pids.append(pid)
-    return pids
 
 
 def wait_no_pids(emulator, node: str, needle: str, timeout: float, workers: list[int] | None = None) -> float:
