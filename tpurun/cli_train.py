@@ -149,7 +149,7 @@ def _attempt(
     if spec.precision == "bf16":
         ui.warn("XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
     if spec.dry_run:
-        rows = train.dry_run_text(target, runtime, why, specs)
+        rows = train.dry_run_rows(target, specs)
         if json_out:
             ui.print_json({"job_id": job_id, "runtime": runtime, "reason": why, "processes": rows})
         else:
@@ -226,10 +226,6 @@ def _attempt(
     else:
         train.render_summary(run)
     return train.outcome_code(run, seen["interrupted"])
-
-
-def _lost_code(run: train.JobRun) -> int:
-    return train.outcome_code(run, False)
 
 
 def _preempted(target: targets.Target) -> bool:

@@ -256,7 +256,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def dry_run_text(target: Target, runtime: str, why: str, specs: list[list[envc.CoreSpec]]) -> list[dict[str, Any]]:
+def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[str, Any]]:
+    """Per worker and core: address, exact argv and environment (what --dry-run prints)."""
     rows = []
     for per_worker in specs:
         for c in per_worker:
