@@ -55,3 +55,17 @@ def test_metrics_report_per_core(tmp_path):
     report = summary.rsplit("report=", 1)[1]
     text = open(report).read()
     assert "CompileTime" in text and "ExecuteTime" in text
+
+
+def test_lightning_example_trains_under_tpurun(tmp_path):
+    """Lightning joins tpurun's processes as it would torchrun's (DDP over gloo on CPU) and learns digits."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).parents[2] / "examples" / "digits_lightning.py", tmp_path / "digits_lightning.py")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    r = tpurun("train", "digits_lightning.py", "--cores", "2", "--runtime", "cpu", cwd=tmp_path, env=env, timeout=600)
+    assert r.code == 0, r.err[-2000:]
+    assert re.search(r"^\[w0/c1\] \[rank 1/2\] epoch 15 ", r.out, re.M), r.out[-2000:]
+    final = re.search(r"^\[w0/c0\] final test accuracy: ([0-9.]+)$", r.out, re.M)
+    assert final and float(final.group(1)) >= 0.90, r.out[-2000:]
