@@ -50,12 +50,8 @@ class Cli:
         ]  # fmt: skip
 
 
-@pytest.fixture
-def cli(emulator, tmp_path) -> Cli:
-    home = tmp_path / "home"
-    work = tmp_path / "project"
-    home.mkdir()
-    work.mkdir()
+def cli_env(emulator, home: Path) -> dict[str, str]:
+    """Environment for the CLI against EMULATOR with its own HOME; fast polls and retries for tests."""
     env = dict(emulator.env)
     env.update(
         {
@@ -67,6 +63,16 @@ def cli(emulator, tmp_path) -> Cli:
             "TPURUN_SSH_USER": "root",
         }
     )
+    return env
+
+
+@pytest.fixture
+def cli(emulator, tmp_path) -> Cli:
+    home = tmp_path / "home"
+    work = tmp_path / "project"
+    home.mkdir()
+    work.mkdir()
+    env = cli_env(emulator, home)
     try:
         yield Cli(work, home, env)
     finally:

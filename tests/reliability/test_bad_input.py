@@ -131,22 +131,12 @@ def _setup(root, key: str) -> None:
 def results(emulator, tmp_path_factory):
     """Run every case once, concurrently; {id: (Result, mutating requests seen during the batch)}."""
     from tests.helpers import tpurun
-    from tests.integration.conftest import Cli
+    from tests.integration.conftest import Cli, cli_env
 
     base = tmp_path_factory.mktemp("bad-input")
     home = base / "home"
     home.mkdir()
-    env = dict(emulator.env)
-    env.update(
-        {
-            "HOME": str(home),
-            "XDG_CONFIG_HOME": str(home / ".config"),
-            "TPURUN_HOME": str(home / ".tpurun"),
-            "TPURUN_POLL_INTERVAL": "0.1",
-            "TPURUN_RETRY_DELAY": "0.05",
-            "TPURUN_SSH_USER": "root",
-        }
-    )
+    env = cli_env(emulator, home)
     node_dir = base / "node"
     node_dir.mkdir()
     create(Cli(node_dir, home, env), N, "v4-16")
