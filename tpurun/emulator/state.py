@@ -237,6 +237,17 @@ def to_json(msg: Any) -> dict[str, Any]:
     return out
 
 
+def paged(key: str, items: list[Any], page_size: int, page_token: str, *, omit_empty: bool = False) -> dict[str, Any]:
+    """A list response: one page of ITEMS under KEY plus nextPageToken when more follow.
+
+    OMIT_EMPTY: proto3 JSON leaves out an empty repeated field (nodes, operations, queued resources)."""
+    chunk, token = page(items, page_size, page_token)
+    out: dict[str, Any] = {key: chunk} if chunk or not omit_empty else {}
+    if token:
+        out["nextPageToken"] = token
+    return out
+
+
 def page(items: list[Any], page_size: int, page_token: str, default_size: int = 1000) -> tuple[list[Any], str]:
     """One page of ITEMS plus the token of the next page ('' when this is the last)."""
     start = 0
@@ -758,11 +769,7 @@ class Emulator:
                 (r for r in self.nodes.values() if r.project == project and (zone == "-" or r.zone == zone)),
                 key=lambda r: r.node.name,
             )
-            items, token = page([to_json(r.node) for r in recs], page_size, page_token)
-        out: dict[str, Any] = {"nodes": items} if items else {}
-        if token:
-            out["nextPageToken"] = token
-        return out
+            return paged("nodes", [to_json(r.node) for r in recs], page_size, page_token, omit_empty=True)
 
     def delete_node(self, name: str) -> dict[str, Any]:
         rec = self.get_record(name)
@@ -971,11 +978,7 @@ class Emulator:
                 for n, o in sorted(self.ops.items())
                 if n.startswith(f"projects/{project}/locations/{zone}/")
             ]
-        items, token = page(ops, page_size, page_token)
-        out: dict[str, Any] = {"operations": items} if items else {}
-        if token:
-            out["nextPageToken"] = token
-        return out
+        return paged("operations", ops, page_size, page_token, omit_empty=True)
 
     def delete_operation(self, name: str) -> None:
         with self.lock:
@@ -995,11 +998,7 @@ class Emulator:
     def list_accelerator_types(self, parent: str, page_size: int, page_token: str) -> dict[str, Any]:
         split_parent(parent)
         items = [self._accel_json(parent, t) for t in all_accelerator_types()]
-        chunk, token = page(items, page_size, page_token)
-        out: dict[str, Any] = {"acceleratorTypes": chunk}
-        if token:
-            out["nextPageToken"] = token
-        return out
+        return paged("acceleratorTypes", items, page_size, page_token)
 
     def get_accelerator_type(self, name: str) -> dict[str, Any]:
         project, zone, t = split_name(name, "acceleratorTypes")
@@ -1019,11 +1018,7 @@ class Emulator:
     def list_runtime_versions(self, parent: str, page_size: int, page_token: str) -> dict[str, Any]:
         split_parent(parent)
         items = [{"name": f"{parent}/runtimeVersions/{v}", "version": v} for v in RUNTIME_VERSIONS]
-        chunk, token = page(items, page_size, page_token)
-        out: dict[str, Any] = {"runtimeVersions": chunk}
-        if token:
-            out["nextPageToken"] = token
-        return out
+        return paged("runtimeVersions", items, page_size, page_token)
 
     def get_runtime_version(self, name: str) -> dict[str, Any]:
         _, _, v = split_name(name, "runtimeVersions")
@@ -1033,11 +1028,7 @@ class Emulator:
 
     def list_locations(self, project_name: str, page_size: int, page_token: str) -> dict[str, Any]:
         items = [{"name": f"{project_name}/locations/{z}", "locationId": z} for z in ZONES]
-        chunk, token = page(items, page_size, page_token)
-        out: dict[str, Any] = {"locations": chunk}
-        if token:
-            out["nextPageToken"] = token
-        return out
+        return paged("locations", items, page_size, page_token)
 
     def get_location(self, name: str) -> dict[str, Any]:
         zone = name.rsplit("/", 1)[-1]
@@ -1121,11 +1112,7 @@ class Emulator:
                 for n, r in sorted(self.queued.items())
                 if r.project == project and (zone == "-" or r.zone == zone)
             ]
-        chunk, token = page(items, page_size, page_token)
-        out: dict[str, Any] = {"queuedResources": chunk} if chunk else {}
-        if token:
-            out["nextPageToken"] = token
-        return out
+        return paged("queuedResources", items, page_size, page_token, omit_empty=True)
 
     def delete_queued_resource(self, name: str, force: bool) -> dict[str, Any]:
         rec = self.get_qr_record(name)
