@@ -271,6 +271,18 @@ def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
     return t
 
 
+def send_all(chan: paramiko.Channel, data: bytes | bytearray | memoryview) -> None:
+    """Send every byte of DATA on CHAN. paramiko's own Channel.sendall re-slices the rest of its input
+    after each 32 KiB packet, copying O(n^2) bytes (half the client's CPU in a bulk sync with 1 MiB
+    writes); sending successive views of one memoryview copies nothing."""
+    view = memoryview(data)
+    while view:
+        sent = chan.send(view)
+        if sent <= 0:
+            raise OSError("the SSH channel no longer accepts data")
+        view = view[sent:]
+
+
 _host_keys_cache: dict[tuple[str, int, int], paramiko.HostKeys] = {}
 _host_keys_lock = threading.Lock()
 
@@ -547,7 +559,7 @@ class SshStream(Stream):
         self.liveness = liveness
 
     def write(self, data: bytes) -> None:
-        self.chan.sendall(data)
+        send_all(self.chan, data)
 
     def close_stdin(self) -> None:
         try:

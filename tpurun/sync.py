@@ -21,6 +21,7 @@ import base64
 import hashlib
 import json
 import os
+import queue
 import stat
 import struct
 import subprocess
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 from tpurun import ignore
 from tpurun import sync_remote as proto
 from tpurun.errors import UsageError
-from tpurun.remote import Runner, SshRunner
+from tpurun.remote import Runner, SshRunner, send_all
 
 CHUNK = 1 << 20  # bytes per data frame
 SEND_BUFFER = 1 << 20  # small files are batched until this much is queued
@@ -250,7 +251,7 @@ class SshStream:
             self.chan.exec_command(command)
 
     def send(self, data: bytes) -> None:
-        self.chan.sendall(data)
+        send_all(self.chan, data)
 
     def recv(self, n: int) -> bytes:
         return self.chan.recv(n)
@@ -375,21 +376,180 @@ class Progress:
             self.bytes_done += nbytes
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A piece of the data stream: framed bytes, and how many files and content bytes it completes."""
+
+    data: bytes
+    files: int = 0
+    nbytes: int = 0
+
+
+def data_segments(manifest: Manifest, src: Path, need: Sequence[int], stop: threading.Event) -> Iterator[Segment]:
+    """The framed data of every needed file (F, D..., then Z with the sha256 of what was read, or A when
+    the file could not be read), cut into segments of about SEND_BUFFER bytes so that small files share
+    one write. Big chunks are their own segment (no copy into the buffer)."""
+    buf = bytearray()
+    files = nbytes = 0
+    for i in need:
+        if stop.is_set():
+            raise Interrupted()
+        entry = manifest.files[i]
+        buf += frame(b"F", struct.pack(">I", i))
+        h = hashlib.sha256()
+        try:
+            with open(src / entry.path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+                    buf += proto.HEADER.pack(b"D", len(chunk))
+                    if len(chunk) >= SEND_BUFFER // 4:
+                        yield Segment(bytes(buf), files, nbytes)
+                        yield Segment(chunk, 0, len(chunk))
+                        buf.clear()
+                        files = nbytes = 0
+                    else:
+                        buf += chunk
+                        nbytes += len(chunk)
+                        if len(buf) >= SEND_BUFFER:
+                            yield Segment(bytes(buf), files, nbytes)
+                            buf.clear()
+                            files = nbytes = 0
+                    if stop.is_set():
+                        raise Interrupted()
+            buf += frame(b"Z", h.hexdigest().encode("ascii"))
+        except OSError as exc:
+            buf += frame(b"A", (exc.strerror or str(exc)).encode("utf-8", "replace"))
+        files += 1
+    if buf:
+        yield Segment(bytes(buf), files, nbytes)
+
+
+_END = Segment(b"")
+QUEUE_DEPTH = 8  # segments queued per worker: a few MB, whatever the tree's size
+GROUP_WAIT = 2.0  # seconds the first worker's reply waits for the others' before its data starts
+
+
+class Fanout:
+    """One reader for every worker that needs the same files: each file is read and hashed once and
+    its segments go to every member's bounded queue, so N workers cost one read, not N. The group
+    moves at its slowest member's pace; a member that fails leaves and no longer holds it back."""
+
+    def __init__(self, segments: Iterator[Segment], members: Sequence[int], stop: threading.Event) -> None:
+        self.queues: dict[int, queue.Queue[Segment]] = {m: queue.Queue(QUEUE_DEPTH) for m in members}
+        self.gone: set[int] = set()
+        self.error: BaseException | None = None
+        self.stop = stop
+        self.segments = segments
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"sync-read-w{members[0]}")
+        self.thread.start()
+
+    def _put(self, member: int, seg: Segment) -> None:
+        q = self.queues[member]
+        while member not in self.gone and not self.stop.is_set():
+            try:
+                q.put(seg, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _run(self) -> None:
+        try:
+            for seg in self.segments:
+                for m in self.queues:
+                    self._put(m, seg)
+                if self.stop.is_set() or len(self.gone) == len(self.queues):
+                    return
+        except Interrupted:
+            return
+        except BaseException as exc:  # a bug in the reader: every member reports it
+            self.error = exc
+        finally:
+            for m in self.queues:
+                self._put(m, _END)
+
+    def leave(self, member: int) -> None:
+        self.gone.add(member)
+
+    def feed(self, member: int) -> Iterator[Segment]:
+        q = self.queues[member]
+        while True:
+            try:
+                seg = q.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise Interrupted() from None
+                continue
+            if seg is _END:
+                if self.stop.is_set():
+                    raise Interrupted()
+                if self.error is not None:
+                    raise self.error
+                return
+            yield seg
+
+
+class Plan:
+    """Puts workers with the same needs into one Fanout. Every worker thread calls arrive() once (with
+    None when it dropped out before its reply); feed() waits until all have arrived or GROUP_WAIT has
+    passed since the first did, so one slow worker does not hold the others back for long."""
+
+    def __init__(self, manifest: Manifest, src: Path, expected: int, stop: threading.Event) -> None:
+        self.manifest, self.src, self.expected, self.stop = manifest, src, expected, stop
+        self.cond = threading.Condition()
+        self.arrived: dict[int, tuple[int, ...] | None] = {}
+        self.first = 0.0
+        self.fanouts: dict[int, Fanout] = {}
+
+    def arrive(self, worker: int, need: Sequence[int] | None) -> None:
+        with self.cond:
+            self.first = self.first or time.monotonic()
+            self.arrived[worker] = tuple(need) if need is not None else None
+            self.cond.notify_all()
+
+    def drop(self, worker: int) -> None:
+        with self.cond:
+            if worker not in self.arrived:
+                self.arrived[worker] = None
+                self.cond.notify_all()
+
+    def _assign(self) -> None:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for w, need in self.arrived.items():
+            if need is not None and w not in self.fanouts:
+                groups.setdefault(need, []).append(w)
+        for need, members in groups.items():
+            fan = Fanout(data_segments(self.manifest, self.src, need, self.stop), members, self.stop)
+            self.fanouts.update((m, fan) for m in members)
+
+    def feed(self, worker: int) -> tuple[Fanout, Iterator[Segment]]:
+        with self.cond:
+            while worker not in self.fanouts:
+                if self.stop.is_set():
+                    raise Interrupted()
+                if len(self.arrived) >= self.expected or time.monotonic() - self.first > GROUP_WAIT:
+                    self._assign()
+                else:
+                    self.cond.wait(0.05)
+            fan = self.fanouts[worker]
+        return fan, fan.feed(worker)
+
+
 def sync_stream(
     stream: Stream,
     stats: WorkerStats,
     manifest: Manifest,
-    src: Path,
     dest: str,
     *,
     delete: bool,
     spec: Any,
     progress: Progress,
     stop: threading.Event,
+    plan: Plan,
 ) -> None:
-    """The whole protocol with one helper; fills STATS (errors included)."""
+    """The whole protocol with one helper; fills STATS (errors included). The data comes from PLAN."""
     reader = FrameReader(stream.recv)
     stats.files_total = len(manifest.files) + len(manifest.links)
+    fan: Fanout | None = None
     try:
         stream.send(frame(b"M", proto.pack_json(manifest.to_wire(dest, delete))))
         kind, payload = reader.read_frame()
@@ -404,44 +564,18 @@ def sync_stream(
         stats.files_needed = len(need)
         stats.bytes_needed = sum(manifest.files[i].size for i in need)
         progress.plan(len(need), stats.bytes_needed)
-        buf = bytearray()
-        for i in need:
-            if stop.is_set():
-                raise Interrupted()
-            entry = manifest.files[i]
-            buf += frame(b"F", struct.pack(">I", i))
-            h = hashlib.sha256()
-            sent = 0
-            try:
-                with open(src / entry.path, "rb") as f:
-                    while chunk := f.read(CHUNK):
-                        h.update(chunk)
-                        buf += proto.HEADER.pack(b"D", len(chunk))
-                        if len(chunk) >= SEND_BUFFER // 4:
-                            # big chunks go out directly instead of being copied into the buffer
-                            stream.send(bytes(buf))
-                            buf.clear()
-                            stream.send(chunk)
-                        else:
-                            buf += chunk
-                        sent += len(chunk)
-                        if len(buf) >= SEND_BUFFER:
-                            stream.send(bytes(buf))
-                            buf.clear()
-                        progress.sent(0, len(chunk))
-                        if stop.is_set():
-                            raise Interrupted()
-                buf += frame(b"Z", h.hexdigest().encode("ascii"))
-            except OSError as exc:
-                buf += frame(b"A", (exc.strerror or str(exc)).encode("utf-8", "replace"))
-            stats.bytes_sent += sent
-            progress.sent(1, 0)
+        plan.arrive(stats.worker, need)
+        fan, segments = plan.feed(stats.worker)
+        for seg in segments:
+            stream.send(seg.data)
+            stats.bytes_sent += seg.nbytes
+            progress.sent(seg.files, seg.nbytes)
+        tail = b""
         if delete:
             doomed = deletions(reply.get("extra", []), spec)
             if doomed:
-                buf += frame(b"X", proto.pack_json(doomed))
-        buf += frame(b"E")
-        stream.send(bytes(buf))
+                tail += frame(b"X", proto.pack_json(doomed))
+        stream.send(tail + frame(b"E"))
         kind, payload = reader.read_frame()
         if kind != b"R":
             raise proto.Eof()
@@ -457,6 +591,10 @@ def sync_stream(
             why = f"{why}: {exc}"
         stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
         stats.error = f"w{stats.worker} ({stats.address}): {why}" if stats.unreachable else why
+    finally:
+        plan.drop(stats.worker)
+        if fan is not None:
+            fan.leave(stats.worker)
 
 
 def sync(
@@ -481,6 +619,8 @@ def sync(
         stats[index].unreachable = True
     interrupted = threading.Event()
     streams: dict[int, Stream] = {}
+    todo = [r for r in runners if not stats[r.worker.index].error]
+    plan = Plan(manifest, src, len(todo), stop)
 
     def one(r: Runner) -> None:
         st = stats[r.worker.index]
@@ -489,22 +629,19 @@ def sync(
         try:
             stream = SshStream(r) if isinstance(r, SshRunner) else LocalStream()
             streams[r.worker.index] = stream
-            sync_stream(stream, st, manifest, src, dest, delete=delete, spec=spec, progress=progress, stop=stop)
+            sync_stream(stream, st, manifest, dest, delete=delete, spec=spec, progress=progress, stop=stop, plan=plan)
         except Interrupted:
             interrupted.set()
         except Exception as exc:  # paramiko errors, a dropped connection: this worker fails, not the others
             st.error = f"{type(exc).__name__}: {exc}" if not str(exc).strip() == "" else type(exc).__name__
             st.unreachable = True
         finally:
+            plan.drop(r.worker.index)  # no-op when it arrived: its group must not wait for it
             if stream is not None:
                 stream.close()
             st.seconds = round(time.monotonic() - started, 3)
 
-    threads = [
-        threading.Thread(target=one, args=(r,), daemon=True, name=f"sync-w{r.worker.index}")
-        for r in runners
-        if not stats[r.worker.index].error
-    ]
+    threads = [threading.Thread(target=one, args=(r,), daemon=True, name=f"sync-w{r.worker.index}") for r in todo]
     for t in threads:
         t.start()
     closed = False

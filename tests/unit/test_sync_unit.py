@@ -178,3 +178,124 @@ def test_helper_refuses_unsafe_paths_and_deletes_only_listed_extras(tmp_path):
     res = h.finish(delete=["old/gone.txt", "../outside.txt", proto.CACHE_NAME])
     assert res["deleted"] == 1 and [e[1] for e in res["errors"]] == ["path", "path"]
     assert outside.read_text() == "o" and not (dest / "old").exists() and (dest / proto.CACHE_NAME).exists()
+
+
+# ------------------------------------------------------------------ one reader for many workers
+
+
+def _tree(tmp_path: Path, n: int, size: int) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n):
+        (src / f"f{i}.bin").write_bytes(os.urandom(size))
+        _old(src / f"f{i}.bin")
+    return src
+
+
+def _collect(plan, worker: int, out: dict, leave_after: int | None = None) -> None:
+    fan, feed = plan.feed(worker)
+    got = []
+    for seg in feed:
+        got.append(seg)
+        if leave_after is not None and len(got) >= leave_after:
+            fan.leave(worker)  # a worker whose connection dropped
+            break
+    out[worker] = got
+
+
+def test_workers_that_need_the_same_files_share_one_read(tmp_path, monkeypatch):
+    import threading
+
+    from tpurun import sync
+
+    src = _tree(tmp_path, 40, 100_000)  # enough segments to fill the bounded queues many times over
+    manifest = build_manifest(src)
+    opened: list[str] = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
+    stop = threading.Event()
+    plan = sync.Plan(manifest, src, expected=4, stop=stop)
+    everything = list(range(len(manifest.files)))
+    for w in (0, 1, 2):
+        plan.arrive(w, everything)
+    plan.arrive(3, everything[:5])  # a worker that already has most files: its own reader
+    out: dict = {}
+    threads = [threading.Thread(target=_collect, args=(plan, w, out)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    data = {w: b"".join(s.data for s in segs) for w, segs in out.items()}
+    assert data[0] == data[1] == data[2]
+    assert sum(s.files for s in out[0]) == 40 and sum(s.nbytes for s in out[0]) == 40 * 100_000
+    assert sum(s.files for s in out[3]) == 5
+    reads = [p for p in opened if p.startswith(str(src))]
+    assert len(reads) == 40 + 5, "each file read once per group of workers, not once per worker"
+    # the stream a helper receives: every needed file framed and verified
+    chunks = [data[0], b""]
+    reader = FrameReader(lambda n: chunks.pop(0))
+    kinds = [reader.read_frame()[0] for _ in range(40 * 3)]
+    assert kinds.count(b"F") == 40 and kinds.count(b"Z") == 40
+
+
+def test_a_member_that_leaves_does_not_hold_back_the_group(tmp_path):
+    import threading
+
+    from tpurun import sync
+
+    src = _tree(tmp_path, 60, 200_000)  # more segments than a queue holds
+    manifest = build_manifest(src)
+    plan = sync.Plan(manifest, src, expected=2, stop=threading.Event())
+    everything = list(range(len(manifest.files)))
+    plan.arrive(0, everything)
+    plan.arrive(1, everything)
+    out: dict = {}
+    t0 = threading.Thread(target=_collect, args=(plan, 0, out))
+    t1 = threading.Thread(target=_collect, args=(plan, 1, out, 2))
+    t0.start()
+    t1.start()
+    t0.join(30)
+    t1.join(30)
+    assert not t0.is_alive(), "the remaining worker was blocked by the one that left"
+    assert sum(s.files for s in out[0]) == 60
+    assert len(out[1]) == 2
+
+
+def test_a_straggler_gets_its_own_reader_instead_of_holding_back_the_rest(tmp_path, monkeypatch):
+    import threading
+    import time as _time
+
+    from tpurun import sync
+
+    monkeypatch.setattr(sync, "GROUP_WAIT", 0.2)
+    src = _tree(tmp_path, 3, 1000)
+    manifest = build_manifest(src)
+    plan = sync.Plan(manifest, src, expected=2, stop=threading.Event())
+    everything = list(range(len(manifest.files)))
+    plan.arrive(0, everything)
+    out: dict = {}
+    t0 = _time.monotonic()
+    _collect(plan, 0, out)  # worker 1 never replied: worker 0 starts after GROUP_WAIT, alone
+    assert _time.monotonic() - t0 < 10 and sum(s.files for s in out[0]) == 3
+    plan.arrive(1, everything)  # the straggler arrives late: a reader of its own
+    _collect(plan, 1, out)
+    assert b"".join(s.data for s in out[1]) == b"".join(s.data for s in out[0])
+    assert plan.fanouts[0] is not plan.fanouts[1]
+
+
+def test_stop_ends_every_feed_with_interrupted(tmp_path):
+    import threading
+
+    from tpurun import sync
+
+    src = _tree(tmp_path, 30, 200_000)
+    manifest = build_manifest(src)
+    stop = threading.Event()
+    plan = sync.Plan(manifest, src, expected=1, stop=stop)
+    plan.arrive(0, list(range(len(manifest.files))))
+    _fan, feed = plan.feed(0)
+    next(feed)
+    stop.set()
+    with pytest.raises(sync.Interrupted):
+        for _ in feed:
+            pass
