@@ -7,6 +7,7 @@ Used by `create --code` (packed into metadata) and by `sync`. Patterns follow gi
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -26,17 +27,47 @@ def load_spec(root: Path, extra: Iterable[str] = ()) -> pathspec.GitIgnoreSpec:
     return pathspec.GitIgnoreSpec.from_lines(lines)  # gitignore semantics, as git itself applies them
 
 
-def walk(root: Path, extra_excludes: Iterable[str] = ()) -> Iterator[Path]:
-    """Relative paths of the regular files and symlinks under ROOT that are not ignored, sorted."""
+def walk_stat(root: Path, extra_excludes: Iterable[str] = ()) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative POSIX path, lstat) of the regular files and symlinks under ROOT that are not ignored:
+    a directory's files in name order, then its subdirectories. Symlinks to directories are not
+    followed (nor listed). Plain strings and os.scandir's cached stat: a 5,000-file tree costs
+    milliseconds, not the quarter second that pathlib and a second stat per file took."""
     spec = load_spec(root, extra_excludes)
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = Path(dirpath).relative_to(root)
-        # prune ignored directories so that big ones (data/, .git/) are never even listed
-        dirnames[:] = sorted(d for d in dirnames if not spec.match_file(str(rel_dir / d) + "/"))
-        for name in sorted(filenames):
-            rel = rel_dir / name
-            if spec.match_file(str(rel)):
+    match = spec.match_file
+
+    def visit(full: str, rel: str) -> Iterator[tuple[str, os.stat_result]]:
+        try:
+            with os.scandir(full) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            return  # unreadable or vanished while walking
+        subdirs = []
+        for e in entries:
+            r = rel + e.name
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    # prune ignored directories so that big ones (data/, .git/) are never even listed
+                    if not match(r + "/"):
+                        subdirs.append((e.path, r + "/"))
+                    continue
+                if match(r):
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    if e.is_dir():  # a symlink to a directory
+                        continue
+                elif not stat.S_ISREG(st.st_mode):
+                    continue
+            except OSError:
                 continue
-            full = Path(dirpath) / name
-            if full.is_symlink() or full.is_file():
-                yield rel
+            yield r, st
+        for sub_full, sub_rel in subdirs:
+            yield from visit(sub_full, sub_rel)
+
+    yield from visit(str(root), "")
+
+
+def walk(root: Path, extra_excludes: Iterable[str] = ()) -> Iterator[Path]:
+    """Relative paths of the regular files and symlinks under ROOT that are not ignored (walk_stat's order)."""
+    for rel, _st in walk_stat(root, extra_excludes):
+        yield Path(rel)

@@ -467,8 +467,9 @@ class SshRunner(Runner):
         return f"SshRunner({self.worker})"
 
 
-def connect_all(runners: Sequence[Runner]) -> dict[int, str]:
-    """Connect every SSH runner at once; {worker index: error} for those that failed."""
+def connect_all(runners: Sequence[Runner], then: Callable[[SshRunner], None] | None = None) -> dict[int, str]:
+    """Connect every SSH runner at once; {worker index: error} for those that failed. THEN runs on each
+    runner's thread as soon as it is connected (e.g. to start a remote program while others connect)."""
     errors: dict[int, str] = {}
     ssh = [r for r in runners if isinstance(r, SshRunner)]
     if not ssh:
@@ -477,9 +478,11 @@ def connect_all(runners: Sequence[Runner]) -> dict[int, str]:
     def one(r: SshRunner) -> tuple[int, str]:
         try:
             r.connect()
-            return r.worker.index, ""
         except UnreachableError as exc:
             return r.worker.index, str(exc)
+        if then is not None:
+            then(r)
+        return r.worker.index, ""
 
     with ThreadPoolExecutor(max_workers=min(len(ssh), 128)) as pool:
         for index, error in pool.map(one, ssh):

@@ -18,6 +18,7 @@ sync of a big tree stats files and hashes nothing; the helper keeps the same kin
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -106,7 +107,7 @@ class Manifest:
         }
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path | str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
@@ -164,17 +165,14 @@ def build_manifest(src: Path, excludes: Sequence[str] = (), cache_dir: Path | No
     src = src.resolve()
     cache = HashCache(cache_dir, src)
     m = Manifest()
-    for rel in ignore.walk(src, excludes):
-        rel_s = rel.as_posix()
-        full = src / rel
-        try:
-            st = os.lstat(full)
-        except OSError:
-            continue  # vanished while walking
+    root = str(src)
+    for rel_s, st in ignore.walk_stat(src, excludes):
+        full = os.path.join(root, rel_s)
         if stat.S_ISLNK(st.st_mode):
-            m.links.append((rel_s, os.readlink(full)))
-            continue
-        if not stat.S_ISREG(st.st_mode):
+            try:
+                m.links.append((rel_s, os.readlink(full)))
+            except OSError:
+                pass  # vanished while walking
             continue
         sha = cache.get(rel_s, st.st_size, st.st_mtime_ns)
         if sha is None:
@@ -215,11 +213,13 @@ class Stream(Protocol):
     def failure(self) -> str: ...
 
 
+@functools.lru_cache(maxsize=4)
 def helper_command(python: str = "python3") -> list[str]:
     """argv that runs the helper from its source, compressed inline: nothing to install on workers."""
     source = Path(proto.__file__).read_bytes()
     blob = base64.b64encode(zlib.compress(source, 9)).decode("ascii")
-    return [python, "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))"]
+    # -I -S: no site-packages, no PYTHON* variables, no user site: stdlib only, and ~5 ms less per start
+    return [python, "-I", "-S", "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))"]
 
 
 class SshStream:
@@ -499,6 +499,14 @@ class Plan:
         self.arrived: dict[int, tuple[int, ...] | None] = {}
         self.first = 0.0
         self.fanouts: dict[int, Fanout] = {}
+        self._manifest_frame: bytes | None = None
+
+    def manifest_frame(self, dest: str, delete: bool) -> bytes:
+        """The M frame, encoded and compressed once for every worker (18 ms for 5,000 files)."""
+        with self.cond:
+            if self._manifest_frame is None:
+                self._manifest_frame = frame(b"M", proto.pack_json(self.manifest.to_wire(dest, delete)))
+            return self._manifest_frame
 
     def arrive(self, worker: int, need: Sequence[int] | None) -> None:
         with self.cond:
@@ -551,7 +559,7 @@ def sync_stream(
     stats.files_total = len(manifest.files) + len(manifest.links)
     fan: Fanout | None = None
     try:
-        stream.send(frame(b"M", proto.pack_json(manifest.to_wire(dest, delete))))
+        stream.send(plan.manifest_frame(dest, delete))
         kind, payload = reader.read_frame()
         reply = proto.unpack_json(payload)
         if kind == b"Q":
@@ -608,8 +616,10 @@ def sync(
     progress: Progress | None = None,
     stop: threading.Event | None = None,
     connect_errors: dict[int, str] | None = None,
+    opened: dict[Runner, Stream | BaseException] | None = None,
 ) -> list[WorkerStats]:
-    """Sync MANIFEST of SRC to DEST on every runner at once (connected SshRunners or LocalRunners)."""
+    """Sync MANIFEST of SRC to DEST on every runner at once (connected SshRunners or LocalRunners).
+    OPENED: helpers already started (early_streams), by runner; the others are started here."""
     progress = progress or Progress()
     stop = stop or threading.Event()
     spec = ignore.load_spec(src, excludes)
@@ -627,7 +637,10 @@ def sync(
         started = time.monotonic()
         stream: Stream | None = None
         try:
-            stream = SshStream(r) if isinstance(r, SshRunner) else LocalStream()
+            early = (opened or {}).pop(r, None)
+            if isinstance(early, BaseException):
+                raise early
+            stream = early or (SshStream(r) if isinstance(r, SshRunner) else LocalStream())
             streams[r.worker.index] = stream
             sync_stream(stream, st, manifest, dest, delete=delete, spec=spec, progress=progress, stop=stop, plan=plan)
         except Interrupted:
@@ -657,6 +670,21 @@ def sync(
     if interrupted.is_set() or stop.is_set():
         raise Interrupted()
     return [stats[r.worker.index] for r in runners]
+
+
+def early_streams() -> tuple[dict[Runner, Stream | BaseException], Callable[[SshRunner], None]]:
+    """A dict and a callback for Target.connect(then=...): each worker's helper starts the moment its
+    connection is up, so it boots (Python start-up, ~30 ms) while the other workers still connect and
+    this machine builds the manifest; sync(opened=...) then uses it."""
+    opened: dict[Runner, Stream | BaseException] = {}
+
+    def start(r: SshRunner) -> None:
+        try:
+            opened[r] = SshStream(r)
+        except Exception as exc:  # reported by sync() as this worker's failure
+            opened[r] = exc
+
+    return opened, start
 
 
 def default_dest(src: Path) -> str:

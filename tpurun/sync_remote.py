@@ -37,6 +37,7 @@ import zlib
 
 CACHE_NAME = ".tpurun-sync-manifest"
 TMP_PREFIX = ".tpurun-tmp-"
+BUSY_NAME = TMP_PREFIX + "busy"  # in dest while a sync may leave temp files: only then does the next one look for them
 HEADER = struct.Struct(">cI")
 PROTOCOL = 1
 
@@ -77,11 +78,13 @@ def unpack_json(payload: bytes):
 
 
 def safe_relpath(path: str) -> bool:
-    """A manifest path must stay inside dest: relative, normalized, no '..', no NUL."""
-    if not path or "\0" in path or path.startswith("/") or path == ".":
+    """A manifest path must stay inside dest: relative, normalized (no empty, '.' or '..' part), no NUL.
+    Substring tests on '/' + path + '/' (a part is empty, '.' or '..' exactly when '//', '/./' or
+    '/../' occurs): three times faster than splitting, and it runs for every file of every sync."""
+    if not path or "\0" in path:
         return False
-    parts = path.split("/")
-    return all(p not in ("", ".", "..") for p in parts)
+    p = "/" + path + "/"
+    return "//" not in p and "/./" not in p and "/../" not in p
 
 
 def sha256_file(path: str) -> str:
@@ -115,6 +118,7 @@ class Receiver:
         self.ok_dirs: set[str] = set()  # directories known to be real directories inside dest
         self.extra: list[str] = []
         self.tmp_path: str | None = None  # the file being received, removed on any failure
+        self.busy = False  # BUSY_NAME exists in dest (made before the first temp file)
 
     # -------------------------------------------------------------- setup and compare
 
@@ -124,7 +128,8 @@ class Receiver:
             raise OSError(f"{self.dest} is not a directory")
         self.ok_dirs.add("")
         self.load_cache()
-        self.remove_stale_temps()
+        if os.path.lexists(os.path.join(self.dest, BUSY_NAME)):
+            self.remove_stale_temps()  # the last sync here was killed: its temp file may be left
         need = []
         for i, entry in enumerate(self.files):
             path = entry[0]
@@ -235,6 +240,10 @@ class Receiver:
         os.replace(tmp, full)
 
     def tmp_name(self, parent: str, name: str) -> str:
+        if not self.busy:
+            with open(os.path.join(self.dest, BUSY_NAME), "wb"):
+                pass
+            self.busy = True
         return os.path.join(parent, f"{TMP_PREFIX}{name[:100]}-{os.urandom(6).hex()}")
 
     def apply_link(self, path: str, target: str) -> None:
@@ -383,6 +392,8 @@ class Receiver:
                 d = os.path.dirname(d)
 
     def save_cache(self) -> None:
+        if self.new_cache == self.cache:
+            return  # nothing changed (a no-op sync writes nothing at all)
         data = json.dumps({"v": PROTOCOL, "files": self.new_cache}, separators=(",", ":")).encode("utf-8")
         tmp = self.tmp_name(self.dest, CACHE_NAME)
         try:
@@ -395,6 +406,15 @@ class Receiver:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+    def done(self) -> None:
+        """Every temp file is gone (renamed or removed): the next sync need not look for any."""
+        if self.busy:
+            try:
+                os.unlink(os.path.join(self.dest, BUSY_NAME))
+            except OSError:
+                pass
+            self.busy = False
 
     def result(self) -> dict:
         return {"written": self.written, "bytes": self.bytes, "deleted": self.deleted, "errors": self.errors}
@@ -431,6 +451,7 @@ def main() -> int:
         stdout.flush()
         receiver.receive(stdin)
         receiver.save_cache()
+        receiver.done()
         write_frame(stdout, b"R", pack_json(receiver.result()))
         stdout.flush()
         return 0

@@ -30,14 +30,14 @@ class Target:
         for r in self.runners:
             r.close()
 
-    def connect(self) -> dict[int, str]:
+    def connect(self, then: Callable[[SshRunner], None] | None = None) -> dict[int, str]:
         """Connect every runner at once; {worker: error} for those that failed.
 
         Remembered endpoints save the API call (and importing its client) on every command; they are
         checked against the API as soon as a worker cannot be reached, so a preempted, stopped or
         recreated node is reported as such.
         """
-        errors = connect_all(self.runners)
+        errors = connect_all(self.runners, then)
         if not errors or not self.cached or self.refresh is None:
             return errors
         fresh = self.refresh()  # raises UnreachableError when the node is not READY any more
@@ -47,7 +47,7 @@ class Target:
         self.close()
         self.runners, self.all_workers, self.cached = fresh.runners, fresh.all_workers, False
         self.accelerator_type = fresh.accelerator_type
-        return connect_all(self.runners)
+        return connect_all(self.runners, then)
 
 
 def _mapped(address: str) -> tuple[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat as stat_mod
 import struct
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def test_delete_keeps_ignored_paths(tmp_path):
 def test_helper_command_is_self_contained():
     argv = helper_command(sys.executable)
     # runs with no tpurun importable (as on a worker): an empty manifest to a temp dir
-    r = subprocess.run(argv[:2] + [argv[2]], input=frame(b"M", proto.pack_json({"v": 99})), capture_output=True,
+    r = subprocess.run(argv, input=frame(b"M", proto.pack_json({"v": 99})), capture_output=True,
                        env={"PATH": os.environ["PATH"], "PYTHONPATH": "/nonexistent"}, cwd="/")  # fmt: skip
     assert r.returncode == 2 and r.stdout[:1] == b"Q"
 
@@ -147,14 +148,15 @@ def test_helper_rejects_bad_hash_and_leaves_no_temp(tmp_path):
     h.file(0, b"evil", sha=hashlib.sha256(b"good").hexdigest())  # what arrived is not what was announced
     res = h.finish()
     assert res["written"] == 0 and res["errors"] == [["a.txt", "verify", "sha256 mismatch after transfer"]]
-    assert os.listdir(dest) == [proto.CACHE_NAME]
+    assert os.listdir(dest) == []  # no temp file, no busy mark, and no cache (nothing changed)
 
 
 def test_helper_killed_mid_file_cleans_up_and_next_run_removes_stale_temps(tmp_path):
     dest = tmp_path / "dest"
     dest.mkdir()
     stale = dest / ".tpurun-tmp-a.txt-deadbeef"
-    stale.write_text("half")
+    stale.write_text("half")  # a helper killed with SIGKILL left this, and its busy mark
+    (dest / proto.BUSY_NAME).touch()
     h = Helper(dest, [_entry("a.txt", b"x" * 100)])
     assert not stale.exists()  # removed at the start
     h.s.send(frame(b"F", struct.pack(">I", 0)) + frame(b"D", b"x" * 50))
@@ -162,7 +164,11 @@ def test_helper_killed_mid_file_cleans_up_and_next_run_removes_stale_temps(tmp_p
     assert any(n.startswith(".tpurun-tmp-") for n in os.listdir(dest))
     h.s.close_write()  # the client vanishes mid-file
     assert h.s.proc.wait(timeout=10) == 3
-    assert os.listdir(dest) == []
+    assert os.listdir(dest) == [proto.BUSY_NAME]  # its temp file is gone; the mark tells the next run to look
+    h = Helper(dest, [_entry("a.txt", b"x" * 100)])
+    h.file(0, b"x" * 100)
+    assert h.finish()["written"] == 1
+    assert sorted(os.listdir(dest)) == [proto.CACHE_NAME, "a.txt"]  # a clean finish drops the mark
 
 
 def test_helper_refuses_unsafe_paths_and_deletes_only_listed_extras(tmp_path):
@@ -299,3 +305,35 @@ def test_stop_ends_every_feed_with_interrupted(tmp_path):
     with pytest.raises(sync.Interrupted):
         for _ in feed:
             pass
+
+
+def test_walk_lists_files_and_symlinks_skips_directory_links_and_specials(tmp_path):
+    root = tmp_path / "p"
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "data").mkdir()
+    (root / "pkg" / "a.py").write_text("a")
+    (root / "pkg" / "sub" / "b.py").write_text("b")
+    (root / "data" / "big.bin").write_text("x")
+    (root / "top.txt").write_text("t")
+    (root / "link-to-file").symlink_to("top.txt")
+    (root / "dangling").symlink_to("nowhere")
+    (root / "link-to-dir").symlink_to("pkg")
+    os.mkfifo(root / "fifo")
+    (root / ".tpurunignore").write_text("data/\n")
+    got = [(rel, stat_mod.S_ISLNK(st.st_mode)) for rel, st in ignore.walk_stat(root)]
+    assert got == [
+        (".tpurunignore", False),
+        ("dangling", True),
+        ("link-to-file", True),
+        ("top.txt", False),
+        ("pkg/a.py", False),
+        ("pkg/sub/b.py", False),
+    ]
+    assert [p.as_posix() for p in ignore.walk(root)] == [rel for rel, _ in got]
+
+
+@given(st.lists(st.sampled_from(["a", "b.c", ".", "..", "", "...", ".x", "\0", " "]), min_size=1, max_size=6))
+def test_safe_relpath_is_exactly_no_empty_dot_or_dotdot_part(parts):
+    path = "/".join(parts)
+    expected = bool(path) and "\0" not in path and all(p not in ("", ".", "..") for p in path.split("/"))
+    assert proto.safe_relpath(path) == expected
