@@ -12,9 +12,6 @@ import getpass
 import os
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 KEY_COMMENT = "tpurun"
 
 
@@ -42,6 +39,10 @@ def ensure_key(home: Path) -> tuple[Path, str]:
     path = key_path(home)
     pub = path.with_suffix(".pub")
     if not path.exists():
+        # imported here: only the very first command makes a key (20 ms less for every other one)
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         ssh_dir(home)
         key = Ed25519PrivateKey.generate()
         data = key.private_bytes(

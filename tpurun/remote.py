@@ -17,6 +17,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,9 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import paramiko
-
 from tpurun.errors import UnreachableError, UsageError
+
+# paramiko imports `invoke` (and with it asyncio, unittest.mock and a YAML parser: ~35 ms of every
+# command's start) only to run `Match exec` lines of ssh_config files, which tpurun never reads. The
+# import is refused while paramiko loads (it then leaves that feature off) and allowed again after.
+_refuse_invoke = "invoke" not in sys.modules
+if _refuse_invoke:
+    sys.modules["invoke"] = None  # type: ignore[assignment]
+try:
+    import paramiko  # noqa: E402
+finally:
+    if _refuse_invoke:
+        del sys.modules["invoke"]
 
 LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line without newline)
 
