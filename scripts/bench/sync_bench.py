@@ -90,15 +90,17 @@ def main() -> int:
         known = home / ".tpurun" / "ssh" / "known_hosts"
         ssh_e = f"ssh -i {key} -o IdentitiesOnly=yes -o UserKnownHostsFile={known} -o StrictHostKeyChecking=yes"
 
+        rnd = [0]  # each round syncs to fresh destinations (see run_all.py: no wipe between rounds)
+
         def tpurun_sync() -> None:
-            r = sh([*tpurun, "sync", "--json"], env, cwd=project)
+            r = sh([*tpurun, "sync", "--json", "--dest", f"/root/tree-r{rnd[0]}"], env, cwd=project)
             if r.returncode:
                 raise SystemExit(f"tpurun sync failed: {r.stderr}")
 
         def rsync_all() -> None:
             procs = [
                 subprocess.Popen(
-                    ["rsync", "-a", "-e", ssh_e, f"{project}/", f"root@{a}:/root/rsync-tree/"],
+                    ["rsync", "-a", "-e", ssh_e, f"{project}/", f"root@{a}:/root/rsync-tree-r{rnd[0]}/"],
                     env=env,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
@@ -113,15 +115,17 @@ def main() -> int:
         def wipe() -> None:
             for a in addresses:
                 subprocess.run(
-                    ["ssh", *shlex.split(ssh_e)[1:], f"root@{a}", "rm -rf /root/tree /root/rsync-tree"],
+                    ["ssh", *shlex.split(ssh_e)[1:], f"root@{a}", "rm -rf /root/tree-r* /root/rsync-tree-r*"],
                     env=env, check=True, capture_output=True,
                 )  # fmt: skip
             shutil.rmtree(home / ".tpurun" / "sync-cache", ignore_errors=True)
 
         victim = next(project.rglob("*.dat"))
         results: dict[str, dict[str, float]] = {"tpurun sync": {}, "rsync -a x8": {}}
-        for _ in range(args.repeat):
-            wipe()
+        wipe()
+        for r_ in range(args.repeat):
+            rnd[0] = r_
+            shutil.rmtree(home / ".tpurun" / "sync-cache", ignore_errors=True)
             for name, fn in (("tpurun sync", tpurun_sync), ("rsync -a x8", rsync_all)):
                 first = timed(fn)
                 noop = timed(fn)
