@@ -10,10 +10,13 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# rich is imported where it is used, not here: commands whose output is piped (exec's lines and
+# summary, --json) never need it, and it is 30 ms of every start-up
 
 
 @dataclass
@@ -30,6 +33,8 @@ def is_plain() -> bool:
 
 
 def out() -> Console:
+    from rich.console import Console
+
     # a new Console each time: tests swap sys.stdout, and piped output must never wrap or colour
     if is_plain():
         return Console(file=sys.stdout, color_system=None, highlight=False, soft_wrap=True, width=10_000)
@@ -37,6 +42,8 @@ def out() -> Console:
 
 
 def err() -> Console:
+    from rich.console import Console
+
     plain = state.plain or not sys.stderr.isatty()
     return Console(file=sys.stderr, color_system=None if plain else "auto", highlight=False, soft_wrap=True)
 
@@ -69,6 +76,8 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any
             print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         sys.stdout.flush()
         return
+    from rich.table import Table
+
     t = Table(title=title, title_justify="left")
     for c in columns:
         t.add_column(c)
