@@ -167,17 +167,16 @@ def build_manifest(src: Path, excludes: Sequence[str] = (), cache_dir: Path | No
     m = Manifest()
     root = str(src)
     for rel_s, st in ignore.walk_stat(src, excludes):
-        full = os.path.join(root, rel_s)
         if stat.S_ISLNK(st.st_mode):
             try:
-                m.links.append((rel_s, os.readlink(full)))
+                m.links.append((rel_s, os.readlink(os.path.join(root, rel_s))))
             except OSError:
                 pass  # vanished while walking
             continue
         sha = cache.get(rel_s, st.st_size, st.st_mtime_ns)
         if sha is None:
             try:
-                sha = sha256_file(full)
+                sha = sha256_file(os.path.join(root, rel_s))
             except OSError:
                 continue  # unreadable: it cannot be sent either
             cache.put(rel_s, st.st_size, st.st_mtime_ns, sha)
