@@ -337,3 +337,33 @@ def test_safe_relpath_is_exactly_no_empty_dot_or_dotdot_part(parts):
     path = "/".join(parts)
     expected = bool(path) and "\0" not in path and all(p not in ("", ".", "..") for p in path.split("/"))
     assert proto.safe_relpath(path) == expected
+
+
+class _Chan:
+    """A paramiko Channel's send(): takes at most `window` bytes per call, like a packet at a time."""
+
+    def __init__(self, window: int, closed_after: int | None = None) -> None:
+        self.window, self.closed_after, self.got = window, closed_after, bytearray()
+
+    def send(self, data) -> int:
+        if self.closed_after is not None and len(self.got) >= self.closed_after:
+            return 0  # paramiko: the channel was shut down for writing
+        n = min(self.window, len(data))
+        self.got += bytes(data[:n])
+        return n
+
+
+@given(st.binary(max_size=5000), st.integers(min_value=1, max_value=700))
+def test_send_all_delivers_every_byte_in_order(data, window):
+    from tpurun.remote import send_all
+
+    chan = _Chan(window)
+    send_all(chan, data)  # type: ignore[arg-type]
+    assert bytes(chan.got) == data
+
+
+def test_send_all_refuses_to_spin_on_a_closed_channel():
+    from tpurun.remote import send_all
+
+    with pytest.raises(OSError):
+        send_all(_Chan(100, closed_after=300), b"x" * 1000)  # type: ignore[arg-type]
