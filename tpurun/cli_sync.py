@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -136,28 +137,6 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
     return ExitCode.PROGRAM_FAILED if failed else ExitCode.OK
 
 
-class _InBackground:
-    """FN running on a thread; result() waits for it and returns its value or raises its exception."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="connect")
-        self.thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.value = fn()
-        except BaseException as exc:  # handed to the caller of result()
-            self.error = exc
-
-    def result(self) -> Any:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 @app.command("sync")
 def sync_cmd(
     src: Annotated[str, typer.Argument(help="Directory to copy (default: the current one).")] = ".",
@@ -194,11 +173,12 @@ def sync_cmd(
             # the connections open (network round trips, key exchange) while this thread builds the
             # manifest (walking and statting the tree): a no-op sync of 5,000 files saves the overlap
             opened, start_helper = early_streams()
-            connecting = _InBackground(lambda: target.connect(then=start_helper))
-            try:
-                manifest = build_manifest(source, exclude or [], cache_dir=home / "sync-cache")
-            finally:
-                errors = connecting.result()
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="connect") as pool:
+                connecting = pool.submit(target.connect, then=start_helper)
+                try:
+                    manifest = build_manifest(source, exclude or [], cache_dir=home / "sync-cache")
+                finally:
+                    errors = connecting.result()  # raises what connect raised
             info = {
                 "src": str(source),
                 "files": len(manifest.files) + len(manifest.links),
@@ -207,13 +187,7 @@ def sync_cmd(
             }
             show_bar = not json_out and not ui.is_plain()
             try:
-                if show_bar:
-                    with _Bar(progress):
-                        stats = sync(
-                            target.runners, source, destination, manifest=manifest, excludes=exclude or [],
-                            delete=delete, progress=progress, stop=stop, connect_errors=errors, opened=opened,
-                        )  # fmt: skip
-                else:
+                with _Bar(progress) if show_bar else nullcontext():
                     stats = sync(
                         target.runners, source, destination, manifest=manifest, excludes=exclude or [],
                         delete=delete, progress=progress, stop=stop, connect_errors=errors, opened=opened,

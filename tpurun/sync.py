@@ -213,12 +213,12 @@ class Stream(Protocol):
 
 
 @functools.lru_cache(maxsize=4)
-def helper_command(python: str = "python3") -> list[str]:
+def helper_command(python: str = "python3") -> tuple[str, ...]:
     """argv that runs the helper from its source, compressed inline: nothing to install on workers."""
     source = Path(proto.__file__).read_bytes()
     blob = base64.b64encode(zlib.compress(source, 9)).decode("ascii")
     # -I -S: no site-packages, no PYTHON* variables, no user site: stdlib only, and ~5 ms less per start
-    return [python, "-I", "-S", "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))"]
+    return (python, "-I", "-S", "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))")
 
 
 class SshStream:
@@ -544,7 +544,6 @@ class Plan:
 def sync_stream(
     stream: Stream,
     stats: WorkerStats,
-    manifest: Manifest,
     dest: str,
     *,
     delete: bool,
@@ -553,7 +552,9 @@ def sync_stream(
     stop: threading.Event,
     plan: Plan,
 ) -> None:
-    """The whole protocol with one helper; fills STATS (errors included). The data comes from PLAN."""
+    """The whole protocol with one helper; fills STATS (errors included). The manifest and the data come
+    from PLAN; the caller calls plan.drop() when this returns (a worker that never answered)."""
+    manifest = plan.manifest
     reader = FrameReader(stream.recv)
     stats.files_total = len(manifest.files) + len(manifest.links)
     fan: Fanout | None = None
@@ -599,7 +600,6 @@ def sync_stream(
         stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
         stats.error = f"w{stats.worker} ({stats.address}): {why}" if stats.unreachable else why
     finally:
-        plan.drop(stats.worker)
         if fan is not None:
             fan.leave(stats.worker)
 
@@ -641,7 +641,7 @@ def sync(
                 raise early
             stream = early or (SshStream(r) if isinstance(r, SshRunner) else LocalStream())
             streams[r.worker.index] = stream
-            sync_stream(stream, st, manifest, dest, delete=delete, spec=spec, progress=progress, stop=stop, plan=plan)
+            sync_stream(stream, st, dest, delete=delete, spec=spec, progress=progress, stop=stop, plan=plan)
         except Interrupted:
             interrupted.set()
         except Exception as exc:  # paramiko errors, a dropped connection: this worker fails, not the others

@@ -202,16 +202,13 @@ def plots(result: dict[str, Any]) -> None:
         plt.close(fig)
 
 
-def table(result: dict[str, Any]) -> str:
-    m = result["machine"]
+def launch_rows(launch: dict[str, Any]) -> list[str]:
+    """The launch table (header and one row per workers × contender), also used by run_all.py."""
     lines = [
-        f"Measured {m['date']} on {common.machine_line(m)}; {result['repetitions']} interleaved repetitions "
-        f"(after one warm-up round), `{result['command']}`.",
-        "",
         "| workers | contender | median (ms) | min-max (ms) | tpurun / it | client CPU (ms) | client peak RSS (MiB) |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for n, row in sorted(result["launch"].items(), key=lambda kv: int(kv[0])):
+    for n, row in sorted(launch.items(), key=lambda kv: int(kv[0])):
         t = row["tpurun"]["median"]
         for name, r in row.items():
             ratio = "" if name == "tpurun" else f"{t / r['median']:.2f}×"
@@ -219,6 +216,17 @@ def table(result: dict[str, Any]) -> str:
                 f"| {n} | {name} | {r['median'] * 1000:.0f} | {r['min'] * 1000:.0f}-{r['max'] * 1000:.0f} | {ratio} "
                 f"| {r['cpu_median'] * 1000:.0f} | {r['rss_mib_max']:.0f} |"
             )
+    return lines
+
+
+def table(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        f"Measured {m['date']} on {common.machine_line(m)}; {result['repetitions']} interleaved repetitions "
+        f"(after one warm-up round), `{result['command']}`.",
+        "",
+        *launch_rows(result["launch"]),
+    ]
     w = result.get("wan")
     if w:
         lines += [

@@ -366,7 +366,6 @@ class Run:
             rounds = max(1, int(free / (need / rounds)))
             print(f"  ! {free / 1e9:.0f} GB free, {need / 1e9:.0f} GB wanted: {rounds} sync rounds", flush=True)
         wipe()
-        shutil.rmtree(Path(b.env["TPURUN_HOME"]) / "sync-cache", ignore_errors=True)
         for rnd in range(rounds):
             rnd_dest[0] = rnd
             shutil.rmtree(Path(b.env["TPURUN_HOME"]) / "sync-cache", ignore_errors=True)  # a first sync hashes too
@@ -511,17 +510,8 @@ def tables(res: dict[str, Any]) -> str:
         "",
         "### Launch: `true` on every worker",
         "",
-        "| workers | contender | median (ms) | min-max (ms) | tpurun / it | client CPU (ms) | client peak RSS (MiB) |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        *launch_bench.launch_rows(res["launch"]),
     ]
-    for n, row in sorted(res["launch"].items(), key=lambda kv: int(kv[0])):
-        t = row["tpurun"]["median"]
-        for name, r in row.items():
-            ratio = "" if name == "tpurun" else f"{t / r['median']:.2f}×"
-            L.append(
-                f"| {n} | {name} | {ms(r['median'])} | {ms(r['min'])}-{ms(r['max'])} | {ratio} "
-                f"| {ms(r['cpu_median'])} | {r['rss_mib_max']:.0f} |"
-            )
     L += ["", "![launch time vs workers](bench/launch_vs_workers.png)", ""]
     if res.get("train"):
         L += [
