@@ -5,7 +5,8 @@
 PID namespace, in a private mount namespace and its own UTS namespace.  It:
 
 1. builds the worker's private view of the machine (``/proc``, ``/run``, ``/dev`` with
-   fake TPU device files, ``/root``, ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``),
+   fake TPU device files, ``/sys/bus/pci/devices`` with the TPU chips' PCI functions, ``/root``,
+   ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``),
 2. sets the hostname,
 3. starts the worker's own ``sshd -D`` and, if the node has one, its startup script,
 4. reaps every process of the namespace forever (orphans are re-parented to PID 1).
@@ -106,6 +107,27 @@ def setup_dev(fake_devices: list[str]) -> None:
         os.chmod(path, 0o666)
 
 
+def setup_pci(functions: list[dict]) -> None:
+    """The worker's PCI bus as software counts TPU chips on it: the host's own functions (symlinks into
+    /sys/devices, as sysfs has them) plus one directory per emulated chip with its id files."""
+    base = "/sys/bus/pci/devices"
+    host = {name: os.readlink(f"{base}/{name}") for name in os.listdir(base)} if os.path.isdir(base) else {}
+    if not os.path.isdir(base):
+        return
+    mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755,size=1m")
+    for name, target in host.items():
+        os.symlink(target, f"{base}/{name}")
+    for fn in functions:
+        d = f"{base}/{fn['address']}"
+        if os.path.lexists(d):
+            os.unlink(d)  # an emulated chip takes the address over
+        os.mkdir(d)
+        for key, value in fn["files"].items():
+            with open(f"{d}/{key}", "w") as f:
+                f.write(value + "\n")
+    mount(None, base, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
 def build_view(wdir: str, cfg: dict) -> None:
     view = cfg["view"]
     # The host path of the worker directory may be hidden by what we mount below
@@ -125,6 +147,7 @@ def build_view(wdir: str, cfg: dict) -> None:
     os.mkdir("/run/lock")
     os.chmod("/run/lock", 0o1777)
     setup_dev(cfg["devices"])
+    setup_pci(cfg.get("pci", []))
     bind(f"{view}/home", "/root")
     bind(f"{view}/tmp", "/tmp")
     for name in ("hosts", "hostname", "passwd", "shadow", "group"):

@@ -17,8 +17,10 @@ host's, shared by all workers):
   across stop/start), ``/tmp`` (per-worker directory, emptied on every boot, like a
   rebooted VM), ``/run`` (fresh tmpfs, with ``/run/sshd``), ``/dev`` (tmpfs with
   null/zero/full/random/urandom/tty, a private devpts on /dev/pts so ``ssh -t`` works,
-  /dev/shm, and the fake TPU: ``/dev/accel0..3`` for v2/v3/v4, ``/dev/vfio/0..3`` and
+  /dev/shm, and the fake TPU: one ``/dev/accelN`` per chip for v2/v3/v4, ``/dev/vfio/N`` and
   ``/dev/vfio/vfio`` for later generations -- plain files anyone can open read/write);
+* ``/sys/bus/pci/devices``: the host's PCI functions plus one Google TPU function per chip
+  (`tpu_vm.worker_image`), which is how torch_xla and tpu-info count a host's chips;
 * ``/etc/hosts``: ``metadata.google.internal`` and every worker's hostname of the node;
 * ``/etc/passwd``, ``/etc/shadow``, ``/etc/group``: the host's, plus users from metadata.
 
@@ -68,6 +70,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tpurun.emulator._metadata import MetadataService
+from tpurun.emulator.tpu_vm import WorkerImage, worker_image
 
 __all__ = ["WorkerInfo", "WorkerHosts", "parse_ssh_keys", "kill_orphans", "GENERATIONS"]
 
@@ -86,7 +89,6 @@ _UNSHARE = [
 _SSHD = "/usr/sbin/sshd"
 BOOT_TIMEOUT = 60.0
 GENERATIONS = ("v2", "v3", "v4", "v5litepod", "v5p", "v6e", "7x")
-_ACCEL_GENERATIONS = ("v2", "v3", "v4")
 _USER_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
 
 
@@ -116,13 +118,6 @@ def image_paths() -> list[str]:
                 found.add(real if os.path.isdir(real) else os.path.dirname(real))
     # keep only the outermost of nested paths
     return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
-
-
-def device_files(generation: str) -> list[str]:
-    """The fake TPU device files of one worker of `generation` (FACTS.md)."""
-    if generation in _ACCEL_GENERATIONS:
-        return [f"/dev/accel{i}" for i in range(4)]
-    return [f"/dev/vfio/{i}" for i in range(4)] + ["/dev/vfio/vfio"]
 
 
 def parse_ssh_keys(value: str, *, now: datetime | None = None) -> dict[str, list[str]]:
@@ -408,6 +403,7 @@ class WorkerHosts:
     def _prepare(self, node: _Node, w: _Worker, md: dict[str, str]) -> None:
         """Write everything a worker's init reads (host side)."""
         d = w.dir
+        image = self._image(node, w)
         fresh_home = not (d / "home").exists()
         for sub in ("home", "tmp", "etc", "authorized_keys"):
             (d / sub).mkdir(parents=True, exist_ok=True)
@@ -447,7 +443,8 @@ class WorkerHosts:
                     "view": view,
                     "hostname": w.hostname,
                     "boot": node.boots,
-                    "devices": device_files(node.generation),
+                    "devices": list(image.device_files),
+                    "pci": [{"address": f.address, "files": f.files} for f in image.pci],
                     "metadata_host": f"{w.address}:{self.metadata_port}",
                     "image_paths": image_paths(),
                 }
@@ -721,24 +718,21 @@ class WorkerHosts:
         alive = w.proc is not None and w.proc.poll() is None
         return WorkerInfo(w.index, w.address, w.hostname, self.ssh_port, w.host_key, w.init_pid if alive else None)
 
+    @staticmethod
+    def _image(node: _Node, w: _Worker) -> WorkerImage:
+        return worker_image(
+            node.accelerator_type, worker=w.index, node_id=node.key.rsplit("/", 1)[-1], zone=node.zone, project=node.project
+        )
+
     def _computed_attributes(self, node: _Node, w: _Worker) -> dict[str, str]:
         endpoints = ",".join(
             f"{o.hostname}:{_stable_int(f'{node.key}/{o.index}', 19)}:{o.address}" for o in node.workers
         )
-        env = {
-            "ACCELERATOR_TYPE": node.accelerator_type,
-            "CONSUMER_PROJECT_ID": node.project,
-            "NODE_ID": node.key.rsplit("/", 1)[-1],
-            "TYPE": node.generation.upper(),
-            "WORKER_ID": str(w.index),
-            "NUM_WORKERS": str(len(node.workers)),
-            "ZONE": node.zone,
-        }
         return {
             "agent-worker-number": str(w.index),
             "accelerator-type": node.accelerator_type,
             "worker-network-endpoints": endpoints,
-            "tpu-env": "".join(f"{k}: '{v}'\n" for k, v in env.items()),
+            "tpu-env": self._image(node, w).tpu_env_text(),
         }
 
     def _get(self, node_key: str) -> _Node:

@@ -1,0 +1,113 @@
+"""What one emulated worker of an accelerator type looks like to the software on it.
+
+A pure table, so it is unit-tested for every accelerator type: the PCI functions torch_xla (and
+tpu-info) count chips from, the TPU device files, and the `tpu-env` metadata a real TPU VM carries.
+hosts.py puts these on each worker (a tmpfs over /sys/bus/pci/devices, files under /dev, the metadata
+server). Sources of every value are in docs/emulator.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpurun.errors import UsageError
+from tpurun.topology import Topology, parse_accelerator_type
+
+GOOGLE_PCI_VENDOR = "0x1ae0"
+# generation -> (PCI device id, PCI subsystem device id). v2 and v3 share a device id and differ in the
+# subsystem id; for later chips the subsystem id is not published, so the device id is repeated there.
+PCI_IDS = {
+    "v2": ("0x0027", "0x004e"),
+    "v3": ("0x0027", "0x004f"),
+    "v4": ("0x005e", "0x005e"),
+    "v5litepod": ("0x0063", "0x0063"),
+    "v5p": ("0x0062", "0x0062"),
+    "v6e": ("0x006f", "0x006f"),
+}
+# libtpu's runtime metrics ports: one per chip from this one (tpu-env TPU_RUNTIME_METRICS_PORTS).
+METRICS_BASE_PORT = 8431
+# A v5e/v6e slice's axis of this many chips is a ring (wraps around); see wrap().
+_LITE_POD_FULL_AXIS = 16
+
+
+@dataclass(frozen=True)
+class PciFunction:
+    """One PCI function as sysfs shows it: /sys/bus/pci/devices/<address>/{vendor,device,...}."""
+
+    address: str  # e.g. "0000:00:04.0"
+    files: dict[str, str]
+
+
+@dataclass(frozen=True)
+class WorkerImage:
+    """The TPU-facing parts of one worker: chips on PCI, device files, `tpu-env` metadata."""
+
+    pci: tuple[PciFunction, ...]
+    device_files: tuple[str, ...]
+    tpu_env: dict[str, str]
+
+    def tpu_env_text(self) -> str:
+        """`tpu-env` as the metadata server serves it: one YAML `KEY: 'value'` line per key."""
+        return "".join(f"{k}: '{v}'\n" for k, v in sorted(self.tpu_env.items()))
+
+
+def _dims(shape: str) -> list[int]:
+    dims = [int(d) for d in shape.split("x")]
+    return dims + [1] * (3 - len(dims))
+
+
+def wrap(topology: Topology) -> str:
+    """Which axes of the slice are tori: v2-v5p only from a full 4x4x4 cube up; v5e/v6e per axis of 16."""
+    dims = _dims(topology.topology)
+    if topology.generation in ("v5litepod", "v6e"):
+        return ",".join("true" if d == _LITE_POD_FULL_AXIS else "false" for d in dims)
+    return ",".join(["true" if all(d >= 4 for d in dims) else "false"] * 3)
+
+
+def worker_image(
+    accelerator_type: str, *, worker: int, node_id: str, zone: str, project: str, preemptible: bool = False
+) -> WorkerImage:
+    """The image of worker WORKER of a node of ACCELERATOR_TYPE (a type `tpurun topology` knows)."""
+    try:
+        topo = parse_accelerator_type(accelerator_type)
+    except UsageError as exc:
+        raise ValueError(str(exc)) from exc
+    device, subsystem = PCI_IDS[topo.generation]
+    pci = tuple(
+        PciFunction(
+            f"0000:00:{4 + chip:02x}.0",
+            {
+                "vendor": GOOGLE_PCI_VENDOR,
+                "device": device,
+                "subsystem_vendor": GOOGLE_PCI_VENDOR,
+                "subsystem_device": subsystem,
+                "class": "0x120000",  # processing accelerator
+            },
+        )
+        for chip in range(topo.chips_per_host)
+    )
+    # A TPU VM runs one process per host unless told otherwise: process bounds = host bounds.
+    env = {
+        "ACCELERATOR_TYPE": topo.name,
+        "TYPE": topo.api_type,
+        "WORKER_ID": str(worker),
+        "NODE_ID": node_id,
+        "ZONE": zone,
+        "CONSUMER_PROJECT_ID": project,
+        "PREEMPTIBLE": "true" if preemptible else "false",
+        "SERVICE_NAME": "tpu.googleapis.com",
+        "TOPOLOGY": topo.topology,
+        "TPU_TOPOLOGY": topo.topology,
+        "HOST_BOUNDS": topo.host_bounds,
+        "TPU_HOST_BOUNDS": topo.host_bounds,
+        "CHIPS_PER_HOST_BOUNDS": topo.chips_per_host_bounds,
+        "TPU_CHIPS_PER_HOST_BOUNDS": topo.chips_per_host_bounds,
+        "TPU_PROCESS_BOUNDS": topo.host_bounds,
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": topo.chips_per_host_bounds,
+        "WRAP": wrap(topo),
+        "TPU_TOPOLOGY_WRAP": wrap(topo),
+        "ALT": "false",
+        "TPU_TOPOLOGY_ALT": "false",
+        "TPU_RUNTIME_METRICS_PORTS": ",".join(str(METRICS_BASE_PORT + c) for c in range(topo.chips_per_host)),
+    }
+    return WorkerImage(pci=pci, device_files=topo.device_files, tpu_env=env)
