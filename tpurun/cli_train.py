@@ -16,6 +16,7 @@ from tpurun.cli import JsonOpt, app
 from tpurun.cli_remote import LocalOpt, TpuOpt, stop_on_signals
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.remote import open_stream, run_capture
+from tpurun.runtime import bundle_name
 from tpurun.runtime import env as envc
 from tpurun.topology import parse_accelerator_type
 
@@ -57,6 +58,13 @@ def train_cmd(
     ] = None,
     core: Annotated[int | None, typer.Option(help="Run on one specific core index (like devices=[5]).")] = None,
     runtime: Annotated[str, typer.Option(help="auto, pjrt, xrt or cpu.")] = "auto",
+    launch: Annotated[
+        envc.Launch | None,
+        typer.Option(
+            help="host: one process per worker, the script's spawner (xmp.spawn, Lightning, ...) makes one per chip "
+            "(default on TPUs). chip: one process per chip with torchrun's variables (default on cpu)."
+        ),
+    ] = None,
     precision: Annotated[str, typer.Option(help="32 or bf16 (sets XLA_USE_BF16=1).")] = "32",
     env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")] = None,
     detach: Annotated[
@@ -73,7 +81,8 @@ def train_cmd(
     tpu_ip: Annotated[str | None, typer.Option("--tpu-ip", help="xrt on the old TPU Node architecture.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Sync this directory and run SCRIPT once per core on every worker, streaming every core's lines."""
+    """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
+    streaming every chip process's lines."""
     _check_inputs(script, cores, core, runtime, precision)
     if max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
@@ -85,6 +94,7 @@ def train_cmd(
         cores=cores,
         core=core,
         runtime=runtime,
+        launch=launch.value if launch else None,
         precision=precision,
         env=train.parse_env(env or []),
         detach=detach,
@@ -140,10 +150,19 @@ def _attempt(
     job_id = train.new_job_id()
     if spec.runtime == "auto" or not spec.dry_run:
         train.connect(target)  # a dry run with an explicit runtime needs no worker at all
-    runtime, why, specs = train.plan(target, spec, job_id, restart_count=restart)
+    plan = train.plan(target, spec, job_id, restart_count=restart)
+    specs = plan.specs
     where = "this machine" if target.local else f"{target.name} ({len(target.all_workers)} workers)"
-    per_worker = len(specs[0]) if specs else 0
-    ui.info(f"job {job_id}: {per_worker} process(es) per worker on {where}, runtime {runtime} ({why})")
+    ui.info(
+        f"job {job_id}: {where}, runtime {plan.runtime} ({plan.runtime_reason}); {plan.launch_reason}; "
+        f"{plan.processes} process(es) started by tpurun"
+    )
+    if plan.runtime == "cpu" and plan.processes > 1:
+        ui.info(
+            f"note: {plan.processes} CPU processes are {plan.processes} separate XLA worlds (torch_xla has no "
+            "cross-process collectives on CPU); a script reduces across them with torch.distributed gloo "
+            "(docs/train.md)"
+        )
     if spec.core is not None and target.accelerator_type:
         ui.info(envc.explain_core(parse_accelerator_type(target.accelerator_type), spec.core))
     if spec.precision == "bf16":
@@ -151,10 +170,21 @@ def _attempt(
     if spec.dry_run:
         rows = train.dry_run_rows(target, specs)
         if json_out:
-            ui.print_json({"job_id": job_id, "runtime": runtime, "reason": why, "processes": rows})
+            ui.print_json(
+                {
+                    "job_id": job_id,
+                    "runtime": plan.runtime,
+                    "reason": plan.runtime_reason,
+                    "launch": plan.launch,
+                    "launch_reason": plan.launch_reason,
+                    "processes": rows,
+                }
+            )
         else:
+            print(f"launch {plan.launch}: {plan.launch_reason}")
             for row in rows:
-                print(f"[w{row['worker']}/c{row['core']}] {row['address']}: {train.quote(row['command'])}")
+                name = train.process_name(row["worker"], envc.HOST if row["core"] is None else row["core"])
+                print(f"[{name}] {row['address']}: {train.quote(row['command'])}")
                 for k, v in sorted(row["env"].items()):
                     print(f"    {k}={v}")
         return ExitCode.OK
@@ -184,7 +214,8 @@ def _attempt(
         python=python,
         detach=spec.detach,
         grace=spec.grace,
-        pre=lambda w: envc.pre_commands(topo, runtime, w, python),
+        pre=lambda w: envc.pre_commands(topo, plan.runtime, w, python),
+        launch=plan.launch,
         on_event=ui.info,
     )
     with stop_on_signals(run.stop) as seen:
@@ -279,8 +310,8 @@ def _record_target(record: train.JobRecord) -> targets.Target:
 
 
 def _agent_argv(record: train.JobRecord, *args: str) -> list[str]:
-    script = 'p=$1; a=$2; shift 2; exec "$p" "$HOME/.tpurun/bin/$a" "$@"'
-    return ["sh", "-c", script, "tpurun", record.python, train.agent_name(), *args]
+    script = 'p=$1; a=$2; shift 2; exec "$p" "$HOME/.tpurun/bin/$a/agent.py" "$@"'
+    return ["sh", "-c", script, "tpurun", record.python, bundle_name(), *args]
 
 
 @app.command("jobs")

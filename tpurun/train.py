@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import hashlib
 import json
 import os
 import secrets
@@ -22,13 +21,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from tpurun import ui
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.remote import Runner, Stream, open_stream, run_capture
+from tpurun.runtime import bundle_name, bundle_tar
 from tpurun.runtime import env as envc
 from tpurun.targets import Target
 from tpurun.topology import Topology, parse_accelerator_type
@@ -38,12 +37,17 @@ AGENT_MISSING = 93  # exit code of the start command when the agent file is not 
 # Runs on each worker: agent present? start the job (spec from $2, base64), then stream its records
 # with our stdin as the lifeline (exec: the stream process *is* the channel's command).
 _START_AND_STREAM = (
-    'f="$HOME/.tpurun/bin/$1"; [ -f "$f" ] || exit 93; '
+    'f="$HOME/.tpurun/bin/$1/agent.py"; [ -f "$f" ] || exit 93; '
     'printf %s "$2" | base64 -d | "$3" "$f" start >/dev/null || exit $?; '
     '[ "$5" = detach ] && exit 0; '
     'exec "$3" "$f" stream "$4" --follow --attached'
 )
-_INSTALL_AGENT = 'mkdir -p "$HOME/.tpurun/bin" && cat > "$HOME/.tpurun/bin/$1.$$" && mv "$HOME/.tpurun/bin/$1.$$" "$HOME/.tpurun/bin/$1"'
+# The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
+# and of two concurrent installs the second finds the first's and drops its own.
+_INSTALL_AGENT = (
+    'd="$HOME/.tpurun/bin/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -x -C "$t" || exit $?; '
+    '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
+)
 
 HINTS = [
     (
@@ -66,14 +70,6 @@ HINTS = [
         "the TPU device cannot be opened (busy or no permission): run `tpurun kill-stale`, then `tpurun doctor`",
     ),
 ]
-
-
-def agent_source() -> bytes:
-    return resources.files("tpurun.runtime").joinpath("agent.py").read_bytes()
-
-
-def agent_name() -> str:
-    return f"agent-{hashlib.sha256(agent_source()).hexdigest()[:12]}.py"
 
 
 def new_job_id() -> str:
@@ -105,6 +101,7 @@ class TrainSpec:
     cores: int | None = None
     core: int | None = None
     runtime: str = "auto"
+    launch: str | None = None  # host | chip; None: the runtime's default (envc.pick_launch)
     precision: str = "32"
     env: dict[str, str] = field(default_factory=dict)
     detach: bool = False
@@ -126,6 +123,17 @@ class CoreOutcome:
     started: float = 0.0
     ended: float = 0.0
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def failed(self) -> bool:
+        # "died": a chip process of a host launch that vanished unreported (its exit status is its parent's)
+        return self.exit_code not in (0, None) or self.status == "died"
+
+    @property
+    def ending(self) -> str:
+        if self.status == "died":
+            return "no exit status: it died, killed by a signal or crashed"
+        return f"exit code {self.exit_code}"
 
 
 @dataclass
@@ -192,17 +200,30 @@ def probe(target: Target, python: str) -> dict[str, Any]:
         return {}
 
 
-def plan(
-    target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0
-) -> tuple[str, str, list[list[envc.CoreSpec]]]:
-    """(runtime, why, per-worker core specs)."""
+@dataclass(frozen=True)
+class JobPlan:
+    """What `train` decided: the runtime and launch model (each with why) and every process it starts."""
+
+    runtime: str
+    runtime_reason: str
+    launch: str
+    launch_reason: str
+    specs: list[list[envc.CoreSpec]]
+
+    @property
+    def processes(self) -> int:
+        return sum(len(per) for per in self.specs)
+
+
+def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -> JobPlan:
     python = worker_python(target, spec)
     topo: Topology | None = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
     runtime, why = spec.runtime, "asked for"
     if runtime == "auto":
         runtime, why = envc.pick_runtime("auto", probe(target, python))
+    launch, launch_why = envc.pick_launch(spec.launch, runtime)
     cores = spec.cores
-    if target.local and cores is None and spec.core is None and runtime == "cpu":
+    if target.local and cores is None and spec.core is None and runtime == "cpu" and launch == "chip":
         cores = 1
     extra = dict(spec.env)
     if spec.metrics:
@@ -210,8 +231,9 @@ def plan(
     addresses = [w.address for w in target.all_workers]
     specs = envc.plan_job(
         job_id=job_id,
-        topology=topo if runtime != "cpu" else topo,
+        topology=topo,
         runtime=runtime,
+        launch=launch,
         worker_addresses=addresses,
         cores=cores,
         core=spec.core,
@@ -228,7 +250,12 @@ def plan(
         for per_worker in specs:
             for c in per_worker:
                 c.argv[:] = [python, "-c", _METRICS_WRAPPER, *c.argv[1:]]
-    return runtime, why, specs
+    return JobPlan(runtime, why, launch, launch_why, specs)
+
+
+def process_name(worker: int, core: int) -> str:
+    """wN/cM for a chip (or core) process, wN for a host launch's own process: its lines are tagged [name]."""
+    return f"w{worker}" if core == envc.HOST else f"w{worker}/c{core}"
 
 
 _METRICS_WRAPPER = r"""
@@ -257,14 +284,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[str, Any]]:
-    """Per worker and core: address, exact argv and environment (what --dry-run prints)."""
+    """Per process tpurun starts: worker, core, address, exact argv and environment (what --dry-run prints)."""
     rows = []
     for per_worker in specs:
         for c in per_worker:
             rows.append(
                 {
                     "worker": c.worker,
-                    "core": c.core,
+                    "core": None if c.core == envc.HOST else c.core,  # a host launch's one process per worker
                     "address": target.all_workers[c.worker].address,
                     "command": c.argv,
                     "env": c.env,
@@ -291,11 +318,11 @@ class Renderer:
     def line(self, worker: int, core: int, text: str) -> None:
         if self.quiet:
             return
-        tag = f"[w{worker}/c{core}]"
+        prefix = f"[{process_name(worker, core)}]"
         if self.colour:
-            tag = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{tag}\x1b[0m"
+            prefix = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{prefix}\x1b[0m"
         with self.lock:
-            self.buffer.append(f"{tag} {text}\n")
+            self.buffer.append(f"{prefix} {text}\n")
             if len(self.buffer) > 512 or time.monotonic() - self.last_flush > 0.05:
                 self._flush()
 
@@ -329,6 +356,7 @@ class JobRun:
         detach: bool,
         grace: float,
         pre: Callable[[int], list[list[str]]],
+        launch: str = "chip",
         on_event: Callable[[str], None] | None = None,
     ) -> None:
         self.target = target
@@ -340,6 +368,7 @@ class JobRun:
         self.detach = detach
         self.grace = grace
         self.pre = pre
+        self.launch = launch
         self.on_event = on_event or (lambda text: None)
         self.outcomes: dict[tuple[int, int], CoreOutcome] = {
             (c.worker, c.core): CoreOutcome(c.worker, c.core) for per in specs for c in per
@@ -358,16 +387,17 @@ class JobRun:
             "detach": self.detach,
             "grace": self.grace,
             "pre_commands": self.pre(worker),
+            "launch": self.launch,
             "cores": [{"core": c.core, "argv": c.argv, "env": c.env, "cwd": self.cwd} for c in self.specs[worker]],
         }
 
     def _command(self, worker: int, follow: bool) -> list[str]:
         spec = base64.b64encode(json.dumps(self.job_spec(worker)).encode()).decode()
         mode = "detach" if self.detach else "attach"
-        return ["sh", "-c", _START_AND_STREAM, "tpurun", agent_name(), spec, self.python, self.job_id, mode]
+        return ["sh", "-c", _START_AND_STREAM, "tpurun", bundle_name(), spec, self.python, self.job_id, mode]
 
     def install_agent(self, runner: Runner) -> None:
-        rc, _, err = run_capture(runner, ["sh", "-c", _INSTALL_AGENT, "tpurun", agent_name()], stdin=agent_source())
+        rc, _, err = run_capture(runner, ["sh", "-c", _INSTALL_AGENT, "tpurun", bundle_name()], stdin=bundle_tar())
         if rc != 0:
             raise UnreachableError(f"cannot install tpurun's agent on worker {runner.worker.label()}: {err.strip()}")
 
@@ -437,41 +467,39 @@ class JobRun:
         if event is None:
             c = int(rec["c"])
             line = rec.get("l", "")
-            o = self.outcomes.get((w, c))
-            if o is not None:
-                o.last_lines.append(line)
+            self.outcome(w, c).last_lines.append(line)
             self.renderer.line(w, c, line)
             return False
         if event == "started":
             return False
         if event == "exit":
             c = int(rec["c"])
-            o = self.outcomes[(w, c)]
+            o = self.outcome(w, c)
             o.exit_code = rec.get("code")
             o.status = rec.get("status") or "exited"
             o.ended = time.monotonic() - self.started_at
-            if o.exit_code not in (0, None) and not self.stop.is_set():
+            if o.failed and not self.stop.is_set():
                 # a core the agent killed because a sibling failed is not the origin: wait for the sibling's record
                 if o.status != "killed":
                     with self.lock:
                         if self.first_failure is None:
                             self.first_failure = o
-                self.on_event(f"w{w}/c{c} exited with code {o.exit_code}: stopping the job everywhere")
+                self.on_event(f"{process_name(w, c)} failed ({o.ending}): stopping the job everywhere")
                 self.stop.set()
-            elif o.exit_code not in (0, None) and o.status != "killed" and self.first_failure is None:
+            elif o.failed and o.status != "killed" and self.first_failure is None:
                 with self.lock:
                     self.first_failure = o  # its worker's agent reported the killed sibling first
             return False
         if event == "done":
             state = rec.get("state", {})
             origin = state.get("first_failure") or {}
-            if origin and self.first_failure is None and (w, int(origin.get("core", -1))) in self.outcomes:
+            if origin and self.first_failure is None and "core" in origin:
                 with self.lock:
                     if self.first_failure is None:
-                        self.first_failure = self.outcomes[(w, int(origin["core"]))]
+                        self.first_failure = self.outcome(w, int(origin["core"]))
             for core in state.get("cores", []):
-                o = self.outcomes.get((w, int(core["core"])))
-                if o is not None and o.exit_code is None:
+                o = self.outcome(w, int(core["core"]))
+                if o.exit_code is None:
                     o.exit_code = core.get("exit_code")
                     o.status = core.get("status", o.status)
             return True
@@ -479,6 +507,13 @@ class JobRun:
             self._lose(w, f"w{w}: the agent could not start the job: {rec.get('reason')}")
             return True
         return False
+
+    def outcome(self, w: int, c: int) -> CoreOutcome:
+        """W's core C, also one the script's spawner made after the start (a host launch's chips)."""
+        with self.lock:
+            if (w, c) not in self.outcomes:
+                self.outcomes[(w, c)] = CoreOutcome(w, c)
+            return self.outcomes[(w, c)]
 
     def run(self) -> None:
         threads = [threading.Thread(target=self._worker, args=(r,), daemon=True) for r in self.target.runners]
@@ -504,7 +539,7 @@ def render_summary(run: JobRun) -> None:
         code = "-" if o.exit_code is None else str(o.exit_code)
         rows.append(
             (
-                f"w{w}/c{c}",
+                process_name(w, c),
                 o.status,
                 code,
                 f"{o.ended:.1f} s" if o.ended else "-",
@@ -529,8 +564,8 @@ def outcome_code(run: JobRun, interrupted: bool) -> int:
         tail = "\n".join("    " + line for line in list(f.last_lines))
         hint = hint_for(list(f.last_lines))
         ui.err().print(
-            f"error: w{f.worker}/c{f.core} ({run.target.all_workers[f.worker].address}) failed first with exit code "
-            f"{f.exit_code}; its last lines:\n{tail}",
+            f"error: {process_name(f.worker, f.core)} ({run.target.all_workers[f.worker].address}) failed first "
+            f"({f.ending}); its last lines:\n{tail}",
             markup=False,
         )
         if hint:
@@ -540,7 +575,7 @@ def outcome_code(run: JobRun, interrupted: bool) -> int:
         for why in run.lost.values():
             ui.err().print(f"error: {why}", markup=False)
         return ExitCode.UNREACHABLE
-    failed = [o for o in run.outcomes.values() if o.exit_code not in (0, None)]
+    failed = [o for o in run.outcomes.values() if o.failed]
     if failed:
         return ExitCode.PROGRAM_FAILED
     return ExitCode.OK

@@ -190,18 +190,19 @@ def test_dry_run_env_matches_the_contract(cli, emulator, tpu_node, accel, runtim
     got = json.loads(r.out)
     addresses = [w.address for w in node.workers]
     want = plan_job(
-        job_id=got["job_id"], topology=parse_accelerator_type(accel), runtime=runtime, worker_addresses=addresses,
-        cores=None, core=None, script="train.py", args=[], python="python3",
+        job_id=got["job_id"], topology=parse_accelerator_type(accel), runtime=runtime, launch="host",
+        worker_addresses=addresses, cores=None, core=None, script="train.py", args=[], python="python3",
     )  # fmt: skip
+    assert got["launch"] == "host"  # the default on TPUs
     flat = [c for per in want for c in per]
-    assert len(got["processes"]) == len(flat)
+    assert len(got["processes"]) == len(flat) == len(addresses)
     for row, spec in zip(got["processes"], flat, strict=True):
-        assert (row["worker"], row["core"]) == (spec.worker, spec.core)
+        assert (row["worker"], row["core"]) == (spec.worker, None)
         assert row["env"] == spec.env
         assert row["command"] == spec.argv
     env0 = got["processes"][0]["env"]
     if runtime == "pjrt":
-        assert env0["PJRT_DEVICE"] == "TPU"
+        assert env0["PJRT_DEVICE"] == "TPU" and env0["TPURUN_LAUNCH"] == "host"
     else:
         assert "XRT_TPU_CONFIG" in env0 or "XRT_LOCAL_WORKER" in env0
 

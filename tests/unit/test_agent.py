@@ -392,3 +392,145 @@ def test_stream_throughput_two_cores_100k_lines(home: Path, tmp_path: Path) -> N
         f"\nstream throughput: {2 * n} lines end to end in {took:.2f} s = {2 * n / took:,.0f} lines/s; "
         f"replay of the finished files {2 * n / replay:,.0f} lines/s"
     )
+
+
+# ---------------------------------------------------------------- host launch: chip processes of a spawner
+
+# A stand-in for xmp.spawn's process model, stdlib only (the real spawners run on emulated TPU VMs in
+# tests/integration/test_launch.py): a spawn-context process pool whose tasks set PJRT_LOCAL_PROCESS_RANK,
+# as torch_xla's initialize_multiprocess does, then do the replica's work.
+SPAWNER = """
+    import concurrent.futures, multiprocessing, os, sys, time
+
+    def replica(rank):
+        os.environ.setdefault("PJRT_LOCAL_PROCESS_RANK", str(rank))
+        print(f"replica {rank} pid {os.getpid()} core {os.environ.get('TPURUN_CORE')}", flush=True)
+        print(f"replica {rank} to stderr", file=sys.stderr, flush=True)
+        mode = os.environ.get("MODE", "")
+        if mode == "fail" and rank == 2:
+            raise ValueError("replica 2 broke")
+        if mode == "die" and rank == 1:
+            time.sleep(0.5)  # dies while the job runs: a segfault in its first step, say
+            import ctypes
+            ctypes.string_at(0)
+        if mode in ("fail", "die", "sleep"):
+            time.sleep(600)
+        time.sleep(1)  # replicas run side by side, as real ones do (each blocks in its first collective)
+        return rank
+
+    if __name__ == "__main__":
+        print("host before", flush=True)
+        n = int(os.environ.get("N", "3"))
+        for round in range(int(os.environ.get("ROUNDS", "1"))):
+            ctx = multiprocessing.get_context(os.environ.get("START", "spawn"))
+            with concurrent.futures.ProcessPoolExecutor(n, mp_context=ctx) as pool:
+                print("results", list(pool.map(replica, range(n))), flush=True)
+        print("host after", flush=True)
+"""
+
+
+def host(path: str, **env: str) -> dict:
+    return {"core": -1, "argv": [sys.executable, path], "env": env}
+
+
+def lines(home: Path, job: str, name: str) -> list[str]:
+    return (home / ".tpurun" / "jobs" / job / f"{name}.log").read_text().splitlines()
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_host_launch_files_each_chip_process_under_its_chip(home: Path, tmp_path: Path, start_method: str) -> None:
+    p = script(tmp_path, "spawner.py", SPAWNER)
+    start(home, "h1", [host(p, START=start_method, ROUNDS="2")], launch="host")
+    st = wait_over(home, "h1")
+    assert st["status"] == "finished", st
+    cores = {c["core"]: c for c in st["cores"]}
+    assert sorted(cores) == [-1, 0, 1, 2]
+    assert all(c["exit_code"] == 0 for c in cores.values())
+    assert lines(home, "h1", "w0") == ["host before", "results [0, 1, 2]", "results [0, 1, 2]", "host after"]
+    for chip in range(3):
+        got = lines(home, "h1", f"w0-c{chip}")
+        # two rounds of the spawner: the same chip's file, one pair of lines per round
+        assert [ln.split(" pid ")[0] for ln in got if " pid " in ln] == [f"replica {chip}"] * 2
+        assert all(ln.endswith(f"core {chip}") for ln in got if " pid " in ln)
+        assert got.count(f"replica {chip} to stderr") == 2
+        assert cores[chip]["spawned"] is True
+
+
+def test_host_launch_stream_tags_chip_records(home: Path, tmp_path: Path) -> None:
+    p = script(tmp_path, "spawner.py", SPAWNER)
+    start(home, "h2", [host(p, N="2")], launch="host")
+    wait_over(home, "h2")
+    r = subprocess.run(
+        [sys.executable, str(AGENT_PATH), "stream", "h2"], capture_output=True, env=dict(os.environ, HOME=str(home))
+    )
+    recs = records(r.stdout)
+    by_core: dict[int, list[str]] = {}
+    for rec in recs:
+        if "l" in rec:
+            by_core.setdefault(rec["c"], []).append(rec["l"])
+    assert by_core[-1] == ["host before", "results [0, 1]", "host after"]
+    assert [ln.split(" pid ")[0] for ln in by_core[1] if " pid " in ln] == ["replica 1"]
+    assert recs[-1]["event"] == "done"
+    assert sorted(r["c"] for r in recs if r.get("event") == "exit") == [-1, 0, 1]
+
+
+def test_host_launch_a_failing_chip_stops_the_job_at_once_and_is_named(home: Path, tmp_path: Path) -> None:
+    p = script(tmp_path, "spawner.py", SPAWNER)
+    t0 = time.monotonic()
+    start(home, "h3", [host(p, MODE="fail", N="4")], launch="host", grace=1)
+    st = wait_over(home, "h3", timeout=60)
+    assert time.monotonic() - t0 < 30  # not after the siblings' 600 s
+    assert st["status"] == "failed"
+    assert st["first_failure"]["core"] == 2 and st["first_failure"]["exit_code"] == 1
+    assert "ValueError: replica 2 broke" in "\n".join(lines(home, "h3", "w0-c2"))
+    assert job_processes_left("h3") == []
+
+
+def test_host_launch_a_chip_that_dies_is_named(home: Path, tmp_path: Path) -> None:
+    p = script(tmp_path, "spawner.py", SPAWNER)
+    start(home, "h4", [host(p, MODE="die", N="3")], launch="host", grace=1)
+    st = wait_over(home, "h4", timeout=60)
+    assert st["status"] == "failed"
+    assert st["first_failure"]["core"] == 1
+    chip1 = {c["core"]: c for c in st["cores"]}[1]
+    assert (chip1["status"], chip1["exit_code"]) == ("failed", -11)
+    assert "Fatal Python error: Segmentation fault" in "\n".join(lines(home, "h4", "w0-c1"))
+    assert job_processes_left("h4") == []
+
+
+def test_stop_reaches_chip_processes_that_left_the_group(home: Path, tmp_path: Path) -> None:
+    p = script(
+        tmp_path,
+        "escape.py",
+        """
+        import os, subprocess, sys, time
+        # a grandchild in its own session: no process-group signal reaches it
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        print("up", flush=True)
+        time.sleep(600)
+        """,
+    )
+    start(home, "h5", [host(p)], launch="host", grace=1)
+    deadline = time.time() + 20
+    while len(job_processes_left("h5")) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(job_processes_left("h5")) == 2
+    r = agent(home, "stop", "h5", "--grace", "1")
+    assert r.returncode == 0, r.stderr
+    assert job_processes_left("h5") == []
+
+
+def job_processes_left(job: str) -> list[int]:
+    """Live processes carrying the job's TPURUN_JOB_ID (what the agent must leave none of)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        if f"TPURUN_JOB_ID={job}".encode() in env and stat[stat.rfind(")") + 2] not in "ZX":
+            out.append(int(name))
+    return out

@@ -1,5 +1,6 @@
 """The env contract (tpurun/runtime/env.py) as golden tables: the full environment of chosen processes per
-runtime and accelerator type, written out literally (sources: docs/train.md, /work/shared/FACTS.md)."""
+runtime and accelerator type, written out literally (sources: docs/train.md). These are tpurun's own
+choices; what torch_xla does with them is tested by running it (tests/integration/test_launch.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpurun.errors import UsageError
-from tpurun.runtime.env import CoreSpec, explain_core, pick_runtime, plan_job, pre_commands
+from tpurun.runtime.env import HOST, CoreSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
 from tpurun.topology import parse_accelerator_type
 
 ADDRESSES = [f"10.130.{i // 200}.{2 + i % 200}" for i in range(64)]
@@ -17,7 +18,13 @@ ADDRESSES = [f"10.130.{i // 200}.{2 + i % 200}" for i in range(64)]
 def plan(name: str | None, runtime: str, **kw) -> list[list[CoreSpec]]:
     topo = parse_accelerator_type(name) if name else None
     workers = kw.pop("worker_addresses", ADDRESSES[: topo.hosts] if topo else ["127.0.0.1"])
-    defaults = {"cores": None, "core": None, "script": "train.py", "args": ["--epochs", "2"]}
+    defaults = {
+        "cores": None,
+        "core": None,
+        "script": "train.py",
+        "args": ["--epochs", "2"],
+        "launch": "host" if runtime == "xrt" else "chip",
+    }
     return plan_job(job_id="job-1", topology=topo, runtime=runtime, worker_addresses=workers, **{**defaults, **kw})
 
 
@@ -27,6 +34,7 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "0",
         "TPURUN_NUM_WORKERS": "1",
+        "TPURUN_LAUNCH": "chip",
         "TPURUN_CORE": "3",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
@@ -55,6 +63,7 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "1",
         "TPURUN_NUM_WORKERS": "4",
+        "TPURUN_LAUNCH": "chip",
         "TPURUN_CORE": "2",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
@@ -83,6 +92,7 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "3",
         "TPURUN_NUM_WORKERS": "4",
+        "TPURUN_LAUNCH": "chip",
         "TPURUN_CORE": "3",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
@@ -111,6 +121,7 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "2",
         "TPURUN_NUM_WORKERS": "4",
+        "TPURUN_LAUNCH": "chip",
         "TPURUN_CORE": "1",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
@@ -139,6 +150,7 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "3",
         "TPURUN_NUM_WORKERS": "4",
+        "TPURUN_LAUNCH": "chip",
         "TPURUN_CORE": "0",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
@@ -167,6 +179,7 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "0",
         "TPURUN_NUM_WORKERS": "1",
+        "TPURUN_LAUNCH": "chip",
         "TPURUN_CORE": "7",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
@@ -195,14 +208,10 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "0",
         "TPURUN_NUM_WORKERS": "1",
-        "TPURUN_CORE": "0",
+        "TPURUN_LAUNCH": "host",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
         "MASTER_PORT": "12355",
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
         "PYTHONUNBUFFERED": "1",
         "XRT_TPU_CONFIG": "localservice;0;localhost:51011",
         "TPU_NUM_DEVICES": "8",
@@ -211,14 +220,10 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "0",
         "TPURUN_NUM_WORKERS": "4",
-        "TPURUN_CORE": "0",
+        "TPURUN_LAUNCH": "host",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
         "MASTER_PORT": "12355",
-        "RANK": "0",
-        "WORLD_SIZE": "4",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
         "PYTHONUNBUFFERED": "1",
         "XRT_LOCAL_WORKER": "c_localservice:0",
         "XRT_MESH_SERVICE_ADDRESS": "10.130.0.2:8477",
@@ -238,14 +243,10 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "2",
         "TPURUN_NUM_WORKERS": "4",
-        "TPURUN_CORE": "0",
+        "TPURUN_LAUNCH": "host",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
         "MASTER_PORT": "12355",
-        "RANK": "2",
-        "WORLD_SIZE": "4",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
         "PYTHONUNBUFFERED": "1",
         "XRT_LOCAL_WORKER": "c_localservice:2",
         "XRT_MESH_SERVICE_ADDRESS": "10.130.0.2:8477",
@@ -264,14 +265,10 @@ GOLDEN: dict[tuple[str, str, int, int], dict[str, str]] = {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "1",
         "TPURUN_NUM_WORKERS": "4",
-        "TPURUN_CORE": "0",
+        "TPURUN_LAUNCH": "host",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "10.130.0.2",
         "MASTER_PORT": "12355",
-        "RANK": "1",
-        "WORLD_SIZE": "4",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
         "PYTHONUNBUFFERED": "1",
         "XRT_LOCAL_WORKER": "c_localservice:1",
         "XRT_MESH_SERVICE_ADDRESS": "10.130.0.2:8477",
@@ -310,8 +307,9 @@ def test_pjrt_runs_one_process_per_chip(name: str, hosts: int, per_host: int) ->
 @pytest.mark.parametrize("name", ["v2-8", "v3-32", "v4-32"])
 def test_xrt_runs_one_process_per_host(name: str) -> None:
     p = plan(name, "xrt")
-    assert all(len(w) == 1 for w in p)
-    assert [w[0].env["RANK"] for w in p] == [str(i) for i in range(len(p))]
+    assert all(len(w) == 1 and w[0].core == HOST for w in p)
+    assert [w[0].env["TPURUN_WORKER_ID"] for w in p] == [str(i) for i in range(len(p))]
+    assert not any("RANK" in w[0].env for w in p)
 
 
 @pytest.mark.parametrize("name", ["v5litepod-16", "v6e-8"])
@@ -349,6 +347,7 @@ def test_cpu_runtime_one_device_per_process() -> None:
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "0",
         "TPURUN_NUM_WORKERS": "1",
+        "TPURUN_LAUNCH": "chip",
         "TPURUN_CORE": "2",
         "TPURUN_RESTART_COUNT": "0",
         "MASTER_ADDR": "127.0.0.1",
@@ -399,7 +398,7 @@ def test_core_5_on_v3_8_runs_chip_2() -> None:
     assert spec.env["RANK"] == "0" and spec.env["WORLD_SIZE"] == "1"
     assert explain_core(parse_accelerator_type("v3-8"), 5) == (
         "core 5 is TensorCore 1 of chip 2; PJRT cannot select one core of a v3 chip, "
-        "so tpurun runs chip 2 (cores 4-5) in one process"
+        "so chip 2 (cores 4-5) runs as one process"
     )
 
 
@@ -512,12 +511,10 @@ TYPES = ["v2-8", "v2-32", "v3-8", "v3-32", "v3-128", "v4-8", "v4-32", "v4-128", 
          "v5litepod-64", "v5p-8", "v5p-32", "v6e-1", "v6e-8", "v6e-32"]  # fmt: skip
 
 
-@given(name=st.sampled_from(TYPES), runtime=st.sampled_from(["pjrt", "xrt", "cpu"]), cpu_cores=st.integers(1, 8))
-def test_ranks_are_unique_and_contiguous(name: str, runtime: str, cpu_cores: int) -> None:
+@given(name=st.sampled_from(TYPES), runtime=st.sampled_from(["pjrt", "cpu"]), cpu_cores=st.integers(1, 8))
+def test_chip_launch_ranks_are_unique_and_contiguous(name: str, runtime: str, cpu_cores: int) -> None:
     topo = parse_accelerator_type(name)
-    if runtime == "xrt" and topo.generation not in ("v2", "v3", "v4"):
-        return
-    p = plan(name, runtime, cores=cpu_cores if runtime == "cpu" else None)
+    p = plan(name, runtime, cores=cpu_cores if runtime == "cpu" else None, launch="chip")
     specs = [s for w in p for s in w]
     world = int(specs[0].env["WORLD_SIZE"])
     assert sorted(int(s.env["RANK"]) for s in specs) == list(range(world))
@@ -544,3 +541,59 @@ def test_any_single_core_maps_to_its_chip(name: str, data: st.DataObject) -> Non
     chip = int(spec.env["TPU_VISIBLE_CHIPS"])
     assert 0 <= chip < topo.chips_per_host
     assert f"chip {chip}" in explain_core(topo, core)
+
+
+@given(name=st.sampled_from(TYPES), runtime=st.sampled_from(["pjrt", "xrt", "cpu"]))
+def test_host_launch_is_one_process_per_worker_without_torchrun_variables(name: str, runtime: str) -> None:
+    topo = parse_accelerator_type(name)
+    if runtime == "xrt" and topo.generation not in ("v2", "v3", "v4"):
+        with pytest.raises(UsageError, match="XRT was removed"):
+            plan(name, runtime, launch="host")
+        return
+    p = plan(name, runtime, launch="host")
+    assert [[s.core for s in w] for w in p] == [[HOST]] * topo.hosts
+    for w, (s,) in enumerate(p):
+        assert s.env["TPURUN_WORKER_ID"] == str(w) and s.env["TPURUN_LAUNCH"] == "host"
+        assert s.env["MASTER_ADDR"] == ADDRESSES[0]
+        # the script's spawner numbers its children; tpurun must not hand them one torchrun rank
+        assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "TPURUN_CORE", "TORCHELASTIC_RUN_ID"} & set(s.env)
+        assert s.argv == ["python3", "train.py", "--epochs", "2"]
+
+
+def test_pjrt_host_launch_leaves_the_topology_to_the_vm() -> None:
+    (s,) = plan("v4-8", "pjrt", launch="host")[0]
+    assert s.env["PJRT_DEVICE"] == "TPU"
+    # torch_xla reads the chips from PCI and the bounds from the tpu-env metadata, as on any TPU VM
+    assert not [k for k in s.env if k.startswith("TPU_")]
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "chip"), [("v4-8", {"cores": 1}, "0"), ("v3-8", {"core": 5}, "2"), ("v6e-8", {"core": 7}, "7")]
+)
+def test_pjrt_host_launch_one_chip_uses_torch_xlas_one_chip_topology(name: str, kw: dict, chip: str) -> None:
+    (s,) = plan(name, "pjrt", launch="host", **kw)[0]
+    assert s.core == HOST
+    assert {k: v for k, v in s.env.items() if k.startswith("TPU_")} == {
+        "TPU_VISIBLE_CHIPS": chip,
+        "TPU_PROCESS_BOUNDS": "1,1,1",
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+    }
+
+
+def test_pick_launch() -> None:
+    assert pick_launch(None, "pjrt")[0] == "host"
+    assert pick_launch(None, "xrt")[0] == "host"
+    assert pick_launch(None, "cpu")[0] == "chip"
+    assert pick_launch("chip", "pjrt")[0] == "chip"
+    assert pick_launch("host", "cpu")[0] == "host"
+    with pytest.raises(UsageError, match="XRT runs one process per host"):
+        pick_launch("chip", "xrt")
+    with pytest.raises(UsageError, match="use host or chip"):
+        pick_launch("rank", "pjrt")
+
+
+def test_cpu_host_launch_refuses_several_cores() -> None:
+    with pytest.raises(UsageError, match="--launch chip"):
+        plan(None, "cpu", launch="host", cores=2)
+    (s,) = plan(None, "cpu", launch="host", cores=1)[0]
+    assert s.env["PJRT_DEVICE"] == "CPU" and s.core == HOST

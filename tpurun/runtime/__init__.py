@@ -1,13 +1,42 @@
-"""The runtime half of `tpurun train`: the env contract (env.py, pure functions) and the worker agent
-(agent.py, a stdlib-only program shipped to each worker and run there with `python3 agent.py ...`)."""
+"""The runtime half of `tpurun train`: the env contract (env.py, pure functions) and what runs on each
+worker: the agent (agent.py, a stdlib-only program run there with `python3 agent.py ...`) and the hook
+a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py). Both ship as one bundle."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import io
+import tarfile
 from pathlib import Path
 
-AGENT_PATH = Path(__file__).with_name("agent.py")
+RUNTIME_DIR = Path(__file__).parent
+AGENT_PATH = RUNTIME_DIR / "agent.py"
+# Installed on each worker under ~/.tpurun/bin/<bundle_name()>/ with these relative paths.
+BUNDLE = ("agent.py", "hook/sitecustomize.py")
 
 
-def agent_source() -> str:
-    """The agent's source, as shipped to workers (it imports nothing from tpurun)."""
-    return AGENT_PATH.read_text(encoding="utf-8")
+@functools.cache
+def bundle_files() -> dict[str, bytes]:
+    return {name: (RUNTIME_DIR / name).read_bytes() for name in BUNDLE}
+
+
+@functools.cache
+def bundle_name() -> str:
+    """agent-<hash of the bundle>: a new tpurun version installs beside the old, never over a running one."""
+    digest = hashlib.sha256()
+    for name, data in bundle_files().items():
+        digest.update(name.encode() + b"\0" + data + b"\0")
+    return f"agent-{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def bundle_tar() -> bytes:
+    """The bundle as an uncompressed tar stream (what `tar -x` on the worker unpacks)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in bundle_files().items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

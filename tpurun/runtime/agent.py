@@ -16,6 +16,11 @@ Commands (exit 0 on success, 2 bad usage / unknown job, 3 another job runs here,
 Files in ~/.tpurun/jobs/<JOB>/ (root overridable with $TPURUN_AGENT_ROOT): spec.json, state.json,
 supervisor.log, pre.log, w<W>-c<C>.log (the core's output bytes as printed, stdout and stderr lines in
 arrival order) and w<W>-c<C>.rec (one JSON object per line: {"s":"out"|"err","t":UNIX_TIME,"l":TEXT}).
+
+A host launch ("launch": "host" in the spec) starts one process per worker (core HOST, files w<W>.log
+and w<W>.rec) with hook/sitecustomize.py (shipped beside this file) first on its PYTHONPATH and the name
+of a log socket this supervisor listens on. Each chip process the script's spawner makes connects to it
+and becomes a core of the job with its own files, found at run time; the supervisor watches it by pid.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import io
 import json
 import os
 import re
+import secrets
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -39,6 +47,16 @@ MAX_LINE = 8 << 20  # a line longer than this is cut into records rather than he
 DEFAULT_GRACE = 5.0
 DEFAULT_PRE_TIMEOUT = 300.0
 DEFAULT_LEASE = 60.0  # attached jobs: no stream alive for this long means the client is gone
+# faulthandler's names of the fatal signals it reports (a chip process's exit status, as the shell shows it)
+FATAL_SIGNALS = {
+    "Segmentation fault": int(signal.SIGSEGV),
+    "Aborted": int(signal.SIGABRT),
+    "Bus error": int(signal.SIGBUS),
+    "Floating point exception": int(signal.SIGFPE),
+    "Illegal instruction": int(signal.SIGILL),
+}
+HOST = -1  # core index of a host launch's one process per worker (see tpurun.runtime.env.HOST)
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 
 
 class AgentError(Exception):
@@ -132,6 +150,61 @@ def signal_group(pgid: int | None, sig: int) -> None:
         pass
 
 
+def log_base(jdir: str, worker: int, core: int) -> str:
+    """Path of a core's files without extension: w<W>-c<C>, or w<W> for a host launch's own process."""
+    return os.path.join(jdir, f"w{worker}" if core == HOST else f"w{worker}-c{core}")
+
+
+def job_processes(job: str) -> list[int]:
+    """Live processes started for JOB, found by the TPURUN_JOB_ID every one of them inherits: also those
+    that left their process group (setsid) or were orphaned by a spawner that died."""
+    marker = b"\0TPURUN_JOB_ID=" + job.encode() + b"\0"
+    found = []
+    me = os.getpid()
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+        except OSError:
+            continue
+        if marker in env and pid_alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _watch_exit(c: Core, pid: int) -> None:
+    """Note when PID ends, at once where Linux gives a pidfd (3.9+): which of several chip processes
+    ended first decides which one the job's failure is blamed on."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return
+    try:
+        fd = opener(pid)
+    except OSError:
+        return
+
+    def wait() -> None:
+        import select
+
+        try:
+            select.select([fd], [], [])
+            c.note_end(pid)
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=wait, daemon=True).start()
+
+
 def _pdeathsig_preexec():
     """A preexec_fn that makes the child die with SIGKILL when the supervisor dies (Linux only)."""
     try:
@@ -164,10 +237,10 @@ class Core:
     def __init__(self, worker: int, spec: dict, jdir: str) -> None:
         self.worker = worker
         self.index = int(spec["core"])
-        self.argv = [str(a) for a in spec["argv"]]
+        self.argv = [str(a) for a in spec.get("argv") or []]
         self.env = {str(k): str(v) for k, v in (spec.get("env") or {}).items()}
         self.cwd = os.path.expanduser(spec.get("cwd") or "~")
-        base = os.path.join(jdir, f"w{worker}-c{self.index}")
+        base = log_base(jdir, worker, self.index)
         self.log = open(base + ".log", "ab")
         self.rec = open(base + ".rec", "ab")
         self.lock = threading.Lock()
@@ -182,10 +255,16 @@ class Core:
         self.last_line = ""
         self.signalled = False
         self.readers: list[threading.Thread] = []
+        self.spawned = False  # a chip process of a host launch: made by the script's spawner, not by us
+        self.reported: int | None = None  # how its spawner task ended, as the hook reported (0 ok, 1 failed)
+        self.pids: list[int] = []  # a chip's processes (one per round of the spawner)
+        self.died_at: dict[int, float] = {}  # pid -> when it was seen to end (pidfd: at once)
+        self.ctl_done = False  # its report stream is closed: `reported` is final
 
-    def start(self, preexec) -> None:
+    def start(self, preexec, job: str) -> None:
         env = dict(os.environ)
         env.update(self.env)
+        env["TPURUN_JOB_ID"] = job  # how the agent finds every process of the job (job_processes)
         self.started_at = now()
         try:
             self.proc = subprocess.Popen(
@@ -209,9 +288,12 @@ class Core:
         if self.proc is None:
             return
         for stream, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
-            t = threading.Thread(target=self._pump, args=(stream, pipe), daemon=True)
-            t.start()
-            self.readers.append(t)
+            self.add_reader(stream, pipe)
+
+    def add_reader(self, stream: str, pipe) -> None:
+        t = threading.Thread(target=self._pump, args=(stream, pipe), daemon=True)
+        t.start()
+        self.readers.append(t)
 
     def _pump(self, stream: str, pipe) -> None:
         # Whatever the pipe holds is written at once (every complete line of it, then flushed): no line
@@ -220,7 +302,10 @@ class Core:
         rest = b""
         try:
             while True:
-                chunk = read(1 << 16)
+                try:
+                    chunk = read(1 << 16)
+                except OSError:  # a chip process's socket, reset as it died
+                    chunk = b""
                 if not chunk:
                     break
                 data = rest + chunk
@@ -263,6 +348,11 @@ class Core:
                     self.last_line = raw[:-1].decode("utf-8", "backslashreplace")[-500:]
                     break
 
+    def note_end(self, pid: int) -> None:
+        """PID of this chip was seen to end now (or earlier, by another witness)."""
+        t = now()
+        self.died_at[pid] = min(self.died_at.get(pid, t), t)
+
     def readers_done(self) -> bool:
         return not any(t.is_alive() for t in self.readers)
 
@@ -277,6 +367,7 @@ class Core:
             "ended_at": self.ended_at,
             "last_line": self.last_line,
             "argv": self.argv,
+            "spawned": self.spawned,
         }
 
 
@@ -293,6 +384,10 @@ class Supervisor:
         lease = spec.get("lease_timeout", None if self.detach else DEFAULT_LEASE)
         self.lease = float(lease) if lease else None
         self.cores = [Core(self.worker, c, jdir) for c in spec["cores"]]
+        self.launch = str(spec.get("launch", "chip"))
+        self.cores_lock = threading.Lock()  # the log server adds chip cores while the loop runs
+        self.listener: socket.socket | None = None
+        self.dirty = False  # a chip core appeared: state.json must show it (readers find its files there)
         self.pre_groups: list[int] = []
         self.status = "running"  # stays "running" until every process is gone: readers trust an end status
         self.outcome: str | None = None  # the end status decided by a stop (stopped/failed), applied at the end
@@ -303,6 +398,186 @@ class Supervisor:
         self.stop_requested = False
         self.stop_deadline: float | None = None
         self.killed = False
+
+    def snapshot(self) -> list[Core]:
+        with self.cores_lock:
+            return list(self.cores)
+
+    def host_core(self) -> Core | None:
+        return next((c for c in self.snapshot() if c.index == HOST), None)
+
+    # --- host launch: the chip processes' log socket
+
+    def open_log_socket(self) -> None:
+        """Listen for the chip processes of a host launch; the host process learns the name from its env."""
+        if not os.path.isfile(os.path.join(HOOK_DIR, "sitecustomize.py")):
+            self.log(f"no hook in {HOOK_DIR}: chip processes will log as the host process")
+            return
+        name = f"tpurun-{self.job}-{secrets.token_hex(8)}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + name)  # abstract: nothing on disk; peers are checked on accept
+        self.listener.listen(256)
+        for c in self.snapshot():
+            path = c.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+            c.env["PYTHONPATH"] = HOOK_DIR + (os.pathsep + path if path else "")
+            c.env["TPURUN_LOG_SOCKET"] = name
+
+    def serve_log_socket(self) -> None:
+        listener = self.listener
+        if listener is None:
+            return
+
+        def accept_loop() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return  # closed at the end of the job
+                threading.Thread(target=self._attach, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=accept_loop, daemon=True).start()
+
+    def _attach(self, conn: socket.socket) -> None:
+        """One stream (out, err or ctl) of a chip process: check who it is, then file it under its core."""
+        try:
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            conn.settimeout(10)
+            f = conn.makefile("rb")
+            header = json.loads(f.readline(4096) or b"null")
+            conn.settimeout(None)
+            core, stream = int(header["core"]), str(header["stream"])
+            if uid != os.getuid() or pid not in job_processes(self.job) or core < 0 or stream not in ("out", "err", "ctl"):
+                raise ValueError(f"refused a log connection from pid {pid} (uid {uid}): {header}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.log(f"log socket: {e}")
+            conn.close()
+            return
+        c = self.chip(core, pid)
+        try:
+            conn.sendall(b"ok\n")  # the hook moves its output here only once accepted
+        except OSError:
+            conn.close()
+            return
+        conn.close()  # f keeps the descriptor open until the reader closes it
+        if stream == "ctl":
+            t = threading.Thread(target=self._read_ctl, args=(c, pid, f), daemon=True)
+            t.start()
+            c.readers.append(t)
+        else:
+            c.add_reader(stream, f)
+
+    def chip(self, index: int, pid: int) -> Core:
+        """The core of chip INDEX, made the first time one of its processes connects."""
+        with self.cores_lock:
+            c = next((x for x in self.cores if x.index == index), None)
+            if c is None:
+                c = Core(self.worker, {"core": index}, self.jdir)
+                c.spawned = True
+                c.started_at = now()
+                self.cores.append(c)
+            if pid not in c.pids:
+                if c.ended_at is not None:  # a second round of the spawner (e.g. fit, then test)
+                    c.exited_at = c.ended_at = c.exit_code = c.reported = None
+                c.pids.append(pid)
+                c.pid = pid
+                stat = _proc_stat(pid)
+                c.pgid = int(stat[2]) if stat and len(stat) > 2 else c.pgid
+                c.status = "running"
+                _watch_exit(c, pid)
+                self.dirty = True
+                self.log(f"chip {index}: process {pid} (group {c.pgid}) of the script's spawner")
+        return c
+
+    def _read_ctl(self, c: Core, pid: int, f) -> None:
+        # EOF here is the process's exit (or its last forked child's): a witness of when it ended even
+        # where it ended before a pidfd could be opened for it
+        try:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    # faulthandler's report of a fatal signal: into the chip's log, and it crashed
+                    c.write("err", line)
+                    crash = re.match(rb"Fatal Python error: (.*)", line)
+                    if crash:
+                        c.reported = -FATAL_SIGNALS.get(crash.group(1).strip().decode(errors="replace"), 0) or 1
+                    continue
+                if not isinstance(event, dict):
+                    continue
+                if event.get("event") == "ok" and c.reported is None:
+                    c.reported = 0
+                elif event.get("event") == "failed":
+                    c.reported = int(event.get("code") or 1)
+        except OSError:
+            pass  # reset by a process that died: the same as its end
+        finally:
+            c.note_end(pid)
+            c.ctl_done = True
+            f.close()
+
+    def watch_chip(self, c: Core) -> bool:
+        """Follow a chip process of a host launch (not our child: by pid and by what the hook reports).
+        True when its end was recorded."""
+        if c.reported not in (None, 0) and self.stop_deadline is None:
+            # its spawner task failed: stop now, the spawner would wait for every sibling first
+            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": c.reported}
+            self.request_stop(f"chip {c.index} failed", "failed")
+        if c.ended_at is not None:
+            return False
+        if c.exited_at is None:
+            if any(pid_alive(p) for p in c.pids):
+                return False
+            c.exited_at = now()
+            for p in c.pids:
+                c.note_end(p)
+        host = self.host_core()
+        if c.reported is None and c.ctl_done and host is not None and host.status == "running":
+            self.blame_died("while its spawner ran")
+        if not (c.readers_done() or now() - c.exited_at > self.grace + 2):
+            return False
+        if c.reported is not None:
+            c.exit_code, c.status = c.reported, ("exited" if c.reported == 0 else "failed")
+        elif host is not None and host.pid in c.pids:
+            if host.exit_code is None and host.status == "running":
+                return False  # the host process was the chip (nprocs=1): its exit code decides
+            c.exit_code, c.status = host.exit_code, host.status
+        elif (self.first_failure or {}).get("core") == c.index:
+            c.status = "died"
+        elif self.stop_deadline is not None:
+            c.status = "killed"
+        else:
+            c.exit_code, c.status = (host.exit_code if host else None), "exited"
+        c.ended_at = now()
+        self.log(f"chip {c.index} ended: {c.status} ({c.exit_code})")
+        return True
+
+    def blame_died(self, why: str) -> bool:
+        """Chip processes ended without reporting how (killed or crashed; their exit status is their
+        parent's to read): blame the one that ended first, as a pool then kills the others. True if any."""
+        if self.stop_deadline is not None:
+            return False
+        host = self.host_core()
+        gone = [
+            x
+            for x in self.snapshot()
+            if x.spawned
+            and x.reported is None
+            and x.pids
+            and (host is None or host.pid not in x.pids)
+            and not any(pid_alive(p) for p in x.pids)
+        ]
+        reported = [x for x in self.snapshot() if x.spawned and x.reported not in (None, 0)]
+        if reported:  # a chip that said it failed or crashed comes before any that just vanished
+            gone = reported
+        if not gone:
+            return False
+        for x in gone:
+            for p in x.pids:
+                x.note_end(p)
+        first = min(gone, key=lambda x: min(x.died_at.values(), default=now()))
+        self.first_failure = {"worker": self.worker, "core": first.index, "exit_code": first.reported}
+        self.request_stop(f"chip {first.index} died {why}", "failed")
+        return True
 
     # --- state
 
@@ -316,9 +591,10 @@ class Supervisor:
             "status": self.status,
             "stopping": self.stop_deadline is not None and self.status == "running",
             "detach": self.detach,
+            "launch": self.launch,
             "reason": self.reason,
             "first_failure": self.first_failure,
-            "cores": [c.to_dict() for c in self.cores],
+            "cores": [c.to_dict() for c in self.snapshot()],
         }
 
     def save(self) -> None:
@@ -372,12 +648,12 @@ class Supervisor:
     def start_cores(self) -> None:
         preexec = _pdeathsig_preexec()
         # Every process first, then the reader threads: preexec_fn is only safe while we have no threads.
-        for c in self.cores:
-            c.start(preexec)
+        for c in self.snapshot():
+            c.start(preexec, self.job)
             self.log(f"core {c.index} started: pid {c.pid} argv {c.argv}")
-        for c in self.cores:
+        for c in self.snapshot():
             c.start_readers()
-        for c in self.cores:
+        for c in self.snapshot():
             if c.proc is None:
                 self.on_exit(c, 127)
 
@@ -392,10 +668,11 @@ class Supervisor:
         self.reason = self.reason or reason
         self.stop_deadline = now() + grace
         self.log(f"stopping ({reason}): SIGTERM to every core, SIGKILL after {grace:.1f} s")
-        for c in self.cores:
+        for c in self.snapshot():
             if c.status == "running":
                 c.signalled = True
             signal_group(c.pgid, signal.SIGTERM)
+        signal_pids(job_processes(self.job), signal.SIGTERM)  # those that left their group
 
     def on_exit(self, c: Core, rc: int) -> None:
         c.exited_at = now()
@@ -406,6 +683,8 @@ class Supervisor:
         if group_members(c.pgid):
             signal_group(c.pgid, signal.SIGTERM)
         if rc != 0 and self.stop_deadline is None:
+            if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
+                return
             self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc}
             self.request_stop(f"core {c.index} exited with {rc}", "failed")
 
@@ -414,7 +693,10 @@ class Supervisor:
             if self.stop_requested and self.stop_deadline is None:
                 self.request_stop("stop requested", "stopped")
             changed = False
-            for c in self.cores:
+            for c in self.snapshot():
+                if c.spawned:
+                    changed = self.watch_chip(c) or changed
+                    continue
                 if c.status == "running" and c.proc is not None:
                     rc = c.proc.poll()
                     if rc is not None:
@@ -427,16 +709,18 @@ class Supervisor:
                         changed = True
             if self.stop_deadline is not None and not self.killed and now() >= self.stop_deadline:
                 self.killed = True
-                for c in self.cores:
+                for c in self.snapshot():
                     if group_members(c.pgid):
                         self.log(f"core {c.index}: SIGKILL to group {c.pgid}")
                         signal_group(c.pgid, signal.SIGKILL)
+                signal_pids(job_processes(self.job), signal.SIGKILL)
             if self.lease and self.stop_deadline is None and self._lease_expired():
                 self.request_stop(f"the attached client is gone (no stream for {self.lease:.0f} s)", "stopped")
-            if changed:
+            if changed or self.dirty:
+                self.dirty = False
                 self.save()
-            if all(c.ended_at is not None for c in self.cores):
-                leftovers = [c for c in self.cores if group_members(c.pgid)]
+            if all(c.ended_at is not None for c in self.snapshot()):
+                leftovers = [c.pgid for c in self.snapshot() if group_members(c.pgid)] or job_processes(self.job)
                 if not leftovers:
                     break
                 if self.stop_deadline is None:  # every core ended but children linger: clean them up
@@ -451,6 +735,12 @@ class Supervisor:
         return now() - last > self.lease  # type: ignore[operator]
 
     def finish(self) -> None:
+        if self.listener is not None:
+            try:
+                self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+            except OSError:
+                pass
+            self.listener.close()
         for pgid in self.pre_groups:
             signal_group(pgid, signal.SIGTERM)
         deadline = now() + min(self.grace, 5.0)
@@ -459,12 +749,12 @@ class Supervisor:
         for pgid in self.pre_groups:
             signal_group(pgid, signal.SIGKILL)
         if self.status == "running":
-            ok = all(c.exit_code == 0 for c in self.cores)
+            ok = all(c.exit_code == 0 for c in self.snapshot())
             self.status = self.outcome or ("finished" if ok else "failed")
         self.ended_at = now()
         self.save()
         self.log(f"job {self.status}")
-        for c in self.cores:
+        for c in self.snapshot():
             c.log.close()
             c.rec.close()
 
@@ -479,12 +769,15 @@ class Supervisor:
         if not self.run_pre_commands():
             self.log(self.reason)
             self.status = "failed"
-            for c in self.cores:
+            for c in self.snapshot():
                 c.status, c.ended_at = "exited", now()
             self.finish()
             self._notify(notify_fd, {"event": "failed", "job": self.job, "reason": self.reason})
             return
+        if self.launch == "host":
+            self.open_log_socket()
         self.start_cores()
+        self.serve_log_socket()  # threads only now: start_cores forks with a preexec_fn
         self.save()
         self._notify(
             notify_fd,
@@ -493,7 +786,7 @@ class Supervisor:
                 "job": self.job,
                 "worker": self.worker,
                 "supervisor_pid": os.getpid(),
-                "cores": [c.to_dict() for c in self.cores],
+                "cores": [c.to_dict() for c in self.snapshot()],
             },
         )
         self.loop()
@@ -677,17 +970,20 @@ def stop_job(job: str, grace: float | None) -> dict:
         pgids = list({*pgids, *(c.get("pgid") for c in st.get("cores", []))})
         sup_alive = st["supervisor_alive"]
         left = [g for g in pgids if group_members(g)]
-        if not sup_alive and not left:
+        marked = job_processes(job)
+        if not sup_alive and not left and not marked:
             break
         if not sup_alive or now() > deadline:
-            if not killed:  # nobody else will: SIGKILL what is left
-                for g in left:
-                    signal_group(g, signal.SIGKILL)
-                if sup_alive and sup:
-                    os.kill(sup, signal.SIGKILL)
+            # nobody else will: SIGKILL what is left (again each round: a dying spawner may start more)
+            for g in left:
+                signal_group(g, signal.SIGKILL)
+            signal_pids(marked, signal.SIGKILL)
+            if not killed and sup_alive and sup:
+                os.kill(sup, signal.SIGKILL)
+            if not killed:
                 killed = True
             elif now() > deadline + 10:
-                raise AgentError(f"processes of job {job} survive SIGKILL: {left}", code=1)
+                raise AgentError(f"processes of job {job} survive SIGKILL: {left + marked}", code=1)
         time.sleep(POLL)
     if st.get("status") not in TERMINAL or st.get("status") == "lost":
         # The supervisor did not write the end (it was killed): record it ourselves.
@@ -757,8 +1053,17 @@ def cmd_stream(args) -> int:
             offsets = {int(k): int(v) for k, v in json.loads(args.offsets).items()}
         except (ValueError, AttributeError) as e:
             raise AgentError(f"--offsets must be a JSON object {{core: byte offset}}: {e}") from e
-    cores = [int(c["core"]) for c in spec.get("cores", [])]
-    readers = {c: _RecReader(worker, c, os.path.join(jdir, f"w{worker}-c{c}.rec"), offsets.get(c, 0)) for c in cores}
+    cores: list[int] = []
+    readers: dict[int, _RecReader] = {}
+
+    def follow_cores(state: dict) -> None:
+        # a host launch's chip cores appear while it runs
+        for c in [int(c["core"]) for c in spec.get("cores", [])] + [int(c["core"]) for c in state.get("cores", [])]:
+            if c not in readers:
+                cores.append(c)
+                readers[c] = _RecReader(worker, c, log_base(jdir, worker, c) + ".rec", offsets.get(c, 0))
+
+    follow_cores(st)
     out = sys.stdout.buffer
     stdin_closed = threading.Event()
     if args.attached:
@@ -774,6 +1079,7 @@ def cmd_stream(args) -> int:
     try:
         while True:
             st = _load_state(args.job)  # read before draining: lines precede the state that ends a core
+            follow_cores(st)
             got = _drain(readers, out, until_empty=False)
             ended = {int(c["core"]): c for c in st.get("cores", []) if c.get("ended_at") is not None}
             for c in cores:

@@ -1,20 +1,40 @@
 """The env contract of `tpurun train`: which processes run on which worker and what each one sees.
 
-Pure functions over a `Topology` (no I/O), so every runtime's table is checked by golden tests
-(tests/unit/test_env_contract.py) and printed by `--dry-run`. Sources for every variable are in
-docs/train.md: /work/shared/FACTS.md, pytorch/xla `torch_xla/_internal/tpu.py` (xmp.spawn's
-`configure_topology`), `torch_xla/_internal/pjrt.py` and `torch_xla/distributed/xla_dist.py` (≤ 2.0).
+Pure functions over a `Topology` (no I/O), so tpurun's own tables are checked by unit tests and printed
+by `--dry-run`; what torch_xla, Lightning and JAX then do with them is checked by running their code on
+emulated workers (tests/integration/test_launch.py). Two launch models (docs/train.md):
+
+* host: one process per worker runs the user's command, as xla_dist and the Cloud TPU pod recipe do;
+  the script's own spawner (xmp.spawn, torch_xla.launch, Lightning, SPMD, JAX) makes the chip processes.
+* chip: one process per chip (per core on `cpu`), with torchrun's variables, for torchrun-style scripts.
+
+Sources of every variable are in docs/train.md: pytorch/xla `torch_xla/_internal/tpu.py` (xmp.spawn's
+`configure_topology`), `torch_xla/_internal/pjrt.py` and `torch_xla/distributed/xla_dist.py` (<= 2.0).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
 from tpurun.topology import Topology
 
 RUNTIMES = ("pjrt", "xrt", "cpu")
+
+
+class Launch(str, Enum):
+    """How the job's processes are made (--launch): see the module docstring."""
+
+    host = "host"
+    chip = "chip"
+
+
+LAUNCHES = tuple(m.value for m in Launch)
+# The core index of a host launch's one process per worker: its own lines are tagged [wN]; the chip
+# processes its spawner makes are tagged [wN/cM] by their chip M.
+HOST = -1
 
 # xmp.spawn's base port for per-process TPU clients (tpu.configure_topology(base_port=8476)).
 PJRT_BASE_PORT = 8476
@@ -32,7 +52,7 @@ class CoreSpec:
     """One process tpurun starts on one worker: its place in the job, its environment and command."""
 
     worker: int
-    core: int  # index on its worker (names its log file w<worker>-c<core>.log and TPURUN_CORE)
+    core: int  # index on its worker (log file w<worker>-c<core>.log, TPURUN_CORE), or HOST (w<worker>.log)
     local_rank: int
     rank: int
     env: dict[str, str]
@@ -59,45 +79,41 @@ def explain_core(topology: Topology, core: int) -> str:
         last = first + per_chip - 1
         return (
             f"core {core} is TensorCore {core % per_chip} of chip {chip}; PJRT cannot select one core of a "
-            f"{gen} chip, so tpurun runs chip {chip} (cores {first}-{last}) in one process"
+            f"{gen} chip, so chip {chip} (cores {first}-{last}) runs as one process"
         )
     if topology.cores_per_chip > 1:
         return (
             f"core {core} is chip {chip}: a {gen} chip's {topology.cores_per_chip} TensorCores form one "
-            f"megacore PJRT device, so tpurun runs chip {chip} in one process"
+            f"megacore PJRT device, so chip {chip} runs as one process"
         )
-    return f"core {core} is chip {chip} ({gen} has one TensorCore per chip); tpurun runs it in one process"
+    return f"core {core} is chip {chip} ({gen} has one TensorCore per chip); it runs as one process"
 
 
-def _common_env(
-    *,
-    job_id: str,
-    worker: int,
-    num_workers: int,
-    core: int,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    local_world_size: int,
-    master_addr: str,
-    master_port: int,
-    restart_count: int,
-) -> dict[str, str]:
-    """CONTRACT.md's variables, the same under every runtime."""
+def _job_env(*, job_id: str, worker: int, num_workers: int, launch: str, master_addr: str, master_port: int,
+             restart_count: int) -> dict[str, str]:
+    """What every process tpurun starts sees, in either launch model."""
     return {
         "TPURUN_JOB_ID": job_id,
         "TPURUN_WORKER_ID": str(worker),
         "TPURUN_NUM_WORKERS": str(num_workers),
-        "TPURUN_CORE": str(core),
+        "TPURUN_LAUNCH": launch,
         "TPURUN_RESTART_COUNT": str(restart_count),
+        # worker 0: what torch_xla's xla:// rendezvous and torch.distributed's env:// use
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
+        # Lines must reach the log as they are printed, not when a block buffer fills.
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _torchrun_env(*, core: int, rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
+    """torchrun's per-process variables (chip launch only: in a host launch the spawner numbers its children)."""
+    return {
+        "TPURUN_CORE": str(core),
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(local_world_size),
-        # Lines must reach the log as they are printed, not when a block buffer fills.
-        "PYTHONUNBUFFERED": "1",
     }
 
 
@@ -105,18 +121,46 @@ def _mul_bounds(a: str, b: str) -> str:
     return ",".join(str(int(x) * int(y)) for x, y in zip(a.split(","), b.split(","), strict=True))
 
 
+def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
+    """(launch, reason): REQUESTED, or the default for RUNTIME."""
+    if requested is None:
+        if runtime == "cpu":
+            return "chip", (
+                "launch chip, the default on the cpu runtime: torch_xla's spawner makes one process on CPU, "
+                "so tpurun starts one per core"
+            )
+        return "host", (
+            f"launch host, the default on {runtime}: one process per worker; the script's spawner "
+            "(xmp.spawn, torch_xla.launch, Lightning) makes one process per chip, SPMD and JAX drive the chips from it"
+        )
+    if requested not in LAUNCHES:
+        raise UsageError(f"--launch {requested}: use host or chip")
+    if requested == "chip" and runtime == "xrt":
+        raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
+    if requested == "chip":
+        return "chip", "launch chip, as requested: one process per chip with torchrun's variables"
+    return "host", "launch host, as requested: one process per worker; the script's spawner makes the chip processes"
+
+
 def _slots(
-    *, runtime: str, topology: Topology | None, num_workers: int, cores: int | None, core: int | None
+    *, runtime: str, launch: str, topology: Topology | None, cores: int | None, core: int | None
 ) -> list[int]:
-    """The core indices (process slots) to start on every worker."""
+    """The core indices (process slots) to start on every worker: [HOST] for a host launch."""
     if cores is not None and core is not None:
         raise UsageError("--cores and --core exclude each other: give one")
     if cores is not None and cores < 1:
         raise UsageError(f"--cores {cores}: give a positive number")
     if runtime == "cpu":
+        if core is not None and core < 0:
+            raise UsageError(f"--core {core}: give a core index ≥ 0")
+        if launch == "host":
+            if core is not None or cores not in (None, 1):
+                raise UsageError(
+                    "--cores/--core with --launch host on the cpu runtime: torch_xla's spawner makes one process "
+                    "on CPU; use --launch chip to run N processes"
+                )
+            return [HOST]
         if core is not None:
-            if core < 0:
-                raise UsageError(f"--core {core}: give a core index ≥ 0")
             return [core]
         n = cores if cores is not None else (topology.pjrt_devices_per_host if topology else 1)
         return list(range(n))
@@ -130,8 +174,8 @@ def _slots(
             )
         if cores not in (None, 1, topology.cores_per_host, topology.pjrt_devices_per_host):
             raise UsageError(f"--cores {cores}: with --runtime xrt give 1 or all ({topology.cores_per_host})")
-        return [0]
-    # pjrt: one process per chip (xmp.spawn's rule), or one chip.
+        return [HOST]
+    # pjrt: every chip (one process per chip, made by tpurun or by the script's spawner), or one chip.
     all_values = {topology.cores_per_host, topology.pjrt_devices_per_host, topology.chips_per_host}
     single = core is not None or cores == 1
     if single and topology.multi_host:
@@ -141,15 +185,25 @@ def _slots(
         )
     if core is not None:
         explain_core(topology, core)  # validates the range
-        return [core]
-    if cores == 1:
-        return [0]
-    if cores is not None and cores not in all_values:
+    if cores is not None and cores != 1 and cores not in all_values:
         raise UsageError(
             f"--cores {cores}: a {topology.name} host runs 1 or all of its cores "
             f"({topology.cores_per_host} cores = {topology.chips_per_host} chips, one process per chip)"
         )
+    if launch == "host":
+        return [HOST]
+    if core is not None:
+        return [core]
+    if cores == 1:
+        return [0]
     return list(range(topology.chips_per_host))
+
+
+def _single_chip(topology: Topology, cores: int | None, core: int | None) -> int | None:
+    """The chip `--cores 1` / `--core K` runs on, or None for every chip."""
+    if core is not None:
+        return core // _devices_per_chip(topology)
+    return 0 if cores == 1 else None
 
 
 def plan_job(
@@ -157,6 +211,7 @@ def plan_job(
     job_id: str,
     topology: Topology | None,
     runtime: str,
+    launch: str,
     worker_addresses: list[str],
     cores: int | None,
     core: int | None,
@@ -169,14 +224,17 @@ def plan_job(
     restart_count: int = 0,
     tpu_ip: str | None = None,
 ) -> list[list[CoreSpec]]:
-    """Every process of the job: one list per worker, one CoreSpec per process on it.
+    """Every process tpurun starts for the job: one list per worker, one CoreSpec per process on it.
 
-    `cores`: None = every process slot of a host; 1 = one. `core`: one specific core index (pjrt: a PJRT
-    device index of the host, mapped to its chip, see explain_core). Ranks are global process indices
-    (torchrun's meaning), worker-major.
+    `launch` is "host" (one process per worker, core HOST) or "chip" (one per chip, or per core on
+    `cpu`). `cores`: None = every chip of a host; 1 = one. `core`: one specific core index (pjrt: a PJRT
+    device index of the host, mapped to its chip, see explain_core). In a chip launch ranks are global
+    process indices (torchrun's meaning), worker-major.
     """
     if runtime not in RUNTIMES:
         raise UsageError(f"unknown runtime '{runtime}': use one of auto, {', '.join(RUNTIMES)}")
+    if launch not in LAUNCHES:
+        raise UsageError(f"--launch {launch}: use host or chip")
     if precision not in ("32", "bf16"):
         raise UsageError(f"--precision {precision}: use 32 or bf16")
     if not worker_addresses:
@@ -194,58 +252,83 @@ def plan_job(
             f"--runtime xrt: XRT was removed after torch_xla 2.0 and never ran on {topology.generation}; "
             "use --runtime pjrt"
         )
+    if runtime == "xrt" and launch == "chip":
+        raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
     if tpu_ip is not None and (runtime != "xrt" or num_workers != 1):
         raise UsageError("--tpu-ip (the old TPU Node architecture) works only with --runtime xrt and one client VM")
 
-    slots = _slots(runtime=runtime, topology=topology, num_workers=num_workers, cores=cores, core=core)
+    slots = _slots(runtime=runtime, launch=launch, topology=topology, cores=cores, core=core)
     local_world = len(slots)
     world_size = num_workers * local_world
-    master_addr = worker_addresses[0]
     argv = [python, script, *args]
     plan: list[list[CoreSpec]] = []
     for worker in range(num_workers):
         specs: list[CoreSpec] = []
         for local_rank, slot in enumerate(slots):
             rank = worker * local_world + local_rank
-            env = _common_env(
+            env = _job_env(
                 job_id=job_id,
                 worker=worker,
                 num_workers=num_workers,
-                core=slot,
-                rank=rank,
-                world_size=world_size,
-                local_rank=local_rank,
-                local_world_size=local_world,
-                master_addr=master_addr,
+                launch=launch,
+                master_addr=worker_addresses[0],
                 master_port=master_port,
                 restart_count=restart_count,
             )
-            if runtime == "pjrt":
-                assert topology is not None
+            if launch == "chip":
                 env.update(
-                    _pjrt_env(
-                        topology=topology,
-                        worker=worker,
-                        worker_addresses=worker_addresses,
-                        local_rank=local_rank,
-                        local_world=local_world,
-                        single_chip=None if (core is None and cores != 1) else slot // _devices_per_chip(topology),
+                    _torchrun_env(
+                        core=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
                     )
                 )
-                # torch_xla.launch(fn) and the xla:// rendezvous then run fn(LOCAL_RANK) in this process
-                # (torchrun mode) instead of spawning one process per chip a second time.
-                env["TORCHELASTIC_RUN_ID"] = job_id
+            if runtime == "pjrt":
+                assert topology is not None
+                single = _single_chip(topology, cores, core)
+                if launch == "host":
+                    env.update(_pjrt_host_env(single))
+                else:
+                    env.update(
+                        _pjrt_env(
+                            topology=topology,
+                            worker=worker,
+                            worker_addresses=worker_addresses,
+                            local_rank=local_rank,
+                            local_world=local_world,
+                            single_chip=single,
+                        )
+                    )
+                    # torch_xla.launch(fn) and the xla:// rendezvous then run fn(LOCAL_RANK) in this process
+                    # (torchrun mode) instead of spawning one process per chip a second time.
+                    env["TORCHELASTIC_RUN_ID"] = job_id
             elif runtime == "xrt":
                 assert topology is not None
                 env.update(_xrt_env(topology=topology, worker=worker, worker_addresses=worker_addresses, tpu_ip=tpu_ip))
             else:
-                env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "TORCHELASTIC_RUN_ID": job_id})
+                env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
+                if launch == "chip":
+                    env["TORCHELASTIC_RUN_ID"] = job_id
             if precision == "bf16":
                 env["XLA_USE_BF16"] = "1"
             env.update(extra_env or {})  # last: the user's values win, as with xmp.spawn's setdefault
             specs.append(CoreSpec(worker=worker, core=slot, local_rank=local_rank, rank=rank, env=env, argv=list(argv)))
         plan.append(specs)
     return plan
+
+
+def _pjrt_host_env(single_chip: int | None) -> dict[str, str]:
+    """A host launch on a TPU: what the Cloud TPU pod recipe sets (PJRT_DEVICE=TPU), nothing that would
+    override what torch_xla reads from the VM itself (PCI chips, the `tpu-env` metadata); for one chip,
+    the variables of torch_xla's one-chip topology, so the script's spawner makes one process there."""
+    env = {"PJRT_DEVICE": "TPU"}
+    if single_chip is not None:
+        env.update(
+            {
+                "TPU_VISIBLE_CHIPS": str(single_chip),
+                "TPU_PROCESS_BOUNDS": "1,1,1",
+                "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+            }
+        )
+    return env
 
 
 def _pjrt_env(

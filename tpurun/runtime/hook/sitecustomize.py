@@ -1,0 +1,154 @@
+"""tpurun's hook in every Python process of a host launch (first on PYTHONPATH, as `sitecustomize`).
+
+A host launch starts the user's command once per worker and the script's own spawner (xmp.spawn,
+torch_xla.launch, Lightning) makes one process per chip. The moment torch_xla gives a process its chip
+(it sets PJRT_LOCAL_PROCESS_RANK or TPU_VISIBLE_CHIPS, seen here through Python's audit event for
+os.putenv), this hook connects the process's stdout and stderr to the agent's log socket for that chip,
+so its lines land in w<W>-c<chip>.log and reach tpurun as [wW/cM], and its children inherit them. It
+also tells the agent how the spawner's task in the process ended (observed where the standard library's
+process pool sends the result back), so a failing chip stops the job at once and is named.
+
+Nothing of torch_xla, Lightning, the standard library or the user's script is replaced; any failure here
+leaves the process as it was. Stdlib only, any Python 3.8+. Then the next `sitecustomize` on the path
+(the interpreter's own, if any) runs as it would have.
+"""
+
+import os
+import sys
+
+_SOCKET = os.environ.get("TPURUN_LOG_SOCKET", "")
+_CHIP_VARS = (b"PJRT_LOCAL_PROCESS_RANK", b"TPU_VISIBLE_CHIPS")
+_state: dict = {"busy": False, "done": False, "ctl": None}
+
+
+def _as_bytes(value):
+    return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
+
+
+def _chip_of(key, value):
+    """The chip a process was given: TPU_VISIBLE_CHIPS when it names one chip, else its local rank."""
+    try:
+        if key == b"TPU_VISIBLE_CHIPS":
+            return int(value)
+        visible = os.environ.get("TPU_VISIBLE_CHIPS", "")
+        return int(visible) if visible.isdigit() else int(value)
+    except ValueError:
+        return None
+
+
+def _connect(header):
+    import json
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(10)
+        s.connect("\0" + _SOCKET)
+        s.sendall((json.dumps(header) + "\n").encode())
+        if s.recv(3) != b"ok\n":  # the agent checked who we are
+            raise OSError("the agent refused the log connection")
+        s.settimeout(None)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _report(event, **fields):
+    ctl = _state["ctl"]
+    if ctl is None:
+        return
+    import json
+
+    try:
+        ctl.sendall((json.dumps(dict(fields, event=event)) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _watch_pool_tasks():
+    """Report how each task of a concurrent.futures process pool ends in this process (xmp.spawn and
+    Lightning run the replica as such a task: an exception is sent back to the spawner, which would only
+    raise it once every sibling has finished)."""
+    pool = sys.modules.get("concurrent.futures.process")
+    original = getattr(pool, "_sendback_result", None)
+    if original is None:
+        return
+
+    def sendback(*args, **kwargs):
+        exception = kwargs.get("exception", args[3] if len(args) > 3 else None)
+        if exception is None:
+            _report("ok")
+        else:
+            text = str(getattr(exception, "tb", "") or exception).strip().strip('"').strip()
+            try:
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
+            _report("failed", code=1)
+        return original(*args, **kwargs)
+
+    setattr(pool, "_sendback_result", sendback)  # noqa: B010
+
+
+def _become_chip(chip):
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    header = {"core": chip, "pid": os.getpid()}
+    out = _connect(dict(header, stream="out"))
+    err = _connect(dict(header, stream="err"))
+    _state["ctl"] = _connect(dict(header, stream="ctl"))
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    os.environ["TPURUN_CORE"] = str(chip)  # for the script, and so descendants know they belong to a chip
+    _watch_pool_tasks()
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        # a fatal signal (segfault, abort) prints the Python stacks to the agent, which files them in this
+        # chip's log and so knows it crashed; the signal then ends the process as it would have
+        faulthandler.enable(file=_state["ctl"], all_threads=True)
+
+
+def _audit(event, args):
+    if event != "os.putenv" or _state["done"] or _state["busy"]:
+        return
+    key = _as_bytes(args[0])
+    if key not in _CHIP_VARS:
+        return
+    chip = _chip_of(key, _as_bytes(args[1]).decode("ascii", "replace"))
+    if chip is None:
+        return
+    _state["busy"] = True
+    try:
+        _become_chip(chip)
+    except Exception:
+        pass  # the lines stay on the host process's log: never break the user's process
+    finally:
+        _state["done"] = True
+        _state["busy"] = False
+
+
+def _chain():
+    """Run the next `sitecustomize` on the path, as the interpreter would have without us."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    ours = sys.modules.pop("sitecustomize", None)
+    try:
+        import sitecustomize  # noqa: F401
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            raise
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours  # there is none after us: the import system expects us here
+
+
+if _SOCKET and "TPURUN_CORE" not in os.environ and hasattr(sys, "addaudithook"):
+    sys.addaudithook(_audit)
+_chain()
