@@ -35,7 +35,7 @@ print("PROBE " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("accel", ["v2-8", "v3-32", "v5p-8", "v5litepod-8"])
+@pytest.mark.parametrize("accel", ["v2-8", "v3-32", "v5p-8"])  # v5e, v6e, v4: tests/integration/test_launch.py
 def test_torch_xla_sees_a_real_host(tpu_node, accel):
     topo = parse_accelerator_type(accel)
     node = tpu_node(accel, user="root", wait_startup=False)

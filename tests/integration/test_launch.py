@@ -1,0 +1,148 @@
+"""The TPU process model, checked with the ecosystem's own code on emulated TPU VMs.
+
+Real torch_xla 2.9 and Lightning run users' unmodified scripts under `tpurun train` (host launch, the
+default) with PJRT_DEVICE=TPU on emulated v3-8, v4-16, v5litepod-16 and v6e-8 nodes, whose workers look
+like TPU VMs to them (PCI chips, tpu-env metadata: docs/emulator.md). With no libtpu here, a test-only
+module (launch_scripts/tpu_stop) stops each process where torch_xla starts the TPU client and prints
+what it was given; everything before that is torch_xla's, Lightning's and the script's own doing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import create_node, job_pids
+from tpurun.topology import parse_accelerator_type
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+SCRIPTS = Path(__file__).with_name("launch_scripts")
+REPORT = re.compile(r"^\[w(\d+)(?:/c(\d+))?\] TPU-START (\{.*\})$")
+
+
+class Run:
+    """`tpurun train ...` in the background; its stdout lines as they come."""
+
+    def __init__(self, cli, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tpurun", "train", *args],
+            cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.err = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def reports(self) -> list[tuple[int, int | None, dict]]:
+        out = []
+        for line in list(self.lines):
+            m = REPORT.match(line)
+            if m:
+                out.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2)), json.loads(m.group(3))))
+        return out
+
+    def wait_reports(self, n: int, timeout: float = 300) -> list[tuple[int, int | None, dict]]:
+        deadline = time.monotonic() + timeout
+        while len(self.reports()) < n and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # a surplus replica (oversubscription) would report now
+        return self.reports()
+
+    def interrupt(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        _, self.err = self.proc.communicate(timeout=120)
+        return self.proc.returncode
+
+    def context(self) -> str:
+        return "\n".join(self.lines[-40:]) + "\n--- stderr\n" + (self.err or "")[-3000:]
+
+
+def _project(cli) -> None:
+    for p in SCRIPTS.iterdir():
+        if p.is_dir():
+            shutil.copytree(p, cli.cwd / p.name, dirs_exist_ok=True)
+        else:
+            shutil.copy(p, cli.cwd / p.name)
+
+
+def _train(cli, script: str, *extra: str) -> Run:
+    return Run(cli, script, "--runtime", "pjrt", "--python", sys.executable, "--env", "PYTHONPATH=tpu_stop", *extra)
+
+
+def _python_left(emulator, node: str) -> list[str]:
+    """Command lines of this Python's processes on the node's workers, but for each worker's init."""
+    found = []
+    for pid in job_pids(emulator, node, sys.executable):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "_worker_init.py" not in cmd:
+            found.append(cmd)
+    return found
+
+
+def _no_python_left(emulator, node: str) -> None:
+    """Nothing the job started survives tpurun's exit (checked at once: tpurun returns after the agents)."""
+    assert _python_left(emulator, node) == []
+
+
+def _check_one_replica_per_chip(reports, topo, addresses: list[str], what: str) -> None:
+    assert len(reports) == topo.chips, f"{what}: {len(reports)} replicas for {topo.chips} chips"
+    tasks = set()
+    for w in range(topo.hosts):
+        mine = [(c, r) for wr, c, r in reports if wr == w]
+        assert len(mine) == topo.chips_per_host, what
+        assert {r["env"]["TPU_VISIBLE_CHIPS"] for _, r in mine} == {str(i) for i in range(topo.chips_per_host)}, what
+        assert len({r["env"]["TPU_PROCESS_PORT"] for _, r in mine}) == topo.chips_per_host, what
+        for c, r in mine:
+            assert c == int(r["env"]["TPU_VISIBLE_CHIPS"]), f"{what}: chip {r['env']['TPU_VISIBLE_CHIPS']} tagged c{c}"
+            assert r["env"]["TPURUN_CORE"] == str(c) and r["env"]["TPURUN_WORKER_ID"] == str(w), what
+            assert r["worker_id"] == w and r["chips"] == [c], what
+            hosts_named = {a.rsplit(":", 1)[0] for a in r["env"]["TPU_PROCESS_ADDRESSES"].split(",")}
+            assert hosts_named == (set(addresses) if topo.multi_host else {"localhost"}), what
+            tasks.add(int(r["env"]["CLOUD_TPU_TASK_ID"]))
+    assert tasks == set(range(topo.chips)), what
+
+
+@pytest.mark.parametrize("accel", ["v3-8", "v4-16", "v5litepod-16", "v6e-8"])
+def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel):
+    topo = parse_accelerator_type(accel)
+    name = "l" + accel.replace("-", "")[:8]
+    d = create_node(cli, name, accel)
+    addresses = [ep["internalIp"] for ep in d["workerEndpoints"]]
+    _project(cli)
+    for script in ("xmp_spawn.py", "launch.py", "lightning_tpu.py"):
+        run = _train(cli, script)
+        reports = run.wait_reports(topo.chips)
+        code = run.interrupt()
+        _check_one_replica_per_chip(reports, topo, addresses, f"{script} on {accel}\n{run.context()}")
+        assert code == 130, run.context()
+        _no_python_left(emulator, name)
+    # SPMD: one process per host drives all of its chips
+    run = _train(cli, "spmd.py")
+    reports = run.wait_reports(topo.hosts)
+    code = run.interrupt()
+    what = f"spmd.py on {accel}\n{run.context()}"
+    assert sorted(w for w, _, _ in reports) == list(range(topo.hosts)), what
+    for w, c, r in reports:
+        assert c is None, what  # the host process's own lines: [wN]
+        assert r["env"]["TPU_VISIBLE_CHIPS"] is None and r["chips"] == list(range(topo.chips_per_host)), what
+        assert r["worker_id"] == w and r["env"]["XLA_USE_SPMD"] == "1", what
+    assert code == 130, run.context()
+    _no_python_left(emulator, name)
