@@ -146,3 +146,84 @@ def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel):
         assert r["worker_id"] == w and r["env"]["XLA_USE_SPMD"] == "1", what
     assert code == 130, run.context()
     _no_python_left(emulator, name)
+
+
+def test_one_chip_and_chip_launch_on_single_hosts(cli, emulator):
+    """--core K / --cores 1 restrict what xmp.spawn sees to one chip; --launch chip keeps torchrun-style."""
+    name = "onechip"
+    create_node(cli, name, "v3-8")
+    _project(cli)
+    for extra, chip in ((("--core", "5"), 2), (("--cores", "1"), 0)):
+        run = _train(cli, "xmp_spawn.py", *extra)
+        reports = run.wait_reports(1)
+        code = run.interrupt()
+        assert [(w, c, r["env"]["TPU_VISIBLE_CHIPS"]) for w, c, r in reports] == [(0, chip, str(chip))], run.context()
+        assert reports[0][2]["env"]["TPU_PROCESS_BOUNDS"] == "1,1,1" and code == 130, run.context()
+        _no_python_left(emulator, name)
+    run = _train(cli, "torchrun_style.py", "--launch", "chip")
+    reports = run.wait_reports(4)
+    code = run.interrupt()
+    assert sorted((c, r["env"]["TPU_VISIBLE_CHIPS"], r["env"]["RANK"]) for _, c, r in reports) == [
+        (i, str(i), str(i)) for i in range(4)
+    ], run.context()
+    assert code == 130
+    _no_python_left(emulator, name)
+
+
+def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
+    """Fail-fast naming the chip, detach and logs, kill-stale, cancel and a lost client, for the
+    processes xmp.spawn makes (grandchildren of tpurun's agent)."""
+    name = "guard"
+    create_node(cli, name, "v3-8")
+    _project(cli)
+    # fail-fast: chip 2 fails at device start-up; its siblings are stopped at once, it is named
+    t0 = time.monotonic()
+    r = cli("train", "xmp_spawn.py", "--runtime", "pjrt", "--python", sys.executable,
+            "--env", "PYTHONPATH=tpu_stop", "--env", "TPU_STOP_BUSY=2", timeout=300)  # fmt: skip
+    assert r.code == 1, r.err
+    assert time.monotonic() - t0 < 120
+    assert "w0/c2" in r.err and "failed first" in r.err and "TPU is already in use" in r.err, r.err
+    assert "kill-stale" in r.err  # the hint
+    _no_python_left(emulator, name)
+
+    # detach; `logs` shows every chip's lines under [w0/cM] and the host's under [w0]
+    r = cli("train", "xmp_spawn.py", "--runtime", "pjrt", "--python", sys.executable,
+            "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        out = cli("logs", job).out
+        tags = sorted(m.group(2) for m in map(REPORT.match, out.splitlines()) if m)
+        if len(tags) == 4:
+            break
+        time.sleep(1)
+    assert tags == ["0", "1", "2", "3"], out
+    # kill-stale frees the chips the spawned processes hold; the job then ends by itself
+    r = cli("kill-stale", "--grace", "1")
+    assert r.code == 0, r.err
+    deadline = time.monotonic() + 60
+    while _python_left(emulator, name) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _python_left(emulator, name) == []
+
+    # cancel stops a detached job's spawned processes
+    r = cli("train", "xmp_spawn.py", "--runtime", "pjrt", "--python", sys.executable,
+            "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
+    job = r.out.strip().splitlines()[-1]
+    deadline = time.monotonic() + 120
+    while len([ln for ln in cli("logs", job).out.splitlines() if "TPU-START" in ln]) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    assert cli("cancel", job).code == 0
+    _no_python_left(emulator, name)
+
+    # the attached client killed outright: the agent stops the job on its own
+    run = _train(cli, "xmp_spawn.py")
+    run.wait_reports(4)
+    run.proc.kill()
+    run.proc.wait()
+    deadline = time.monotonic() + 90
+    while _python_left(emulator, name) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _python_left(emulator, name) == []

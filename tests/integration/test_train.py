@@ -159,7 +159,7 @@ def test_preemption_with_max_restarts_recreates_and_finishes(cli, emulator):
         "print('finished', flush=True)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "train", "long.py", "--runtime", "cpu", "--cores", "1", "--python", "python3", "--max-restarts", "1"],
+        [sys.executable, "-m", "tpurun", "train", "long.py", "--runtime", "cpu", "--launch", "host", "--python", "python3", "--max-restarts", "1"],
         cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None

@@ -721,7 +721,11 @@ class WorkerHosts:
     @staticmethod
     def _image(node: _Node, w: _Worker) -> WorkerImage:
         return worker_image(
-            node.accelerator_type, worker=w.index, node_id=node.key.rsplit("/", 1)[-1], zone=node.zone, project=node.project
+            node.accelerator_type,
+            worker=w.index,
+            node_id=node.key.rsplit("/", 1)[-1],
+            zone=node.zone,
+            project=node.project,
         )
 
     def _computed_attributes(self, node: _Node, w: _Worker) -> dict[str, str]:

@@ -446,7 +446,12 @@ class Supervisor:
             header = json.loads(f.readline(4096) or b"null")
             conn.settimeout(None)
             core, stream = int(header["core"]), str(header["stream"])
-            if uid != os.getuid() or pid not in job_processes(self.job) or core < 0 or stream not in ("out", "err", "ctl"):
+            if (
+                uid != os.getuid()
+                or pid not in job_processes(self.job)
+                or core < 0
+                or stream not in ("out", "err", "ctl")
+            ):
                 raise ValueError(f"refused a log connection from pid {pid} (uid {uid}): {header}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             self.log(f"log socket: {e}")

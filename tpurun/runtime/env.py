@@ -89,8 +89,9 @@ def explain_core(topology: Topology, core: int) -> str:
     return f"core {core} is chip {chip} ({gen} has one TensorCore per chip); it runs as one process"
 
 
-def _job_env(*, job_id: str, worker: int, num_workers: int, launch: str, master_addr: str, master_port: int,
-             restart_count: int) -> dict[str, str]:
+def _job_env(
+    *, job_id: str, worker: int, num_workers: int, launch: str, master_addr: str, master_port: int, restart_count: int
+) -> dict[str, str]:
     """What every process tpurun starts sees, in either launch model."""
     return {
         "TPURUN_JOB_ID": job_id,
@@ -142,9 +143,7 @@ def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
     return "host", "launch host, as requested: one process per worker; the script's spawner makes the chip processes"
 
 
-def _slots(
-    *, runtime: str, launch: str, topology: Topology | None, cores: int | None, core: int | None
-) -> list[int]:
+def _slots(*, runtime: str, launch: str, topology: Topology | None, cores: int | None, core: int | None) -> list[int]:
     """The core indices (process slots) to start on every worker: [HOST] for a host launch."""
     if cores is not None and core is not None:
         raise UsageError("--cores and --core exclude each other: give one")

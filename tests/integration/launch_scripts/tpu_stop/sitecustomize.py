@@ -5,7 +5,8 @@ for libtpu's path, the first step of creating the device client. This module (on
 every process of the job) wraps exactly that call: it prints one `TPU-START {json}` line with the
 process's TPU variables and what torch_xla's own tpu.py sees, opens the chip's device file as libtpu
 would (so kill-stale has a holder to find), and blocks there until it is killed. Nothing torch_xla,
-Lightning or the script does before that point is changed.
+Lightning or the script does before that point is changed. With TPU_STOP_BUSY=<chip>, that chip's
+process fails there instead, with the error libtpu gives when another process holds the chip.
 """
 
 import importlib.abc
@@ -40,6 +41,10 @@ def _device_start(plugin_library_path):
             "worker_id": tpu.worker_id(),
             "worker_ips": tpu.get_worker_ips(),
         }
+        if os.environ.get("TPU_STOP_BUSY") == visible:
+            raise RuntimeError(
+                f"TPU initialization failed: The TPU is already in use by process with pid {os.getppid()}"
+            )
         for chip in chips:  # as libtpu opens its chips
             for path in (f"/dev/accel{chip}", f"/dev/vfio/{chip}"):
                 if os.path.exists(path):
