@@ -181,7 +181,7 @@ def _attempt(
                 }
             )
         else:
-            print(f"launch {plan.launch}: {plan.launch_reason}")
+            print(plan.launch_reason)
             for row in rows:
                 name = train.process_name(row["worker"], envc.HOST if row["core"] is None else row["core"])
                 print(f"[{name}] {row['address']}: {train.quote(row['command'])}")

@@ -9,7 +9,10 @@ On emulated v4 nodes of 8 and 32 workers (4 chips per host), in one run, interle
   starts one process per chip and sets PJRT_LOCAL_PROCESS_RANK in each, as xmp.spawn does; each
   chip process then prints `S <time>` (through tpurun's hook and the agent's log socket).
 
-Both use the workers' own python3 and the standard library only, so the numbers are tpurun's cost,
+* floor: the same spawner script run by `tpurun exec -- python3 host.py` (one SSH command per worker,
+  no agent, no per-chip logs): what the spawner itself costs, so host launch / floor is tpurun's share.
+
+All use the workers' own python3 and the standard library only, so the numbers are tpurun's cost,
 not torch_xla's import (which is the same per chip process in both, plus one import per host in host
 launch). Emulated workers share this machine's clock, so "every replica started" = the latest `S`
 time - the time tpurun was invoked.
@@ -65,7 +68,7 @@ if __name__ == "__main__":
         list(pool.map(replica, range(4)))
 """
 
-S_RE = re.compile(r"^\[w\d+/c\d+\] S (\S+)$", re.M)
+S_RE = re.compile(r"^\[w\d+(?:/c\d+)?\] S (\S+)$", re.M)
 
 
 def stats(xs: list[float]) -> dict[str, Any]:
@@ -91,8 +94,12 @@ class LaunchBench:
     def start_once(self, node: common.Node, launch: str) -> float | None:
         want = len(node.workers) * 4
         t0 = time.time()
+        if launch == "floor":
+            argv = [*common.tpurun_bin(), "exec", "--tpu", node.name, "--", "sh", "-c", "cd ~/jobs && python3 host.py"]
+        else:
+            argv = self.argv(node, launch)
         with tempfile.TemporaryFile("w+") as f:
-            s = common.timed_to(self.argv(node, launch), f, self.bench.env, self.jobs)
+            s = common.timed_to(argv, f, self.bench.env, self.jobs)
             f.seek(0)
             starts = [float(x) for x in S_RE.findall(f.read())]
         if len(starts) != want or s.code:
@@ -101,15 +108,18 @@ class LaunchBench:
         return max(starts) - t0
 
     def start(self, node: common.Node) -> dict[str, Any]:
-        got: dict[str, list[float]] = {"chip": [], "host": []}
+        got: dict[str, list[float]] = {"chip": [], "host": [], "floor": []}
+        order = list(got)
+        self.bench.tpurun("sync", "--tpu", node.name, str(self.jobs), "--dest", "~/jobs")  # for the floor
         for rnd in range(1 + self.args.reps):
-            for launch in ("chip", "host") if rnd % 2 else ("host", "chip"):
+            k = rnd % len(order)
+            for launch in order[k:] + order[:k]:
                 t = self.start_once(node, launch)
                 if rnd and t is not None:
                     got[launch].append(t)
         out = {k: stats(v) for k, v in got.items()}
         for k, v in out.items():
-            print(f"  {len(node.workers):>3} workers {k:>4} launch: every replica started median "
+            print(f"  {len(node.workers):>3} workers {k:>5}: every replica started median "
                   f"{v['median'] * 1000:.0f} ms [{v['min'] * 1000:.0f}-{v['max'] * 1000:.0f}]", flush=True)  # fmt: skip
         return out
 
@@ -184,14 +194,18 @@ def render(res: dict[str, Any]) -> str:
         f"Measured {res['machine']['date']} on {common.machine_line(res['machine'])}; {res['reps']} interleaved "
         f"repetitions after one warm-up round; `{res['command']}` ({res['seconds']:.0f} s).",
         "",
-        "| workers | chips | chip launch (before): every replica started | host launch (now): every replica started | host / chip |",
-        "| --- | --- | --- | --- | --- |",
+        "| workers | chips | chip launch (before) | host launch (now) | floor: the spawner by `tpurun exec` | host / chip | host / floor |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for size, r in res["start"].items():
-        c, h = r["chip"], r["host"]
+        c, h, f = r["chip"], r["host"], r["floor"]
+
+        def cell(x: dict[str, Any]) -> str:
+            return f"{x['median'] * 1000:.0f} ms [{x['min'] * 1000:.0f}–{x['max'] * 1000:.0f}]"
+
         lines.append(
-            f"| {size} | {int(size) * 4} | {c['median'] * 1000:.0f} ms [{c['min'] * 1000:.0f}–{c['max'] * 1000:.0f}] "
-            f"| {h['median'] * 1000:.0f} ms [{h['min'] * 1000:.0f}–{h['max'] * 1000:.0f}] | {h['median'] / c['median']:.2f}× |"
+            f"| {size} | {int(size) * 4} | {cell(c)} | {cell(h)} | {cell(f)} | {h['median'] / c['median']:.2f}× "
+            f"| {h['median'] / f['median']:.2f}× |"
         )
     s = res["stop"]
     lines += [

@@ -218,6 +218,8 @@ def test_bad_train_input(cli):
         (["ok.py", "--env", "=x"], "--env"),
         (["ok.py", "--env", "NOEQUALS"], "--env"),
         (["ok.py", "--cores", "2", "--core", "1"], "one of --cores and --core"),
+        (["ok.py", "--launch", "rank"], "--launch"),
+        (["ok.py", "--launch", "host", "--runtime", "cpu", "--cores", "2", "--local"], "--launch chip"),
     ]:
         r = cli("train", *args)
         assert_clean_error(r, 2)
