@@ -155,23 +155,25 @@ def log_base(jdir: str, worker: int, core: int) -> str:
     return os.path.join(jdir, f"w{worker}" if core == HOST else f"w{worker}-c{core}")
 
 
+def of_job(pid: int, job: str) -> bool:
+    """Whether PID inherited JOB's TPURUN_JOB_ID (every process the job starts does)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = b"\0" + f.read()
+    except OSError:
+        return False
+    return b"\0TPURUN_JOB_ID=" + job.encode() + b"\0" in env
+
+
 def job_processes(job: str) -> list[int]:
     """Live processes started for JOB, found by the TPURUN_JOB_ID every one of them inherits: also those
     that left their process group (setsid) or were orphaned by a spawner that died."""
-    marker = b"\0TPURUN_JOB_ID=" + job.encode() + b"\0"
-    found = []
     me = os.getpid()
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = b"\0" + f.read()
-        except OSError:
-            continue
-        if marker in env and pid_alive(int(name)):
-            found.append(int(name))
-    return found
+    return [
+        int(name)
+        for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
+        if name.isdigit() and int(name) != me and of_job(int(name), job) and pid_alive(int(name))
+    ]
 
 
 def signal_pids(pids: list[int], sig: int) -> None:

@@ -36,22 +36,28 @@ def _chip_of(key, value):
         return None
 
 
-def _connect(header):
+def _connect(headers):
+    """One connection per header, all sent before any answer is awaited (one round trip for all)."""
     import json
     import socket
 
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socks = []
     try:
-        s.settimeout(10)
-        s.connect("\0" + _SOCKET)
-        s.sendall((json.dumps(header) + "\n").encode())
-        if s.recv(3) != b"ok\n":  # the agent checked who we are
-            raise OSError("the agent refused the log connection")
-        s.settimeout(None)
+        for header in headers:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            socks.append(s)
+            s.settimeout(10)
+            s.connect("\0" + _SOCKET)
+            s.sendall((json.dumps(header) + "\n").encode())
+        for s in socks:
+            if s.recv(3) != b"ok\n":  # the agent checked who we are
+                raise OSError("the agent refused the log connection")
+            s.settimeout(None)
     except OSError:
-        s.close()
+        for s in socks:
+            s.close()
         raise
-    return s
+    return socks
 
 
 def _report(event, **fields):
@@ -99,9 +105,7 @@ def _become_chip(chip):
         except Exception:
             pass
     header = {"core": chip, "pid": os.getpid()}
-    out = _connect(dict(header, stream="out"))
-    err = _connect(dict(header, stream="err"))
-    _state["ctl"] = _connect(dict(header, stream="ctl"))
+    out, err, _state["ctl"] = _connect([dict(header, stream=name) for name in ("out", "err", "ctl")])
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
