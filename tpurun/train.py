@@ -222,6 +222,11 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     if runtime == "auto":
         runtime, why = envc.pick_runtime("auto", probe(target, python))
     launch, launch_why = envc.pick_launch(spec.launch, runtime)
+    if spec.metrics and launch == "host":
+        raise UsageError(
+            "--metrics reports per process tpurun starts, so it needs --launch chip for now; in a host launch "
+            "call torch_xla.debug.metrics.metrics_report() in the script"
+        )
     cores = spec.cores
     if target.local and cores is None and spec.core is None and runtime == "cpu" and launch == "chip":
         cores = 1
