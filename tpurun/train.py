@@ -222,11 +222,6 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     if runtime == "auto":
         runtime, why = envc.pick_runtime("auto", probe(target, python))
     launch, launch_why = envc.pick_launch(spec.launch, runtime)
-    if spec.metrics and launch == "host":
-        raise UsageError(
-            "--metrics reports per process tpurun starts, so it needs --launch chip for now; in a host launch "
-            "call torch_xla.debug.metrics.metrics_report() in the script"
-        )
     cores = spec.cores
     if target.local and cores is None and spec.core is None and runtime == "cpu" and launch == "chip":
         cores = 1
@@ -251,10 +246,6 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
         restart_count=restart_count,
         tpu_ip=spec.tpu_ip,
     )
-    if spec.metrics:
-        for per_worker in specs:
-            for c in per_worker:
-                c.argv[:] = [python, "-c", _METRICS_WRAPPER, *c.argv[1:]]
     return JobPlan(runtime, why, launch, launch_why, specs)
 
 
@@ -263,29 +254,6 @@ def process_name(worker: int, core: int) -> str:
     return f"w{worker}" if core == envc.HOST else f"w{worker}/c{core}"
 
 
-_METRICS_WRAPPER = r"""
-import atexit, os, runpy, sys
-def _report():
-    try:
-        import torch_xla.debug.metrics as met
-    except Exception as e:
-        print("tpurun metrics: torch_xla not importable: %s" % e, file=sys.stderr); return
-    path = os.path.join(os.path.expanduser("~/.tpurun/jobs"), os.environ["TPURUN_JOB_ID"],
-                        "w%s-c%s.metrics.txt" % (os.environ["TPURUN_WORKER_ID"], os.environ["TPURUN_CORE"]))
-    report = met.metrics_report()
-    with open(path, "w") as f:
-        f.write(report)
-    def metric(name):
-        data = met.metric_data(name)
-        return (data[0], data[1] / 1e9) if data else (0, 0.0)
-    cc, ct = metric("CompileTime"); ec, et = metric("ExecuteTime")
-    fallbacks = [n for n in met.counter_names() if n.startswith("aten::")]
-    print("tpurun metrics: compiles=%d compile_time=%.2fs executes=%d execute_time=%.2fs cpu_fallback_ops=%s report=%s"
-          % (cc, ct, ec, et, ",".join(sorted(fallbacks)) or "none", path))
-atexit.register(_report)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[str, Any]]:

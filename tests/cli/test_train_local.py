@@ -57,6 +57,22 @@ def test_metrics_report_per_core(tmp_path):
     assert "CompileTime" in text and "ExecuteTime" in text
 
 
+def test_metrics_report_per_chip_process_in_a_host_launch(tmp_path):
+    """--metrics in a host launch: xmp.spawn's process reports as its chip, the host process as [w0]."""
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    (tmp_path / "s.py").write_text(
+        "import torch, torch_xla\nimport torch_xla.distributed.xla_multiprocessing as xmp\n"
+        "def fn(i):\n    x = torch.ones(3, device=torch_xla.device()) * 2\n    print('sum', x.sum().item())\n"
+        "if __name__ == '__main__':\n    xmp.spawn(fn)\n"
+    )
+    r = tpurun("train", "s.py", "--metrics", "--launch", "host", cwd=tmp_path, env=env, timeout=300)
+    assert r.code == 0, r.err
+    assert "[w0/c0] sum 6.0" in r.out
+    chip = next(line for line in r.out.splitlines() if line.startswith("[w0/c0] tpurun metrics:"))
+    assert "executes=0" not in chip and open(chip.rsplit("report=", 1)[1]).read().count("ExecuteTime")
+    assert re.search(r"^\[w0\] tpurun metrics: .*report=.*/w0\.metrics\.txt$", r.out, re.M), r.out
+
+
 def test_lightning_example_trains_under_tpurun(tmp_path):
     """Lightning joins tpurun's processes as it would torchrun's (DDP over gloo on CPU) and learns digits."""
     import shutil

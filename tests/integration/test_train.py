@@ -219,7 +219,6 @@ def test_bad_train_input(cli):
         (["ok.py", "--env", "NOEQUALS"], "--env"),
         (["ok.py", "--cores", "2", "--core", "1"], "one of --cores and --core"),
         (["ok.py", "--launch", "rank"], "--launch"),
-        (["ok.py", "--metrics", "--launch", "host", "--runtime", "cpu", "--local"], "--launch chip"),
         (["ok.py", "--launch", "host", "--runtime", "cpu", "--cores", "2", "--local"], "--launch chip"),
     ]:
         r = cli("train", *args)

@@ -410,18 +410,23 @@ class Supervisor:
 
     # --- host launch: the chip processes' log socket
 
+    def use_hook(self) -> None:
+        """Put the hook first on every core's PYTHONPATH (it only acts when the job asks it to)."""
+        if not os.path.isfile(os.path.join(HOOK_DIR, "sitecustomize.py")):
+            self.log(f"no hook in {HOOK_DIR}: chip processes will log as the host process, no --metrics")
+            return
+        for c in self.snapshot():
+            path = c.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+            c.env["PYTHONPATH"] = HOOK_DIR + (os.pathsep + path if path else "")
+            c.env["TPURUN_SUPERVISOR_PID"] = str(os.getpid())  # the hook's test for "started by the agent"
+
     def open_log_socket(self) -> None:
         """Listen for the chip processes of a host launch; the host process learns the name from its env."""
-        if not os.path.isfile(os.path.join(HOOK_DIR, "sitecustomize.py")):
-            self.log(f"no hook in {HOOK_DIR}: chip processes will log as the host process")
-            return
         name = f"tpurun-{self.job}-{secrets.token_hex(8)}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + name)  # abstract: nothing on disk; peers are checked on accept
         self.listener.listen(256)
         for c in self.snapshot():
-            path = c.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-            c.env["PYTHONPATH"] = HOOK_DIR + (os.pathsep + path if path else "")
             c.env["TPURUN_LOG_SOCKET"] = name
 
     def serve_log_socket(self) -> None:
@@ -781,6 +786,7 @@ class Supervisor:
             self.finish()
             self._notify(notify_fd, {"event": "failed", "job": self.job, "reason": self.reason})
             return
+        self.use_hook()
         if self.launch == "host":
             self.open_log_socket()
         self.start_cores()

@@ -1,4 +1,4 @@
-"""tpurun's hook in every Python process of a host launch (first on PYTHONPATH, as `sitecustomize`).
+"""tpurun's hook in every Python process of a job (first on PYTHONPATH, as `sitecustomize`).
 
 A host launch starts the user's command once per worker and the script's own spawner (xmp.spawn,
 torch_xla.launch, Lightning) makes one process per chip. The moment torch_xla gives a process its chip
@@ -7,6 +7,10 @@ os.putenv), this hook connects the process's stdout and stderr to the agent's lo
 so its lines land in w<W>-c<chip>.log and reach tpurun as [wW/cM], and its children inherit them. It
 also tells the agent how the spawner's task in the process ended (observed where the standard library's
 process pool sends the result back), so a failing chip stops the job at once and is named.
+
+With `tpurun train --metrics` it also writes torch_xla's metrics report of each process that did the
+work: a process the agent started, at its exit, and a chip process of a host launch, when its task ends
+(a forked pool process never runs exit handlers).
 
 Nothing of torch_xla, Lightning, the standard library or the user's script is replaced; any failure here
 leaves the process as it was. Stdlib only, any Python 3.8+. Then the next `sitecustomize` on the path
@@ -83,6 +87,8 @@ def _watch_pool_tasks():
 
     def sendback(*args, **kwargs):
         exception = kwargs.get("exception", args[3] if len(args) > 3 else None)
+        if os.environ.get("TPURUN_METRICS") == "1":
+            _metrics_report()
         if exception is None:
             _report("ok")
         else:
@@ -96,6 +102,35 @@ def _watch_pool_tasks():
         return original(*args, **kwargs)
 
     setattr(pool, "_sendback_result", sendback)  # noqa: B010
+
+
+def _metrics_report():
+    """torch_xla's metrics of this process: the whole report into the job's directory, one summary line
+    (compiles, executions, their times, ops that fell back to CPU) on stdout."""
+    try:
+        import torch_xla.debug.metrics as met
+    except Exception as e:
+        print(f"tpurun metrics: torch_xla not importable: {e}", file=sys.stderr)
+        return
+    core = os.environ.get("TPURUN_CORE")
+    name = f"w{os.environ.get('TPURUN_WORKER_ID', '0')}" + (f"-c{core}" if core is not None else "")
+    path = os.path.join(os.path.expanduser("~/.tpurun/jobs"), os.environ.get("TPURUN_JOB_ID", "job"), name)
+    path += ".metrics.txt"
+    with open(path, "w") as f:
+        f.write(met.metrics_report())
+
+    def metric(key):
+        data = met.metric_data(key)
+        return (data[0], data[1] / 1e9) if data else (0, 0.0)
+
+    cc, ct = metric("CompileTime")
+    ec, et = metric("ExecuteTime")
+    fallbacks = ",".join(sorted(n for n in met.counter_names() if n.startswith("aten::"))) or "none"
+    print(
+        f"tpurun metrics: compiles={cc} compile_time={ct:.2f}s executes={ec} execute_time={et:.2f}s "
+        f"cpu_fallback_ops={fallbacks} report={path}",
+        flush=True,
+    )
 
 
 def _become_chip(chip):
@@ -155,4 +190,8 @@ def _chain():
 
 if _SOCKET and "TPURUN_CORE" not in os.environ and hasattr(sys, "addaudithook"):
     sys.addaudithook(_audit)
+if os.environ.get("TPURUN_METRICS") == "1" and str(os.getppid()) == os.environ.get("TPURUN_SUPERVISOR_PID"):
+    import atexit
+
+    atexit.register(_metrics_report)  # a process the agent started (not its children)
 _chain()
