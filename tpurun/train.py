@@ -45,7 +45,7 @@ _START_AND_STREAM = (
 # The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
 # and of two concurrent installs the second finds the first's and drops its own.
 _INSTALL_AGENT = (
-    'd="$HOME/.tpurun/bin/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -x -C "$t" || exit $?; '
+    'd="$HOME/.tpurun/bin/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -xf - -C "$t" || { rm -rf "$t"; exit 1; }; '
     '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
 )
 

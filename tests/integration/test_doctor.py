@@ -5,12 +5,15 @@ exported in ~/.bashrc while torch_xla 2.9 is installed, and torch_xla missing (t
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
-# Every worker gets /root/bin/py: the venv's python (torch + torch_xla 2.9.0) with /root/site first on
+# Every worker gets /root/bin/py: this test's python (torch + torch_xla 2.9.0; workers see this machine's
+# Python installation, docs/emulator.md) with /root/site first on
 # its path, where a tiny real libtpu/libtpu.so lives. Then one fault per worker, chosen by hostname.
 _PLANT = r"""
 set -e
@@ -19,7 +22,7 @@ printf 'int tpurun_test_symbol = 1;\n' > /root/site/x.c
 gcc -shared -fPIC -o /root/site/libtpu/libtpu.so /root/site/x.c
 cat > /root/bin/py <<'EOF'
 #!/bin/sh
-PYTHONPATH=/root/site${PYTHONPATH:+:$PYTHONPATH} exec /work/venv/bin/python "$@"
+PYTHONPATH=/root/site${PYTHONPATH:+:$PYTHONPATH} exec @PYTHON@ "$@"
 EOF
 chmod +x /root/bin/py
 case "$(hostname)" in
@@ -51,7 +54,7 @@ def _fails(doc: dict, worker: int) -> dict[str, dict]:
 
 def test_doctor_turns_each_fault_into_a_failing_row_with_its_fix(cli, emulator):
     assert cli("create", "doc4", "-t", "v4-32").code == 0
-    r = cli("exec", "--", "sh", "-c", _PLANT)
+    r = cli("exec", "--", "sh", "-c", _PLANT.replace("@PYTHON@", shlex.quote(sys.executable)))
     assert r.code == 0, r.err
 
     r = cli("doctor", "--python", "/root/bin/py", "--json")

@@ -396,6 +396,9 @@ def test_stream_throughput_two_cores_100k_lines(home: Path, tmp_path: Path) -> N
 
 # ---------------------------------------------------------------- host launch: chip processes of a spawner
 
+# Job ids unique to this run: the agent finds a job's processes machine-wide by its id.
+RUN = f"{os.getpid()}-{time.time_ns() % 10**6}"
+
 # A stand-in for xmp.spawn's process model, stdlib only (the real spawners run on emulated TPU VMs in
 # tests/integration/test_launch.py): a spawn-context process pool whose tasks set PJRT_LOCAL_PROCESS_RANK,
 # as torch_xla's initialize_multiprocess does, then do the replica's work.
@@ -413,6 +416,15 @@ SPAWNER = """
             time.sleep(0.5)  # dies while the job runs: a segfault in its first step, say
             import ctypes
             ctypes.string_at(0)
+        if mode == "nested":  # the replica's own fork pool: a task that fails and is handled is not the chip's
+            with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as own:
+                try:
+                    own.submit(int, "not a number").result()
+                except ValueError:
+                    print(f"replica {rank} handled its own task's error", flush=True)
+        if mode == "exit0":
+            time.sleep(1)
+            sys.exit(0)
         if mode in ("fail", "die", "sleep"):
             time.sleep(600)
         time.sleep(1)  # replicas run side by side, as real ones do (each blocks in its first collective)
@@ -440,15 +452,15 @@ def lines(home: Path, job: str, name: str) -> list[str]:
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_host_launch_files_each_chip_process_under_its_chip(home: Path, tmp_path: Path, start_method: str) -> None:
     p = script(tmp_path, "spawner.py", SPAWNER)
-    start(home, "h1", [host(p, START=start_method, ROUNDS="2")], launch="host")
-    st = wait_over(home, "h1")
+    start(home, f"h1-{RUN}", [host(p, START=start_method, ROUNDS="2")], launch="host")
+    st = wait_over(home, f"h1-{RUN}")
     assert st["status"] == "finished", st
     cores = {c["core"]: c for c in st["cores"]}
     assert sorted(cores) == [-1, 0, 1, 2]
     assert all(c["exit_code"] == 0 for c in cores.values())
-    assert lines(home, "h1", "w0") == ["host before", "results [0, 1, 2]", "results [0, 1, 2]", "host after"]
+    assert lines(home, f"h1-{RUN}", "w0") == ["host before", "results [0, 1, 2]", "results [0, 1, 2]", "host after"]
     for chip in range(3):
-        got = lines(home, "h1", f"w0-c{chip}")
+        got = lines(home, f"h1-{RUN}", f"w0-c{chip}")
         # two rounds of the spawner: the same chip's file, one pair of lines per round
         assert [ln.split(" pid ")[0] for ln in got if " pid " in ln] == [f"replica {chip}"] * 2
         assert all(ln.endswith(f"core {chip}") for ln in got if " pid " in ln)
@@ -458,10 +470,10 @@ def test_host_launch_files_each_chip_process_under_its_chip(home: Path, tmp_path
 
 def test_host_launch_stream_tags_chip_records(home: Path, tmp_path: Path) -> None:
     p = script(tmp_path, "spawner.py", SPAWNER)
-    start(home, "h2", [host(p, N="2")], launch="host")
-    wait_over(home, "h2")
+    start(home, f"h2-{RUN}", [host(p, N="2")], launch="host")
+    wait_over(home, f"h2-{RUN}")
     r = subprocess.run(
-        [sys.executable, str(AGENT_PATH), "stream", "h2"], capture_output=True, env=dict(os.environ, HOME=str(home))
+        [sys.executable, str(AGENT_PATH), "stream", f"h2-{RUN}"], capture_output=True, env=dict(os.environ, HOME=str(home))
     )
     recs = records(r.stdout)
     by_core: dict[int, list[str]] = {}
@@ -477,25 +489,25 @@ def test_host_launch_stream_tags_chip_records(home: Path, tmp_path: Path) -> Non
 def test_host_launch_a_failing_chip_stops_the_job_at_once_and_is_named(home: Path, tmp_path: Path) -> None:
     p = script(tmp_path, "spawner.py", SPAWNER)
     t0 = time.monotonic()
-    start(home, "h3", [host(p, MODE="fail", N="4")], launch="host", grace=1)
-    st = wait_over(home, "h3", timeout=60)
+    start(home, f"h3-{RUN}", [host(p, MODE="fail", N="4")], launch="host", grace=1)
+    st = wait_over(home, f"h3-{RUN}", timeout=60)
     assert time.monotonic() - t0 < 30  # not after the siblings' 600 s
     assert st["status"] == "failed"
     assert st["first_failure"]["core"] == 2 and st["first_failure"]["exit_code"] == 1
-    assert "ValueError: replica 2 broke" in "\n".join(lines(home, "h3", "w0-c2"))
-    assert job_processes_left("h3") == []
+    assert "ValueError: replica 2 broke" in "\n".join(lines(home, f"h3-{RUN}", "w0-c2"))
+    assert job_processes_left(f"h3-{RUN}") == []
 
 
 def test_host_launch_a_chip_that_dies_is_named(home: Path, tmp_path: Path) -> None:
     p = script(tmp_path, "spawner.py", SPAWNER)
-    start(home, "h4", [host(p, MODE="die", N="3")], launch="host", grace=1)
-    st = wait_over(home, "h4", timeout=60)
+    start(home, f"h4-{RUN}", [host(p, MODE="die", N="3")], launch="host", grace=1)
+    st = wait_over(home, f"h4-{RUN}", timeout=60)
     assert st["status"] == "failed"
     assert st["first_failure"]["core"] == 1
     chip1 = {c["core"]: c for c in st["cores"]}[1]
     assert (chip1["status"], chip1["exit_code"]) == ("failed", -11)
-    assert "Fatal Python error: Segmentation fault" in "\n".join(lines(home, "h4", "w0-c1"))
-    assert job_processes_left("h4") == []
+    assert "Fatal Python error: Segmentation fault" in "\n".join(lines(home, f"h4-{RUN}", "w0-c1"))
+    assert job_processes_left(f"h4-{RUN}") == []
 
 
 def test_stop_reaches_chip_processes_that_left_the_group(home: Path, tmp_path: Path) -> None:
@@ -510,14 +522,14 @@ def test_stop_reaches_chip_processes_that_left_the_group(home: Path, tmp_path: P
         time.sleep(600)
         """,
     )
-    start(home, "h5", [host(p)], launch="host", grace=1)
+    start(home, f"h5-{RUN}", [host(p)], launch="host", grace=1)
     deadline = time.time() + 20
-    while len(job_processes_left("h5")) < 2 and time.time() < deadline:
+    while len(job_processes_left(f"h5-{RUN}")) < 2 and time.time() < deadline:
         time.sleep(0.1)
-    assert len(job_processes_left("h5")) == 2
-    r = agent(home, "stop", "h5", "--grace", "1")
+    assert len(job_processes_left(f"h5-{RUN}")) == 2
+    r = agent(home, "stop", f"h5-{RUN}", "--grace", "1")
     assert r.returncode == 0, r.stderr
-    assert job_processes_left("h5") == []
+    assert job_processes_left(f"h5-{RUN}") == []
 
 
 def job_processes_left(job: str) -> list[int]:
@@ -534,3 +546,42 @@ def job_processes_left(job: str) -> list[int]:
         if f"TPURUN_JOB_ID={job}".encode() in env and stat[stat.rfind(")") + 2] not in "ZX":
             out.append(int(name))
     return out
+
+
+@pytest.mark.parametrize("mode", ["nested", "exit0"])
+def test_host_launch_what_is_not_a_chip_failure(home: Path, tmp_path: Path, mode: str) -> None:
+    """A replica's own forked pool reports nothing for the chip; sys.exit(0) in a replica is success."""
+    p = script(tmp_path, "spawner.py", SPAWNER)
+    start(home, f"hn-{mode}-{RUN}", [host(p, MODE=mode, N="2")], launch="host")
+    st = wait_over(home, f"hn-{mode}-{RUN}")
+    assert st["status"] == "finished", (st, lines(home, f"hn-{mode}-{RUN}", "w0"))
+    assert {c["core"]: c["exit_code"] for c in st["cores"]} == {-1: 0, 0: 0, 1: 0}
+
+
+def test_host_launch_other_spawners_chips_may_end_before_their_parent(home: Path, tmp_path: Path) -> None:
+    """Not every spawner is a process pool: a chip process that ends while its parent goes on is not a crash."""
+    p = script(
+        tmp_path,
+        "procs.py",
+        """
+        import multiprocessing, os, time
+
+        def replica(rank):
+            os.environ["PJRT_LOCAL_PROCESS_RANK"] = str(rank)
+            print("replica", rank, flush=True)
+
+        if __name__ == "__main__":
+            ps = [multiprocessing.get_context("spawn").Process(target=replica, args=(r,)) for r in range(2)]
+            for q in ps:
+                q.start()
+            for q in ps:
+                q.join()
+            time.sleep(1)  # the parent outlives its chips
+            print("parent done", flush=True)
+        """,
+    )
+    start(home, f"hp-{RUN}", [host(p)], launch="host")
+    st = wait_over(home, f"hp-{RUN}")
+    assert {c["core"]: c["exit_code"] for c in st["cores"]} == {-1: 0, 0: 0, 1: 0}
+    assert st["status"] == "finished", st
+    assert lines(home, f"hp-{RUN}", "w0-c1") == ["replica 1"]

@@ -262,6 +262,7 @@ class Core:
         self.pids: list[int] = []  # a chip's processes (one per round of the spawner)
         self.died_at: dict[int, float] = {}  # pid -> when it was seen to end (pidfd: at once)
         self.ctl_done = False  # its report stream is closed: `reported` is final
+        self.pool = False  # its replica runs as a process-pool task, whose end the hook reports
 
     def start(self, preexec, job: str) -> None:
         env = dict(os.environ)
@@ -334,6 +335,8 @@ class Core:
         raws = []
         recs = []
         with self.lock:
+            if self.log.closed:
+                return  # the job's end is written; late bytes of a vanished process are dropped
             t = now()  # taken under the lock so a core's records are in time order
             for raw in lines:
                 if not raw.endswith(b"\n"):
@@ -390,6 +393,7 @@ class Supervisor:
         self.cores_lock = threading.Lock()  # the log server adds chip cores while the loop runs
         self.listener: socket.socket | None = None
         self.dirty = False  # a chip core appeared: state.json must show it (readers find its files there)
+        self.closed = False  # finish() ran: no new chip cores
         self.pre_groups: list[int] = []
         self.status = "running"  # stays "running" until every process is gone: readers trust an end status
         self.outcome: str | None = None  # the end status decided by a stop (stopped/failed), applied at the end
@@ -419,6 +423,7 @@ class Supervisor:
             path = c.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
             c.env["PYTHONPATH"] = HOOK_DIR + (os.pathsep + path if path else "")
             c.env["TPURUN_SUPERVISOR_PID"] = str(os.getpid())  # the hook's test for "started by the agent"
+            c.env["TPURUN_JOB_DIR"] = self.jdir  # where the hook writes --metrics reports
 
     def open_log_socket(self) -> None:
         """Listen for the chip processes of a host launch; the host process learns the name from its env."""
@@ -448,23 +453,23 @@ class Supervisor:
         """One stream (out, err or ctl) of a chip process: check who it is, then file it under its core."""
         try:
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() or not of_job(pid, self.job):
+                raise ValueError(f"refused a log connection from pid {pid} (uid {uid}): not a process of this job")
             conn.settimeout(10)
             f = conn.makefile("rb")
             header = json.loads(f.readline(4096) or b"null")
             conn.settimeout(None)
             core, stream = int(header["core"]), str(header["stream"])
-            if (
-                uid != os.getuid()
-                or pid not in job_processes(self.job)
-                or core < 0
-                or stream not in ("out", "err", "ctl")
-            ):
-                raise ValueError(f"refused a log connection from pid {pid} (uid {uid}): {header}")
+            if core < 0 or stream not in ("out", "err", "ctl"):
+                raise ValueError(f"refused a log connection from pid {pid}: {header}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             self.log(f"log socket: {e}")
             conn.close()
             return
-        c = self.chip(core, pid)
+        c = self.chip(core, pid, bool(header.get("pool")))
+        if c is None:  # the job is over
+            conn.close()
+            return
         try:
             conn.sendall(b"ok\n")  # the hook moves its output here only once accepted
         except OSError:
@@ -478,20 +483,24 @@ class Supervisor:
         else:
             c.add_reader(stream, f)
 
-    def chip(self, index: int, pid: int) -> Core:
-        """The core of chip INDEX, made the first time one of its processes connects."""
+    def chip(self, index: int, pid: int, pool: bool) -> Core | None:
+        """The core of chip INDEX, made the first time one of its processes connects (None once the job
+        is over). A new process on a known chip is the spawner's next round (Lightning: fit, then test)."""
         with self.cores_lock:
+            if self.closed:
+                return None
             c = next((x for x in self.cores if x.index == index), None)
             if c is None:
                 c = Core(self.worker, {"core": index}, self.jdir)
                 c.spawned = True
-                c.started_at = now()
                 self.cores.append(c)
             if pid not in c.pids:
-                if c.ended_at is not None:  # a second round of the spawner (e.g. fit, then test)
-                    c.exited_at = c.ended_at = c.exit_code = c.reported = None
                 c.pids.append(pid)
                 c.pid = pid
+                c.started_at = now()
+                c.exited_at = c.ended_at = c.exit_code = c.reported = None
+                c.ctl_done, c.pool = False, pool
+                c.died_at.clear()
                 stat = _proc_stat(pid)
                 c.pgid = int(stat[2]) if stat and len(stat) > 2 else c.pgid
                 c.status = "running"
@@ -543,7 +552,7 @@ class Supervisor:
             for p in c.pids:
                 c.note_end(p)
         host = self.host_core()
-        if c.reported is None and c.ctl_done and host is not None and host.status == "running":
+        if c.reported is None and c.ctl_done and c.pool and host is not None and host.status == "running":
             self.blame_died("while its spawner ran")
         if not (c.readers_done() or now() - c.exited_at > self.grace + 2):
             return False
@@ -573,6 +582,7 @@ class Supervisor:
             x
             for x in self.snapshot()
             if x.spawned
+            and x.pool
             and x.reported is None
             and x.pids
             and (host is None or host.pid not in x.pids)
@@ -719,11 +729,13 @@ class Supervisor:
                     if c.readers_done() or now() - c.exited_at > self.grace + 2:
                         c.ended_at = now()
                         changed = True
-            if self.stop_deadline is not None and not self.killed and now() >= self.stop_deadline:
+            if self.stop_deadline is not None and now() >= self.stop_deadline:
+                # each round after the deadline: a spawner that is dying may still have started one more
+                if not self.killed:
+                    self.log("grace period over: SIGKILL to what is left")
                 self.killed = True
                 for c in self.snapshot():
                     if group_members(c.pgid):
-                        self.log(f"core {c.index}: SIGKILL to group {c.pgid}")
                         signal_group(c.pgid, signal.SIGKILL)
                 signal_pids(job_processes(self.job), signal.SIGKILL)
             if self.lease and self.stop_deadline is None and self._lease_expired():
@@ -747,6 +759,8 @@ class Supervisor:
         return now() - last > self.lease  # type: ignore[operator]
 
     def finish(self) -> None:
+        with self.cores_lock:
+            self.closed = True
         if self.listener is not None:
             try:
                 self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
@@ -760,6 +774,10 @@ class Supervisor:
             time.sleep(POLL)
         for pgid in self.pre_groups:
             signal_group(pgid, signal.SIGKILL)
+        host = self.host_core()
+        for c in self.snapshot():
+            if c.spawned and c.status == "exited" and c.exit_code is None and host is not None:
+                c.exit_code = host.exit_code  # ended unreported before its spawner: the spawner's verdict
         if self.status == "running":
             ok = all(c.exit_code == 0 for c in self.snapshot())
             self.status = self.outcome or ("finished" if ok else "failed")
@@ -767,8 +785,9 @@ class Supervisor:
         self.save()
         self.log(f"job {self.status}")
         for c in self.snapshot():
-            c.log.close()
-            c.rec.close()
+            with c.lock:  # a reader still draining a dead chip's socket stops writing (write_lines checks)
+                c.log.close()
+                c.rec.close()
 
     def run(self, notify_fd: int) -> None:
         def on_term(signum, frame):
@@ -1086,7 +1105,7 @@ def cmd_stream(args) -> int:
         signal.signal(signal.SIGTERM, lambda s, f: stdin_closed.set())
     else:
         signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
-    reported: set = set()
+    reported: dict[int, float] = {}  # core -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
     last_touch = 0.0
     try:
@@ -1096,7 +1115,7 @@ def cmd_stream(args) -> int:
             got = _drain(readers, out, until_empty=False)
             ended = {int(c["core"]): c for c in st.get("cores", []) if c.get("ended_at") is not None}
             for c in cores:
-                if c in ended and c not in reported:
+                if c in ended and reported.get(c) != ended[c]["ended_at"]:
                     _drain(readers, out, only=c)
                     rec = {
                         "event": "exit",
@@ -1106,8 +1125,8 @@ def cmd_stream(args) -> int:
                         "status": ended[c].get("status"),
                     }
                     out.write((json.dumps(rec) + "\n").encode())
-                    reported.add(c)
-            over = st.get("status") in TERMINAL and len(reported) == len(cores)
+                    reported[c] = ended[c]["ended_at"]
+            over = st.get("status") in TERMINAL and all(c in reported for c in cores)
             if over:
                 _drain(readers, out)
                 out.write((json.dumps({"event": "done", "w": worker, "state": st}) + "\n").encode())

@@ -22,7 +22,13 @@ import sys
 
 _SOCKET = os.environ.get("TPURUN_LOG_SOCKET", "")
 _CHIP_VARS = (b"PJRT_LOCAL_PROCESS_RANK", b"TPU_VISIBLE_CHIPS")
-_state: dict = {"busy": False, "done": False, "ctl": None}
+# "owner": the pid that became a chip; its forked children (a user's own fork pool, a DataLoader worker)
+# inherit this module's state and patches, but report nothing on its behalf.
+_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None}
+
+
+def _mine():
+    return _state["owner"] == os.getpid()
 
 
 def _as_bytes(value):
@@ -66,7 +72,7 @@ def _connect(headers):
 
 def _report(event, **fields):
     ctl = _state["ctl"]
-    if ctl is None:
+    if ctl is None or not _mine():
         return
     import json
 
@@ -86,10 +92,13 @@ def _watch_pool_tasks():
         return
 
     def sendback(*args, **kwargs):
+        if not _mine():
+            return original(*args, **kwargs)
         exception = kwargs.get("exception", args[3] if len(args) > 3 else None)
         if os.environ.get("TPURUN_METRICS") == "1":
             _metrics_report()
-        if exception is None:
+        exc = getattr(exception, "exc", exception)  # the pool wraps it with its formatted traceback
+        if exception is None or (isinstance(exc, SystemExit) and exc.code in (None, 0)):
             _report("ok")
         else:
             text = str(getattr(exception, "tb", "") or exception).strip().strip('"').strip()
@@ -106,16 +115,20 @@ def _watch_pool_tasks():
 
 def _metrics_report():
     """torch_xla's metrics of this process: the whole report into the job's directory, one summary line
-    (compiles, executions, their times, ops that fell back to CPU) on stdout."""
+    (compiles, executions, their times, ops that fell back to CPU) on stdout. Never raises: a report
+    must not turn a replica that worked into one that failed."""
     try:
-        import torch_xla.debug.metrics as met
+        _write_metrics()
     except Exception as e:
-        print(f"tpurun metrics: torch_xla not importable: {e}", file=sys.stderr)
-        return
+        print(f"tpurun metrics: no report: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+def _write_metrics():
+    import torch_xla.debug.metrics as met
+
     core = os.environ.get("TPURUN_CORE")
     name = f"w{os.environ.get('TPURUN_WORKER_ID', '0')}" + (f"-c{core}" if core is not None else "")
-    path = os.path.join(os.path.expanduser("~/.tpurun/jobs"), os.environ.get("TPURUN_JOB_ID", "job"), name)
-    path += ".metrics.txt"
+    path = os.path.join(os.environ["TPURUN_JOB_DIR"], name + ".metrics.txt")
     with open(path, "w") as f:
         f.write(met.metrics_report())
 
@@ -139,8 +152,12 @@ def _become_chip(chip):
             stream.flush()
         except Exception:
             pass
-    header = {"core": chip, "pid": os.getpid()}
+    # "pool": the replica runs as a task of a concurrent.futures pool, whose end the hook reports; a chip
+    # process of another spawner that ends without a report has simply ended
+    pool = getattr(sys.modules.get("concurrent.futures.process"), "_sendback_result", None) is not None
+    header = {"core": chip, "pid": os.getpid(), "pool": pool}
     out, err, _state["ctl"] = _connect([dict(header, stream=name) for name in ("out", "err", "ctl")])
+    _state["owner"] = os.getpid()
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
@@ -153,6 +170,8 @@ def _become_chip(chip):
         # a fatal signal (segfault, abort) prints the Python stacks to the agent, which files them in this
         # chip's log and so knows it crashed; the signal then ends the process as it would have
         faulthandler.enable(file=_state["ctl"], all_threads=True)
+        # a forked child's crash is not the chip's
+        os.register_at_fork(after_in_child=lambda: faulthandler.disable() if not _mine() else None)
 
 
 def _audit(event, args):

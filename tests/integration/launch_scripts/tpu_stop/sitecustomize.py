@@ -41,7 +41,7 @@ def _device_start(plugin_library_path):
             "worker_id": tpu.worker_id(),
             "worker_ips": tpu.get_worker_ips(),
         }
-        if os.environ.get("TPU_STOP_BUSY") == visible:
+        if visible is not None and os.environ.get("TPU_STOP_BUSY") == visible:
             raise RuntimeError(
                 f"TPU initialization failed: The TPU is already in use by process with pid {os.getppid()}"
             )
