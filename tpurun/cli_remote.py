@@ -111,7 +111,7 @@ def exec_cmd(
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = DEFAULT_GRACE,
 ) -> None:
-    """Run a command on every selected worker at once, lines prefixed [wN]."""
+    """Run a command on every selected worker at once, lines prefixed \\[wN]."""
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
     target = targets.resolve(tpu=tpu, local=local, worker_spec=worker)

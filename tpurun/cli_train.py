@@ -71,9 +71,9 @@ def train_cmd(
         bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")
     ] = False,
     max_restarts: Annotated[int, typer.Option(help="Recreate a preempted node and relaunch, up to N times.")] = 0,
-    metrics: Annotated[bool, typer.Option("--metrics", help="torch_xla metrics report per core at exit.")] = False,
+    metrics: Annotated[bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")] = False,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print each core's command and env; start nothing.")
+        bool, typer.Option("--dry-run", help="Print the launch model and each process's command and env; start nothing.")
     ] = False,
     python: Annotated[str | None, typer.Option(help="Python on the workers (default python3; here: this one).")] = None,
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = 5.0,
@@ -332,7 +332,7 @@ def jobs_cmd(tpu: TpuOpt = None, json_out: JsonOpt = False) -> None:
             finally:
                 target.close()
         except TpurunError as exc:
-            status = f"unreachable ({exc.message[:40]})"
+            status = f"unknown: {exc.message}"  # whole: a table wraps it between words
         rows.append(
             {
                 "job_id": r.job_id,
@@ -448,11 +448,16 @@ def cancel_cmd(
     try:
         train.connect(target)
         results: dict[int, tuple[int, str]] = {}
+        before: dict[int, str] = {}  # worker -> the job's status there when the stop came
 
         def one(runner: Any) -> None:
-            rc, _, err = run_capture(
+            rc, out, err = run_capture(
                 runner, _agent_argv(record, "stop", job, "--grace", str(grace)), timeout=grace + 120
             )
+            try:
+                before[runner.worker.index] = str(json.loads(out.decode()).get("status_before_stop", ""))
+            except ValueError:
+                pass
             results[runner.worker.index] = (rc, err)
 
         threads = [threading.Thread(target=one, args=(r,)) for r in target.runners]
@@ -465,4 +470,12 @@ def cancel_cmd(
         target.close()
     if failures:
         raise UnreachableError("could not stop the job everywhere: " + "; ".join(failures))
-    ui.info(f"job {job} stopped on {len(target.runners)} worker(s)")
+    ended = {w: st for w, st in before.items() if st in ("finished", "stopped", "failed")}
+    stopped = len(target.runners) - len(ended)
+    if not stopped:
+        states = ", ".join(sorted(set(ended.values())))
+        ui.info(f"job {job} had already ended ({states}) on every worker: nothing to stop")
+    elif ended:
+        ui.info(f"job {job} stopped on {stopped} worker(s); it had already ended on {len(ended)}")
+    else:
+        ui.info(f"job {job} stopped on {stopped} worker(s)")

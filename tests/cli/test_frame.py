@@ -78,6 +78,12 @@ def test_help_on_every_command():
         assert "Usage" in r.out
 
 
+def test_help_shows_line_tags_literally():
+    """rich must not take [wN] in a help text for markup and swallow it."""
+    r = tpurun("exec", "--help", env={"COLUMNS": "200"})
+    assert "lines prefixed [wN]" in r.out, r.out
+
+
 def test_placeholders_fail_loudly():
     from tpurun import commands
 

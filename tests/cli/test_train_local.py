@@ -85,3 +85,32 @@ def test_lightning_example_trains_under_tpurun(tmp_path):
     assert re.search(r"^\[w0/c1\] \[rank 1/2\] epoch 15 ", r.out, re.M), r.out[-2000:]
     final = re.search(r"^\[w0/c0\] final test accuracy: ([0-9.]+)$", r.out, re.M)
     assert final and float(final.group(1)) >= 0.90, r.out[-2000:]
+
+
+def test_cancel_of_an_ended_job_says_it_had_ended(tmp_path):
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    (tmp_path / "q.py").write_text("print('done')\n")
+    r = tpurun("train", "q.py", "--runtime", "cpu", cwd=tmp_path, env=env, timeout=120)
+    assert r.code == 0, r.err
+    job = re.search(r"job (\S+):", r.err).group(1)
+    r = tpurun("cancel", job, cwd=tmp_path, env=env, timeout=120)
+    assert r.code == 0, r.err
+    assert "had already ended (finished)" in r.err and "stopped on" not in r.err, r.err
+
+
+def test_jobs_never_cuts_a_status(tmp_path):
+    """A job whose TPU cannot be asked: its status says why in whole words, not 40 characters of it."""
+    home = tmp_path / "tpurun-home"
+    (home / "jobs").mkdir(parents=True)
+    record = {
+        "job_id": "20260101-000000-abcd", "tpu": "gone-node", "workers": [0], "cores": {"0": [-1]},
+        "created": "2026-01-01T00:00:00", "detached": True, "command": ["t.py"], "python": "python3",
+    }  # fmt: skip
+    (home / "jobs" / "20260101-000000-abcd.json").write_text(json.dumps(record))
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "TPURUN_HOME": str(home)}
+    env.update({"TPURUN_PROJECT": "", "TPURUN_ZONE": "", "CLOUDSDK_CONFIG": str(tmp_path / "no-gcloud")})
+    r = tpurun("jobs", "--json", cwd=tmp_path, env=env, timeout=60)
+    assert r.code == 0, r.err
+    (row,) = json.loads(r.out)
+    assert row["status"].startswith("unknown: ") and row["status"].rstrip().endswith((".", ")", "`")), row["status"]
+    assert len(row["status"]) > 60, row["status"]

@@ -979,6 +979,7 @@ def stop_job(job: str, grace: float | None) -> dict:
     ours if it is gone or hangs)."""
     jdir = job_dir(job)
     st = _load_state(job)
+    before = st.get("status")
     if grace is None:
         grace = float((read_json(os.path.join(jdir, "spec.json")) or {}).get("grace", DEFAULT_GRACE))
     sup = st.get("supervisor_pid")
@@ -1027,6 +1028,7 @@ def stop_job(job: str, grace: float | None) -> dict:
         st.pop("supervisor_alive", None)
         write_json_atomic(os.path.join(jdir, "state.json"), st)
         st["supervisor_alive"] = False
+    st["status_before_stop"] = before
     return st
 
 
