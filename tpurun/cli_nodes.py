@@ -209,6 +209,9 @@ def delete_cmd(
         qr = provision.delete(cloud, name, progress)
     targets.forget_node(settings.resolve({}).home_path, cloud.project, cloud.zone, name)
     ui.info(f"deleted {name}" + (" and its queued resource" if qr else ""))
+    cleared = settings.clear_project_setting("tpu", name)
+    if cleared:
+        ui.info(f"{name} is no longer the default TPU in {cleared}")
 
 
 @app.command("stop")

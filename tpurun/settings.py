@@ -205,3 +205,14 @@ def write_project_setting(key: str, value: str, directory: Path | None = None) -
         lines.insert(insert_at, new_line)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def clear_project_setting(key: str, value: str, directory: Path | None = None) -> Path | None:
+    """Remove KEY from the nearest tpurun.toml if it is set to VALUE there; the file, if it was."""
+    path = find_project_file(directory or Path.cwd())
+    if path is None or read_toml(path).get(key) != value:
+        return None
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [ln for ln in lines if ln.lstrip().startswith("#") or ln.split("=", 1)[0].strip() != key]
+    path.write_text("\n".join(kept) + ("\n" if kept else ""), encoding="utf-8")
+    return path

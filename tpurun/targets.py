@@ -92,7 +92,12 @@ def resolve(
     from tpurun.naming import validate_name
 
     validate_name(name)
-    project, zone = s.require_location()
+    try:
+        project, zone = s.require_location()
+    except UsageError as exc:
+        raise UsageError(
+            f"{exc.message}; or run on this machine with --local (the TPU {name!r} comes from {s.tpu.source})"
+        ) from None
     cache = node_cache_path(s.home_path, project, zone, name)
     remembered = _read_cache(cache)
 

@@ -114,3 +114,14 @@ def test_jobs_never_cuts_a_status(tmp_path):
     (row,) = json.loads(r.out)
     assert row["status"].startswith("unknown: ") and row["status"].rstrip().endswith((".", ")", "`")), row["status"]
     assert len(row["status"]) > 60, row["status"]
+
+
+def test_a_default_tpu_without_project_names_local_as_a_way_out(tmp_path):
+    """tpurun.toml names a TPU but no project/zone is set: the error says where the TPU came from and --local."""
+    (tmp_path / "tpurun.toml").write_text('tpu = "demo"\n')
+    (tmp_path / "q.py").write_text("print('hi')\n")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "CLOUDSDK_CONFIG": str(tmp_path / "g")}
+    env.update({"TPURUN_PROJECT": "", "TPURUN_ZONE": ""})
+    r = tpurun("train", "q.py", cwd=tmp_path, env=env, timeout=60)
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    assert "--local" in r.err and "tpurun.toml" in r.err and "'demo'" in r.err, r.err

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error
+from tests.helpers import assert_clean_error, create_node
 
 pytestmark = pytest.mark.integration
 
@@ -253,3 +253,12 @@ def test_describe_shortens_ssh_keys(cli):
     keyline = d["metadata"]["ssh-keys"]
     pub = (Path(cli.env["TPURUN_HOME"]) / "ssh" / "id_ed25519.pub").read_text().split()[1]
     assert pub not in keyline and keyline.startswith("root:ssh-ed25519")
+
+
+def test_delete_clears_the_default_that_names_the_node(cli):
+    create_node(cli, "dflt", "v4-8")
+    toml = cli.cwd / "tpurun.toml"
+    assert 'tpu = "dflt"' in toml.read_text()
+    r = cli("delete", "dflt", "--yes")
+    assert r.code == 0, r.err
+    assert "tpu" not in toml.read_text() and "no longer the default TPU" in r.err, (toml.read_text(), r.err)
