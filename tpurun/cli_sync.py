@@ -161,6 +161,11 @@ def sync_cmd(
         raise UsageError(f"{src} is not a directory: sync copies a directory (e.g. `tpurun sync .`)")
     source = source.resolve()
     destination = dest or default_dest(source)
+    if not local and not settings.resolve({"tpu": tpu}).tpu.value:
+        raise UsageError(
+            "no TPU named: sync copies a directory to a TPU's workers; name one with --tpu NAME (or TPURUN_TPU, "
+            "or tpu in tpurun.toml), or pass --local to copy it on this machine"
+        )
     target = targets.resolve(tpu=tpu, local=local, worker_spec=worker)
     if target.local:
         destination = str(check_local_dest(source, destination))

@@ -125,3 +125,14 @@ def test_a_default_tpu_without_project_names_local_as_a_way_out(tmp_path):
     r = tpurun("train", "q.py", cwd=tmp_path, env=env, timeout=60)
     assert r.code == 2 and "Traceback" not in r.err, r.err
     assert "--local" in r.err and "tpurun.toml" in r.err and "'demo'" in r.err, r.err
+
+
+def test_sync_without_a_tpu_refuses(tmp_path):
+    """No TPU named: sync says so instead of copying the directory somewhere on this machine."""
+    work = tmp_path / "proj"
+    work.mkdir()
+    (work / "a.txt").write_text("a")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "TPURUN_TPU": ""}
+    r = tpurun("sync", cwd=work, env=env, timeout=60)
+    assert r.code == 2 and "--tpu" in r.err and "--local" in r.err and "Traceback" not in r.err, r.err
+    assert not (tmp_path / "proj" / "proj").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["proj"]
