@@ -385,7 +385,10 @@ def logs_cmd(
                     buf = b""
                     while True:
                         data = stream.read(0.2)
-                        if data is None or stop.is_set():
+                        if stop.is_set():
+                            stream.kill()  # a viewer only ends its own stream: the job goes on
+                            return
+                        if data is None:
                             break
                         buf += data
                         *lines, buf = buf.split(b"\n")
@@ -429,6 +432,8 @@ def logs_cmd(
         renderer.flush()
     finally:
         target.close()
+    if stop.is_set():
+        raise typer.Exit(ExitCode.INTERRUPTED)
     for w, e in sorted(errors.items()):
         ui.err().print(f"error: w{w}: {e}", markup=False)
     if errors:

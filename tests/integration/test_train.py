@@ -241,3 +241,23 @@ def test_digits_example_trains_across_two_workers(cli):
     final = [line for line in by_core[(0, 0)] if line.startswith("final test accuracy")]
     assert final, r.out[-2000:]
     assert float(final[0].split()[-1]) >= 0.90
+
+
+def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, emulator):
+    create_node(cli, "view")
+    (cli.cwd / "slow.py").write_text("import time\nfor i in range(600):\n    print('tick', i, flush=True); time.sleep(0.1)\n")
+    r = cli("train", "slow.py", "--runtime", "cpu", "--cores", "1", "--python", "python3", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "logs", job, "--follow"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    assert "tick" in proc.stdout.readline()
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert time.monotonic() - t0 < 5
+    assert job_pids(emulator, "view", "slow.py")  # the job itself goes on
+    assert cli("cancel", job).code == 0
