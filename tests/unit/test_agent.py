@@ -549,3 +549,42 @@ def job_processes_left(job: str) -> list[int]:
             return False
 
     return live_processes(of_job)
+
+
+@pytest.mark.parametrize("mode", ["nested", "exit0"])
+def test_host_launch_what_is_not_a_chip_failure(home: Path, tmp_path: Path, mode: str) -> None:
+    """A replica's own forked pool reports nothing for the chip; sys.exit(0) in a replica is success."""
+    p = script(tmp_path, "spawner.py", SPAWNER)
+    start(home, f"hn-{mode}-{RUN}", [host(p, MODE=mode, N="2")], launch="host")
+    st = wait_over(home, f"hn-{mode}-{RUN}")
+    assert st["status"] == "finished", (st, lines(home, f"hn-{mode}-{RUN}", "w0"))
+    assert {c["core"]: c["exit_code"] for c in st["cores"]} == {-1: 0, 0: 0, 1: 0}
+
+
+def test_host_launch_other_spawners_chips_may_end_before_their_parent(home: Path, tmp_path: Path) -> None:
+    """Not every spawner is a process pool: a chip process that ends while its parent goes on is not a crash."""
+    p = script(
+        tmp_path,
+        "procs.py",
+        """
+        import multiprocessing, os, time
+
+        def replica(rank):
+            os.environ["PJRT_LOCAL_PROCESS_RANK"] = str(rank)
+            print("replica", rank, flush=True)
+
+        if __name__ == "__main__":
+            ps = [multiprocessing.get_context("spawn").Process(target=replica, args=(r,)) for r in range(2)]
+            for q in ps:
+                q.start()
+            for q in ps:
+                q.join()
+            time.sleep(1)  # the parent outlives its chips
+            print("parent done", flush=True)
+        """,
+    )
+    start(home, f"hp-{RUN}", [host(p)], launch="host")
+    st = wait_over(home, f"hp-{RUN}")
+    assert {c["core"]: c["exit_code"] for c in st["cores"]} == {-1: 0, 0: 0, 1: 0}
+    assert st["status"] == "finished", st
+    assert lines(home, f"hp-{RUN}", "w0-c1") == ["replica 1"]
