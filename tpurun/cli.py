@@ -199,6 +199,19 @@ COMMAND_MODULES: dict[str, str | None] = {
 _ROOT_FLAGS = {"--plain", "--debug", "--version", "-h", "--help"}
 
 
+_GLOBAL_FLAGS = ("--plain", "--debug")
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """--plain and --debug work anywhere before `--`: moved in front of the command, so a command never
+    refuses them and `train` never hands them to the user's script (after `--` everything is the script's)."""
+    end = args.index("--") if "--" in args else len(args)
+    flags = [a for a in args[:end] if a in _GLOBAL_FLAGS]
+    if not flags:
+        return args
+    return flags + [a for a in args[:end] if a not in _GLOBAL_FLAGS] + args[end:]
+
+
 def load_commands(args: list[str]) -> None:
     """Register the command ARGS names (only its module), or every command when that is unclear."""
     import importlib
@@ -216,7 +229,7 @@ def load_commands(args: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and a CONTRACT.md exit code."""
-    args = sys.argv[1:] if argv is None else argv
+    args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
     load_commands(args)
     command = typer.main.get_command(app)
     try:

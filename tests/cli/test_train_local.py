@@ -136,3 +136,15 @@ def test_sync_without_a_tpu_refuses(tmp_path):
     r = tpurun("sync", cwd=work, env=env, timeout=60)
     assert r.code == 2 and "--tpu" in r.err and "--local" in r.err and "Traceback" not in r.err, r.err
     assert not (tmp_path / "proj" / "proj").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["proj"]
+
+
+def test_global_flags_work_after_the_command_and_never_reach_the_script(tmp_path):
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    for args in (["topology", "v4-8", "--plain"], ["config", "show", "--debug"], ["jobs", "--plain"]):
+        r = tpurun(*args, cwd=tmp_path, env=env, timeout=60)
+        assert r.code == 0, (args, r.err)
+    (tmp_path / "argv.py").write_text("import sys\nprint('argv', sys.argv[1:])\n")
+    r = tpurun("train", "argv.py", "x", "--plain", "--runtime", "cpu", cwd=tmp_path, env=env, timeout=120)
+    assert r.code == 0 and "[w0/c0] argv ['x']" in r.out, (r.out, r.err)
+    r = tpurun("train", "argv.py", "--runtime", "cpu", "--", "--plain", cwd=tmp_path, env=env, timeout=120)
+    assert r.code == 0 and "[w0/c0] argv ['--plain']" in r.out, (r.out, r.err)  # after --: the script's
