@@ -71,9 +71,12 @@ def train_cmd(
         bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")
     ] = False,
     max_restarts: Annotated[int, typer.Option(help="Recreate a preempted node and relaunch, up to N times.")] = 0,
-    metrics: Annotated[bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")] = False,
+    metrics: Annotated[
+        bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")
+    ] = False,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the launch model and each process's command and env; start nothing.")
+        bool,
+        typer.Option("--dry-run", help="Print the launch model and each process's command and env; start nothing."),
     ] = False,
     python: Annotated[str | None, typer.Option(help="Python on the workers (default python3; here: this one).")] = None,
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = 5.0,
@@ -370,6 +373,8 @@ def logs_cmd(
     stop = threading.Event()
     done: set[int] = set()
     errors: dict[int, str] = {}
+    replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, core, offset, line)
+    replay_lock = threading.Lock()
     try:
         train.connect(target)
 
@@ -397,7 +402,11 @@ def logs_cmd(
                             if rec.get("event") == "done":
                                 done.add(w)
                             elif rec.get("event") is None:
-                                renderer.line(w, rec["c"], rec.get("l", ""))
+                                if follow:
+                                    renderer.line(w, rec["c"], rec.get("l", ""))
+                                else:  # a replay: every worker's lines first, then in time order
+                                    with replay_lock:
+                                        replay.append((float(rec.get("t", 0)), w, rec["c"], rec["o"], rec.get("l", "")))
                                 offsets[w][rec["c"]] = rec["o"]
                     rc = stream.wait()
                     if rc == 2:
@@ -429,6 +438,8 @@ def logs_cmd(
             for t in threads:
                 while t.is_alive():
                     t.join(0.2)
+        for _, w, c, _, line in sorted(replay):
+            renderer.line(w, c, line)
         renderer.flush()
     finally:
         target.close()

@@ -261,3 +261,17 @@ def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, 
     assert time.monotonic() - t0 < 5
     assert job_pids(emulator, "view", "slow.py")  # the job itself goes on
     assert cli("cancel", job).code == 0
+
+
+def test_logs_replays_every_worker_in_time_order(cli):
+    create_node(cli, "order")
+    (cli.cwd / "turns.py").write_text(
+        "import os, time\nw = int(os.environ['TPURUN_WORKER_ID'])\ntime.sleep(0.1 * w)\n"
+        "for i in range(5):\n    print('turn', i, 'w', w, flush=True); time.sleep(0.2)\n"
+    )
+    r = cli("train", "turns.py", "--runtime", "cpu", "--cores", "1", "--python", "python3")
+    assert r.code == 0, r.err
+    job = re.search(r"job (\S+):", r.err).group(1)
+    out = cli("logs", job).out
+    turns = [line.split("] ", 1)[1] for line in out.splitlines() if "] turn " in line]
+    assert turns == [f"turn {i} w {w}" for i in range(5) for w in (0, 1)], turns
