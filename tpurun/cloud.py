@@ -22,6 +22,7 @@ from google.cloud import tpu_v2
 
 from tpurun import ui
 from tpurun.errors import ApiError, UsageError
+from tpurun.naming import validate_zone
 from tpurun.settings import Settings
 
 T = TypeVar("T")
@@ -88,6 +89,7 @@ class Cloud:
 
     def __init__(self, s: Settings, *, retry: Retry | None = None) -> None:
         self.project, self.zone = s.require_location()
+        validate_zone(self.zone)  # every command judges a zone the same way, before the API sees it
         self.endpoint = s.endpoint
         self.parent = f"projects/{self.project}/locations/{self.zone}"
         self.retry = retry or Retry(

@@ -16,3 +16,16 @@ def validate_name(name: str) -> str:
             "and not ending with '-'"
         )
     return name
+
+
+# region-zone as Compute Engine names them: us-central2-b, europe-west4-a, asia-northeast1-b
+ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+
+
+def validate_zone(zone: str) -> str:
+    if not ZONE_RE.match(zone or ""):
+        raise UsageError(
+            f"{zone!r} is not a zone: Cloud TPU zones look like us-central2-b or europe-west4-a "
+            "(`gcloud compute tpus locations list` shows them)"
+        )
+    return zone

@@ -262,3 +262,10 @@ def test_delete_clears_the_default_that_names_the_node(cli):
     r = cli("delete", "dflt", "--yes")
     assert r.code == 0, r.err
     assert "tpu" not in toml.read_text() and "no longer the default TPU" in r.err, (toml.read_text(), r.err)
+
+
+def test_list_and_create_judge_a_zone_the_same_way(cli):
+    for args in (["list", "--zone", "uscentral"], ["create", "zz", "-t", "v4-8", "--zone", "uscentral"]):
+        r = cli(*args)
+        assert_clean_error(r, 2)
+        assert "'uscentral' is not a zone" in r.err, (args, r.err)
