@@ -7,7 +7,7 @@ tpurun gives each process RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (docs/tr
 with scikit-learn (no download). Each process trains on its shard of the training set on its XLA device;
 gradients are averaged across processes with torch.distributed's gloo backend on CPU copies. That path is
 the same on CPU and TPU; it avoids xm.all_reduce, which on CPU would need several devices in one process
-and hangs when they are driven from threads (see /work/shared/FACTS.md). Started without tpurun it trains
+and hangs when they are driven from threads (see docs/train.md, "On the cpu runtime"). Started without tpurun it trains
 alone (world size 1).
 """
 

@@ -228,7 +228,7 @@ def load_commands(args: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; every failure becomes one line on stderr and a CONTRACT.md exit code."""
+    """Run the CLI; every failure becomes one line on stderr and one of the exit codes the README lists."""
     args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
     load_commands(args)
     command = typer.main.get_command(app)

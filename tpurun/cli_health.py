@@ -1,6 +1,6 @@
 """`tpurun kill-stale` and `tpurun doctor`: one exec per worker carrying tpurun.stale, all workers at once.
 
-Exit codes (CONTRACT.md): kill-stale 0 when every selected worker's TPU is free, 1 when a holder is
+Exit codes: kill-stale 0 when every selected worker's TPU is free, 1 when a holder is
 left (with --dry-run: when one was found); doctor 0 when no check failed, 1 when one did. Both exit 4
 when a worker could not be reached (doctor still prints every other worker's rows).
 """

@@ -73,7 +73,7 @@ def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
 
 
 def summarize(results: list[RunResult], interrupted: bool) -> int:
-    """Print the per-worker summary on stderr and return the CONTRACT.md exit code."""
+    """Print the per-worker summary on stderr and return the exit code (README: 0, 1, 4, 130)."""
     unreachable = [r for r in results if r.exit_code is None]
     failed = [r for r in results if r.exit_code not in (0, None)]
     if len(results) > 1 or failed or unreachable:

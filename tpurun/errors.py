@@ -1,4 +1,4 @@
-"""The exceptions tpurun raises on purpose, each carrying its exit code (CONTRACT.md)."""
+"""The exceptions tpurun raises on purpose, each carrying its exit code (the README lists them)."""
 
 from __future__ import annotations
 

@@ -9,13 +9,19 @@ from tpurun.errors import UsageError
 NAME_RE = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
+def _checked(pattern: re.Pattern[str], value: str, problem: str) -> str:
+    if not pattern.match(value or ""):
+        raise UsageError(problem)
+    return value
+
+
 def validate_name(name: str) -> str:
-    if not NAME_RE.match(name or ""):
-        raise UsageError(
-            f"invalid TPU name {name!r}: use 1-63 lowercase letters, digits and '-', starting with a letter "
-            "and not ending with '-'"
-        )
-    return name
+    return _checked(
+        NAME_RE,
+        name,
+        f"invalid TPU name {name!r}: use 1-63 lowercase letters, digits and '-', starting with a letter "
+        "and not ending with '-'",
+    )
 
 
 # region-zone as Compute Engine names them: us-central2-b, europe-west4-a, asia-northeast1-b
@@ -23,9 +29,9 @@ ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 
 
 def validate_zone(zone: str) -> str:
-    if not ZONE_RE.match(zone or ""):
-        raise UsageError(
-            f"{zone!r} is not a zone: Cloud TPU zones look like us-central2-b or europe-west4-a "
-            "(`gcloud compute tpus locations list` shows them)"
-        )
-    return zone
+    return _checked(
+        ZONE_RE,
+        zone,
+        f"{zone!r} is not a zone: Cloud TPU zones look like us-central2-b or europe-west4-a "
+        "(`gcloud compute tpus locations list` shows them)",
+    )

@@ -1,6 +1,6 @@
 """One place that resolves project, zone, TPU name, API endpoint and tpurun's home.
 
-Precedence (CONTRACT.md): command-line flag > TPURUN_* environment variable > tpurun.toml in the
+Precedence (docs/configuration.md): command-line flag > TPURUN_* environment variable > tpurun.toml in the
 current directory or a parent > $XDG_CONFIG_HOME/tpurun/config.toml > the active gcloud
 configuration (read as files; gcloud itself is not needed).
 """

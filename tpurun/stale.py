@@ -36,7 +36,7 @@ from typing import Any
 
 DEFAULT_DEVICE_GLOBS = ["/dev/accel*", "/dev/vfio/*"]
 DEFAULT_LIBTPU_GLOB = "libtpu*.so"
-# libtpu's lock files (FACTS.md); "~" is the login user's home, expanded by the caller's side.
+# libtpu's lock files (docs/troubleshooting.md); "~" is the login user's home, expanded by the caller's side.
 DEFAULT_LOCK_GLOBS = ["/tmp/libtpu_lockfile", "/tmp/libtpu_lock_*/libtpu_lockfile", "~/.libtpu_lockfile"]
 # Where users export XLA variables that an interactive `tpurun ssh` session (and their own shells) see.
 ENV_FILES = ["/etc/environment", "~/.bashrc", "~/.profile", "~/.bash_profile", "~/.zshrc", "/etc/profile.d/*.sh"]

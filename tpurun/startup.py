@@ -25,7 +25,7 @@ SETUP_KEY = "tpurun-setup"
 CODE_KEY = "tpurun-code"
 DATA_KEY = "tpurun-data"
 DEFAULT_CODE_DEST = "/tmp/tpurun/code"
-# FACTS.md: one metadata value at most 256 KiB, all metadata together under 512 KB
+# Compute Engine's metadata limits: one value at most 256 KiB, all metadata together under 512 KB
 MAX_VALUE = 256 * 1024
 MAX_TOTAL = 512 * 1000
 

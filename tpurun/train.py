@@ -1,7 +1,7 @@
 """The launcher side of `tpurun train`: plan the job, ship the agent, start it everywhere, stream, stop.
 
 The agent (runtime/agent.py) owns the processes on each worker and writes every line to files first;
-this module only decides and renders (STYLE.md: the agent is separate from the launcher). Each
+this module only decides and renders (as in torchelastic, the agent is separate from the launcher). Each
 worker gets one SSH channel running `agent start` then `agent stream --attached`: the channel's stdin
 is the job's lifeline, so closing it (fail-fast, Ctrl-C) or losing it (tpurun killed, laptop gone)
 stops the cores of an attached job on that worker.
@@ -329,7 +329,7 @@ class JobRun:
         detach: bool,
         grace: float,
         pre: Callable[[int], list[list[str]]],
-        launch: str = "chip",
+        launch: str,
         on_event: Callable[[str], None] | None = None,
     ) -> None:
         self.target = target

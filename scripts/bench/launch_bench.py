@@ -16,9 +16,9 @@ RTT, tpurun and the floor; the extra round trips = (time - time at 0 ms) / RTT.
 Writes docs/bench/launch.json, docs/bench/launch_vs_workers.png, docs/bench/rtt.png and the
 generated table in docs/benchmarks.md. Needs root (the emulator). Usage:
 
-    sudo /work/venv/bin/python scripts/bench/launch_bench.py --quick      # 8 and 32 workers, 3 reps
-    sudo /work/venv/bin/python scripts/bench/launch_bench.py              # 8, 32, 64; 5 reps
-    sudo /work/venv/bin/python scripts/bench/launch_bench.py --full       # 8, 32, 64, 128; 5 reps
+    sudo .venv/bin/python scripts/bench/launch_bench.py --quick      # 8 and 32 workers, 3 reps
+    sudo .venv/bin/python scripts/bench/launch_bench.py              # 8, 32, 64; 5 reps
+    sudo .venv/bin/python scripts/bench/launch_bench.py --full       # 8, 32, 64, 128; 5 reps
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def main() -> int:
     if args.sizes:
         sizes = [int(x) for x in args.sizes.split(",")]
     reps = args.reps or (3 if args.quick else 5)
-    command = "sudo /work/venv/bin/python scripts/bench/launch_bench.py " + " ".join(
+    command = "sudo .venv/bin/python scripts/bench/launch_bench.py " + " ".join(
         shlex.quote(a) for a in sys.argv[1:]
     )
     result: dict[str, Any] = {"machine": common.machine(), "repetitions": reps, "command": command.strip()}

@@ -10,7 +10,7 @@ Starts the emulator (`tpurun emulator start`), creates a v4-64, builds a 5,000-f
 
 Prints a table and the exact commands; needs root (the emulator). Usage:
 
-    sudo /work/venv/bin/python scripts/bench/sync_bench.py [--files 5000] [--mb 100] [--repeat 3]
+    sudo .venv/bin/python scripts/bench/sync_bench.py [--files 5000] [--mb 100] [--repeat 3]
 """
 
 from __future__ import annotations

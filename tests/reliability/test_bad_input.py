@@ -1,4 +1,4 @@
-"""The bad-input corpus: every case gets its exit code (2, or the CONTRACT.md code), one line on stderr that
+"""The bad-input corpus: every case gets its exit code (2, or the code the README lists), one line on stderr that
 starts with `error:` (a `hint:` line may follow), no traceback, and the API sees no POST/PATCH/DELETE.
 
 The cases run concurrently (one subprocess each) in a module fixture; each is then its own test.
