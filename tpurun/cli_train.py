@@ -207,7 +207,7 @@ def _attempt(
     )
     record.save(home)
     topo = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
-    renderer = train.Renderer(colour=not ui.is_plain(), quiet=json_out)
+    renderer = train.Renderer(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
     run = train.JobRun(
         target,
         job_id,
@@ -368,7 +368,7 @@ def logs_cmd(
     s = settings.resolve({})
     record = train.JobRecord.load(s.home_path, job)
     target = _record_target(record)
-    renderer = train.Renderer(colour=not ui.is_plain())
+    renderer = train.Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
     offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
     stop = threading.Event()
     done: set[int] = set()

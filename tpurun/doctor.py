@@ -154,13 +154,28 @@ def check_libtpu(worker: int, probe: dict[str, Any], python: str) -> Check:
     if p.get("libtpu_installed"):
         return Check(worker, "libtpu", "pass", f"found: {p.get('libtpu_path')}")
     xla = p.get("torch_xla_version") or "2.9.0"
+    install = "install it with torch_xla's tpu extra: " + _pip(python, f"'torch_xla[tpu]=={xla}'")
+    if _emulated(probe):
+        return Check(
+            worker,
+            "libtpu",
+            "warn",
+            "an emulated worker (its TPU device files are plain files): no chip and no libtpu here, so train it "
+            "with --runtime cpu; on a real TPU VM a missing libtpu fails every TPU job",
+            "nothing to do here; on a real TPU VM, " + install,
+        )
     return Check(
         worker,
         "libtpu",
         "fail",
         f"libtpu not found for {python}: PJRT cannot open the TPU ('No TPU devices were found')",
-        "install it with torch_xla's tpu extra: " + _pip(python, f"'torch_xla[tpu]=={xla}'"),
+        install,
     )
+
+
+def _emulated(probe: dict[str, Any]) -> bool:
+    present = probe.get("devices_present") or []
+    return bool(present) and set(probe.get("devices_plain") or []) == set(present)
 
 
 def _describe(h: dict[str, Any]) -> str:
@@ -211,7 +226,8 @@ def check_devices(worker: int, probe: dict[str, Any], *, named_tpu: bool, kill_s
             )
         )
     else:
-        out.append(Check(worker, "devices", "pass", f"{len(present)} device files present, none in use"))
+        plain = " (plain files: an emulated TPU, no chip behind them)" if _emulated(probe) else ""
+        out.append(Check(worker, "devices", "pass", f"{len(present)} device files present, none in use{plain}"))
     if probe.get("scan_note"):
         out.append(
             Check(

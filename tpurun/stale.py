@@ -471,6 +471,8 @@ def doctor(cfg: dict) -> dict:
         "python_probe": run_python_probe(python, cfg.get("probe", "")),
         "devices_present": present,
         "devices_missing": [p for p in expected if not os.path.exists(p)],
+        # a TPU's device files are character devices; plain files are an emulated worker's (no chip behind them)
+        "devices_plain": [p for p in present if os.path.isfile(p)],
         "holders": found["holders"],
         "scan_note": scan_note,
         "locks": [{"path": p, "open_in": found["lock_users"].get(p, [])} for p in locks],

@@ -13,6 +13,7 @@ import base64
 import datetime as dt
 import json
 import os
+import re
 import secrets
 import shlex
 import sys
@@ -276,20 +277,26 @@ def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[
 # ---------------------------------------------------------------------------- running
 
 
+# What a runtime prints once per process and tells a user nothing: hidden on the terminal unless asked
+# (--debug); the job's log files keep every line.
+CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+")
+
+
 class Renderer:
-    """Lines to stdout as `[wN/cM] line`, coloured on a terminal; whole lines only."""
+    """Lines to stdout as `[wN/cM] line`, coloured on a terminal; whole lines only; CHATTER only if asked."""
 
     COLOURS = [36, 35, 32, 33, 34, 31]
 
-    def __init__(self, colour: bool, quiet: bool = False) -> None:
+    def __init__(self, colour: bool, quiet: bool = False, chatter: bool = False) -> None:
         self.colour = colour
         self.quiet = quiet
+        self.chatter = chatter
         self.lock = threading.Lock()
         self.buffer: list[str] = []
         self.last_flush = time.monotonic()
 
     def line(self, worker: int, core: int, text: str) -> None:
-        if self.quiet:
+        if self.quiet or (not self.chatter and CHATTER.fullmatch(text)):
             return
         prefix = f"[{process_name(worker, core)}]"
         if self.colour:

@@ -148,3 +148,30 @@ def test_global_flags_work_after_the_command_and_never_reach_the_script(tmp_path
     assert r.code == 0 and "[w0/c0] argv ['x']" in r.out, (r.out, r.err)
     r = tpurun("train", "argv.py", "--runtime", "cpu", "--", "--plain", cwd=tmp_path, env=env, timeout=120)
     assert r.code == 0 and "[w0/c0] argv ['--plain']" in r.out, (r.out, r.err)  # after --: the script's
+
+
+_GLOO = """import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("sum", t.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_connection_chatter_stays_off_the_terminal_unless_asked(tmp_path):
+    """torch.distributed's gloo prints one "[Gloo] Rank N is connected" line per process: hidden on the
+    terminal and in `logs`, shown with --debug, always kept in the job's log files."""
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    (tmp_path / "g.py").write_text(_GLOO)
+    r = tpurun("train", "g.py", "--cores", "2", "--runtime", "cpu", cwd=tmp_path, env=env, timeout=300)
+    assert r.code == 0, r.err
+    assert sorted(re.findall(r"^\[w0/c\d\] sum 3.0$", r.out, re.M)) == ["[w0/c0] sum 3.0", "[w0/c1] sum 3.0"], r.out
+    assert "[Gloo]" not in r.out + r.err
+    job = re.search(r"job (\S+):", r.err).group(1)
+    replay = tpurun("logs", job, cwd=tmp_path, env=env, timeout=120)
+    assert replay.code == 0 and "sum 3.0" in replay.out and "[Gloo]" not in replay.out, replay.out
+    shown = tpurun("logs", job, "--debug", cwd=tmp_path, env=env, timeout=120)
+    assert len(re.findall(r"^\[w0/c\d\] \[Gloo\] Rank \d is connected to 1 peer ranks", shown.out, re.M)) == 2
+    r = tpurun("--debug", "train", "g.py", "--cores", "2", "--runtime", "cpu", cwd=tmp_path, env=env, timeout=300)
+    assert r.code == 0 and r.out.count("[Gloo] Rank") == 2, r.out

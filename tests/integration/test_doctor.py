@@ -69,7 +69,9 @@ def test_doctor_turns_each_fault_into_a_failing_row_with_its_fix(cli, emulator):
     assert rows0["startup script"][0]["status"] == "pass"
     assert "torch 2.9.0, torch_xla 2.9.0" in rows0["torch_xla"][0]["detail"]
     assert rows0["libtpu"][0]["status"] == "pass" and "/root/site/libtpu" in rows0["libtpu"][0]["detail"]
-    assert rows0["devices"][0]["detail"] == "4 device files present, none in use"
+    assert rows0["devices"][0]["detail"] == (
+        "4 device files present, none in use (plain files: an emulated TPU, no chip behind them)"
+    )
     assert rows0["clock"][0]["status"] == "pass"
 
     # worker 1: busy device -> run kill-stale
@@ -96,9 +98,27 @@ def test_doctor_turns_each_fault_into_a_failing_row_with_its_fix(cli, emulator):
         and "delete the XRT_TPU_CONFIG line at ~/.bashrc:" in f3["xla config"]["fix"]
     )
 
-    # the system python3 (no torch): missing torch_xla, as a table with the fix
-    r = cli("doctor", "--worker", "0")
+    # the system python (no torch): missing torch_xla, as a table with the fix
+    r = cli("doctor", "--worker", "0", "--python", "/usr/bin/python3")
     assert r.code == 1
     line = next(ln for ln in r.out.splitlines() if ln.startswith("w0") and " torch_xla " in ln)
     assert "FAIL" in line and "neither torch nor torch_xla is installed" in line and "pip install" in line
     assert "failed" in r.err.splitlines()[-1]
+
+
+def test_doctor_on_a_fresh_emulated_node_says_what_fails_here_and_what_would_on_a_tpu(cli, emulator):
+    """The emulated image's python3 has torch_xla but no libtpu and no chip: no FAIL row a newcomer cannot act
+    on; the libtpu row says it is an emulated worker, what to do here and what a real TPU VM needs."""
+    assert cli("create", "doc2", "-t", "v4-16").code == 0
+    r = cli("doctor", "--json")
+    assert r.code == 0, r.out + r.err
+    doc = json.loads(r.out)
+    assert doc["summary"]["fail"] == 0, [c for c in doc["checks"] if c["status"] == "fail"]
+    for w in (0, 1):
+        rows = _rows(doc, w)
+        lib = rows["libtpu"][0]
+        assert lib["status"] == "warn" and "an emulated worker" in lib["detail"] and "--runtime cpu" in lib["detail"]
+        assert "on a real TPU VM" in lib["fix"] and "torch_xla[tpu]==2.9.0" in lib["fix"]
+        assert rows["torch_xla"][0]["status"] == "pass"
+    r = cli("doctor")
+    assert r.code == 0 and "FAIL" not in r.out, r.out

@@ -176,6 +176,9 @@ def test_libtpu_and_devices():
     no = dr.check_libtpu(0, _probe(libtpu_installed=False), "python3")
     assert no.status == "fail" and "torch_xla[tpu]" in no.fix
     assert dr.check_libtpu(0, _probe(libtpu_installed=False, devices_present=[]), "python3").status == "pass"
+    # plain files where a TPU has character devices: an emulated worker, a warning that says both sides
+    emu = dr.check_libtpu(0, _probe(libtpu_installed=False, devices_plain=["/dev/accel0"]), "python3")
+    assert emu.status == "warn" and "an emulated worker" in emu.detail and "on a real TPU VM" in emu.fix
     kw = {"named_tpu": True, "kill_stale_cmd": "tpurun kill-stale --tpu t"}
     assert _status(dr.check_devices(0, _probe(), **kw), "devices") == ["pass"]
     busy = dr.check_devices(

@@ -128,6 +128,22 @@ def setup_pci(functions: list[dict]) -> None:
     mount(None, base, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
+def setup_image_dir(view: str, i: int, path: str, fd: int) -> None:
+    """PATH (held by FD) as part of the worker's disk: the host's directory below, a layer of the worker's
+    own above (kept in its directory across reboots), so what a worker installs stays on that worker."""
+    layer = f"{view}/image/layer{i}"
+    for sub in ("lower", "upper", "work"):
+        os.makedirs(f"{layer}/{sub}", exist_ok=True)
+    bind(f"/proc/self/fd/{fd}", f"{layer}/lower")
+    os.makedirs(path, exist_ok=True)
+    try:
+        mount("overlay", path, "overlay", 0, f"lowerdir={layer}/lower,upperdir={layer}/upper,workdir={layer}/work")
+    except OSError as e:  # no overlay here: the image is read-only instead
+        log(f"{e}; {path} is read-only")
+        bind(f"{layer}/lower", path)
+        mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+
+
 def build_view(wdir: str, cfg: dict) -> None:
     view = cfg["view"]
     # The host path of the worker directory may be hidden by what we mount below
@@ -135,7 +151,7 @@ def build_view(wdir: str, cfg: dict) -> None:
     # re-attach it at `view`, a path under our own /run that contains the host path
     # (so `pgrep -f STATE_DIR` still finds this worker's processes).
     wfd = os.open(wdir, os.O_PATH | os.O_DIRECTORY)
-    # the host's Python installation under /root or /tmp (see hosts.image_paths): held the same way
+    # the image's Python installation (see hosts.image_paths), which may live under /root or /tmp: held the same way
     image_fds = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in cfg.get("image_paths", []) if os.path.isdir(p)]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # never propagate anything to the host
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -152,11 +168,12 @@ def build_view(wdir: str, cfg: dict) -> None:
     bind(f"{view}/tmp", "/tmp")
     for name in ("hosts", "hostname", "passwd", "shadow", "group"):
         bind(f"{view}/etc/{name}", f"/etc/{name}")
-    for path, fd in image_fds:
-        os.makedirs(path, exist_ok=True)
-        bind(f"/proc/self/fd/{fd}", path)
-        mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)  # part of the image: read-only
+    for i, (path, fd) in enumerate(image_fds):
+        setup_image_dir(view, i, path, fd)
         os.close(fd)
+    if cfg.get("image_bin"):
+        # the image's python3/pip first on PATH; the host's other commands stay visible below them
+        mount("overlay", "/usr/local/bin", "overlay", MS_RDONLY, f"lowerdir={view}/{cfg['image_bin']}:/usr/local/bin")
     socket.sethostname(cfg["hostname"])
     os.chdir("/")
 

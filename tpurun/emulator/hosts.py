@@ -53,6 +53,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -102,22 +103,36 @@ class WorkerInfo:
     init_pid: int | None  # pid (root pid ns) of the worker namespace's init; None when down
 
 
-def image_paths() -> list[str]:
-    """Host directories of the Python installation (and this venv) that live under /root or /tmp.
+def image_python() -> str:
+    """The `python3` of the emulated runtime image: the interpreter the emulator itself runs in (tpurun's own,
+    so a script that runs here also runs on every emulated worker without installing anything there)."""
+    return sys.executable
 
-    A real TPU VM image ships its Python stack; an emulated worker shares this machine's filesystem
-    as its image, except /root and /tmp, which are the worker's own. When the interpreter (pyenv
-    under /root, a venv under /tmp) lives there, the worker gets a read-only view of it at the same
-    path, so `--python <this interpreter>` works on every worker.
+
+def image_paths() -> list[str]:
+    """Host directories of the image's Python installation (its venv and the interpreter under it).
+
+    A real TPU VM image ships its Python stack on the VM's own disk. An emulated worker shares this
+    machine's filesystem, except /root and /tmp, which are the worker's own; these directories it sees at
+    the same path through a copy-on-write layer of its own, so `pip install` on one worker changes that
+    worker only, never this machine or the other workers. System directories (/usr) are left alone.
     """
     found = set()
-    for p in {sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)}:
+    for p in {sys.prefix, sys.base_prefix}:
         real = os.path.realpath(p)
-        for top in ("/root/", "/tmp/"):
-            if real.startswith(top):
-                found.add(real if os.path.isdir(real) else os.path.dirname(real))
+        if os.path.isdir(real) and real not in ("/", "/usr", "/usr/local"):
+            found.add(real)
     # keep only the outermost of nested paths
     return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
+
+
+def image_bin() -> dict[str, str]:
+    """The image's commands that `/usr/local/bin` of every worker holds: python3, python, pip3 and pip
+    of the image Python."""
+    py = shlex.quote(image_python())
+    run = f'#!/bin/sh\nexec {py} "$@"\n'
+    pip = f'#!/bin/sh\nexec {py} -m pip "$@"\n'
+    return {"python3": run, "python": run, "pip3": pip, "pip": pip}
 
 
 def parse_ssh_keys(value: str, *, now: datetime | None = None) -> dict[str, list[str]]:
@@ -436,6 +451,9 @@ class WorkerHosts:
             (d / "startup-script").unlink(missing_ok=True)
         (d / "startup.status").unlink(missing_ok=True)
         (d / "startup.log").touch()
+        (d / "image" / "bin").mkdir(parents=True, exist_ok=True)
+        for name, text in image_bin().items():
+            _write(d / "image" / "bin" / name, text, 0o755)
         _write(
             d / "init.json",
             json.dumps(
@@ -447,6 +465,7 @@ class WorkerHosts:
                     "pci": [{"address": f.address, "files": f.files} for f in image.pci],
                     "metadata_host": f"{w.address}:{self.metadata_port}",
                     "image_paths": image_paths(),
+                    "image_bin": "image/bin",
                 }
             ),
         )
