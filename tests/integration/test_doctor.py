@@ -5,6 +5,7 @@ exported in ~/.bashrc while torch_xla 2.9 is installed, and torch_xla missing (t
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 
@@ -78,7 +79,7 @@ def test_doctor_turns_each_fault_into_a_failing_row_with_its_fix(cli, emulator):
     f1 = _fails(doc, 1)
     assert set(f1) == {"devices"}, f1
     assert (
-        "the TPU is in use" in f1["devices"]["detail"] and "holds /dev/accel2 (root: python3" in f1["devices"]["detail"]
+        "the TPU is in use" in f1["devices"]["detail"] and re.search(r"holds /dev/accel2 \(root: \S*python3? -c 'import time", f1["devices"]["detail"])
     )
     assert "tpurun kill-stale --tpu doc4" in f1["devices"]["fix"]
 
