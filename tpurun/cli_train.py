@@ -11,9 +11,9 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import settings, targets, train, ui
+from tpurun import job_setup, settings, targets, train, ui
 from tpurun.cli import JsonOpt, app
-from tpurun.cli_remote import LocalOpt, TpuOpt, stop_on_signals
+from tpurun.cli_remote import LineWriter, LocalOpt, TpuOpt, stop_on_signals
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.remote import open_stream, run_capture
 from tpurun.runtime import bundle_name
@@ -79,6 +79,15 @@ def train_cmd(
         typer.Option("--dry-run", help="Print the launch model and each process's command and env; start nothing."),
     ] = False,
     python: Annotated[str | None, typer.Option(help="Python on the workers (default python3; here: this one).")] = None,
+    setup: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--setup",
+            help="A shell command run in the job's directory on every worker before the script, once per content "
+            "(repeatable; e.g. 'pip install -r requirements.txt'). A requirements.txt beside the script is "
+            "installed on TPU workers without asking.",
+        ),
+    ] = None,
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = 5.0,
     dest: Annotated[str | None, typer.Option(help="Where the code goes on the workers (default ~/<dir name>).")] = None,
     tpu_ip: Annotated[str | None, typer.Option("--tpu-ip", help="xrt on the old TPU Node architecture.")] = None,
@@ -105,6 +114,7 @@ def train_cmd(
         metrics=metrics,
         dry_run=dry_run,
         python=python,
+        setup=list(setup or []),
         grace=grace,
         tpu_ip=tpu_ip,
     )
@@ -170,6 +180,11 @@ def _attempt(
         ui.info(envc.explain_core(parse_accelerator_type(target.accelerator_type), spec.core))
     if spec.precision == "bf16":
         ui.warn("XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
+    python = train.worker_python(target, spec)
+    cwd = str(Path.cwd()) if target.local else (dest or f"~/{Path.cwd().resolve().name}")
+    setup = job_setup.plan(
+        spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=Path.cwd(), on_tpu=not target.local
+    )
     if spec.dry_run:
         rows = train.dry_run_rows(target, specs)
         if json_out:
@@ -181,20 +196,25 @@ def _attempt(
                     "launch": plan.launch,
                     "launch_reason": plan.launch_reason,
                     "processes": rows,
+                    "setup": {"commands": list(setup.commands), "key": setup.key} if setup else None,
                 }
             )
         else:
             print(plan.launch_reason)
+            if setup:
+                print(f"setup (key {setup.key}, skipped where it ran before): {setup.describe()}")
             for row in rows:
                 name = train.process_name(row["worker"], envc.HOST if row["core"] is None else row["core"])
                 print(f"[{name}] {row['address']}: {train.quote(row['command'])}")
                 for k, v in sorted(row["env"].items()):
                     print(f"    {k}={v}")
         return ExitCode.OK
-    python = train.worker_python(target, spec)
-    cwd = str(Path.cwd()) if target.local else (dest or f"~/{Path.cwd().resolve().name}")
     if not target.local:
         _sync_code(target, cwd, home)
+    if setup:
+        failed = _run_setup(target, setup, cwd=cwd, python=python, grace=spec.grace)
+        if failed:
+            return failed
     record = train.JobRecord(
         job_id=job_id,
         tpu=target.name,
@@ -260,6 +280,48 @@ def _attempt(
     else:
         train.render_summary(run)
     return train.outcome_code(run, seen["interrupted"])
+
+
+def _run_setup(target: targets.Target, setup: job_setup.Setup, *, cwd: str, python: str, grace: float) -> int:
+    """Run the job's setup where it has not run before; 0, or the exit code that ends the job."""
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def announce(todo: list[int], skipped: list[int]) -> None:
+        if skipped:
+            ui.info(f"setup: unchanged on {len(skipped)} worker(s), skipped")
+        if todo:
+            ui.info(f"setup on {len(todo)} worker(s): {setup.describe()}")
+
+    with stop_on_signals(stop) as seen:
+        res = job_setup.run(
+            target.runners,
+            setup,
+            cwd=cwd,
+            python=python,
+            sink=LineWriter(colour=not ui.is_plain()),
+            stop=stop,
+            grace=grace,
+            on_start=announce,
+        )
+    if seen["interrupted"]:
+        ui.err().print("error: interrupted during setup; the job did not start", markup=False)
+        return ExitCode.INTERRUPTED
+    bad = res.failed
+    if bad is not None:
+        w = target.all_workers[bad.worker]
+        if bad.error:
+            raise UnreachableError(f"setup could not run on {w.label()}: {bad.error}")
+        tail = "\n".join("    " + line for line in res.last_lines.get(bad.worker, [])) or "    (no output)"
+        ui.err().print(
+            f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last "
+            f"lines:\n{tail}",
+            markup=False,
+        )
+        return ExitCode.PROGRAM_FAILED
+    if res.ran:
+        ui.info(f"setup done on {len(res.ran)} worker(s) in {time.monotonic() - started:.1f} s")
+    return ExitCode.OK
 
 
 def _preempted(target: targets.Target) -> bool:

@@ -110,6 +110,7 @@ class TrainSpec:
     metrics: bool = False
     dry_run: bool = False
     python: str | None = None
+    setup: list[str] = field(default_factory=list)  # shell commands run once per content on every worker
     grace: float = 5.0
     master_port: int = 12355
     tpu_ip: str | None = None
@@ -255,8 +256,6 @@ def process_name(worker: int, core: int) -> str:
     return f"w{worker}" if core == envc.HOST else f"w{worker}/c{core}"
 
 
-
-
 def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[str, Any]]:
     """Per process tpurun starts: worker, core, address, exact argv and environment (what --dry-run prints)."""
     rows = []
@@ -279,7 +278,9 @@ def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[
 
 # What a runtime prints once per process and tells a user nothing: hidden on the terminal unless asked
 # (--debug); the job's log files keep every line.
-CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+")
+CHATTER = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+)
 
 
 class Renderer:
@@ -505,8 +506,23 @@ class JobRun:
         self.renderer.flush()
 
 
-def hint_for(lines: list[str]) -> str | None:
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^'.]+)")
+
+
+def hint_for(lines: list[str], *, python: str = "python3", local: bool = False) -> str | None:
     text = "\n".join(lines)
+    missing = _NO_MODULE.search(text)
+    if missing and local:
+        return (
+            f"this machine's Python ({python}) has no module '{missing.group(1)}': install the package that "
+            "provides it there, or pass --python with an interpreter that has it"
+        )
+    if missing:
+        return (
+            f"the workers' Python ({python}) has no module '{missing.group(1)}': install the package that provides "
+            "it on every worker with `tpurun train ... --setup 'pip install PACKAGE'` (or a requirements.txt beside "
+            "the script), or pass --python with an interpreter that has it (docs/train.md)"
+        )
     for needle, hint in HINTS:
         if needle in text:
             return hint
@@ -542,7 +558,7 @@ def outcome_code(run: JobRun, interrupted: bool) -> int:
     if run.first_failure is not None:
         f = run.first_failure
         tail = "\n".join("    " + line for line in list(f.last_lines))
-        hint = hint_for(list(f.last_lines))
+        hint = hint_for(list(f.last_lines), python=run.python, local=run.target.local)
         ui.err().print(
             f"error: {process_name(f.worker, f.core)} ({run.target.all_workers[f.worker].address}) failed first "
             f"({f.ending}); its last lines:\n{tail}",

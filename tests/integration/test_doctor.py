@@ -78,8 +78,8 @@ def test_doctor_turns_each_fault_into_a_failing_row_with_its_fix(cli, emulator):
     # worker 1: busy device -> run kill-stale
     f1 = _fails(doc, 1)
     assert set(f1) == {"devices"}, f1
-    assert (
-        "the TPU is in use" in f1["devices"]["detail"] and re.search(r"holds /dev/accel2 \(root: \S*python3? -c 'import time", f1["devices"]["detail"])
+    assert "the TPU is in use" in f1["devices"]["detail"] and re.search(
+        r"holds /dev/accel2 \(root: \S*python3? -c 'import time", f1["devices"]["detail"]
     )
     assert "tpurun kill-stale --tpu doc4" in f1["devices"]["fix"]
 

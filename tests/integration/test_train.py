@@ -233,8 +233,8 @@ def test_digits_example_trains_across_two_workers(cli):
 
     create_node(cli, "digits")
     shutil.copy(Path(__file__).parents[2] / "examples" / "digits_xla.py", cli.cwd / "digits_xla.py")
-    # workers share this machine's filesystem, so the interpreter that has torch_xla is there too
-    r = cli("train", "digits_xla.py", "--runtime", "cpu", "--cores", "2", "--python", sys.executable, timeout=600)
+    # no --python: the emulated image's python3 is the Python tpurun runs in (docs/emulator.md)
+    r = cli("train", "digits_xla.py", "--runtime", "cpu", "--cores", "2", timeout=600)
     assert r.code == 0, r.err[-3000:]
     by_core = lines_by_core(r.out)
     assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -245,7 +245,9 @@ def test_digits_example_trains_across_two_workers(cli):
 
 def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, emulator):
     create_node(cli, "view")
-    (cli.cwd / "slow.py").write_text("import time\nfor i in range(600):\n    print('tick', i, flush=True); time.sleep(0.1)\n")
+    (cli.cwd / "slow.py").write_text(
+        "import time\nfor i in range(600):\n    print('tick', i, flush=True); time.sleep(0.1)\n"
+    )
     r = cli("train", "slow.py", "--runtime", "cpu", "--cores", "1", "--python", "python3", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]

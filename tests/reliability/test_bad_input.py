@@ -201,4 +201,3 @@ def test_nul_cannot_cross_argv_and_is_refused_inside_values():
         parse_env(["A=x\0y"])
     with pytest.raises(UsageError):
         wrap_command(["echo", "x\0y"])
-
