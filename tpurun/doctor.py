@@ -160,9 +160,8 @@ def check_libtpu(worker: int, probe: dict[str, Any], python: str) -> Check:
             worker,
             "libtpu",
             "warn",
-            "an emulated worker (its TPU device files are plain files): no chip and no libtpu here, so train it "
-            "with --runtime cpu; on a real TPU VM a missing libtpu fails every TPU job",
-            "nothing to do here; on a real TPU VM, " + install,
+            "an emulated worker (plain device files): no chip, no libtpu; train here with --runtime cpu",
+            f"on a real TPU VM a missing libtpu fails TPU jobs: `{python} -m pip install 'torch_xla[tpu]=={xla}'`",
         )
     return Check(
         worker,

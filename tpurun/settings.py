@@ -214,5 +214,8 @@ def clear_project_setting(key: str, value: str, directory: Path | None = None) -
         return None
     lines = path.read_text(encoding="utf-8").splitlines()
     kept = [ln for ln in lines if ln.lstrip().startswith("#") or ln.split("=", 1)[0].strip() != key]
-    path.write_text("\n".join(kept) + ("\n" if kept else ""), encoding="utf-8")
+    if any(ln.strip() for ln in kept):
+        path.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    else:
+        path.unlink()  # nothing else was in it: leave the directory as it was before
     return path

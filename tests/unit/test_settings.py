@@ -103,3 +103,13 @@ def test_write_project_setting_keeps_other_lines(tmp_path):
     assert "# mine" in text and "[train]" in text
     s = settings.resolve({}, env={"HOME": str(tmp_path)}, cwd=tmp_path)
     assert (s.tpu.value, s.zone.value) == ("demo", "z2")
+
+
+def test_clearing_a_default_keeps_the_rest_of_the_file_or_removes_an_empty_one(tmp_path):
+    toml = tmp_path / "tpurun.toml"
+    toml.write_text('# mine\nzone = "us-central2-b"\ntpu = "demo"\n')
+    assert settings.clear_project_setting("tpu", "other", tmp_path) is None  # names another node: untouched
+    assert settings.clear_project_setting("tpu", "demo", tmp_path) == toml
+    assert toml.read_text() == '# mine\nzone = "us-central2-b"\n'
+    toml.write_text('tpu = "demo"\n')
+    assert settings.clear_project_setting("tpu", "demo", tmp_path) == toml and not toml.exists()
