@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Annotated
 
 import typer
 
-from tpurun import __version__, settings, topology, ui
+from tpurun import __version__, config, settings, topology, ui
 from tpurun.errors import ExitCode, TpurunError
 
 # typer may vendor its own click: find click's exception base through a public typer class
@@ -179,7 +178,7 @@ def register_placeholders(implemented: set[str]) -> None:
 
 
 def _debug_requested(argv: list[str]) -> bool:
-    return ui.state.debug or "--debug" in argv or os.environ.get("TPURUN_DEBUG") == "1"
+    return ui.state.debug or "--debug" in argv or config.DEBUG.on()
 
 
 # Which module defines each command: `tpurun exec` imports only what exec needs, not every command

@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import typer
 
+from tpurun import config, keys, settings, stale, startup, targets, ui
 from tpurun import doctor as dr
-from tpurun import keys, settings, stale, startup, targets, ui
 from tpurun.cli import JsonOpt, app
 from tpurun.cli_remote import LocalOpt, TpuOpt, WorkerOpt
 from tpurun.errors import ExitCode, TpurunError, UnreachableError
@@ -28,24 +28,21 @@ from tpurun.topology import parse_accelerator_type
 
 # Testing hooks (documented in docs/troubleshooting.md): point the scanner at other paths so a test on
 # this machine can plant its own fake device and libtpu without touching anything real.
-DEVICE_GLOBS_ENV = "TPURUN_DEVICE_GLOBS"  # os.pathsep-separated fnmatch patterns
-LIBTPU_GLOB_ENV = "TPURUN_LIBTPU_GLOB"  # a pattern; with a '/' it matches the whole path
-LOCK_FILES_ENV = "TPURUN_LOCK_FILES"  # os.pathsep-separated globs, '~' = the login user's home
 
 
 def _scan_config(target: Target) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
-    if os.environ.get(DEVICE_GLOBS_ENV):
-        cfg["device_globs"] = [g for g in os.environ[DEVICE_GLOBS_ENV].split(os.pathsep) if g]
+    if config.DEVICE_GLOBS.raw():
+        cfg["device_globs"] = [g for g in config.DEVICE_GLOBS.raw().split(os.pathsep) if g]
     elif target.accelerator_type:
         # the generation's device files: /dev/accel* (v2-v4) or /dev/vfio/* (v5e and later)
         files = parse_accelerator_type(target.accelerator_type).device_files
         cfg["device_globs"] = sorted({"/dev/accel*" if f.startswith("/dev/accel") else "/dev/vfio/*" for f in files})
         cfg["expected_devices"] = list(files)
-    if os.environ.get(LIBTPU_GLOB_ENV):
-        cfg["libtpu_glob"] = os.environ[LIBTPU_GLOB_ENV]
-    if os.environ.get(LOCK_FILES_ENV):
-        cfg["lock_globs"] = [g for g in os.environ[LOCK_FILES_ENV].split(os.pathsep) if g]
+    if config.LIBTPU_GLOB.raw():
+        cfg["libtpu_glob"] = config.LIBTPU_GLOB.raw()
+    if config.LOCK_FILES.raw():
+        cfg["lock_globs"] = [g for g in config.LOCK_FILES.raw().split(os.pathsep) if g]
     return cfg
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import job_setup, settings, targets, train, ui
+from tpurun import config, job_setup, settings, targets, train, ui
 from tpurun.cli import JsonOpt, app
 from tpurun.cli_remote import LineWriter, LocalOpt, TpuOpt, stop_on_signals
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
@@ -331,7 +330,7 @@ def _preempted(target: targets.Target) -> bool:
     from tpurun.provision import STATE
 
     # the API may report the preemption a little after the workers vanished: look for a while
-    deadline = time.monotonic() + float(os.environ.get("TPURUN_PREEMPT_CHECK", "20"))
+    deadline = time.monotonic() + config.PREEMPT_CHECK.number()
     while True:
         try:
             node = Cloud(settings.resolve({})).find_node(target.name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ from urllib.parse import urlparse
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
-from tpurun import ui
+from tpurun import config, ui
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import validate_zone
 from tpurun.settings import Settings
@@ -93,8 +92,8 @@ class Cloud:
         self.endpoint = s.endpoint
         self.parent = f"projects/{self.project}/locations/{self.zone}"
         self.retry = retry or Retry(
-            first_delay=float(os.environ.get("TPURUN_RETRY_DELAY", "1.0")),
-            attempts=int(os.environ.get("TPURUN_RETRY_ATTEMPTS", "6")),
+            first_delay=config.RETRY_DELAY.number(),
+            attempts=config.RETRY_ATTEMPTS.integer(),
         )
         self.client = tpu_v2.TpuClient(
             transport="rest",
@@ -269,7 +268,7 @@ class Cloud:
     def wait(self, what: str, op: Any, *, timeout: float = 1800, on_poll: Callable[[], None] | None = None) -> Any:
         """Wait for a long-running operation, polling through `call` so transient errors are retried."""
         deadline = time.monotonic() + timeout
-        interval = float(os.environ.get("TPURUN_POLL_INTERVAL", "2.0"))
+        interval = config.POLL_INTERVAL.number()
         while True:
             done = self.call(what, op.done)
             if done:
@@ -284,7 +283,7 @@ class Cloud:
             time.sleep(interval)
 
     def iter_poll(self, interval: float | None = None) -> Iterator[None]:
-        interval = interval if interval is not None else float(os.environ.get("TPURUN_POLL_INTERVAL", "2.0"))
+        interval = interval if interval is not None else config.POLL_INTERVAL.number()
         while True:
             yield None
             time.sleep(interval)

@@ -12,6 +12,8 @@ import getpass
 import os
 from pathlib import Path
 
+from tpurun import config
+
 KEY_COMMENT = "tpurun"
 
 
@@ -60,7 +62,7 @@ def ensure_key(home: Path) -> tuple[Path, str]:
 
 def ssh_user() -> str:
     """The user tpurun logs in as: $TPURUN_SSH_USER, else the local user name (as gcloud does)."""
-    return os.environ.get("TPURUN_SSH_USER") or getpass.getuser()
+    return config.SSH_USER.raw() or getpass.getuser()
 
 
 def ssh_keys_entry(user: str, public_line: str) -> str:

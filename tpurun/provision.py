@@ -8,7 +8,6 @@ tail), with host keys pinned from guest attributes and tpurun's key in `ssh-keys
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any
 
 from google.cloud import tpu_v2
 
-from tpurun import keys, settings, startup
+from tpurun import config, keys, settings, startup
 from tpurun.cloud import Cloud
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import NAME_RE, validate_name  # noqa: F401  (re-exported)
@@ -328,7 +327,7 @@ def wait_startup(
     n = len(node.network_endpoints)
     deadline = time.monotonic() + timeout
     reports: list[startup.StartupReport] = []
-    for _ in cloud.iter_poll(max(float(os.environ.get("TPURUN_POLL_INTERVAL", "2.0")), 0.2)):
+    for _ in cloud.iter_poll(max(config.POLL_INTERVAL.number(), 0.2)):
         attrs = cloud.guest_attributes(name, startup.NAMESPACE + "/")
         reports = [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(n)]
         done = sum(r.finished for r in reports)

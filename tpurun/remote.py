@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
 
 # paramiko imports `invoke` (and with it asyncio, unittest.mock and a YAML parser: ~35 ms of every
@@ -55,8 +56,8 @@ KEEPALIVE_TIMEOUT = 15.0
 def keepalive_settings() -> tuple[float, float]:
     """(interval, timeout) in seconds; TPURUN_KEEPALIVE_INTERVAL / TPURUN_KEEPALIVE_TIMEOUT override."""
     try:
-        interval = float(os.environ.get("TPURUN_KEEPALIVE_INTERVAL", KEEPALIVE_INTERVAL))
-        timeout = float(os.environ.get("TPURUN_KEEPALIVE_TIMEOUT", KEEPALIVE_TIMEOUT))
+        interval = config.KEEPALIVE_INTERVAL.number()
+        timeout = config.KEEPALIVE_TIMEOUT.number()
     except ValueError:
         raise UsageError("TPURUN_KEEPALIVE_INTERVAL and TPURUN_KEEPALIVE_TIMEOUT must be seconds") from None
     return max(0.1, interval), max(0.5, timeout)
@@ -339,12 +340,8 @@ class SshRunner(Runner):
         self.key_path = key_path
         self.known_hosts = known_hosts
         self.connect_timeout = connect_timeout
-        self.auth_retries = (
-            auth_retries if auth_retries is not None else int(os.environ.get("TPURUN_SSH_RETRIES", "10"))
-        )
-        self.auth_retry_delay = (
-            auth_retry_delay if auth_retry_delay is not None else float(os.environ.get("TPURUN_SSH_RETRY_DELAY", "2"))
-        )
+        self.auth_retries = auth_retries if auth_retries is not None else config.SSH_RETRIES.integer()
+        self.auth_retry_delay = auth_retry_delay if auth_retry_delay is not None else config.SSH_RETRY_DELAY.number()
         self.node_name = node_name
         self.client: paramiko.SSHClient | None = None
         self.liveness: _Liveness | None = None

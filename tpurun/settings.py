@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpurun import config
 from tpurun.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -23,7 +24,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 KEYS = ("project", "zone", "tpu", "api_endpoint")
-ENV = {key: f"TPURUN_{key.upper()}" for key in KEYS}
+ENV = {key: config.SETTINGS[key].name for key in KEYS}
 PROJECT_FILE = "tpurun.toml"
 DEFAULT_ENDPOINT = "https://tpu.googleapis.com"
 
@@ -144,7 +145,7 @@ def resolve(
 
     layers: list[tuple[str, dict[str, str]]] = []
     layers.append(("flag", {k: v for k, v in flags.items() if v}))
-    layers.append(("env", {k: env[ENV[k]] for k in KEYS if env.get(ENV[k])}))
+    layers.append(("env", {k: config.SETTINGS[k].raw(env) for k in KEYS if config.SETTINGS[k].raw(env)}))
     searched = [f"flags --{'/--'.join(k.replace('_', '-') for k in KEYS)}", "env " + ", ".join(ENV.values())]
 
     project_file = find_project_file(cwd)
@@ -171,9 +172,9 @@ def resolve(
                 return Setting(key, values[key], label)
         return Setting(key, None, "not set")
 
-    home_env = env.get("TPURUN_HOME")
+    home_env = config.HOME.raw(env)
     home = (
-        Setting("home", home_env, "env TPURUN_HOME")
+        Setting("home", home_env, f"env {config.HOME.name}")
         if home_env
         else Setting("home", str(xdg_config_home(env) / "tpurun"), "default")
     )

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpurun import keys, settings, ui
+from tpurun import config, keys, settings, ui
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.remote import LocalRunner, Runner, SshRunner, Worker, connect_all, parse_worker_spec
 
@@ -56,7 +56,7 @@ def _mapped(address: str) -> tuple[str, int]:
     Lets tests and benchmarks put something between tpurun and a worker, e.g. the latency proxy of
     tpurun.testing.latency_proxy; host keys are then checked under the mapped address.
     """
-    raw = os.environ.get("TPURUN_ADDRESS_MAP")
+    raw = config.ADDRESS_MAP.raw()
     if not raw:
         return address, 22
     try:
@@ -122,7 +122,7 @@ def forget_node(home: Path, project: str, zone: str, name: str) -> None:
 
 
 def _read_cache(path: Path) -> tuple[str, list[tuple[str, str]]] | None:
-    if os.environ.get("TPURUN_NODE_CACHE") == "0":
+    if config.NODE_CACHE.raw() == "0":
         return None
     try:
         data = json.loads(path.read_text())

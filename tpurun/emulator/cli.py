@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import ui
+from tpurun import config, ui
 from tpurun.emulator.api import AdminClient
 from tpurun.emulator.state import ApiError, Delays
 from tpurun.errors import ApiError as TpurunApiError
@@ -45,7 +45,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 
 
 def default_state_dir() -> Path:
-    home = os.environ.get("TPURUN_HOME")
+    home = config.HOME.raw()
     if home:
         return Path(home) / "emulator"
     xdg = os.environ.get("XDG_CONFIG_HOME")

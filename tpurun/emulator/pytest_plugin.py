@@ -30,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from tpurun import config
+
 DEFAULT_PROJECT = "emulated-project"
 DEFAULT_ZONE = "us-central2-b"
 FAST = {"create": 0.05, "delete": 0.05, "stop": 0.05, "start": 0.05, "update": 0.02, "queue": 0.1}
@@ -217,7 +219,7 @@ def emulator() -> Iterator[EmulatorHandle]:
     problem = host_problem()
     if problem:
         # scripts/test sets TPURUN_REQUIRE_EMULATOR=1: there a missing piece is a failure, not a skip
-        if os.environ.get("TPURUN_REQUIRE_EMULATOR") == "1":
+        if config.REQUIRE_EMULATOR.on():
             pytest.fail(problem)
         pytest.skip(problem)
     from tpurun.emulator.api import EmulatorServer

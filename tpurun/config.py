@@ -1,0 +1,102 @@
+"""Every TPURUN_* environment variable tpurun reads on this machine, with its default and meaning.
+
+This module is the one place that reads them. The five settings (project, zone, tpu, api_endpoint,
+home) are resolved with their precedence in settings.py from `SETTINGS`; the rest are tunables,
+read when used (tests change them per process). Variables tpurun *sets* for the processes it starts
+(TPURUN_JOB_ID, TPURUN_WORKER_ID, ...) belong to the env contract (runtime/env.py), and the
+programs shipped to workers read their own (they run without this package).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tunable:
+    name: str
+    default: str
+    meaning: str
+
+    def raw(self, env: Mapping[str, str] | None = None) -> str:
+        """The value set in ENV (default: this process's environment), or the default; '' counts as unset."""
+        return (os.environ if env is None else env).get(self.name) or self.default
+
+    def number(self) -> float:
+        return float(self.raw())
+
+    def integer(self) -> int:
+        return int(self.raw())
+
+    def on(self) -> bool:
+        return self.raw() == "1"
+
+
+# settings (their precedence: settings.py, docs/configuration.md)
+SETTINGS = {
+    key: Tunable(f"TPURUN_{key.upper()}", "", meaning)
+    for key, meaning in (
+        ("project", "the Google Cloud project"),
+        ("zone", "the zone of the TPUs"),
+        ("tpu", "the default TPU name"),
+        ("api_endpoint", "the Cloud TPU API endpoint (the emulator's, for example)"),
+    )
+}
+HOME = Tunable(
+    "TPURUN_HOME", "", "tpurun's own state: ssh key, pinned host keys, job records (default ~/.config/tpurun)"
+)
+
+# the Cloud TPU API
+POLL_INTERVAL = Tunable("TPURUN_POLL_INTERVAL", "2.0", "seconds between two looks at an operation or a node")
+RETRY_DELAY = Tunable(
+    "TPURUN_RETRY_DELAY", "1.0", "seconds before the first retry of a failed API call (then doubling)"
+)
+RETRY_ATTEMPTS = Tunable("TPURUN_RETRY_ATTEMPTS", "6", "attempts of an API call that fails with a retryable error")
+PREEMPT_CHECK = Tunable(
+    "TPURUN_PREEMPT_CHECK", "20", "seconds train waits for the API to report a preemption after the workers vanished"
+)
+NODE_CACHE = Tunable("TPURUN_NODE_CACHE", "1", "0: ask the API for a node's workers every time instead of remembering")
+
+# SSH
+SSH_USER = Tunable("TPURUN_SSH_USER", "", "the user tpurun logs in as on the workers (default: the local user)")
+SSH_RETRIES = Tunable("TPURUN_SSH_RETRIES", "10", "ssh logins refused while a new key propagates: how many retries")
+SSH_RETRY_DELAY = Tunable("TPURUN_SSH_RETRY_DELAY", "2", "seconds between those retries")
+KEEPALIVE_INTERVAL = Tunable("TPURUN_KEEPALIVE_INTERVAL", "5", "seconds between two liveness probes of a connection")
+KEEPALIVE_TIMEOUT = Tunable("TPURUN_KEEPALIVE_TIMEOUT", "15", "seconds without an answer before a worker is lost")
+ADDRESS_MAP = Tunable(
+    "TPURUN_ADDRESS_MAP", "", 'testing: JSON {"worker ip": "other ip[:port]"} to reach workers through a proxy'
+)
+
+# output
+DEBUG = Tunable("TPURUN_DEBUG", "", "1: tracebacks and runtime chatter, as --debug")
+
+# kill-stale and doctor (testing: point the scanner at planted files)
+DEVICE_GLOBS = Tunable("TPURUN_DEVICE_GLOBS", "", "testing: the TPU device file patterns, separated by ':'")
+LIBTPU_GLOB = Tunable("TPURUN_LIBTPU_GLOB", "", "testing: the libtpu file pattern")
+LOCK_FILES = Tunable("TPURUN_LOCK_FILES", "", "testing: the libtpu lock file patterns, separated by ':'")
+
+# the test suite
+REQUIRE_EMULATOR = Tunable("TPURUN_REQUIRE_EMULATOR", "", "1: a machine that cannot run the emulator fails the tests")
+
+ALL = [
+    *SETTINGS.values(),
+    HOME,
+    POLL_INTERVAL,
+    RETRY_DELAY,
+    RETRY_ATTEMPTS,
+    PREEMPT_CHECK,
+    NODE_CACHE,
+    SSH_USER,
+    SSH_RETRIES,
+    SSH_RETRY_DELAY,
+    KEEPALIVE_INTERVAL,
+    KEEPALIVE_TIMEOUT,
+    ADDRESS_MAP,
+    DEBUG,
+    DEVICE_GLOBS,
+    LIBTPU_GLOB,
+    LOCK_FILES,
+    REQUIRE_EMULATOR,
+]
