@@ -268,9 +268,7 @@ def main() -> int:
     if args.sizes:
         sizes = [int(x) for x in args.sizes.split(",")]
     reps = args.reps or (3 if args.quick else 5)
-    command = "sudo .venv/bin/python scripts/bench/launch_bench.py " + " ".join(
-        shlex.quote(a) for a in sys.argv[1:]
-    )
+    command = "sudo .venv/bin/python scripts/bench/launch_bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result: dict[str, Any] = {"machine": common.machine(), "repetitions": reps, "command": command.strip()}
     t0 = time.monotonic()
     with common.bench_emulator() as bench:

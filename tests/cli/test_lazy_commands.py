@@ -1,45 +1,58 @@
-"""`tpurun.cli.main` imports only the module of the command it runs: that map must stay true."""
+"""`tpurun.cli.main` imports only the module of the command it runs: COMMANDS must stay true."""
 
 import subprocess
 import sys
 
 import pytest
 
-from tpurun.cli import COMMAND_MODULES
+from tpurun.cli import COMMANDS
 
 _CHECK = """
 import sys, typer
 from tpurun.cli import app, load_commands
 load_commands([sys.argv[1]])
 names = typer.main.get_command(app).commands
-assert sys.argv[1] in names, sorted(names)
-assert "tpurun.commands" not in sys.modules
-print(",".join(sorted(m for m in sys.modules if m.startswith("tpurun.cli_"))))
+assert list(names) == [sys.argv[1]], sorted(names)
+print(",".join(sorted(m for m in sys.modules if m.startswith("tpurun.cli."))))
 """
 
 
-@pytest.mark.parametrize("name", sorted(COMMAND_MODULES))
+@pytest.mark.parametrize("name", list(COMMANDS))
 def test_command_registered_by_its_module_alone(name):
     r = subprocess.run([sys.executable, "-c", _CHECK, name], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    if COMMAND_MODULES[name] is None:
-        assert r.stdout.strip() == ""
+    module = "tpurun.cli." + COMMANDS[name].partition(":")[0]
+    assert module in r.stdout.strip().split(","), r.stdout
+    others = {"tpurun.cli." + v.partition(":")[0] for v in COMMANDS.values()} - {module}
+    assert not others & set(r.stdout.strip().split(",")), r.stdout
 
 
-def test_everything_else_loads_every_command():
+def test_everything_else_loads_every_command_in_the_table_order():
     code = (
-        "import sys\nfrom tpurun.cli import load_commands\n"
-        "for args in (['--help'], [], ['exce'], ['--plain', 'no-such-command']):\n"
-        "    sys.modules.pop('tpurun.commands', None)\n"
-        "    load_commands(args)\n"
-        "    assert 'tpurun.commands' in sys.modules, args\n"
-        "load_commands(['--version'])\n"
+        "import sys, typer\nfrom tpurun.cli import COMMANDS, app, load_commands\n"
+        "load_commands(['--plain', 'no-such-command'])\n"
+        "assert list(typer.main.get_command(app).commands) == list(COMMANDS), list(typer.main.get_command(app).commands)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    for args in (["--help"], [], ["exce"]):
+        r = subprocess.run(
+            [sys.executable, "-c", code.replace("['--plain', 'no-such-command']", repr(args))],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, (args, r.stderr)
 
 
 def test_version_imports_no_command_module():
-    code = "import sys\nfrom tpurun.cli import main\nmain(['--version'])\nassert not [m for m in sys.modules if m.startswith('tpurun.cli_')]"
+    code = "import sys\nfrom tpurun.cli import main\nmain(['--version'])\nassert not [m for m in sys.modules if m.startswith('tpurun.cli.')]"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("tpurun "), r.stderr
+
+
+def test_every_command_name_is_written_once_in_the_package():
+    """The table is the one place: no command module registers a command by name (the emulator's own
+    subcommands belong to its own app)."""
+    from pathlib import Path
+
+    import tpurun.cli
+
+    for path in Path(tpurun.cli.__file__).parent.glob("*.py"):
+        assert "@app.command" not in path.read_text(), path

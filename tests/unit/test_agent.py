@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tpurun.runtime import AGENT_PATH
+from tpurun.worker import AGENT_PATH
 
 
 def _python38() -> str | None:

@@ -1,4 +1,4 @@
-"""The env contract (tpurun/runtime/env.py) as golden tables: the full environment of chosen processes per
+"""The env contract (tpurun/job/plan.py) as golden tables: the full environment of chosen processes per
 runtime and accelerator type, written out literally (sources: docs/train.md). These are tpurun's own
 choices; what torch_xla does with them is tested by running it (tests/integration/test_launch.py)."""
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpurun.errors import UsageError
-from tpurun.runtime.env import HOST, CoreSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
+from tpurun.job.plan import HOST, CoreSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
 from tpurun.topology import parse_accelerator_type
 
 ADDRESSES = [f"10.130.{i // 200}.{2 + i % 200}" for i in range(64)]
@@ -499,7 +499,7 @@ def test_probe_script_runs_here() -> None:
     import subprocess
     import sys
 
-    from tpurun.runtime.env import PROBE_SCRIPT
+    from tpurun.job.plan import PROBE_SCRIPT
 
     out = subprocess.run([sys.executable, "-c", PROBE_SCRIPT], capture_output=True, text=True, check=True).stdout
     probe = json.loads(out)

@@ -1,4 +1,4 @@
-"""Unit tests for kill-stale's scanner helpers (tpurun.stale) and doctor's judgement (tpurun.doctor)."""
+"""Unit tests for kill-stale's scanner helpers (tpurun.worker.probe) and doctor's judgement (tpurun.health)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from tpurun import doctor as dr
-from tpurun import stale
-from tpurun.startup import StartupReport
+from tpurun import health as dr
+from tpurun.cloud.startup import StartupReport
+from tpurun.worker import probe as stale
 
 
 def test_device_and_libtpu_matching():

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpurun import ignore
-from tpurun import sync_remote as proto
-from tpurun.sync import FrameReader, LocalStream, build_manifest, deletions, frame, helper_command, is_ignored
+from tpurun.sync import ignore
+from tpurun.sync.sender import FrameReader, build_manifest, deletions, frame, helper_command, is_ignored
+from tpurun.transport.runner import LocalRunner
+from tpurun.worker import sync_helper as proto
 
 
 def _old(path: Path) -> None:
@@ -99,7 +100,7 @@ def _entry(path: str, data: bytes, mode: int = 0o644, mtime_ns: int = 1_600_000_
 
 class Helper:
     def __init__(self, dest: Path, files: list, links=(), delete: bool = False) -> None:
-        self.s = LocalStream()
+        self.s = LocalRunner().pipe(helper_command(sys.executable))
         self.r = FrameReader(self.s.recv)
         manifest = {"v": proto.PROTOCOL, "dest": str(dest), "delete": delete, "files": files, "links": list(links)}
         self.s.send(frame(b"M", proto.pack_json(manifest)))
@@ -212,7 +213,7 @@ def _collect(plan, worker: int, out: dict, leave_after: int | None = None) -> No
 def test_workers_that_need_the_same_files_share_one_read(tmp_path, monkeypatch):
     import threading
 
-    from tpurun import sync
+    from tpurun.sync import sender as sync
 
     src = _tree(tmp_path, 40, 100_000)  # enough segments to fill the bounded queues many times over
     manifest = build_manifest(src)
@@ -247,7 +248,7 @@ def test_workers_that_need_the_same_files_share_one_read(tmp_path, monkeypatch):
 def test_a_member_that_leaves_does_not_hold_back_the_group(tmp_path):
     import threading
 
-    from tpurun import sync
+    from tpurun.sync import sender as sync
 
     src = _tree(tmp_path, 60, 200_000)  # more segments than a queue holds
     manifest = build_manifest(src)
@@ -271,7 +272,7 @@ def test_a_straggler_gets_its_own_reader_instead_of_holding_back_the_rest(tmp_pa
     import threading
     import time as _time
 
-    from tpurun import sync
+    from tpurun.sync import sender as sync
 
     monkeypatch.setattr(sync, "GROUP_WAIT", 0.2)
     src = _tree(tmp_path, 3, 1000)
@@ -292,7 +293,7 @@ def test_a_straggler_gets_its_own_reader_instead_of_holding_back_the_rest(tmp_pa
 def test_stop_ends_every_feed_with_interrupted(tmp_path):
     import threading
 
-    from tpurun import sync
+    from tpurun.sync import sender as sync
 
     src = _tree(tmp_path, 30, 200_000)
     manifest = build_manifest(src)
@@ -355,7 +356,7 @@ class _Chan:
 
 @given(st.binary(max_size=5000), st.integers(min_value=1, max_value=700))
 def test_send_all_delivers_every_byte_in_order(data, window):
-    from tpurun.remote import send_all
+    from tpurun.transport.runner import send_all
 
     chan = _Chan(window)
     send_all(chan, data)  # type: ignore[arg-type]
@@ -363,7 +364,7 @@ def test_send_all_delivers_every_byte_in_order(data, window):
 
 
 def test_send_all_refuses_to_spin_on_a_closed_channel():
-    from tpurun.remote import send_all
+    from tpurun.transport.runner import send_all
 
     with pytest.raises(OSError):
         send_all(_Chan(100, closed_after=300), b"x" * 1000)  # type: ignore[arg-type]

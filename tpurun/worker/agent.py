@@ -55,7 +55,7 @@ FATAL_SIGNALS = {
     "Floating point exception": int(signal.SIGFPE),
     "Illegal instruction": int(signal.SIGILL),
 }
-HOST = -1  # core index of a host launch's one process per worker (see tpurun.runtime.env.HOST)
+HOST = -1  # core index of a host launch's one process per worker (see tpurun.job.plan.HOST)
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 
 

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpurun import config, keys, settings, ui
+from tpurun import config, settings, ui
+from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
-from tpurun.remote import LocalRunner, Runner, SshRunner, Worker, connect_all, parse_worker_spec
+from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, connect_all, parse_worker_spec
 
 
 @dataclass
@@ -140,8 +141,8 @@ def _write_cache(path: Path, accelerator_type: str, endpoints: list[tuple[str, s
 
 def _fetch(s: settings.Settings, name: str) -> tuple[str, list[tuple[str, str]]]:
     """The node's accelerator type and (internal, external) address per worker, if it is READY."""
-    from tpurun.cloud import Cloud
-    from tpurun.provision import STATE
+    from tpurun.cloud.client import Cloud
+    from tpurun.cloud.provision import STATE
 
     node = Cloud(s).get_node(name)
     state = STATE(node.state).name

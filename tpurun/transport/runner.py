@@ -21,10 +21,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
@@ -198,11 +197,22 @@ class _LineSplitter:
 
 
 class Runner:
-    """Runs commands on one worker."""
+    """One worker, reached over SSH or this machine itself; callers never ask which."""
 
     worker: Worker
+    python = "python3"  # the worker's Python when none is named
 
     def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+        """ARGV to completion in its own process group, its lines to SINK; STOP ends it (after GRACE)."""
+        raise NotImplementedError
+
+    def stream(self, argv: Sequence[str]) -> Stream:
+        """ARGV started with stdin, stdout and stderr connected to us."""
+        raise NotImplementedError
+
+    def pipe(self, argv: Sequence[str]) -> Pipe:
+        """ARGV started as a byte pipe for a helper program (sync's receiving end), as fast as the transport
+        allows."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -212,8 +222,19 @@ class Runner:
 class LocalRunner(Runner):
     """This machine as worker 0 of a one-host pod."""
 
+    python = sys.executable  # this machine: the interpreter tpurun runs in
+
     def __init__(self, worker: Worker | None = None) -> None:
         self.worker = worker or Worker(0, "127.0.0.1")
+
+    def stream(self, argv: Sequence[str]) -> Stream:
+        proc = subprocess.Popen(
+            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+        return LocalStream(proc)
+
+    def pipe(self, argv: Sequence[str]) -> Pipe:
+        return LocalPipe(argv)
 
     def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
         try:
@@ -464,6 +485,17 @@ class SshRunner(Runner):
         chan.close()
         return rc
 
+    def stream(self, argv: Sequence[str]) -> Stream:
+        assert self.client is not None, "connect() first"
+        transport = self.client.get_transport()
+        assert transport is not None
+        chan = transport.open_session()
+        chan.exec_command(shlex.join(argv))
+        return SshStream(chan, self.liveness)
+
+    def pipe(self, argv: Sequence[str]) -> Pipe:
+        return SshPipe(self, argv)
+
     def close(self) -> None:
         if self.liveness is not None:
             self.liveness.stop()
@@ -475,28 +507,53 @@ class SshRunner(Runner):
         return f"SshRunner({self.worker})"
 
 
+R = TypeVar("R", bound="Runner")
+T = TypeVar("T")
+
+
+def each(
+    runners: Sequence[R], fn: Callable[[R], T], *, name: str = "run", tick: Callable[[], None] | None = None
+) -> dict[int, T]:
+    """FN(runner) on every runner at once, one thread each: {worker index: what FN returned}. This thread
+    waits in short joins, so signal handlers (Ctrl-C) run meanwhile, and calls TICK between them. An
+    exception FN raised is raised here once every thread has ended."""
+    results: dict[int, T] = {}
+    raised: list[BaseException] = []
+
+    def run(r: R) -> None:
+        try:
+            results[r.worker.index] = fn(r)
+        except BaseException as exc:
+            raised.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True, name=f"{name}-w{r.worker.index}") for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.1)
+            if tick is not None:
+                tick()
+    if raised:
+        raise raised[0]
+    return results
+
+
 def connect_all(runners: Sequence[Runner], then: Callable[[SshRunner], None] | None = None) -> dict[int, str]:
     """Connect every SSH runner at once; {worker index: error} for those that failed. THEN runs on each
     runner's thread as soon as it is connected (e.g. to start a remote program while others connect)."""
-    errors: dict[int, str] = {}
-    ssh = [r for r in runners if isinstance(r, SshRunner)]
-    if not ssh:
-        return errors
 
-    def one(r: SshRunner) -> tuple[int, str]:
+    def one(r: SshRunner) -> str:
         try:
             r.connect()
         except UnreachableError as exc:
-            return r.worker.index, str(exc)
+            return str(exc)
         if then is not None:
             then(r)
-        return r.worker.index, ""
+        return ""
 
-    with ThreadPoolExecutor(max_workers=min(len(ssh), 128)) as pool:
-        for index, error in pool.map(one, ssh):
-            if error:
-                errors[index] = error
-    return errors
+    ssh = [r for r in runners if isinstance(r, SshRunner)]
+    return {index: error for index, error in each(ssh, one, name="connect").items() if error}
 
 
 def fan_out(
@@ -510,10 +567,8 @@ def fan_out(
     on_exit: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
     """Run ARGV on every runner at once; with FAIL_FAST the first non-zero exit stops the others."""
-    results: dict[int, RunResult] = {}
-    lock = threading.Lock()
 
-    def one(r: Runner) -> None:
+    def one(r: Runner) -> RunResult:
         started = time.monotonic()
         try:
             rc: int | None = r.run(argv, sink, stop, grace)
@@ -524,19 +579,13 @@ def fan_out(
             res = RunResult(
                 r.worker.index, None, error=f"worker {r.worker.label()}: {exc}", duration=time.monotonic() - started
             )
-        with lock:
-            results[r.worker.index] = res
         if fail_fast and (res.exit_code not in (0, None) or res.error) and not stop.is_set():
             stop.set()
         if on_exit:
             on_exit(res)
+        return res
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True, name=f"run-w{r.worker.index}") for r in runners]
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.2)
+    results = each(runners, one)
     return [results[r.worker.index] for r in runners]
 
 
@@ -655,17 +704,7 @@ def open_stream(runner: Runner, argv: Sequence[str]) -> Stream:
     for arg in argv:
         if "\0" in arg:
             raise UsageError("arguments cannot contain NUL bytes")
-    if isinstance(runner, SshRunner):
-        assert runner.client is not None, "connect() first"
-        transport = runner.client.get_transport()
-        assert transport is not None
-        chan = transport.open_session()
-        chan.exec_command(shlex.join(argv))
-        return SshStream(chan, runner.liveness)
-    proc = subprocess.Popen(
-        list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    return LocalStream(proc)
+    return runner.stream(argv)
 
 
 def run_capture(
@@ -687,3 +726,111 @@ def run_capture(
             stream.kill()
             raise UnreachableError(f"worker {runner.worker.label()} did not answer within {timeout:.0f} s")
     return stream.wait(), out, stream.stderr_text()
+
+
+# ------------------------------------------------------------------ pipes (helper programs)
+
+
+class Pipe(Protocol):
+    """A program on a worker as a byte pipe (sync's helper speaks its protocol over one)."""
+
+    def send(self, data: bytes) -> None: ...
+    def recv(self, n: int) -> bytes: ...
+    def close_write(self) -> None: ...
+    def close(self) -> None: ...
+    def ended(self) -> tuple[int | None, bytes]:
+        """(exit code, stderr) once it ended; exit code None when the connection, not the program, ended."""
+        ...
+
+
+class SshPipe:
+    """ARGV on one new channel of a connected SshRunner, its exec request pipelined: the caller goes on
+    sending without waiting for the server's reply (a refused request closes the channel, which the
+    reader then sees)."""
+
+    def __init__(self, runner: SshRunner, argv: Sequence[str]) -> None:
+        assert runner.client is not None, "connect() first"
+        transport = runner.client.get_transport()
+        assert transport is not None
+        self.chan = transport.open_session()
+        command = shlex.join(argv)
+        try:
+            from paramiko.common import cMSG_CHANNEL_REQUEST
+            from paramiko.message import Message
+
+            msg = Message()
+            msg.add_byte(cMSG_CHANNEL_REQUEST)
+            msg.add_int(self.chan.remote_chanid)
+            msg.add_string("exec")
+            msg.add_boolean(True)
+            msg.add_string(command)
+            self.chan._event_pending()
+            self.chan.transport._send_user_message(msg)  # type: ignore[union-attr]
+        except (ImportError, AttributeError):  # another paramiko: the plain, waiting request
+            self.chan.exec_command(command)
+
+    def send(self, data: bytes) -> None:
+        send_all(self.chan, data)
+
+    def recv(self, n: int) -> bytes:
+        return self.chan.recv(n)
+
+    def close_write(self) -> None:
+        self.chan.shutdown_write()
+
+    def close(self) -> None:
+        self.chan.close()
+
+    def ended(self) -> tuple[int | None, bytes]:
+        err = b""
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not self.chan.exit_status_ready():
+            time.sleep(0.05)
+        while self.chan.recv_stderr_ready():
+            err += self.chan.recv_stderr(65536)
+        rc = self.chan.exit_status if self.chan.exit_status_ready() else None
+        transport = self.chan.get_transport()
+        if rc in (None, -1) and not err.strip() and (transport is None or not transport.is_active()):
+            return None, b""  # paramiko reports -1 when the connection, not the program, ended
+        return rc, err
+
+
+class LocalPipe:
+    """ARGV as a subprocess of this machine (the one-host pod)."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.proc.stdin and self.proc.stdout
+
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def recv(self, n: int) -> bytes:
+        assert self.proc.stdout
+        return self.proc.stdout.read1(n)  # type: ignore[attr-defined]
+
+    def close_write(self) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.close()
+
+    def close(self) -> None:
+        # end its input first: the program may clean up itself; kill only if it hangs
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def ended(self) -> tuple[int | None, bytes]:
+        try:
+            rc = self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return None, b""
+        return rc, self.proc.stderr.read() if self.proc.stderr else b""

@@ -17,8 +17,9 @@ from typing import Any
 
 from google.cloud import tpu_v2
 
-from tpurun import config, keys, settings, startup
-from tpurun.cloud import Cloud
+from tpurun import config, settings
+from tpurun.cloud import keys, startup
+from tpurun.cloud.client import Cloud
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import NAME_RE, validate_name  # noqa: F401  (re-exported)
 from tpurun.topology import Topology, parse_accelerator_type

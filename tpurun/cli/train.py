@@ -10,14 +10,17 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import config, job_setup, settings, targets, train, ui
-from tpurun.cli import JsonOpt, app
-from tpurun.cli_remote import LineWriter, LocalOpt, TpuOpt, stop_on_signals
+from tpurun import config, settings, ui
+from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, parsing
+from tpurun.cli.output import LineWriter, stop_on_signals
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
-from tpurun.remote import open_stream, run_capture
-from tpurun.runtime import bundle_name
-from tpurun.runtime import env as envc
+from tpurun.job import launcher as train
+from tpurun.job import plan as envc
+from tpurun.job import setup as job_setup
 from tpurun.topology import parse_accelerator_type
+from tpurun.transport import targets
+from tpurun.transport.runner import each, open_stream, run_capture
+from tpurun.worker import bundle_name
 
 RUNTIMES = ("auto", "pjrt", "xrt", "cpu")
 
@@ -46,7 +49,7 @@ def _check_inputs(script: str, cores: int | None, core: int | None, runtime: str
         raise UsageError(f"--precision {precision}: use 32 or bf16")
 
 
-@app.command("train", context_settings={"ignore_unknown_options": True})
+@parsing(context_settings={"ignore_unknown_options": True})
 def train_cmd(
     script: Annotated[str, typer.Argument(help="The training script (relative to this directory).")],
     args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
@@ -145,9 +148,9 @@ def run_training(
 
 
 def _recreate(name: str) -> None:
-    from tpurun import provision
-    from tpurun.cli_nodes import progress_display
-    from tpurun.cloud import Cloud
+    from tpurun.cli.output import progress_display
+    from tpurun.cloud import provision
+    from tpurun.cloud.client import Cloud
 
     s = settings.resolve({})
     cloud = Cloud(s)
@@ -326,8 +329,8 @@ def _run_setup(target: targets.Target, setup: job_setup.Setup, *, cwd: str, pyth
 def _preempted(target: targets.Target) -> bool:
     if target.local:
         return False
-    from tpurun.cloud import Cloud
-    from tpurun.provision import STATE
+    from tpurun.cloud.client import Cloud
+    from tpurun.cloud.provision import STATE
 
     # the API may report the preemption a little after the workers vanished: look for a while
     deadline = time.monotonic() + config.PREEMPT_CHECK.number()
@@ -345,7 +348,7 @@ def _preempted(target: targets.Target) -> bool:
 
 def _sync_code(target: targets.Target, dest: str, home: Path) -> None:
     """This directory to DEST on every worker (incremental: unchanged files cost nothing)."""
-    from tpurun import sync
+    from tpurun.sync import sender as sync
 
     src = Path.cwd()
     started = time.monotonic()
@@ -378,7 +381,6 @@ def _agent_argv(record: train.JobRecord, *args: str) -> list[str]:
     return ["sh", "-c", script, "tpurun", record.python, bundle_name(), *args]
 
 
-@app.command("jobs")
 def jobs_cmd(tpu: TpuOpt = None, json_out: JsonOpt = False) -> None:
     """Jobs started with `train` (attached and detached), with their state on worker 0."""
     s = settings.resolve({"tpu": tpu})
@@ -420,7 +422,6 @@ def jobs_cmd(tpu: TpuOpt = None, json_out: JsonOpt = False) -> None:
     )
 
 
-@app.command("logs")
 def logs_cmd(
     job: Annotated[str, typer.Argument(help="Job id (from `tpurun jobs`).")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
@@ -492,13 +493,8 @@ def logs_cmd(
                     except TpurunError:
                         continue
 
-        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in target.runners]
         with stop_on_signals(stop):
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)
+            each(target.runners, one, name="logs")
         for _, w, c, _, line in sorted(replay):
             renderer.line(w, c, line)
         renderer.flush()
@@ -512,7 +508,6 @@ def logs_cmd(
         raise typer.Exit(ExitCode.UNREACHABLE if not any("not" in e for e in errors.values()) else ExitCode.USAGE)
 
 
-@app.command("cancel")
 def cancel_cmd(
     job: Annotated[str, typer.Argument(help="Job id.")],
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
@@ -537,11 +532,7 @@ def cancel_cmd(
                 pass
             results[runner.worker.index] = (rc, err)
 
-        threads = [threading.Thread(target=one, args=(r,)) for r in target.runners]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        each(target.runners, one, name="cancel")
         failures = [f"w{w}: {err.strip() or rc}" for w, (rc, err) in sorted(results.items()) if rc != 0]
     finally:
         target.close()

@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tpurun import provision, settings, targets, ui
-from tpurun.cli import JsonOpt, app
-from tpurun.cloud import Cloud
+from tpurun import settings, ui
+from tpurun.cli.options import JsonOpt, ProjectOpt, ZoneOpt
+from tpurun.cli.output import progress_display
+from tpurun.cloud import provision
+from tpurun.cloud.client import Cloud
 from tpurun.errors import UsageError
-
-ProjectOpt = Annotated[str | None, typer.Option("--project", help="GCP project (else settings).")]
-ZoneOpt = Annotated[str | None, typer.Option("--zone", help="Zone, e.g. us-central2-b (else settings).")]
+from tpurun.transport import targets
 
 
 def cloud_for(project: str | None, zone: str | None) -> tuple[Cloud, settings.Settings]:
     s = settings.resolve({"project": project, "zone": zone})
     return Cloud(s), s
-
-
-@contextlib.contextmanager
-def progress_display() -> Iterator[Callable[[str], None]]:
-    """A spinner with the latest state on a terminal; one stderr line per change otherwise."""
-    if ui.is_plain() or not sys.stderr.isatty():
-        yield provision.Progress(lambda text: ui.info(text))
-        return
-    with ui.err().status("starting…") as status:
-        yield provision.Progress(lambda text: status.update(text))
 
 
 def _workers_table(view: provision.NodeView) -> None:
@@ -49,7 +37,6 @@ def _workers_table(view: provision.NodeView) -> None:
     )
 
 
-@app.command("create")
 def create_cmd(
     name: Annotated[str, typer.Argument(help="Node name: lowercase letters, digits, '-'.")],
     accelerator_type: Annotated[str, typer.Option("--accelerator-type", "-t", help="e.g. v4-16, v5litepod-8.")],
@@ -122,7 +109,6 @@ def create_cmd(
     _workers_table(view)
 
 
-@app.command("attach")
 def attach_cmd(
     name: Annotated[str, typer.Argument(help="An existing node.")],
     project: ProjectOpt = None,
@@ -141,7 +127,6 @@ def attach_cmd(
     _workers_table(view)
 
 
-@app.command("list")
 def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False) -> None:
     """List TPU nodes in the zone."""
     cloud, _ = cloud_for(project, zone)
@@ -167,7 +152,6 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
     )
 
 
-@app.command("describe")
 def describe_cmd(
     name: Annotated[str, typer.Argument(help="Node name.")],
     project: ProjectOpt = None,
@@ -190,7 +174,6 @@ def describe_cmd(
     _workers_table(view)
 
 
-@app.command("delete")
 def delete_cmd(
     name: Annotated[str, typer.Argument(help="Node name.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
@@ -214,7 +197,6 @@ def delete_cmd(
         ui.info(f"{name} is no longer the default TPU in {cleared}")
 
 
-@app.command("stop")
 def stop_cmd(name: Annotated[str, typer.Argument()], project: ProjectOpt = None, zone: ZoneOpt = None) -> None:
     """Stop a single-host TPU VM (pod slices can only be deleted)."""
     provision.validate_name(name)
@@ -225,7 +207,6 @@ def stop_cmd(name: Annotated[str, typer.Argument()], project: ProjectOpt = None,
     ui.info(f"{name} is {view.state}")
 
 
-@app.command("start")
 def start_cmd(
     name: Annotated[str, typer.Argument()], project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False
 ) -> None:

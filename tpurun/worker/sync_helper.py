@@ -44,7 +44,7 @@ class Eof(Exception):
     """The client went away (killed, connection dropped) in the middle of the protocol."""
 
 
-# ------------------------------------------------------------------ framing (mirrored in tpurun.sync)
+# ------------------------------------------------------------------ framing (mirrored in tpurun.sync.sender)
 
 
 def read_exact(stream, n: int) -> bytes:

@@ -1,6 +1,7 @@
-"""The runtime half of `tpurun train`: the env contract (env.py, pure functions) and what runs on each
-worker: the agent (agent.py, a stdlib-only program run there with `python3 agent.py ...`) and the hook
-a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py). Both ship as one bundle."""
+"""The programs tpurun ships to workers, stdlib only: the job agent (agent.py, run there with `python3
+agent.py ...`) and the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py), which
+ship as one bundle (below); kill-stale and doctor's probe (probe.py) and sync's receiving end
+(sync_helper.py), which travel inline on the command line."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import io
 import tarfile
 from pathlib import Path
 
-RUNTIME_DIR = Path(__file__).parent
-AGENT_PATH = RUNTIME_DIR / "agent.py"
+WORKER_DIR = Path(__file__).parent
+AGENT_PATH = WORKER_DIR / "agent.py"
 # Installed on each worker under ~/.tpurun/bin/<bundle_name()>/ with these relative paths.
 BUNDLE = ("agent.py", "hook/sitecustomize.py")
 
 
 @functools.cache
 def bundle_files() -> dict[str, bytes]:
-    return {name: (RUNTIME_DIR / name).read_bytes() for name in BUNDLE}
+    return {name: (WORKER_DIR / name).read_bytes() for name in BUNDLE}
 
 
 @functools.cache

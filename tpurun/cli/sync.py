@@ -1,4 +1,4 @@
-"""`tpurun sync`: the command line around tpurun.sync (options, progress bar, summary, exit code)."""
+"""`tpurun sync`: the command line around tpurun.sync.sender (options, progress bar, summary, exit code)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Annotated
 
 import typer
 
-from tpurun import settings, targets, ui
-from tpurun.cli import JsonOpt, app
-from tpurun.cli_remote import LocalOpt, TpuOpt, WorkerOpt, stop_on_signals
+from tpurun import settings, ui
+from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, WorkerOpt
+from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
-from tpurun.sync import (
+from tpurun.sync.sender import (
     Interrupted,
     Progress,
     WorkerStats,
@@ -25,6 +25,7 @@ from tpurun.sync import (
     early_streams,
     sync,
 )
+from tpurun.transport import targets
 
 
 def _size(n: float) -> str:
@@ -137,7 +138,6 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
     return ExitCode.PROGRAM_FAILED if failed else ExitCode.OK
 
 
-@app.command("sync")
 def sync_cmd(
     src: Annotated[str, typer.Argument(help="Directory to copy (default: the current one).")] = ".",
     tpu: TpuOpt = None,

@@ -1,8 +1,8 @@
-"""`tpurun doctor`'s judgement: what one worker's probe (tpurun.stale, mode `doctor`) means, as checks.
+"""`tpurun doctor`'s judgement: what one worker's probe (tpurun.worker.probe, mode `doctor`) means, as checks.
 
 Every check is pass, warn or fail; every fail (and most warns) carries one fix, a command where one
 exists. Pure functions over the probe's JSON, unit-tested in tests/unit/test_stale_unit.py; the CLI
-(tpurun.cli_health) runs the probes and renders the rows.
+(tpurun.cli.health) runs the probes and renders the rows.
 
 Thresholds (docs/troubleshooting.md): free disk in home and /tmp warns below 10 GiB and fails below
 1 GiB; a worker's clock warns when it is more than 1 s off the client's (after correcting for half
@@ -391,7 +391,7 @@ def check_ssh(worker: int, error: str | None, detail: str = "") -> Check:
 
 
 def check_startup(worker: int, report: Any, log_cmd: str) -> Check:
-    """REPORT: a tpurun.startup.StartupReport (None: the API could not be asked)."""
+    """REPORT: a tpurun.cloud.startup.StartupReport (None: the API could not be asked)."""
     if report is None:
         return Check(worker, "startup script", "warn", "could not read the guest attributes")
     if report.status == "done":

@@ -1,6 +1,6 @@
 """The launcher side of `tpurun train`: plan the job, ship the agent, start it everywhere, stream, stop.
 
-The agent (runtime/agent.py) owns the processes on each worker and writes every line to files first;
+The agent (worker/agent.py) owns the processes on each worker and writes every line to files first;
 this module only decides and renders (as in torchelastic, the agent is separate from the launcher). Each
 worker gets one SSH channel running `agent start` then `agent stream --attached`: the channel's stdin
 is the job's lifeline, so closing it (fail-fast, Ctrl-C) or losing it (tpurun killed, laptop gone)
@@ -27,11 +27,11 @@ from typing import Any
 
 from tpurun import ui
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
-from tpurun.remote import Runner, Stream, open_stream, run_capture
-from tpurun.runtime import bundle_name, bundle_tar
-from tpurun.runtime import env as envc
-from tpurun.targets import Target
+from tpurun.job import plan as envc
 from tpurun.topology import Topology, parse_accelerator_type
+from tpurun.transport.runner import Runner, Stream, each, open_stream, run_capture
+from tpurun.transport.targets import Target
+from tpurun.worker import bundle_name, bundle_tar
 
 AGENT_MISSING = 93  # exit code of the start command when the agent file is not on the worker yet
 
@@ -497,12 +497,7 @@ class JobRun:
             return self.outcomes[(w, c)]
 
     def run(self) -> None:
-        threads = [threading.Thread(target=self._worker, args=(r,), daemon=True) for r in self.target.runners]
-        for t in threads:
-            t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)
+        each(self.target.runners, self._worker, name="job")
         self.renderer.flush()
 
 

@@ -1,4 +1,4 @@
-"""`tpurun kill-stale` and `tpurun doctor`: one exec per worker carrying tpurun.stale, all workers at once.
+"""`tpurun kill-stale` and `tpurun doctor`: one exec per worker carrying tpurun.worker.probe, all workers at once.
 
 Exit codes: kill-stale 0 when every selected worker's TPU is free, 1 when a holder is
 left (with --dry-run: when one was found); doctor 0 when no check failed, 1 when one did. Both exit 4
@@ -11,20 +11,21 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 import typer
 
-from tpurun import config, keys, settings, stale, startup, targets, ui
-from tpurun import doctor as dr
-from tpurun.cli import JsonOpt, app
-from tpurun.cli_remote import LocalOpt, TpuOpt, WorkerOpt
+from tpurun import config, settings, ui
+from tpurun import health as dr
+from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, WorkerOpt
+from tpurun.cloud import keys, startup
 from tpurun.errors import ExitCode, TpurunError, UnreachableError
-from tpurun.remote import Runner, run_capture
-from tpurun.runtime import env as envc
-from tpurun.targets import Target
+from tpurun.job import plan as envc
 from tpurun.topology import parse_accelerator_type
+from tpurun.transport import targets
+from tpurun.transport.runner import Runner, each, run_capture
+from tpurun.transport.targets import Target
+from tpurun.worker import probe as stale
 
 # Testing hooks (documented in docs/troubleshooting.md): point the scanner at other paths so a test on
 # this machine can plant its own fake device and libtpu without touching anything real.
@@ -73,12 +74,11 @@ def _run_all(
         except (ValueError, IndexError):
             return r.worker.index, None, f"worker {r.worker.label()}: the probe printed no result"
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(reachable), 128))) as pool:
-        for index, data, error in pool.map(one, reachable):
-            if data is None:
-                errors[index] = error
-            else:
-                results[index] = data
+    for index, data, error in each(reachable, one, name="probe").values():
+        if data is None:
+            errors[index] = error
+        else:
+            results[index] = data
     return results, errors, times
 
 
@@ -109,7 +109,6 @@ def _tpu_flag(target: Target) -> str:
 # ------------------------------------------------------------------ kill-stale
 
 
-@app.command("kill-stale")
 def kill_stale_cmd(
     tpu: TpuOpt = None,
     local: LocalOpt = False,
@@ -210,7 +209,6 @@ def _kill_stale_exit(workers: list[dict[str, Any]], dry_run: bool, target: Targe
 # ------------------------------------------------------------------ doctor
 
 
-@app.command("doctor")
 def doctor_cmd(
     tpu: TpuOpt = None,
     local: LocalOpt = False,
@@ -295,7 +293,7 @@ def _startup_reports(target: Target, tpu: str | None) -> list[startup.StartupRep
     """Each worker's startup report from the guest attributes (named TPUs only); [] when unreadable."""
     if target.local:
         return None
-    from tpurun.cloud import Cloud
+    from tpurun.cloud.client import Cloud
 
     try:
         attrs = Cloud(settings.resolve({"tpu": tpu})).guest_attributes(target.name, startup.NAMESPACE + "/")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpurun.remote import LineSink, Runner, RunResult, fan_out
+from tpurun.transport.runner import LineSink, Runner, RunResult, fan_out
 
 REQUIREMENTS = "requirements.txt"
 MARKERS = ".tpurun/setup"

@@ -1,7 +1,7 @@
 """`tpurun sync`: an incremental, content-checked copy of a directory to every selected worker at once.
 
 The sending side. Per worker, over one SSH channel (or a local subprocess), it runs the stdlib-only
-helper `tpurun.sync_remote` (shipped inline on the command line, nothing installed on workers) and
+helper `tpurun.worker.sync_helper` (shipped inline on the command line, nothing installed on workers) and
 speaks the framed protocol documented there:
 
     manifest (one frame)  ->  paths the worker needs (+ extra paths for --delete)  ->
@@ -25,20 +25,18 @@ import os
 import queue
 import stat
 import struct
-import subprocess
-import sys
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any
 
-from tpurun import ignore
-from tpurun import sync_remote as proto
 from tpurun.errors import UsageError
-from tpurun.remote import Runner, SshRunner, send_all
+from tpurun.sync import ignore
+from tpurun.transport.runner import Pipe, Runner, SshRunner, each
+from tpurun.worker import sync_helper as proto
 
 CHUNK = 1 << 20  # bytes per data frame
 SEND_BUFFER = 1 << 20  # small files are batched until this much is queued
@@ -204,14 +202,6 @@ def deletions(extra: Sequence[str], spec: Any) -> list[str]:
 # ------------------------------------------------------------------ one worker
 
 
-class Stream(Protocol):
-    def send(self, data: bytes) -> None: ...
-    def recv(self, n: int) -> bytes: ...
-    def close_write(self) -> None: ...
-    def close(self) -> None: ...
-    def failure(self) -> str: ...
-
-
 @functools.lru_cache(maxsize=4)
 def helper_command(python: str = "python3") -> tuple[str, ...]:
     """argv that runs the helper from its source, compressed inline: nothing to install on workers."""
@@ -221,104 +211,8 @@ def helper_command(python: str = "python3") -> tuple[str, ...]:
     return (python, "-I", "-S", "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))")
 
 
-class SshStream:
-    """The helper on a worker, over one new channel of an SshRunner's connection."""
-
-    def __init__(self, runner: SshRunner) -> None:
-        import shlex
-
-        assert runner.client is not None, "connect() first"
-        transport = runner.client.get_transport()
-        assert transport is not None
-        self.chan = transport.open_session()
-        command = shlex.join(helper_command())
-        try:
-            # pipelined exec: send the request and go on to the manifest without waiting for the
-            # server's reply (a refused request closes the channel, which the reader then sees)
-            from paramiko.common import cMSG_CHANNEL_REQUEST
-            from paramiko.message import Message
-
-            msg = Message()
-            msg.add_byte(cMSG_CHANNEL_REQUEST)
-            msg.add_int(self.chan.remote_chanid)
-            msg.add_string("exec")
-            msg.add_boolean(True)
-            msg.add_string(command)
-            self.chan._event_pending()
-            self.chan.transport._send_user_message(msg)  # type: ignore[union-attr]
-        except (ImportError, AttributeError):
-            self.chan.exec_command(command)
-
-    def send(self, data: bytes) -> None:
-        send_all(self.chan, data)
-
-    def recv(self, n: int) -> bytes:
-        return self.chan.recv(n)
-
-    def close_write(self) -> None:
-        self.chan.shutdown_write()
-
-    def close(self) -> None:
-        self.chan.close()
-
-    def failure(self) -> str:
-        err = b""
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline and not self.chan.exit_status_ready():
-            time.sleep(0.05)
-        while self.chan.recv_stderr_ready():
-            err += self.chan.recv_stderr(65536)
-        rc = self.chan.exit_status if self.chan.exit_status_ready() else None
-        transport = self.chan.get_transport()
-        if rc in (None, -1) and not err.strip() and (transport is None or not transport.is_active()):
-            return "the connection was lost"  # paramiko reports -1 when the connection, not the helper, ended
-        return _describe_failure(rc, err)
-
-
-class LocalStream:
-    """The helper as a subprocess of this machine (the one-host pod)."""
-
-    def __init__(self) -> None:
-        argv = helper_command(sys.executable)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert self.proc.stdin and self.proc.stdout
-
-    def send(self, data: bytes) -> None:
-        assert self.proc.stdin
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
-
-    def recv(self, n: int) -> bytes:
-        assert self.proc.stdout
-        return self.proc.stdout.read1(n)  # type: ignore[attr-defined]
-
-    def close_write(self) -> None:
-        assert self.proc.stdin
-        self.proc.stdin.close()
-
-    def close(self) -> None:
-        # end its input first: the helper then removes its temp file itself; kill only if it hangs
-        try:
-            if self.proc.stdin and not self.proc.stdin.closed:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def failure(self) -> str:
-        try:
-            rc = self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            rc = None
-        err = self.proc.stderr.read() if self.proc.stderr and rc is not None else b""
-        return _describe_failure(rc, err)
-
-
-def _describe_failure(rc: int | None, err: bytes) -> str:
+def _describe_failure(stream: Pipe) -> str:
+    rc, err = stream.ended()
     text = err.decode("utf-8", "replace").strip().splitlines()
     last = text[-1] if text else ""
     if rc == 127:
@@ -542,7 +436,7 @@ class Plan:
 
 
 def sync_stream(
-    stream: Stream,
+    stream: Pipe,
     stats: WorkerStats,
     dest: str,
     *,
@@ -594,7 +488,7 @@ def sync_stream(
     except (proto.Eof, OSError, EOFError) as exc:
         if stop.is_set():
             raise Interrupted() from None
-        why = stream.failure()
+        why = _describe_failure(stream)
         if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError) and why == "the connection was lost":
             why = f"{why}: {exc}"
         stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
@@ -615,7 +509,7 @@ def sync(
     progress: Progress | None = None,
     stop: threading.Event | None = None,
     connect_errors: dict[int, str] | None = None,
-    opened: dict[Runner, Stream | BaseException] | None = None,
+    opened: dict[Runner, Pipe | BaseException] | None = None,
 ) -> list[WorkerStats]:
     """Sync MANIFEST of SRC to DEST on every runner at once (connected SshRunners or LocalRunners).
     OPENED: helpers already started (early_streams), by runner; the others are started here."""
@@ -627,19 +521,19 @@ def sync(
         stats[index].error = error
         stats[index].unreachable = True
     interrupted = threading.Event()
-    streams: dict[int, Stream] = {}
+    streams: dict[int, Pipe] = {}
     todo = [r for r in runners if not stats[r.worker.index].error]
     plan = Plan(manifest, src, len(todo), stop)
 
     def one(r: Runner) -> None:
         st = stats[r.worker.index]
         started = time.monotonic()
-        stream: Stream | None = None
+        stream: Pipe | None = None
         try:
             early = (opened or {}).pop(r, None)
             if isinstance(early, BaseException):
                 raise early
-            stream = early or (SshStream(r) if isinstance(r, SshRunner) else LocalStream())
+            stream = early or r.pipe(helper_command(r.python))
             streams[r.worker.index] = stream
             sync_stream(stream, st, dest, delete=delete, spec=spec, progress=progress, stop=stop, plan=plan)
         except Interrupted:
@@ -653,33 +547,32 @@ def sync(
                 stream.close()
             st.seconds = round(time.monotonic() - started, 3)
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True, name=f"sync-w{r.worker.index}") for r in todo]
-    for t in threads:
-        t.start()
     closed = False
-    for t in threads:
-        while t.is_alive():
-            t.join(0.1)
-            if stop.is_set() and not closed:
-                # a thread waiting for a reply would not notice the stop: closing its stream wakes it,
-                # and the helper, seeing its input end, removes its temp file and exits
-                closed = True
-                for s in list(streams.values()):
-                    s.close()
+
+    def close_on_stop() -> None:
+        nonlocal closed
+        if stop.is_set() and not closed:
+            # a thread waiting for a reply would not notice the stop: closing its stream wakes it,
+            # and the helper, seeing its input end, removes its temp file and exits
+            closed = True
+            for s in list(streams.values()):
+                s.close()
+
+    each(todo, one, name="sync", tick=close_on_stop)
     if interrupted.is_set() or stop.is_set():
         raise Interrupted()
     return [stats[r.worker.index] for r in runners]
 
 
-def early_streams() -> tuple[dict[Runner, Stream | BaseException], Callable[[SshRunner], None]]:
+def early_streams() -> tuple[dict[Runner, Pipe | BaseException], Callable[[SshRunner], None]]:
     """A dict and a callback for Target.connect(then=...): each worker's helper starts the moment its
     connection is up, so it boots (Python start-up, ~30 ms) while the other workers still connect and
     this machine builds the manifest; sync(opened=...) then uses it."""
-    opened: dict[Runner, Stream | BaseException] = {}
+    opened: dict[Runner, Pipe | BaseException] = {}
 
     def start(r: SshRunner) -> None:
         try:
-            opened[r] = SshStream(r)
+            opened[r] = r.pipe(helper_command(r.python))
         except Exception as exc:  # reported by sync() as this worker's failure
             opened[r] = exc
 

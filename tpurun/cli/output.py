@@ -1,0 +1,101 @@
+"""How commands show what happens on many workers: prefixed lines, per-worker summaries, progress, and
+Ctrl-C turned into a clean stop."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+from tpurun import ui
+from tpurun.cloud import provision
+from tpurun.errors import ExitCode
+from tpurun.transport.runner import RunResult
+
+_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
+_ANSI = {"cyan": 36, "magenta": 35, "green": 32, "yellow": 33, "blue": 34, "red": 31}
+
+
+class LineWriter:
+    """Whole prefixed lines to stdout/stderr, one writer at a time: lines are never split or merged."""
+
+    def __init__(self, colour: bool) -> None:
+        self.colour = colour
+        self.lock = threading.Lock()
+
+    def prefix(self, tag: str, index: int) -> str:
+        if not self.colour:
+            return f"[{tag}] "
+        code = _ANSI[_COLOURS[index % len(_COLOURS)]]
+        return f"\x1b[{code}m[{tag}]\x1b[0m "
+
+    def __call__(self, worker: int, stream: str, line: str) -> None:
+        self.write(f"w{worker}", worker, stream, line)
+
+    def write(self, tag: str, index: int, stream: str, line: str) -> None:
+        target = sys.stdout if stream == "out" else sys.stderr
+        text = self.prefix(tag, index) + line + "\n"
+        with self.lock:
+            try:
+                target.write(text)
+                target.flush()
+            except BrokenPipeError:
+                pass
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
+    """SIGINT and SIGTERM set STOP (remote groups are then stopped) instead of killing tpurun outright."""
+    seen = {"interrupted": False}
+
+    def handler(signum: int, frame: object) -> None:
+        if seen["interrupted"]:
+            ui.info("still stopping remote processes… (they are killed after the grace period)")
+        seen["interrupted"] = True
+        stop.set()
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield seen
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def summarize(results: list[RunResult], interrupted: bool) -> int:
+    """Print the per-worker summary on stderr and return the exit code (README: 0, 1, 4, 130)."""
+    unreachable = [r for r in results if r.exit_code is None]
+    failed = [r for r in results if r.exit_code not in (0, None)]
+    if len(results) > 1 or failed or unreachable:
+        rows = []
+        for r in results:
+            if r.exit_code is None:
+                status = f"unreachable: {r.error}"
+            elif r.stopped and r.exit_code != 0:
+                status = f"stopped (exit {r.exit_code})"
+            else:
+                status = f"exit {r.exit_code}"
+            rows.append((f"w{r.worker}", status, f"{r.duration:.1f} s"))
+        with contextlib.redirect_stdout(sys.stderr):
+            ui.table(None, ["worker", "result", "time"], rows)
+    if interrupted:
+        return ExitCode.INTERRUPTED
+    if unreachable:
+        return ExitCode.UNREACHABLE
+    if failed:
+        first = min(failed, key=lambda r: r.duration)
+        ui.err().print(f"error: the command failed on w{first.worker} with exit code {first.exit_code}", markup=False)
+        return ExitCode.PROGRAM_FAILED
+    return ExitCode.OK
+
+
+@contextlib.contextmanager
+def progress_display() -> Iterator[Callable[[str], None]]:
+    """A spinner with the latest state on a terminal; one stderr line per change otherwise."""
+    if ui.is_plain() or not sys.stderr.isatty():
+        yield provision.Progress(lambda text: ui.info(text))
+        return
+    with ui.err().status("starting…") as status:
+        yield provision.Progress(lambda text: status.update(text))

@@ -1,0 +1,86 @@
+"""Commands of the data plane: exec and ssh (sync lives in cli_sync)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+from typing import Annotated
+
+import typer
+
+from tpurun import settings, ui
+from tpurun.cli.options import LocalOpt, TpuOpt, WorkerOpt, parsing
+from tpurun.cli.output import LineWriter, stop_on_signals, summarize
+from tpurun.cloud import keys
+from tpurun.errors import TpurunError, UsageError
+from tpurun.transport import targets
+from tpurun.transport.runner import DEFAULT_GRACE, RunResult, fan_out
+
+
+@parsing(context_settings={"allow_interspersed_args": False})
+def exec_cmd(
+    command: Annotated[list[str], typer.Argument(help="-- CMD [ARGS...]: passed exactly, never through a shell.")],
+    tpu: TpuOpt = None,
+    local: LocalOpt = False,
+    worker: WorkerOpt = "all",
+    fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = DEFAULT_GRACE,
+) -> None:
+    """Run a command on every selected worker at once, lines prefixed \\[wN]."""
+    if not command:
+        raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
+    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker)
+    writer = LineWriter(colour=not ui.is_plain())
+    stop = threading.Event()
+    try:
+        with stop_on_signals(stop) as seen:
+            errors = target.connect()
+            for _, error in sorted(errors.items()):
+                ui.err().print(f"error: {error}", markup=False)
+            reachable = [r for r in target.runners if r.worker.index not in errors]
+            results = fan_out(reachable, command, writer, stop=stop, fail_fast=fail_fast, grace=grace)
+            results += [RunResult(i, None, error=e) for i, e in errors.items()]
+            results.sort(key=lambda r: r.worker)
+            code = summarize(results, seen["interrupted"])
+    finally:
+        target.close()
+    raise typer.Exit(code)
+
+
+@parsing(context_settings={"allow_interspersed_args": False})
+def ssh_cmd(
+    command: Annotated[list[str] | None, typer.Argument(help="-- CMD [ARGS...] to run instead of a shell.")] = None,
+    tpu: TpuOpt = None,
+    worker: Annotated[int, typer.Option("--worker", "-w", help="Worker index.")] = 0,
+) -> None:
+    """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys."""
+    s = settings.resolve({"tpu": tpu})
+    if not s.tpu.value:
+        raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
+    target = targets.resolve(tpu=s.tpu.value, local=False, worker_spec=str(worker), announce=False)
+    w = target.runners[0].worker
+    home = s.home_path
+    argv = [
+        "ssh",
+        "-i", str(keys.key_path(home)),
+        "-o", "IdentitiesOnly=yes",
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"UserKnownHostsFile={keys.known_hosts_path(home)}",
+        "-o", "LogLevel=ERROR",
+        "-p", str(w.port),
+    ]  # fmt: skip
+    if command:
+        for arg in command:
+            if "\0" in arg:
+                raise UsageError("arguments cannot contain NUL bytes")
+        # ssh joins its arguments into one line for the remote shell: quote so they arrive exactly
+        argv += [f"{w.user}@{w.address}", "--", shlex.join(command)]
+    else:
+        argv += ["-t", f"{w.user}@{w.address}"]
+    sys.stdout.flush()
+    try:
+        os.execvp("ssh", argv)
+    except OSError as exc:
+        raise TpurunError(f"cannot run the system ssh client: {exc.strerror}", hint="install openssh-client") from None
