@@ -1,0 +1,61 @@
+"""The repository stands on its own, and the package keeps the shape docs/architecture.md describes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+PACKAGE = ROOT / "tpurun"
+
+# what only the machine this was written on has: its checkout, its interpreters, notes beside the repository
+OUTSIDE = ["/work/", "/root/.pyenv", "../shared", "FACTS.md", "CONTRACT.md", "STYLE.md"]
+
+
+def tracked_files() -> list[Path]:
+    if (ROOT / ".git").exists():
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        names = [n for n in out.decode().split("\0") if n]
+    else:
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and ".venv" not in p.parts]
+    return [ROOT / n for n in names]
+
+
+def test_the_repository_names_no_path_outside_itself():
+    needles = [*OUTSIDE, str(ROOT.resolve()) + "/"]
+    files = tracked_files()
+    assert ROOT / "README.md" in files and ROOT / "tpurun" / "config.py" in files
+    found = []
+    for path in files:
+        if path == Path(__file__) or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary
+        for n, line in enumerate(text.splitlines(), 1):
+            found += [f"{path.relative_to(ROOT)}:{n}: {needle}" for needle in needles if needle in line]
+    assert found == [], "the repository must stand on its own:\n" + "\n".join(found)
+
+
+def test_no_caller_asks_which_runner_it_has():
+    """Runners are polymorphic (run, stream, pipe): only tpurun/transport/ may look at their types."""
+    pattern = re.compile(r"isinstance\([^)]*\b(SshRunner|LocalRunner|SshStream|LocalStream|SshPipe|LocalPipe)\b")
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if "transport" in path.relative_to(PACKAGE).parts:
+            continue
+        offenders += [
+            f"{path.relative_to(ROOT)}:{n}"
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line)
+        ]
+    assert offenders == []
+
+
+def test_every_module_of_the_map_exists():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    for package, modules in re.findall(r"^\| `tpurun/(\w+)/`[^|]*\| ([^|]+) \|", page, re.M):
+        for module in re.findall(r"`([\w/]+\.py)`", modules):
+            assert (PACKAGE / package / module).is_file(), f"docs/architecture.md names tpurun/{package}/{module}"
