@@ -4,14 +4,17 @@ Ctrl-C turned into a clean stop."""
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from tpurun import ui
 from tpurun.cloud import provision
 from tpurun.errors import ExitCode
+from tpurun.job.plan import process_name
 from tpurun.transport.runner import RunResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
@@ -99,3 +102,49 @@ def progress_display() -> Iterator[Callable[[str], None]]:
         return
     with ui.err().status("starting…") as status:
         yield provision.Progress(lambda text: status.update(text))
+
+
+# What a runtime prints once per process and tells a user nothing: hidden on the terminal unless asked
+# (--debug); the job's log files keep every line.
+CHATTER = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+)
+
+
+class Renderer:
+    """Lines to stdout as `[wN/cM] line`, coloured on a terminal; whole lines only; CHATTER only if asked."""
+
+    COLOURS = [36, 35, 32, 33, 34, 31]
+
+    def __init__(self, colour: bool, quiet: bool = False, chatter: bool = False) -> None:
+        self.colour = colour
+        self.quiet = quiet
+        self.chatter = chatter
+        self.lock = threading.Lock()
+        self.buffer: list[str] = []
+        self.last_flush = time.monotonic()
+
+    def line(self, worker: int, core: int, text: str) -> None:
+        if self.quiet or (not self.chatter and CHATTER.fullmatch(text)):
+            return
+        prefix = f"[{process_name(worker, core)}]"
+        if self.colour:
+            prefix = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{prefix}\x1b[0m"
+        with self.lock:
+            self.buffer.append(f"{prefix} {text}\n")
+            if len(self.buffer) > 512 or time.monotonic() - self.last_flush > 0.05:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self.buffer:
+            try:
+                sys.stdout.write("".join(self.buffer))
+                sys.stdout.flush()
+            except BrokenPipeError:
+                pass
+            self.buffer.clear()
+        self.last_flush = time.monotonic()
+
+    def flush(self) -> None:
+        with self.lock:
+            self._flush()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shlex
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,14 +13,13 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import config, settings, ui
+from tpurun import settings, ui
 from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, parsing
-from tpurun.cli.output import LineWriter, stop_on_signals
+from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.job import launcher as train
 from tpurun.job import plan as envc
-from tpurun.job import setup as job_setup
-from tpurun.topology import parse_accelerator_type
+from tpurun.job import records
 from tpurun.transport import targets
 from tpurun.transport.runner import each, open_stream, run_capture
 from tpurun.worker import bundle_name
@@ -120,35 +122,88 @@ def train_cmd(
         grace=grace,
         tpu_ip=tpu_ip,
     )
+    raise typer.Exit(_run(spec, tpu=tpu, local=local, dest=dest, json_out=json_out))
+
+
+def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | None, json_out: bool) -> int:
     s = settings.resolve({"tpu": tpu})
-    code = run_training(spec, tpu=tpu, local=local, dest=dest, json_out=json_out, home=s.home_path)
-    raise typer.Exit(code)
-
-
-def run_training(
-    spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | None, json_out: bool, home: Path
-) -> int:
-    restarts = 0
-    while True:
+    if spec.dry_run:
         target = targets.resolve(tpu=tpu, local=local)
         try:
-            result = _attempt(spec, target, restarts, dest=dest, json_out=json_out, home=home)
+            job = train.prepare(spec, target, 0, dest=dest, local_dir=Path.cwd())
+            _notes(job)
+            _print_dry_run(job, json_out)
         finally:
             target.close()
-        if result != "preempted":
-            return int(result)
-        if restarts >= spec.max_restarts:
-            ui.err().print(
-                f"error: {target.name} was preempted and --max-restarts {spec.max_restarts} is used up", markup=False
-            )
-            return ExitCode.UNREACHABLE
-        restarts += 1
-        ui.info(f"restart {restarts}/{spec.max_restarts}: recreating {target.name}")
-        _recreate(target.name)
+        return ExitCode.OK
+    cancel = threading.Event()
+    out = TerminalOutput(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
+    with stop_on_signals(cancel):
+        result = train.train(
+            spec,
+            resolve=lambda: targets.resolve(tpu=tpu, local=local),
+            recreate=_recreate,
+            dest=dest,
+            home=s.home_path,
+            local_dir=Path.cwd(),
+            out=out,
+            cancel=cancel,
+        )
+    return _render(result, json_out)
+
+
+class TerminalOutput:
+    """The launcher's reports on this terminal: core lines on stdout, status lines on stderr."""
+
+    def __init__(self, *, colour: bool, quiet: bool, chatter: bool) -> None:
+        self.lines = Renderer(colour=colour, quiet=quiet, chatter=chatter)
+        self.worker_line = LineWriter(colour=colour)
+
+    def info(self, text: str) -> None:
+        ui.info(text)
+
+    def warn(self, text: str) -> None:
+        ui.warn(text)
+
+    def line(self, worker: int, core: int, text: str) -> None:
+        self.lines.line(worker, core, text)
+
+    def flush(self) -> None:
+        self.lines.flush()
+
+
+def _notes(job: train.Job) -> None:
+    for kind, text in job.notes():
+        (ui.warn if kind == "warn" else ui.info)(text)
+
+
+def _print_dry_run(job: train.Job, json_out: bool) -> None:
+    p, setup = job.plan, job.setup
+    rows = train.dry_run_rows(job.target, p.specs)
+    if json_out:
+        ui.print_json(
+            {
+                "job_id": job.job_id,
+                "runtime": p.runtime,
+                "reason": p.runtime_reason,
+                "launch": p.launch,
+                "launch_reason": p.launch_reason,
+                "processes": rows,
+                "setup": {"commands": list(setup.commands), "key": setup.key} if setup else None,
+            }
+        )
+        return
+    print(p.launch_reason)
+    if setup:
+        print(f"setup (key {setup.key}, skipped where it ran before): {setup.describe()}")
+    for row in rows:
+        name = envc.process_name(row["worker"], envc.HOST if row["core"] is None else row["core"])
+        print(f"[{name}] {row['address']}: {shlex.join(row['command'])}")
+        for k, v in sorted(row["env"].items()):
+            print(f"    {k}={v}")
 
 
 def _recreate(name: str) -> None:
-    from tpurun.cli.output import progress_display
     from tpurun.cloud import provision
     from tpurun.cloud.client import Cloud
 
@@ -159,120 +214,59 @@ def _recreate(name: str) -> None:
         provision.recreate(cloud, s, name, progress)
 
 
-def _attempt(
-    spec: train.TrainSpec, target: targets.Target, restart: int, *, dest: str | None, json_out: bool, home: Path
-) -> int | str:
-    job_id = train.new_job_id()
-    if spec.runtime == "auto" or not spec.dry_run:
-        train.connect(target)  # a dry run with an explicit runtime needs no worker at all
-    plan = train.plan(target, spec, job_id, restart_count=restart)
-    specs = plan.specs
-    where = "this machine" if target.local else f"{target.name} ({len(target.all_workers)} workers)"
-    ui.info(
-        f"job {job_id}: {where}, runtime {plan.runtime} ({plan.runtime_reason}); {plan.launch_reason}; "
-        f"{plan.processes} process(es) started by tpurun"
-    )
-    if plan.runtime == "cpu" and plan.processes > 1:
-        ui.info(
-            f"note: {plan.processes} CPU processes are {plan.processes} separate XLA worlds (torch_xla has no "
-            "cross-process collectives on CPU); a script reduces across them with torch.distributed gloo "
-            "(docs/train.md)"
+def _error(text: str) -> None:
+    ui.err().print(text, markup=False)
+
+
+def _render(result: train.JobResult, json_out: bool) -> int:
+    """What the job's end means for the user: messages on stderr, the summary, the exit code."""
+    job, run, state = result.job, result.run, result.state
+    name, spec = job.target.name, job.spec
+    if state is train.JobState.SETUP_FAILED:
+        assert result.setup is not None and result.setup.failed is not None
+        bad = result.setup.failed
+        w = job.target.all_workers[bad.worker]
+        if bad.error:
+            _error(f"error: setup could not run on {w.label()}: {bad.error}")
+            return ExitCode.UNREACHABLE
+        tail = "\n".join("    " + line for line in result.setup.last_lines.get(bad.worker, [])) or "    (no output)"
+        _error(
+            f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
         )
-    if spec.core is not None and target.accelerator_type:
-        ui.info(envc.explain_core(parse_accelerator_type(target.accelerator_type), spec.core))
-    if spec.precision == "bf16":
-        ui.warn("XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
-    python = train.worker_python(target, spec)
-    cwd = str(Path.cwd()) if target.local else (dest or f"~/{Path.cwd().resolve().name}")
-    setup = job_setup.plan(
-        spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=Path.cwd(), on_tpu=not target.local
-    )
-    if spec.dry_run:
-        rows = train.dry_run_rows(target, specs)
+        return ExitCode.PROGRAM_FAILED
+    if state is train.JobState.INTERRUPTED and run is None:
+        _error("error: interrupted during setup; the job did not start")
+        return ExitCode.INTERRUPTED
+    assert run is not None
+    if state is train.JobState.BUSY:
+        workers = ",".join(f"w{w}" for w in sorted(run.busy))
+        _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
+        return ExitCode.USAGE
+    if state is train.JobState.DETACHED:
         if json_out:
-            ui.print_json(
-                {
-                    "job_id": job_id,
-                    "runtime": plan.runtime,
-                    "reason": plan.runtime_reason,
-                    "launch": plan.launch,
-                    "launch_reason": plan.launch_reason,
-                    "processes": rows,
-                    "setup": {"commands": list(setup.commands), "key": setup.key} if setup else None,
-                }
-            )
+            ui.print_json({"job_id": job.job_id, "detached": True})
         else:
-            print(plan.launch_reason)
-            if setup:
-                print(f"setup (key {setup.key}, skipped where it ran before): {setup.describe()}")
-            for row in rows:
-                name = train.process_name(row["worker"], envc.HOST if row["core"] is None else row["core"])
-                print(f"[{name}] {row['address']}: {train.quote(row['command'])}")
-                for k, v in sorted(row["env"].items()):
-                    print(f"    {k}={v}")
+            print(job.job_id)
+        ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
         return ExitCode.OK
-    if not target.local:
-        _sync_code(target, cwd, home)
-    if setup:
-        failed = _run_setup(target, setup, cwd=cwd, python=python, grace=spec.grace)
-        if failed:
-            return failed
-    record = train.JobRecord(
-        job_id=job_id,
-        tpu=target.name,
-        workers=[r.worker.index for r in target.runners],
-        cores={w: [c.core for c in per] for w, per in enumerate(specs)},
-        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        detached=spec.detach,
-        command=[spec.script, *spec.args],
-        python=python,
-    )
-    record.save(home)
-    topo = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
-    renderer = train.Renderer(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
-    run = train.JobRun(
-        target,
-        job_id,
-        specs,
-        renderer,
-        cwd=cwd,
-        python=python,
-        detach=spec.detach,
-        grace=spec.grace,
-        pre=lambda w: envc.pre_commands(topo, plan.runtime, w, python),
-        launch=plan.launch,
-        on_event=ui.info,
-    )
-    with stop_on_signals(run.stop) as seen:
-        run.run()
-    if run.busy and not run.lost:
-        return train.outcome_code(run, False)  # refused: another job runs there; nothing was started
-    if spec.detach:
-        if run.lost:
-            return train.outcome_code(run, False)
-        if json_out:
-            ui.print_json({"job_id": job_id, "detached": True})
-        else:
-            print(job_id)
-        ui.info(f"detached: `tpurun logs {job_id} --follow` to watch, `tpurun cancel {job_id}` to stop")
-        return ExitCode.OK
-    if run.lost and not seen["interrupted"] and run.first_failure is None and _preempted(target):
+    if state is train.JobState.PREEMPTED:
         if spec.max_restarts:
-            ui.warn(f"{target.name} was preempted while job {job_id} ran")
-            return "preempted"
-        ui.err().print(
-            f"error: {target.name} was preempted while job {job_id} ran: its processes are gone on every worker "
-            "(--max-restarts 0)",
-            markup=False,
-        )
-        ui.err().print(
-            "hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job", markup=False
-        )
+            _error(f"error: {name} was preempted and --max-restarts {spec.max_restarts} is used up")
+        else:
+            _error(
+                f"error: {name} was preempted while job {job.job_id} ran: its processes are gone on every worker "
+                "(--max-restarts 0)"
+            )
+            _error("hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job")
+        return ExitCode.UNREACHABLE
+    if state is train.JobState.LOST and spec.detach:
+        for why in run.lost.values():
+            _error(f"error: {why}")
         return ExitCode.UNREACHABLE
     if json_out:
         ui.print_json(
             {
-                "job_id": job_id,
+                "job_id": job.job_id,
                 "cores": [
                     {"worker": o.worker, "core": o.core, "status": o.status, "exit_code": o.exit_code}
                     for o in sorted(run.outcomes.values(), key=lambda o: (o.worker, o.core))
@@ -280,103 +274,48 @@ def _attempt(
             }
         )
     else:
-        train.render_summary(run)
-    return train.outcome_code(run, seen["interrupted"])
-
-
-def _run_setup(target: targets.Target, setup: job_setup.Setup, *, cwd: str, python: str, grace: float) -> int:
-    """Run the job's setup where it has not run before; 0, or the exit code that ends the job."""
-    stop = threading.Event()
-    started = time.monotonic()
-
-    def announce(todo: list[int], skipped: list[int]) -> None:
-        if skipped:
-            ui.info(f"setup: unchanged on {len(skipped)} worker(s), skipped")
-        if todo:
-            ui.info(f"setup on {len(todo)} worker(s): {setup.describe()}")
-
-    with stop_on_signals(stop) as seen:
-        res = job_setup.run(
-            target.runners,
-            setup,
-            cwd=cwd,
-            python=python,
-            sink=LineWriter(colour=not ui.is_plain()),
-            stop=stop,
-            grace=grace,
-            on_start=announce,
-        )
-    if seen["interrupted"]:
-        ui.err().print("error: interrupted during setup; the job did not start", markup=False)
+        _summary(run)
+    if state is train.JobState.INTERRUPTED:
         return ExitCode.INTERRUPTED
-    bad = res.failed
-    if bad is not None:
-        w = target.all_workers[bad.worker]
-        if bad.error:
-            raise UnreachableError(f"setup could not run on {w.label()}: {bad.error}")
-        tail = "\n".join("    " + line for line in res.last_lines.get(bad.worker, [])) or "    (no output)"
-        ui.err().print(
-            f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last "
-            f"lines:\n{tail}",
-            markup=False,
+    if run.first_failure is not None:
+        f = run.first_failure
+        tail = "\n".join("    " + line for line in list(f.last_lines))
+        _error(
+            f"error: {envc.process_name(f.worker, f.core)} ({job.target.all_workers[f.worker].address}) failed first "
+            f"({f.ending}); its last lines:\n{tail}"
         )
+        hint = train.hint_for(list(f.last_lines), python=run.python, local=job.target.local)
+        if hint:
+            _error(f"hint: {hint}")
         return ExitCode.PROGRAM_FAILED
-    if res.ran:
-        ui.info(f"setup done on {len(res.ran)} worker(s) in {time.monotonic() - started:.1f} s")
-    return ExitCode.OK
+    if state is train.JobState.LOST:
+        for why in run.lost.values():
+            _error(f"error: {why}")
+        return ExitCode.UNREACHABLE
+    return ExitCode.PROGRAM_FAILED if state is train.JobState.FAILED else ExitCode.OK
 
 
-def _preempted(target: targets.Target) -> bool:
-    if target.local:
-        return False
-    from tpurun.cloud.client import Cloud
-    from tpurun.cloud.provision import STATE
-
-    # the API may report the preemption a little after the workers vanished: look for a while
-    deadline = time.monotonic() + config.PREEMPT_CHECK.number()
-    while True:
-        try:
-            node = Cloud(settings.resolve({})).find_node(target.name)
-        except TpurunError:
-            return False
-        if node is None or STATE(node.state).name in ("PREEMPTED", "TERMINATED"):
-            return True
-        if STATE(node.state).name != "READY" or time.monotonic() > deadline:
-            return False
-        time.sleep(1.0)
-
-
-def _sync_code(target: targets.Target, dest: str, home: Path) -> None:
-    """This directory to DEST on every worker (incremental: unchanged files cost nothing)."""
-    from tpurun.sync import sender as sync
-
-    src = Path.cwd()
-    started = time.monotonic()
-    manifest = sync.build_manifest(src, cache_dir=home / "sync-cache")
-    stats = sync.sync(target.runners, src, dest, manifest=manifest)
-    failed = [st for st in stats if st.error or st.errors]
-    if failed:
-        raise UnreachableError(
-            "could not sync the code: "
-            + "; ".join(f"w{st.worker} ({st.address}): {st.error or st.errors[0]}" for st in failed)
-        )
-    sent = sum(st.files_sent for st in stats)
-    ui.info(
-        f"synced {src} to {dest} on {len(stats)} worker(s): {sent} file(s) sent in {time.monotonic() - started:.1f} s"
-    )
+def _summary(run: train.JobRun) -> None:
+    rows = []
+    for (w, c), o in sorted(run.outcomes.items()):
+        code = "-" if o.exit_code is None else str(o.exit_code)
+        last = (o.last_lines[-1] if o.last_lines else "")[:60]
+        rows.append((envc.process_name(w, c), o.status, code, f"{o.ended:.1f} s" if o.ended else "-", last))
+    with contextlib.redirect_stdout(sys.stderr):
+        ui.table(f"job {run.job_id}", ["core", "status", "exit", "time", "last line"], rows)
 
 
 # ---------------------------------------------------------------------------- jobs, logs, cancel
 
 
-def _record_target(record: train.JobRecord) -> targets.Target:
+def _record_target(record: records.JobRecord) -> targets.Target:
     if record.tpu == "local":
         return targets.resolve(tpu=None, local=True, announce=False)
     spec = ",".join(str(w) for w in record.workers)
     return targets.resolve(tpu=record.tpu, local=False, worker_spec=spec, announce=False)
 
 
-def _agent_argv(record: train.JobRecord, *args: str) -> list[str]:
+def _agent_argv(record: records.JobRecord, *args: str) -> list[str]:
     script = 'p=$1; a=$2; shift 2; exec "$p" "$HOME/.tpurun/bin/$a/agent.py" "$@"'
     return ["sh", "-c", script, "tpurun", record.python, bundle_name(), *args]
 
@@ -384,9 +323,9 @@ def _agent_argv(record: train.JobRecord, *args: str) -> list[str]:
 def jobs_cmd(tpu: TpuOpt = None, json_out: JsonOpt = False) -> None:
     """Jobs started with `train` (attached and detached), with their state on worker 0."""
     s = settings.resolve({"tpu": tpu})
-    records = [r for r in train.list_records(s.home_path) if not tpu or r.tpu == tpu]
+    known = [r for r in records.list_records(s.home_path) if not tpu or r.tpu == tpu]
     rows: list[dict[str, Any]] = []
-    for r in records:
+    for r in known:
         status = "unknown"
         try:
             target = _record_target(r)
@@ -428,9 +367,9 @@ def logs_cmd(
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
     s = settings.resolve({})
-    record = train.JobRecord.load(s.home_path, job)
+    record = records.JobRecord.load(s.home_path, job)
     target = _record_target(record)
-    renderer = train.Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
+    renderer = Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
     offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
     stop = threading.Event()
     done: set[int] = set()
@@ -514,7 +453,7 @@ def cancel_cmd(
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
     s = settings.resolve({})
-    record = train.JobRecord.load(s.home_path, job)
+    record = records.JobRecord.load(s.home_path, job)
     target = _record_target(record)
     failures = []
     try:

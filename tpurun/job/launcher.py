@@ -10,24 +10,23 @@ stops the cores of an attached job on that worker.
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import json
-import os
 import re
-import secrets
-import shlex
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from tpurun import ui
-from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun import config, settings
+from tpurun.errors import TpurunError, UnreachableError, UsageError
 from tpurun.job import plan as envc
+from tpurun.job import setup as job_setup
+from tpurun.job.records import JobRecord, new_job_id
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.transport.runner import Runner, Stream, each, open_stream, run_capture
 from tpurun.transport.targets import Target
@@ -71,10 +70,6 @@ HINTS = [
         "the TPU device cannot be opened (busy or no permission): run `tpurun kill-stale`, then `tpurun doctor`",
     ),
 ]
-
-
-def new_job_id() -> str:
-    return dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -136,47 +131,6 @@ class CoreOutcome:
         if self.status == "died":
             return "no exit status: it died, killed by a signal or crashed"
         return f"exit code {self.exit_code}"
-
-
-@dataclass
-class JobRecord:
-    """What tpurun remembers locally about a job, for `jobs`, `logs` and `cancel`."""
-
-    job_id: str
-    tpu: str  # "local" for this machine
-    workers: list[int]
-    cores: dict[int, list[int]]  # worker -> core indexes
-    created: str
-    detached: bool
-    command: list[str]
-    python: str
-
-    def save(self, home: Path) -> None:
-        d = home / "jobs"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = d / f"{self.job_id}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.__dict__, indent=1))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, home: Path, job_id: str) -> JobRecord:
-        path = home / "jobs" / f"{job_id}.json"
-        if not job_id or "/" in job_id or not path.is_file():
-            known = sorted(p.stem for p in (home / "jobs").glob("*.json")) if (home / "jobs").is_dir() else []
-            hint = f"known jobs: {', '.join(known[-5:])}" if known else "`tpurun jobs` lists them"
-            raise UsageError(f"unknown job {job_id!r}", hint=hint)
-        data = json.loads(path.read_text())
-        data["cores"] = {int(k): v for k, v in data["cores"].items()}
-        return cls(**data)
-
-
-def list_records(home: Path) -> list[JobRecord]:
-    d = home / "jobs"
-    if not d.is_dir():
-        return []
-    return [JobRecord.load(home, p.stem) for p in sorted(d.glob("*.json"))]
 
 
 # ---------------------------------------------------------------------------- planning
@@ -251,11 +205,6 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     return JobPlan(runtime, why, launch, launch_why, specs)
 
 
-def process_name(worker: int, core: int) -> str:
-    """wN/cM for a chip (or core) process, wN for a host launch's own process: its lines are tagged [name]."""
-    return f"w{worker}" if core == envc.HOST else f"w{worker}/c{core}"
-
-
 def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[str, Any]]:
     """Per process tpurun starts: worker, core, address, exact argv and environment (what --dry-run prints)."""
     rows = []
@@ -276,50 +225,15 @@ def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[
 # ---------------------------------------------------------------------------- running
 
 
-# What a runtime prints once per process and tells a user nothing: hidden on the terminal unless asked
-# (--debug); the job's log files keep every line.
-CHATTER = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
-)
+class Output(Protocol):
+    """How the launcher reports (it prints nothing itself): status lines, every core's lines, and the
+    lines a worker's setup prints."""
 
-
-class Renderer:
-    """Lines to stdout as `[wN/cM] line`, coloured on a terminal; whole lines only; CHATTER only if asked."""
-
-    COLOURS = [36, 35, 32, 33, 34, 31]
-
-    def __init__(self, colour: bool, quiet: bool = False, chatter: bool = False) -> None:
-        self.colour = colour
-        self.quiet = quiet
-        self.chatter = chatter
-        self.lock = threading.Lock()
-        self.buffer: list[str] = []
-        self.last_flush = time.monotonic()
-
-    def line(self, worker: int, core: int, text: str) -> None:
-        if self.quiet or (not self.chatter and CHATTER.fullmatch(text)):
-            return
-        prefix = f"[{process_name(worker, core)}]"
-        if self.colour:
-            prefix = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{prefix}\x1b[0m"
-        with self.lock:
-            self.buffer.append(f"{prefix} {text}\n")
-            if len(self.buffer) > 512 or time.monotonic() - self.last_flush > 0.05:
-                self._flush()
-
-    def _flush(self) -> None:
-        if self.buffer:
-            try:
-                sys.stdout.write("".join(self.buffer))
-                sys.stdout.flush()
-            except BrokenPipeError:
-                pass
-            self.buffer.clear()
-        self.last_flush = time.monotonic()
-
-    def flush(self) -> None:
-        with self.lock:
-            self._flush()
+    def info(self, text: str) -> None: ...
+    def warn(self, text: str) -> None: ...
+    def line(self, worker: int, core: int, text: str) -> None: ...
+    def worker_line(self, worker: int, stream: str, text: str) -> None: ...
+    def flush(self) -> None: ...
 
 
 class JobRun:
@@ -330,7 +244,7 @@ class JobRun:
         target: Target,
         job_id: str,
         specs: list[list[envc.CoreSpec]],
-        renderer: Renderer,
+        out: Output,
         *,
         cwd: str,
         python: str,
@@ -338,19 +252,19 @@ class JobRun:
         grace: float,
         pre: Callable[[int], list[list[str]]],
         launch: str,
-        on_event: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.target = target
         self.job_id = job_id
         self.specs = specs
-        self.renderer = renderer
+        self.out = out
         self.cwd = cwd
         self.python = python
         self.detach = detach
         self.grace = grace
         self.pre = pre
         self.launch = launch
-        self.on_event = on_event or (lambda text: None)
+        self.cancel = cancel or threading.Event()  # set by the caller (Ctrl-C): stop the job everywhere
         self.outcomes: dict[tuple[int, int], CoreOutcome] = {
             (c.worker, c.core): CoreOutcome(c.worker, c.core) for per in specs for c in per
         }
@@ -372,7 +286,7 @@ class JobRun:
             "cores": [{"core": c.core, "argv": c.argv, "env": c.env, "cwd": self.cwd} for c in self.specs[worker]],
         }
 
-    def _command(self, worker: int, follow: bool) -> list[str]:
+    def _command(self, worker: int) -> list[str]:
         spec = base64.b64encode(json.dumps(self.job_spec(worker)).encode()).decode()
         mode = "detach" if self.detach else "attach"
         return ["sh", "-c", _START_AND_STREAM, "tpurun", bundle_name(), spec, self.python, self.job_id, mode]
@@ -385,11 +299,11 @@ class JobRun:
     def _worker(self, runner: Runner) -> None:
         w = runner.worker.index
         try:
-            stream = open_stream(runner, self._command(w, follow=True))
+            stream = open_stream(runner, self._command(w))
             if self._pump(w, stream) == AGENT_MISSING:
                 # first job on this worker (or a new tpurun version): ship the agent, then start again
                 self.install_agent(runner)
-                self._pump(w, open_stream(runner, self._command(w, follow=True)))
+                self._pump(w, open_stream(runner, self._command(w)))
         except TpurunError as exc:
             self._lose(w, str(exc))
         except (OSError, EOFError) as exc:
@@ -406,6 +320,8 @@ class JobRun:
         closed = False
         done = False
         while True:
+            if self.cancel.is_set():
+                self.stop.set()
             if self.stop.is_set() and not closed and not self.detach:
                 stream.close_stdin()  # the agent stops this worker's cores and keeps streaming to the end
                 closed = True
@@ -420,7 +336,7 @@ class JobRun:
             if data is None:
                 break
             if not data:
-                self.renderer.flush()  # idle: show what is buffered now, not when the next line comes
+                self.out.flush()  # idle: show what is buffered now, not when the next line comes
             buf += data
         rc = stream.wait()
         if not done:
@@ -449,7 +365,7 @@ class JobRun:
             c = int(rec["c"])
             line = rec.get("l", "")
             self.outcome(w, c).last_lines.append(line)
-            self.renderer.line(w, c, line)
+            self.out.line(w, c, line)
             return False
         if event == "started":
             return False
@@ -465,7 +381,7 @@ class JobRun:
                     with self.lock:
                         if self.first_failure is None:
                             self.first_failure = o
-                self.on_event(f"{process_name(w, c)} failed ({o.ending}): stopping the job everywhere")
+                self.out.info(f"{envc.process_name(w, c)} failed ({o.ending}): stopping the job everywhere")
                 self.stop.set()
             elif o.failed and o.status != "killed" and self.first_failure is None:
                 with self.lock:
@@ -498,7 +414,7 @@ class JobRun:
 
     def run(self) -> None:
         each(self.target.runners, self._worker, name="job")
-        self.renderer.flush()
+        self.out.flush()
 
 
 _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^'.]+)")
@@ -524,65 +440,238 @@ def hint_for(lines: list[str], *, python: str = "python3", local: bool = False) 
     return None
 
 
-def render_summary(run: JobRun) -> None:
-    rows = []
-    for (w, c), o in sorted(run.outcomes.items()):
-        code = "-" if o.exit_code is None else str(o.exit_code)
-        rows.append(
-            (
-                process_name(w, c),
-                o.status,
-                code,
-                f"{o.ended:.1f} s" if o.ended else "-",
-                (o.last_lines[-1] if o.last_lines else "")[:60],
-            )
-        )
-    import contextlib
-
-    with contextlib.redirect_stdout(sys.stderr):
-        ui.table(f"job {run.job_id}", ["core", "status", "exit", "time", "last line"], rows)
-
-
-def outcome_code(run: JobRun, interrupted: bool) -> int:
-    if run.busy and not run.lost and run.first_failure is None:
-        workers = ",".join(f"w{w}" for w in sorted(run.busy))
-        ui.err().print(f"error: {run.target.name} is busy on {workers}: {run.busy[min(run.busy)]}", markup=False)
-        return ExitCode.USAGE
-    if interrupted:
-        return ExitCode.INTERRUPTED
-    if run.first_failure is not None:
-        f = run.first_failure
-        tail = "\n".join("    " + line for line in list(f.last_lines))
-        hint = hint_for(list(f.last_lines), python=run.python, local=run.target.local)
-        ui.err().print(
-            f"error: {process_name(f.worker, f.core)} ({run.target.all_workers[f.worker].address}) failed first "
-            f"({f.ending}); its last lines:\n{tail}",
-            markup=False,
-        )
-        if hint:
-            ui.err().print(f"hint: {hint}", markup=False)
-        return ExitCode.PROGRAM_FAILED
-    if run.lost:
-        for why in run.lost.values():
-            ui.err().print(f"error: {why}", markup=False)
-        return ExitCode.UNREACHABLE
-    failed = [o for o in run.outcomes.values() if o.failed]
-    if failed:
-        return ExitCode.PROGRAM_FAILED
-    return ExitCode.OK
-
-
 def connect(target: Target) -> None:
     errors = target.connect()
     if errors:
         raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
 
 
-def remote_cwd(target: Target, local_dir: Path, dest: str | None) -> str:
+# ---------------------------------------------------------------------------- a whole job
+
+
+class JobState(str, Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a core failed (first_failure names the first)
+    SETUP_FAILED = "setup failed"  # the job did not start
+    INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM: stopped everywhere
+    LOST = "lost"  # a worker could not be reached or vanished
+    PREEMPTED = "preempted"  # the node was preempted (and --max-restarts is used up)
+    BUSY = "busy"  # another job runs there: nothing started
+    DETACHED = "detached"  # started and left running
+
+
+@dataclass
+class Job:
+    """A job decided and not started yet (what --dry-run shows)."""
+
+    job_id: str
+    spec: TrainSpec
+    target: Target
+    plan: JobPlan
+    python: str
+    cwd: str
+    setup: job_setup.Setup | None
+
+    def notes(self) -> list[tuple[str, str]]:
+        """(info|warn, text): what the user is told before the job starts."""
+        t, p = self.target, self.plan
+        where = "this machine" if t.local else f"{t.name} ({len(t.all_workers)} workers)"
+        out = [
+            (
+                "info",
+                f"job {self.job_id}: {where}, runtime {p.runtime} ({p.runtime_reason}); {p.launch_reason}; "
+                f"{p.processes} process(es) started by tpurun",
+            )
+        ]
+        if p.runtime == "cpu" and p.processes > 1:
+            out.append(
+                (
+                    "info",
+                    f"note: {p.processes} CPU processes are {p.processes} separate XLA worlds (torch_xla has no "
+                    "cross-process collectives on CPU); a script reduces across them with torch.distributed gloo "
+                    "(docs/train.md)",
+                )
+            )
+        if self.spec.core is not None and t.accelerator_type:
+            out.append(("info", envc.explain_core(parse_accelerator_type(t.accelerator_type), self.spec.core)))
+        if self.spec.precision == "bf16":
+            out.append(
+                ("warn", "XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
+            )
+        return out
+
+
+@dataclass
+class JobResult:
+    job: Job
+    state: JobState
+    run: JobRun | None = None
+    setup: job_setup.SetupResult | None = None
+    restarts: int = 0
+
+
+def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, local_dir: Path) -> Job:
+    """Decide the job: runtime, launch model, every process, the setup. Only --runtime auto (or a real
+    start) needs the workers."""
+    job_id = new_job_id()
+    if spec.runtime == "auto" or not spec.dry_run:
+        connect(target)
+    p = plan(target, spec, job_id, restart_count=restart)
+    python = worker_python(target, spec)
+    cwd = str(local_dir) if target.local else (dest or f"~/{local_dir.resolve().name}")
+    setup = job_setup.plan(
+        spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=local_dir, on_tpu=not target.local
+    )
+    return Job(job_id, spec, target, p, python, cwd, setup)
+
+
+def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event) -> JobResult:
+    """Sync, set up, start the job on every worker and follow it to its end (or start it detached)."""
+    target, spec = job.target, job.spec
+    if not target.local:
+        sync_code(target, local_dir, job.cwd, home, out)
+    if job.setup:
+        res = run_setup(job, out, cancel)
+        if cancel.is_set():
+            return JobResult(job, JobState.INTERRUPTED, setup=res)
+        if res.failed is not None:
+            return JobResult(job, JobState.SETUP_FAILED, setup=res)
+    specs = job.plan.specs
+    JobRecord(
+        job_id=job.job_id,
+        tpu=target.name,
+        workers=[r.worker.index for r in target.runners],
+        cores={w: [c.core for c in per] for w, per in enumerate(specs)},
+        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        detached=spec.detach,
+        command=[spec.script, *spec.args],
+        python=job.python,
+    ).save(home)
+    topo = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
+    run = JobRun(
+        target,
+        job.job_id,
+        specs,
+        out,
+        cwd=job.cwd,
+        python=job.python,
+        detach=spec.detach,
+        grace=spec.grace,
+        pre=lambda w: envc.pre_commands(topo, job.plan.runtime, w, job.python),
+        launch=job.plan.launch,
+        cancel=cancel,
+    )
+    run.run()
+    return JobResult(job, _state(run, job, cancel), run=run)
+
+
+def _state(run: JobRun, job: Job, cancel: threading.Event) -> JobState:
+    if run.busy and not run.lost and run.first_failure is None:
+        return JobState.BUSY  # refused: another job runs there; nothing was started
+    if job.spec.detach:
+        return JobState.LOST if run.lost else JobState.DETACHED
+    if cancel.is_set():
+        return JobState.INTERRUPTED
+    if run.first_failure is not None:
+        return JobState.FAILED
+    if run.lost:
+        return JobState.PREEMPTED if preempted(job.target) else JobState.LOST
+    return JobState.FAILED if any(o.failed for o in run.outcomes.values()) else JobState.SUCCEEDED
+
+
+def train(
+    spec: TrainSpec,
+    *,
+    resolve: Callable[[], Target],
+    recreate: Callable[[str], None],
+    dest: str | None,
+    home: Path,
+    local_dir: Path,
+    out: Output,
+    cancel: threading.Event,
+) -> JobResult:
+    """The job, relaunched on a recreated node after each preemption, up to spec.max_restarts times."""
+    restarts = 0
+    while True:
+        target = resolve()
+        try:
+            job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir)
+            for kind, text in job.notes():
+                (out.warn if kind == "warn" else out.info)(text)
+            result = start(job, home=home, local_dir=local_dir, out=out, cancel=cancel)
+        finally:
+            target.close()
+        result.restarts = restarts
+        if result.state is not JobState.PREEMPTED or restarts >= spec.max_restarts:
+            return result
+        out.warn(f"{target.name} was preempted while job {job.job_id} ran")
+        restarts += 1
+        out.info(f"restart {restarts}/{spec.max_restarts}: recreating {target.name}")
+        recreate(target.name)
+
+
+def preempted(target: Target) -> bool:
+    """Whether the API reports TARGET's node preempted (or gone) after its workers vanished; it may say so
+    a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
     if target.local:
-        return str(local_dir)
-    return dest or f"~/{local_dir.resolve().name}"
+        return False
+    from tpurun.cloud.client import Cloud
+    from tpurun.cloud.provision import STATE
+
+    deadline = time.monotonic() + config.PREEMPT_CHECK.number()
+    while True:
+        try:
+            node = Cloud(settings.resolve({})).find_node(target.name)
+        except TpurunError:
+            return False
+        if node is None or STATE(node.state).name in ("PREEMPTED", "TERMINATED"):
+            return True
+        if STATE(node.state).name != "READY" or time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
 
 
-def quote(argv: list[str]) -> str:
-    return shlex.join(argv)
+def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> None:
+    """SRC to DEST on every worker (incremental: unchanged files cost nothing)."""
+    from tpurun.sync import sender
+
+    started = time.monotonic()
+    manifest = sender.build_manifest(src, cache_dir=home / "sync-cache")
+    stats = sender.sync(target.runners, src, dest, manifest=manifest)
+    failed = [st for st in stats if st.error or st.errors]
+    if failed:
+        raise UnreachableError(
+            "could not sync the code: "
+            + "; ".join(f"w{st.worker} ({st.address}): {st.error or st.errors[0]}" for st in failed)
+        )
+    sent = sum(st.files_sent for st in stats)
+    out.info(
+        f"synced {src} to {dest} on {len(stats)} worker(s): {sent} file(s) sent in {time.monotonic() - started:.1f} s"
+    )
+
+
+def run_setup(job: Job, out: Output, cancel: threading.Event) -> job_setup.SetupResult:
+    """The job's setup where it has not run before, its lines to OUT."""
+    assert job.setup is not None
+    setup = job.setup
+    started = time.monotonic()
+
+    def announce(todo: list[int], skipped: list[int]) -> None:
+        if skipped:
+            out.info(f"setup: unchanged on {len(skipped)} worker(s), skipped")
+        if todo:
+            out.info(f"setup on {len(todo)} worker(s): {setup.describe()}")
+
+    res = job_setup.run(
+        job.target.runners,
+        setup,
+        cwd=job.cwd,
+        python=job.python,
+        sink=out.worker_line,
+        stop=cancel,
+        grace=job.spec.grace,
+        on_start=announce,
+    )
+    if res.ran and res.failed is None and not cancel.is_set():
+        out.info(f"setup done on {len(res.ran)} worker(s) in {time.monotonic() - started:.1f} s")
+    return res

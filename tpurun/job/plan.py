@@ -493,3 +493,8 @@ print(json.dumps({
     "python_version": "%d.%d.%d" % sys.version_info[:3],
 }))
 """
+
+
+def process_name(worker: int, core: int) -> str:
+    """wN/cM for a chip (or core) process, wN for a host launch's own process: its lines are tagged [name]."""
+    return f"w{worker}" if core == HOST else f"w{worker}/c{core}"

@@ -1,0 +1,58 @@
+"""What tpurun remembers on this machine about each job (for `jobs`, `logs` and `cancel`): one JSON file
+per job under $TPURUN_HOME/jobs/, written 0600."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpurun.errors import UsageError
+
+
+def new_job_id() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+@dataclass
+class JobRecord:
+    """What tpurun remembers locally about a job, for `jobs`, `logs` and `cancel`."""
+
+    job_id: str
+    tpu: str  # "local" for this machine
+    workers: list[int]
+    cores: dict[int, list[int]]  # worker -> core indexes
+    created: str
+    detached: bool
+    command: list[str]
+    python: str
+
+    def save(self, home: Path) -> None:
+        d = home / "jobs"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = d / f"{self.job_id}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__, indent=1))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, home: Path, job_id: str) -> JobRecord:
+        path = home / "jobs" / f"{job_id}.json"
+        if not job_id or "/" in job_id or not path.is_file():
+            known = sorted(p.stem for p in (home / "jobs").glob("*.json")) if (home / "jobs").is_dir() else []
+            hint = f"known jobs: {', '.join(known[-5:])}" if known else "`tpurun jobs` lists them"
+            raise UsageError(f"unknown job {job_id!r}", hint=hint)
+        data = json.loads(path.read_text())
+        data["cores"] = {int(k): v for k, v in data["cores"].items()}
+        return cls(**data)
+
+
+def list_records(home: Path) -> list[JobRecord]:
+    d = home / "jobs"
+    if not d.is_dir():
+        return []
+    return [JobRecord.load(home, p.stem) for p in sorted(d.glob("*.json"))]
