@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import traceback
 from typing import Annotated
@@ -127,8 +128,25 @@ def load_commands(args: list[str]) -> None:
         _register(each)
 
 
+class _WarningsToTerminal(logging.Handler):
+    """The library logs (it prints nothing); its warnings reach the user as `warning: ...` lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        ui.warn(record.getMessage())
+
+
+def _show_library_warnings() -> None:
+    logger = logging.getLogger("tpurun")
+    if not any(isinstance(h, _WarningsToTerminal) for h in logger.handlers):
+        handler = _WarningsToTerminal(logging.WARNING)
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one line on stderr and one of the exit codes the README lists."""
+    _show_library_warnings()
     args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
     load_commands(args)
     command = typer.main.get_command(app)

@@ -122,7 +122,7 @@ def kill_stale_cmd(
     Holders: processes with /dev/accel* or /dev/vfio/* open, or with a libtpu*.so mapped. Nothing else
     is touched. Exit 0 when every selected worker's TPU is free, 1 when a holder is left (--dry-run: found).
     """
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker)
+    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
     cfg = _scan_config(target)
     cfg.update(dry_run=dry_run, grace=grace)
     try:
@@ -222,7 +222,7 @@ def doctor_cmd(
 
     Exit 0 when no check failed, 1 when one did, 4 when a worker could not be reached.
     """
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker)
+    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
     py = _python(target, python)
     cfg = _scan_config(target)
     cfg.update(python=py, probe=envc.PROBE_SCRIPT)

@@ -31,7 +31,7 @@ def exec_cmd(
     """Run a command on every selected worker at once, lines prefixed \\[wN]."""
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker)
+    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
     writer = LineWriter(colour=not ui.is_plain())
     stop = threading.Event()
     try:
@@ -59,7 +59,7 @@ def ssh_cmd(
     s = settings.resolve({"tpu": tpu})
     if not s.tpu.value:
         raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
-    target = targets.resolve(tpu=s.tpu.value, local=False, worker_spec=str(worker), announce=False)
+    target = targets.resolve(tpu=s.tpu.value, local=False, worker_spec=str(worker))
     w = target.runners[0].worker
     home = s.home_path
     argv = [

@@ -166,7 +166,7 @@ def sync_cmd(
             "no TPU named: sync copies a directory to a TPU's workers; name one with --tpu NAME (or TPURUN_TPU, "
             "or tpu in tpurun.toml), or pass --local to copy it on this machine"
         )
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker)
+    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
     if target.local:
         destination = str(check_local_dest(source, destination))
     started = time.monotonic()

@@ -128,7 +128,7 @@ def train_cmd(
 def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | None, json_out: bool) -> int:
     s = settings.resolve({"tpu": tpu})
     if spec.dry_run:
-        target = targets.resolve(tpu=tpu, local=local)
+        target = targets.resolve(tpu=tpu, local=local, announce=ui.info)
         try:
             job = train.prepare(spec, target, 0, dest=dest, local_dir=Path.cwd())
             _notes(job)
@@ -141,7 +141,7 @@ def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | Non
     with stop_on_signals(cancel):
         result = train.train(
             spec,
-            resolve=lambda: targets.resolve(tpu=tpu, local=local),
+            resolve=lambda: targets.resolve(tpu=tpu, local=local, announce=ui.info),
             recreate=_recreate,
             dest=dest,
             home=s.home_path,
@@ -310,9 +310,9 @@ def _summary(run: train.JobRun) -> None:
 
 def _record_target(record: records.JobRecord) -> targets.Target:
     if record.tpu == "local":
-        return targets.resolve(tpu=None, local=True, announce=False)
+        return targets.resolve(tpu=None, local=True)
     spec = ",".join(str(w) for w in record.workers)
-    return targets.resolve(tpu=record.tpu, local=False, worker_spec=spec, announce=False)
+    return targets.resolve(tpu=record.tpu, local=False, worker_spec=spec)
 
 
 def _agent_argv(record: records.JobRecord, *args: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import logging
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -17,14 +18,17 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from google.api_core import exceptions as gexc
+from google.api_core import retry as gretry
 from google.cloud import tpu_v2
 
-from tpurun import config, ui
+from tpurun import config
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import validate_zone
 from tpurun.settings import Settings
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 TRANSIENT = (
     gexc.TooManyRequests,
@@ -72,11 +76,18 @@ def _credentials(endpoint: str) -> Any:
 
 
 @dataclass(frozen=True)
-class Retry:
+class Backoff:
+    """How `Cloud.call` retries a transient failure (google-api-core's Retry does the waiting, with jitter)."""
+
     attempts: int = 6
     first_delay: float = 1.0
     multiplier: float = 2.0
     max_delay: float = 20.0
+
+
+def _transient(exc: Exception) -> bool:
+    # requests' ConnectionError is an OSError: the endpoint is down or unreachable
+    return isinstance(exc, TRANSIENT) or (isinstance(exc, OSError) and not isinstance(exc, gexc.GoogleAPIError))
 
 
 def _short_name(name: str) -> str:
@@ -86,12 +97,12 @@ def _short_name(name: str) -> str:
 class Cloud:
     """Nodes, queued resources and operations in one project and zone."""
 
-    def __init__(self, s: Settings, *, retry: Retry | None = None) -> None:
+    def __init__(self, s: Settings, *, retry: Backoff | None = None) -> None:
         self.project, self.zone = s.require_location()
         validate_zone(self.zone)  # every command judges a zone the same way, before the API sees it
         self.endpoint = s.endpoint
         self.parent = f"projects/{self.project}/locations/{self.zone}"
-        self.retry = retry or Retry(
+        self.retry = retry or Backoff(
             first_delay=config.RETRY_DELAY.number(),
             attempts=config.RETRY_ATTEMPTS.integer(),
         )
@@ -110,40 +121,45 @@ class Cloud:
         return name if name.startswith("projects/") else f"{self.parent}/queuedResources/{name}"
 
     def call(self, what: str, fn: Callable[[], T], *, node: str | None = None) -> T:
-        """FN with transient errors retried (and shown); other API errors mapped to clear messages."""
-        delay = self.retry.first_delay
-        for attempt in range(1, self.retry.attempts + 1):
-            try:
-                try:
-                    return fn()
-                except gexc.RetryError as retry_error:
-                    # api_core's own retry (operation polls: 10 s on 503) gave up: one transient failure for us
-                    if isinstance(retry_error.cause, TRANSIENT):
-                        raise retry_error.cause from None
-                    raise ApiError(f"{what} failed: {retry_error.message}", hint="try again in a minute") from None
-            except TRANSIENT as exc:
-                if attempt == self.retry.attempts:
-                    raise ApiError(
-                        f"{what} failed: the Cloud TPU API kept answering {exc.code} "
-                        f"({_api_message(exc)}) after {attempt} attempts",
-                        hint="try again in a minute",
-                    ) from None
-                ui.warn(f"{what}: {exc.code} {_api_message(exc)}; retrying in {delay:.0f} s ({attempt})")
-                time.sleep(delay)
-                delay = min(delay * self.retry.multiplier, self.retry.max_delay)
-            except gexc.GoogleAPICallError as exc:
-                raise self._explain(what, exc, node) from None
-            except (ConnectionError, OSError) as exc:
-                # requests' ConnectionError is an OSError: the endpoint is down or unreachable
-                if attempt == self.retry.attempts:
-                    raise ApiError(
-                        f"{what} failed: cannot reach the Cloud TPU API at {self.endpoint} ({exc.__class__.__name__})",
-                        hint="check TPURUN_API_ENDPOINT and your network; `tpurun emulator status` for the emulator",
-                    ) from None
-                ui.warn(f"{what}: cannot reach {self.endpoint}; retrying in {delay:.0f} s ({attempt})")
-                time.sleep(delay)
-                delay = min(delay * self.retry.multiplier, self.retry.max_delay)
-        raise AssertionError("unreachable")
+        """FN with transient errors retried (each retry logged as a warning), other API errors mapped to
+        clear messages."""
+        failures = 0
+
+        def on_error(exc: Exception) -> None:
+            nonlocal failures
+            failures += 1
+            if failures >= self.retry.attempts:
+                raise self._gave_up(what, exc, failures) from None
+            if isinstance(exc, gexc.GoogleAPICallError):
+                why = f"{exc.code} {_api_message(exc)}"
+            else:
+                why = f"cannot reach {self.endpoint}"
+            log.warning("%s: %s; retrying (%d/%d)", what, why, failures, self.retry.attempts - 1)
+
+        retrying = gretry.Retry(
+            predicate=_transient,
+            initial=self.retry.first_delay,
+            maximum=self.retry.max_delay,
+            multiplier=self.retry.multiplier,
+            timeout=None,
+            on_error=on_error,
+        )
+        try:
+            return retrying(lambda: _unwrap_retry_error(what, fn))()
+        except gexc.GoogleAPICallError as exc:
+            raise self._explain(what, exc, node) from None
+
+    def _gave_up(self, what: str, exc: Exception, attempts: int) -> ApiError:
+        if isinstance(exc, gexc.GoogleAPICallError):
+            return ApiError(
+                f"{what} failed: the Cloud TPU API kept answering {exc.code} ({_api_message(exc)}) after {attempts} "
+                "attempts",
+                hint="try again in a minute",
+            )
+        return ApiError(
+            f"{what} failed: cannot reach the Cloud TPU API at {self.endpoint} ({exc.__class__.__name__})",
+            hint="check TPURUN_API_ENDPOINT and your network; `tpurun emulator status` for the emulator",
+        )
 
     def _explain(self, what: str, exc: gexc.GoogleAPICallError, node: str | None) -> ApiError:
         # REST errors arrive as HTTP classes (Forbidden, Conflict, ...), failed operations as gRPC ones
@@ -287,6 +303,17 @@ class Cloud:
         while True:
             yield None
             time.sleep(interval)
+
+
+def _unwrap_retry_error(what: str, fn: Callable[[], T]) -> T:
+    """FN; when google-api-core's own retry inside it (operation polls: 10 s on 503) gave up, its last
+    transient error counts as one failure of ours."""
+    try:
+        return fn()
+    except gexc.RetryError as retry_error:
+        if isinstance(retry_error.cause, TRANSIENT):
+            raise retry_error.cause from None
+        raise ApiError(f"{what} failed: {retry_error.message}", hint="try again in a minute") from None
 
 
 def _api_message(exc: gexc.GoogleAPICallError) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpurun import config, settings, ui
+from tpurun import config, settings
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, connect_all, parse_worker_spec
@@ -76,17 +76,18 @@ def resolve(
     worker_spec: str = "all",
     project: str | None = None,
     zone: str | None = None,
-    announce: bool = True,
+    announce: Callable[[str], None] | None = None,
 ) -> Target:
+    """The workers a command acts on; ANNOUNCE is told when that is this machine (a one-host pod)."""
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
     if local and tpu:
         raise UsageError("choose one of --tpu and --local")
     name = None if local else s.tpu.value
     if not name:
         parse_worker_spec(worker_spec, 1)
-        if announce:
+        if announce is not None:
             why = "--local" if local else "no TPU configured (--tpu, TPURUN_TPU or tpu in tpurun.toml)"
-            ui.info(f"running on this machine as a one-host pod ({why})")
+            announce(f"running on this machine as a one-host pod ({why})")
         w = Worker(0, "127.0.0.1")
         return Target("local", None, [LocalRunner(w)], [w], True)
 
