@@ -58,6 +58,18 @@ def info(message: str) -> None:
     err().print(message, markup=False)
 
 
+def age(seconds: float) -> str:
+    """12s, 3m05s, 4h10m, 2d03h."""
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def warn(message: str) -> None:
     err().print(f"warning: {message}", markup=False, style="yellow")
 

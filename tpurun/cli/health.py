@@ -82,22 +82,6 @@ def _run_all(
     return results, errors, times
 
 
-def _python(target: Target, python: str | None) -> str:
-    # this machine: the interpreter tpurun runs in (as `tpurun train --local` does)
-    return python or (sys.executable if target.local else "python3")
-
-
-def _age(seconds: float) -> str:
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
 def _short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
@@ -127,7 +111,7 @@ def kill_stale_cmd(
     cfg.update(dry_run=dry_run, grace=grace)
     try:
         results, errors, _ = _run_all(
-            target, lambda r: stale.program_argv(_python(target, None), "kill-stale", cfg), timeout=grace + 120
+            target, lambda r: stale.program_argv(target.python(), "kill-stale", cfg), timeout=grace + 120
         )
     finally:
         target.close()
@@ -155,7 +139,7 @@ def _render_kill_stale(workers: list[dict[str, Any]], dry_run: bool) -> None:
             f"w{w['worker']}",
             h["pid"],
             h["user"],
-            _age(h["age"]),
+            ui.age(h["age"]),
             _short(h["command"]),
             " ".join(h["holds"]),
             h.get("result", ""),
@@ -223,7 +207,7 @@ def doctor_cmd(
     Exit 0 when no check failed, 1 when one did, 4 when a worker could not be reached.
     """
     target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
-    py = _python(target, python)
+    py = target.python(python)
     cfg = _scan_config(target)
     cfg.update(python=py, probe=envc.PROBE_SCRIPT)
     reports = _startup_reports(target, tpu)

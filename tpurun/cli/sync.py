@@ -16,8 +16,8 @@ from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, WorkerOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.sync.sender import (
+    Counters,
     Interrupted,
-    Progress,
     WorkerStats,
     build_manifest,
     check_local_dest,
@@ -39,7 +39,7 @@ def _size(n: float) -> str:
 class _Bar:
     """A rich progress bar (bytes and files) fed from the sending threads' counters."""
 
-    def __init__(self, progress: Progress) -> None:
+    def __init__(self, progress: Counters) -> None:
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -172,7 +172,7 @@ def sync_cmd(
     started = time.monotonic()
     home = settings.resolve({"tpu": tpu}).home_path
     stop = threading.Event()
-    progress = Progress()
+    progress = Counters()
     try:
         with stop_on_signals(stop) as seen:
             # the connections open (network round trips, key exchange) while this thread builds the

@@ -17,7 +17,7 @@ from typing import Any
 
 from google.cloud import tpu_v2
 
-from tpurun import config, settings
+from tpurun import config, settings, ui
 from tpurun.cloud import keys, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
@@ -99,11 +99,7 @@ class NodeView:
     def age(self) -> str:
         if not self.created:
             return "-"
-        seconds = int((dt.datetime.now(dt.timezone.utc) - self.created).total_seconds())
-        for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-            if seconds >= size:
-                return f"{seconds // size}{unit}"
-        return f"{max(seconds, 0)}s"
+        return ui.age((dt.datetime.now(dt.timezone.utc) - self.created).total_seconds())
 
     def to_dict(self, *, full: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {

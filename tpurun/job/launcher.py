@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import sys
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from tpurun.errors import TpurunError, UnreachableError, UsageError
 from tpurun.job import plan as envc
 from tpurun.job import setup as job_setup
 from tpurun.job.records import JobRecord, new_job_id
+from tpurun.sync import sender
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.transport.runner import Runner, Stream, each, open_stream, run_capture
 from tpurun.transport.targets import Target
@@ -136,13 +136,6 @@ class CoreOutcome:
 # ---------------------------------------------------------------------------- planning
 
 
-def worker_python(target: Target, spec: TrainSpec) -> str:
-    if spec.python:
-        return spec.python
-    # this machine: the interpreter tpurun runs in (it has torch_xla when installed with [xla])
-    return sys.executable if target.local else "python3"
-
-
 def probe(target: Target, python: str) -> dict[str, Any]:
     """What worker 0 has: libtpu, device files, torch_xla version (for --runtime auto and hints)."""
     rc, out, err = run_capture(target.runners[0], [python, "-c", envc.PROBE_SCRIPT], timeout=120)
@@ -172,7 +165,7 @@ class JobPlan:
 
 
 def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -> JobPlan:
-    python = worker_python(target, spec)
+    python = target.python(spec.python)
     topo: Topology | None = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
     runtime, why = spec.runtime, "asked for"
     if runtime == "auto":
@@ -517,8 +510,8 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
     if spec.runtime == "auto" or not spec.dry_run:
         connect(target)
     p = plan(target, spec, job_id, restart_count=restart)
-    python = worker_python(target, spec)
-    cwd = str(local_dir) if target.local else (dest or f"~/{local_dir.resolve().name}")
+    python = target.python(spec.python)
+    cwd = str(local_dir) if target.local else (dest or sender.default_dest(local_dir))
     setup = job_setup.plan(
         spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=local_dir, on_tpu=not target.local
     )
@@ -633,8 +626,6 @@ def preempted(target: Target) -> bool:
 
 def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> None:
     """SRC to DEST on every worker (incremental: unchanged files cost nothing)."""
-    from tpurun.sync import sender
-
     started = time.monotonic()
     manifest = sender.build_manifest(src, cache_dir=home / "sync-cache")
     stats = sender.sync(target.runners, src, dest, manifest=manifest)

@@ -249,7 +249,7 @@ class WorkerStats:
 
 
 @dataclass
-class Progress:
+class Counters:
     """Counters the sending threads bump and the progress bar reads."""
 
     bytes_total: int = 0
@@ -442,7 +442,7 @@ def sync_stream(
     *,
     delete: bool,
     spec: Any,
-    progress: Progress,
+    progress: Counters,
     stop: threading.Event,
     plan: Plan,
 ) -> None:
@@ -506,14 +506,14 @@ def sync(
     manifest: Manifest,
     excludes: Sequence[str] = (),
     delete: bool = False,
-    progress: Progress | None = None,
+    progress: Counters | None = None,
     stop: threading.Event | None = None,
     connect_errors: dict[int, str] | None = None,
     opened: dict[Runner, Pipe | BaseException] | None = None,
 ) -> list[WorkerStats]:
     """Sync MANIFEST of SRC to DEST on every runner at once (connected SshRunners or LocalRunners).
     OPENED: helpers already started (early_streams), by runner; the others are started here."""
-    progress = progress or Progress()
+    progress = progress or Counters()
     stop = stop or threading.Event()
     spec = ignore.load_spec(src, excludes)
     stats = {r.worker.index: WorkerStats(r.worker.index, r.worker.address) for r in runners}

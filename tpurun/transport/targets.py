@@ -27,6 +27,10 @@ class Target:
     cached: bool = False  # built from remembered endpoints, without an API call
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
 
+    def python(self, chosen: str | None = None) -> str:
+        """CHOSEN, else the workers' Python when none is named (this machine: the one tpurun runs in)."""
+        return chosen or self.runners[0].python
+
     def close(self) -> None:
         for r in self.runners:
             r.close()
