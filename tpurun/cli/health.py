@@ -23,7 +23,9 @@ from tpurun.errors import ExitCode, TpurunError, UnreachableError
 from tpurun.job import plan as envc
 from tpurun.topology import parse_accelerator_type
 from tpurun.transport import targets
-from tpurun.transport.runner import Runner, each, run_capture
+from tpurun.transport.fanout import each
+from tpurun.transport.runner import Runner
+from tpurun.transport.streams import run_capture
 from tpurun.transport.targets import Target
 from tpurun.worker import probe as stale
 

@@ -15,7 +15,7 @@ from tpurun import ui
 from tpurun.cloud import provision
 from tpurun.errors import ExitCode
 from tpurun.job.plan import process_name
-from tpurun.transport.runner import RunResult
+from tpurun.transport.fanout import RunResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 _ANSI = {"cyan": 36, "magenta": 35, "green": 32, "yellow": 33, "blue": 34, "red": 31}

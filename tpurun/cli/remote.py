@@ -16,7 +16,8 @@ from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.cloud import keys
 from tpurun.errors import TpurunError, UsageError
 from tpurun.transport import targets
-from tpurun.transport.runner import DEFAULT_GRACE, RunResult, fan_out
+from tpurun.transport.fanout import RunResult, fan_out
+from tpurun.transport.runner import DEFAULT_GRACE
 
 
 @parsing(context_settings={"allow_interspersed_args": False})

@@ -21,7 +21,8 @@ from tpurun.job import launcher as train
 from tpurun.job import plan as envc
 from tpurun.job import records
 from tpurun.transport import targets
-from tpurun.transport.runner import each, open_stream, run_capture
+from tpurun.transport.fanout import each
+from tpurun.transport.streams import open_stream, run_capture
 from tpurun.worker import bundle_name
 
 RUNTIMES = ("auto", "pjrt", "xrt", "cpu")

@@ -28,7 +28,9 @@ from tpurun.job import setup as job_setup
 from tpurun.job.records import JobRecord, new_job_id
 from tpurun.sync import sender
 from tpurun.topology import Topology, parse_accelerator_type
-from tpurun.transport.runner import Runner, Stream, each, open_stream, run_capture
+from tpurun.transport.fanout import each
+from tpurun.transport.runner import Runner
+from tpurun.transport.streams import Stream, open_stream, run_capture
 from tpurun.transport.targets import Target
 from tpurun.worker import bundle_name, bundle_tar
 

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpurun.transport.runner import LineSink, Runner, RunResult, fan_out
+from tpurun.transport.fanout import RunResult, fan_out
+from tpurun.transport.runner import LineSink, Runner
 
 REQUIREMENTS = "requirements.txt"
 MARKERS = ".tpurun/setup"

@@ -12,7 +12,8 @@ from pathlib import Path
 from tpurun import config, settings
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
-from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, connect_all, parse_worker_spec
+from tpurun.transport.fanout import connect_all
+from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, parse_worker_spec
 
 
 @dataclass
