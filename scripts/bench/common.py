@@ -210,8 +210,9 @@ def bench_emulator() -> Iterator[Bench]:
     from tpurun.emulator.api import EmulatorServer
     from tpurun.emulator.cli import _leftovers
     from tpurun.emulator.hosts import WorkerHosts
+    from tpurun.emulator.model import Delays, EmulatorConfig
     from tpurun.emulator.pytest_plugin import host_problem
-    from tpurun.emulator.state import Delays, Emulator, EmulatorConfig
+    from tpurun.emulator.state import Emulator
 
     problem = host_problem()
     if problem:

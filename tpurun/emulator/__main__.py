@@ -15,7 +15,8 @@ import threading
 from pathlib import Path
 
 from tpurun.emulator.api import EmulatorServer
-from tpurun.emulator.state import ApiError, Capacity, Delays, Emulator, EmulatorConfig
+from tpurun.emulator.model import ApiError, Capacity, Delays, EmulatorConfig
+from tpurun.emulator.state import Emulator
 
 
 def _parser() -> argparse.ArgumentParser:

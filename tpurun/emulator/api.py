@@ -24,7 +24,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from google.cloud import tpu_v2
 from google.protobuf import json_format
 
-from tpurun.emulator.state import ApiError, Emulator, invalid
+from tpurun.emulator.model import ApiError, invalid
+from tpurun.emulator.state import Emulator
 
 ADMIN_PREFIX = "/emulator/v1"
 _PARENT = r"projects/[^/]+/locations/[^/:]+"
@@ -255,7 +256,7 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
         return emu.status()
 
     def capacity(q: Request) -> Any:
-        from tpurun.emulator.state import Capacity
+        from tpurun.emulator.model import Capacity
 
         d = q.json()
         with emu.lock:

@@ -22,7 +22,7 @@ import typer
 
 from tpurun import config, ui
 from tpurun.emulator.api import AdminClient
-from tpurun.emulator.state import ApiError, Delays
+from tpurun.emulator.model import ApiError, Delays
 from tpurun.errors import ApiError as TpurunApiError
 from tpurun.errors import ExitCode, TpurunError, UsageError
 

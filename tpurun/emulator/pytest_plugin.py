@@ -122,7 +122,7 @@ class EmulatorHandle:
         self.emu.config.delays.update_from(delays)
 
     def set_capacity(self, *specs: str, clear: bool = False) -> None:
-        from tpurun.emulator.state import Capacity
+        from tpurun.emulator.model import Capacity
 
         with self.emu.lock:
             if clear:
@@ -148,7 +148,7 @@ class EmulatorHandle:
 
     def restore(self) -> None:
         """Clear faults, restore fast delays and unlimited capacity."""
-        from tpurun.emulator.state import Delays
+        from tpurun.emulator.model import Delays
 
         with self.emu.lock:
             self.emu._fail_rules.clear()
@@ -225,7 +225,8 @@ def emulator() -> Iterator[EmulatorHandle]:
     from tpurun.emulator.api import EmulatorServer
     from tpurun.emulator.cli import _leftovers
     from tpurun.emulator.hosts import WorkerHosts
-    from tpurun.emulator.state import Delays, Emulator, EmulatorConfig
+    from tpurun.emulator.model import Delays, EmulatorConfig
+    from tpurun.emulator.state import Emulator
 
     state_dir = Path(tempfile.mkdtemp(prefix="tpurun-emulator-")).resolve()
     hosts = WorkerHosts(state_dir, key_propagation_delay=0.1)

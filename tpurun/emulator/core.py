@@ -1,0 +1,278 @@
+"""The emulated service's core: its state and locks, background work, faults on API calls, capacity,
+and validation of what clients send. The other layers (operations, nodes, queued resources, admin) build
+on it, one class each, and state.Emulator is the whole."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from google.cloud import tpu_v2
+
+from tpurun.emulator.model import (
+    _HOLDING,
+    GRPC_CODES,
+    LABEL_KEY_RE,
+    LABEL_VALUE_RE,
+    METADATA_KEY_RE,
+    NODE_ID_RE,
+    RUNTIME_VERSIONS,
+    STATUS_FOR_HTTP,
+    ApiError,
+    EmulatorConfig,
+    HostsLike,
+    NodeRecord,
+    Operation,
+    QueuedRecord,
+    invalid,
+    now_rfc3339,
+)
+from tpurun.errors import UsageError
+from tpurun.topology import GENERATIONS, Topology, parse_accelerator_type
+
+
+class Core:
+    def __init__(self, hosts: HostsLike, config: EmulatorConfig) -> None:
+        self.hosts = hosts
+        self.config = config
+        self.lock = threading.RLock()
+        self.nodes: dict[str, NodeRecord] = {}
+        self.ops: dict[str, Operation] = {}
+        self.queued: dict[str, QueuedRecord] = {}
+        self.request_log: list[dict[str, Any]] = []
+        self._fail_rules: list[dict[str, Any]] = []
+        self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _spawn(self, fn: Callable[..., None], *args: Any) -> None:
+        t = threading.Thread(target=self._guard, args=(fn, *args), daemon=True)
+        with self.lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+        t.start()
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # an operation thread must never die silently: log it for the admin
+            self.log_event("internal-error", f"{fn.__name__}: {type(e).__name__}: {e}")
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait SECONDS; False when the emulator is shutting down."""
+        return not self._closing.wait(max(0.0, seconds))
+
+    def _new_op(self, project: str, zone: str, verb: str, target: str) -> Operation:
+        op = Operation(
+            name=f"projects/{project}/locations/{zone}/operations/operation-{int(time.time() * 1000)}-"
+            f"{uuid.uuid4().hex[:24]}",
+            verb=verb,
+            target=target,
+        )
+        with self.lock:
+            self.ops[op.name] = op
+        return op
+
+    @staticmethod
+    def _finish(op: Operation, response: dict[str, Any] | None = None, error: ApiError | None = None) -> None:
+        if error is not None:
+            op.error = {"code": GRPC_CODES.get(error.status, 2), "message": error.message}
+        else:
+            op.response = response
+        op.ended = time.time()
+        op.done = True
+
+    def log_event(self, kind: str, message: str) -> None:
+        self.log_request("EVENT", kind, 0, message)
+
+    def log_request(self, method: str, path: str, status: int, detail: str = "") -> None:
+        with self.lock:
+            self.request_log.append(
+                {"time": now_rfc3339(), "method": method, "path": path, "status": status, "detail": detail}
+            )
+            del self.request_log[: -self.config.request_log_size]
+
+    def _persist_pids(self) -> None:
+        """Worker init pids in the state dir: `tpurun emulator stop` kills them if the server cannot."""
+        pids: dict[str, list[int]] = {}
+        with self.lock:
+            records = list(self.nodes.values())
+        for rec in records:
+            if rec.booted:
+                try:
+                    pids[rec.key] = [w.init_pid for w in self.hosts.workers(rec.key) if w.init_pid]
+                except Exception:
+                    pids[rec.key] = []
+        path = self.config.state_dir / "workers.json"
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(pids))
+            tmp.replace(path)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ faults on API calls
+
+    def add_fail_rule(self, count: int, code: int, match: str = "", message: str = "") -> None:
+        if code not in STATUS_FOR_HTTP and code not in (400, 412):
+            raise ApiError(400, f"fail-api: unsupported HTTP code {code} (use one of {sorted(STATUS_FOR_HTTP)})")
+        with self.lock:
+            self._fail_rules.append({"count": count, "code": code, "match": match, "message": message})
+
+    def take_fault(self, method: str, path: str) -> ApiError | None:
+        """The injected error for this API call, if one is armed (consumes one use)."""
+        with self.lock:
+            for rule in self._fail_rules:
+                if rule["count"] > 0 and rule["match"] in f"{method} {path}":
+                    rule["count"] -= 1
+                    self._fail_rules = [r for r in self._fail_rules if r["count"] > 0]
+                    msg = rule["message"] or {
+                        429: "Quota exceeded for quota metric 'Requests' and limit 'Requests per minute' "
+                        "of service 'tpu.googleapis.com' (injected by the emulator)",
+                        503: "The service is currently unavailable (injected by the emulator).",
+                        500: "Internal error encountered (injected by the emulator).",
+                        403: "Permission 'tpu.nodes.create' denied on resource (or it may not exist) "
+                        "(injected by the emulator).",
+                    }.get(rule["code"], "Error injected by the emulator.")
+                    return ApiError(rule["code"], msg)
+        return None
+
+    # ------------------------------------------------------------------ capacity
+
+    def _usage(self, zone: str, gen: str, unit: str) -> int:
+        used = 0
+        for rec in self.nodes.values():
+            if rec.zone == zone and rec.topo.generation == gen and rec.holds and rec.state in _HOLDING:
+                used += rec.topo.chips if unit == "chips" else rec.topo.hosts
+        return used
+
+    def _fits(self, zone: str, topo: Topology, extra: list[Topology] | None = None) -> bool:
+        limit = self.config.capacity.limit_for(zone, topo.generation)
+        if limit is None:
+            return True
+        n, unit = limit
+        want = sum((t.chips if unit == "chips" else t.hosts) for t in [topo, *(extra or [])])
+        return self._usage(zone, topo.generation, unit) + want <= n
+
+    def _exceeds_total(self, zone: str, topo: Topology) -> bool:
+        limit = self.config.capacity.limit_for(zone, topo.generation)
+        if limit is None:
+            return False
+        n, unit = limit
+        return (topo.chips if unit == "chips" else topo.hosts) > n
+
+    @staticmethod
+    def _no_capacity(zone: str) -> ApiError:
+        return ApiError(
+            429,
+            f'There is no more capacity in the zone "{zone}"; you can try in another zone where Cloud TPU '
+            "Nodes are offered (see https://cloud.google.com/tpu/docs/regions) [EID: emulator]",
+            "RESOURCE_EXHAUSTED",
+        )
+
+    def _too_many_workers(self, topo: Topology) -> ApiError | None:
+        if topo.hosts > self.config.max_workers_per_node:
+            return ApiError(
+                429,
+                f"the tpurun emulator cannot host {topo.name}: it has {topo.hosts} workers and this emulator "
+                f"holds at most {self.config.max_workers_per_node} per node (--max-workers)",
+                "RESOURCE_EXHAUSTED",
+            )
+        return None
+
+    def _free_slot(self, avoid: set[int] | None = None) -> int:
+        used = {r.slot for r in self.nodes.values() if r.slot} | (avoid or set())
+        for s in range(1, 251):  # WorkerHosts' slot range
+            if s not in used and self._slot_free_on_host(s):
+                return s
+        raise self._no_capacity("emulator")
+
+    def _slot_free_on_host(self, slot: int) -> bool:
+        # Another emulator on this machine (a test session, say) may hold 127.77.SLOT.*: skip it.
+        for port in {getattr(self.hosts, "ssh_port", 22), getattr(self.hosts, "metadata_port", 80)}:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((f"127.77.{slot}.1", port))
+                except OSError:
+                    return False
+        return True
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate_node(self, node: tpu_v2.Node, node_id: str) -> Topology:
+        if not node_id:
+            raise invalid("Invalid value for field 'node_id': ''. Must be specified.")
+        if not NODE_ID_RE.match(node_id):
+            raise invalid(
+                f"Invalid value for field 'node_id': '{node_id}'. Must be a match of regex "
+                "'[a-z]([-a-z0-9]*[a-z0-9])?' (a lowercase letter first, then lowercase letters, digits or "
+                "hyphens, not ending in a hyphen) and at most 63 characters long."
+            )
+        if not node.runtime_version:
+            raise invalid("Invalid value for field 'node.runtime_version': ''. Runtime version must be specified.")
+        topo = self._topology_of(node)
+        if node.runtime_version not in RUNTIME_VERSIONS:
+            raise invalid(
+                f"Invalid value for field 'node.runtime_version': '{node.runtime_version}'. Unsupported TPU "
+                f"runtime version. Supported versions: {', '.join(RUNTIME_VERSIONS)}."
+            )
+        self._validate_metadata(dict(node.metadata))
+        for k, v in node.labels.items():
+            if not LABEL_KEY_RE.match(k) or not LABEL_VALUE_RE.match(v):
+                raise invalid(
+                    f"Invalid value for field 'node.labels': '{k}={v}'. Label keys must start with a lowercase "
+                    "letter; keys and values may contain only lowercase letters, digits, '_' and '-' (max 63)."
+                )
+        return topo
+
+    @staticmethod
+    def _validate_metadata(md: dict[str, str]) -> None:
+        total = 0
+        for k, v in md.items():
+            if not METADATA_KEY_RE.match(k) or len(k) > 128:
+                raise invalid(f"Invalid value for field 'node.metadata': key '{k}' must match [a-zA-Z0-9-_]+.")
+            if len(v.encode()) > 256 * 1024:
+                raise invalid(f"Invalid value for field 'node.metadata': value of '{k}' exceeds 256 KiB.")
+            total += len(k.encode()) + len(v.encode())
+        if total >= 512 * 1024:
+            raise invalid("Invalid value for field 'node.metadata': total metadata size exceeds 512 KB.")
+
+    @staticmethod
+    def _topology_of(node: tpu_v2.Node) -> Topology:
+        name = node.accelerator_type
+        if not name and node.accelerator_config and node.accelerator_config.type_:
+            api_type = tpu_v2.AcceleratorConfig.Type(node.accelerator_config.type_).name
+            gen = next((g for g in GENERATIONS.values() if g.api_type == api_type), None)
+            shape = node.accelerator_config.topology
+            if gen is None or not re.match(r"^\d+(x\d+){1,2}$", shape or ""):
+                raise invalid(f"Invalid value for field 'node.accelerator_config': {api_type} '{shape}'.")
+            size = next((s for s, sh in gen.shapes.items() if sh == shape), None)
+            if size is None:
+                raise invalid(
+                    f"Invalid value for field 'node.accelerator_config.topology': '{shape}'. Valid {gen.name} "
+                    f"topologies: {', '.join(gen.shapes.values())}."
+                )
+            name = f"{gen.name}-{size}"
+        if not name:
+            raise invalid(
+                "Invalid value for field 'node.accelerator_type': ''. Either accelerator_type or "
+                "accelerator_config must be specified."
+            )
+        try:
+            topo = parse_accelerator_type(name)
+        except UsageError as e:
+            raise invalid(f"Invalid value for field 'node.accelerator_type': '{name}'. {e.message}") from e
+        if topo.name != name:
+            raise invalid(f"Invalid value for field 'node.accelerator_type': '{name}'. Did you mean {topo.name}?")
+        return topo
+
+    def _queued_node_changed(self, rec: NodeRecord, gone: bool = False) -> None:
+        """A node of a queued resource changed state (queued.Queued keeps the resource in step)."""
