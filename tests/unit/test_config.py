@@ -9,7 +9,14 @@ from tpurun import config
 
 PACKAGE = Path(config.__file__).parent
 # programs shipped to workers run without this package: they read the variables tpurun sets for them
-WORKER_PROGRAMS = {"worker/agent.py", "worker/hook/sitecustomize.py", "worker/sync_helper.py", "worker/probe.py"}
+WORKER_PROGRAMS = {
+    "worker/agent.py",
+    "worker/agent_files.py",
+    "worker/agent_supervisor.py",
+    "worker/hook/sitecustomize.py",
+    "worker/sync_helper.py",
+    "worker/probe.py",
+}
 
 
 def _reads(tree: ast.AST) -> list[int]:

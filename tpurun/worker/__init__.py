@@ -14,7 +14,7 @@ from pathlib import Path
 WORKER_DIR = Path(__file__).parent
 AGENT_PATH = WORKER_DIR / "agent.py"
 # Installed on each worker under ~/.tpurun/bin/<bundle_name()>/ with these relative paths.
-BUNDLE = ("agent.py", "hook/sitecustomize.py")
+BUNDLE = ("agent.py", "agent_files.py", "agent_supervisor.py", "hook/sitecustomize.py")
 
 
 @functools.cache

@@ -1,0 +1,202 @@
+"""The job agent's files and processes: where a job's files live, how they are written, and how its
+processes are found and signalled. Part of the agent bundle (stdlib only, Python >= 3.8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+TERMINAL = ("finished", "stopped", "failed", "lost")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+POLL = 0.02  # seconds between checks when nothing happens (supervisor and stream)
+CHUNK = 4 << 20  # bytes read from a .rec file at once: big reads are what make streaming fast
+MAX_LINE = 8 << 20  # a line longer than this is cut into records rather than held in memory
+DEFAULT_GRACE = 5.0
+DEFAULT_PRE_TIMEOUT = 300.0
+DEFAULT_LEASE = 60.0  # attached jobs: no stream alive for this long means the client is gone
+# faulthandler's names of the fatal signals it reports (a chip process's exit status, as the shell shows it)
+FATAL_SIGNALS = {
+    "Segmentation fault": int(signal.SIGSEGV),
+    "Aborted": int(signal.SIGABRT),
+    "Bus error": int(signal.SIGBUS),
+    "Floating point exception": int(signal.SIGFPE),
+    "Illegal instruction": int(signal.SIGILL),
+}
+HOST = -1  # core index of a host launch's one process per worker (see tpurun.job.plan.HOST)
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
+
+
+class AgentError(Exception):
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------- files and processes
+
+
+def agent_root() -> str:
+    root = os.environ.get("TPURUN_AGENT_ROOT") or os.path.join(os.path.expanduser("~"), ".tpurun")
+    return os.path.join(root, "jobs")
+
+
+def job_dir(job: str) -> str:
+    if not JOB_ID_RE.match(job):
+        raise AgentError(f"invalid job id {job!r}: letters, digits, '.', '_' and '-' only")
+    return os.path.join(agent_root(), job)
+
+
+def write_json_atomic(path: str, data: object) -> None:
+    # Readers (stream, jobs, a second start) must never see a half-written state.
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state is [0], pgrp [2]), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = _proc_stat(pid)
+    # A zombie is gone for our purposes (its parent may simply not have reaped it yet).
+    return not (stat is not None and stat[0] in ("Z", "X"))
+
+
+def group_members(pgid: int | None) -> list[int]:
+    """Live (non-zombie) processes of process group PGID."""
+    if not pgid:
+        return []
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        stat = _proc_stat(int(name))
+        if stat is not None and len(stat) > 2 and stat[2] == str(pgid) and stat[0] not in ("Z", "X"):
+            members.append(int(name))
+    return members
+
+
+def signal_group(pgid: int | None, sig: int) -> None:
+    if not pgid:
+        return
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def log_base(jdir: str, worker: int, core: int) -> str:
+    """Path of a core's files without extension: w<W>-c<C>, or w<W> for a host launch's own process."""
+    return os.path.join(jdir, f"w{worker}" if core == HOST else f"w{worker}-c{core}")
+
+
+def of_job(pid: int, job: str) -> bool:
+    """Whether PID inherited JOB's TPURUN_JOB_ID (every process the job starts does)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = b"\0" + f.read()
+    except OSError:
+        return False
+    return b"\0TPURUN_JOB_ID=" + job.encode() + b"\0" in env
+
+
+def job_processes(job: str) -> list[int]:
+    """Live processes started for JOB, found by the TPURUN_JOB_ID every one of them inherits: also those
+    that left their process group (setsid) or were orphaned by a spawner that died."""
+    me = os.getpid()
+    return [
+        int(name)
+        for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
+        if name.isdigit() and int(name) != me and of_job(int(name), job) and pid_alive(int(name))
+    ]
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def now() -> float:
+    return time.time()
+
+
+def watch_exit(on_end: Callable[[int], None], pid: int) -> None:
+    """Note when PID ends, at once where Linux gives a pidfd (3.9+): which of several chip processes
+    ended first decides which one the job's failure is blamed on."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return
+    try:
+        fd = opener(pid)
+    except OSError:
+        return
+
+    def wait() -> None:
+        import select
+
+        try:
+            select.select([fd], [], [])
+            on_end(pid)
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=wait, daemon=True).start()
+
+
+def pdeathsig_preexec():
+    """A preexec_fn that makes the child die with SIGKILL when the supervisor dies (Linux only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except Exception:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(137)
+
+    return preexec

@@ -1,0 +1,669 @@
+"""The job agent's supervisor: starts a job's processes, writes every line they print to per-core files,
+follows the chip processes a host launch's spawner makes (through the hook's log socket), and stops them
+all. Part of the agent bundle (stdlib only, Python >= 3.8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+if __package__:  # imported as part of tpurun (type checking, tests)
+    from tpurun.worker.agent_files import (
+        DEFAULT_GRACE,
+        DEFAULT_LEASE,
+        DEFAULT_PRE_TIMEOUT,
+        FATAL_SIGNALS,
+        HOOK_DIR,
+        HOST,
+        MAX_LINE,
+        POLL,
+        _proc_stat,
+        group_members,
+        job_processes,
+        log_base,
+        now,
+        of_job,
+        pdeathsig_preexec,
+        pid_alive,
+        read_json,
+        signal_group,
+        signal_pids,
+        watch_exit,
+        write_json_atomic,
+    )
+else:  # run from the bundle on a worker: its files sit side by side
+    from agent_files import (  # type: ignore[import-not-found,no-redef]
+        DEFAULT_GRACE,
+        DEFAULT_LEASE,
+        DEFAULT_PRE_TIMEOUT,
+        FATAL_SIGNALS,
+        HOOK_DIR,
+        HOST,
+        MAX_LINE,
+        POLL,
+        _proc_stat,
+        group_members,
+        job_processes,
+        log_base,
+        now,
+        of_job,
+        pdeathsig_preexec,
+        pid_alive,
+        read_json,
+        signal_group,
+        signal_pids,
+        watch_exit,
+        write_json_atomic,
+    )
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+class Core:
+    """One core process of the job, its log files and the threads that fill them."""
+
+    def __init__(self, worker: int, spec: dict, jdir: str) -> None:
+        self.worker = worker
+        self.index = int(spec["core"])
+        self.argv = [str(a) for a in spec.get("argv") or []]
+        self.env = {str(k): str(v) for k, v in (spec.get("env") or {}).items()}
+        self.cwd = os.path.expanduser(spec.get("cwd") or "~")
+        base = log_base(jdir, worker, self.index)
+        self.log = open(base + ".log", "ab")
+        self.rec = open(base + ".rec", "ab")
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self.pgid: int | None = None
+        self.status = "pending"
+        self.exit_code: int | None = None
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        self.exited_at: float | None = None  # when the process ended, before its output was drained
+        self.last_line = ""
+        self.signalled = False
+        self.readers: list[threading.Thread] = []
+        self.spawned = False  # a chip process of a host launch: made by the script's spawner, not by us
+        self.reported: int | None = None  # how its spawner task ended, as the hook reported (0 ok, 1 failed)
+        self.pids: list[int] = []  # a chip's processes (one per round of the spawner)
+        self.died_at: dict[int, float] = {}  # pid -> when it was seen to end (pidfd: at once)
+        self.ctl_done = False  # its report stream is closed: `reported` is final
+        self.pool = False  # its replica runs as a process-pool task, whose end the hook reports
+
+    def start(self, preexec, job: str) -> None:
+        env = dict(os.environ)
+        env.update(self.env)
+        env["TPURUN_JOB_ID"] = job  # how the agent finds every process of the job (job_processes)
+        self.started_at = now()
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=env,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # own process group: signals reach its whole tree
+                preexec_fn=preexec,
+            )
+        except OSError as e:
+            # Recorded as exit 127 (the shell's "command not found"); the supervisor fails the job fast.
+            self.write("err", f"tpurun agent: cannot start {self.argv}: {e}\n".encode())
+            return
+        self.pid = self.pgid = self.proc.pid
+        self.status = "running"
+
+    def start_readers(self) -> None:
+        if self.proc is None:
+            return
+        for stream, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
+            self.add_reader(stream, pipe)
+
+    def add_reader(self, stream: str, pipe) -> None:
+        t = threading.Thread(target=self._pump, args=(stream, pipe), daemon=True)
+        t.start()
+        self.readers.append(t)
+
+    def _pump(self, stream: str, pipe) -> None:
+        # Whatever the pipe holds is written at once (every complete line of it, then flushed): no line
+        # ever waits in a buffer for more output, and a flood costs one write per chunk, not per line.
+        read = pipe.read1 if hasattr(pipe, "read1") else pipe.read
+        rest = b""
+        try:
+            while True:
+                try:
+                    chunk = read(1 << 16)
+                except OSError:  # a chip process's socket, reset as it died
+                    chunk = b""
+                if not chunk:
+                    break
+                data = rest + chunk
+                cut = data.rfind(b"\n") + 1
+                if cut == 0 and len(data) < MAX_LINE:
+                    rest = data
+                    continue
+                if cut == 0:  # an endless line: cut it into records rather than hold it all
+                    lines, rest = [data], b""
+                else:
+                    lines = [line + b"\n" for line in data[:cut].split(b"\n")[:-1]]
+                    rest = data[cut:]
+                self.write_lines(stream, lines)
+            if rest:
+                self.write_lines(stream, [rest])  # the partial last line, at EOF
+        finally:
+            pipe.close()
+
+    def write(self, stream: str, raw: bytes) -> None:
+        self.write_lines(stream, [raw])
+
+    def write_lines(self, stream: str, lines: list[bytes]) -> None:
+        tag = stream.encode()
+        raws = []
+        recs = []
+        with self.lock:
+            if self.log.closed:
+                return  # the job's end is written; late bytes of a vanished process are dropped
+            t = now()  # taken under the lock so a core's records are in time order
+            for raw in lines:
+                if not raw.endswith(b"\n"):
+                    raw += b"\n"  # a partial last line: terminated so it never merges with the other stream
+                text = raw[:-1].decode("utf-8", "backslashreplace")
+                raws.append(raw)
+                recs.append(b'{"s":"%s","t":%.6f,"l":%s}\n' % (tag, t, json.dumps(text).encode()))
+            self.log.write(b"".join(raws))
+            self.log.flush()
+            self.rec.write(b"".join(recs))
+            self.rec.flush()
+            for raw in reversed(raws):
+                if raw.strip():
+                    self.last_line = raw[:-1].decode("utf-8", "backslashreplace")[-500:]
+                    break
+
+    def note_end(self, pid: int) -> None:
+        """PID of this chip was seen to end now (or earlier, by another witness)."""
+        t = now()
+        self.died_at[pid] = min(self.died_at.get(pid, t), t)
+
+    def readers_done(self) -> bool:
+        return not any(t.is_alive() for t in self.readers)
+
+    def to_dict(self) -> dict:
+        return {
+            "core": self.index,
+            "pid": self.pid,
+            "pgid": self.pgid,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "last_line": self.last_line,
+            "argv": self.argv,
+            "spawned": self.spawned,
+        }
+
+
+class Supervisor:
+    """Owns one job on this worker: pre-commands, one process per core, fail-fast, stop, state.json."""
+
+    def __init__(self, spec: dict, jdir: str) -> None:
+        self.spec = spec
+        self.jdir = jdir
+        self.job = spec["job_id"]
+        self.worker = int(spec.get("worker", 0))
+        self.grace = float(spec.get("grace", DEFAULT_GRACE))
+        self.detach = bool(spec.get("detach", False))
+        lease = spec.get("lease_timeout", None if self.detach else DEFAULT_LEASE)
+        self.lease = float(lease) if lease else None
+        self.cores = [Core(self.worker, c, jdir) for c in spec["cores"]]
+        self.launch = str(spec.get("launch", "chip"))
+        self.cores_lock = threading.Lock()  # the log server adds chip cores while the loop runs
+        self.listener: socket.socket | None = None
+        self.dirty = False  # a chip core appeared: state.json must show it (readers find its files there)
+        self.closed = False  # finish() ran: no new chip cores
+        self.pre_groups: list[int] = []
+        self.status = "running"  # stays "running" until every process is gone: readers trust an end status
+        self.outcome: str | None = None  # the end status decided by a stop (stopped/failed), applied at the end
+        self.reason = ""
+        self.first_failure: dict | None = None
+        self.started_at = now()
+        self.ended_at: float | None = None
+        self.stop_requested = False
+        self.stop_deadline: float | None = None
+        self.killed = False
+
+    def snapshot(self) -> list[Core]:
+        with self.cores_lock:
+            return list(self.cores)
+
+    def host_core(self) -> Core | None:
+        return next((c for c in self.snapshot() if c.index == HOST), None)
+
+    # --- host launch: the chip processes' log socket
+
+    def use_hook(self) -> None:
+        """Put the hook first on every core's PYTHONPATH (it only acts when the job asks it to)."""
+        if not os.path.isfile(os.path.join(HOOK_DIR, "sitecustomize.py")):
+            self.log(f"no hook in {HOOK_DIR}: chip processes will log as the host process, no --metrics")
+            return
+        for c in self.snapshot():
+            path = c.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+            c.env["PYTHONPATH"] = HOOK_DIR + (os.pathsep + path if path else "")
+            c.env["TPURUN_SUPERVISOR_PID"] = str(os.getpid())  # the hook's test for "started by the agent"
+            c.env["TPURUN_JOB_DIR"] = self.jdir  # where the hook writes --metrics reports
+
+    def open_log_socket(self) -> None:
+        """Listen for the chip processes of a host launch; the host process learns the name from its env."""
+        name = f"tpurun-{self.job}-{secrets.token_hex(8)}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + name)  # abstract: nothing on disk; peers are checked on accept
+        self.listener.listen(256)
+        for c in self.snapshot():
+            c.env["TPURUN_LOG_SOCKET"] = name
+
+    def serve_log_socket(self) -> None:
+        listener = self.listener
+        if listener is None:
+            return
+
+        def accept_loop() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return  # closed at the end of the job
+                threading.Thread(target=self._attach, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=accept_loop, daemon=True).start()
+
+    def _attach(self, conn: socket.socket) -> None:
+        """One stream (out, err or ctl) of a chip process: check who it is, then file it under its core."""
+        try:
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() or not of_job(pid, self.job):
+                raise ValueError(f"refused a log connection from pid {pid} (uid {uid}): not a process of this job")
+            conn.settimeout(10)
+            f = conn.makefile("rb")
+            header = json.loads(f.readline(4096) or b"null")
+            conn.settimeout(None)
+            core, stream = int(header["core"]), str(header["stream"])
+            if core < 0 or stream not in ("out", "err", "ctl"):
+                raise ValueError(f"refused a log connection from pid {pid}: {header}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.log(f"log socket: {e}")
+            conn.close()
+            return
+        c = self.chip(core, pid, bool(header.get("pool")))
+        if c is None:  # the job is over
+            conn.close()
+            return
+        try:
+            conn.sendall(b"ok\n")  # the hook moves its output here only once accepted
+        except OSError:
+            conn.close()
+            return
+        conn.close()  # f keeps the descriptor open until the reader closes it
+        if stream == "ctl":
+            t = threading.Thread(target=self._read_ctl, args=(c, pid, f), daemon=True)
+            t.start()
+            c.readers.append(t)
+        else:
+            c.add_reader(stream, f)
+
+    def chip(self, index: int, pid: int, pool: bool) -> Core | None:
+        """The core of chip INDEX, made the first time one of its processes connects (None once the job
+        is over). A new process on a known chip is the spawner's next round (Lightning: fit, then test)."""
+        with self.cores_lock:
+            if self.closed:
+                return None
+            c = next((x for x in self.cores if x.index == index), None)
+            if c is None:
+                c = Core(self.worker, {"core": index}, self.jdir)
+                c.spawned = True
+                self.cores.append(c)
+            if pid not in c.pids:
+                c.pids.append(pid)
+                c.pid = pid
+                c.started_at = now()
+                c.exited_at = c.ended_at = c.exit_code = c.reported = None
+                c.ctl_done, c.pool = False, pool
+                c.died_at.clear()
+                stat = _proc_stat(pid)
+                c.pgid = int(stat[2]) if stat and len(stat) > 2 else c.pgid
+                c.status = "running"
+                watch_exit(c.note_end, pid)
+                self.dirty = True
+                self.log(f"chip {index}: process {pid} (group {c.pgid}) of the script's spawner")
+        return c
+
+    def _read_ctl(self, c: Core, pid: int, f) -> None:
+        # EOF here is the process's exit (or its last forked child's): a witness of when it ended even
+        # where it ended before a pidfd could be opened for it
+        try:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    # faulthandler's report of a fatal signal: into the chip's log, and it crashed
+                    c.write("err", line)
+                    crash = re.match(rb"Fatal Python error: (.*)", line)
+                    if crash:
+                        c.reported = -FATAL_SIGNALS.get(crash.group(1).strip().decode(errors="replace"), 0) or 1
+                    continue
+                if not isinstance(event, dict):
+                    continue
+                if event.get("event") == "ok" and c.reported is None:
+                    c.reported = 0
+                elif event.get("event") == "failed":
+                    c.reported = int(event.get("code") or 1)
+        except OSError:
+            pass  # reset by a process that died: the same as its end
+        finally:
+            c.note_end(pid)
+            c.ctl_done = True
+            f.close()
+
+    def watch_chip(self, c: Core) -> bool:
+        """Follow a chip process of a host launch (not our child: by pid and by what the hook reports).
+        True when its end was recorded."""
+        if c.reported not in (None, 0) and self.stop_deadline is None:
+            # its spawner task failed: stop now, the spawner would wait for every sibling first
+            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": c.reported}
+            self.request_stop(f"chip {c.index} failed", "failed")
+        if c.ended_at is not None:
+            return False
+        if c.exited_at is None:
+            if any(pid_alive(p) for p in c.pids):
+                return False
+            c.exited_at = now()
+            for p in c.pids:
+                c.note_end(p)
+        host = self.host_core()
+        if c.reported is None and c.ctl_done and c.pool and host is not None and host.status == "running":
+            self.blame_died("while its spawner ran")
+        if not (c.readers_done() or now() - c.exited_at > self.grace + 2):
+            return False
+        if c.reported is not None:
+            c.exit_code, c.status = c.reported, ("exited" if c.reported == 0 else "failed")
+        elif host is not None and host.pid in c.pids:
+            if host.exit_code is None and host.status == "running":
+                return False  # the host process was the chip (nprocs=1): its exit code decides
+            c.exit_code, c.status = host.exit_code, host.status
+        elif (self.first_failure or {}).get("core") == c.index:
+            c.status = "died"
+        elif self.stop_deadline is not None:
+            c.status = "killed"
+        else:
+            c.exit_code, c.status = (host.exit_code if host else None), "exited"
+        c.ended_at = now()
+        self.log(f"chip {c.index} ended: {c.status} ({c.exit_code})")
+        return True
+
+    def blame_died(self, why: str) -> bool:
+        """Chip processes ended without reporting how (killed or crashed; their exit status is their
+        parent's to read): blame the one that ended first, as a pool then kills the others. True if any."""
+        if self.stop_deadline is not None:
+            return False
+        host = self.host_core()
+        gone = [
+            x
+            for x in self.snapshot()
+            if x.spawned
+            and x.pool
+            and x.reported is None
+            and x.pids
+            and (host is None or host.pid not in x.pids)
+            and not any(pid_alive(p) for p in x.pids)
+        ]
+        reported = [x for x in self.snapshot() if x.spawned and x.reported not in (None, 0)]
+        if reported:  # a chip that said it failed or crashed comes before any that just vanished
+            gone = reported
+        if not gone:
+            return False
+        for x in gone:
+            for p in x.pids:
+                x.note_end(p)
+        first = min(gone, key=lambda x: min(x.died_at.values(), default=now()))
+        self.first_failure = {"worker": self.worker, "core": first.index, "exit_code": first.reported}
+        self.request_stop(f"chip {first.index} died {why}", "failed")
+        return True
+
+    # --- state
+
+    def state(self) -> dict:
+        return {
+            "job_id": self.job,
+            "worker": self.worker,
+            "supervisor_pid": os.getpid(),
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "status": self.status,
+            "stopping": self.stop_deadline is not None and self.status == "running",
+            "detach": self.detach,
+            "launch": self.launch,
+            "reason": self.reason,
+            "first_failure": self.first_failure,
+            "cores": [c.to_dict() for c in self.snapshot()],
+        }
+
+    def save(self) -> None:
+        write_json_atomic(os.path.join(self.jdir, "state.json"), self.state())
+
+    def log(self, message: str) -> None:
+        sys.stderr.write(time.strftime("%Y-%m-%dT%H:%M:%S ") + message + "\n")
+        sys.stderr.flush()
+
+    # --- phases
+
+    def run_pre_commands(self) -> bool:
+        """xla_dist-style setup commands (the XRT server). A plain argv list runs to completion; an object
+        {"argv": [...], "wait": false} is a service kept alive until the job ends."""
+        pre = self.spec.get("pre_commands") or []
+        if not pre:
+            return True
+        with open(os.path.join(self.jdir, "pre.log"), "ab") as out:
+            for item in pre:
+                argv = item["argv"] if isinstance(item, dict) else item
+                wait = item.get("wait", True) if isinstance(item, dict) else True
+                self.log(f"pre-command {argv}")
+                try:
+                    p = subprocess.Popen(
+                        [str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+                    )
+                except OSError as e:
+                    self.reason = f"pre-command {argv} could not start: {e}"
+                    return False
+                self.pre_groups.append(p.pid)
+                if not wait:
+                    continue
+                deadline = now() + float(self.spec.get("pre_timeout", DEFAULT_PRE_TIMEOUT))
+                while p.poll() is None and now() < deadline and not self.stop_requested:
+                    time.sleep(POLL)
+                code = p.poll()
+                if code is None:
+                    signal_group(p.pid, signal.SIGKILL)
+                    p.wait()
+                    self.reason = (
+                        f"stopped during pre-command {argv}"
+                        if self.stop_requested
+                        else f"pre-command {argv} did not finish in time"
+                    )
+                    return False
+                if code != 0:
+                    self.reason = f"pre-command {argv} exited {code} (see pre.log)"
+                    return False
+        return True
+
+    def start_cores(self) -> None:
+        preexec = pdeathsig_preexec()
+        # Every process first, then the reader threads: preexec_fn is only safe while we have no threads.
+        for c in self.snapshot():
+            c.start(preexec, self.job)
+            self.log(f"core {c.index} started: pid {c.pid} argv {c.argv}")
+        for c in self.snapshot():
+            c.start_readers()
+        for c in self.snapshot():
+            if c.proc is None:
+                self.on_exit(c, 127)
+
+    def request_stop(self, reason: str, status: str) -> None:
+        if self.stop_deadline is not None:
+            return
+        grace = self.grace
+        req = read_json(os.path.join(self.jdir, "stop.json"))
+        if req and req.get("grace") is not None:
+            grace = float(req["grace"])
+        self.outcome = self.outcome or status
+        self.reason = self.reason or reason
+        self.stop_deadline = now() + grace
+        self.log(f"stopping ({reason}): SIGTERM to every core, SIGKILL after {grace:.1f} s")
+        for c in self.snapshot():
+            if c.status == "running":
+                c.signalled = True
+            signal_group(c.pgid, signal.SIGTERM)
+        signal_pids(job_processes(self.job), signal.SIGTERM)  # those that left their group
+
+    def on_exit(self, c: Core, rc: int) -> None:
+        c.exited_at = now()
+        c.exit_code = rc
+        c.status = "killed" if c.signalled else "exited"
+        self.log(f"core {c.index} exited with {rc}")
+        # Whatever the core left behind in its group (children, data loaders) would hold the TPU.
+        if group_members(c.pgid):
+            signal_group(c.pgid, signal.SIGTERM)
+        if rc != 0 and self.stop_deadline is None:
+            if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
+                return
+            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc}
+            self.request_stop(f"core {c.index} exited with {rc}", "failed")
+
+    def loop(self) -> None:
+        while True:
+            if self.stop_requested and self.stop_deadline is None:
+                self.request_stop("stop requested", "stopped")
+            changed = False
+            for c in self.snapshot():
+                if c.spawned:
+                    changed = self.watch_chip(c) or changed
+                    continue
+                if c.status == "running" and c.proc is not None:
+                    rc = c.proc.poll()
+                    if rc is not None:
+                        self.on_exit(c, rc)
+                if c.ended_at is None and c.exited_at is not None:
+                    # Record the end only once its output is in the files, so a reader that sees the end
+                    # in state.json and then drains the .rec file has every line (bounded wait).
+                    if c.readers_done() or now() - c.exited_at > self.grace + 2:
+                        c.ended_at = now()
+                        changed = True
+            if self.stop_deadline is not None and now() >= self.stop_deadline:
+                # each round after the deadline: a spawner that is dying may still have started one more
+                if not self.killed:
+                    self.log("grace period over: SIGKILL to what is left")
+                self.killed = True
+                for c in self.snapshot():
+                    if group_members(c.pgid):
+                        signal_group(c.pgid, signal.SIGKILL)
+                signal_pids(job_processes(self.job), signal.SIGKILL)
+            if self.lease and self.stop_deadline is None and self._lease_expired():
+                self.request_stop(f"the attached client is gone (no stream for {self.lease:.0f} s)", "stopped")
+            if changed or self.dirty:
+                self.dirty = False
+                self.save()
+            if all(c.ended_at is not None for c in self.snapshot()):
+                leftovers = [c.pgid for c in self.snapshot() if group_members(c.pgid)] or job_processes(self.job)
+                if not leftovers:
+                    break
+                if self.stop_deadline is None:  # every core ended but children linger: clean them up
+                    self.request_stop("processes left behind by exited cores", "")
+            time.sleep(POLL)
+
+    def _lease_expired(self) -> bool:
+        try:
+            last = os.stat(os.path.join(self.jdir, "attached")).st_mtime
+        except OSError:
+            last = self.started_at
+        return now() - last > self.lease  # type: ignore[operator]
+
+    def finish(self) -> None:
+        with self.cores_lock:
+            self.closed = True
+        if self.listener is not None:
+            try:
+                self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+            except OSError:
+                pass
+            self.listener.close()
+        for pgid in self.pre_groups:
+            signal_group(pgid, signal.SIGTERM)
+        deadline = now() + min(self.grace, 5.0)
+        while any(group_members(g) for g in self.pre_groups) and now() < deadline:
+            time.sleep(POLL)
+        for pgid in self.pre_groups:
+            signal_group(pgid, signal.SIGKILL)
+        host = self.host_core()
+        for c in self.snapshot():
+            if c.spawned and c.status == "exited" and c.exit_code is None and host is not None:
+                c.exit_code = host.exit_code  # ended unreported before its spawner: the spawner's verdict
+        if self.status == "running":
+            ok = all(c.exit_code == 0 for c in self.snapshot())
+            self.status = self.outcome or ("finished" if ok else "failed")
+        self.ended_at = now()
+        self.save()
+        self.log(f"job {self.status}")
+        for c in self.snapshot():
+            with c.lock:  # a reader still draining a dead chip's socket stops writing (write_lines checks)
+                c.log.close()
+                c.rec.close()
+
+    def run(self, notify_fd: int) -> None:
+        def on_term(signum, frame):
+            self.stop_requested = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self.save()
+        if not self.run_pre_commands():
+            self.log(self.reason)
+            self.status = "failed"
+            for c in self.snapshot():
+                c.status, c.ended_at = "exited", now()
+            self.finish()
+            self._notify(notify_fd, {"event": "failed", "job": self.job, "reason": self.reason})
+            return
+        self.use_hook()
+        if self.launch == "host":
+            self.open_log_socket()
+        self.start_cores()
+        self.serve_log_socket()  # threads only now: start_cores forks with a preexec_fn
+        self.save()
+        self._notify(
+            notify_fd,
+            {
+                "event": "started",
+                "job": self.job,
+                "worker": self.worker,
+                "supervisor_pid": os.getpid(),
+                "cores": [c.to_dict() for c in self.snapshot()],
+            },
+        )
+        self.loop()
+        self.finish()
+
+    @staticmethod
+    def _notify(fd: int, message: dict) -> None:
+        try:
+            os.write(fd, (json.dumps(message) + "\n").encode())
+            os.close(fd)
+        except OSError:
+            pass
