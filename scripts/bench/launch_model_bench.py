@@ -124,14 +124,14 @@ class LaunchBench:
         return out
 
     def job_processes(self, node: common.Node) -> int:
-        from tpurun.emulator import hosts as h
+        from tpurun.emulator import procs
 
         hosts = self.bench.server.emu.hosts
         key = f"projects/{common.PROJECT}/locations/{common.ZONE}/nodes/{node.name}"
         nss = {hosts._worker(key, i).pid_ns for i in range(len(node.workers))} - {None}
         n = 0
-        for pid in h._all_pids():
-            if h._ns(pid) not in nss:
+        for pid in procs.all_pids():
+            if procs.ns(pid) not in nss:
                 continue
             try:
                 if b"\0TPURUN_JOB_ID=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():

@@ -110,14 +110,14 @@ class Run:
 
     def worker_pids(self, node: common.Node, needle: str) -> list[int]:
         """Pids of processes whose command line holds NEEDLE in any of NODE's workers' pid namespaces."""
-        from tpurun.emulator import hosts as h
+        from tpurun.emulator import procs
 
         hosts = self.bench.server.emu.hosts
         key = f"projects/{common.PROJECT}/locations/{common.ZONE}/nodes/{node.name}"
         nss = {hosts._worker(key, i).pid_ns for i in range(len(node.workers))} - {None}
         found = []
-        for pid in h._all_pids():
-            if needle in h._cmdline(pid) and h._ns(pid) in nss:
+        for pid in procs.all_pids():
+            if needle in procs.cmdline(pid) and procs.ns(pid) in nss:
                 found.append(pid)
         return found
 

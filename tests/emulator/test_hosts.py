@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tpurun.emulator.hosts import WorkerHosts, WorkerInfo, image_paths, parse_ssh_keys
+from tpurun.emulator._metadata import parse_ssh_keys
+from tpurun.emulator.hosts import WorkerHosts, WorkerInfo
+from tpurun.emulator.tpu_vm import image_paths
 
 pytestmark = [
     pytest.mark.integration,
@@ -299,7 +301,7 @@ def test_faults_stop_start_and_close(tmp_path: Path) -> None:
         )
         assert [w.host_key for w in ws2] == [w.host_key for w in ws]
         # /tmp is the worker's own and empty after a reboot, except for where this machine's Python
-        # lives when it is under /tmp (a venv of a clone in /tmp): the read-only "image" (hosts.image_paths)
+        # lives when it is under /tmp (a venv of a clone in /tmp): the read-only "image" (tpu_vm.image_paths)
         image_tops = {p.split("/")[2] for p in image_paths() if p.startswith("/tmp/")}
         listed = env.ssh(ws2[0], "cat ~/home_mark; ls /tmp").stdout.split()
         assert [x for x in listed if x not in image_tops] == ["keep"]
@@ -324,7 +326,7 @@ def test_faults_stop_start_and_close(tmp_path: Path) -> None:
 
 
 def test_kill_orphans_after_emulator_crash(tmp_path: Path) -> None:
-    from tpurun.emulator.hosts import kill_orphans
+    from tpurun.emulator.procs import kill_orphans
 
     state = tmp_path / "state"
     code = (

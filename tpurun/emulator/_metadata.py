@@ -14,9 +14,11 @@ Served below ``/computeMetadata/v1/`` (header ``Metadata-Flavor: Google`` requir
 from __future__ import annotations
 
 import json
+import re
 import selectors
 import socket
 import threading
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import TCPServer, ThreadingMixIn
 from typing import Any, Protocol
@@ -230,3 +232,31 @@ class MetadataService:
                 else:
                     server = key.data
                     server._handle_request_noblock()  # accept + hand off to a thread
+
+
+_USER_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
+
+
+def parse_ssh_keys(value: str, *, now: datetime | None = None) -> dict[str, list[str]]:
+    """``ssh-keys`` metadata -> {user: [authorized_keys lines]}; skips bad lines and expired keys."""
+    now = now or datetime.now(timezone.utc)
+    users: dict[str, list[str]] = {}
+    for raw in value.splitlines():
+        line = raw.strip()
+        user, sep, key = line.partition(":")
+        if not sep or not _USER_RE.match(user):
+            continue
+        parts = key.split(None, 2)
+        if len(parts) < 2:
+            continue
+        ktype, kdata = parts[0], parts[1]
+        comment = parts[2] if len(parts) > 2 else ""
+        if comment.startswith("google-ssh "):
+            try:
+                expire = json.loads(comment[len("google-ssh ") :]).get("expireOn")
+                if expire and datetime.fromisoformat(expire.replace("Z", "+00:00")) <= now:
+                    continue
+            except (ValueError, AttributeError, TypeError):
+                pass
+        users.setdefault(user, []).append(f"{ktype} {kdata} {user}")
+    return users

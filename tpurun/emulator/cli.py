@@ -221,7 +221,7 @@ def _leftovers(sd: Path) -> list[str]:
 
 
 def _force_cleanup(sd: Path) -> None:
-    from tpurun.emulator.hosts import kill_orphans
+    from tpurun.emulator.procs import kill_orphans
 
     kill_orphans(sd)
     try:

@@ -53,7 +53,6 @@ import hashlib
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -63,17 +62,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tpurun.emulator._metadata import MetadataService
-from tpurun.emulator.tpu_vm import WorkerImage, worker_image
+from tpurun.emulator import procs
+from tpurun.emulator._metadata import MetadataService, parse_ssh_keys
+from tpurun.emulator.tpu_vm import WorkerImage, image_bin, image_paths, worker_image
 
-__all__ = ["WorkerInfo", "WorkerHosts", "parse_ssh_keys", "kill_orphans", "GENERATIONS"]
+__all__ = ["WorkerInfo", "WorkerHosts", "GENERATIONS"]
 
 _INIT_SCRIPT = Path(__file__).with_name("_worker_init.py")
 _UNSHARE = [
@@ -90,7 +89,6 @@ _UNSHARE = [
 _SSHD = "/usr/sbin/sshd"
 BOOT_TIMEOUT = 60.0
 GENERATIONS = ("v2", "v3", "v4", "v5litepod", "v5p", "v6e", "7x")
-_USER_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
 
 
 @dataclass
@@ -101,63 +99,6 @@ class WorkerInfo:
     ssh_port: int
     host_key: str  # public key line "ssh-ed25519 AAAA..." (no comment)
     init_pid: int | None  # pid (root pid ns) of the worker namespace's init; None when down
-
-
-def image_python() -> str:
-    """The `python3` of the emulated runtime image: the interpreter the emulator itself runs in (tpurun's own,
-    so a script that runs here also runs on every emulated worker without installing anything there)."""
-    return sys.executable
-
-
-def image_paths() -> list[str]:
-    """Host directories of the image's Python installation (its venv and the interpreter under it).
-
-    A real TPU VM image ships its Python stack on the VM's own disk. An emulated worker shares this
-    machine's filesystem, except /root and /tmp, which are the worker's own; these directories it sees at
-    the same path through a copy-on-write layer of its own, so `pip install` on one worker changes that
-    worker only, never this machine or the other workers. System directories (/usr) are left alone.
-    """
-    found = set()
-    for p in {sys.prefix, sys.base_prefix}:
-        real = os.path.realpath(p)
-        if os.path.isdir(real) and real not in ("/", "/usr", "/usr/local"):
-            found.add(real)
-    # keep only the outermost of nested paths
-    return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
-
-
-def image_bin() -> dict[str, str]:
-    """The image's commands that `/usr/local/bin` of every worker holds: python3, python, pip3 and pip
-    of the image Python."""
-    py = shlex.quote(image_python())
-    run = f'#!/bin/sh\nexec {py} "$@"\n'
-    pip = f'#!/bin/sh\nexec {py} -m pip "$@"\n'
-    return {"python3": run, "python": run, "pip3": pip, "pip": pip}
-
-
-def parse_ssh_keys(value: str, *, now: datetime | None = None) -> dict[str, list[str]]:
-    """``ssh-keys`` metadata -> {user: [authorized_keys lines]}; skips bad lines and expired keys."""
-    now = now or datetime.now(timezone.utc)
-    users: dict[str, list[str]] = {}
-    for raw in value.splitlines():
-        line = raw.strip()
-        user, sep, key = line.partition(":")
-        if not sep or not _USER_RE.match(user):
-            continue
-        parts = key.split(None, 2)
-        if len(parts) < 2:
-            continue
-        ktype, kdata = parts[0], parts[1]
-        comment = parts[2] if len(parts) > 2 else ""
-        if comment.startswith("google-ssh "):
-            try:
-                expire = json.loads(comment[len("google-ssh ") :]).get("expireOn")
-                if expire and datetime.fromisoformat(expire.replace("Z", "+00:00")) <= now:
-                    continue
-            except (ValueError, AttributeError, TypeError):
-                pass
-        users.setdefault(user, []).append(f"{ktype} {kdata} {user}")
-    return users
 
 
 def _write(path: Path, data: str, mode: int = 0o644) -> None:
@@ -193,60 +134,6 @@ def _safe_name(key: str) -> str:
 
 def _stable_int(text: str, digits: int) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest(), 16) % (10**digits)
-
-
-def _proc_ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _all_pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _exe(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        return None
-
-
-def _ns(pid: int, kind: str = "pid") -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/{kind}")
-    except OSError:
-        return None
-
-
-def kill_orphans(state_dir: Path) -> int:
-    """SIGKILL the workers left behind by a crashed emulator that used `state_dir`; returns how many.
-
-    Kills each worker's init (its pid namespace goes with it); the `unshare` above it
-    then reaps it and exits.
-    """
-    marker = str(_INIT_SCRIPT)
-    wanted = str(Path(state_dir).resolve()) + "/"
-    killed = 0
-    for pid in _all_pids():
-        cmd = _cmdline(pid)
-        if not cmd.startswith("unshare ") and marker in cmd and wanted in cmd:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-    return killed
 
 
 @dataclass
@@ -554,7 +441,7 @@ class WorkerHosts:
                     raise RuntimeError(f"worker {w.index} of {node.key} failed to boot: {self._why(w)}")
                 if w.init_pid is None:
                     w.init_pid = self._find_init(w.proc.pid)
-                    w.pid_ns = _ns(w.init_pid) if w.init_pid else None
+                    w.pid_ns = procs.ns(w.init_pid) if w.init_pid else None
                 if w.init_pid is None or not self._accepts(w.address, self.ssh_port):
                     still.append(w)
             pending = still
@@ -577,8 +464,8 @@ class WorkerHosts:
     @staticmethod
     def _find_init(unshare_pid: int) -> int | None:
         # unshare --fork has exactly one child: the worker's init.
-        for pid in _all_pids():
-            if pid != unshare_pid and _proc_ppid(pid) == unshare_pid:
+        for pid in procs.all_pids():
+            if pid != unshare_pid and procs.ppid(pid) == unshare_pid:
                 return pid
         return None
 
@@ -629,7 +516,7 @@ class WorkerHosts:
         # Under gVisor a namespace's other processes may outlive its reaped init for a moment.
         deadline = time.monotonic() + 10
         while namespaces and time.monotonic() < deadline:
-            if not any(_ns(pid) in namespaces for pid in _all_pids()):
+            if not any(procs.ns(pid) in namespaces for pid in procs.all_pids()):
                 break
             time.sleep(0.01)
 
@@ -651,7 +538,7 @@ class WorkerHosts:
         # cmdline is rewritten by setproctitle, so identify it by executable.
         # Find the listener(s) first, then kill: killed while scanning, the listener's sessions are
         # reparented to the init and would match too (sessions are sshd processes on OpenSSH < 9.8).
-        listeners = [pid for pid in _all_pids() if _proc_ppid(pid) == w.init_pid and _exe(pid) == _SSHD]
+        listeners = [pid for pid in procs.all_pids() if procs.ppid(pid) == w.init_pid and procs.exe(pid) == _SSHD]
         for pid in listeners:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -731,7 +618,7 @@ class WorkerHosts:
         ns = self._worker(node_key, index).pid_ns
         if ns is None:
             return []
-        return sorted(pid for pid in _all_pids() if _ns(pid) == ns)
+        return sorted(pid for pid in procs.all_pids() if procs.ns(pid) == ns)
 
     def _info(self, w: _Worker) -> WorkerInfo:
         alive = w.proc is not None and w.proc.poll() is None

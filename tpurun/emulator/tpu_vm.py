@@ -8,6 +8,9 @@ server). Sources of every value are in docs/emulator.md.
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from dataclasses import dataclass
 
 from tpurun.errors import UsageError
@@ -111,3 +114,38 @@ def worker_image(
         "TPU_RUNTIME_METRICS_PORTS": ",".join(str(METRICS_BASE_PORT + c) for c in range(topo.chips_per_host)),
     }
     return WorkerImage(pci=pci, device_files=topo.device_files, tpu_env=env)
+
+
+# ---------------------------------------------------------------- the runtime image's Python
+
+
+def image_python() -> str:
+    """The `python3` of the emulated runtime image: the interpreter the emulator itself runs in (tpurun's own,
+    so a script that runs here also runs on every emulated worker without installing anything there)."""
+    return sys.executable
+
+
+def image_paths() -> list[str]:
+    """Host directories of the image's Python installation (its venv and the interpreter under it).
+
+    A real TPU VM image ships its Python stack on the VM's own disk. An emulated worker shares this
+    machine's filesystem, except /root and /tmp, which are the worker's own; these directories it sees at
+    the same path through a copy-on-write layer of its own, so `pip install` on one worker changes that
+    worker only, never this machine or the other workers. System directories (/usr) are left alone.
+    """
+    found = set()
+    for p in {sys.prefix, sys.base_prefix}:
+        real = os.path.realpath(p)
+        if os.path.isdir(real) and real not in ("/", "/usr", "/usr/local"):
+            found.add(real)
+    # keep only the outermost of nested paths
+    return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
+
+
+def image_bin() -> dict[str, str]:
+    """The image's commands that `/usr/local/bin` of every worker holds: python3, python, pip3 and pip
+    of the image Python."""
+    py = shlex.quote(image_python())
+    run = f'#!/bin/sh\nexec {py} "$@"\n'
+    pip = f'#!/bin/sh\nexec {py} -m pip "$@"\n'
+    return {"python3": run, "python": run, "pip3": pip, "pip": pip}
