@@ -230,32 +230,8 @@ def plan_job(
     device index of the host, mapped to its chip, see explain_core). In a chip launch ranks are global
     process indices (torchrun's meaning), worker-major.
     """
-    if runtime not in RUNTIMES:
-        raise UsageError(f"unknown runtime '{runtime}': use one of auto, {', '.join(RUNTIMES)}")
-    if launch not in LAUNCHES:
-        raise UsageError(f"--launch {launch}: use host or chip")
-    if precision not in ("32", "bf16"):
-        raise UsageError(f"--precision {precision}: use 32 or bf16")
-    if not worker_addresses:
-        raise UsageError("no workers to run on")
     num_workers = len(worker_addresses)
-    if runtime in ("pjrt", "xrt"):
-        if topology is None:
-            raise UsageError(f"--runtime {runtime} needs a TPU accelerator type; use --runtime cpu on this machine")
-        if tpu_ip is None and topology.hosts != num_workers:
-            raise UsageError(
-                f"{topology.name} has {topology.hosts} hosts but {num_workers} worker addresses were given"
-            )
-    if runtime == "xrt" and topology is not None and topology.generation not in XRT_GENERATIONS:
-        raise UsageError(
-            f"--runtime xrt: XRT was removed after torch_xla 2.0 and never ran on {topology.generation}; "
-            "use --runtime pjrt"
-        )
-    if runtime == "xrt" and launch == "chip":
-        raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
-    if tpu_ip is not None and (runtime != "xrt" or num_workers != 1):
-        raise UsageError("--tpu-ip (the old TPU Node architecture) works only with --runtime xrt and one client VM")
-
+    _check_job(runtime, launch, precision, topology, num_workers, tpu_ip)
     slots = _slots(runtime=runtime, launch=launch, topology=topology, cores=cores, core=core)
     local_world = len(slots)
     world_size = num_workers * local_world
@@ -280,38 +256,99 @@ def plan_job(
                         core=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
                     )
                 )
-            if runtime == "pjrt":
-                assert topology is not None
-                single = _single_chip(topology, cores, core)
-                if launch == "host":
-                    env.update(_pjrt_host_env(single))
-                else:
-                    env.update(
-                        _pjrt_env(
-                            topology=topology,
-                            worker=worker,
-                            worker_addresses=worker_addresses,
-                            local_rank=local_rank,
-                            local_world=local_world,
-                            single_chip=single,
-                        )
-                    )
-                    # torch_xla.launch(fn) and the xla:// rendezvous then run fn(LOCAL_RANK) in this process
-                    # (torchrun mode) instead of spawning one process per chip a second time.
-                    env["TORCHELASTIC_RUN_ID"] = job_id
-            elif runtime == "xrt":
-                assert topology is not None
-                env.update(_xrt_env(topology=topology, worker=worker, worker_addresses=worker_addresses, tpu_ip=tpu_ip))
-            else:
-                env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
-                if launch == "chip":
-                    env["TORCHELASTIC_RUN_ID"] = job_id
+            env.update(
+                _runtime_env(
+                    runtime=runtime,
+                    launch=launch,
+                    topology=topology,
+                    worker=worker,
+                    worker_addresses=worker_addresses,
+                    local_rank=local_rank,
+                    local_world=local_world,
+                    single_chip=_single_chip(topology, cores, core) if runtime == "pjrt" and topology else None,
+                    job_id=job_id,
+                    tpu_ip=tpu_ip,
+                )
+            )
             if precision == "bf16":
                 env["XLA_USE_BF16"] = "1"
             env.update(extra_env or {})  # last: the user's values win, as with xmp.spawn's setdefault
             specs.append(CoreSpec(worker=worker, core=slot, local_rank=local_rank, rank=rank, env=env, argv=list(argv)))
         plan.append(specs)
     return plan
+
+
+def _check_job(
+    runtime: str, launch: str, precision: str, topology: Topology | None, num_workers: int, tpu_ip: str | None
+) -> None:
+    """Refuse a combination that cannot run, with the reason."""
+    if runtime not in RUNTIMES:
+        raise UsageError(f"unknown runtime '{runtime}': use one of auto, {', '.join(RUNTIMES)}")
+    if launch not in LAUNCHES:
+        raise UsageError(f"--launch {launch}: use host or chip")
+    if precision not in ("32", "bf16"):
+        raise UsageError(f"--precision {precision}: use 32 or bf16")
+    if not num_workers:
+        raise UsageError("no workers to run on")
+    if runtime in ("pjrt", "xrt"):
+        if topology is None:
+            raise UsageError(f"--runtime {runtime} needs a TPU accelerator type; use --runtime cpu on this machine")
+        if tpu_ip is None and topology.hosts != num_workers:
+            raise UsageError(
+                f"{topology.name} has {topology.hosts} hosts but {num_workers} worker addresses were given"
+            )
+    if runtime == "xrt" and topology is not None and topology.generation not in XRT_GENERATIONS:
+        raise UsageError(
+            f"--runtime xrt: XRT was removed after torch_xla 2.0 and never ran on {topology.generation}; "
+            "use --runtime pjrt"
+        )
+    if runtime == "xrt" and launch == "chip":
+        raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
+    if tpu_ip is not None and (runtime != "xrt" or num_workers != 1):
+        raise UsageError("--tpu-ip (the old TPU Node architecture) works only with --runtime xrt and one client VM")
+
+
+def _runtime_env(
+    *,
+    runtime: str,
+    launch: str,
+    topology: Topology | None,
+    worker: int,
+    worker_addresses: list[str],
+    local_rank: int,
+    local_world: int,
+    single_chip: int | None,
+    job_id: str,
+    tpu_ip: str | None,
+) -> dict[str, str]:
+    """What one process needs of its runtime: PJRT's variables (per host or per chip), XRT's, or CPU's."""
+    env: dict[str, str] = {}
+    if runtime == "pjrt":
+        assert topology is not None
+        if launch == "host":
+            env.update(_pjrt_host_env(single_chip))
+        else:
+            env.update(
+                _pjrt_env(
+                    topology=topology,
+                    worker=worker,
+                    worker_addresses=worker_addresses,
+                    local_rank=local_rank,
+                    local_world=local_world,
+                    single_chip=single_chip,
+                )
+            )
+            # torch_xla.launch(fn) and the xla:// rendezvous then run fn(LOCAL_RANK) in this process
+            # (torchrun mode) instead of spawning one process per chip a second time.
+            env["TORCHELASTIC_RUN_ID"] = job_id
+    elif runtime == "xrt":
+        assert topology is not None
+        env.update(_xrt_env(topology=topology, worker=worker, worker_addresses=worker_addresses, tpu_ip=tpu_ip))
+    else:
+        env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
+        if launch == "chip":
+            env["TORCHELASTIC_RUN_ID"] = job_id
+    return env
 
 
 def _pjrt_host_env(single_chip: int | None) -> dict[str, str]:
