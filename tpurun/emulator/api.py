@@ -99,10 +99,19 @@ class Router:
         return None
 
 
-def build_api_router(emu: Emulator) -> Router:
-    r = Router()
-    page = ("pageSize", "pageToken", "filter", "orderBy")
+_PAGE = ("pageSize", "pageToken", "filter", "orderBy")  # the query parameters of every list call
 
+
+def build_api_router(emu: Emulator) -> Router:
+    """The Cloud TPU v2 REST surface, resource by resource."""
+    r = Router()
+    for add in (_node_routes, _operation_routes, _catalogue_routes, _queued_routes, _location_routes):
+        add(r, emu)
+    return r
+
+
+def _node_routes(r: Router, emu: Emulator) -> None:
+    """Nodes: create, list, get, delete, stop, start, update, guest attributes."""
     r.add(
         "POST",
         f"/v2/(?P<parent>{_PARENT})/nodes",
@@ -113,7 +122,7 @@ def build_api_router(emu: Emulator) -> Router:
         "GET",
         f"/v2/(?P<parent>{_PARENT})/nodes",
         lambda q: emu.list_nodes(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        page,
+        _PAGE,
     )
     r.add("GET", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
     r.add("DELETE", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.delete_node(q.groups["name"]), ("requestId",))
@@ -146,12 +155,15 @@ def build_api_router(emu: Emulator) -> Router:
     r.add("PATCH", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", update, ("updateMask",))
     r.add("POST", f"/v2/(?P<name>{_PARENT}/nodes/{_ID}):getGuestAttributes", guest)
 
+
+def _operation_routes(r: Router, emu: Emulator) -> None:
+    """Long-running operations."""
     r.add("GET", f"/v2/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
     r.add(
         "GET",
         f"/v2/(?P<name>{_PARENT})/operations",
         lambda q: emu.list_operations(q.groups["name"], q.q_int("pageSize"), q.q("pageToken")),
-        page,
+        _PAGE,
     )
 
     def op_delete(q: Request) -> Any:
@@ -165,11 +177,14 @@ def build_api_router(emu: Emulator) -> Router:
     r.add("DELETE", f"/v2/(?P<name>{_PARENT}/operations/{_ID})", op_delete)
     r.add("POST", f"/v2/(?P<name>{_PARENT}/operations/{_ID}):cancel", op_cancel)
 
+
+def _catalogue_routes(r: Router, emu: Emulator) -> None:
+    """Accelerator types and runtime versions."""
     r.add(
         "GET",
         f"/v2/(?P<parent>{_PARENT})/acceleratorTypes",
         lambda q: emu.list_accelerator_types(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        page,
+        _PAGE,
     )
     r.add(
         "GET", f"/v2/(?P<name>{_PARENT}/acceleratorTypes/{_ID})", lambda q: emu.get_accelerator_type(q.groups["name"])
@@ -178,10 +193,13 @@ def build_api_router(emu: Emulator) -> Router:
         "GET",
         f"/v2/(?P<parent>{_PARENT})/runtimeVersions",
         lambda q: emu.list_runtime_versions(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        page,
+        _PAGE,
     )
     r.add("GET", f"/v2/(?P<name>{_PARENT}/runtimeVersions/{_ID})", lambda q: emu.get_runtime_version(q.groups["name"]))
 
+
+def _queued_routes(r: Router, emu: Emulator) -> None:
+    """Queued resources."""
     r.add(
         "POST",
         f"/v2/(?P<parent>{_PARENT})/queuedResources",
@@ -194,7 +212,7 @@ def build_api_router(emu: Emulator) -> Router:
         "GET",
         f"/v2/(?P<parent>{_PARENT})/queuedResources",
         lambda q: emu.list_queued_resources(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        page,
+        _PAGE,
     )
     r.add("GET", f"/v2/(?P<name>{_PARENT}/queuedResources/{_ID})", lambda q: emu.get_queued_resource(q.groups["name"]))
     r.add(
@@ -209,6 +227,9 @@ def build_api_router(emu: Emulator) -> Router:
         lambda q: emu.reset_queued_resource(q.groups["name"]),
     )
 
+
+def _location_routes(r: Router, emu: Emulator) -> None:
+    """Locations and the service identity."""
     r.add(
         "POST",
         f"/v2/(?P<parent>{_PARENT}):generateServiceIdentity",
@@ -220,10 +241,9 @@ def build_api_router(emu: Emulator) -> Router:
         "GET",
         "/v2/(?P<name>projects/[^/]+)/locations",
         lambda q: emu.list_locations(q.groups["name"], q.q_int("pageSize"), q.q("pageToken")),
-        page,
+        _PAGE,
     )
     r.add("GET", f"/v2/(?P<name>{_PARENT})", lambda q: emu.get_location(q.groups["name"]))
-    return r
 
 
 def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
