@@ -371,81 +371,85 @@ def logs_cmd(
     record = records.JobRecord.load(s.home_path, job)
     target = _record_target(record)
     renderer = Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
-    offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
-    stop = threading.Event()
-    done: set[int] = set()
-    errors: dict[int, str] = {}
-    replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, core, offset, line)
-    replay_lock = threading.Lock()
+    viewer = _Viewer(record, target, renderer, follow)
     try:
         train.connect(target)
-
-        def one(runner: Any) -> None:
-            w = runner.worker.index
-            attempts = 0
-            while w not in done and not stop.is_set():
-                args = ["stream", job, "--offsets", json.dumps(offsets[w])]
-                if follow:
-                    args.append("--follow")
-                try:
-                    stream = open_stream(runner, _agent_argv(record, *args))
-                    buf = b""
-                    while True:
-                        data = stream.read(0.2)
-                        if stop.is_set():
-                            stream.kill()  # a viewer only ends its own stream: the job goes on
-                            return
-                        if data is None:
-                            break
-                        buf += data
-                        *lines, buf = buf.split(b"\n")
-                        for raw in lines:
-                            rec = json.loads(raw)
-                            if rec.get("event") == "done":
-                                done.add(w)
-                            elif rec.get("event") is None:
-                                if follow:
-                                    renderer.line(w, rec["c"], rec.get("l", ""))
-                                else:  # a replay: every worker's lines first, then in time order
-                                    with replay_lock:
-                                        replay.append((float(rec.get("t", 0)), w, rec["c"], rec["o"], rec.get("l", "")))
-                                offsets[w][rec["c"]] = rec["o"]
-                    rc = stream.wait()
-                    if rc == 2:
-                        errors[w] = stream.stderr_text().strip() or f"job {job} is not on w{w}"
-                        return
-                    if not follow:
-                        return
-                except (OSError, EOFError, TpurunError) as exc:
-                    attempts += 1
-                    if attempts > 5:
-                        errors[w] = str(exc)
-                        return
-                    # reconnect and resume from the offsets already printed: no line lost, none twice
-                    time.sleep(1)
-                    try:
-                        runner.close()
-                        train.connect(
-                            targets.Target(
-                                target.name, target.accelerator_type, [runner], target.all_workers, target.local
-                            )
-                        )
-                    except TpurunError:
-                        continue
-
-        with stop_on_signals(stop):
-            each(target.runners, one, name="logs")
-        for _, w, c, _, line in sorted(replay):
+        with stop_on_signals(viewer.stop):
+            each(target.runners, viewer.view, name="logs")
+        for _, w, c, _, line in sorted(viewer.replay):
             renderer.line(w, c, line)
         renderer.flush()
     finally:
         target.close()
-    if stop.is_set():
+    if viewer.stop.is_set():
         raise typer.Exit(ExitCode.INTERRUPTED)
-    for w, e in sorted(errors.items()):
+    for w, e in sorted(viewer.errors.items()):
         ui.err().print(f"error: w{w}: {e}", markup=False)
-    if errors:
-        raise typer.Exit(ExitCode.UNREACHABLE if not any("not" in e for e in errors.values()) else ExitCode.USAGE)
+    if viewer.errors:
+        missing = any("not" in e for e in viewer.errors.values())
+        raise typer.Exit(ExitCode.USAGE if missing else ExitCode.UNREACHABLE)
+
+
+class _Viewer:
+    """`logs`: each worker's records of a job, from the offsets already shown, across reconnects (no line
+    lost, none twice). Without --follow the lines are gathered and replayed in time order."""
+
+    def __init__(self, record: records.JobRecord, target: targets.Target, renderer: Renderer, follow: bool) -> None:
+        self.record, self.target, self.renderer, self.follow = record, target, renderer, follow
+        self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
+        self.stop = threading.Event()
+        self.done: set[int] = set()
+        self.errors: dict[int, str] = {}
+        self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, core, offset, line)
+        self.lock = threading.Lock()
+
+    def view(self, runner: Any) -> None:
+        w = runner.worker.index
+        attempts = 0
+        while w not in self.done and not self.stop.is_set():
+            try:
+                if not self._read(runner):
+                    return
+            except (OSError, EOFError, TpurunError) as exc:
+                attempts += 1
+                if attempts > 5:
+                    self.errors[w] = str(exc)
+                    return
+                time.sleep(1)
+                try:
+                    runner.close()
+                    t = self.target
+                    train.connect(targets.Target(t.name, t.accelerator_type, [runner], t.all_workers, t.local))
+                except TpurunError:
+                    continue
+
+    def _read(self, runner: Any) -> bool:
+        """One `agent stream` from the offsets shown so far; whether to go on (follow after a drop)."""
+        w = runner.worker.index
+        args = ["stream", self.record.job_id, "--offsets", json.dumps(self.offsets[w])]
+        stream = open_stream(runner, _agent_argv(self.record, *args, *(["--follow"] if self.follow else [])))
+        reader = records.RecordStream(stream)
+        while (recs := reader.records(0.2)) is not None:
+            if self.stop.is_set():
+                stream.kill()  # a viewer only ends its own stream: the job goes on
+                return False
+            for rec in recs:
+                self._take(w, rec)
+        if stream.wait() == 2:
+            self.errors[w] = stream.stderr_text().strip() or f"job {self.record.job_id} is not on w{w}"
+            return False
+        return self.follow
+
+    def _take(self, w: int, rec: dict[str, Any]) -> None:
+        if rec.get("event") == "done":
+            self.done.add(w)
+        elif rec.get("event") is None:
+            if self.follow:
+                self.renderer.line(w, rec["c"], rec.get("l", ""))
+            else:  # a replay: every worker's lines first, then in time order
+                with self.lock:
+                    self.replay.append((float(rec.get("t", 0)), w, rec["c"], rec["o"], rec.get("l", "")))
+            self.offsets[w][rec["c"]] = rec["o"]
 
 
 def cancel_cmd(

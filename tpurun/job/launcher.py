@@ -25,7 +25,7 @@ from tpurun import config, settings
 from tpurun.errors import TpurunError, UnreachableError, UsageError
 from tpurun.job import plan as envc
 from tpurun.job import setup as job_setup
-from tpurun.job.records import JobRecord, new_job_id
+from tpurun.job.records import JobRecord, RecordStream, new_job_id
 from tpurun.sync import sender
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.transport.fanout import each
@@ -311,28 +311,22 @@ class JobRun:
 
     def _pump(self, w: int, stream: Stream) -> int:
         """Render W's records until its job is done; the stream's exit code."""
-        buf = b""
+        reader = RecordStream(stream)
         closed = False
         done = False
-        while True:
+        while not done:
             if self.cancel.is_set():
                 self.stop.set()
             if self.stop.is_set() and not closed and not self.detach:
                 stream.close_stdin()  # the agent stops this worker's cores and keeps streaming to the end
                 closed = True
-            if b"\n" in buf:
-                *lines, buf = buf.split(b"\n")
-                for raw in lines:
-                    if raw:
-                        done = self._record(w, raw) or done
-            if done:
+            recs = reader.records(0.1)
+            if recs is None:
                 break
-            data = stream.read(0.1)
-            if data is None:
-                break
-            if not data:
+            if not recs:
                 self.out.flush()  # idle: show what is buffered now, not when the next line comes
-            buf += data
+            for rec in recs:
+                done = self._record(w, rec) or done
         rc = stream.wait()
         if not done:
             err = stream.stderr_text().strip()
@@ -350,11 +344,7 @@ class JobRun:
                 self._lose(w, f"lost worker w{w} ({self.target.all_workers[w].address}): {detail}")
         return rc
 
-    def _record(self, w: int, raw: bytes) -> bool:
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            return False
+    def _record(self, w: int, rec: dict[str, Any]) -> bool:
         event = rec.get("event")
         if event is None:
             c = int(rec["c"])

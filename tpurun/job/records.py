@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpurun.errors import UsageError
+from tpurun.transport.streams import Stream
 
 
 def new_job_id() -> str:
@@ -56,3 +57,28 @@ def list_records(home: Path) -> list[JobRecord]:
     if not d.is_dir():
         return []
     return [JobRecord.load(home, p.stem) for p in sorted(d.glob("*.json"))]
+
+
+class RecordStream:
+    """What the agent's `stream` command sends, one JSON record per line: a core's line
+    ({"c": core, "l": text, "t": time, "o": offset}) or an event ({"event": "exit" | "done" | ...}).
+    The one reader of it, for an attached job (the launcher) and for `logs`."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    def records(self, timeout: float) -> list[dict] | None:
+        """The records that arrived within TIMEOUT ([] when none did), None once the stream has ended."""
+        data = self.stream.read(timeout)
+        if data is None:
+            return None
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        out = []
+        for raw in lines:
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue  # not a record (an empty line)
+        return out
