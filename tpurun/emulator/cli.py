@@ -25,6 +25,7 @@ from tpurun.emulator.api import AdminClient
 from tpurun.emulator.model import ApiError, Delays
 from tpurun.errors import ApiError as TpurunApiError
 from tpurun.errors import ExitCode, TpurunError, UsageError
+from tpurun.worker.agent_files import pid_alive
 
 SSHD = Path("/usr/sbin/sshd")
 START_TIMEOUT = 30.0
@@ -65,28 +66,13 @@ def _require_host() -> None:
         raise UsageError(f"{SSHD} is missing: install the Debian package openssh-server")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie is as good as gone
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _server_info(state_dir: Path) -> dict[str, Any] | None:
     """server.json of a live server in STATE_DIR, or None."""
     try:
         info: dict[str, Any] = json.loads((state_dir / "server.json").read_text())
     except (OSError, ValueError):
         return None
-    if not _pid_alive(int(info.get("pid", 0))):
+    if not pid_alive(int(info.get("pid", 0))):
         return None
     return info
 
@@ -203,14 +189,14 @@ def _leftovers(sd: Path) -> list[str]:
     except (OSError, ValueError):
         recorded = {}
     for node, pids in recorded.items():
-        left += [f"worker init pid {p} of {node}" for p in pids if _pid_alive(p)]
+        left += [f"worker init pid {p} of {node}" for p in pids if pid_alive(p)]
     marker, where = str(_INIT_SCRIPT), str(sd)
     for p in (int(x) for x in os.listdir("/proc") if x.isdigit()):
         try:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if where in cmd and (marker in cmd or "tpurun.emulator" in cmd or "sshd" in cmd) and _pid_alive(p):
+        if where in cmd and (marker in cmd or "tpurun.emulator" in cmd or "sshd" in cmd) and pid_alive(p):
             left.append(f"process {p}: {cmd.strip()[:80]}")
     try:
         mounts = Path("/proc/self/mountinfo").read_text().splitlines()
@@ -259,9 +245,9 @@ def stop(
         except (ApiError, OSError):
             os.kill(pid, signal.SIGTERM)  # the server tears down on SIGTERM too
         deadline = time.time() + timeout
-        while _pid_alive(pid) and time.time() < deadline:
+        while pid_alive(pid) and time.time() < deadline:
             time.sleep(0.1)
-        if _pid_alive(pid):
+        if pid_alive(pid):
             ui.warn(f"the emulator (pid {pid}) did not stop within {timeout:.0f}s: killing it and its workers")
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -138,6 +138,14 @@ class Nodes(Operations):
             rec.node.network_endpoints = [self._endpoint(w.address, external) for w in workers]
         self._persist_pids()
 
+    def _ready(self, rec: NodeRecord, op: Operation) -> None:
+        """REC is up and healthy: OP ends with the node."""
+        with self.lock:
+            rec.set_state("READY")
+            set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTHY)
+            resp = {"@type": NODE_TYPE, **to_json(rec.node)}
+        self._finish(op, resp)
+
     @staticmethod
     def _endpoint(address: str, external: bool) -> tpu_v2.NetworkEndpoint:
         ep = tpu_v2.NetworkEndpoint(ip_address=address, port=8470)
@@ -179,11 +187,7 @@ class Nodes(Operations):
                     self._remove(rec)
                 self._finish(op, error=ApiError(500, f"Internal error creating {rec.node.name}: {e}", "INTERNAL"))
                 return
-            with self.lock:
-                rec.set_state("READY")
-                set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTHY)
-                resp = {"@type": NODE_TYPE, **to_json(rec.node)}
-            self._finish(op, resp)
+            self._ready(rec, op)
         self._queued_node_changed(rec)
 
     def get_node(self, name: str) -> dict[str, Any]:
@@ -280,11 +284,7 @@ class Nodes(Operations):
                     rec.set_state("STOPPED")
                 self._finish(op, error=ApiError(500, f"Internal error starting {rec.node.name}: {e}", "INTERNAL"))
                 return
-            with self.lock:
-                rec.set_state("READY")
-                set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTHY)
-                resp = {"@type": NODE_TYPE, **to_json(rec.node)}
-            self._finish(op, resp)
+            self._ready(rec, op)
 
     UPDATABLE = {
         "description": "description",

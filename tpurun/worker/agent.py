@@ -35,49 +35,26 @@ import sys
 import threading
 import time
 
-if __package__:  # imported as part of tpurun (type checking, tests)
-    from tpurun.worker.agent_files import (
-        CHUNK,
-        DEFAULT_GRACE,
-        POLL,
-        TERMINAL,
-        AgentError,
-        agent_root,
-        group_members,
-        job_dir,
-        job_processes,
-        log_base,
-        now,
-        pid_alive,
-        read_json,
-        signal_group,
-        signal_pids,
-        write_json_atomic,
-    )
-else:  # run from the bundle on a worker: its files sit side by side
-    from agent_files import (  # type: ignore[import-not-found,no-redef]
-        CHUNK,
-        DEFAULT_GRACE,
-        POLL,
-        TERMINAL,
-        AgentError,
-        agent_root,
-        group_members,
-        job_dir,
-        job_processes,
-        log_base,
-        now,
-        pid_alive,
-        read_json,
-        signal_group,
-        signal_pids,
-        write_json_atomic,
-    )
-if __package__:  # imported as part of tpurun (type checking, tests)
-    from tpurun.worker.agent_supervisor import Supervisor
-else:  # run from the bundle on a worker: its files sit side by side
-    from agent_supervisor import Supervisor  # type: ignore[import-not-found,no-redef]
-
+# the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
+from agent_files import (
+    CHUNK,
+    DEFAULT_GRACE,
+    POLL,
+    TERMINAL,
+    AgentError,
+    agent_root,
+    group_members,
+    job_dir,
+    job_processes,
+    log_base,
+    now,
+    pid_alive,
+    read_json,
+    signal_group,
+    signal_pids,
+    write_json_atomic,
+)
+from agent_supervisor import Supervisor
 
 # ---------------------------------------------------------------- commands
 

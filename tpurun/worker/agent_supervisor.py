@@ -16,55 +16,30 @@ import sys
 import threading
 import time
 
-if __package__:  # imported as part of tpurun (type checking, tests)
-    from tpurun.worker.agent_files import (
-        DEFAULT_GRACE,
-        DEFAULT_LEASE,
-        DEFAULT_PRE_TIMEOUT,
-        FATAL_SIGNALS,
-        HOOK_DIR,
-        HOST,
-        MAX_LINE,
-        POLL,
-        _proc_stat,
-        group_members,
-        job_processes,
-        log_base,
-        now,
-        of_job,
-        pdeathsig_preexec,
-        pid_alive,
-        read_json,
-        signal_group,
-        signal_pids,
-        watch_exit,
-        write_json_atomic,
-    )
-else:  # run from the bundle on a worker: its files sit side by side
-    from agent_files import (  # type: ignore[import-not-found,no-redef]
-        DEFAULT_GRACE,
-        DEFAULT_LEASE,
-        DEFAULT_PRE_TIMEOUT,
-        FATAL_SIGNALS,
-        HOOK_DIR,
-        HOST,
-        MAX_LINE,
-        POLL,
-        _proc_stat,
-        group_members,
-        job_processes,
-        log_base,
-        now,
-        of_job,
-        pdeathsig_preexec,
-        pid_alive,
-        read_json,
-        signal_group,
-        signal_pids,
-        watch_exit,
-        write_json_atomic,
-    )
-
+# the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
+from agent_files import (
+    DEFAULT_GRACE,
+    DEFAULT_LEASE,
+    DEFAULT_PRE_TIMEOUT,
+    FATAL_SIGNALS,
+    HOOK_DIR,
+    HOST,
+    MAX_LINE,
+    POLL,
+    _proc_stat,
+    group_members,
+    job_processes,
+    log_base,
+    now,
+    of_job,
+    pdeathsig_preexec,
+    pid_alive,
+    read_json,
+    signal_group,
+    signal_pids,
+    watch_exit,
+    write_json_atomic,
+)
 
 # ---------------------------------------------------------------- the supervisor
 
