@@ -517,10 +517,10 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         sync_code(target, local_dir, job.cwd, home, out)
     if job.setup:
         res = run_setup(job, out, cancel)
+        if res.failed is not None:  # (its fail-fast also sets CANCEL: a failure comes first)
+            return JobResult(job, JobState.SETUP_FAILED, setup=res)
         if cancel.is_set():
             return JobResult(job, JobState.INTERRUPTED, setup=res)
-        if res.failed is not None:
-            return JobResult(job, JobState.SETUP_FAILED, setup=res)
     specs = job.plan.specs
     JobRecord(
         job_id=job.job_id,
