@@ -56,3 +56,15 @@ def test_every_command_name_is_written_once_in_the_package():
 
     for path in Path(tpurun.cli.__file__).parent.glob("*.py"):
         assert "@app.command" not in path.read_text(), path
+
+
+@pytest.mark.parametrize("name", ["exec", "ssh", "sync", "train", "jobs", "logs", "cancel", "kill-stale", "doctor"])
+def test_data_plane_commands_never_load_the_cloud_client(name):
+    """google.cloud.tpu_v2 costs ~0.3 s of start-up: only commands that talk to the API may import it
+    (a node's workers come from tpurun's remembered endpoints; docs/benchmarks.md)."""
+    code = (
+        "import sys\nfrom tpurun.cli import load_commands\n"
+        f"load_commands([{name!r}])\nassert 'google.cloud.tpu_v2' not in sys.modules\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

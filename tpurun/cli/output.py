@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 
 from tpurun import ui
-from tpurun.cloud import provision
 from tpurun.errors import ExitCode
 from tpurun.job.plan import process_name
 from tpurun.transport.fanout import RunResult
@@ -97,6 +96,8 @@ def summarize(results: list[RunResult], interrupted: bool) -> int:
 @contextlib.contextmanager
 def progress_display() -> Iterator[Callable[[str], None]]:
     """A spinner with the latest state on a terminal; one stderr line per change otherwise."""
+    from tpurun.cloud import provision  # not at import: exec and train never load the Cloud TPU client
+
     if ui.is_plain() or not sys.stderr.isatty():
         yield provision.Progress(lambda text: ui.info(text))
         return
