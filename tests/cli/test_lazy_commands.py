@@ -65,6 +65,7 @@ def test_data_plane_commands_never_load_the_cloud_client(name):
     code = (
         "import sys\nfrom tpurun.cli import load_commands\n"
         f"load_commands([{name!r}])\nassert 'google.cloud.tpu_v2' not in sys.modules\n"
+        "assert sys.modules.get('invoke') is None  # paramiko without invoke (transport/_paramiko.py)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

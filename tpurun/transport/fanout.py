@@ -8,9 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import paramiko
-
 from tpurun.errors import UnreachableError
+from tpurun.transport._paramiko import paramiko
 from tpurun.transport.runner import DEFAULT_GRACE, LineSink, Runner, SshRunner
 
 

@@ -27,19 +27,8 @@ from typing import Any
 
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
+from tpurun.transport._paramiko import paramiko
 from tpurun.transport.streams import LocalPipe, LocalStream, Pipe, SshPipe, SshStream, Stream
-
-# paramiko imports `invoke` (and with it asyncio, unittest.mock and a YAML parser: ~35 ms of every
-# command's start) only to run `Match exec` lines of ssh_config files, which tpurun never reads. The
-# import is refused while paramiko loads (it then leaves that feature off) and allowed again after.
-_refuse_invoke = "invoke" not in sys.modules
-if _refuse_invoke:
-    sys.modules["invoke"] = None  # type: ignore[assignment]
-try:
-    import paramiko  # noqa: E402
-finally:
-    if _refuse_invoke:
-        del sys.modules["invoke"]
 
 LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line without newline)
 

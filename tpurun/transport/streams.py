@@ -12,9 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-import paramiko
-
 from tpurun.errors import UnreachableError, UsageError
+from tpurun.transport._paramiko import paramiko
 
 if TYPE_CHECKING:
     from tpurun.transport.runner import Runner, SshRunner, _Liveness
