@@ -323,10 +323,12 @@ class JobRun:
             recs = reader.records(0.1)
             if recs is None:
                 break
-            if not recs:
-                self.out.flush()  # idle: show what is buffered now, not when the next line comes
+            idle = True
             for rec in recs:
+                idle = False
                 done = self._record(w, rec) or done
+            if idle:
+                self.out.flush()  # idle: show what is buffered now, not when the next line comes
         rc = stream.wait()
         if not done:
             err = stream.stderr_text().strip()

@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,17 +69,20 @@ class RecordStream:
         self.stream = stream
         self.buf = b""
 
-    def records(self, timeout: float) -> list[dict] | None:
-        """The records that arrived within TIMEOUT ([] when none did), None once the stream has ended."""
+    def records(self, timeout: float) -> Iterator[dict] | None:
+        """The records that arrived within TIMEOUT, parsed one at a time as the caller takes them (a read
+        may hold tens of thousands); None once the stream has ended."""
         data = self.stream.read(timeout)
         if data is None:
             return None
         self.buf += data
         *lines, self.buf = self.buf.split(b"\n")
-        out = []
-        for raw in lines:
-            try:
-                out.append(json.loads(raw))
-            except ValueError:
-                continue  # not a record (an empty line)
-        return out
+        return _parse(lines)
+
+
+def _parse(lines: list[bytes]) -> Iterator[dict]:
+    for raw in lines:
+        try:
+            yield json.loads(raw)
+        except ValueError:
+            continue  # not a record (an empty line)
