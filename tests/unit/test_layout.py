@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 PACKAGE = ROOT / "tpurun"
 
-# what only the machine this was written on has: its checkout, its interpreters, notes beside the repository
-OUTSIDE = ["/work/", "/root/.pyenv", "../shared", "FACTS.md", "CONTRACT.md", "STYLE.md"]
+
+def outside_paths() -> list[str]:
+    """What only the machine running the test has, derived from where the checkout sits: its own absolute
+    path, whatever lies beside it (notes, tools, other checkouts), and the interpreter's installation."""
+    here = ROOT.resolve()
+    found = [str(here) + "/"]
+    for sibling in sorted(here.parent.iterdir()) if here.parent != here else []:
+        if sibling != here:
+            found += [f"../{sibling.name}/", f"{sibling}/"]
+    base = Path(sys.base_prefix).resolve()
+    if here not in base.parents:
+        found.append(str(base) + "/")
+    return [n for n in found if n.strip("./")]
 
 
 def tracked_files() -> list[Path]:
@@ -23,7 +35,7 @@ def tracked_files() -> list[Path]:
 
 
 def test_the_repository_names_no_path_outside_itself():
-    needles = [*OUTSIDE, str(ROOT.resolve()) + "/"]
+    needles = outside_paths()
     files = tracked_files()
     assert ROOT / "README.md" in files and ROOT / "tpurun" / "config.py" in files
     found = []
