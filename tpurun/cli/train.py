@@ -25,10 +25,7 @@ from tpurun.transport.fanout import each
 from tpurun.transport.streams import open_stream, run_capture
 from tpurun.worker import bundle_name
 
-RUNTIMES = ("auto", "pjrt", "xrt", "cpu")
-
-
-def _check_inputs(script: str, cores: int | None, core: int | None, runtime: str, precision: str) -> None:
+def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
     path = Path(script)
     if not path.is_file():
         raise UsageError(f"no such script: {script}")
@@ -46,10 +43,6 @@ def _check_inputs(script: str, cores: int | None, core: int | None, runtime: str
         raise UsageError(f"--core {core}: must be 0 or more")
     if cores is not None and core is not None:
         raise UsageError("choose one of --cores and --core")
-    if runtime not in RUNTIMES:
-        raise UsageError(f"--runtime {runtime}: use one of {', '.join(RUNTIMES)}")
-    if precision not in ("32", "bf16"):
-        raise UsageError(f"--precision {precision}: use 32 or bf16")
 
 
 @parsing(context_settings={"ignore_unknown_options": True})
@@ -62,7 +55,9 @@ def train_cmd(
         int | None, typer.Option(help="Processes per worker: 1, or all (default) per the runtime.")
     ] = None,
     core: Annotated[int | None, typer.Option(help="Run on one specific core index (like devices=[5]).")] = None,
-    runtime: Annotated[str, typer.Option(help="auto, pjrt, xrt or cpu.")] = "auto",
+    runtime: Annotated[
+        envc.Runtime, typer.Option(help="auto: pjrt on a TPU (xrt for torch_xla before 2.1), cpu where there is none.")
+    ] = envc.Runtime.auto,
     launch: Annotated[
         envc.Launch | None,
         typer.Option(
@@ -70,7 +65,7 @@ def train_cmd(
             "(default on TPUs). chip: one process per chip with torchrun's variables (default on cpu)."
         ),
     ] = None,
-    precision: Annotated[str, typer.Option(help="32 or bf16 (sets XLA_USE_BF16=1).")] = "32",
+    precision: Annotated[envc.Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")] = envc.Precision.fp32,
     env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")] = None,
     detach: Annotated[
         bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")
@@ -100,7 +95,7 @@ def train_cmd(
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
     streaming every chip process's lines."""
-    _check_inputs(script, cores, core, runtime, precision)
+    _check_inputs(script, cores, core)
     if max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
     spec = train.TrainSpec(
@@ -110,9 +105,9 @@ def train_cmd(
         args=list(args or []),
         cores=cores,
         core=core,
-        runtime=runtime,
+        runtime=runtime.value,
         launch=launch.value if launch else None,
-        precision=precision,
+        precision=precision.value,
         env=train.parse_env(env or []),
         detach=detach,
         max_restarts=max_restarts,

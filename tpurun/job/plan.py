@@ -21,7 +21,26 @@ from enum import Enum
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
 from tpurun.topology import Topology
 
-RUNTIMES = ("pjrt", "xrt", "cpu")
+class Runtime(str, Enum):
+    """The runtime a job asks for (--runtime): `auto` picks from what a worker has."""
+
+    auto = "auto"
+    pjrt = "pjrt"
+    xrt = "xrt"
+    cpu = "cpu"
+
+
+RUNTIMES = tuple(m.value for m in Runtime if m is not Runtime.auto)
+
+
+class Precision(str, Enum):
+    """--precision: bf16 sets XLA_USE_BF16=1."""
+
+    fp32 = "32"
+    bf16 = "bf16"
+
+
+PRECISIONS = tuple(m.value for m in Precision)
 
 
 class Launch(str, Enum):
@@ -286,8 +305,8 @@ def _check_job(
         raise UsageError(f"unknown runtime '{runtime}': use one of auto, {', '.join(RUNTIMES)}")
     if launch not in LAUNCHES:
         raise UsageError(f"--launch {launch}: use host or chip")
-    if precision not in ("32", "bf16"):
-        raise UsageError(f"--precision {precision}: use 32 or bf16")
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision}: use {' or '.join(PRECISIONS)}")
     if not num_workers:
         raise UsageError("no workers to run on")
     if runtime in ("pjrt", "xrt"):
