@@ -49,7 +49,12 @@ HOME = Tunable(
 )
 
 # the Cloud TPU API
-POLL_INTERVAL = Tunable("TPURUN_POLL_INTERVAL", "2.0", "seconds between two looks at an operation or a node")
+POLL_INTERVAL = Tunable(
+    "TPURUN_POLL_INTERVAL",
+    "2.0",
+    "seconds between two looks at a node; at most that between two looks at an operation (google-api-core "
+    "draws each wait at random below it)",
+)
 RETRY_DELAY = Tunable(
     "TPURUN_RETRY_DELAY", "1.0", "seconds before the first retry of a failed API call (then doubling)"
 )

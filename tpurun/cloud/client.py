@@ -7,6 +7,7 @@ shown; everything else becomes an `ApiError` with a message that says what to do
 
 from __future__ import annotations
 
+import concurrent.futures
 import difflib
 import ipaddress
 import logging
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 
 from google.api_core import exceptions as gexc
 from google.api_core import retry as gretry
+from google.api_core.future import polling as gpolling
 from google.cloud import tpu_v2
 
 from tpurun import config
@@ -123,6 +125,14 @@ class Cloud:
     def call(self, what: str, fn: Callable[[], T], *, node: str | None = None) -> T:
         """FN with transient errors retried (each retry logged as a warning), other API errors mapped to
         clear messages."""
+        try:
+            return self._retry(what)(lambda: _unwrap_retry_error(what, fn))()
+        except gexc.GoogleAPICallError as exc:
+            raise self._explain(what, exc, node) from None
+
+    def _retry(self, what: str) -> gretry.Retry:
+        """google-api-core's Retry for transient failures of WHAT: each retry logged as a warning, an
+        `ApiError` after the last attempt."""
         failures = 0
 
         def on_error(exc: Exception) -> None:
@@ -136,7 +146,7 @@ class Cloud:
                 why = f"cannot reach {self.endpoint}"
             log.warning("%s: %s; retrying (%d/%d)", what, why, failures, self.retry.attempts - 1)
 
-        retrying = gretry.Retry(
+        return gretry.Retry(
             predicate=_transient,
             initial=self.retry.first_delay,
             maximum=self.retry.max_delay,
@@ -144,10 +154,6 @@ class Cloud:
             timeout=None,
             on_error=on_error,
         )
-        try:
-            return retrying(lambda: _unwrap_retry_error(what, fn))()
-        except gexc.GoogleAPICallError as exc:
-            raise self._explain(what, exc, node) from None
 
     def _gave_up(self, what: str, exc: Exception, attempts: int) -> ApiError:
         if isinstance(exc, gexc.GoogleAPICallError):
@@ -282,21 +288,24 @@ class Cloud:
     # ------------------------------------------------------------------ operations
 
     def wait(self, what: str, op: Any, *, timeout: float = 1800, on_poll: Callable[[], None] | None = None) -> Any:
-        """Wait for a long-running operation, polling through `call` so transient errors are retried."""
-        deadline = time.monotonic() + timeout
+        """The result of a long-running operation. google-api-core's operation polling does the waiting,
+        every TPURUN_POLL_INTERVAL seconds (ON_POLL after each look that finds it running); each look is
+        retried like `call` on a transient failure."""
         interval = config.POLL_INTERVAL.number()
-        while True:
-            done = self.call(what, op.done)
-            if done:
-                try:
-                    return op.result(timeout=0)
-                except gexc.GoogleAPICallError as exc:
-                    raise self._explain(what, exc, None) from None
-            if on_poll:
-                on_poll()
-            if time.monotonic() > deadline:
-                raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`")
-            time.sleep(interval)
+        polling = gretry.Retry(
+            predicate=gpolling.POLLING_PREDICATE,
+            initial=interval,
+            maximum=interval,
+            multiplier=1.0,
+            timeout=timeout,
+            on_error=(lambda _exc: on_poll()) if on_poll else None,
+        )
+        try:
+            return op.result(retry=self._retry(what), polling=polling)
+        except concurrent.futures.TimeoutError:
+            raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`") from None
+        except gexc.GoogleAPICallError as exc:
+            raise self._explain(what, exc, None) from None
 
     def iter_poll(self, interval: float | None = None) -> Iterator[None]:
         interval = interval if interval is not None else config.POLL_INTERVAL.number()
