@@ -31,6 +31,10 @@ PROJECT = "bench"
 ZONE = "us-central2-b"
 # accelerator type with that many workers (v4: 4 chips per host, 2 cores per chip)
 TIME = Path("/usr/bin/time").exists()  # GNU time (Debian package `time`)
+# The workers' Python for train benchmarks: the system's, the same on every emulator version (an emulated
+# worker's plain `python3` is the runtime image's, i.e. whatever Python runs the emulator: a pyenv build
+# here runs the agent's record encoding ~25 % slower than Debian's, which moved the numbers on its own).
+WORKER_PYTHON = "/usr/bin/python3"
 V4_FOR_WORKERS = {8: "v4-64", 16: "v4-128", 32: "v4-256", 64: "v4-512", 128: "v4-1024"}
 
 

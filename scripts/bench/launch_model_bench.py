@@ -88,7 +88,7 @@ class LaunchBench:
         cores = ["--cores", "4"] if launch == "chip" else []
         return [
             *common.tpurun_bin(), "train", script, *extra, "--tpu", node.name, "--runtime", "cpu",
-            "--launch", launch, *cores, "--python", "python3", "--grace", "2",
+            "--launch", launch, *cores, "--python", common.WORKER_PYTHON, "--grace", "2",
         ]  # fmt: skip
 
     def start_once(self, node: common.Node, launch: str) -> float | None:

@@ -105,7 +105,7 @@ class Run:
     def train_argv(self, node: common.Node, script: str, *extra: str, cores: int = 1) -> list[str]:
         return [
             *common.tpurun_bin(), "--plain", "train", script, *extra, "--tpu", node.name,
-            "--runtime", "cpu", "--cores", str(cores), "--python", "python3", "--grace", "2",
+            "--runtime", "cpu", "--cores", str(cores), "--python", common.WORKER_PYTHON, "--grace", "2",
         ]  # fmt: skip
 
     def worker_pids(self, node: common.Node, needle: str) -> list[int]:
@@ -517,7 +517,7 @@ def tables(res: dict[str, Any]) -> str:
         L += [
             "### `tpurun train`: invocation to every core started",
             "",
-            "`tpurun --plain train start.py --runtime cpu --cores 1 --python python3` (one core per worker; the "
+            f"`tpurun --plain train start.py --runtime cpu --cores 1 --python {common.WORKER_PYTHON}` (one core per worker; the "
             "script's first statement prints `time.time()`; includes the code sync, agent upload and start).",
             "",
             "| workers | all cores started, median (ms) | min-max (ms) | tpurun exit, median (ms) | client CPU (ms) | client peak RSS (MiB) |",
@@ -575,7 +575,7 @@ def tables(res: dict[str, Any]) -> str:
         L += [
             "### Logs: lines delivered from every core",
             "",
-            f"`tpurun --plain train lines.py {b['lines_per_core']} --runtime cpu --cores {b['cores']} --python python3` "
+            f"`tpurun --plain train lines.py {b['lines_per_core']} --runtime cpu --cores {b['cores']} --python {common.WORKER_PYTHON}` "
             f"on {b['workers']} workers × {b['cores']} cores, stdout to a file, every line checked by content.",
             "",
             "| run | lines delivered / expected | wall (s) | lines/s | lost | duplicated | mangled | in order per core | client CPU (s) | peak RSS (MiB) |",

@@ -1,4 +1,4 @@
-"""Commands of the data plane: exec and ssh (sync lives in cli_sync)."""
+"""Commands that reach the workers: exec and ssh (the third, sync, has its own module: cli/sync.py)."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from tpurun.transport.fanout import each
 from tpurun.transport.streams import open_stream, run_capture
 from tpurun.worker import bundle_name
 
+
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
     path = Path(script)
     if not path.is_file():

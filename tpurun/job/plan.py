@@ -21,6 +21,7 @@ from enum import Enum
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
 from tpurun.topology import Topology
 
+
 class Runtime(str, Enum):
     """The runtime a job asks for (--runtime): `auto` picks from what a worker has."""
 
