@@ -70,6 +70,11 @@ def main() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "12355")
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    # Every process's rank + 1, summed across all of them: a process not joined to the others sees its own.
+    check = torch.tensor([rank + 1.0])
+    if world > 1:
+        dist.all_reduce(check)
+    print(f"{tag} all-reduce check: {check.item():.1f} (expected {world * (world + 1) / 2:.1f})", flush=True)
 
     # Same split and same initial weights on every process (fixed seeds), then each trains on its shard.
     digits = load_digits()

@@ -168,6 +168,11 @@ GENERATIONS: dict[str, Generation] = {
 }
 
 
+# The port the multislice runtime's coordinator listens on (MEGASCALE_PORT), as launchers of several
+# slices set it (see docs/multislice.md).
+MEGASCALE_PORT = 8081
+
+
 @dataclass(frozen=True)
 class Topology:
     """What one accelerator type is, seen from a launcher."""
@@ -191,6 +196,11 @@ class Topology:
     @property
     def multi_host(self) -> bool:
         return self.hosts > 1
+
+    @property
+    def multislice(self) -> bool:
+        """Whether Cloud TPU joins several slices of this type over the data-center network: v4 and newer."""
+        return self.generation not in ("v2", "v3")
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)

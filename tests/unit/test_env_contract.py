@@ -360,7 +360,60 @@ def test_cpu_runtime_one_device_per_process() -> None:
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": "1",
         "TORCHELASTIC_RUN_ID": "job-1",
+        # no TPU to detect: what jax.distributed.initialize() needs, given
+        "JAX_COORDINATOR_ADDRESS": "127.0.0.1:8482",
+        "JAX_NUM_PROCESSES": "4",
+        "JAX_PROCESS_ID": "2",
     }
+
+
+def _multislice_plan(runtime: str, launch: str) -> list[list]:
+    from tpurun.job.plan import plan_job
+
+    return plan_job(
+        job_id="job-1",
+        topology=parse_accelerator_type("v4-16"),
+        runtime=runtime,
+        launch=launch,
+        worker_addresses=["10.0.0.1", "10.0.0.2", "10.0.1.1", "10.0.1.2"],
+        slice_size=2,
+        cores=None if runtime == "pjrt" else 1,
+        core=None,
+        script="train.py",
+        args=[],
+    )
+
+
+def test_multislice_each_slice_its_own_tpu_variables_every_process_the_megascale_ones() -> None:
+    p = _multislice_plan("pjrt", "chip")
+    s1w0 = p[2][1].env  # slice 1, its worker 0, chip 1
+    assert s1w0["TPU_WORKER_ID"] == "0" and s1w0["TPU_WORKER_HOSTNAMES"] == "10.0.1.1,10.0.1.2"
+    assert s1w0["CLOUD_TPU_TASK_ID"] == "1"  # within the slice: worker 0 × 4 chips + chip 1
+    assert s1w0["TPU_PROCESS_ADDRESSES"].startswith("10.0.1.1:8476,")
+    assert (s1w0["TPURUN_WORKER_ID"], s1w0["RANK"], s1w0["WORLD_SIZE"]) == ("2", "9", "16")
+    for per_worker in p:
+        for c in per_worker:
+            slice_id = str(c.worker // 2)
+            assert c.env["MEGASCALE_COORDINATOR_ADDRESS"] == "10.0.0.1:8081"
+            assert (c.env["MEGASCALE_NUM_SLICES"], c.env["MEGASCALE_SLICE_ID"]) == ("2", slice_id)
+            assert (c.env["TPURUN_NUM_SLICES"], c.env["TPURUN_SLICE_ID"]) == ("2", slice_id)
+            assert c.env["MASTER_ADDR"] == "10.0.0.1"
+    # a host launch sets nothing that would override what the VM says (its own tpu-env): only MEGASCALE
+    host = _multislice_plan("pjrt", "host")[3][0].env
+    assert "TPU_WORKER_ID" not in host and host["MEGASCALE_SLICE_ID"] == "1"
+    assert not any(k.startswith("JAX_") for k in host)
+
+
+def test_multislice_cpu_jax_process_ids_are_slice_major() -> None:
+    p = _multislice_plan("cpu", "chip")
+    assert [c.env["JAX_PROCESS_ID"] for w in p for c in w] == ["0", "1", "2", "3"]
+    assert {c.env["JAX_NUM_PROCESSES"] for w in p for c in w} == {"4"}
+    assert {c.env["JAX_COORDINATOR_ADDRESS"] for w in p for c in w} == {"10.0.0.1:8482"}
+
+
+def test_multislice_xrt_refused() -> None:
+    with pytest.raises(UsageError, match="XRT predates multislice"):
+        _multislice_plan("xrt", "host")
 
 
 def test_cpu_runtime_on_two_workers() -> None:

@@ -29,9 +29,10 @@ def _workers_table(view: provision.NodeView) -> None:
         status = r.status if r else "-"
         if r and r.duration is not None:
             status += f" ({r.duration:.0f} s)"
-        rows.append((w.index, w.internal_ip, w.external_ip or "-", status))
+        rows.append((w.name, w.internal_ip, w.external_ip or "-", status))
+    shape = f"{len(view.slices)} x {view.accelerator_type}" if view.slices else view.accelerator_type
     ui.table(
-        f"{view.name} ({view.accelerator_type}, {view.state})",
+        f"{view.name} ({shape}, {view.state})",
         ["worker", "internal ip", "external ip", "startup"],
         rows,
     )
@@ -44,6 +45,13 @@ def create_cmd(
     spot: Annotated[bool, typer.Option("--spot", help="Spot VM (cheaper, can be preempted).")] = False,
     preemptible: Annotated[bool, typer.Option("--preemptible", help="Preemptible VM.")] = False,
     queued: Annotated[bool, typer.Option("--queued", help="Wait in line through a queued resource.")] = False,
+    slices: Annotated[
+        int,
+        typer.Option(
+            help="Several slices joined over the data-center network (multislice, v4 and newer): one queued "
+            "resource NAME makes NAME-0 … NAME-(N-1); NAME then stands for all of them."
+        ),
+    ] = 1,
     valid_until: Annotated[
         str | None, typer.Option("--valid-until", help="With --queued: give up after e.g. 6h.")
     ] = None,
@@ -77,6 +85,7 @@ def create_cmd(
         spot=spot,
         preemptible=preemptible,
         queued=queued,
+        slices=slices,
         valid_until=valid_until,
         startup_script=startup_script,
         setup=setup or [],
@@ -136,7 +145,7 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
         return
     ui.table(
         None,
-        ["name", "accelerator", "state", "health", "workers", "spot/preemptible", "age"],
+        ["name", "accelerator", "state", "health", "workers", "spot/preemptible", "slice of", "age"],
         [
             (
                 v.name,
@@ -145,6 +154,7 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
                 v.health,
                 len(v.workers),
                 "spot" if v.spot else "preemptible" if v.preemptible else "-",
+                f"{v.slice_of[0]} (s{v.slice_of[1]})" if v.slice_of else "-",
                 v.age(),
             )
             for v in views
@@ -166,7 +176,9 @@ def describe_cmd(
         ui.print_json(view.to_dict(full=True))
         return
     d = view.to_dict(full=True)
-    rows = [(k, v) for k, v in d.items() if k not in ("workerEndpoints", "metadata", "labels")]
+    rows = [(k, v) for k, v in d.items() if k not in ("workerEndpoints", "metadata", "labels", "slices")]
+    if view.slices:
+        rows.append(("slices", ", ".join(f"s{i}: {v.name} ({v.state})" for i, v in enumerate(view.slices))))
     rows.append(("labels", ", ".join(f"{k}={v}" for k, v in view.labels.items()) or "-"))
     for k, v in d["metadata"].items():
         rows.append((f"metadata {k}", v))

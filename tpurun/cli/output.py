@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from tpurun import ui
 from tpurun.errors import ExitCode
@@ -21,10 +21,12 @@ _ANSI = {"cyan": 36, "magenta": 35, "green": 32, "yellow": 33, "blue": 34, "red"
 
 
 class LineWriter:
-    """Whole prefixed lines to stdout/stderr, one writer at a time: lines are never split or merged."""
+    """Whole prefixed lines to stdout/stderr, one writer at a time: lines are never split or merged.
+    NAMES: how each worker index is shown (w3, or s1/w1 in a multislice TPU)."""
 
-    def __init__(self, colour: bool) -> None:
+    def __init__(self, colour: bool, names: Mapping[int, str] | None = None) -> None:
         self.colour = colour
+        self.names = names or {}
         self.lock = threading.Lock()
 
     def prefix(self, tag: str, index: int) -> str:
@@ -34,7 +36,7 @@ class LineWriter:
         return f"\x1b[{code}m[{tag}]\x1b[0m "
 
     def __call__(self, worker: int, stream: str, line: str) -> None:
-        self.write(f"w{worker}", worker, stream, line)
+        self.write(self.names.get(worker, f"w{worker}"), worker, stream, line)
 
     def write(self, tag: str, index: int, stream: str, line: str) -> None:
         target = sys.stdout if stream == "out" else sys.stderr
@@ -66,8 +68,9 @@ def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
             signal.signal(sig, h)
 
 
-def summarize(results: list[RunResult], interrupted: bool) -> int:
+def summarize(results: list[RunResult], interrupted: bool, names: Mapping[int, str] | None = None) -> int:
     """Print the per-worker summary on stderr and return the exit code (README: 0, 1, 4, 130)."""
+    names = names or {}
     unreachable = [r for r in results if r.exit_code is None]
     failed = [r for r in results if r.exit_code not in (0, None)]
     if len(results) > 1 or failed or unreachable:
@@ -79,7 +82,7 @@ def summarize(results: list[RunResult], interrupted: bool) -> int:
                 status = f"stopped (exit {r.exit_code})"
             else:
                 status = f"exit {r.exit_code}"
-            rows.append((f"w{r.worker}", status, f"{r.duration:.1f} s"))
+            rows.append((names.get(r.worker, f"w{r.worker}"), status, f"{r.duration:.1f} s"))
         with contextlib.redirect_stdout(sys.stderr):
             ui.table(None, ["worker", "result", "time"], rows)
     if interrupted:
@@ -88,7 +91,8 @@ def summarize(results: list[RunResult], interrupted: bool) -> int:
         return ExitCode.UNREACHABLE
     if failed:
         first = min(failed, key=lambda r: r.duration)
-        ui.err().print(f"error: the command failed on w{first.worker} with exit code {first.exit_code}", markup=False)
+        where = names.get(first.worker, f"w{first.worker}")
+        ui.err().print(f"error: the command failed on {where} with exit code {first.exit_code}", markup=False)
         return ExitCode.PROGRAM_FAILED
     return ExitCode.OK
 
@@ -121,6 +125,7 @@ class Renderer:
         self.colour = colour
         self.quiet = quiet
         self.chatter = chatter
+        self.names: Mapping[int, str] = {}  # worker index -> name, when not wN (a multislice TPU: sS/wN)
         self.lock = threading.Lock()
         self.buffer: list[str] = []
         self.last_flush = time.monotonic()
@@ -128,7 +133,7 @@ class Renderer:
     def line(self, worker: int, core: int, text: str) -> None:
         if self.quiet or (not self.chatter and CHATTER.fullmatch(text)):
             return
-        prefix = f"[{process_name(worker, core)}]"
+        prefix = f"[{process_name(worker, core, self.names.get(worker))}]"
         if self.colour:
             prefix = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{prefix}\x1b[0m"
         with self.lock:

@@ -17,7 +17,7 @@ from tpurun.cloud import keys
 from tpurun.errors import TpurunError, UsageError
 from tpurun.transport import targets
 from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import DEFAULT_GRACE
+from tpurun.transport.runner import DEFAULT_GRACE, worker_names
 
 
 @parsing(context_settings={"allow_interspersed_args": False})
@@ -33,7 +33,8 @@ def exec_cmd(
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
     target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
-    writer = LineWriter(colour=not ui.is_plain())
+    names = worker_names(target.all_workers)
+    writer = LineWriter(colour=not ui.is_plain(), names=names)
     stop = threading.Event()
     try:
         with stop_on_signals(stop) as seen:
@@ -44,7 +45,7 @@ def exec_cmd(
             results = fan_out(reachable, command, writer, stop=stop, fail_fast=fail_fast, grace=grace)
             results += [RunResult(i, None, error=e) for i, e in errors.items()]
             results.sort(key=lambda r: r.worker)
-            code = summarize(results, seen["interrupted"])
+            code = summarize(results, seen["interrupted"], names)
     finally:
         target.close()
     raise typer.Exit(code)

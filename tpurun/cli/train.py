@@ -22,6 +22,7 @@ from tpurun.job import plan as envc
 from tpurun.job import records
 from tpurun.transport import targets
 from tpurun.transport.fanout import each
+from tpurun.transport.runner import worker_names
 from tpurun.transport.streams import open_stream, run_capture
 from tpurun.worker import bundle_name
 
@@ -156,6 +157,9 @@ class TerminalOutput:
         self.lines = Renderer(colour=colour, quiet=quiet, chatter=chatter)
         self.worker_line = LineWriter(colour=colour)
 
+    def name_workers(self, names: dict[int, str]) -> None:
+        self.lines.names = self.worker_line.names = names
+
     def info(self, text: str) -> None:
         ui.info(text)
 
@@ -194,8 +198,7 @@ def _print_dry_run(job: train.Job, json_out: bool) -> None:
     if setup:
         print(f"setup (key {setup.key}, skipped where it ran before): {setup.describe()}")
     for row in rows:
-        name = envc.process_name(row["worker"], envc.HOST if row["core"] is None else row["core"])
-        print(f"[{name}] {row['address']}: {shlex.join(row['command'])}")
+        print(f"[{row['name']}] {row['address']}: {shlex.join(row['command'])}")
         for k, v in sorted(row["env"].items()):
             print(f"    {k}={v}")
 
@@ -236,7 +239,7 @@ def _render(result: train.JobResult, json_out: bool) -> int:
         return ExitCode.INTERRUPTED
     assert run is not None
     if state is train.JobState.BUSY:
-        workers = ",".join(f"w{w}" for w in sorted(run.busy))
+        workers = ",".join(job.target.all_workers[w].name for w in sorted(run.busy))
         _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
         return ExitCode.USAGE
     if state is train.JobState.DETACHED:
@@ -278,7 +281,8 @@ def _render(result: train.JobResult, json_out: bool) -> int:
         f = run.first_failure
         tail = "\n".join("    " + line for line in list(f.last_lines))
         _error(
-            f"error: {envc.process_name(f.worker, f.core)} ({job.target.all_workers[f.worker].address}) failed first "
+            f"error: {envc.process_name(f.worker, f.core, job.target.all_workers[f.worker].name)} "
+            f"({job.target.all_workers[f.worker].address}) failed first "
             f"({f.ending}); its last lines:\n{tail}"
         )
         hint = train.hint_for(list(f.last_lines), python=run.python, local=job.target.local)
@@ -297,7 +301,8 @@ def _summary(run: train.JobRun) -> None:
     for (w, c), o in sorted(run.outcomes.items()):
         code = "-" if o.exit_code is None else str(o.exit_code)
         last = (o.last_lines[-1] if o.last_lines else "")[:60]
-        rows.append((envc.process_name(w, c), o.status, code, f"{o.ended:.1f} s" if o.ended else "-", last))
+        name = envc.process_name(w, c, run.target.all_workers[w].name)
+        rows.append((name, o.status, code, f"{o.ended:.1f} s" if o.ended else "-", last))
     with contextlib.redirect_stdout(sys.stderr):
         ui.table(f"job {run.job_id}", ["core", "status", "exit", "time", "last line"], rows)
 
@@ -367,6 +372,7 @@ def logs_cmd(
     record = records.JobRecord.load(s.home_path, job)
     target = _record_target(record)
     renderer = Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
+    renderer.names = worker_names(target.all_workers)
     viewer = _Viewer(record, target, renderer, follow)
     try:
         train.connect(target)
@@ -380,7 +386,7 @@ def logs_cmd(
     if viewer.stop.is_set():
         raise typer.Exit(ExitCode.INTERRUPTED)
     for w, e in sorted(viewer.errors.items()):
-        ui.err().print(f"error: w{w}: {e}", markup=False)
+        ui.err().print(f"error: {renderer.names.get(w, f'w{w}')}: {e}", markup=False)
     if viewer.errors:
         missing = any("not" in e for e in viewer.errors.values())
         raise typer.Exit(ExitCode.USAGE if missing else ExitCode.UNREACHABLE)
@@ -432,7 +438,9 @@ class _Viewer:
             for rec in recs:
                 self._take(w, rec)
         if stream.wait() == 2:
-            self.errors[w] = stream.stderr_text().strip() or f"job {self.record.job_id} is not on w{w}"
+            self.errors[w] = stream.stderr_text().strip() or (
+                f"job {self.record.job_id} is not on {self.target.all_workers[w].name}"
+            )
             return False
         return self.follow
 

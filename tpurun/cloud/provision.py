@@ -18,7 +18,7 @@ from typing import Any
 from google.cloud import tpu_v2
 
 from tpurun import config, settings, ui
-from tpurun.cloud import keys, startup
+from tpurun.cloud import keys, multislice, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import NAME_RE, validate_name  # noqa: F401  (re-exported)
@@ -58,6 +58,7 @@ class CreateSpec:
     spot: bool = False
     preemptible: bool = False
     queued: bool = False
+    slices: int = 1  # several: one multislice queued resource (tpurun.cloud.multislice)
     valid_until: str | None = None
     startup_script: Path | None = None
     setup: list[str] = field(default_factory=list)
@@ -77,6 +78,11 @@ class WorkerView:
     internal_ip: str
     external_ip: str
     report: startup.StartupReport | None = None
+    slice: int | None = None  # its slice, in a multislice TPU
+
+    @property
+    def name(self) -> str:
+        return f"s{self.slice}/w{self.index}" if self.slice is not None else f"w{self.index}"
 
 
 @dataclass
@@ -95,6 +101,8 @@ class NodeView:
     labels: dict[str, str]
     metadata: dict[str, str]
     queued_resource: str
+    slices: list[NodeView] = field(default_factory=list)  # a multislice TPU: one view per slice
+    slice_of: tuple[str, int] | None = None  # a slice's node: (its multislice TPU, its slice index)
 
     def age(self) -> str:
         if not self.created:
@@ -113,6 +121,10 @@ class NodeView:
             "age": self.age(),
             "createTime": self.created.isoformat() if self.created else None,
         }
+        if self.slice_of:
+            d["multislice"] = {"tpu": self.slice_of[0], "slice": self.slice_of[1]}
+        if self.slices:
+            d["slices"] = [v.to_dict(full=full) for v in self.slices]
         if full:
             d["runtimeVersion"] = self.runtime_version
             d["labels"] = self.labels
@@ -120,6 +132,7 @@ class NodeView:
             d["metadata"] = {k: shorten_metadata(k, v) for k, v in self.metadata.items()}
             d["workerEndpoints"] = [
                 {
+                    "name": w.name,
                     "index": w.index,
                     "internalIp": w.internal_ip,
                     "externalIp": w.external_ip,
@@ -146,10 +159,12 @@ def shorten_metadata(key: str, value: str) -> str:
 
 
 def node_view(node: tpu_v2.Node, reports: list[startup.StartupReport] | None = None) -> NodeView:
+    where = multislice.slice_of(node)
     workers = []
     for i, ep in enumerate(node.network_endpoints):
         ext = ep.access_config.external_ip if ep.access_config else ""
-        workers.append(WorkerView(i, ep.ip_address, ext, reports[i] if reports and i < len(reports) else None))
+        report = reports[i] if reports and i < len(reports) else None
+        workers.append(WorkerView(i, ep.ip_address, ext, report, slice=where[1] if where else None))
     created = None
     if node.create_time:
         created = node.create_time if node.create_time.tzinfo else node.create_time.replace(tzinfo=dt.timezone.utc)
@@ -166,7 +181,32 @@ def node_view(node: tpu_v2.Node, reports: list[startup.StartupReport] | None = N
         labels=dict(node.labels),
         metadata=dict(node.metadata),
         queued_resource=node.queued_resource,
+        slice_of=where,
     )
+
+
+def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]) -> NodeView:
+    """The view of a multislice TPU: the queued resource's state, every slice's workers in slice order."""
+    first = slices[0]
+    return NodeView(
+        name=name,
+        accelerator_type=first.accelerator_type,
+        state=qr_state(qr),
+        health=first.health if all(v.health == first.health for v in slices) else "mixed",
+        runtime_version=first.runtime_version,
+        workers=[w for v in slices for w in v.workers],
+        spot=first.spot,
+        preemptible=first.preemptible,
+        created=first.created,
+        labels=first.labels,
+        metadata=first.metadata,
+        queued_resource=qr.name,
+        slices=slices,
+    )
+
+
+def qr_state(qr: tpu_v2.QueuedResource) -> str:
+    return tpu_v2.QueuedResourceState.State(qr.state.state).name
 
 
 # ---------------------------------------------------------------------------- progress
@@ -192,7 +232,6 @@ class Progress:
 class CreateResult:
     view: NodeView
     reports: list[startup.StartupReport]
-    set_default: bool = False
 
 
 def prepare_create(spec: CreateSpec) -> tuple[Topology, dict[str, str], dict[str, str], int | None]:
@@ -201,8 +240,9 @@ def prepare_create(spec: CreateSpec) -> tuple[Topology, dict[str, str], dict[str
     topo = parse_accelerator_type(spec.accelerator_type)
     if spec.spot and spec.preemptible:
         raise UsageError("choose one of --spot and --preemptible")
-    if spec.valid_until and not spec.queued:
-        raise UsageError("--valid-until only applies with --queued")
+    multislice.check_request(spec.name, topo, spec.slices)
+    if spec.valid_until and not (spec.queued or spec.slices > 1):
+        raise UsageError("--valid-until only applies with --queued (or --slices)")
     valid_until = parse_duration(spec.valid_until) if spec.valid_until else None
     user_script = None
     if spec.startup_script is not None:
@@ -246,6 +286,8 @@ def create(
         ),
         scheduling_config=tpu_v2.SchedulingConfig(spot=spec.spot, preemptible=spec.preemptible),
     )
+    if spec.slices > 1:
+        return _create_slices(cloud, s, spec, node, valid_until, progress)
     if spec.queued:
         _create_queued(cloud, spec, node, valid_until, progress)
     else:
@@ -266,6 +308,41 @@ def _create_queued(
             node_spec=[tpu_v2.QueuedResource.Tpu.NodeSpec(parent=cloud.parent, node_id=spec.name, node=node)]
         ),
     )
+    _queue(cloud, spec, qr, valid_until, progress)
+
+
+def _create_slices(
+    cloud: Cloud,
+    s: settings.Settings,
+    spec: CreateSpec,
+    node: tpu_v2.Node,
+    valid_until: int | None,
+    progress: Callable[[str], None],
+) -> CreateResult | NodeView:
+    """One multislice queued resource; once ACTIVE, every slice's startup scripts and host keys."""
+    multislice.refuse_taken(cloud, spec.name, spec.slices)
+    _queue(cloud, spec, multislice.queued_resource(cloud, spec.name, spec.slices, node), valid_until, progress)
+    found = multislice.slice_nodes(cloud, spec.name)
+    assert found is not None
+    qr, nodes = found
+    if not spec.wait:
+        return multislice_view(spec.name, qr, [node_view(n) for n in nodes if n is not None])
+    results = [
+        until_started(cloud, s.home_path, node_id, progress, timeout=spec.timeout)
+        for node_id in multislice.slice_ids(spec.name, spec.slices)
+    ]
+    view = multislice_view(spec.name, cloud.get_queued_resource(spec.name), [r.view for r in results])
+    return CreateResult(view, [rep for r in results for rep in r.reports])
+
+
+def _queue(
+    cloud: Cloud,
+    spec: CreateSpec,
+    qr: tpu_v2.QueuedResource,
+    valid_until: int | None,
+    progress: Callable[[str], None],
+) -> None:
+    """Ask for QR and, unless --no-wait, wait until it is ACTIVE (its nodes made)."""
     if spec.spot:
         qr.spot = tpu_v2.QueuedResource.Spot()
     if valid_until:
@@ -277,7 +354,7 @@ def _create_queued(
         return
     for _ in cloud.iter_poll():
         got = cloud.get_queued_resource(spec.name)
-        state = tpu_v2.QueuedResourceState.State(got.state.state).name
+        state = qr_state(got)
         progress(f"{spec.name}: queued resource {state}")
         if state == "ACTIVE":
             return
@@ -386,12 +463,31 @@ def pin_from_guest_attributes(cloud: Cloud, home: Path, name: str, node: tpu_v2.
 
 
 def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> NodeView:
+    """Pin the host keys of NAME's workers (every slice's, for a multislice TPU), add tpurun's key to its
+    nodes' ssh-keys, and make NAME this directory's default TPU."""
     validate_name(name)
-    node = cloud.get_node(name)
+    node = cloud.find_node(name)
+    found = multislice.slice_nodes(cloud, name) if node is None else None
+    if found is None:
+        nodes = [node or cloud.get_node(name)]  # get_node: NotFound, with similar names
+    else:
+        missing = [i for i, n in enumerate(found[1]) if n is None]
+        if missing:
+            raise UsageError(f"{name}: slice(s) {', '.join(map(str, missing))} do not exist ({qr_state(found[0])})")
+        nodes = [n for n in found[1] if n is not None]
+    for n in nodes:
+        _attach_node(cloud, s.home_path, n, progress)
+    settings.write_project_setting("tpu", name)
+    if found is None:
+        return node_view(cloud.get_node(name))
+    return multislice_view(name, found[0], [node_view(cloud.get_node(n.name)) for n in nodes])
+
+
+def _attach_node(cloud: Cloud, home: Path, node: tpu_v2.Node, progress: Callable[[str], None]) -> None:
+    name = node.name.rsplit("/", 1)[-1]
     state = STATE(node.state).name
     if state != "READY":
         raise UsageError(f"{name} is {state}; only a READY node can be attached", hint=f"`tpurun start {name}`?")
-    home = s.home_path
     pin_from_guest_attributes(cloud, home, name, node)
     _, public = keys.ensure_key(home)
     entry = keys.ssh_keys_entry(keys.ssh_user(), public)
@@ -402,8 +498,6 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
         progress(f"{name}: adding tpurun's ssh key to the node's ssh-keys")
         op = cloud.update_metadata(name, metadata)
         cloud.wait(f"update {name}", op, timeout=300)
-    settings.write_project_setting("tpu", name)
-    return node_view(cloud.get_node(name))
 
 
 # ---------------------------------------------------------------------------- list / describe / delete
@@ -415,42 +509,65 @@ def list_nodes(cloud: Cloud) -> list[NodeView]:
 
 def describe(cloud: Cloud, name: str) -> NodeView:
     validate_name(name)
-    node = cloud.get_node(name)
-    reports = None
-    if STATE(node.state).name == "READY":
-        try:
-            attrs = cloud.guest_attributes(name, startup.NAMESPACE + "/")
-            reports = [startup.parse_report(a) for a in attrs]
-        except TpurunError:
-            reports = None
-    return node_view(node, reports)
+    node = cloud.find_node(name)
+    found = multislice.slice_nodes(cloud, name) if node is None else None
+    if found is None:
+        node = node or cloud.get_node(name)  # NotFound, with similar names
+        return node_view(node, _startup_reports(cloud, node))
+    qr, nodes = found
+    views = [node_view(n, _startup_reports(cloud, n)) for n in nodes if n is not None]
+    if not views:
+        raise ApiError(f"{name}: the queued resource is {qr_state(qr)} and none of its slices exists yet")
+    return multislice_view(name, qr, views)
+
+
+def _startup_reports(cloud: Cloud, node: tpu_v2.Node) -> list[startup.StartupReport] | None:
+    if STATE(node.state).name != "READY":
+        return None
+    try:
+        attrs = cloud.guest_attributes(node.name.rsplit("/", 1)[-1], startup.NAMESPACE + "/")
+        return [startup.parse_report(a) for a in attrs]
+    except TpurunError:
+        return None
 
 
 def delete(cloud: Cloud, name: str, progress: Callable[[str], None]) -> str | None:
-    """Delete NAME (and the queued resource it came from). Returns the queued resource deleted, if any."""
+    """Delete NAME (and the queued resource it came from; for a multislice TPU, the queued resource and
+    every slice). Returns the queued resource deleted, if any."""
     validate_name(name)
     node = cloud.find_node(name)
     qr_name = node.queued_resource if node is not None else ""
+    where = multislice.slice_of(node) if node is not None else None
+    if where is not None:
+        raise UsageError(
+            f"{name} is slice {where[1]} of the multislice TPU {where[0]}; its slices are deleted together",
+            hint=f"`tpurun delete {where[0]}`",
+        )
     if node is None:
-        # maybe only a queued resource of that name is waiting
-        try:
-            cloud.get_queued_resource(name)
-            qr_name = name
-        except ApiError:
+        # maybe only a queued resource of that name: waiting, or a multislice request
+        if multislice.find_queued_resource(cloud, name) is None:
             cloud.get_node(name)  # raises NotFound with similar names
+        qr_name = name
     if node is not None:
         op = cloud.delete_node(name)
         cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
     if qr_name:
-        progress(f"{name}: deleting queued resource {qr_name.rsplit('/', 1)[-1]}")
+        short = qr_name.rsplit("/", 1)[-1]
+        progress(f"{name}: deleting queued resource {short}" + (" and its slices" if node is None else ""))
         op = cloud.delete_queued_resource(qr_name)
-        cloud.wait(f"delete queued resource {qr_name}", op, timeout=600)
+        cloud.wait(f"delete queued resource {qr_name}", op, timeout=1800)
     return qr_name or None
 
 
 def _single_host(cloud: Cloud, name: str, verb: str) -> tpu_v2.Node:
     validate_name(name)
-    node = cloud.get_node(name)
+    node = cloud.find_node(name)
+    if node is None and multislice.slice_nodes(cloud, name) is not None:
+        raise UsageError(
+            f"{name} is a multislice TPU; Cloud TPU can {verb} only single-host TPU VMs",
+            hint=f"delete it with `tpurun delete {name}` and create it again when needed",
+        )
+    node = node or cloud.get_node(name)
     topo = parse_accelerator_type(node.accelerator_type)
     if topo.multi_host:
         raise UsageError(

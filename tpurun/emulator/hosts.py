@@ -162,6 +162,8 @@ class _Node:
     zone: str
     workers: list[_Worker]
     boots: int = 0
+    # what a multislice node's `tpu-env` adds (the MEGASCALE values), asked for each time it is served
+    extra_tpu_env: Callable[[], dict[str, str]] | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)  # boot/stop/fault of this node
     # Guest attributes have their own lock: the metadata server writes them while a boot holds `lock`.
     guest_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -236,6 +238,7 @@ class WorkerHosts:
         get_metadata: Callable[[], dict[str, str]],
         project: str = "emulated-project",
         zone: str = "emulated-zone",
+        extra_tpu_env: Callable[[], dict[str, str]] | None = None,
     ) -> list[WorkerInfo]:
         """Boot (or reboot) every worker of a node; returns once each sshd accepts connections."""
         if not 1 <= slot <= 250:
@@ -272,7 +275,7 @@ class WorkerHosts:
         with node.lock:
             self._stop_workers(node)
             node.generation, node.accelerator_type, node.get_metadata = generation, accelerator_type, get_metadata
-            node.project, node.zone = project, zone
+            node.project, node.zone, node.extra_tpu_env = project, zone, extra_tpu_env
             tag = hashlib.sha256(node_key.encode()).hexdigest()[:8]
             node.workers = [
                 node.workers[i]
@@ -632,6 +635,7 @@ class WorkerHosts:
             node_id=node.key.rsplit("/", 1)[-1],
             zone=node.zone,
             project=node.project,
+            extra=node.extra_tpu_env() if node.extra_tpu_env else None,
         )
 
     def _computed_attributes(self, node: _Node, w: _Worker) -> dict[str, str]:

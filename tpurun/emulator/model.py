@@ -144,6 +144,7 @@ class HostsLike(Protocol):
         get_metadata: Callable[[], dict[str, str]],
         project: str = ...,
         zone: str = ...,
+        extra_tpu_env: Callable[[], dict[str, str]] | None = ...,
     ) -> list[Any]: ...
 
     def shutdown_node(self, node_key: str, *, delete: bool = False) -> None: ...
@@ -296,6 +297,7 @@ class NodeRecord:
     ever_booted: bool = False  # WorkerHosts keeps homes and host keys of a stopped node
     holds: bool = True  # counted against zone capacity
     fail_with: ApiError | None = None  # decided at create time: why the create operation will fail
+    slice_of: SliceOf | None = None  # set for a node made by a multislice queued resource
     lock: threading.RLock = field(default_factory=threading.RLock)  # serialises worker boot/shutdown
 
     @property
@@ -306,12 +308,23 @@ class NodeRecord:
         self.node.state = getattr(tpu_v2.Node.State, s)
 
 
+@dataclass(frozen=True)
+class SliceOf:
+    """Where a multislice node sits: its slice, how many there are, and slice 0's node (its first worker
+    is the coordinator every slice's `tpu-env` names)."""
+
+    slice_id: int
+    num_slices: int
+    first: str  # full name of slice 0's node
+
+
 @dataclass
 class QueuedRecord:
     qr: tpu_v2.QueuedResource
     project: str
     zone: str
     specs: list[tuple[str, tpu_v2.Node, Topology]]  # (node id, node template, topology)
+    multislice: bool = False  # the specs are the slices of one multislice request, in slice order
     waiting_since: float = field(default_factory=time.time)
     deadline: float | None = None
     node_names: list[str] = field(default_factory=list)

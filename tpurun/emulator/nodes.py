@@ -17,6 +17,7 @@ from tpurun.emulator.model import (
     ApiError,
     NodeRecord,
     Operation,
+    SliceOf,
     check_zone,
     invalid,
     not_found,
@@ -27,6 +28,7 @@ from tpurun.emulator.model import (
     to_json,
 )
 from tpurun.emulator.operations import Operations
+from tpurun.topology import MEGASCALE_PORT
 
 
 class Nodes(Operations):
@@ -63,7 +65,14 @@ class Nodes(Operations):
 
         return get
 
-    def create_node(self, parent: str, node_id: str, node: tpu_v2.Node, queued_resource: str = "") -> dict[str, Any]:
+    def create_node(
+        self,
+        parent: str,
+        node_id: str,
+        node: tpu_v2.Node,
+        queued_resource: str = "",
+        slice_of: SliceOf | None = None,
+    ) -> dict[str, Any]:
         project, zone = split_parent(parent)
         check_zone(zone)
         topo = self._validate_node(node, node_id)
@@ -85,6 +94,7 @@ class Nodes(Operations):
             set_enum(node, "health", tpu_v2.Node.Health.HEALTH_UNSPECIFIED)
             if queued_resource:
                 node.queued_resource = queued_resource
+            node.multislice_node = slice_of is not None
             region = zone.rsplit("-", 1)[0]
             nc = node.network_config
             if not nc.network:
@@ -92,7 +102,7 @@ class Nodes(Operations):
             if not nc.subnetwork:
                 nc.subnetwork = f"projects/{project}/regions/{region}/subnetworks/default"
             node.network_config = nc
-            rec = NodeRecord(node=node, topo=topo, project=project, zone=zone, key=name)
+            rec = NodeRecord(node=node, topo=topo, project=project, zone=zone, key=name, slice_of=slice_of)
             rec.fail_with = self._too_many_workers(topo)
             if rec.fail_with is None and not queued_resource and not self._fits(zone, topo):
                 rec.fail_with = self._no_capacity(zone)
@@ -121,6 +131,7 @@ class Nodes(Operations):
                     get_metadata=self._get_metadata_fn(rec),
                     project=project,
                     zone=zone,
+                    extra_tpu_env=(lambda: self._megascale_env(rec)) if rec.slice_of else None,
                 )
                 break
             except OSError as e:
@@ -137,6 +148,22 @@ class Nodes(Operations):
             external = bool(rec.node.network_config.enable_external_ips)
             rec.node.network_endpoints = [self._endpoint(w.address, external) for w in workers]
         self._persist_pids()
+
+    def _megascale_env(self, rec: NodeRecord) -> dict[str, str]:
+        """What a multislice node's `tpu-env` carries to join its slices: the coordinator (slice 0's first
+        worker, once it has an address), the number of slices, this node's slice and the port."""
+        assert rec.slice_of is not None
+        env = {
+            "MEGASCALE_NUM_SLICES": str(rec.slice_of.num_slices),
+            "MEGASCALE_SLICE_ID": str(rec.slice_of.slice_id),
+            "MEGASCALE_PORT": str(MEGASCALE_PORT),
+        }
+        with self.lock:
+            first = self.nodes.get(rec.slice_of.first)
+            endpoints = list(first.node.network_endpoints) if first is not None else []
+        if endpoints:
+            env["MEGASCALE_COORDINATOR_ADDRESS"] = f"{endpoints[0].ip_address}:{MEGASCALE_PORT}"
+        return env
 
     def _ready(self, rec: NodeRecord, op: Operation) -> None:
         """REC is up and healthy: OP ends with the node."""

@@ -20,6 +20,7 @@ from tpurun.emulator.model import (
     NodeRecord,
     Operation,
     QueuedRecord,
+    SliceOf,
     check_zone,
     invalid,
     not_found,
@@ -53,17 +54,22 @@ class Queued(Nodes):
                 "Invalid value for field 'queued_resource.tpu.node_spec': at least one node spec is required."
             )
         specs: list[tuple[str, tpu_v2.Node, Topology]] = []
+        multislice = False
         for spec in qr.tpu.node_spec:
             if spec.parent and spec.parent != parent:
                 raise invalid(f"Invalid value for field 'node_spec.parent': '{spec.parent}' (must be '{parent}').")
-            if spec.multislice_params and spec.multislice_params.node_count:
-                ms = spec.multislice_params
-                prefix = ms.node_id_prefix or qr_id
-                ids = [f"{prefix}-{i}" for i in range(ms.node_count)]
+            if "multislice_params" in spec:
+                multislice = True
+                ids = self._slice_ids(qr_id, spec, len(qr.tpu.node_spec))
             else:
                 ids = [spec.node_id]
             for nid in ids:
                 topo = self._validate_node(spec.node, nid)
+                if "multislice_params" in spec and not topo.multislice:
+                    raise invalid(
+                        f"Invalid value for field 'node_spec.multislice_params': multislice is supported on TPU "
+                        f"v4 and newer, not on {topo.name}."
+                    )
                 specs.append((nid, spec.node, topo))
         name = f"{parent}/queuedResources/{qr_id}"
         with self.lock:
@@ -75,7 +81,7 @@ class Queued(Nodes):
             qr = tpu_v2.QueuedResource(qr)
             qr.name = name
             qr.create_time = _dt.datetime.now(tz=_dt.timezone.utc)
-            rec = QueuedRecord(qr=qr, project=project, zone=zone, specs=specs)
+            rec = QueuedRecord(qr=qr, project=project, zone=zone, specs=specs, multislice=multislice)
             pol = qr.queueing_policy
             if pol and pol.valid_until_duration:
                 rec.deadline = time.time() + pol.valid_until_duration.total_seconds()
@@ -92,6 +98,25 @@ class Queued(Nodes):
             op = self._new_op(project, zone, "create", name)
             self._finish(op, {"@type": QR_TYPE, **to_json(qr)})
         return op.to_json()
+
+    @staticmethod
+    def _slice_ids(qr_id: str, spec: tpu_v2.QueuedResource.Tpu.NodeSpec, specs: int) -> list[str]:
+        """The node ids of a multislice node spec: PREFIX-0 … PREFIX-(N-1), the prefix defaulting to the
+        queued resource's id."""
+        ms = spec.multislice_params
+        if specs != 1:
+            raise invalid("Invalid value for field 'tpu.node_spec': a multislice request has exactly one node spec.")
+        if spec.node_id:
+            raise invalid(
+                "Invalid value for field 'node_spec.node_id': give node_id_prefix in multislice_params instead."
+            )
+        if ms.node_count < 2:
+            raise invalid(
+                f"Invalid value for field 'node_spec.multislice_params.node_count': {ms.node_count}. "
+                "Must be at least 2."
+            )
+        prefix = ms.node_id_prefix or qr_id
+        return [f"{prefix}-{i}" for i in range(ms.node_count)]
 
     def get_qr_record(self, name: str) -> QueuedRecord:
         with self.lock:
@@ -199,12 +224,14 @@ class Queued(Nodes):
                     continue  # first come, first served: later requests may still fit
                 rec.set_state("PROVISIONING")
                 parent = f"projects/{rec.project}/locations/{rec.zone}"
-                for nid, tmpl, _ in rec.specs:
+                first = f"{parent}/nodes/{rec.specs[0][0]}"
+                for i, (nid, tmpl, _) in enumerate(rec.specs):
                     node = tpu_v2.Node(tmpl)
                     if "spot" in rec.qr:  # an empty Spot message is falsy: test presence
                         node.scheduling_config = tpu_v2.SchedulingConfig(spot=True)
+                    slice_of = SliceOf(i, len(rec.specs), first) if rec.multislice else None
                     try:
-                        self.create_node(parent, nid, node, queued_resource=rec.qr.name)
+                        self.create_node(parent, nid, node, queued_resource=rec.qr.name, slice_of=slice_of)
                         rec.node_names.append(f"{parent}/nodes/{nid}")
                     except ApiError as e:
                         rec.set_state("FAILED", e)

@@ -68,9 +68,17 @@ def wrap(topology: Topology) -> str:
 
 
 def worker_image(
-    accelerator_type: str, *, worker: int, node_id: str, zone: str, project: str, preemptible: bool = False
+    accelerator_type: str,
+    *,
+    worker: int,
+    node_id: str,
+    zone: str,
+    project: str,
+    preemptible: bool = False,
+    extra: dict[str, str] | None = None,
 ) -> WorkerImage:
-    """The image of worker WORKER of a node of ACCELERATOR_TYPE (a type `tpurun topology` knows)."""
+    """The image of worker WORKER of a node of ACCELERATOR_TYPE (a type `tpurun topology` knows); EXTRA
+    joins its `tpu-env` (a multislice node's MEGASCALE values)."""
     try:
         topo = parse_accelerator_type(accelerator_type)
     except UsageError as exc:
@@ -112,6 +120,7 @@ def worker_image(
         "ALT": "false",
         "TPU_TOPOLOGY_ALT": "false",
         "TPU_RUNTIME_METRICS_PORTS": ",".join(str(METRICS_BASE_PORT + c) for c in range(topo.chips_per_host)),
+        **(extra or {}),
     }
     return WorkerImage(pci=pci, device_files=topo.device_files, tpu_env=env)
 

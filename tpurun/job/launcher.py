@@ -29,7 +29,7 @@ from tpurun.job.records import JobRecord, RecordStream, new_job_id
 from tpurun.sync import sender
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
+from tpurun.transport.runner import Runner, worker_names
 from tpurun.transport.streams import Stream, open_stream, run_capture
 from tpurun.transport.targets import Target
 from tpurun.worker import bundle_name, bundle_tar
@@ -180,6 +180,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     if spec.metrics:
         extra.setdefault("TPURUN_METRICS", "1")
     addresses = [w.address for w in target.all_workers]
+    slice_size = sum(1 for w in target.all_workers if w.slice == 0) if target.slices > 1 else None
     specs = envc.plan_job(
         job_id=job_id,
         topology=topo,
@@ -190,6 +191,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
         core=spec.core,
         script=spec.script,
         args=spec.args,
+        slice_size=slice_size,
         python=python,
         master_port=spec.master_port,
         extra_env=extra,
@@ -208,6 +210,7 @@ def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[
             rows.append(
                 {
                     "worker": c.worker,
+                    "name": envc.process_name(c.worker, c.core, target.all_workers[c.worker].name),
                     "core": None if c.core == envc.HOST else c.core,  # a host launch's one process per worker
                     "address": target.all_workers[c.worker].address,
                     "command": c.argv,
@@ -224,6 +227,7 @@ class Output(Protocol):
     """How the launcher reports (it prints nothing itself): status lines, every core's lines, and the
     lines a worker's setup prints."""
 
+    def name_workers(self, names: dict[int, str]) -> None: ...
     def info(self, text: str) -> None: ...
     def warn(self, text: str) -> None: ...
     def line(self, worker: int, core: int, text: str) -> None: ...
@@ -343,7 +347,7 @@ class JobRun:
                 return rc
             else:
                 detail = err.splitlines()[-1] if err else f"connection closed (exit {rc})"
-                self._lose(w, f"lost worker w{w} ({self.target.all_workers[w].address}): {detail}")
+                self._lose(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
         return rc
 
     def _record(self, w: int, rec: dict[str, Any]) -> bool:
@@ -368,7 +372,8 @@ class JobRun:
                     with self.lock:
                         if self.first_failure is None:
                             self.first_failure = o
-                self.out.info(f"{envc.process_name(w, c)} failed ({o.ending}): stopping the job everywhere")
+                name = envc.process_name(w, c, self.target.all_workers[w].name)
+                self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
                 self.stop.set()
             elif o.failed and o.status != "killed" and self.first_failure is None:
                 with self.lock:
@@ -462,7 +467,8 @@ class Job:
     def notes(self) -> list[tuple[str, str]]:
         """(info|warn, text): what the user is told before the job starts."""
         t, p = self.target, self.plan
-        where = "this machine" if t.local else f"{t.name} ({len(t.all_workers)} workers)"
+        shape = f"{len(t.all_workers)} workers" + (f" in {t.slices} slices" if t.slices > 1 else "")
+        where = "this machine" if t.local else f"{t.name} ({shape})"
         out = [
             (
                 "info",
@@ -515,6 +521,7 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
 def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event) -> JobResult:
     """Sync, set up, start the job on every worker and follow it to its end (or start it detached)."""
     target, spec = job.target, job.spec
+    out.name_workers(worker_names(target.all_workers))
     if not target.local:
         sync_code(target, local_dir, job.cwd, home, out)
     if job.setup:

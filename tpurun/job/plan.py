@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
-from tpurun.topology import Topology
+from tpurun.topology import MEGASCALE_PORT, Topology
 
 
 class Runtime(str, Enum):
@@ -58,6 +58,8 @@ HOST = -1
 
 # xmp.spawn's base port for per-process TPU clients (tpu.configure_topology(base_port=8476)).
 PJRT_BASE_PORT = 8476
+# jax.distributed's coordinator port on Cloud TPU (jax/_src/clusters/cloud_tpu_cluster.py).
+JAX_COORDINATOR_PORT = 8482
 # xla_dist (torch_xla ≤ 2.0): XRT local service, mesh service, mesh controller, TPU Node port.
 XRT_SERVER_PORT = 51011
 XRT_MESH_SERVICE_PORT = 8477
@@ -124,6 +126,30 @@ def _job_env(
         "MASTER_PORT": str(master_port),
         # Lines must reach the log as they are printed, not when a block buffer fills.
         "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _multislice_env(coordinator: str, slice_id: int, num_slices: int) -> dict[str, str]:
+    """What joins the slices of a multislice TPU: the values Cloud TPU puts in a multislice node's
+    `tpu-env` (coordinator = slice 0's first worker), and tpurun's own."""
+    return {
+        "MEGASCALE_COORDINATOR_ADDRESS": f"{coordinator}:{MEGASCALE_PORT}",
+        "MEGASCALE_NUM_SLICES": str(num_slices),
+        "MEGASCALE_SLICE_ID": str(slice_id),
+        "MEGASCALE_PORT": str(MEGASCALE_PORT),
+        "TPURUN_SLICE_ID": str(slice_id),
+        "TPURUN_NUM_SLICES": str(num_slices),
+    }
+
+
+def _jax_cpu_env(coordinator: str, process_id: int, num_processes: int) -> dict[str, str]:
+    """Where there is no TPU, what `jax.distributed.initialize()` cannot find for itself: the coordinator
+    (jax reads JAX_COORDINATOR_ADDRESS), the process count and this process's id (read by the cluster
+    tpurun's hook adds to jax's auto-detection; scripts may pass them on themselves)."""
+    return {
+        "JAX_COORDINATOR_ADDRESS": f"{coordinator}:{JAX_COORDINATOR_PORT}",
+        "JAX_NUM_PROCESSES": str(num_processes),
+        "JAX_PROCESS_ID": str(process_id),
     }
 
 
@@ -236,6 +262,7 @@ def plan_job(
     core: int | None,
     script: str,
     args: list[str],
+    slice_size: int | None = None,
     python: str = "python3",
     master_port: int = 12355,
     extra_env: dict[str, str] | None = None,
@@ -248,10 +275,13 @@ def plan_job(
     `launch` is "host" (one process per worker, core HOST) or "chip" (one per chip, or per core on
     `cpu`). `cores`: None = every chip of a host; 1 = one. `core`: one specific core index (pjrt: a PJRT
     device index of the host, mapped to its chip, see explain_core). In a chip launch ranks are global
-    process indices (torchrun's meaning), worker-major.
+    process indices (torchrun's meaning), worker-major. `slice_size`: hosts per slice of a multislice TPU
+    (WORKER_ADDRESSES slice-major): each slice gets its own TPU variables, every process the MEGASCALE
+    ones that join the slices.
     """
     num_workers = len(worker_addresses)
-    _check_job(runtime, launch, precision, topology, num_workers, tpu_ip)
+    _check_job(runtime, launch, precision, topology, num_workers, tpu_ip, slice_size)
+    size = slice_size or num_workers
     slots = _slots(runtime=runtime, launch=launch, topology=topology, cores=cores, core=core)
     local_world = len(slots)
     world_size = num_workers * local_world
@@ -259,6 +289,8 @@ def plan_job(
     plan: list[list[CoreSpec]] = []
     for worker in range(num_workers):
         specs: list[CoreSpec] = []
+        slice_id, host = divmod(worker, size)
+        in_slice = worker_addresses[slice_id * size : (slice_id + 1) * size]
         for local_rank, slot in enumerate(slots):
             rank = worker * local_world + local_rank
             env = _job_env(
@@ -270,19 +302,23 @@ def plan_job(
                 master_port=master_port,
                 restart_count=restart_count,
             )
+            if slice_size is not None:
+                env.update(_multislice_env(worker_addresses[0], slice_id, num_workers // size))
             if launch == "chip":
                 env.update(
                     _torchrun_env(
                         core=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
                     )
                 )
+            if runtime == "cpu":
+                env.update(_jax_cpu_env(worker_addresses[0], rank, world_size))
             env.update(
                 _runtime_env(
                     runtime=runtime,
                     launch=launch,
                     topology=topology,
-                    worker=worker,
-                    worker_addresses=worker_addresses,
+                    worker=host,
+                    worker_addresses=in_slice,
                     local_rank=local_rank,
                     local_world=local_world,
                     single_chip=_single_chip(topology, cores, core) if runtime == "pjrt" and topology else None,
@@ -299,9 +335,19 @@ def plan_job(
 
 
 def _check_job(
-    runtime: str, launch: str, precision: str, topology: Topology | None, num_workers: int, tpu_ip: str | None
+    runtime: str,
+    launch: str,
+    precision: str,
+    topology: Topology | None,
+    num_workers: int,
+    tpu_ip: str | None,
+    slice_size: int | None = None,
 ) -> None:
     """Refuse a combination that cannot run, with the reason."""
+    if slice_size is not None and runtime == "xrt":
+        raise UsageError("--runtime xrt: XRT predates multislice; use --runtime pjrt")
+    if slice_size is not None and (slice_size < 1 or num_workers % slice_size):
+        raise UsageError(f"{num_workers} workers cannot form slices of {slice_size}")
     if runtime not in RUNTIMES:
         raise UsageError(f"unknown runtime '{runtime}': use one of auto, {', '.join(RUNTIMES)}")
     if launch not in LAUNCHES:
@@ -313,9 +359,10 @@ def _check_job(
     if runtime in ("pjrt", "xrt"):
         if topology is None:
             raise UsageError(f"--runtime {runtime} needs a TPU accelerator type; use --runtime cpu on this machine")
-        if tpu_ip is None and topology.hosts != num_workers:
+        if tpu_ip is None and topology.hosts != (slice_size or num_workers):
             raise UsageError(
-                f"{topology.name} has {topology.hosts} hosts but {num_workers} worker addresses were given"
+                f"{topology.name} has {topology.hosts} hosts but {slice_size or num_workers} worker addresses were "
+                "given" + (" per slice" if slice_size else "")
             )
     if runtime == "xrt" and topology is not None and topology.generation not in XRT_GENERATIONS:
         raise UsageError(
@@ -552,6 +599,8 @@ print(json.dumps({
 """
 
 
-def process_name(worker: int, core: int) -> str:
-    """wN/cM for a chip (or core) process, wN for a host launch's own process: its lines are tagged [name]."""
-    return f"w{worker}" if core == HOST else f"w{worker}/c{core}"
+def process_name(worker: int, core: int, worker_name: str | None = None) -> str:
+    """wN/cM for a chip (or core) process, wN for a host launch's own process: its lines are tagged [name].
+    WORKER_NAME replaces wN (sS/wN in a multislice TPU)."""
+    name = worker_name or f"w{worker}"
+    return name if core == HOST else f"{name}/c{core}"

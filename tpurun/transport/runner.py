@@ -96,13 +96,25 @@ class _Liveness:
 
 @dataclass(frozen=True)
 class Worker:
-    index: int
+    index: int  # in the whole TPU: slice-major for a multislice TPU
     address: str
     port: int = 22
     user: str = "root"
+    slice: int | None = None  # its slice in a multislice TPU
+    host: int = 0  # its index in that slice
+
+    @property
+    def name(self) -> str:
+        """How output names it: w3, or s1/w1 in a multislice TPU."""
+        return f"s{self.slice}/w{self.host}" if self.slice is not None else f"w{self.index}"
 
     def label(self) -> str:
-        return f"w{self.index} ({self.address})"
+        return f"{self.name} ({self.address})"
+
+
+def worker_names(workers: list[Worker]) -> dict[int, str]:
+    """{index: name} of WORKERS, for output that only carries indexes."""
+    return {w.index: w.name for w in workers}
 
 
 def parse_worker_spec(spec: str, count: int) -> list[int]:

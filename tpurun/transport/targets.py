@@ -28,6 +28,11 @@ class Target:
     cached: bool = False  # built from remembered endpoints, without an API call
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
 
+    @property
+    def slices(self) -> int:
+        """How many slices the TPU has (1 unless it is a multislice TPU)."""
+        return len({w.slice for w in self.all_workers})
+
     def python(self, chosen: str | None = None) -> str:
         """CHOSEN, else the workers' Python when none is named (this machine: the one tpurun runs in)."""
         return chosen or self.runners[0].python
@@ -47,7 +52,7 @@ class Target:
         if not errors or not self.cached or self.refresh is None:
             return errors
         fresh = self.refresh()  # raises UnreachableError when the node is not READY any more
-        if [w.address for w in fresh.all_workers] == [w.address for w in self.all_workers]:
+        if fresh.all_workers == self.all_workers:
             fresh.close()
             return errors
         self.close()
@@ -109,13 +114,13 @@ def resolve(
     remembered = _read_cache(cache)
 
     def from_api() -> Target:
-        accelerator_type, endpoints = _fetch(s, name)
-        _write_cache(cache, accelerator_type, endpoints)
-        return _build(s, name, accelerator_type, endpoints, worker_spec, cached=False)
+        endpoints = _fetch(s, name)
+        _write_cache(cache, endpoints)
+        return _build(s, name, endpoints, worker_spec, cached=False)
 
     if remembered is None:
         return from_api()
-    target = _build(s, name, remembered[0], remembered[1], worker_spec, cached=True)
+    target = _build(s, name, remembered, worker_spec, cached=True)
     target.refresh = from_api
     return target
 
@@ -128,59 +133,93 @@ def forget_node(home: Path, project: str, zone: str, name: str) -> None:
     node_cache_path(home, project, zone, name).unlink(missing_ok=True)
 
 
-def _read_cache(path: Path) -> tuple[str, list[tuple[str, str]]] | None:
+@dataclass(frozen=True)
+class Endpoints:
+    """What reaching a TPU's workers takes: its accelerator type and, per slice, each worker's (internal,
+    external) address. One slice unless the TPU is a multislice one."""
+
+    accelerator_type: str
+    slices: list[list[tuple[str, str]]]
+    multislice: bool = False
+
+    def to_json(self) -> dict:
+        return {"acceleratorType": self.accelerator_type, "slices": self.slices, "multislice": self.multislice}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Endpoints:
+        slices = [[(str(a), str(b)) for a, b in eps] for eps in data["slices"]]
+        return cls(str(data["acceleratorType"]), slices, bool(data.get("multislice")))
+
+
+def _read_cache(path: Path) -> Endpoints | None:
     if config.NODE_CACHE.raw() == "0":
         return None
     try:
-        data = json.loads(path.read_text())
-        return str(data["acceleratorType"]), [(str(a), str(b)) for a, b in data["endpoints"]]
+        return Endpoints.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _write_cache(path: Path, accelerator_type: str, endpoints: list[tuple[str, str]]) -> None:
+def _write_cache(path: Path, endpoints: Endpoints) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"acceleratorType": accelerator_type, "endpoints": endpoints, "saved": time.time()}))
+    tmp.write_text(json.dumps({**endpoints.to_json(), "saved": time.time()}))
     os.replace(tmp, path)
 
 
-def _fetch(s: settings.Settings, name: str) -> tuple[str, list[tuple[str, str]]]:
-    """The node's accelerator type and (internal, external) address per worker, if it is READY."""
+def _fetch(s: settings.Settings, name: str) -> Endpoints:
+    """Where NAME's workers are (every slice's, for a multislice TPU), if each of its nodes is READY."""
+    from tpurun.cloud import multislice
     from tpurun.cloud.client import Cloud
+    from tpurun.cloud.provision import qr_state
+
+    cloud = Cloud(s)
+    node = cloud.find_node(name)
+    found = multislice.slice_nodes(cloud, name) if node is None else None
+    if found is None:
+        node = node or cloud.get_node(name)  # NotFound, with similar names
+        return Endpoints(node.accelerator_type, [_ready_endpoints(name, node)])
+    qr, nodes = found
+    ready = []
+    for i, n in enumerate(nodes):
+        if n is None:
+            raise UnreachableError(
+                f"{name}: slice {i} does not exist (its queued resource is {qr_state(qr)}), so its workers "
+                "cannot be reached",
+                hint=f"`tpurun describe {name}`",
+            )
+        ready.append(_ready_endpoints(f"{name} (slice {i})", n))
+    return Endpoints(nodes[0].accelerator_type if nodes[0] else "", ready, multislice=True)
+
+
+def _ready_endpoints(what: str, node: object) -> list[tuple[str, str]]:
     from tpurun.cloud.provision import STATE
 
-    node = Cloud(s).get_node(name)
-    state = STATE(node.state).name
+    state = STATE(node.state).name  # type: ignore[attr-defined]
     if state != "READY":
+        name = what.split()[0]
         raise UnreachableError(
-            f"{name} is {state}, so its workers cannot be reached",
+            f"{what} is {state}, so its workers cannot be reached",
             hint=f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else ""),
         )
-    endpoints = [
-        (ep.ip_address, ep.access_config.external_ip if ep.access_config else "") for ep in node.network_endpoints
+    return [
+        (ep.ip_address, ep.access_config.external_ip if ep.access_config else "")
+        for ep in node.network_endpoints  # type: ignore[attr-defined]
     ]
-    return node.accelerator_type, endpoints
 
 
-def _build(
-    s: settings.Settings,
-    name: str,
-    accelerator_type: str,
-    endpoints: list[tuple[str, str]],
-    worker_spec: str,
-    *,
-    cached: bool,
-) -> Target:
+def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: str, *, cached: bool) -> Target:
     user = keys.ssh_user()
-    workers = []
-    for i, (internal, external) in enumerate(endpoints):
-        address, port = _mapped(external or internal)
-        workers.append(Worker(i, address, port, user))
+    workers: list[Worker] = []
+    for slice_id, slice_endpoints in enumerate(endpoints.slices):
+        for host, (internal, external) in enumerate(slice_endpoints):
+            address, port = _mapped(external or internal)
+            where = slice_id if endpoints.multislice else None
+            workers.append(Worker(len(workers), address, port, user, slice=where, host=host))
     chosen = parse_worker_spec(worker_spec, len(workers))
     home = s.home_path
     runners: list[Runner] = [
         SshRunner(workers[i], key_path=keys.key_path(home), known_hosts=keys.known_hosts_path(home), node_name=name)
         for i in chosen
     ]
-    return Target(name, accelerator_type, runners, workers, False, cached=cached)
+    return Target(name, endpoints.accelerator_type, runners, workers, False, cached=cached)

@@ -8,6 +8,9 @@ so its lines land in w<W>-c<chip>.log and reach tpurun as [wW/cM], and its child
 also tells the agent how the spawner's task in the process ended (observed where the standard library's
 process pool sends the result back), so a failing chip stops the job at once and is named.
 
+Where tpurun gives JAX its coordinator, process count and id (no TPU to detect them from), it adds a
+cluster to jax.distributed's auto-detection (see _JaxCluster).
+
 With `tpurun train --metrics` it also writes torch_xla's metrics report of each process that did the
 work: a process the agent started, at its exit, and a chip process of a host launch, when its task ends
 (a forked pool process never runs exit handlers).
@@ -193,6 +196,69 @@ def _audit(event, args):
         _state["busy"] = False
 
 
+class _JaxCluster:
+    """Where tpurun gave the JAX coordinator, process count and id (no TPU to detect them from), adds a
+    cluster to jax.distributed's auto-detection, so `jax.distributed.initialize()` needs no arguments.
+
+    jax finds clusters by subclassing its ClusterEnv (each subclass registers itself); this finder waits
+    for jax's cluster package to be imported, then defines one that reads tpurun's variables. Nothing of
+    jax is replaced; on a TPU VM tpurun sets none of the variables, and jax's own Cloud TPU cluster
+    answers from the VM's metadata.
+    """
+
+    PACKAGE = "jax._src.clusters"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.PACKAGE:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            try:
+                _add_jax_cluster(module.ClusterEnv)
+            except Exception:
+                pass  # jax changed: it stays as it was, and the script can pass the values itself
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _add_jax_cluster(base):
+    env = os.environ
+
+    class TpurunCluster(base):
+        name = "tpurun"
+
+        @classmethod
+        def is_env_present(cls):
+            return "TPURUN_JOB_ID" in env and "JAX_PROCESS_ID" in env and "JAX_NUM_PROCESSES" in env
+
+        @classmethod
+        def get_coordinator_address(cls, timeout_secs=None, override_coordinator_port=None):
+            address = env["JAX_COORDINATOR_ADDRESS"]
+            if override_coordinator_port:
+                address = address.rsplit(":", 1)[0] + ":" + override_coordinator_port
+            return address
+
+        @classmethod
+        def get_process_count(cls):
+            return int(env["JAX_NUM_PROCESSES"])
+
+        @classmethod
+        def get_process_id(cls):
+            return int(env["JAX_PROCESS_ID"])
+
+    return TpurunCluster
+
+
 def _chain():
     """Run the next `sitecustomize` on the path, as the interpreter would have without us."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -213,4 +279,6 @@ if os.environ.get("TPURUN_METRICS") == "1" and str(os.getppid()) == os.environ.g
     import atexit
 
     atexit.register(_metrics_report)  # a process the agent started (not its children)
+if "JAX_PROCESS_ID" in os.environ and "TPURUN_JOB_ID" in os.environ and "jax" not in sys.modules:
+    sys.meta_path.insert(0, _JaxCluster())
 _chain()
