@@ -39,7 +39,7 @@ def init_params(sizes: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)  # the same weights on every process
     return [
         (rng.normal(0, np.sqrt(2 / m), (m, n)).astype(np.float32), np.zeros(n, np.float32))
-        for m, n in zip(sizes[:-1], sizes[1:])
+        for m, n in zip(sizes[:-1], sizes[1:], strict=True)
     ]
 
 

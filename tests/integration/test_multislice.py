@@ -4,10 +4,17 @@ queued resource with multisliceParams makes the slices, and the name stands for 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error
+from tests.helpers import assert_clean_error, job_pids
 
 pytestmark = pytest.mark.integration
 
@@ -104,3 +111,148 @@ def test_slices_with_a_name_that_exists_creates_nothing(cli, emulator):
     assert_clean_error(r, 2)
     assert "taken-1" in r.err
     assert _leftovers(emulator) == before
+
+
+# ---------------------------------------------------------------------------- training across slices
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+TAGS = ["s0/w0", "s0/w1", "s1/w0", "s1/w1"]
+
+
+def _two_slices(cli, name: str) -> dict:
+    r = cli("create", name, "-t", "v4-16", "--slices", "2", "--json")
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
+def _by_tag(out: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        m = re.match(r"^\[([^\]]+)\] (.*)$", line)
+        if m:
+            found.setdefault(m.group(1), []).append(m.group(2))
+    return found
+
+
+def test_jax_example_trains_across_two_slices_with_real_collectives(cli):
+    """The JAX example, unmodified, once per host on 2 slices x 2 workers: jax.distributed.initialize()
+    with no arguments joins all 4 processes and gloo all-reduces across every slice."""
+    _two_slices(cli, "jx")
+    shutil.copy(EXAMPLES / "digits_jax.py", cli.cwd / "digits_jax.py")
+    r = cli("train", "digits_jax.py", "--runtime", "cpu", "--launch", "host", timeout=600)
+    assert r.code == 0, r.err[-3000:]
+    by_tag = _by_tag(r.out)
+    assert sorted(by_tag) == TAGS, sorted(by_tag)
+    finals = {}
+    for i, tag in enumerate(TAGS):
+        lines = by_tag[tag]
+        # jax numbers the processes slice by slice; the sum of every process's index + 1 is 10
+        assert f"[process {i}/4] all-reduce check: 10.0 (expected 10.0)" in lines, lines[:4]
+        finals[tag] = [line.split("] ", 1)[1] for line in lines if " step 300 " in line]
+    assert len({tuple(v) for v in finals.values()}) == 1, finals  # the same model everywhere: one loss
+    accuracy = [line for line in by_tag["s0/w0"] if line.startswith("final test accuracy")]
+    assert accuracy and float(accuracy[0].split()[-1]) >= 0.9
+
+
+def test_jax_finds_the_slices_from_the_emulated_vms_as_on_cloud_tpu(cli):
+    """What a host launch gives a JAX program on a TPU: jax's own Cloud TPU cluster code, run on every
+    worker, reads its slice from the VM (metadata server, tpu-env) and agrees with tpurun's variables."""
+    d = _two_slices(cli, "jv")
+    (cli.cwd / "probe.py").write_text(
+        "import json, os\n"
+        "from jax._src.clusters import cloud_tpu_cluster as c\n"
+        "keys = ['MEGASCALE_COORDINATOR_ADDRESS', 'MEGASCALE_NUM_SLICES', 'MEGASCALE_SLICE_ID', 'MEGASCALE_PORT']\n"
+        "vm = {k: c.get_tpu_env_value_from_metadata(k) for k in keys}\n"
+        "env = {k: os.environ.get(k) for k in keys}\n"
+        "g = c.GceTpuCluster\n"
+        "print(json.dumps({'vm': vm, 'env': env, 'id': g.get_process_id(), 'count': g.get_process_count(),\n"
+        "    'coordinator': g.get_coordinator_address(10, None), 'worker': os.environ['TPURUN_WORKER_ID'],\n"
+        "    'jax_vars': sorted(k for k in os.environ if k.startswith('JAX_'))}))\n"
+    )
+    r = cli("train", "probe.py", "--runtime", "pjrt")
+    assert r.code == 0, r.err[-3000:]
+    by_tag = _by_tag(r.out)
+    assert sorted(by_tag) == TAGS
+    first = d["workerEndpoints"][0]["internalIp"]
+    for i, tag in enumerate(TAGS):
+        seen = json.loads(by_tag[tag][-1])
+        assert seen["vm"] == seen["env"], seen  # tpurun says what the VM says
+        assert seen["vm"]["MEGASCALE_SLICE_ID"] == str(i // 2)
+        assert (seen["id"], seen["count"], seen["worker"]) == (i, 4, str(i))
+        assert seen["coordinator"] == f"{first}:8482"
+        assert seen["jax_vars"] == []  # on a TPU, nothing that would override jax's own detection
+
+
+def test_dry_run_shows_every_slice(cli):
+    _two_slices(cli, "dr")
+    (cli.cwd / "t.py").write_text("print(1)\n")
+    r = cli("train", "t.py", "--runtime", "pjrt", "--dry-run", "--json")
+    assert r.code == 0, r.err
+    rows = json.loads(r.out)["processes"]
+    assert [p["name"] for p in rows] == TAGS
+    assert [p["env"]["MEGASCALE_SLICE_ID"] for p in rows] == ["0", "0", "1", "1"]
+    r = cli("train", "t.py", "--runtime", "pjrt", "--dry-run")
+    assert "[s1/w1]" in r.out and "MEGASCALE_NUM_SLICES=2" in r.out
+
+
+def test_a_worker_killed_in_one_slice_stops_the_job_on_every_slice(cli, emulator):
+    cli.env["TPURUN_PREEMPT_CHECK"] = "3"  # a lost worker on READY slices: look 3 s for a preemption
+    _two_slices(cli, "kl")
+    (cli.cwd / "tick.py").write_text("import time\nfor i in range(3000):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "train", "tick.py", "--runtime", "cpu", "--launch", "host"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen: set[str] = set()
+    deadline = time.monotonic() + 120
+    while seen != set(TAGS) and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = re.match(r"^\[([^\]]+)\] tick", line)
+        if m:
+            seen.add(m.group(1))
+    assert seen == set(TAGS)
+    emulator.kill_worker(emulator.node_name("kl-1"), 0)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err
+    assert "lost worker s1/w0" in err and "Traceback" not in err, err
+    for node in ("kl-0", "kl-1"):
+        deadline = time.monotonic() + 30
+        while job_pids(emulator, node, "tick.py") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job_pids(emulator, node, "tick.py") == [], node
+
+
+def test_a_preempted_slice_relaunches_the_job_on_every_slice(cli, emulator):
+    r = cli("create", "sp", "-t", "v4-16", "--slices", "2", "--spot")
+    assert r.code == 0, r.err
+    (cli.cwd / "resume.py").write_text(
+        "import os, time\n"
+        "n = os.environ['TPURUN_RESTART_COUNT']\n"
+        "for i in range(3 if n != '0' else 3000):\n"
+        "    print(f'n {i} restart {n} slice', os.environ['MEGASCALE_SLICE_ID'], flush=True); time.sleep(0.1)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "train", "resume.py", "--runtime", "cpu", "--launch", "host",
+         "--max-restarts", "1"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen: set[str] = set()
+    deadline = time.monotonic() + 120
+    while seen != set(TAGS) and time.monotonic() < deadline:
+        m = re.match(r"^\[([^\]]+)\] n 2 restart 0", proc.stdout.readline())
+        if m:
+            seen.add(m.group(1))
+    emulator.preempt(emulator.node_name("sp-1"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "sp was preempted" in err and "restart 1/1" in err, err
+    again = _by_tag(out)
+    for tag in TAGS:
+        slice_id = tag[1]
+        assert [x for x in again[tag] if "restart 1" in x] == [f"n {i} restart 1 slice {slice_id}" for i in range(3)]
+    client = emulator.client()
+    for i in range(2):  # both slices are the new queued resource's, READY
+        node = client.get_node(name=emulator.node_name(f"sp-{i}"))
+        assert node.state.name == "READY" and node.multislice_node

@@ -238,6 +238,10 @@ def test_digits_example_trains_across_two_workers(cli):
     assert r.code == 0, r.err[-3000:]
     by_core = lines_by_core(r.out)
     assert sorted(by_core) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # gloo joined all 4 processes across the 2 workers: each saw the sum of every rank + 1
+    for lines in by_core.values():
+        checks = [line.split("all-reduce check: ")[1] for line in lines if "all-reduce check: " in line]
+        assert checks == ["10.0 (expected 10.0)"], lines[:5]
     final = [line for line in by_core[(0, 0)] if line.startswith("final test accuracy")]
     assert final, r.out[-2000:]
     assert float(final[0].split()[-1]) >= 0.90

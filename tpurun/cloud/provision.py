@@ -318,9 +318,12 @@ def _create_slices(
     node: tpu_v2.Node,
     valid_until: int | None,
     progress: Callable[[str], None],
+    *,
+    check_names: bool = True,
 ) -> CreateResult | NodeView:
     """One multislice queued resource; once ACTIVE, every slice's startup scripts and host keys."""
-    multislice.refuse_taken(cloud, spec.name, spec.slices)
+    if check_names:
+        multislice.refuse_taken(cloud, spec.name, spec.slices)
     _queue(cloud, spec, multislice.queued_resource(cloud, spec.name, spec.slices, node), valid_until, progress)
     found = multislice.slice_nodes(cloud, spec.name)
     assert found is not None
@@ -606,9 +609,22 @@ def until_started(
 
 
 def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> CreateResult:
-    """Delete a preempted node and create it again with the same settings (for train --max-restarts)."""
-    old = cloud.get_node(name)
-    node = tpu_v2.Node(
+    """Delete a preempted node and create it again with the same settings (for train --max-restarts). A
+    multislice TPU is asked for again whole: Cloud TPU gives a queued resource's slices back only together."""
+    old = cloud.find_node(name)
+    if old is None and multislice.slice_nodes(cloud, name) is not None:
+        return _recreate_slices(cloud, s, name, progress)
+    old = old or cloud.get_node(name)
+    node = _same_node(old)
+    op = cloud.delete_node(name)
+    cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
+    op = cloud.create_node(name, node)
+    cloud.wait(f"create {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: CREATING"))
+    return until_started(cloud, s.home_path, name, progress, timeout=1800)
+
+
+def _same_node(old: tpu_v2.Node) -> tpu_v2.Node:
+    return tpu_v2.Node(
         accelerator_type=old.accelerator_type,
         runtime_version=old.runtime_version,
         labels=dict(old.labels),
@@ -616,8 +632,16 @@ def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[
         network_config=old.network_config,
         scheduling_config=old.scheduling_config,
     )
-    op = cloud.delete_node(name)
-    cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
-    op = cloud.create_node(name, node)
-    cloud.wait(f"create {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: CREATING"))
-    return until_started(cloud, s.home_path, name, progress, timeout=1800)
+
+
+def _recreate_slices(
+    cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]
+) -> CreateResult:
+    qr = cloud.get_queued_resource(name)
+    spec = qr.tpu.node_spec[0]
+    count, template = multislice.slice_count(qr), spec.node
+    spot = "spot" in qr
+    progress(f"{name}: deleting queued resource {name} and its slices")
+    cloud.wait(f"delete queued resource {name}", cloud.delete_queued_resource(name), timeout=1800)
+    again = CreateSpec(name=name, accelerator_type=template.accelerator_type, spot=spot, slices=count)
+    return _create_slices(cloud, s, again, template, None, progress, check_names=False)  # type: ignore[return-value]

@@ -605,8 +605,8 @@ def train(
 
 
 def preempted(target: Target) -> bool:
-    """Whether the API reports TARGET's node preempted (or gone) after its workers vanished; it may say so
-    a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
+    """Whether the API reports TARGET's node (one of its slices' nodes) preempted or gone after its workers
+    vanished; it may say so a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
     if target.local:
         return False
     from tpurun.cloud.client import Cloud
@@ -615,12 +615,14 @@ def preempted(target: Target) -> bool:
     deadline = time.monotonic() + config.PREEMPT_CHECK.number()
     while True:
         try:
-            node = Cloud(settings.resolve({})).find_node(target.name)
+            cloud = Cloud(settings.resolve({}))
+            states = [cloud.find_node(name) for name in target.nodes or [target.name]]
         except TpurunError:
             return False
-        if node is None or STATE(node.state).name in ("PREEMPTED", "TERMINATED"):
+        names = ["GONE" if node is None else STATE(node.state).name for node in states]
+        if any(n in ("GONE", "PREEMPTED", "TERMINATED") for n in names):
             return True
-        if STATE(node.state).name != "READY" or time.monotonic() > deadline:
+        if any(n != "READY" for n in names) or time.monotonic() > deadline:
             return False
         time.sleep(1.0)
 

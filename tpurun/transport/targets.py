@@ -25,6 +25,7 @@ class Target:
     runners: list[Runner]
     all_workers: list[Worker]  # every worker of the node, selected or not (rank math needs them)
     local: bool
+    nodes: list[str] = field(default_factory=list)  # the TPU's nodes: one, or one per slice
     cached: bool = False  # built from remembered endpoints, without an API call
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
 
@@ -56,7 +57,7 @@ class Target:
             fresh.close()
             return errors
         self.close()
-        self.runners, self.all_workers, self.cached = fresh.runners, fresh.all_workers, False
+        self.runners, self.all_workers, self.nodes, self.cached = fresh.runners, fresh.all_workers, fresh.nodes, False
         self.accelerator_type = fresh.accelerator_type
         return connect_all(self.runners, then)
 
@@ -140,15 +141,22 @@ class Endpoints:
 
     accelerator_type: str
     slices: list[list[tuple[str, str]]]
+    nodes: list[str]  # the node of each slice
     multislice: bool = False
 
     def to_json(self) -> dict:
-        return {"acceleratorType": self.accelerator_type, "slices": self.slices, "multislice": self.multislice}
+        return {
+            "acceleratorType": self.accelerator_type,
+            "slices": self.slices,
+            "nodes": self.nodes,
+            "multislice": self.multislice,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> Endpoints:
         slices = [[(str(a), str(b)) for a, b in eps] for eps in data["slices"]]
-        return cls(str(data["acceleratorType"]), slices, bool(data.get("multislice")))
+        nodes = [str(n) for n in data["nodes"]]
+        return cls(str(data["acceleratorType"]), slices, nodes, bool(data.get("multislice")))
 
 
 def _read_cache(path: Path) -> Endpoints | None:
@@ -178,7 +186,7 @@ def _fetch(s: settings.Settings, name: str) -> Endpoints:
     found = multislice.slice_nodes(cloud, name) if node is None else None
     if found is None:
         node = node or cloud.get_node(name)  # NotFound, with similar names
-        return Endpoints(node.accelerator_type, [_ready_endpoints(name, node)])
+        return Endpoints(node.accelerator_type, [_ready_endpoints(name, node)], [name])
     qr, nodes = found
     ready = []
     for i, n in enumerate(nodes):
@@ -189,7 +197,8 @@ def _fetch(s: settings.Settings, name: str) -> Endpoints:
                 hint=f"`tpurun describe {name}`",
             )
         ready.append(_ready_endpoints(f"{name} (slice {i})", n))
-    return Endpoints(nodes[0].accelerator_type if nodes[0] else "", ready, multislice=True)
+    names = [n.name.rsplit("/", 1)[-1] for n in nodes if n is not None]
+    return Endpoints(nodes[0].accelerator_type if nodes[0] else "", ready, names, multislice=True)
 
 
 def _ready_endpoints(what: str, node: object) -> list[tuple[str, str]]:
@@ -222,4 +231,4 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         SshRunner(workers[i], key_path=keys.key_path(home), known_hosts=keys.known_hosts_path(home), node_name=name)
         for i in chosen
     ]
-    return Target(name, endpoints.accelerator_type, runners, workers, False, cached=cached)
+    return Target(name, endpoints.accelerator_type, runners, workers, False, nodes=endpoints.nodes, cached=cached)

@@ -234,7 +234,7 @@ class _JaxCluster:
 def _add_jax_cluster(base):
     env = os.environ
 
-    class TpurunCluster(base):
+    class TpurunCluster(base):  # type: ignore[misc, valid-type]
         name = "tpurun"
 
         @classmethod
