@@ -256,3 +256,25 @@ def test_a_preempted_slice_relaunches_the_job_on_every_slice(cli, emulator):
     for i in range(2):  # both slices are the new queued resource's, READY
         node = client.get_node(name=emulator.node_name(f"sp-{i}"))
         assert node.state.name == "READY" and node.multislice_node
+
+
+def test_sync_kill_stale_doctor_and_ssh_reach_every_slice(cli):
+    r = cli("create", "hs", "-t", "v4-8", "--slices", "2", "--json")
+    assert r.code == 0, r.err
+    names = ["s0/w0", "s1/w0"]
+    (cli.cwd / "data.txt").write_text("x\n")
+    r = cli("--plain", "sync")
+    assert r.code == 0, r.err
+    assert sorted(line.split("]")[0][1:] for line in r.out.splitlines() if line.startswith("[")) == names
+    r = cli("kill-stale")
+    assert r.code == 0, r.err
+    assert all(f"{n}: nothing holds the TPU" in r.err for n in names), r.err
+    r = cli("doctor", "--json")
+    assert r.code == 0, r.err
+    checks = json.loads(r.out)["checks"]
+    startup = [c for c in checks if c["name"] == "startup script"]
+    assert [c["worker"] for c in startup] == [0, 1] and {c["status"] for c in startup} == {"pass"}, startup
+    r = cli("ssh", "--worker", "s1/w0", "--", "cat", "project/data.txt")
+    assert r.code == 0 and r.out == "x\n", r.err
+    r = cli("exec", "--worker", "s1", "--", "true")
+    assert r.code == 0 and "s0/w0" not in r.err, r.err

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from typing import Annotated, Any
 
 import typer
@@ -24,7 +25,7 @@ from tpurun.job import plan as envc
 from tpurun.topology import parse_accelerator_type
 from tpurun.transport import targets
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
+from tpurun.transport.runner import Runner, worker_names
 from tpurun.transport.streams import run_capture
 from tpurun.transport.targets import Target
 from tpurun.worker import probe as stale
@@ -120,7 +121,7 @@ def kill_stale_cmd(
     workers = []
     for r in target.runners:
         i = r.worker.index
-        entry: dict[str, Any] = {"worker": i, "address": r.worker.address}
+        entry: dict[str, Any] = {"worker": i, "name": r.worker.name, "address": r.worker.address}
         if i in errors:
             entry.update(reachable=False, error=errors[i], free=None, holders=[], locks=[])
         else:
@@ -138,7 +139,7 @@ def kill_stale_cmd(
 def _render_kill_stale(workers: list[dict[str, Any]], dry_run: bool) -> None:
     rows = [
         (
-            f"w{w['worker']}",
+            w["name"],
             h["pid"],
             h["user"],
             ui.age(h["age"]),
@@ -151,11 +152,11 @@ def _render_kill_stale(workers: list[dict[str, Any]], dry_run: bool) -> None:
     ]
     if rows:
         ui.table(None, ["worker", "pid", "user", "age", "command", "holds", "result"], rows)
-    lock_rows = [(f"w{w['worker']}", lk["path"], lk["result"]) for w in workers for lk in w.get("locks", [])]
+    lock_rows = [(w["name"], lk["path"], lk["result"]) for w in workers for lk in w.get("locks", [])]
     if lock_rows:
         ui.table(None, ["worker", "lock file", "result"], lock_rows)
     for w in workers:
-        label = f"w{w['worker']}"
+        label = w["name"]
         for e in w.get("errors", []):
             ui.warn(f"{label}: {e}")
         if not w["reachable"]:
@@ -186,7 +187,7 @@ def _kill_stale_exit(workers: list[dict[str, Any]], dry_run: bool, target: Targe
         return ExitCode.PROGRAM_FAILED
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
     ui.err().print(
-        f"error: the TPU is still held on w{w['worker']} by pid {h['pid']} ({_short(h['command'])}){more}",
+        f"error: the TPU is still held on {w['name']} by pid {h['pid']} ({_short(h['command'])}){more}",
         markup=False,
     )
     return ExitCode.PROGRAM_FAILED
@@ -231,7 +232,7 @@ def doctor_cmd(
             detail = f"reachable, host key pinned ({pinned.split()[0]})" if pinned else "reachable"
             checks.append(dr.check_ssh(i, errors.get(i), detail))
         if reports is not None:
-            log_cmd = f"tpurun ssh --tpu {target.name} --worker {i} -- cat {startup.LOG_PATH}"
+            log_cmd = f"tpurun ssh --tpu {target.name} --worker {r.worker.name} -- cat {startup.LOG_PATH}"
             checks.append(dr.check_startup(i, reports[i] if i < len(reports) else None, log_cmd))
         if i not in probes:
             continue
@@ -245,6 +246,7 @@ def doctor_cmd(
             checks.append(dr.check_clock(i, offset, unc))
     checks += dr.check_same_versions(probes)
     order = {r.worker.index: n for n, r in enumerate(target.runners)}
+    names = worker_names(target.all_workers)
     checks.sort(key=lambda c: order.get(c.worker, 0))  # stable: each worker's rows stay in check order
     total = dr.summary(checks)
     if errors:
@@ -269,7 +271,7 @@ def doctor_cmd(
         ui.table(
             None,
             ["worker", "check", "status", "detail", "fix"],
-            [(f"w{c.worker}", c.name, c.status.upper(), c.detail, c.fix) for c in checks],
+            [(names[c.worker], c.name, c.status.upper(), c.detail, c.fix) for c in checks],
         )
         ui.info(f"{total['pass']} passed, {total['warn']} warnings, {total['fail']} failed")
     raise typer.Exit(code)
@@ -281,10 +283,14 @@ def _startup_reports(target: Target, tpu: str | None) -> list[startup.StartupRep
         return None
     from tpurun.cloud.client import Cloud
 
-    try:
-        attrs = Cloud(settings.resolve({"tpu": tpu})).guest_attributes(target.name, startup.NAMESPACE + "/")
-    except TpurunError as exc:
-        ui.warn(f"cannot read {target.name}'s guest attributes: {exc}")
-        return []
-    n = len(target.all_workers)
-    return [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(n)]
+    cloud = Cloud(settings.resolve({"tpu": tpu}))
+    reports = []
+    sizes = Counter(w.slice for w in target.all_workers)  # workers per slice (one key: None, a plain node)
+    for node, size in zip(target.nodes or [target.name], [sizes[k] for k in sorted(sizes, key=lambda k: -1 if k is None else k)], strict=True):
+        try:
+            attrs = cloud.guest_attributes(node, startup.NAMESPACE + "/")
+        except TpurunError as exc:
+            ui.warn(f"cannot read {node}'s guest attributes: {exc}")
+            return []
+        reports += [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(size)]
+    return reports

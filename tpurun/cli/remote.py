@@ -55,13 +55,15 @@ def exec_cmd(
 def ssh_cmd(
     command: Annotated[list[str] | None, typer.Argument(help="-- CMD [ARGS...] to run instead of a shell.")] = None,
     tpu: TpuOpt = None,
-    worker: Annotated[int, typer.Option("--worker", "-w", help="Worker index.")] = 0,
+    worker: Annotated[str, typer.Option("--worker", "-w", help="Worker index (sS/wN in a multislice TPU).")] = "0",
 ) -> None:
     """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys."""
     s = settings.resolve({"tpu": tpu})
     if not s.tpu.value:
         raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
-    target = targets.resolve(tpu=s.tpu.value, local=False, worker_spec=str(worker))
+    target = targets.resolve(tpu=s.tpu.value, local=False, worker_spec=worker)
+    if len(target.runners) != 1:
+        raise UsageError(f"--worker {worker}: name one worker")
     w = target.runners[0].worker
     home = s.home_path
     argv = [

@@ -101,7 +101,7 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
             status = "failed" if s.error or s.errors else "ok"
             rows.append(
                 (
-                    f"w{s.worker}",
+                    s.name,
                     f"{s.files_sent}/{s.files_total}",
                     _size(s.bytes_sent),
                     s.deleted,
@@ -112,14 +112,14 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
         if ui.is_plain():
             for s, row in zip(stats, rows, strict=True):
                 print(
-                    f"[w{s.worker}] {row[5]}: sent {row[1]} files, {row[2]}, deleted {s.deleted}, {row[4]} -> {s.dest or dest}",
+                    f"[{s.name}] {row[5]}: sent {row[1]} files, {row[2]}, deleted {s.deleted}, {row[4]} -> {s.dest or dest}",
                     flush=True,
                 )
         else:
             ui.table(f"synced to {dest}", ["worker", "files sent", "bytes", "deleted", "time", "result"], rows)
     unreachable = failed = False
     for s in stats:
-        label = f"w{s.worker} ({s.address})"
+        label = f"{s.name} ({s.address})"
         if s.error:
             ui.err().print(f"error: {label}: {s.error}" if not s.unreachable else f"error: {s.error}", markup=False)
             unreachable = unreachable or s.unreachable

@@ -232,6 +232,7 @@ class Interrupted(Exception):
 class WorkerStats:
     worker: int
     address: str
+    name: str = ""  # how output names the worker: w3, or s1/w1 in a multislice TPU
     files_total: int = 0
     files_sent: int = 0
     bytes_sent: int = 0
@@ -494,7 +495,7 @@ def sync_stream(
         if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError) and why == "the connection was lost":
             why = f"{why}: {exc}"
         stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
-        stats.error = f"w{stats.worker} ({stats.address}): {why}" if stats.unreachable else why
+        stats.error = f"{stats.name} ({stats.address}): {why}" if stats.unreachable else why
     finally:
         if fan is not None:
             fan.leave(stats.worker)
@@ -518,7 +519,7 @@ def sync(
     progress = progress or Counters()
     stop = stop or threading.Event()
     spec = ignore.load_spec(src, excludes)
-    stats = {r.worker.index: WorkerStats(r.worker.index, r.worker.address) for r in runners}
+    stats = {r.worker.index: WorkerStats(r.worker.index, r.worker.address, r.worker.name) for r in runners}
     for index, error in (connect_errors or {}).items():
         stats[index].error = error
         stats[index].unreachable = True

@@ -117,14 +117,18 @@ def worker_names(workers: list[Worker]) -> dict[int, str]:
     return {w.index: w.name for w in workers}
 
 
-def parse_worker_spec(spec: str, count: int) -> list[int]:
-    """`all`, `0`, `0,2`, `1-3` (and mixes) -> sorted worker indexes, checked against COUNT."""
+def parse_worker_spec(spec: str, count: int, names: list[str] | None = None) -> list[int]:
+    """`all`, `0`, `0,2`, `1-3` (and mixes) -> sorted worker indexes, checked against COUNT. With NAMES
+    (a multislice TPU's sS/wN), a name selects its worker and `sS` every worker of slice S."""
     text = (spec or "all").strip()
     if text == "all":
         return list(range(count))
     chosen: set[int] = set()
     for part in text.split(","):
         part = part.strip()
+        if names and (part in names or any(n.startswith(part + "/") for n in names)):
+            chosen.update(i for i, n in enumerate(names) if n == part or n.startswith(part + "/"))
+            continue
         try:
             if not part.isascii():
                 raise ValueError  # int() takes '１' (fullwidth) too
@@ -137,7 +141,10 @@ def parse_worker_spec(spec: str, count: int) -> list[int]:
             else:
                 chosen.add(int(part))
         except ValueError:
-            raise UsageError(f"bad --worker '{spec}': use all, N, N,M or N-M (workers are 0..{count - 1})") from None
+            also = ", sS/wN or sS (a slice)" if names else ""
+            raise UsageError(
+                f"bad --worker '{spec}': use all, N, N,M or N-M{also} (workers are 0..{count - 1})"
+            ) from None
     bad = sorted(i for i in chosen if i < 0 or i >= count)
     if bad:
         raise UsageError(f"bad --worker '{spec}': this TPU has workers 0..{count - 1}, not {bad[0]}")

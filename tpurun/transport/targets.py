@@ -225,7 +225,7 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
             address, port = _mapped(external or internal)
             where = slice_id if endpoints.multislice else None
             workers.append(Worker(len(workers), address, port, user, slice=where, host=host))
-    chosen = parse_worker_spec(worker_spec, len(workers))
+    chosen = parse_worker_spec(worker_spec, len(workers), [w.name for w in workers] if endpoints.multislice else None)
     home = s.home_path
     runners: list[Runner] = [
         SshRunner(workers[i], key_path=keys.key_path(home), known_hosts=keys.known_hosts_path(home), node_name=name)
