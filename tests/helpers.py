@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +81,39 @@ def job_pids(emulator, node: str, needle: str, workers: list[int] | None = None)
             if needle in cmd:
                 pids.append(pid)
     return pids
+
+
+def popen(tp, *args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
+    env = {**os.environ, **tp.env}
+    env.pop("TPURUN_TPU", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tpurun", *args],
+        cwd=tp.cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )  # fmt: skip
+
+
+def read_until(proc: subprocess.Popen, predicate, timeout: float = 60) -> list[str]:
+    """Lines of PROC's stdout until PREDICATE(lines) holds."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not predicate(lines):
+        assert time.monotonic() < deadline, lines
+        line = proc.stdout.readline()
+        assert line, (lines, proc.stderr.read() if proc.stderr else "")
+        lines.append(line.rstrip("\n"))
+    return lines
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    """The rest of PROC's stdout and stderr once it exits (through its buffered readers: never
+    `communicate()` after `readline()`, which would skip what the reader already buffered)."""
+    import threading
+
+    box: dict[str, str] = {}
+    t = threading.Thread(target=lambda: box.setdefault("err", proc.stderr.read() if proc.stderr else ""))
+    t.start()
+    out = proc.stdout.read() if proc.stdout else ""
+    proc.wait(timeout=timeout)
+    t.join(timeout)
+    return out, box.get("err", "")

@@ -211,6 +211,9 @@ def launch_rows(launch: dict[str, Any]) -> list[str]:
     for n, row in sorted(launch.items(), key=lambda kv: int(kv[0])):
         t = row["tpurun"]["median"]
         for name, r in row.items():
+            if r.get("failures"):  # a contender that failed (e.g. not installed) has no time worth showing
+                lines.append(f"| {n} | {name} | failed in {r['failures']} of {r['n']} runs | | | | |")
+                continue
             ratio = "" if name == "tpurun" else f"{t / r['median']:.2f}×"
             lines.append(
                 f"| {n} | {name} | {r['median'] * 1000:.0f} | {r['min'] * 1000:.0f}-{r['max'] * 1000:.0f} | {ratio} "

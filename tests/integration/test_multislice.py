@@ -4,17 +4,14 @@ queued resource with multisliceParams makes the slices, and the name stands for 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error, job_pids
+from tests.helpers import assert_clean_error, finish, job_pids, popen, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +61,11 @@ def test_two_slices_of_v4_16_create_exec_describe_delete(cli, emulator):
         )
         assert env["MEGASCALE_SLICE_ID"] == slice_id and env["MEGASCALE_NUM_SLICES"] == "2"
         assert env["MEGASCALE_COORDINATOR_ADDRESS"] == f"{coordinator}:{env['MEGASCALE_PORT']}"
+
+    # attach (another machine would): every slice's host keys pinned again, ssh key already there
+    r = cli("attach", "ms", "--json")
+    assert r.code == 0, r.err
+    assert [w["name"] for w in json.loads(r.out)["workerEndpoints"]] == ["s0/w0", "s0/w1", "s1/w0", "s1/w1"]
 
     desc = json.loads(cli("describe", "ms", "--json").out)
     assert [w["name"] for w in desc["workerEndpoints"]] == ["s0/w0", "s0/w1", "s1/w0", "s1/w1"]
@@ -183,6 +185,23 @@ def test_jax_finds_the_slices_from_the_emulated_vms_as_on_cloud_tpu(cli):
         assert seen["jax_vars"] == []  # on a TPU, nothing that would override jax's own detection
 
 
+def test_detach_and_logs_across_slices(cli):
+    _two_slices(cli, "dl")
+    (cli.cwd / "few.py").write_text(
+        "import os, time\nfor i in range(3):\n    print('line', i, 'of', os.environ['TPURUN_WORKER_ID'], flush=True)\n"
+        "    time.sleep(0.2)\n"
+    )
+    r = cli("train", "few.py", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    r = cli("logs", job, "--follow")
+    assert r.code == 0, r.err
+    by_tag = _by_tag(r.out)
+    assert sorted(by_tag) == TAGS
+    for i, tag in enumerate(TAGS):
+        assert by_tag[tag] == [f"line {n} of {i}" for n in range(3)]
+
+
 def test_dry_run_shows_every_slice(cli):
     _two_slices(cli, "dr")
     (cli.cwd / "t.py").write_text("print(1)\n")
@@ -195,25 +214,24 @@ def test_dry_run_shows_every_slice(cli):
     assert "[s1/w1]" in r.out and "MEGASCALE_NUM_SLICES=2" in r.out
 
 
+def _every_worker(pattern: str):
+    """A read_until predicate: every worker of both slices printed a line starting with PATTERN."""
+
+    def seen(lines: list[str]) -> bool:
+        tags = {m.group(1) for line in lines if (m := re.match(rf"^\[([^\]]+)\] {pattern}", line))}
+        return tags == set(TAGS)
+
+    return seen
+
+
 def test_a_worker_killed_in_one_slice_stops_the_job_on_every_slice(cli, emulator):
     cli.env["TPURUN_PREEMPT_CHECK"] = "3"  # a lost worker on READY slices: look 3 s for a preemption
     _two_slices(cli, "kl")
     (cli.cwd / "tick.py").write_text("import time\nfor i in range(3000):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "train", "tick.py", "--runtime", "cpu", "--launch", "host"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    seen: set[str] = set()
-    deadline = time.monotonic() + 120
-    while seen != set(TAGS) and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        m = re.match(r"^\[([^\]]+)\] tick", line)
-        if m:
-            seen.add(m.group(1))
-    assert seen == set(TAGS)
+    proc = popen(cli, "train", "tick.py", "--runtime", "cpu", "--launch", "host")
+    read_until(proc, _every_worker(r"tick"), timeout=120)
     emulator.kill_worker(emulator.node_name("kl-1"), 0)
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc)
     assert proc.returncode == 4, err
     assert "lost worker s1/w0" in err and "Traceback" not in err, err
     for node in ("kl-0", "kl-1"):
@@ -232,20 +250,10 @@ def test_a_preempted_slice_relaunches_the_job_on_every_slice(cli, emulator):
         "for i in range(3 if n != '0' else 3000):\n"
         "    print(f'n {i} restart {n} slice', os.environ['MEGASCALE_SLICE_ID'], flush=True); time.sleep(0.1)\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "train", "resume.py", "--runtime", "cpu", "--launch", "host",
-         "--max-restarts", "1"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    seen: set[str] = set()
-    deadline = time.monotonic() + 120
-    while seen != set(TAGS) and time.monotonic() < deadline:
-        m = re.match(r"^\[([^\]]+)\] n 2 restart 0", proc.stdout.readline())
-        if m:
-            seen.add(m.group(1))
+    proc = popen(cli, "train", "resume.py", "--runtime", "cpu", "--launch", "host", "--max-restarts", "1")
+    read_until(proc, _every_worker(r"n 2 restart 0"), timeout=120)
     emulator.preempt(emulator.node_name("sp-1"))
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc, 300)
     assert proc.returncode == 0, err
     assert "sp was preempted" in err and "restart 1/1" in err, err
     again = _by_tag(out)

@@ -3,16 +3,14 @@ look at each emulated worker from the host (its process table, its per-core log 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, job_pids, lines_by_core  # noqa: F401  (re-exported for the tests)
+from tests.helpers import create_node, finish, job_pids, lines_by_core, popen, read_until  # noqa: F401  (re-exported for the tests)
 from tests.integration.conftest import Cli, cli  # noqa: F401  (re-exported fixture)
 
 MUTATING = ("POST", "PATCH", "DELETE", "PUT")
@@ -54,42 +52,6 @@ def job_id(err: str) -> str:
     m = re.search(r"job (\d{8}-\d{6}-[0-9a-f]{4})", err)
     assert m, err
     return m.group(1)
-
-
-def popen(tp: Cli, *args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
-    env = {**os.environ, **tp.env}
-    env.pop("TPURUN_TPU", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "tpurun", *args],
-        cwd=tp.cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
-    )  # fmt: skip
-
-
-def read_until(proc: subprocess.Popen, predicate, timeout: float = 60) -> list[str]:
-    """Lines of PROC's stdout until PREDICATE(lines) holds."""
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while not predicate(lines):
-        assert time.monotonic() < deadline, lines
-        line = proc.stdout.readline()
-        assert line, (lines, proc.stderr.read() if proc.stderr else "")
-        lines.append(line.rstrip("\n"))
-    return lines
-
-
-def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
-    """The rest of PROC's stdout and stderr once it exits (through its buffered readers: never
-    `communicate()` after `readline()`, which would skip what the reader already buffered)."""
-    import threading
-
-    box: dict[str, str] = {}
-    t = threading.Thread(target=lambda: box.setdefault("err", proc.stderr.read() if proc.stderr else ""))
-    t.start()
-    out = proc.stdout.read() if proc.stdout else ""
-    proc.wait(timeout=timeout)
-    t.join(timeout)
-    return out, box.get("err", "")
 
 
 def no_mutations(emulator, since: int) -> list[dict]:

@@ -286,6 +286,7 @@ def plan_job(
     local_world = len(slots)
     world_size = num_workers * local_world
     argv = [python, script, *args]
+    single_chip = _single_chip(topology, cores, core) if runtime == "pjrt" and topology else None
     plan: list[list[CoreSpec]] = []
     for worker in range(num_workers):
         specs: list[CoreSpec] = []
@@ -321,7 +322,7 @@ def plan_job(
                     worker_addresses=in_slice,
                     local_rank=local_rank,
                     local_world=local_world,
-                    single_chip=_single_chip(topology, cores, core) if runtime == "pjrt" and topology else None,
+                    single_chip=single_chip,
                     job_id=job_id,
                     tpu_ip=tpu_ip,
                 )
