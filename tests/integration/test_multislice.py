@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -286,3 +287,15 @@ def test_sync_kill_stale_doctor_and_ssh_reach_every_slice(cli):
     assert r.code == 0 and r.out == "x\n", r.err
     r = cli("exec", "--worker", "s1", "--", "true")
     assert r.code == 0 and "s0/w0" not in r.err, r.err
+
+
+def test_ctrl_c_stops_every_slice(cli, emulator):
+    _two_slices(cli, "cc")
+    (cli.cwd / "tick.py").write_text("import time\nfor i in range(3000):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n")
+    proc = popen(cli, "train", "tick.py", "--runtime", "cpu", "--launch", "host")
+    read_until(proc, _every_worker(r"tick"), timeout=120)
+    proc.send_signal(signal.SIGINT)
+    out, err = finish(proc)
+    assert proc.returncode == 130, err
+    for node in ("cc-0", "cc-1"):  # tpurun exits only once every remote process is gone
+        assert job_pids(emulator, node, "tick.py") == [], node

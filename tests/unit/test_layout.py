@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
@@ -16,7 +17,10 @@ def outside_paths() -> list[str]:
     path, whatever lies beside it (notes, tools, other checkouts), and the interpreter's installation."""
     here = ROOT.resolve()
     found = [str(here) + "/"]
-    for sibling in sorted(here.parent.iterdir()) if here.parent != here else []:
+    # beside a checkout in a shared scratch directory (the temp dir, /) lie strangers, not the project's
+    # neighbours: a test's made-up /tmp/x path would match one by chance
+    shared = {Path(tempfile.gettempdir()).resolve(), Path("/")}
+    for sibling in sorted(here.parent.iterdir()) if here.parent not in shared else []:
         if sibling != here:
             found += [f"../{sibling.name}/", f"{sibling}/"]
     base = Path(sys.base_prefix).resolve()
