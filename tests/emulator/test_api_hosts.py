@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 
@@ -112,3 +113,41 @@ def test_delete_leaves_no_processes(emulator, tpu_client, tpu_node):
     with pytest.raises(gx.NotFound):
         tpu_client.get_node(name=node.name)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+VM_CALLS = r"""
+import sys
+import google.auth.compute_engine
+import requests
+from google.api_core import exceptions as gx
+from google.cloud import tpu_v2
+
+endpoint, own, other_parent = sys.argv[1:4]
+
+def client(creds):
+    return tpu_v2.TpuClient(transport="rest", client_options={"api_endpoint": endpoint}, credentials=creds)
+
+vm = client(google.auth.compute_engine.Credentials())  # the VM's service account, from its metadata server
+print("own", vm.get_node(name=own).state.name)
+print("email", vm._transport._credentials.service_account_email)
+try:
+    list(vm.list_nodes(parent=other_parent))
+    print("other-project allowed")
+except gx.GoogleAPICallError as e:
+    print("other-project", e.code)
+# a made-up token (google-auth would refresh on 401 and fail: ask plainly)
+print("bogus-token", requests.get(f"{endpoint}/v2/{own}", headers={"Authorization": "Bearer ya29.bogus"}).status_code)
+"""
+
+
+def test_vm_service_account_token_calls_the_api_for_its_own_project(emulator, tpu_client, tpu_node):
+    """A worker's own credentials, as google-auth gets them on a TPU VM (metadata server token), are
+    accepted by the API within the node's project; a made-up token is not."""
+    node = tpu_node("v4-8")
+    other = node.name.replace(f"projects/{emulator.project}/", "projects/someone-else/").rsplit("/nodes/", 1)[0]
+    r = run(node.ssh(0, "python3", "-c", shlex.quote(VM_CALLS), emulator.endpoint, node.name, other), timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert lines["own"] == "READY"
+    assert lines["email"].endswith("-compute@developer.gserviceaccount.com")
+    assert lines["other-project"] == "403" and lines["bogus-token"] == "401"

@@ -28,6 +28,10 @@ PREFIX = "/computeMetadata/v1"
 _MAX_GUEST_VALUE = 256 * 1024
 
 
+class JsonText(str):
+    """A leaf served as `application/json` (a service account's token, as the real server sends it)."""
+
+
 class MetadataSource(Protocol):
     def tree(self) -> dict[str, Any]:
         """The whole metadata tree of one worker: nested dicts, leaves are strings."""
@@ -112,6 +116,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, json.dumps(_recursive_json(tree, raw_keys=raw)), "application/json")
             else:
                 self._reply(200, "".join(k + ("/" if isinstance(v, dict) else "") + "\n" for k, v in tree.items()))
+        elif isinstance(tree, JsonText):
+            self._reply(200, str(tree), "application/json")
         elif as_json:
             self._reply(200, json.dumps(tree), "application/json")
         else:

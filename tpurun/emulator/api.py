@@ -341,6 +341,8 @@ class _Handler(BaseHTTPRequestHandler):
                 fault = srv.emu.take_fault(self.command, path)
                 if fault is not None:
                     raise fault
+                if self.headers.get("Authorization"):
+                    srv.emu.check_caller(self.headers["Authorization"], path)
             router = srv.api if is_api else srv.admin
             hit = router.match(self.command, path)
             if hit is None:

@@ -50,9 +50,11 @@ emulator process.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -69,7 +71,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tpurun.emulator import procs
-from tpurun.emulator._metadata import MetadataService, parse_ssh_keys
+from tpurun.emulator._metadata import JsonText, MetadataService, parse_ssh_keys
 from tpurun.emulator.tpu_vm import WorkerImage, image_bin, image_paths, worker_image
 
 __all__ = ["WorkerInfo", "WorkerHosts", "GENERATIONS"]
@@ -132,6 +134,9 @@ def _safe_name(key: str) -> str:
     return name
 
 
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+
+
 def _stable_int(text: str, digits: int) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest(), 16) % (10**digits)
 
@@ -180,6 +185,15 @@ class _WorkerSource:
         attrs = dict(node.get_metadata())
         attrs.update(self._hosts._computed_attributes(node, w))
         project_number = str(_stable_int("project:" + node.project, 12))
+        email = f"{project_number}-compute@developer.gserviceaccount.com"
+        account = {
+            "aliases": "default\n",
+            "email": email,
+            "scopes": f"{CLOUD_PLATFORM_SCOPE}\n",
+            "token": JsonText(
+                json.dumps({"access_token": self._hosts.token_for(node.key), "expires_in": 3599, "token_type": "Bearer"})
+            ),
+        }
         return {
             "instance": {
                 "attributes": attrs,
@@ -189,6 +203,8 @@ class _WorkerSource:
                 "zone": f"projects/{project_number}/zones/{node.zone}",
                 "machine-type": f"projects/{project_number}/machineTypes/tpu-vm",
                 "network-interfaces": {"0": {"ip": w.address, "network": "default"}},
+                # the VM's service account: what google-auth's Compute Engine credentials ask for
+                "service-accounts": {"default": account, email: account},
             },
             "project": {"project-id": node.project, "numeric-project-id": project_number},
         }
@@ -224,7 +240,20 @@ class WorkerHosts:
         self._metadata: MetadataService | None = None
         self._closed = False
         self._base = {name: Path(f"/etc/{name}").read_text() for name in ("passwd", "shadow", "group")}
+        self._token_key = secrets.token_bytes(32)  # signs each node's service-account token
         self._base_users = {ln.split(":", 1)[0] for ln in self._base["passwd"].splitlines() if ":" in ln}
+
+    # ------------------------------------------------------------------ service-account tokens
+
+    def token_for(self, node_key: str) -> str:
+        """The access token a node's workers get from their metadata server (stable while the emulator runs)."""
+        return "ya29.emulated." + hmac.new(self._token_key, node_key.encode(), hashlib.sha256).hexdigest()[:40]
+
+    def node_of_token(self, token: str) -> str | None:
+        """The node whose workers were given TOKEN, if it still exists."""
+        with self._lock:
+            keys = list(self._nodes)
+        return next((k for k in keys if hmac.compare_digest(self.token_for(k), token)), None)
 
     # ------------------------------------------------------------------ boot
     def boot_node(

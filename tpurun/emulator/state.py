@@ -11,6 +11,7 @@ booted and stopped through a `WorkerHosts` (hosts.py), which is the only part th
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from google.cloud import tpu_v2
@@ -44,6 +45,29 @@ class Emulator(Queued):
         self.log_event("preempt", rec.node.name)
         self._queued_node_changed(rec)
         return self.node_json(rec)
+
+    def check_caller(self, authorization: str, path: str) -> None:
+        """Who may call the API. A call without credentials is the emulator's own user (tpurun sends none
+        to a local endpoint). A bearer token must be one a node's workers got from their metadata server,
+        and acts within that node's project, as a TPU VM's service account does."""
+        scheme, _, token = authorization.partition(" ")
+        node = self.hosts.node_of_token(token.strip()) if scheme.lower() == "bearer" else None
+        if node is None:
+            raise ApiError(
+                401,
+                "Request had invalid authentication credentials. Expected OAuth 2 access token, login cookie or "
+                "other valid authentication credential.",
+                "UNAUTHENTICATED",
+            )
+        project = node.split("/")[1]
+        m = re.match(r"^/v2/projects/([^/]+)/", path)
+        if m and m.group(1) != project:
+            raise ApiError(
+                403,
+                f"Permission 'tpu.nodes.get' denied on resource 'projects/{m.group(1)}' (the caller is a service "
+                f"account of project {project}).",
+                "PERMISSION_DENIED",
+            )
 
     def kill_worker(self, ref: str, index: int) -> None:
         rec = self._worker_check(ref, index)
