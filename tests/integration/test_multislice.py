@@ -299,3 +299,15 @@ def test_ctrl_c_stops_every_slice(cli, emulator):
     assert proc.returncode == 130, err
     for node in ("cc-0", "cc-1"):  # tpurun exits only once every remote process is gone
         assert job_pids(emulator, node, "tick.py") == [], node
+
+
+def test_no_wait_returns_the_queued_request(cli, emulator):
+    r = cli("create", "nw", "-t", "v4-8", "--slices", "2", "--no-wait", "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    assert d["name"] == "nw" and d["acceleratorType"] == "v4-8" and d["queuedResource"].endswith("/nw")
+    assert cli("delete", "nw", "--yes").code == 0
+    deadline = time.monotonic() + 60
+    while _leftovers(emulator) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _leftovers(emulator) == ([], [])

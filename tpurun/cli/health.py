@@ -232,7 +232,8 @@ def doctor_cmd(
             detail = f"reachable, host key pinned ({pinned.split()[0]})" if pinned else "reachable"
             checks.append(dr.check_ssh(i, errors.get(i), detail))
         if reports is not None:
-            log_cmd = f"tpurun ssh --tpu {target.name} --worker {r.worker.name} -- cat {startup.LOG_PATH}"
+            which = r.worker.name if r.worker.slice is not None else str(i)
+            log_cmd = f"tpurun ssh --tpu {target.name} --worker {which} -- cat {startup.LOG_PATH}"
             checks.append(dr.check_startup(i, reports[i] if i < len(reports) else None, log_cmd))
         if i not in probes:
             continue
@@ -283,14 +284,15 @@ def _startup_reports(target: Target, tpu: str | None) -> list[startup.StartupRep
         return None
     from tpurun.cloud.client import Cloud
 
-    cloud = Cloud(settings.resolve({"tpu": tpu}))
     reports = []
     sizes = Counter(w.slice for w in target.all_workers)  # workers per slice (one key: None, a plain node)
-    for node, size in zip(target.nodes or [target.name], [sizes[k] for k in sorted(sizes, key=lambda k: -1 if k is None else k)], strict=True):
-        try:
+    per_slice = [sizes[k] for k in sorted(sizes, key=lambda k: -1 if k is None else k)]
+    try:
+        cloud = Cloud(settings.resolve({"tpu": tpu}))
+        for node, size in zip(target.nodes or [target.name], per_slice, strict=True):
             attrs = cloud.guest_attributes(node, startup.NAMESPACE + "/")
-        except TpurunError as exc:
-            ui.warn(f"cannot read {node}'s guest attributes: {exc}")
-            return []
-        reports += [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(size)]
+            reports += [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(size)]
+    except TpurunError as exc:
+        ui.warn(f"cannot read {target.name}'s guest attributes: {exc}")
+        return []
     return reports

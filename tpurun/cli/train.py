@@ -481,7 +481,8 @@ def cancel_cmd(
             results[runner.worker.index] = (rc, err)
 
         each(target.runners, one, name="cancel")
-        failures = [f"w{w}: {err.strip() or rc}" for w, (rc, err) in sorted(results.items()) if rc != 0]
+        names = worker_names(target.all_workers)
+        failures = [f"{names[w]}: {err.strip() or rc}" for w, (rc, err) in sorted(results.items()) if rc != 0]
     finally:
         target.close()
     if failures:

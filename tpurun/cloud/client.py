@@ -214,12 +214,15 @@ class Cloud:
         return self.call(f"get {name}", lambda: self.client.get_node(name=self.node_path(name)), node=name)
 
     def find_node(self, name: str) -> tpu_v2.Node | None:
-        try:
-            return self.client.get_node(name=self.node_path(name))
-        except gexc.NotFound:
-            return None
-        except gexc.GoogleAPICallError:
-            return self.get_node(name)  # retried and explained
+        """NAME's node, or None when there is none (other failures retried and explained like `call`)."""
+
+        def get() -> tpu_v2.Node | None:
+            try:
+                return self.client.get_node(name=self.node_path(name))
+            except gexc.NotFound:
+                return None
+
+        return self.call(f"get {name}", get, node=name)
 
     def list_nodes(self) -> list[tpu_v2.Node]:
         return self.call("list nodes", lambda: list(self.client.list_nodes(parent=self.parent)))
@@ -279,6 +282,17 @@ class Cloud:
             f"get queued resource {name}", lambda: self.client.get_queued_resource(name=self.qr_path(name))
         )
 
+    def find_queued_resource(self, name: str) -> tpu_v2.QueuedResource | None:
+        """The queued resource NAME, or None when there is none."""
+
+        def get() -> tpu_v2.QueuedResource | None:
+            try:
+                return self.client.get_queued_resource(name=self.qr_path(name))
+            except gexc.NotFound:
+                return None
+
+        return self.call(f"get queued resource {name}", get)
+
     def delete_queued_resource(self, name: str, *, force: bool = True) -> Any:
         return self.call(
             f"delete queued resource {name}",
@@ -301,7 +315,8 @@ class Cloud:
             on_error=(lambda _exc: on_poll()) if on_poll else None,
         )
         try:
-            return op.result(retry=self._retry(what), polling=polling)
+            # a fresh retry budget for each poll: transient errors spread over a long wait are not summed
+            return op.result(retry=_PerCall(lambda: self._retry(what)), polling=polling)
         except concurrent.futures.TimeoutError:
             raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`") from None
         except gexc.GoogleAPICallError as exc:
@@ -312,6 +327,16 @@ class Cloud:
         while True:
             yield None
             time.sleep(interval)
+
+
+class _PerCall:
+    """A retry policy made anew for each call it wraps (google-api-core applies `retry(func)` per poll)."""
+
+    def __init__(self, make: Callable[[], gretry.Retry]) -> None:
+        self.make = make
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        return self.make()(func)
 
 
 def _unwrap_retry_error(what: str, fn: Callable[[], T]) -> T:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from google.cloud import tpu_v2
 
 from tpurun.cloud.client import Cloud
-from tpurun.errors import ApiError, UsageError
+from tpurun.errors import UsageError
 from tpurun.naming import validate_name
 from tpurun.topology import Topology
 
@@ -63,10 +63,7 @@ def queued_resource(cloud: Cloud, name: str, slices: int, node: tpu_v2.Node) -> 
 
 
 def find_queued_resource(cloud: Cloud, name: str) -> tpu_v2.QueuedResource | None:
-    try:
-        return cloud.get_queued_resource(name)
-    except ApiError:
-        return None
+    return cloud.find_queued_resource(name)
 
 
 def slice_count(qr: tpu_v2.QueuedResource) -> int:

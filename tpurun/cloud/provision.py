@@ -186,7 +186,24 @@ def node_view(node: tpu_v2.Node, reports: list[startup.StartupReport] | None = N
 
 
 def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]) -> NodeView:
-    """The view of a multislice TPU: the queued resource's state, every slice's workers in slice order."""
+    """The view of a multislice TPU: the queued resource's state, every slice's workers in slice order
+    (none yet while it waits: then the node template of its request stands for the slices)."""
+    if not slices:
+        template = qr.tpu.node_spec[0].node
+        return NodeView(
+            name=name,
+            accelerator_type=template.accelerator_type,
+            state=qr_state(qr),
+            health="-",
+            runtime_version=template.runtime_version,
+            workers=[],
+            spot="spot" in qr,
+            preemptible=False,
+            created=None,
+            labels=dict(template.labels),
+            metadata=dict(template.metadata),
+            queued_resource=qr.name,
+        )
     first = slices[0]
     return NodeView(
         name=name,

@@ -393,7 +393,7 @@ class JobRun:
                     o.status = core.get("status", o.status)
             return True
         if event == "failed":
-            self._lose(w, f"w{w}: the agent could not start the job: {rec.get('reason')}")
+            self._lose(w, f"{self.target.all_workers[w].name}: the agent could not start the job: {rec.get('reason')}")
             return True
         return False
 
@@ -636,7 +636,7 @@ def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> 
     if failed:
         raise UnreachableError(
             "could not sync the code: "
-            + "; ".join(f"w{st.worker} ({st.address}): {st.error or st.errors[0]}" for st in failed)
+            + "; ".join(f"{st.name} ({st.address}): {st.error or st.errors[0]}" for st in failed)
         )
     sent = sum(st.files_sent for st in stats)
     out.info(

@@ -211,24 +211,25 @@ class _JaxCluster:
     def find_spec(self, name, path=None, target=None):
         if name != self.PACKAGE:
             return None
-        sys.meta_path.remove(self)
-        import importlib.util
+        try:
+            sys.meta_path.remove(self)
+            import importlib.util
 
-        spec = importlib.util.find_spec(name)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
+            spec = importlib.util.find_spec(name)
+            loader = spec.loader  # type: ignore[union-attr]
+            run = loader.exec_module  # type: ignore[union-attr]
+
+            def exec_module(module):
+                run(module)
+                try:
+                    _add_jax_cluster(module.ClusterEnv)
+                except Exception:
+                    pass  # jax changed: it stays as it was, and the script can pass the values itself
+
+            loader.exec_module = exec_module  # type: ignore[union-attr, method-assign]
             return spec
-        run = loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            try:
-                _add_jax_cluster(module.ClusterEnv)
-            except Exception:
-                pass  # jax changed: it stays as it was, and the script can pass the values itself
-
-        loader.exec_module = exec_module
-        return spec
+        except Exception:
+            return None  # the import system goes on as if we were not here
 
 
 def _add_jax_cluster(base):
@@ -256,6 +257,9 @@ def _add_jax_cluster(base):
         def get_process_id(cls):
             return int(env["JAX_PROCESS_ID"])
 
+    # first: the values tpurun gave win over a cluster jax might also see (a Slurm allocation, say)
+    base._cluster_types.remove(TpurunCluster)
+    base._cluster_types.insert(0, TpurunCluster)
     return TpurunCluster
 
 
