@@ -281,3 +281,18 @@ def test_logs_replays_every_worker_in_time_order(cli):
     out = cli("logs", job).out
     turns = [line.split("] ", 1)[1] for line in out.splitlines() if "] turn " in line]
     assert turns == [f"turn {i} w {w}" for i in range(5) for w in (0, 1)], turns
+
+
+def test_processes_meet_at_internal_addresses_whatever_tpurun_connects_to(cli):
+    """tpurun may reach workers through other addresses (external IPs, a proxy); the processes reach
+    each other inside the VPC, so MASTER_ADDR and the runtime's addresses are the internal ones."""
+    d = create_node(cli, "inner")
+    internal = [w["internalIp"] for w in d["workerEndpoints"]]
+    cli.env["TPURUN_ADDRESS_MAP"] = json.dumps({a: f"127.0.0.1:{2200 + i}" for i, a in enumerate(internal)})
+    (cli.cwd / "t.py").write_text("print(1)\n")
+    r = cli("train", "t.py", "--runtime", "cpu", "--cores", "1", "--dry-run", "--json")
+    assert r.code == 0, r.err
+    rows = json.loads(r.out)["processes"]
+    assert [p["address"] for p in rows] == ["127.0.0.1", "127.0.0.1"]  # where tpurun connects
+    assert {p["env"]["MASTER_ADDR"] for p in rows} == {internal[0]}
+    assert {p["env"]["JAX_COORDINATOR_ADDRESS"] for p in rows} == {f"{internal[0]}:8482"}

@@ -179,7 +179,9 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     extra = dict(spec.env)
     if spec.metrics:
         extra.setdefault("TPURUN_METRICS", "1")
-    addresses = [w.address for w in target.all_workers]
+    # the workers reach each other inside the VPC: internal addresses (external ones take SSH only, by the
+    # default firewall rules), whatever address tpurun itself connects to
+    addresses = [w.internal or w.address for w in target.all_workers]
     slice_size = sum(1 for w in target.all_workers if w.slice == 0) if target.slices > 1 else None
     specs = envc.plan_job(
         job_id=job_id,

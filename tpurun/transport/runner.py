@@ -102,6 +102,7 @@ class Worker:
     user: str = "root"
     slice: int | None = None  # its slice in a multislice TPU
     host: int = 0  # its index in that slice
+    internal: str = ""  # its address inside the VPC, where it differs from the one tpurun connects to
 
     @property
     def name(self) -> str:

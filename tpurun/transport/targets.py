@@ -224,7 +224,7 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         for host, (internal, external) in enumerate(slice_endpoints):
             address, port = _mapped(external or internal)
             where = slice_id if endpoints.multislice else None
-            workers.append(Worker(len(workers), address, port, user, slice=where, host=host))
+            workers.append(Worker(len(workers), address, port, user, slice=where, host=host, internal=internal))
     chosen = parse_worker_spec(worker_spec, len(workers), [w.name for w in workers] if endpoints.multislice else None)
     home = s.home_path
     runners: list[Runner] = [
