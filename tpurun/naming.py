@@ -24,6 +24,11 @@ def validate_name(name: str) -> str:
     )
 
 
+def worker_name(index: int, slice_id: int | None = None) -> str:
+    """How output names a worker: w3, or s1/w1 (INDEX within its slice) in a multislice TPU."""
+    return f"s{slice_id}/w{index}" if slice_id is not None else f"w{index}"
+
+
 # region-zone as Compute Engine names them: us-central2-b, europe-west4-a, asia-northeast1-b
 ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 

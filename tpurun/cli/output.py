@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from tpurun import ui
 from tpurun.errors import ExitCode
 from tpurun.job.plan import process_name
+from tpurun.naming import worker_name
 from tpurun.transport.fanout import RunResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
@@ -36,7 +37,7 @@ class LineWriter:
         return f"\x1b[{code}m[{tag}]\x1b[0m "
 
     def __call__(self, worker: int, stream: str, line: str) -> None:
-        self.write(self.names.get(worker, f"w{worker}"), worker, stream, line)
+        self.write(self.names.get(worker) or worker_name(worker), worker, stream, line)
 
     def write(self, tag: str, index: int, stream: str, line: str) -> None:
         target = sys.stdout if stream == "out" else sys.stderr
@@ -82,7 +83,7 @@ def summarize(results: list[RunResult], interrupted: bool, names: Mapping[int, s
                 status = f"stopped (exit {r.exit_code})"
             else:
                 status = f"exit {r.exit_code}"
-            rows.append((names.get(r.worker, f"w{r.worker}"), status, f"{r.duration:.1f} s"))
+            rows.append((names.get(r.worker) or worker_name(r.worker), status, f"{r.duration:.1f} s"))
         with contextlib.redirect_stdout(sys.stderr):
             ui.table(None, ["worker", "result", "time"], rows)
     if interrupted:
@@ -91,7 +92,7 @@ def summarize(results: list[RunResult], interrupted: bool, names: Mapping[int, s
         return ExitCode.UNREACHABLE
     if failed:
         first = min(failed, key=lambda r: r.duration)
-        where = names.get(first.worker, f"w{first.worker}")
+        where = names.get(first.worker) or worker_name(first.worker)
         ui.err().print(f"error: the command failed on {where} with exit code {first.exit_code}", markup=False)
         return ExitCode.PROGRAM_FAILED
     return ExitCode.OK

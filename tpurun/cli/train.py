@@ -20,6 +20,7 @@ from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.job import launcher as train
 from tpurun.job import plan as envc
 from tpurun.job import records
+from tpurun.naming import worker_name
 from tpurun.transport import targets
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import worker_names
@@ -386,7 +387,7 @@ def logs_cmd(
     if viewer.stop.is_set():
         raise typer.Exit(ExitCode.INTERRUPTED)
     for w, e in sorted(viewer.errors.items()):
-        ui.err().print(f"error: {renderer.names.get(w, f'w{w}')}: {e}", markup=False)
+        ui.err().print(f"error: {renderer.names.get(w) or worker_name(w)}: {e}", markup=False)
     if viewer.errors:
         missing = any("not" in e for e in viewer.errors.values())
         raise typer.Exit(ExitCode.USAGE if missing else ExitCode.UNREACHABLE)

@@ -214,15 +214,20 @@ class Cloud:
         return self.call(f"get {name}", lambda: self.client.get_node(name=self.node_path(name)), node=name)
 
     def find_node(self, name: str) -> tpu_v2.Node | None:
-        """NAME's node, or None when there is none (other failures retried and explained like `call`)."""
+        """NAME's node, or None when there is none."""
+        return self._find(f"get {name}", lambda: self.client.get_node(name=self.node_path(name)), node=name)
 
-        def get() -> tpu_v2.Node | None:
+    def _find(self, what: str, fn: Callable[[], T], *, node: str | None = None) -> T | None:
+        """FN's answer, or None when the API says it does not exist (other failures retried and explained
+        like `call`)."""
+
+        def get() -> T | None:
             try:
-                return self.client.get_node(name=self.node_path(name))
+                return fn()
             except gexc.NotFound:
                 return None
 
-        return self.call(f"get {name}", get, node=name)
+        return self.call(what, get, node=node)
 
     def list_nodes(self) -> list[tpu_v2.Node]:
         return self.call("list nodes", lambda: list(self.client.list_nodes(parent=self.parent)))
@@ -284,14 +289,9 @@ class Cloud:
 
     def find_queued_resource(self, name: str) -> tpu_v2.QueuedResource | None:
         """The queued resource NAME, or None when there is none."""
-
-        def get() -> tpu_v2.QueuedResource | None:
-            try:
-                return self.client.get_queued_resource(name=self.qr_path(name))
-            except gexc.NotFound:
-                return None
-
-        return self.call(f"get queued resource {name}", get)
+        return self._find(
+            f"get queued resource {name}", lambda: self.client.get_queued_resource(name=self.qr_path(name))
+        )
 
     def delete_queued_resource(self, name: str, *, force: bool = True) -> Any:
         return self.call(

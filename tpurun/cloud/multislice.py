@@ -41,7 +41,7 @@ def check_request(name: str, topo: Topology, slices: int) -> None:
 def refuse_taken(cloud: Cloud, name: str, slices: int) -> None:
     """A multislice request spans several resources: say which one of them exists, before asking."""
     taken = [n for n in [name, *slice_ids(name, slices)] if cloud.find_node(n) is not None]
-    if find_queued_resource(cloud, name) is not None:
+    if cloud.find_queued_resource(name) is not None:
         taken.insert(0, f"queued resource {name}")
     if taken:
         raise UsageError(
@@ -62,10 +62,6 @@ def queued_resource(cloud: Cloud, name: str, slices: int, node: tpu_v2.Node) -> 
     return tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]))
 
 
-def find_queued_resource(cloud: Cloud, name: str) -> tpu_v2.QueuedResource | None:
-    return cloud.find_queued_resource(name)
-
-
 def slice_count(qr: tpu_v2.QueuedResource) -> int:
     """How many slices a queued resource asks for: 0 when it is not a multislice request."""
     specs = list(qr.tpu.node_spec) if qr.tpu else []
@@ -74,14 +70,25 @@ def slice_count(qr: tpu_v2.QueuedResource) -> int:
     return 0
 
 
-def slice_nodes(cloud: Cloud, name: str) -> tuple[tpu_v2.QueuedResource, list[tpu_v2.Node | None]] | None:
+# a multislice TPU: its queued resource, and each slice's node in slice order (None where there is none)
+Slices = tuple[tpu_v2.QueuedResource, list[tpu_v2.Node | None]]
+
+
+def slice_nodes(cloud: Cloud, name: str) -> Slices | None:
     """The multislice queued resource NAME and its slices' nodes in slice order (None for one that does
     not exist, yet or any more); None when NAME is not a multislice request."""
-    qr = find_queued_resource(cloud, name)
+    qr = cloud.find_queued_resource(name)
     if qr is None or not slice_count(qr):
         return None
     prefix = qr.tpu.node_spec[0].multislice_params.node_id_prefix or name
     return qr, [cloud.find_node(n) for n in slice_ids(prefix, slice_count(qr))]
+
+
+def find(cloud: Cloud, name: str) -> tuple[tpu_v2.Node | None, Slices | None]:
+    """What the TPU NAME is: (its node, None), or (None, its slices) for a multislice TPU, or (None, None)
+    when neither exists."""
+    node = cloud.find_node(name)
+    return node, (slice_nodes(cloud, name) if node is None else None)
 
 
 def slice_of(node: tpu_v2.Node) -> tuple[str, int] | None:

@@ -21,7 +21,7 @@ from tpurun import config, settings, ui
 from tpurun.cloud import keys, multislice, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
-from tpurun.naming import NAME_RE, validate_name  # noqa: F401  (re-exported)
+from tpurun.naming import NAME_RE, validate_name, worker_name  # noqa: F401  (re-exported)
 from tpurun.topology import Topology, parse_accelerator_type
 
 LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -82,7 +82,7 @@ class WorkerView:
 
     @property
     def name(self) -> str:
-        return f"s{self.slice}/w{self.index}" if self.slice is not None else f"w{self.index}"
+        return worker_name(self.index, self.slice)
 
 
 @dataclass
@@ -486,8 +486,7 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
     """Pin the host keys of NAME's workers (every slice's, for a multislice TPU), add tpurun's key to its
     nodes' ssh-keys, and make NAME this directory's default TPU."""
     validate_name(name)
-    node = cloud.find_node(name)
-    found = multislice.slice_nodes(cloud, name) if node is None else None
+    node, found = multislice.find(cloud, name)
     if found is None:
         nodes = [node or cloud.get_node(name)]  # get_node: NotFound, with similar names
     else:
@@ -529,8 +528,7 @@ def list_nodes(cloud: Cloud) -> list[NodeView]:
 
 def describe(cloud: Cloud, name: str) -> NodeView:
     validate_name(name)
-    node = cloud.find_node(name)
-    found = multislice.slice_nodes(cloud, name) if node is None else None
+    node, found = multislice.find(cloud, name)
     if found is None:
         node = node or cloud.get_node(name)  # NotFound, with similar names
         return node_view(node, _startup_reports(cloud, node))
@@ -565,7 +563,7 @@ def delete(cloud: Cloud, name: str, progress: Callable[[str], None]) -> str | No
         )
     if node is None:
         # maybe only a queued resource of that name: waiting, or a multislice request
-        if multislice.find_queued_resource(cloud, name) is None:
+        if cloud.find_queued_resource(name) is None:
             cloud.get_node(name)  # raises NotFound with similar names
         qr_name = name
     if node is not None:
@@ -581,8 +579,8 @@ def delete(cloud: Cloud, name: str, progress: Callable[[str], None]) -> str | No
 
 def _single_host(cloud: Cloud, name: str, verb: str) -> tpu_v2.Node:
     validate_name(name)
-    node = cloud.find_node(name)
-    if node is None and multislice.slice_nodes(cloud, name) is not None:
+    node, found = multislice.find(cloud, name)
+    if found is not None:
         raise UsageError(
             f"{name} is a multislice TPU; Cloud TPU can {verb} only single-host TPU VMs",
             hint=f"delete it with `tpurun delete {name}` and create it again when needed",
@@ -628,8 +626,8 @@ def until_started(
 def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> CreateResult:
     """Delete a preempted node and create it again with the same settings (for train --max-restarts). A
     multislice TPU is asked for again whole: Cloud TPU gives a queued resource's slices back only together."""
-    old = cloud.find_node(name)
-    if old is None and multislice.slice_nodes(cloud, name) is not None:
+    old, found = multislice.find(cloud, name)
+    if found is not None:
         return _recreate_slices(cloud, s, name, progress)
     old = old or cloud.get_node(name)
     node = _same_node(old)

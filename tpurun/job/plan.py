@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
+from tpurun.naming import worker_name
 from tpurun.topology import MEGASCALE_PORT, Topology
 
 
@@ -600,8 +601,8 @@ print(json.dumps({
 """
 
 
-def process_name(worker: int, core: int, worker_name: str | None = None) -> str:
+def process_name(worker: int, core: int, name: str | None = None) -> str:
     """wN/cM for a chip (or core) process, wN for a host launch's own process: its lines are tagged [name].
-    WORKER_NAME replaces wN (sS/wN in a multislice TPU)."""
-    name = worker_name or f"w{worker}"
+    NAME replaces wN (sS/wN in a multislice TPU)."""
+    name = name or worker_name(worker)
     return name if core == HOST else f"{name}/c{core}"

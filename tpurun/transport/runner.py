@@ -27,6 +27,7 @@ from typing import Any
 
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
+from tpurun.naming import worker_name
 from tpurun.transport._paramiko import paramiko
 from tpurun.transport.streams import LocalPipe, LocalStream, Pipe, SshPipe, SshStream, Stream
 
@@ -107,7 +108,7 @@ class Worker:
     @property
     def name(self) -> str:
         """How output names it: w3, or s1/w1 in a multislice TPU."""
-        return f"s{self.slice}/w{self.host}" if self.slice is not None else f"w{self.index}"
+        return worker_name(self.host if self.slice is not None else self.index, self.slice)
 
     def label(self) -> str:
         return f"{self.name} ({self.address})"

@@ -8,12 +8,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpurun import config, settings
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport.fanout import connect_all
 from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, parse_worker_spec
+
+if TYPE_CHECKING:
+    from google.cloud import tpu_v2  # not at run time: exec and train load the Cloud TPU client only when asked
 
 
 @dataclass
@@ -182,8 +186,7 @@ def _fetch(s: settings.Settings, name: str) -> Endpoints:
     from tpurun.cloud.provision import qr_state
 
     cloud = Cloud(s)
-    node = cloud.find_node(name)
-    found = multislice.slice_nodes(cloud, name) if node is None else None
+    node, found = multislice.find(cloud, name)
     if found is None:
         node = node or cloud.get_node(name)  # NotFound, with similar names
         return Endpoints(node.accelerator_type, [_ready_endpoints(name, node)], [name])
@@ -196,24 +199,23 @@ def _fetch(s: settings.Settings, name: str) -> Endpoints:
                 "cannot be reached",
                 hint=f"`tpurun describe {name}`",
             )
-        ready.append(_ready_endpoints(f"{name} (slice {i})", n))
+        ready.append(_ready_endpoints(name, n, f" (slice {i})"))
     names = [n.name.rsplit("/", 1)[-1] for n in nodes if n is not None]
     return Endpoints(nodes[0].accelerator_type if nodes[0] else "", ready, names, multislice=True)
 
 
-def _ready_endpoints(what: str, node: object) -> list[tuple[str, str]]:
+def _ready_endpoints(name: str, node: tpu_v2.Node, what: str = "") -> list[tuple[str, str]]:
+    """(internal, external) address of each worker of NODE (of the TPU NAME; WHAT says which part of it)."""
     from tpurun.cloud.provision import STATE
 
-    state = STATE(node.state).name  # type: ignore[attr-defined]
+    state = STATE(node.state).name
     if state != "READY":
-        name = what.split()[0]
         raise UnreachableError(
-            f"{what} is {state}, so its workers cannot be reached",
+            f"{name}{what} is {state}, so its workers cannot be reached",
             hint=f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else ""),
         )
     return [
-        (ep.ip_address, ep.access_config.external_ip if ep.access_config else "")
-        for ep in node.network_endpoints  # type: ignore[attr-defined]
+        (ep.ip_address, ep.access_config.external_ip if ep.access_config else "") for ep in node.network_endpoints
     ]
 
 
