@@ -117,3 +117,11 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
     proc.wait(timeout=timeout)
     t.join(timeout)
     return out, box.get("err", "")
+
+
+def calls_since(emulator, before: int) -> list[dict]:
+    """The API requests made since BEFORE, except reads of operations: a command that asked for nothing
+    has no operation to read, while an earlier test's operation may still be polled to its end meanwhile."""
+    return [
+        r for r in emulator.requests(before) if not (r["method"] == "GET" and "/operations/" in r["path"])
+    ]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error, finish, job_pids, popen, read_until
+from tests.helpers import assert_clean_error, calls_since, finish, job_pids, popen, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def test_bad_slices_create_nothing(cli, emulator, args, needle):
     r = cli(*args)
     assert_clean_error(r, 2)
     assert needle in r.err
-    assert emulator.requests(before) == [], "bad input must not reach the API"
+    assert calls_since(emulator, before) == [], "bad input must not reach the API"
 
 
 def test_slices_with_a_name_that_exists_creates_nothing(cli, emulator):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error, create_node
+from tests.helpers import assert_clean_error, calls_since, create_node
 
 pytestmark = pytest.mark.integration
 
@@ -197,7 +197,7 @@ def test_code_too_big_refused_with_sync_hint(cli, emulator):
     assert "tpurun sync" in r.err
     # no API call at all (the log's EVENT lines are the emulator's own background work, e.g. an earlier
     # test's operation finishing, and do not count)
-    assert emulator.requests(before) == []
+    assert calls_since(emulator, before) == []
 
 
 @pytest.mark.parametrize(
@@ -219,7 +219,7 @@ def test_bad_input_creates_nothing(cli, emulator, args, needle):
     r = cli(*args)
     assert_clean_error(r, 2)
     assert needle in r.err
-    assert emulator.requests(before) == [], "bad input must not reach the API"
+    assert calls_since(emulator, before) == [], "bad input must not reach the API"
 
 
 def test_stop_start_single_host_and_refuse_pod(cli, emulator):
