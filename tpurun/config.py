@@ -62,6 +62,12 @@ RETRY_ATTEMPTS = Tunable("TPURUN_RETRY_ATTEMPTS", "6", "attempts of an API call 
 PREEMPT_CHECK = Tunable(
     "TPURUN_PREEMPT_CHECK", "20", "seconds train waits for the API to report a preemption after the workers vanished"
 )
+WATCHDOG_TICK = Tunable(
+    "TPURUN_WATCHDOG_TICK",
+    "30",
+    "seconds between two looks of a TPU's watchdog (autostop, train --down), written into the setting at create "
+    "or `tpurun autostop`; the shortest --autostop is two of them. Testing: 0.5 lets tests use --autostop 2s",
+)
 NODE_CACHE = Tunable("TPURUN_NODE_CACHE", "1", "0: ask the API for a node's workers every time instead of remembering")
 
 # SSH

@@ -1,4 +1,5 @@
-"""Cloud TPU resource names: checked locally, before anything reaches the API."""
+"""What users type for Cloud TPU resources -- names, zones, durations: checked locally, before anything
+reaches the API."""
 
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ def validate_zone(zone: str) -> str:
         f"{zone!r} is not a zone: Cloud TPU zones look like us-central2-b or europe-west4-a "
         "(`gcloud compute tpus locations list` shows them)",
     )
+
+
+def parse_duration(text: str) -> int:
+    """'6h', '30m', '2d', '90s' or seconds -> seconds."""
+    m = re.match(r"^(\d+)([smhd]?)$", text.strip())
+    if not m:
+        raise UsageError(f"invalid duration '{text}': use e.g. 90s, 30m, 6h or 2d")
+    return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]

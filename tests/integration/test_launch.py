@@ -85,14 +85,15 @@ def _train(cli, script: str, *extra: str) -> Run:
 
 
 def _python_left(emulator, node: str) -> list[str]:
-    """Command lines of this Python's processes on the node's workers, but for each worker's init."""
+    """Command lines of this Python's processes on the node's workers, but for each worker's init and the
+    TPU's watchdog (the VM's own, started at boot: not the job's)."""
     found = []
     for pid in job_pids(emulator, node, sys.executable):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "_worker_init.py" not in cmd:
+        if "_worker_init.py" not in cmd and "watchdog.py run" not in cmd:
             found.append(cmd)
     return found
 

@@ -65,6 +65,7 @@ COMMANDS: dict[str, str] = {
     "delete": "nodes:delete_cmd",
     "stop": "nodes:stop_cmd",
     "start": "nodes:start_cmd",
+    "autostop": "nodes:autostop_cmd",
     "exec": "remote:exec_cmd",
     "ssh": "remote:ssh_cmd",
     "sync": "sync:sync_cmd",

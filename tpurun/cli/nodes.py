@@ -1,4 +1,4 @@
-"""Commands of the control plane: create, attach, list, describe, delete, stop, start."""
+"""Commands of the control plane: create, attach, list, describe, delete, stop, start, autostop."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import typer
 from tpurun import settings, ui
 from tpurun.cli.options import JsonOpt, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
-from tpurun.cloud import provision
+from tpurun.cloud import autostop, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import UsageError
-from tpurun.transport import targets
+from tpurun.transport import bundle, targets
 
 
 def cloud_for(project: str | None, zone: str | None) -> tuple[Cloud, settings.Settings]:
@@ -71,6 +71,16 @@ def create_cmd(
     data: Annotated[
         list[str] | None, typer.Option("--data", help="URL[#sha256=HEX]=DEST downloaded at boot (repeatable).")
     ] = None,
+    autostop: Annotated[
+        str | None,
+        typer.Option(
+            help="Delete the TPU (and its queued resource) once every worker has been idle this long, e.g. 30m: "
+            "no tpurun job and no process holding a TPU device. Done by a watchdog on the TPU itself."
+        ),
+    ] = None,
+    autostop_action: Annotated[
+        str | None, typer.Option("--autostop-action", help="delete (default), or stop for a single-host TPU VM.")
+    ] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once the request is accepted.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for READY and startup.")] = 1800.0,
     project: ProjectOpt = None,
@@ -95,6 +105,8 @@ def create_cmd(
         internal_ips=internal_ips,
         code=code,
         data=data or [],
+        autostop=autostop,
+        autostop_action=autostop_action,
         wait=not no_wait,
         timeout=timeout,
     )
@@ -145,7 +157,19 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
         return
     ui.table(
         None,
-        ["name", "accelerator", "state", "health", "workers", "spot/preemptible", "slice of", "age"],
+        [
+            "name",
+            "accelerator",
+            "state",
+            "health",
+            "workers",
+            "spot/preemptible",
+            "slice of",
+            "age",
+            "autostop",
+            "idle",
+            "job",
+        ],
         [
             (
                 v.name,
@@ -156,6 +180,9 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
                 "spot" if v.spot else "preemptible" if v.preemptible else "-",
                 f"{v.slice_of[0]} (s{v.slice_of[1]})" if v.slice_of else "-",
                 v.age(),
+                v.autostop.label() if v.autostop else "-",
+                v.activity.idle_label(),
+                ", ".join(v.activity.jobs) or "-",
             )
             for v in views
         ],
@@ -176,12 +203,19 @@ def describe_cmd(
         ui.print_json(view.to_dict(full=True))
         return
     d = view.to_dict(full=True)
-    rows = [(k, v) for k, v in d.items() if k not in ("workerEndpoints", "metadata", "labels", "slices")]
+    hidden = ("workerEndpoints", "metadata", "labels", "slices", "autostop", "idleSeconds", "jobs", "busy", "watchdog")
+    rows = [(k, v) for k, v in d.items() if k not in hidden]
+    rows.append(("autostop", view.autostop.label() if view.autostop else "-"))
+    act = view.activity
+    rows.append(("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy else "")))
+    rows.append(("jobs", ", ".join(act.jobs) or "-"))
+    rows.append(("watchdog", act.decision or "-"))
     if view.slices:
         rows.append(("slices", ", ".join(f"s{i}: {v.name} ({v.state})" for i, v in enumerate(view.slices))))
     rows.append(("labels", ", ".join(f"{k}={v}" for k, v in view.labels.items()) or "-"))
     for k, v in d["metadata"].items():
-        rows.append((f"metadata {k}", v))
+        if k not in (autostop.KEY, startup.WATCHDOG_KEY):  # shown above; the watchdog's program
+            rows.append((f"metadata {k}", v))
     ui.table(view.name, ["field", "value"], rows)
     _workers_table(view)
 
@@ -232,3 +266,37 @@ def start_cmd(
         ui.print_json(result.view.to_dict(full=True))
         return
     _workers_table(result.view)
+
+
+def autostop_cmd(
+    name: Annotated[str, typer.Argument(help="The TPU (a node, or a multislice TPU).")],
+    idle: Annotated[
+        str, typer.Argument(metavar="IDLE|off", help="How long every worker must be idle first, e.g. 30m, 2h; or off.")
+    ],
+    action: Annotated[
+        str | None,
+        typer.Option(
+            "--action", help="delete, or stop for a single-host TPU VM (default: as set before, else delete)."
+        ),
+    ] = None,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+) -> None:
+    """Delete (or stop) a TPU once it has been idle for IDLE, or turn that off. Idle: no tpurun job on any
+    worker and no process holding a TPU device. A watchdog on the TPU itself acts, with its own credentials."""
+    provision.validate_name(name)
+    seconds = autostop.parse_idle(idle, "autostop")
+    if action is not None:
+        autostop.check_action(action, stoppable=True, what=name)
+    cloud, s = cloud_for(project, zone)
+
+    def start_watchdogs() -> dict[int, str]:
+        target = targets.resolve(tpu=name, local=False, project=cloud.project, zone=cloud.zone)
+        try:
+            return bundle.start_watchdogs(target.runners, target.python())
+        finally:
+            target.close()
+
+    with progress_display() as progress:
+        setting = autostop.configure(cloud, name, seconds, action, progress, start_watchdogs)
+    ui.info(f"{name}: autostop {setting.label()}")

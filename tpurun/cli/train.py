@@ -21,11 +21,10 @@ from tpurun.job import launcher as train
 from tpurun.job import plan as envc
 from tpurun.job import records
 from tpurun.naming import worker_name
-from tpurun.transport import targets
+from tpurun.transport import bundle, targets
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import worker_names
 from tpurun.transport.streams import open_stream, run_capture
-from tpurun.worker import bundle_name
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -94,6 +93,14 @@ def train_cmd(
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = 5.0,
     dest: Annotated[str | None, typer.Option(help="Where the code goes on the workers (default ~/<dir name>).")] = None,
     tpu_ip: Annotated[str | None, typer.Option("--tpu-ip", help="xrt on the old TPU Node architecture.")] = None,
+    down: Annotated[
+        bool,
+        typer.Option(
+            "--down",
+            help="Delete the TPU (and its queued resource) when the job ends, however it ends; for a detached job "
+            "(or if tpurun is gone) the TPU's own watchdog does.",
+        ),
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
@@ -120,6 +127,7 @@ def train_cmd(
         setup=list(setup or []),
         grace=grace,
         tpu_ip=tpu_ip,
+        down=down,
     )
     raise typer.Exit(_run(spec, tpu=tpu, local=local, dest=dest, json_out=json_out))
 
@@ -135,6 +143,8 @@ def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | Non
         finally:
             target.close()
         return ExitCode.OK
+    if spec.down:
+        _arm_down(s, local)
     cancel = threading.Event()
     out = TerminalOutput(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
     with stop_on_signals(cancel):
@@ -148,7 +158,48 @@ def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | Non
             out=out,
             cancel=cancel,
         )
-    return _render(result, json_out)
+    code = _render(result, json_out)
+    if spec.down:
+        code = _down(result, code)
+    return code
+
+
+def _arm_down(s: settings.Settings, local: bool) -> None:
+    """`--down`: a TPU to delete, whose nodes tell its watchdog what to delete should tpurun be gone."""
+    from tpurun.cloud import autostop
+    from tpurun.cloud.client import Cloud
+
+    if local or not s.tpu.value:
+        raise UsageError("--down deletes the TPU the job runs on: give one with --tpu (not with --local)")
+    with progress_display() as progress:
+        autostop.arm_down(Cloud(s), s.tpu.value, progress)
+
+
+def _down(result: train.JobResult, code: int) -> int:
+    """After a `--down` job: delete its TPU, unless the job runs on (detached: its watchdog deletes the TPU
+    when it ends) or never started because another job holds the TPU."""
+    from tpurun.cloud import provision
+    from tpurun.cloud.client import Cloud
+
+    name = result.job.target.name
+    if result.state is train.JobState.DETACHED:
+        ui.info(f"{name} will be deleted when job {result.job.job_id} ends, by the watchdog on the TPU (--down)")
+        return code
+    if result.state is train.JobState.BUSY:
+        ui.warn(f"--down: {name} is kept, another job runs on it")
+        return code
+    s = settings.resolve({"tpu": name})
+    cloud = Cloud(s)
+    try:
+        with progress_display() as progress:
+            provision.take_down(cloud, name, progress)
+    except TpurunError as exc:
+        _error(f"error: --down: {name} was not deleted: {exc.message}")
+        return code or exc.exit_code
+    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)
+    settings.clear_project_setting("tpu", name)
+    ui.info(f"deleted {name} (--down)")
+    return code
 
 
 class TerminalOutput:
@@ -319,8 +370,7 @@ def _record_target(record: records.JobRecord) -> targets.Target:
 
 
 def _agent_argv(record: records.JobRecord, *args: str) -> list[str]:
-    script = 'p=$1; a=$2; shift 2; exec "$p" "$HOME/.tpurun/bin/$a/agent.py" "$@"'
-    return ["sh", "-c", script, "tpurun", record.python, bundle_name(), *args]
+    return bundle.program_argv(record.python, "agent.py", *args)
 
 
 def jobs_cmd(tpu: TpuOpt = None, json_out: JsonOpt = False) -> None:

@@ -97,3 +97,7 @@ def slice_of(node: tpu_v2.Node) -> tuple[str, int] | None:
         return None
     base, _, index = node.name.rsplit("/", 1)[-1].rpartition("-")
     return (node.queued_resource.rsplit("/", 1)[-1], int(index)) if index.isdigit() and base else None
+
+
+def qr_state(qr: tpu_v2.QueuedResource) -> str:
+    return tpu_v2.QueuedResourceState.State(qr.state.state).name

@@ -7,26 +7,25 @@ tail), with host keys pinned from guest attributes and tpurun's key in `ssh-keys
 
 from __future__ import annotations
 
-import datetime as dt
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from google.cloud import tpu_v2
 
-from tpurun import config, settings, ui
-from tpurun.cloud import keys, multislice, startup
+from tpurun import config, settings
+from tpurun.cloud import autostop, keys, multislice, startup
 from tpurun.cloud.client import Cloud
+from tpurun.cloud.multislice import qr_state
+from tpurun.cloud.views import STATE, NodeView, WorkerView, multislice_view, node_view  # noqa: F401
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
-from tpurun.naming import NAME_RE, validate_name, worker_name  # noqa: F401  (re-exported)
+from tpurun.naming import NAME_RE, parse_duration, validate_name, worker_name  # noqa: F401  (re-exported)
 from tpurun.topology import Topology, parse_accelerator_type
 
 LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
-STATE = tpu_v2.Node.State
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:
@@ -40,14 +39,6 @@ def parse_labels(items: list[str]) -> dict[str, str]:
             )
         labels[key] = value
     return labels
-
-
-def parse_duration(text: str) -> int:
-    """'6h', '30m', '2d', '90s' or seconds -> seconds."""
-    m = re.match(r"^(\d+)([smhd]?)$", text.strip())
-    if not m:
-        raise UsageError(f"invalid duration '{text}': use e.g. 90s, 30m, 6h or 2d")
-    return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 @dataclass
@@ -68,162 +59,10 @@ class CreateSpec:
     internal_ips: bool = False
     code: str | None = None  # DIR[:DEST]
     data: list[str] = field(default_factory=list)
+    autostop: str | None = None  # e.g. 30m: the watchdog deletes (or stops) the TPU after that long idle
+    autostop_action: str | None = None
     wait: bool = True
     timeout: float = 1800.0
-
-
-@dataclass
-class WorkerView:
-    index: int
-    internal_ip: str
-    external_ip: str
-    report: startup.StartupReport | None = None
-    slice: int | None = None  # its slice, in a multislice TPU
-
-    @property
-    def name(self) -> str:
-        return worker_name(self.index, self.slice)
-
-
-@dataclass
-class NodeView:
-    """What `list` and `describe` show: one node, with the fields users ask about."""
-
-    name: str
-    accelerator_type: str
-    state: str
-    health: str
-    runtime_version: str
-    workers: list[WorkerView]
-    spot: bool
-    preemptible: bool
-    created: dt.datetime | None
-    labels: dict[str, str]
-    metadata: dict[str, str]
-    queued_resource: str
-    slices: list[NodeView] = field(default_factory=list)  # a multislice TPU: one view per slice
-    slice_of: tuple[str, int] | None = None  # a slice's node: (its multislice TPU, its slice index)
-
-    def age(self) -> str:
-        if not self.created:
-            return "-"
-        return ui.age((dt.datetime.now(dt.timezone.utc) - self.created).total_seconds())
-
-    def to_dict(self, *, full: bool = False) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "name": self.name,
-            "acceleratorType": self.accelerator_type,
-            "state": self.state,
-            "health": self.health,
-            "workers": len(self.workers),
-            "spot": self.spot,
-            "preemptible": self.preemptible,
-            "age": self.age(),
-            "createTime": self.created.isoformat() if self.created else None,
-        }
-        if self.slice_of:
-            d["multislice"] = {"tpu": self.slice_of[0], "slice": self.slice_of[1]}
-        if self.slices:
-            d["slices"] = [v.to_dict(full=full) for v in self.slices]
-        if full:
-            d["runtimeVersion"] = self.runtime_version
-            d["labels"] = self.labels
-            d["queuedResource"] = self.queued_resource
-            d["metadata"] = {k: shorten_metadata(k, v) for k, v in self.metadata.items()}
-            d["workerEndpoints"] = [
-                {
-                    "name": w.name,
-                    "index": w.index,
-                    "internalIp": w.internal_ip,
-                    "externalIp": w.external_ip,
-                    "startup": w.report.status if w.report else "unknown",
-                }
-                for w in self.workers
-            ]
-        return d
-
-
-def shorten_metadata(key: str, value: str) -> str:
-    """ssh-keys shown as user + key type + fingerprint-ish prefix; big values summarised."""
-    if key == "ssh-keys":
-        out = []
-        for line in value.splitlines():
-            user, _, rest = line.partition(":")
-            parts = rest.split()
-            if len(parts) >= 2:
-                out.append(f"{user}:{parts[0]} {parts[1][:12]}…{parts[1][-6:]}")
-        return "\n".join(out)
-    if len(value) > 200:
-        return f"<{len(value)} bytes>"
-    return value
-
-
-def node_view(node: tpu_v2.Node, reports: list[startup.StartupReport] | None = None) -> NodeView:
-    where = multislice.slice_of(node)
-    workers = []
-    for i, ep in enumerate(node.network_endpoints):
-        ext = ep.access_config.external_ip if ep.access_config else ""
-        report = reports[i] if reports and i < len(reports) else None
-        workers.append(WorkerView(i, ep.ip_address, ext, report, slice=where[1] if where else None))
-    created = None
-    if node.create_time:
-        created = node.create_time if node.create_time.tzinfo else node.create_time.replace(tzinfo=dt.timezone.utc)
-    return NodeView(
-        name=node.name.rsplit("/", 1)[-1],
-        accelerator_type=node.accelerator_type,
-        state=STATE(node.state).name,
-        health=tpu_v2.Node.Health(node.health).name if node.health else "-",
-        runtime_version=node.runtime_version,
-        workers=workers,
-        spot=bool(node.scheduling_config.spot),
-        preemptible=bool(node.scheduling_config.preemptible),
-        created=created,
-        labels=dict(node.labels),
-        metadata=dict(node.metadata),
-        queued_resource=node.queued_resource,
-        slice_of=where,
-    )
-
-
-def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]) -> NodeView:
-    """The view of a multislice TPU: the queued resource's state, every slice's workers in slice order
-    (none yet while it waits: then the node template of its request stands for the slices)."""
-    if not slices:
-        template = qr.tpu.node_spec[0].node
-        return NodeView(
-            name=name,
-            accelerator_type=template.accelerator_type,
-            state=qr_state(qr),
-            health="-",
-            runtime_version=template.runtime_version,
-            workers=[],
-            spot="spot" in qr,
-            preemptible=False,
-            created=None,
-            labels=dict(template.labels),
-            metadata=dict(template.metadata),
-            queued_resource=qr.name,
-        )
-    first = slices[0]
-    return NodeView(
-        name=name,
-        accelerator_type=first.accelerator_type,
-        state=qr_state(qr),
-        health=first.health if all(v.health == first.health for v in slices) else "mixed",
-        runtime_version=first.runtime_version,
-        workers=[w for v in slices for w in v.workers],
-        spot=first.spot,
-        preemptible=first.preemptible,
-        created=first.created,
-        labels=first.labels,
-        metadata=first.metadata,
-        queued_resource=qr.name,
-        slices=slices,
-    )
-
-
-def qr_state(qr: tpu_v2.QueuedResource) -> str:
-    return tpu_v2.QueuedResourceState.State(qr.state.state).name
 
 
 # ---------------------------------------------------------------------------- progress
@@ -251,8 +90,11 @@ class CreateResult:
     reports: list[startup.StartupReport]
 
 
-def prepare_create(spec: CreateSpec) -> tuple[Topology, dict[str, str], dict[str, str], int | None]:
-    """Everything that can be checked without the API: returns topology, metadata, labels, valid-until."""
+def prepare_create(
+    spec: CreateSpec, cloud: Cloud | None = None
+) -> tuple[Topology, dict[str, str], dict[str, str], int | None]:
+    """Everything that can be checked without the API: returns topology, metadata, labels, valid-until.
+    (Without CLOUD, the watchdog's setting is made for a stand-in project: the same checks, before settings.)"""
     validate_name(spec.name)
     topo = parse_accelerator_type(spec.accelerator_type)
     if spec.spot and spec.preemptible:
@@ -280,14 +122,22 @@ def prepare_create(spec: CreateSpec) -> tuple[Topology, dict[str, str], dict[str
         if not cmd.strip():
             raise UsageError("--setup needs a command")
     labels = parse_labels(spec.labels)
-    metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data)
+    idle = autostop.parse_idle(spec.autostop) if spec.autostop else 0
+    if spec.autostop_action and not spec.autostop:
+        raise UsageError("--autostop-action needs --autostop")
+    action = spec.autostop_action or "delete"
+    stoppable = not topo.multi_host and not spec.queued and spec.slices == 1
+    autostop.check_action(action, stoppable=stoppable, what=f"{spec.name} ({topo.name})")
+    nodes = multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
+    watch = autostop.metadata(cloud, nodes, idle, action)
+    metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
     return topo, metadata, labels, valid_until
 
 
 def create(
     cloud: Cloud, s: settings.Settings, spec: CreateSpec, progress: Callable[[str], None]
 ) -> CreateResult | NodeView:
-    topo, metadata, labels, valid_until = prepare_create(spec)
+    topo, metadata, labels, valid_until = prepare_create(spec, cloud)
     home = s.home_path
     _, public = keys.ensure_key(home)
     metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
@@ -523,7 +373,9 @@ def _attach_node(cloud: Cloud, home: Path, node: tpu_v2.Node, progress: Callable
 
 
 def list_nodes(cloud: Cloud) -> list[NodeView]:
-    return [node_view(n) for n in sorted(cloud.list_nodes(), key=lambda n: n.name)]
+    nodes = sorted(cloud.list_nodes(), key=lambda n: n.name)
+    acts = autostop.activities(cloud, [[n] for n in nodes])
+    return [node_view(n, activity=a) for n, a in zip(nodes, acts, strict=True)]
 
 
 def describe(cloud: Cloud, name: str) -> NodeView:
@@ -531,12 +383,14 @@ def describe(cloud: Cloud, name: str) -> NodeView:
     node, found = multislice.find(cloud, name)
     if found is None:
         node = node or cloud.get_node(name)  # NotFound, with similar names
-        return node_view(node, _startup_reports(cloud, node))
+        return node_view(node, _startup_reports(cloud, node), autostop.activity(cloud, [node]))
     qr, nodes = found
     views = [node_view(n, _startup_reports(cloud, n)) for n in nodes if n is not None]
     if not views:
         raise ApiError(f"{name}: the queued resource is {qr_state(qr)} and none of its slices exists yet")
-    return multislice_view(name, qr, views)
+    view = multislice_view(name, qr, views)
+    view.activity = autostop.activity(cloud, [n for n in nodes if n is not None])
+    return view
 
 
 def _startup_reports(cloud: Cloud, node: tpu_v2.Node) -> list[startup.StartupReport] | None:
@@ -575,6 +429,27 @@ def delete(cloud: Cloud, name: str, progress: Callable[[str], None]) -> str | No
         op = cloud.delete_queued_resource(qr_name)
         cloud.wait(f"delete queued resource {qr_name}", op, timeout=1800)
     return qr_name or None
+
+
+def take_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
+    """`train --down` after its job: delete NAME as `delete` does. The TPU's watchdog may have begun that
+    already (a client that came back late); then wait until NAME is gone."""
+    try:
+        delete(cloud, name, progress)
+        return
+    except ApiError:
+        node, found = multislice.find(cloud, name)
+        states = [STATE(n.state).name for n in [node, *(found[1] if found else [])] if n is not None]
+        states += [qr_state(found[0])] if found else []
+        if states and "DELETING" not in states:
+            raise
+    deadline = time.monotonic() + 1800
+    for _ in cloud.iter_poll():
+        if multislice.find(cloud, name) == (None, None):
+            return
+        progress(f"{name}: DELETING (by its watchdog)")
+        if time.monotonic() > deadline:
+            raise ApiError(f"{name} is still being deleted after 1800 s", hint="`tpurun list` shows its state")
 
 
 def _single_host(cloud: Cloud, name: str, verb: str) -> tpu_v2.Node:

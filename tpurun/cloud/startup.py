@@ -24,6 +24,7 @@ USER_SCRIPT_KEY = "tpurun-user-script"
 SETUP_KEY = "tpurun-setup"
 CODE_KEY = "tpurun-code"
 DATA_KEY = "tpurun-data"
+WATCHDOG_KEY = "tpurun-watchdog"  # the worker bundle, whose watchdog.py the wrapper starts (cloud/autostop.py)
 DEFAULT_CODE_DEST = "/tmp/tpurun/code"
 # Compute Engine's metadata limits: one value at most 256 KiB, all metadata together under 512 KB
 MAX_VALUE = 256 * 1024
@@ -74,9 +75,11 @@ def compose_metadata(
     setup: list[str],
     code: str | None,
     data: list[DataItem],
+    extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """Metadata entries carrying the startup wrapper and its inputs."""
-    md = {"startup-script": wrapper_script()}
+    """Metadata entries carrying the startup wrapper and its inputs (and EXTRA: the watchdog's, which the
+    wrapper starts if WATCHDOG_KEY is there), checked against the metadata limits."""
+    md = {"startup-script": wrapper_script(), **(extra or {})}
     if user_script:
         md[USER_SCRIPT_KEY] = user_script
     if setup:
@@ -170,11 +173,18 @@ if [ "$RC" -ne 0 ]; then
 else
   ga startup-status done
 fi
+# The TPU's watchdog (autostop, train --down), once the steps are done, whatever they did.
+if md @WATCHDOG_KEY@ > "$WORK/watchdog" 2>/dev/null; then
+  rm -rf "$WORK/watchdog.d"; mkdir -p "$WORK/watchdog.d"
+  { base64 -d "$WORK/watchdog" | tar -xz -C "$WORK/watchdog.d" && python3 "$WORK/watchdog.d/watchdog.py" ensure; } \
+    >>"$LOG" 2>&1 || echo "tpurun: the watchdog did not start" >>"$LOG"
+fi
 exit "$RC"
 """.replace("@CODE_KEY@", CODE_KEY)
     .replace("@DATA_KEY@", DATA_KEY)
     .replace("@SETUP_KEY@", SETUP_KEY)
     .replace("@USER_KEY@", USER_SCRIPT_KEY)
+    .replace("@WATCHDOG_KEY@", WATCHDOG_KEY)
 )
 
 

@@ -336,13 +336,14 @@ class _Handler(BaseHTTPRequestHandler):
         is_api = not path.startswith(ADMIN_PREFIX)
         status: int = 200
         payload: Any = {}
+        caller = "user"  # the emulator's own user: a call without credentials
         try:
             if is_api:
                 fault = srv.emu.take_fault(self.command, path)
                 if fault is not None:
                     raise fault
                 if self.headers.get("Authorization"):
-                    srv.emu.check_caller(self.headers["Authorization"], path)
+                    caller = srv.emu.check_caller(self.headers["Authorization"], path)
             router = srv.api if is_api else srv.admin
             hit = router.match(self.command, path)
             if hit is None:
@@ -373,7 +374,7 @@ class _Handler(BaseHTTPRequestHandler):
             detail = parts.query
             if status >= 400:
                 detail = (detail + " " if detail else "") + str(payload.get("error", {}).get("message", ""))
-            srv.emu.log_request(self.command, path, status, detail)
+            srv.emu.log_request(self.command, path, status, detail, caller)
 
     do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _dispatch
 

@@ -377,4 +377,5 @@ def requests_cmd(state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> No
         ui.print_json(log)
         return
     for r in log:
-        print(f"{r['time']} {r['status']} {r['method']} {r['path']} {r['detail']}".rstrip())
+        caller = "" if r.get("caller", "user") == "user" else f" [{r['caller']}]"
+        print(f"{r['time']} {r['status']} {r['method']} {r['path']}{caller} {r['detail']}".rstrip())

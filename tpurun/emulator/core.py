@@ -92,11 +92,11 @@ class Core:
     def log_event(self, kind: str, message: str) -> None:
         self.log_request("EVENT", kind, 0, message)
 
-    def log_request(self, method: str, path: str, status: int, detail: str = "") -> None:
+    def log_request(self, method: str, path: str, status: int, detail: str = "", caller: str = "user") -> None:
+        entry = {"time": now_rfc3339(), "method": method, "path": path, "status": status, "detail": detail}
+        entry["caller"] = caller
         with self.lock:
-            self.request_log.append(
-                {"time": now_rfc3339(), "method": method, "path": path, "status": status, "detail": detail}
-            )
+            self.request_log.append(entry)
             del self.request_log[: -self.config.request_log_size]
 
     def _persist_pids(self) -> None:

@@ -46,10 +46,11 @@ class Emulator(Queued):
         self._queued_node_changed(rec)
         return self.node_json(rec)
 
-    def check_caller(self, authorization: str, path: str) -> None:
+    def check_caller(self, authorization: str, path: str) -> str:
         """Who may call the API. A call without credentials is the emulator's own user (tpurun sends none
         to a local endpoint). A bearer token must be one a node's workers got from their metadata server,
-        and acts within that node's project, as a TPU VM's service account does."""
+        and acts within that node's project, as a TPU VM's service account does. Returns the caller as the
+        request log names it: `vm:NODE`."""
         scheme, _, token = authorization.partition(" ")
         node = self.hosts.node_of_token(token.strip()) if scheme.lower() == "bearer" else None
         if node is None:
@@ -68,6 +69,7 @@ class Emulator(Queued):
                 f"account of project {project}).",
                 "PERMISSION_DENIED",
             )
+        return f"vm:{node}"
 
     def kill_worker(self, ref: str, index: int) -> None:
         rec = self._worker_check(ref, index)

@@ -28,13 +28,14 @@ from tpurun.job import setup as job_setup
 from tpurun.job.records import JobRecord, RecordStream, new_job_id
 from tpurun.sync import sender
 from tpurun.topology import Topology, parse_accelerator_type
+from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, worker_names
 from tpurun.transport.streams import Stream, open_stream, run_capture
 from tpurun.transport.targets import Target
-from tpurun.worker import bundle_name, bundle_tar
+from tpurun.worker import bundle_name
 
-AGENT_MISSING = 93  # exit code of the start command when the agent file is not on the worker yet
+AGENT_MISSING = bundle.MISSING  # exit code of the start command when the agent file is not on the worker yet
 
 # Runs on each worker: agent present? start the job (spec from $2, base64), then stream its records
 # with our stdin as the lifeline (exec: the stream process *is* the channel's command).
@@ -44,13 +45,6 @@ _START_AND_STREAM = (
     '[ "$5" = detach ] && exit 0; '
     'exec "$3" "$f" stream "$4" --follow --attached'
 )
-# The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
-# and of two concurrent installs the second finds the first's and drops its own.
-_INSTALL_AGENT = (
-    'd="$HOME/.tpurun/bin/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -xf - -C "$t" || { rm -rf "$t"; exit 1; }; '
-    '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
-)
-
 HINTS = [
     (
         "Missing XLA configuration",
@@ -111,6 +105,7 @@ class TrainSpec:
     grace: float = 5.0
     master_port: int = 12355
     tpu_ip: str | None = None
+    down: bool = False  # delete the TPU when the job ends (the TPU's watchdog does, if tpurun is gone)
 
 
 @dataclass
@@ -254,6 +249,7 @@ class JobRun:
         pre: Callable[[int], list[list[str]]],
         launch: str,
         cancel: threading.Event | None = None,
+        down: bool = False,
     ) -> None:
         self.target = target
         self.job_id = job_id
@@ -265,6 +261,7 @@ class JobRun:
         self.grace = grace
         self.pre = pre
         self.launch = launch
+        self.down = down
         self.cancel = cancel or threading.Event()  # set by the caller (Ctrl-C): stop the job everywhere
         self.outcomes: dict[tuple[int, int], CoreOutcome] = {
             (c.worker, c.core): CoreOutcome(c.worker, c.core) for per in specs for c in per
@@ -281,6 +278,7 @@ class JobRun:
             "job_id": self.job_id,
             "worker": worker,
             "detach": self.detach,
+            "down": self.down,
             "grace": self.grace,
             "pre_commands": self.pre(worker),
             "launch": self.launch,
@@ -292,18 +290,13 @@ class JobRun:
         mode = "detach" if self.detach else "attach"
         return ["sh", "-c", _START_AND_STREAM, "tpurun", bundle_name(), spec, self.python, self.job_id, mode]
 
-    def install_agent(self, runner: Runner) -> None:
-        rc, _, err = run_capture(runner, ["sh", "-c", _INSTALL_AGENT, "tpurun", bundle_name()], stdin=bundle_tar())
-        if rc != 0:
-            raise UnreachableError(f"cannot install tpurun's agent on worker {runner.worker.label()}: {err.strip()}")
-
     def _worker(self, runner: Runner) -> None:
         w = runner.worker.index
         try:
             stream = open_stream(runner, self._command(w))
             if self._pump(w, stream) == AGENT_MISSING:
                 # first job on this worker (or a new tpurun version): ship the agent, then start again
-                self.install_agent(runner)
+                bundle.install(runner)
                 self._pump(w, open_stream(runner, self._command(w)))
         except TpurunError as exc:
             self._lose(w, str(exc))
@@ -556,6 +549,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         pre=lambda w: envc.pre_commands(topo, job.plan.runtime, w, job.python),
         launch=job.plan.launch,
         cancel=cancel,
+        down=spec.down,
     )
     run.run()
     return JobResult(job, _state(run, job, cancel), run=run)

@@ -183,7 +183,7 @@ def _fetch(s: settings.Settings, name: str) -> Endpoints:
     """Where NAME's workers are (every slice's, for a multislice TPU), if each of its nodes is READY."""
     from tpurun.cloud import multislice
     from tpurun.cloud.client import Cloud
-    from tpurun.cloud.provision import qr_state
+    from tpurun.cloud.multislice import qr_state
 
     cloud = Cloud(s)
     node, found = multislice.find(cloud, name)

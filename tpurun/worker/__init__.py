@@ -1,11 +1,14 @@
 """The programs tpurun ships to workers, stdlib only: the job agent (agent.py, run there with `python3
-agent.py ...`) and the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py), which
-ship as one bundle (below); kill-stale and doctor's probe (probe.py) and sync's receiving end
-(sync_helper.py), which travel inline on the command line."""
+agent.py ...`), the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py) and the
+TPU's watchdog (watchdog.py), which ship as one bundle (below; the watchdog also rides in the startup
+metadata); kill-stale and doctor's probe (probe.py, in the bundle for the watchdog too) and sync's
+receiving end (sync_helper.py), which travel inline on the command line."""
 
 from __future__ import annotations
 
+import base64
 import functools
+import gzip
 import hashlib
 import io
 import tarfile
@@ -14,7 +17,7 @@ from pathlib import Path
 WORKER_DIR = Path(__file__).parent
 AGENT_PATH = WORKER_DIR / "agent.py"
 # Installed on each worker under ~/.tpurun/bin/<bundle_name()>/ with these relative paths.
-BUNDLE = ("agent.py", "agent_files.py", "agent_supervisor.py", "hook/sitecustomize.py")
+BUNDLE = ("agent.py", "agent_files.py", "agent_supervisor.py", "hook/sitecustomize.py", "probe.py", "watchdog.py")
 
 
 @functools.cache
@@ -41,3 +44,9 @@ def bundle_tar() -> bytes:
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+@functools.cache
+def bundle_metadata() -> str:
+    """The bundle as the startup wrapper finds it in metadata: a gzip'd tar, base64."""
+    return base64.b64encode(gzip.compress(bundle_tar(), compresslevel=9, mtime=0)).decode()

@@ -31,6 +31,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -50,6 +51,7 @@ from agent_files import (
     now,
     pid_alive,
     read_json,
+    running_jobs,
     signal_group,
     signal_pids,
     write_json_atomic,
@@ -57,21 +59,6 @@ from agent_files import (
 from agent_supervisor import Supervisor
 
 # ---------------------------------------------------------------- commands
-
-
-def _running_jobs(exclude: str) -> list[str]:
-    root = agent_root()
-    found = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if name == exclude:
-            continue
-        st = read_json(os.path.join(root, name, "state.json"))
-        if not st or st.get("status") in TERMINAL:
-            continue
-        starting = st.get("status") == "starting" and now() - float(st.get("started_at") or 0) < 120
-        if starting or pid_alive(st.get("supervisor_pid")):
-            found.append(name)
-    return found
 
 
 def cmd_start(args) -> int:
@@ -88,7 +75,7 @@ def cmd_start(args) -> int:
     with open(os.path.join(agent_root(), ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two concurrent starts must not both see "nothing running"
         if not spec.get("allow_concurrent"):
-            busy = _running_jobs(exclude=str(spec["job_id"]))
+            busy = running_jobs(agent_root(), exclude=str(spec["job_id"]))
             if busy:
                 sys.stderr.write(
                     f"job {busy[0]} is still running on this worker: `tpurun cancel {busy[0]}` first, or wait\n"
@@ -133,6 +120,11 @@ def cmd_start(args) -> int:
         tail = _tail(os.path.join(jdir, "supervisor.log"))
         raise AgentError(f"the supervisor of job {spec['job_id']} died while starting: {tail}", code=1)
     msg = json.loads(line)
+    if spec.get("down") and msg.get("event") == "started":
+        # `train --down`: the TPU's watchdog deletes it once this job has ended, even with no client left
+        here = os.path.dirname(os.path.abspath(__file__))
+        dn = subprocess.DEVNULL
+        subprocess.call([sys.executable, os.path.join(here, "watchdog.py"), "ensure"], stdin=dn, stdout=dn, stderr=dn)
     print(json.dumps(msg), flush=True)
     return 0 if msg.get("event") == "started" else 1
 

@@ -160,6 +160,21 @@ def now() -> float:
     return time.time()
 
 
+def running_jobs(root: str, exclude: str = "") -> list[str]:
+    """Jobs under ROOT (an agent root's jobs directory) that are starting or whose supervisor lives."""
+    found = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if name == exclude:
+            continue
+        st = read_json(os.path.join(root, name, "state.json"))
+        if not st or st.get("status") in TERMINAL:
+            continue
+        starting = st.get("status") == "starting" and now() - float(st.get("started_at") or 0) < 120
+        if starting or pid_alive(st.get("supervisor_pid")):
+            found.append(name)
+    return found
+
+
 def watch_exit(on_end: Callable[[int], None], pid: int) -> None:
     """Note when PID ends, at once where Linux gives a pidfd (3.9+): which of several chip processes
     ended first decides which one the job's failure is blamed on."""

@@ -1,0 +1,106 @@
+"""The pure parts of autostop: parsing the idle period, the setting in metadata, and how the watchdog
+judges the workers' published states (the watchdog itself runs in tests/integration/test_autostop.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from tpurun.cloud import autostop
+from tpurun.errors import UsageError
+from tpurun.worker import watchdog as wd
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("2h", 7200), ("1d", 86400), ("off", 0)])
+def test_parse_idle(text, seconds, monkeypatch):
+    monkeypatch.delenv("TPURUN_WATCHDOG_TICK", raising=False)
+    assert autostop.parse_idle(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("0", "longer than 0"),
+        ("0m", "longer than 0"),
+        ("30", "give a unit, e.g. 30m"),
+        ("5x", "not a duration"),
+        ("", "not a duration"),
+        ("59s", "the shortest idle period is 1m"),
+    ],
+)
+def test_parse_idle_refuses(text, says, monkeypatch):
+    monkeypatch.delenv("TPURUN_WATCHDOG_TICK", raising=False)
+    with pytest.raises(UsageError) as e:
+        autostop.parse_idle(text)
+    assert says in e.value.message
+
+
+def test_the_test_setting_lowers_the_shortest_period(monkeypatch):
+    monkeypatch.setenv("TPURUN_WATCHDOG_TICK", "0.5")
+    assert autostop.parse_idle("1s") == 1
+    with pytest.raises(UsageError):
+        autostop.parse_idle("0s")
+
+
+def test_stop_only_where_cloud_tpu_can_stop():
+    autostop.check_action("stop", stoppable=True, what="a")
+    autostop.check_action("delete", stoppable=False, what="a")
+    with pytest.raises(UsageError, match="single-host"):
+        autostop.check_action("stop", stoppable=False, what="a (v4-16)")
+    with pytest.raises(UsageError, match="choose delete or stop"):
+        autostop.check_action("shrink", stoppable=True, what="a")
+
+
+def test_setting_round_trip(monkeypatch):
+    monkeypatch.setenv("TPURUN_WATCHDOG_TICK", "7")
+    md = autostop.metadata(None, ["a-0", "a-1"], 1800, "delete")
+    value = json.loads(md[autostop.KEY])
+    assert value["nodes"] == ["projects/-/locations/-/nodes/a-0", "projects/-/locations/-/nodes/a-1"]
+    assert value["tick"] == 7.0 and value["idle"] == 1800
+    assert autostop.read(md) == autostop.Setting(1800, "delete")
+    assert autostop.read(md).label() == "delete after 30m idle"
+    assert autostop.read({autostop.KEY: json.dumps({**value, "idle": 0})}).label() == "off"
+    assert autostop.read({}) is None and autostop.read({autostop.KEY: "not json"}) is None
+
+
+def test_summarize_idle_since_the_last_worker_became_idle():
+    now = 1000.0
+    states = [("w0", {"t": 999, "idle_since": 900, "jobs": []}), ("w1", {"t": 999.5, "idle_since": 950, "jobs": []})]
+    assert wd.summarize(states, now, tick=30) == ([], [], 950)
+
+
+def test_summarize_busy_and_silent_workers():
+    now = 1000.0
+    states = [
+        ("w0", {"t": 999, "idle_since": None, "jobs": ["j1"], "holders": 0}),
+        ("w1", {"t": 999, "idle_since": None, "jobs": [], "holders": 2}),
+        ("w2", {"t": 900, "idle_since": 100, "jobs": []}),  # last report 100 s ago: 3 looks of 30 s missed
+        ("w3", None),  # never reported
+    ]
+    running, busy, _ = wd.summarize(states, now, tick=30)
+    assert running == ["w0 runs job j1", "w2 has not reported", "w3 has not reported"]
+    assert busy == ["w1: 2 process(es) hold the TPU"]
+
+
+def test_tpu_env_value_and_duration():
+    text = "ACCELERATOR_TYPE: 'v4-16'\nMEGASCALE_SLICE_ID: '1'\nZONE: 'us-central2-b'\n"
+    assert wd.tpu_env_value(text, "MEGASCALE_SLICE_ID") == "1"
+    assert wd.tpu_env_value(text, "MISSING") == ""
+    assert [wd.duration(s) for s in (1, 60, 90, 3600, 86400, 5400)] == ["1s", "1m", "90s", "1h", "1d", "90m"]
+
+
+def test_down_jobs_waits_for_the_settle_time_and_runs_once(tmp_path):
+    root = tmp_path / "jobs"
+    for name, down in (("a", True), ("b", False), ("c", True)):
+        (root / name).mkdir(parents=True)
+        (root / name / "spec.json").write_text(json.dumps({"job_id": name, "down": down}))
+        (root / name / "state.json").write_text(json.dumps({"status": "finished"}))
+    old = time.time() - 10
+    os.utime(root / "a" / "state.json", (old, old))
+    assert wd.down_jobs([str(root)], running=[], settle=5) == [str(root / "a")]  # c ended just now
+    assert wd.down_jobs([str(root)], running=["a"], settle=5) == []
+    (root / "a" / wd.DOWN_DONE).touch()
+    assert wd.down_jobs([str(root)], running=[], settle=0) == [str(root / "c")]

@@ -1,0 +1,258 @@
+"""A TPU's autostop setting, and what its watchdog reports: the client side of tpurun/worker/watchdog.py.
+
+The setting is node metadata `tpurun-autostop` (JSON: idle seconds or 0 for off, the action, the nodes
+watched, the API endpoint the watchdog calls, its tick). The startup wrapper starts the watchdog on
+every worker of a node tpurun created; for any other node, `tpurun autostop` and `train --down` start
+it over SSH. Every worker's watchdog reads the setting again at each tick, so changing the metadata
+changes it in place. What the watchdogs publish (guest attributes tpurun/watch and tpurun/watchdog) is
+read back here for `list` and `describe`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.cloud import tpu_v2
+
+from tpurun import config, ui
+from tpurun.cloud import multislice, startup
+from tpurun.cloud.client import Cloud
+from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
+from tpurun.naming import parse_duration, validate_name
+from tpurun.topology import parse_accelerator_type
+from tpurun.worker import bundle_metadata
+from tpurun.worker import watchdog as wd
+
+KEY = wd.CONFIG_KEY
+ACTIONS = ("delete", "stop")
+MIN_TICKS = 2  # an idle period shorter than two looks could not be told from a pause between jobs
+
+
+def tick() -> float:
+    return config.WATCHDOG_TICK.number()
+
+
+def parse_idle(text: str, option: str = "--autostop") -> int:
+    """'30m', '2h', '1d', '90s' -> seconds; 'off' -> 0. A unit is required: `--autostop 30` is refused rather
+    than read as 30 seconds when minutes were meant."""
+    t = text.strip().lower()
+    if t == "off":
+        return 0
+    if re.fullmatch(r"0+[smhd]?", t):
+        raise UsageError(f"{option} {text}: an idle period must be longer than 0; use 'off' to turn autostop off")
+    if re.fullmatch(r"\d+", t):
+        raise UsageError(f"{option} {text}: give a unit, e.g. {t}m (or 'off')")
+    try:
+        seconds = parse_duration(t)
+    except UsageError:
+        raise UsageError(f"{option} {text}: not a duration; use e.g. 30m, 2h or 1d (or 'off')") from None
+    floor = MIN_TICKS * tick()
+    if seconds < floor:
+        raise UsageError(f"{option} {text}: the shortest idle period is {wd.duration(floor)} (two looks of the watchdog)")
+    return seconds
+
+
+def check_action(action: str, *, stoppable: bool, what: str) -> None:
+    if action not in ACTIONS:
+        raise UsageError(f"--autostop-action {action}: choose delete or stop")
+    if action == "stop" and not stoppable:
+        raise UsageError(
+            f"--autostop-action stop: Cloud TPU can stop only single-host TPU VMs, and {what} is not one",
+            hint="use --autostop-action delete",
+        )
+
+
+def setting(cloud: Cloud | None, nodes: list[str], idle: int, action: str = "delete") -> str:
+    """The `tpurun-autostop` metadata value for the TPU made of NODES (its first node's worker 0 decides).
+    Without CLOUD (checks made before settings are resolved), one of the same size and shape."""
+    value = {
+        "idle": idle,
+        "action": action,
+        "nodes": [cloud.node_path(n) if cloud else f"projects/-/locations/-/nodes/{n}" for n in nodes],
+        "endpoint": cloud.endpoint if cloud else "https://tpu.googleapis.com",
+        "tick": tick(),
+    }
+    return json.dumps(value, sort_keys=True)
+
+
+def metadata(cloud: Cloud | None, nodes: list[str], idle: int, action: str = "delete") -> dict[str, str]:
+    """The metadata entries that install the watchdog (the startup wrapper starts it) and set it."""
+    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(cloud, nodes, idle, action)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    idle: int
+    action: str
+
+    def label(self) -> str:
+        return f"{self.action} after {wd.duration(self.idle)} idle" if self.idle else "off"
+
+
+def read(md: dict[str, str]) -> Setting | None:
+    """The autostop setting in a node's metadata; None where tpurun set none."""
+    try:
+        value = json.loads(md.get(KEY, ""))
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return Setting(int(value.get("idle") or 0), str(value.get("action") or "delete"))
+
+
+def tpu_nodes(cloud: Cloud, name: str) -> list[tpu_v2.Node]:
+    """NAME's nodes: the node, or every slice of the multislice TPU NAME. A TPU that does not exist is bad
+    input (UsageError), like a mistyped name."""
+    validate_name(name)
+    node, found = multislice.find(cloud, name)
+    if found is not None:
+        qr, slices = found
+        nodes = [n for n in slices if n is not None]
+        if not nodes or len(nodes) != len(slices):
+            raise ApiError(f"{name}: the queued resource is {multislice.qr_state(qr)} and not every slice exists yet")
+        return nodes
+    if node is None:
+        similar = cloud.similar_names(name)
+        raise UsageError(
+            f"no TPU named '{name}' in {cloud.project}/{cloud.zone}",
+            hint=f"did you mean {', '.join(similar)}?" if similar else "`tpurun list` shows the TPUs that exist",
+        )
+    where = multislice.slice_of(node)
+    if where is not None:
+        raise UsageError(
+            f"{name} is slice {where[1]} of the multislice TPU {where[0]}", hint=f"`tpurun autostop {where[0]} …`"
+        )
+    return [node]
+
+
+def configure(
+    cloud: Cloud,
+    name: str,
+    idle: int,
+    action: str | None,
+    progress: Callable[[str], None],
+    start_watchdogs: Callable[[], dict[int, str]],
+) -> Setting:
+    """Set (IDLE > 0) or turn off (0) autostop on the TPU NAME. Where tpurun's startup wrapper does not
+    start the watchdog at boot (a node tpurun did not create), START_WATCHDOGS starts it first, over SSH."""
+    nodes = tpu_nodes(cloud, name)
+    first = nodes[0]
+    current = read(dict(first.metadata))
+    action = action or (current.action if current else "delete")
+    topo = parse_accelerator_type(first.accelerator_type)
+    stoppable = len(nodes) == 1 and not topo.multi_host and not first.queued_resource
+    check_action(action, stoppable=stoppable, what=f"{name} ({topo.name})")
+    if any(startup.WATCHDOG_KEY not in n.metadata.get("startup-script", "") for n in nodes):
+        progress(f"{name}: starting the watchdog on every worker")
+        failed = start_watchdogs()
+        if failed:
+            w, why = sorted(failed.items())[0]
+            raise UnreachableError(
+                f"{name}: the watchdog could not be started on worker {w}: {why}; autostop is unchanged",
+                hint=f"`tpurun attach {name}` installs tpurun's ssh key; `tpurun doctor` shows what is wrong",
+            )
+    names = [n.name.rsplit("/", 1)[-1] for n in nodes]
+    for n in nodes:
+        progress(f"{n.name.rsplit('/', 1)[-1]}: setting autostop")
+        apply(cloud, n, names, idle, action)
+    return Setting(idle, action)
+
+
+def arm_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
+    """Before a `train --down` job: every node of NAME carries a watchdog setting (autostop off where none
+    was set), so the watchdog the job's agent starts knows the TPU's nodes and the API."""
+    nodes = tpu_nodes(cloud, name)
+    names = [n.name.rsplit("/", 1)[-1] for n in nodes]
+    for n in nodes:
+        if read(dict(n.metadata)) is None:
+            progress(f"{n.name.rsplit('/', 1)[-1]}: setting up its watchdog for --down")
+            apply(cloud, n, names, 0, "delete")
+
+
+def apply(cloud: Cloud, node: tpu_v2.Node, nodes: list[str], idle: int, action: str) -> None:
+    """Set autostop on NODE (one of NODES, the TPU's nodes), keeping every other metadata entry."""
+    md = dict(node.metadata)
+    md.update(metadata(cloud, nodes, idle, action))
+    name = node.name.rsplit("/", 1)[-1]
+    op = cloud.update_metadata(name, md)
+    cloud.wait(f"update {name}", op, timeout=300)
+
+
+# ---------------------------------------------------------------------------- what the watchdogs report
+
+
+@dataclass
+class Activity:
+    """What a TPU's workers last reported: idle since when, the jobs running, the last decision."""
+
+    idle_for: float | None = None  # seconds every worker has been idle; None: busy or not known
+    jobs: list[str] = field(default_factory=list)
+    why_busy: str = ""  # the first reason it is not idle ("" if idle or nothing reported)
+    decision: str = ""  # the deciding worker's last line (tpurun/watchdog)
+    reported: bool = False  # some worker runs a watchdog
+
+    def idle_label(self) -> str:
+        if not self.reported:
+            return "-"
+        if self.idle_for is None:
+            return "busy"
+        return ui.age(self.idle_for)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "idleSeconds": None if self.idle_for is None else round(self.idle_for),
+            "jobs": self.jobs,
+            "busy": self.why_busy or None,
+            "watchdog": self.decision or None,
+        }
+
+
+def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
+    """Read what every worker of NODES (one TPU) published; nodes that are not READY publish nothing."""
+    states: list[tuple[str, dict | None]] = []
+    decision = ""
+    many = len(nodes) > 1
+    for s, node in enumerate(nodes):
+        if tpu_v2.Node.State(node.state).name != "READY":
+            return Activity()
+        try:
+            attrs = cloud.guest_attributes(node.name.rsplit("/", 1)[-1], wd.NAMESPACE + "/")
+        except TpurunError:
+            return Activity()
+        for w, items in enumerate(attrs):
+            raw = items.get((wd.NAMESPACE, wd.STATE_KEY))
+            try:
+                state = json.loads(raw) if raw else None
+            except ValueError:
+                state = None
+            states.append((f"s{s}/w{w}" if many else f"w{w}", state if isinstance(state, dict) else None))
+            decision = decision or items.get((wd.NAMESPACE, wd.DECISION_KEY), "")
+    if not any(st for _, st in states):
+        return Activity()
+    setting_ = read(dict(nodes[0].metadata))
+    step = json.loads(nodes[0].metadata.get(KEY, "{}") or "{}").get("tick") if setting_ else None
+    now = time.time()
+    running, busy, since = wd.summarize(states, now, float(step or wd.DEFAULT_TICK))
+    jobs = sorted({j for _, st in states if st for j in st.get("jobs", [])})
+    reasons = running + busy
+    return Activity(
+        idle_for=None if reasons else max(0.0, now - since),
+        jobs=jobs,
+        why_busy=reasons[0] if reasons else "",
+        decision=decision,
+        reported=True,
+    )
+
+
+def activities(cloud: Cloud, tpus: list[list[tpu_v2.Node]]) -> list[Activity]:
+    """`activity` of many TPUs at once (one guest-attributes read per node, in parallel)."""
+    if not tpus:
+        return []
+    with ThreadPoolExecutor(max_workers=min(8, len(tpus))) as pool:
+        return list(pool.map(lambda nodes: activity(cloud, nodes), tpus))

@@ -1,0 +1,55 @@
+"""tpurun's worker programs on a worker: where the bundle (tpurun.worker) is installed, installing it, and
+the argv that runs one of its programs. Each tpurun version's bundle lives in ~/.tpurun/bin/<bundle_name()>/,
+beside older ones, so an upgrade never replaces files a running job uses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tpurun.errors import UnreachableError
+from tpurun.transport.fanout import connect_all, each
+from tpurun.transport.runner import Runner
+from tpurun.transport.streams import run_capture
+from tpurun.worker import bundle_name, bundle_tar
+
+MISSING = 93  # exit code of a program's argv when the bundle is not on the worker yet
+
+# The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
+# and of two concurrent installs the second finds the first's and drops its own.
+_INSTALL = (
+    'd="$HOME/.tpurun/bin/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -xf - -C "$t" || { rm -rf "$t"; exit 1; }; '
+    '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
+)
+_RUN = 'p=$1; f="$HOME/.tpurun/bin/$2/$3"; shift 3; [ -f "$f" ] || exit 93; exec "$p" "$f" "$@"'
+
+
+def install(runner: Runner) -> None:
+    rc, _, err = run_capture(runner, ["sh", "-c", _INSTALL, "tpurun", bundle_name()], stdin=bundle_tar())
+    if rc != 0:
+        raise UnreachableError(f"cannot install tpurun's agent on worker {runner.worker.label()}: {err.strip()}")
+
+
+def program_argv(python: str, program: str, *args: str) -> list[str]:
+    """Run PROGRAM (a file of the bundle, e.g. agent.py) with PYTHON; exits MISSING without the bundle."""
+    return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, *args]
+
+
+def start_watchdogs(runners: Sequence[Runner], python: str) -> dict[int, str]:
+    """Make sure the TPU's watchdog runs on every worker (installing the bundle where it is missing);
+    {worker index: why not} for the workers where it could not be started."""
+
+    def one(runner: Runner) -> str:
+        argv = program_argv(python, "watchdog.py", "ensure")
+        try:
+            rc, _, err = run_capture(runner, argv, timeout=60)
+            if rc == MISSING:
+                install(runner)
+                rc, _, err = run_capture(runner, argv, timeout=60)
+        except UnreachableError as exc:
+            return str(exc)
+        return "" if rc == 0 else f"watchdog.py ensure exited {rc}: {err.strip()[-200:]}"
+
+    failed = connect_all(runners)
+    reached = [r for r in runners if r.worker.index not in failed]
+    failed.update({w: why for w, why in each(reached, one, name="watchdog").items() if why})
+    return failed
