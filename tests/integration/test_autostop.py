@@ -93,7 +93,7 @@ def test_not_deleted_while_a_detached_job_runs_then_after_it_plus_the_period(tp,
     assert d["autostop"] == {"idleSeconds": 2, "action": "delete"}
     assert d["jobs"] == [job] and d["idleSeconds"] is None and "runs job" in d["busy"]
     assert "busy: " in d["watchdog"]
-    r = tp("exec", "--worker", "0", "--", "cat", "/tmp/tpurun-watchdog.log")  # the decisions, on worker 0
+    r = tp("exec", "--worker", "0", "--", "cat", "/run/tpurun/watchdog.log")  # the decisions, on worker 0
     assert r.code == 0 and f"busy: w0 runs job {job}" in r.out, (r.out, r.err)
     listed = json.loads(tp("list", "--json").out)
     assert [(n["name"], n["jobs"]) for n in listed] == [("busy", [job])]
@@ -123,6 +123,23 @@ def test_not_deleted_while_a_process_holds_a_tpu_device(tp, emulator):
     _nothing_left(emulator)
 
 
+def test_a_long_setup_is_work_not_idle_time(tp, emulator):
+    """`train --setup` runs before the job exists: its processes carry TPURUN_ACTIVITY, which the watchdog
+    counts as work."""
+    assert tp("create", "setup", "-t", "v4-16").code == 0
+    proc = popen(tp, "train", "job.py", "0", "0", "--runtime", "cpu", "--launch", "host", "--setup", "sleep 6")
+    deadline = time.monotonic() + 60
+    while "runs tpurun setup" not in (_describe(tp, "setup")["busy"] or ""):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.3)
+    assert tp("autostop", "setup", "2s").code == 0
+    out, err = finish(proc)
+    assert proc.returncode == 0, err  # setup and job ran to their end: the TPU was kept meanwhile
+    assert "job done" in out
+    _gone_within(emulator, "setup", 30)
+    _nothing_left(emulator)
+
+
 def test_autostop_off_disarms_and_setting_it_again_arms(tp, emulator):
     assert tp("create", "toggle", "-t", "v4-8").code == 0
     r = tp("train", "job.py", "3", "0", "--runtime", "cpu", "--launch", "host", "--detach")
@@ -135,7 +152,8 @@ def test_autostop_off_disarms_and_setting_it_again_arms(tp, emulator):
     time.sleep(5)  # the job's end plus more than the old period
     assert _exists(emulator, "toggle")
     d = _describe(tp, "toggle")
-    assert d["autostop"] is None and d["idleSeconds"] >= 4 and d["watchdog"].endswith("autostop off"), d
+    assert d["autostop"] == {"idleSeconds": 0, "action": "delete"}, d
+    assert d["idleSeconds"] >= 4 and d["watchdog"].endswith("autostop off"), d
     assert tp("autostop", "toggle", "2s").code == 0
     _gone_within(emulator, "toggle", 30)
     _nothing_left(emulator)
@@ -190,6 +208,20 @@ def test_train_down_deletes_after_the_job_succeeds_or_fails(tp, emulator, code):
     assert r.code == (0 if code == 0 else 1), r.err
     assert "deleted once (--down)" in r.err
     assert not _exists(emulator, "once")
+    _nothing_left(emulator)
+
+
+def test_train_down_after_a_failed_setup_and_a_failed_launch(tp, emulator):
+    assert tp("create", "nosetup", "-t", "v4-16").code == 0
+    r = tp("train", "job.py", "0", "0", "--runtime", "cpu", "--launch", "host", "--setup", "exit 7", "--down")
+    assert r.code == 1 and "setup failed" in r.err and "deleted nosetup (--down)" in r.err, r.err
+    assert not _exists(emulator, "nosetup")
+    assert tp("create", "nossh", "-t", "v4-16").code == 0
+    emulator.kill_sshd(emulator.node_name("nossh"), 1)  # worker 1 unreachable: the sync cannot start
+    tp.env.update(TPURUN_SSH_RETRIES="1", TPURUN_SSH_RETRY_DELAY="0.1")
+    r = tp("train", "job.py", "0", "0", "--runtime", "cpu", "--launch", "host", "--down")
+    assert r.code == 4 and "deleted nossh (--down)" in r.err, r.err
+    assert not _exists(emulator, "nossh")
     _nothing_left(emulator)
 
 

@@ -60,9 +60,10 @@ def test_setting_round_trip(monkeypatch):
     value = json.loads(md[autostop.KEY])
     assert value["nodes"] == ["projects/-/locations/-/nodes/a-0", "projects/-/locations/-/nodes/a-1"]
     assert value["tick"] == 7.0 and value["idle"] == 1800
-    assert autostop.read(md) == autostop.Setting(1800, "delete")
+    assert autostop.read(md) == autostop.Setting(1800, "delete", 7.0)
     assert autostop.read(md).label() == "delete after 30m idle"
     assert autostop.read({autostop.KEY: json.dumps({**value, "idle": 0})}).label() == "off"
+    assert autostop.read({autostop.KEY: json.dumps({**value, "idle": "x"})}) is None
     assert autostop.read({}) is None and autostop.read({autostop.KEY: "not json"}) is None
 
 
@@ -89,18 +90,55 @@ def test_tpu_env_value_and_duration():
     text = "ACCELERATOR_TYPE: 'v4-16'\nMEGASCALE_SLICE_ID: '1'\nZONE: 'us-central2-b'\n"
     assert wd.tpu_env_value(text, "MEGASCALE_SLICE_ID") == "1"
     assert wd.tpu_env_value(text, "MISSING") == ""
-    assert [wd.duration(s) for s in (1, 60, 90, 3600, 86400, 5400)] == ["1s", "1m", "90s", "1h", "1d", "90m"]
+    assert [wd.duration(s) for s in (0, 1, 60, 90, 1815, 3600, 5400, 86400, 90000)] == [
+        "0s", "1s", "1m", "1m30s", "30m15s", "1h", "1h30m", "1d", "1d1h"
+    ]  # fmt: skip
 
 
 def test_down_jobs_waits_for_the_settle_time_and_runs_once(tmp_path):
     root = tmp_path / "jobs"
-    for name, down in (("a", True), ("b", False), ("c", True)):
+    for name, down in (("a", True), ("b", False), ("c", True), ("d", "yes")):
         (root / name).mkdir(parents=True)
         (root / name / "spec.json").write_text(json.dumps({"job_id": name, "down": down}))
         (root / name / "state.json").write_text(json.dumps({"status": "finished"}))
     old = time.time() - 10
-    os.utime(root / "a" / "state.json", (old, old))
-    assert wd.down_jobs([str(root)], running=[], settle=5) == [str(root / "a")]  # c ended just now
-    assert wd.down_jobs([str(root)], running=["a"], settle=5) == []
-    (root / "a" / wd.DOWN_DONE).touch()
-    assert wd.down_jobs([str(root)], running=[], settle=0) == [str(root / "c")]
+    for name in "ad":
+        os.utime(root / name / "state.json", (old, old))
+    assert wd.down_jobs([str(root)], [], 5, set()) == [str(root / "a")]  # c ended just now; d's is no true
+    assert wd.down_jobs([str(root)], ["a"], 5, set()) == []
+    assert wd.down_jobs([str(root)], [], 0, {str(root / "a")}) == [str(root / "c")]
+
+
+def test_summarize_counts_setup_as_work_and_unreadable_states_as_silent():
+    now = 1000.0
+    states = [
+        ("w0", {"t": 999, "idle_since": None, "jobs": [], "work": ["setup"], "holders": 0}),
+        ("w1", {"t": "soon"}),
+        ("w2", [1]),
+    ]
+    running, busy, _ = wd.summarize(states, now, tick=30)  # type: ignore[arg-type]
+    assert running == ["w0 runs tpurun setup", "w1 has not reported", "w2 has not reported"] and busy == []
+
+
+def test_no_worker_to_look_at_is_never_idle():
+    running, busy, since = wd.summarize([], 1000.0, tick=30)
+    assert running == ["no worker to look at"] and since == 0
+
+
+def test_the_token_goes_to_https_or_loopback_only():
+    assert wd.endpoint_ok("https://tpu.googleapis.com")
+    assert wd.endpoint_ok("http://127.0.0.1:8080") and wd.endpoint_ok("http://localhost:1")
+    assert not wd.endpoint_ok("http://tpu.googleapis.com") and not wd.endpoint_ok("tpu.googleapis.com")
+    assert not wd.endpoint_ok("http://10.0.0.1:80")
+
+
+def test_the_setting_makes_a_bare_host_https(monkeypatch):
+    class Stub:
+        endpoint = "tpu.example.com"
+
+        def node_path(self, n):
+            return f"projects/p/locations/z/nodes/{n}"
+
+    value = json.loads(autostop.setting(Stub(), ["a"], 60))  # type: ignore[arg-type]
+    assert value["endpoint"] == "https://tpu.example.com"
+    assert autostop.read({autostop.KEY: json.dumps(value)}).tick == 30.0

@@ -71,9 +71,10 @@ def create_cmd(
     data: Annotated[
         list[str] | None, typer.Option("--data", help="URL[#sha256=HEX]=DEST downloaded at boot (repeatable).")
     ] = None,
-    autostop: Annotated[
+    autostop_idle: Annotated[
         str | None,
         typer.Option(
+            "--autostop",
             help="Delete the TPU (and its queued resource) once every worker has been idle this long, e.g. 30m: "
             "no tpurun job and no process holding a TPU device. Done by a watchdog on the TPU itself."
         ),
@@ -105,7 +106,7 @@ def create_cmd(
         internal_ips=internal_ips,
         code=code,
         data=data or [],
-        autostop=autostop,
+        autostop=autostop_idle,
         autostop_action=autostop_action,
         wait=not no_wait,
         timeout=timeout,
@@ -180,7 +181,7 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
                 "spot" if v.spot else "preemptible" if v.preemptible else "-",
                 f"{v.slice_of[0]} (s{v.slice_of[1]})" if v.slice_of else "-",
                 v.age(),
-                v.autostop.label() if v.autostop else "-",
+                v.autostop_setting.label() if v.autostop_setting else "-",
                 v.activity.idle_label(),
                 ", ".join(v.activity.jobs) or "-",
             )
@@ -205,7 +206,7 @@ def describe_cmd(
     d = view.to_dict(full=True)
     hidden = ("workerEndpoints", "metadata", "labels", "slices", "autostop", "idleSeconds", "jobs", "busy", "watchdog")
     rows = [(k, v) for k, v in d.items() if k not in hidden]
-    rows.append(("autostop", view.autostop.label() if view.autostop else "-"))
+    rows.append(("autostop", view.autostop_setting.label() if view.autostop_setting else "-"))
     act = view.activity
     rows.append(("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy else "")))
     rows.append(("jobs", ", ".join(act.jobs) or "-"))

@@ -147,20 +147,25 @@ def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | Non
         _arm_down(s, local)
     cancel = threading.Event()
     out = TerminalOutput(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
-    with stop_on_signals(cancel):
-        result = train.train(
-            spec,
-            resolve=lambda: targets.resolve(tpu=tpu, local=local, announce=ui.info),
-            recreate=_recreate,
-            dest=dest,
-            home=s.home_path,
-            local_dir=Path.cwd(),
-            out=out,
-            cancel=cancel,
-        )
+    try:
+        with stop_on_signals(cancel):
+            result = train.train(
+                spec,
+                resolve=lambda: targets.resolve(tpu=tpu, local=local, announce=ui.info),
+                recreate=_recreate,
+                dest=dest,
+                home=s.home_path,
+                local_dir=Path.cwd(),
+                out=out,
+                cancel=cancel,
+            )
+    except BaseException:
+        if spec.down and s.tpu.value:  # the launch itself failed (a worker unreachable, ...): --down holds
+            _down(s.tpu.value, None, ExitCode.OK)
+        raise
     code = _render(result, json_out)
     if spec.down:
-        code = _down(result, code)
+        code = _down(result.job.target.name, result, code)
     return code
 
 
@@ -175,17 +180,16 @@ def _arm_down(s: settings.Settings, local: bool) -> None:
         autostop.arm_down(Cloud(s), s.tpu.value, progress)
 
 
-def _down(result: train.JobResult, code: int) -> int:
-    """After a `--down` job: delete its TPU, unless the job runs on (detached: its watchdog deletes the TPU
-    when it ends) or never started because another job holds the TPU."""
+def _down(name: str, result: train.JobResult | None, code: int) -> int:
+    """After a `--down` job (RESULT None: its launch failed): delete its TPU, unless the job runs on
+    (detached: its watchdog deletes the TPU when it ends) or never started because another job holds it."""
     from tpurun.cloud import provision
     from tpurun.cloud.client import Cloud
 
-    name = result.job.target.name
-    if result.state is train.JobState.DETACHED:
+    if result is not None and result.state is train.JobState.DETACHED:
         ui.info(f"{name} will be deleted when job {result.job.job_id} ends, by the watchdog on the TPU (--down)")
         return code
-    if result.state is train.JobState.BUSY:
+    if result is not None and result.state is train.JobState.BUSY:
         ui.warn(f"--down: {name} is kept, another job runs on it")
         return code
     s = settings.resolve({"tpu": name})

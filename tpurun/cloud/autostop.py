@@ -71,11 +71,12 @@ def check_action(action: str, *, stoppable: bool, what: str) -> None:
 def setting(cloud: Cloud | None, nodes: list[str], idle: int, action: str = "delete") -> str:
     """The `tpurun-autostop` metadata value for the TPU made of NODES (its first node's worker 0 decides).
     Without CLOUD (checks made before settings are resolved), one of the same size and shape."""
+    endpoint = cloud.endpoint if cloud else "https://tpu.googleapis.com"
     value = {
         "idle": idle,
         "action": action,
         "nodes": [cloud.node_path(n) if cloud else f"projects/-/locations/-/nodes/{n}" for n in nodes],
-        "endpoint": cloud.endpoint if cloud else "https://tpu.googleapis.com",
+        "endpoint": endpoint if "://" in endpoint else f"https://{endpoint}",  # a bare host means https
         "tick": tick(),
     }
     return json.dumps(value, sort_keys=True)
@@ -88,8 +89,9 @@ def metadata(cloud: Cloud | None, nodes: list[str], idle: int, action: str = "de
 
 @dataclass(frozen=True)
 class Setting:
-    idle: int
+    idle: int  # seconds; 0: off
     action: str
+    tick: float = wd.DEFAULT_TICK
 
     def label(self) -> str:
         return f"{self.action} after {wd.duration(self.idle)} idle" if self.idle else "off"
@@ -103,7 +105,10 @@ def read(md: dict[str, str]) -> Setting | None:
         return None
     if not isinstance(value, dict):
         return None
-    return Setting(int(value.get("idle") or 0), str(value.get("action") or "delete"))
+    try:
+        return Setting(int(value.get("idle") or 0), str(value.get("action") or "delete"), wd.tick_of(value))
+    except (TypeError, ValueError):
+        return None
 
 
 def tpu_nodes(cloud: Cloud, name: str) -> list[tpu_v2.Node]:
@@ -148,7 +153,7 @@ def configure(
     topo = parse_accelerator_type(first.accelerator_type)
     stoppable = len(nodes) == 1 and not topo.multi_host and not first.queued_resource
     check_action(action, stoppable=stoppable, what=f"{name} ({topo.name})")
-    if any(startup.WATCHDOG_KEY not in n.metadata.get("startup-script", "") for n in nodes):
+    if idle and any(startup.WATCHDOG_KEY not in n.metadata.get("startup-script", "") for n in nodes):
         progress(f"{name}: starting the watchdog on every worker")
         failed = start_watchdogs()
         if failed:
@@ -179,6 +184,7 @@ def apply(cloud: Cloud, node: tpu_v2.Node, nodes: list[str], idle: int, action: 
     """Set autostop on NODE (one of NODES, the TPU's nodes), keeping every other metadata entry."""
     md = dict(node.metadata)
     md.update(metadata(cloud, nodes, idle, action))
+    startup.check_limits(md)
     name = node.name.rsplit("/", 1)[-1]
     op = cloud.update_metadata(name, md)
     cloud.wait(f"update {name}", op, timeout=300)
@@ -235,10 +241,9 @@ def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
             decision = decision or items.get((wd.NAMESPACE, wd.DECISION_KEY), "")
     if not any(st for _, st in states):
         return Activity()
-    setting_ = read(dict(nodes[0].metadata))
-    step = json.loads(nodes[0].metadata.get(KEY, "{}") or "{}").get("tick") if setting_ else None
+    current = read(dict(nodes[0].metadata))
     now = time.time()
-    running, busy, since = wd.summarize(states, now, float(step or wd.DEFAULT_TICK))
+    running, busy, since = wd.summarize(states, now, current.tick if current else wd.DEFAULT_TICK)
     jobs = sorted({j for _, st in states if st for j in st.get("jobs", [])})
     reasons = running + busy
     return Activity(

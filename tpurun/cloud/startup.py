@@ -88,6 +88,12 @@ def compose_metadata(
         md[CODE_KEY] = code
     if data:
         md[DATA_KEY] = "\n".join(f"{d.url}\t{d.dest}\t{d.sha256 or ''}" for d in data) + "\n"
+    check_limits(md)
+    return md
+
+
+def check_limits(md: dict[str, str]) -> None:
+    """UsageError if MD breaks Compute Engine's metadata limits."""
     for key, value in md.items():
         if len(value.encode()) > MAX_VALUE:
             raise UsageError(f"metadata '{key}' would be {len(value.encode()) // 1024} KiB, over the 256 KiB limit")
@@ -97,7 +103,6 @@ def compose_metadata(
             f"the startup metadata would total {total // 1000} KB, over the 512 KB limit",
             hint="move code to `tpurun sync` and data to --data URLs",
         )
-    return md
 
 
 def wrapper_script() -> str:
@@ -110,8 +115,8 @@ _WRAPPER = (
 # tpurun startup wrapper: runs at every boot on every worker; reports to guest attributes (@NS@/*).
 LOG=@LOG@
 MD="http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1"
-WORK=/tmp/tpurun/startup
-mkdir -p "$WORK"; : > "$LOG"
+WORK=/run/tpurun/startup  # root's only: what runs as root is never read from a place users can write
+mkdir -p -m 0700 /run/tpurun && mkdir -p -m 0700 "$WORK"; : > "$LOG"
 md()  { curl -sf -m 10 -H 'Metadata-Flavor: Google' "$MD/instance/attributes/$1"; }
 ga()  { curl -sf -m 10 -X PUT -H 'Metadata-Flavor: Google' --data-binary "$2" \
           "$MD/instance/guest-attributes/@NS@/$1" >/dev/null || echo "tpurun: could not report $1" >>"$LOG"; }

@@ -51,7 +51,7 @@ class NodeView:
     activity: autostop.Activity = field(default_factory=autostop.Activity)  # what its watchdogs report
 
     @property
-    def autostop(self) -> autostop.Setting | None:
+    def autostop_setting(self) -> autostop.Setting | None:
         return autostop.read(self.metadata)
 
     def age(self) -> str:
@@ -71,8 +71,8 @@ class NodeView:
             "age": self.age(),
             "createTime": self.created.isoformat() if self.created else None,
         }
-        setting = self.autostop
-        d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting and setting.idle else None
+        setting = self.autostop_setting  # idleSeconds 0: off; null: tpurun set nothing
+        d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting else None
         d.update(self.activity.to_dict())
         if not full:
             d.pop("watchdog")

@@ -33,6 +33,7 @@ key=$1; dir=$2; py=$3
 case $dir in "~") dir=$HOME ;; "~/"*) dir=$HOME/${dir#\~/} ;; esac
 case $py in */*) PATH=$(dirname "$py"):$PATH; export PATH ;; esac
 TPURUN_PYTHON=$py; PIP_DISABLE_PIP_VERSION_CHECK=1; export TPURUN_PYTHON PIP_DISABLE_PIP_VERSION_CHECK
+TPURUN_ACTIVITY=setup; export TPURUN_ACTIVITY  # the TPU's watchdog counts this as work (not idle)
 cd "$dir" || exit 1
 bash -e -c "$4" || exit $?
 mkdir -p "$HOME/@MARKERS@" && touch "$HOME/@MARKERS@/$key"

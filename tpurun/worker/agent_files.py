@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -60,12 +61,23 @@ def write_json_atomic(path: str, data: object) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: str) -> dict | None:
+def read_json(path: str, limit: int = 16 << 20) -> dict | None:
+    """A JSON object from a regular file (never through a symlink, never blocking on a FIFO: the watchdog
+    reads users' job files as root), or None."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = json.loads(f.read(limit + 1))
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
     return data if isinstance(data, dict) else None
 
 
@@ -169,10 +181,22 @@ def running_jobs(root: str, exclude: str = "") -> list[str]:
         st = read_json(os.path.join(root, name, "state.json"))
         if not st or st.get("status") in TERMINAL:
             continue
-        starting = st.get("status") == "starting" and now() - float(st.get("started_at") or 0) < 120
-        if starting or pid_alive(st.get("supervisor_pid")):
+        started, pid = st.get("started_at"), st.get("supervisor_pid")
+        started = float(started) if isinstance(started, (int, float)) else 0.0
+        if started < boot_time():
+            continue  # from before this boot: its pid may be another process's now
+        starting = st.get("status") == "starting" and now() - started < 120
+        if starting or (isinstance(pid, int) and pid_alive(pid)):
             found.append(name)
     return found
+
+
+def boot_time() -> float:
+    try:
+        with open("/proc/uptime") as f:
+            return now() - float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def watch_exit(on_end: Callable[[int], None], pid: int) -> None:

@@ -166,7 +166,8 @@ def _user(uid: int | None) -> str:
 
 
 def scan(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> dict:
-    """Every process holding the TPU: {"holders": [...], "denied": [pids], "lock_users": {path: [pids]}}."""
+    """Every process holding the TPU: {"holders": [...], "denied": [pids], "lock_users": {path: [pids]}}.
+    An empty LIBTPU_GLOB skips the mappings (the watchdog's cheaper look: open device files only)."""
     protected = ancestors(os.getpid())
     uptime, ticks = _clock()
     holders = []
@@ -195,7 +196,7 @@ def scan(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> di
         except OSError:
             continue  # gone meanwhile
         try:
-            for path in sorted(maps_paths(_read(f"/proc/{pid}/maps"))):
+            for path in sorted(maps_paths(_read(f"/proc/{pid}/maps"))) if libtpu_glob else []:
                 if matches_libtpu(path, libtpu_glob) and path not in holds:
                     holds.append(path)
         except PermissionError:

@@ -2,24 +2,29 @@
 
 One runs on every worker, as root: tpurun's startup wrapper starts it at every boot once the startup
 steps are done, and the agent (a `train --down` job) or `tpurun autostop` start it where it is missing
-(`watchdog.py ensure`). A lock in /tmp keeps it to one per worker.
+(`watchdog.py ensure`). It must run as root (to see every user's processes); a lock in the root-only
+RUN_DIR keeps it to one per worker.
 
-Every worker, every tick, looks whether it is busy: a tpurun job running for any user (an agent state
-under ~USER/.tpurun/jobs whose supervisor lives) or a process holding a TPU device (`probe.scan`, the
-scan kill-stale uses). It publishes that as guest attribute tpurun/watch, JSON {"t", "worker",
-"idle_since", "jobs", "holders"}, which `tpurun list` and `describe` read through the API.
+Every worker, every tick, looks whether it is busy: tpurun work for any user -- a job (an agent state
+under ~USER/.tpurun/jobs whose supervisor lives, or a process carrying TPURUN_JOB_ID) or `train
+--setup` (a process carrying TPURUN_ACTIVITY) -- or a process holding a TPU device file (`probe.scan`,
+the scan kill-stale uses; a runtime that has initialised the TPU holds them). It publishes that as
+guest attribute tpurun/watch, JSON {"t", "worker", "idle_since", "jobs", "work", "holders"}, which
+`tpurun list` and `describe` read through the API.
 
 Worker 0 of the first node named in the config decides. The config is the node's metadata attribute
 `tpurun-autostop`, JSON {"idle": seconds (0: off), "action": "delete" | "stop", "nodes": [full node
 names], "endpoint": the API's root, "tick": seconds}, read again at every tick, so `tpurun autostop`
 changes a running watchdog. With the VM's own service-account token from the metadata server, the
 decider reads every worker's tpurun/watch (nodes.getGuestAttributes) and acts:
-- autostop: every worker has been idle for `idle` seconds -> delete the queued resource the node came
-  from (with its nodes), or else delete the node (or stop it, with action "stop");
+- autostop: every worker has been idle for `idle` seconds, on two looks in a row -> delete the queued
+  resource the node came from (with its nodes), or else delete the node (or stop it, action "stop");
 - down: a job on this worker was started with `train --down` and has ended, and no worker runs a job
   -> the same deletion.
-A worker that has not reported for SILENT_TICKS ticks counts as busy (never delete work in doubt).
-Every decision is a line in LOG on the deciding worker and in guest attribute tpurun/watchdog.
+A worker that has not reported for SILENT_TICKS ticks, and a node that is not READY, count as busy:
+work it cannot see is never deleted. Every decision is a line in LOG on the deciding worker and in
+guest attribute tpurun/watchdog. Nothing a user can write (guest attributes, job files) can stop it:
+every look's failure is logged and the next look comes.
 """
 
 from __future__ import annotations
@@ -46,13 +51,16 @@ NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's repo
 CONFIG_KEY = "tpurun-autostop"
 STATE_KEY = "watch"
 DECISION_KEY = "watchdog"
-LOG = "/tmp/tpurun-watchdog.log"
-LOCK = "/tmp/tpurun-watchdog.lock"
-DOWN_DONE = "down.done"  # in a job's directory: its `--down` was acted on
+RUN_DIR = "/run/tpurun"  # root's only (0700): the lock, the log, the `--down` jobs acted on
+LOG = f"{RUN_DIR}/watchdog.log"
+LOCK = f"{RUN_DIR}/watchdog.lock"
+DOWN_DONE = f"{RUN_DIR}/down-done"  # one line per `--down` job acted on
+WORK_MARKERS = (b"TPURUN_JOB_ID=", b"TPURUN_ACTIVITY=")  # in a process's environment: tpurun work
 DEFAULT_TICK = 30.0
 UNSET_TICK = 5.0  # no setting yet (started by `tpurun autostop` just before it writes one): look again soon
 SILENT_TICKS = 3
 SETTLE_TICKS = 2  # a `--down` job's end: how long the watchdog leaves the deletion to an attached client
+MAX_USER_FILE = 1 << 20
 MD_ROOT = "/computeMetadata/v1/"
 
 
@@ -71,11 +79,14 @@ def request(method: str, url: str, body: bytes | None = None, headers: dict | No
         conn.close()
 
 
+NET_ERRORS = (OSError, http.client.HTTPException, ValueError)
+
+
 def metadata(path: str) -> str | None:
     host = os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
     try:
         status, data = request("GET", f"http://{host}{MD_ROOT}{path}", headers={"Metadata-Flavor": "Google"})
-    except OSError:
+    except NET_ERRORS:
         return None
     return data.decode("utf-8", "replace") if status == 200 else None
 
@@ -85,8 +96,16 @@ def publish(key: str, value: str) -> None:
     url = f"http://{host}{MD_ROOT}instance/guest-attributes/{NAMESPACE}/{key}"
     try:
         request("PUT", url, value.encode(), {"Metadata-Flavor": "Google"})
-    except OSError:
+    except NET_ERRORS:
         pass  # the next tick publishes again
+
+
+def endpoint_ok(endpoint: str) -> bool:
+    """The VM's token goes only to an https endpoint, or to plain http on a loopback address (the emulator)."""
+    u = urlsplit(endpoint)
+    if u.scheme == "https" and u.hostname:
+        return True
+    return u.scheme == "http" and (u.hostname or "") in ("localhost", "::1") or (u.hostname or "").startswith("127.")
 
 
 def tpu_env_value(text: str, key: str) -> str:
@@ -99,26 +118,43 @@ def tpu_env_value(text: str, key: str) -> str:
 
 
 def duration(seconds: float) -> str:
+    """90 -> 1m30s, 5400 -> 1h30m, 86400 -> 1d: the two largest units, the smaller left out when 0."""
     s = int(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size and s % size == 0:
-            return f"{s // size}{unit}"
-    return f"{s}s"
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if s >= size or (unit == "s" and not parts):
+            parts.append(f"{s // size}{unit}")
+            s %= size
+    head = parts[:2]
+    return head[0] + (head[1] if len(head) > 1 and not head[1].startswith("0") else "")
 
 
 def summarize(states: list[tuple[str, dict | None]], now: float, tick: float) -> tuple[list[str], list[str], float]:
     """Workers' published states -> (why a job still runs: a worker runs one or has not reported; which
     workers' TPU is held; since when every worker has been idle, the latest of their idle times)."""
     running, busy, since = [], [], 0.0
+    if not states:
+        running.append("no worker to look at")
     for name, st in states:
-        if st is None or now - float(st.get("t") or 0) > SILENT_TICKS * tick:
+        try:
+            if not isinstance(st, dict):
+                raise TypeError
+            t, idle_since = float(st["t"]), st.get("idle_since")
+            jobs, work = list(st.get("jobs") or []), list(st.get("work") or [])
+            since_w = None if idle_since is None else float(idle_since)
+        except (TypeError, KeyError, ValueError):
+            running.append(f"{name} has not reported")  # nothing, or nothing readable
+            continue
+        if now - t > SILENT_TICKS * tick:
             running.append(f"{name} has not reported")
-        elif st.get("jobs"):
-            running.append(f"{name} runs job {st['jobs'][0]}")
-        elif st.get("idle_since") is None:
+        elif jobs:
+            running.append(f"{name} runs job {jobs[0]}")
+        elif work:
+            running.append(f"{name} runs tpurun {work[0]}")
+        elif since_w is None:
             busy.append(f"{name}: {st.get('holders')} process(es) hold the TPU")
         else:
-            since = max(since, float(st["idle_since"]))
+            since = max(since, since_w)
     return running, busy, since
 
 
@@ -135,18 +171,18 @@ def job_roots() -> list[str]:
     return roots
 
 
-def down_jobs(roots: list[str], running: list[str], settle: float) -> list[str]:
+def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str]) -> list[str]:
     """Directories of jobs started with `train --down` that ended at least SETTLE seconds ago (an attached
-    client deletes the TPU itself meanwhile) and whose deletion is still to be done."""
+    client deletes the TPU itself meanwhile) and were not acted on (DONE)."""
     found = []
     for root in roots:
         for name in sorted(os.listdir(root)):
             jdir = os.path.join(root, name)
-            spec = read_json(os.path.join(jdir, "spec.json"))
-            if not spec or not spec.get("down") or name in running or os.path.exists(os.path.join(jdir, DOWN_DONE)):
+            spec = read_json(os.path.join(jdir, "spec.json"), MAX_USER_FILE)
+            if not spec or spec.get("down") is not True or name in running or jdir in done:
                 continue
             try:
-                ended = os.stat(os.path.join(jdir, "state.json")).st_mtime
+                ended = os.lstat(os.path.join(jdir, "state.json")).st_mtime
             except OSError:
                 continue
             if time.time() - ended >= settle:
@@ -154,9 +190,39 @@ def down_jobs(roots: list[str], running: list[str], settle: float) -> list[str]:
     return found
 
 
+def read_done() -> set[str]:
+    try:
+        with open(DOWN_DONE) as f:
+            return {line.rstrip("\n") for line in f}
+    except OSError:
+        return set()
+
+
 def holders() -> int:
-    scan = probe.scan(probe.DEFAULT_DEVICE_GLOBS, probe.DEFAULT_LIBTPU_GLOB, [])
+    """Processes with a TPU device file open (libtpu holds them once it has initialised the TPU; its
+    mappings, which kill-stale also looks at, are not read: that would cost a look many times more)."""
+    scan = probe.scan(probe.DEFAULT_DEVICE_GLOBS, "", [])
     return sum(1 for h in scan["holders"] if not h["protected"])
+
+
+def tpurun_work() -> tuple[list[str], list[str]]:
+    """(jobs, other work: `setup`) of the processes carrying tpurun's variables in their environment."""
+    jobs, work = set(), set()
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        for entry in env.split(b"\0"):
+            if entry.startswith(WORK_MARKERS[0]):
+                jobs.add(entry[len(WORK_MARKERS[0]) :].decode("utf-8", "replace"))
+            elif entry.startswith(WORK_MARKERS[1]):
+                work.add(entry[len(WORK_MARKERS[1]) :].decode("utf-8", "replace"))
+    return sorted(jobs), sorted(work)
 
 
 # ------------------------------------------------------------------ the watchdog
@@ -173,6 +239,7 @@ class Watchdog:
         self._token_until = 0.0
         self._said = ""
         self._quiet_until = 0.0
+        self._idle_looks = 0  # looks in a row that found the TPU idle for the whole period
 
     # ---- what every worker does
     def config(self) -> dict:
@@ -184,14 +251,15 @@ class Watchdog:
 
     def look(self) -> None:
         self.roots = job_roots()
-        self.jobs = [j for r in self.roots for j in running_jobs(r)]
+        by_env, work = tpurun_work()
+        self.jobs = sorted({j for r in self.roots for j in running_jobs(r)} | set(by_env))
         held = holders()
         now = time.time()
-        if self.jobs or held:
+        if self.jobs or work or held:
             self.idle_since = None
         elif self.idle_since is None:
             self.idle_since = now
-        state = {"t": round(now, 1), "worker": self.worker, "jobs": self.jobs, "holders": held}
+        state = {"t": round(now, 1), "worker": self.worker, "jobs": self.jobs, "work": work, "holders": held}
         state["idle_since"] = None if self.idle_since is None else round(self.idle_since, 1)
         publish(STATE_KEY, json.dumps(state, sort_keys=True))
 
@@ -213,13 +281,16 @@ class Watchdog:
         return self.worker == 0 and self.slice == 0 and bool(cfg.get("nodes")) and bool(cfg.get("endpoint"))
 
     def api(self, cfg: dict, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        endpoint = str(cfg["endpoint"]).rstrip("/")
+        if not endpoint_ok(endpoint):
+            raise ValueError(f"refusing to send the VM's token to {endpoint} (https only, or http on loopback)")
         if time.time() >= self._token_until:
             tok = json.loads(metadata("instance/service-accounts/default/token") or "{}")
-            self._token = tok.get("access_token", "")
+            self._token = str(tok.get("access_token", ""))
             self._token_until = time.time() + max(0, int(tok.get("expires_in", 0)) - 60)
         headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
         data = json.dumps(body).encode() if body is not None else None
-        status, raw = request(method, str(cfg["endpoint"]).rstrip("/") + "/v2/" + path, data, headers)
+        status, raw = request(method, f"{endpoint}/v2/{path}", data, headers)
         try:
             reply = json.loads(raw.decode() or "{}")
         except ValueError:
@@ -227,83 +298,113 @@ class Watchdog:
         return status, reply if isinstance(reply, dict) else {}
 
     def reports(self, cfg: dict) -> tuple[list[dict], list[tuple[str, dict | None]]]:
-        """Every node of the config (as the API shows it) and every worker's last published state."""
-        nodes, states = [], []
+        """Every node of the config (as the API shows it) and every worker's last published state; a node
+        that is not READY counts as one worker that has not reported."""
+        nodes: list[dict] = []
+        states: list[tuple[str, dict | None]] = []
         many = len(cfg["nodes"]) > 1
         for s, name in enumerate(cfg["nodes"]):
-            status, node = self.api(cfg, "GET", name)
+            status, node = self.api(cfg, "GET", str(name))
             if status != 200:
                 raise OSError(f"GET {name}: HTTP {status} {node.get('error', {}).get('message', '')}")
             nodes.append(node)
+            workers = len(node.get("networkEndpoints") or [])
+            if node.get("state") != "READY" or not workers:
+                states.append((f"s{s}" if many else str(name).rsplit("/", 1)[-1], None))
+                continue
             status, got = self.api(cfg, "POST", f"{name}:getGuestAttributes", {"queryPath": f"{NAMESPACE}/{STATE_KEY}"})
             entries = got.get("guestAttributes", []) if status == 200 else []
-            for w in range(len(node.get("networkEndpoints", []))):
-                items = entries[w].get("queryValue", {}).get("items", []) if w < len(entries) else []
-                value = next((i.get("value") for i in items if i.get("key") == STATE_KEY), None)
-                try:
-                    state = json.loads(value) if value else None
-                except ValueError:
-                    state = None
-                states.append((f"s{s}/w{w}" if many else f"w{w}", state))
+            for w in range(workers):
+                states.append((f"s{s}/w{w}" if many else f"w{w}", _state_of(entries, w)))
         return nodes, states
 
     def decide(self, cfg: dict) -> None:
         idle = float(cfg.get("idle") or 0)
-        down = down_jobs(self.roots, self.jobs, SETTLE_TICKS * float(cfg.get("tick") or DEFAULT_TICK))
+        tick = tick_of(cfg)
+        down = down_jobs(self.roots, self.jobs, SETTLE_TICKS * tick, read_done())
         if not idle and not down:
+            self._idle_looks = 0
             self.say("autostop off")
             return
         if time.time() < self._quiet_until:
             return
         nodes, states = self.reports(cfg)
         now = time.time()
-        running, busy, since = summarize(states, now, float(cfg.get("tick") or DEFAULT_TICK))
+        running, busy, since = summarize(states, now, tick)
         if down:
             job = os.path.basename(down[0])
             if running:
                 self.say(f"down: waiting, job {job} ended but {running[0]}")
             elif self.act(cfg, nodes[0], "delete", f"job {job} ended (train --down)"):
-                for jdir in down:
-                    open(os.path.join(jdir, DOWN_DONE), "w").close()
+                with open(DOWN_DONE, "a") as f:
+                    f.write("".join(d + "\n" for d in down))
             return
         if running or busy:
+            self._idle_looks = 0
             self.say(f"busy: {(running + busy)[0]}")
         elif now - since >= idle:
-            why = f"idle for {duration(now - since)} on all {len(states)} workers (autostop {duration(idle)})"
-            self.act(cfg, nodes[0], str(cfg.get("action") or "delete"), why)
+            self._idle_looks += 1
+            if self._idle_looks >= 2:  # on two looks in a row: no worker's state is a look behind
+                why = f"idle for {duration(now - since)} on all {len(states)} workers (autostop {duration(idle)})"
+                self.act(cfg, nodes[0], str(cfg.get("action") or "delete"), why)
         else:
+            self._idle_looks = 0
             self.say(f"idle since {time.strftime('%H:%M:%S', time.gmtime(since))}Z; autostop after {duration(idle)}")
 
     def act(self, cfg: dict, node: dict, action: str, why: str) -> bool:
-        qr = node.get("queuedResource", "")
+        name = str(node.get("name", ""))
+        qr = str(node.get("queuedResource", ""))
         if qr:
             what, method, path = f"delete queued resource {qr.rsplit('/', 1)[-1]}", "DELETE", f"{qr}?force=true"
         elif action == "stop":
-            what, method, path = f"stop {node['name'].rsplit('/', 1)[-1]}", "POST", f"{node['name']}:stop"
+            what, method, path = f"stop {name.rsplit('/', 1)[-1]}", "POST", f"{name}:stop"
         else:
-            what, method, path = f"delete {node['name'].rsplit('/', 1)[-1]}", "DELETE", node["name"]
+            what, method, path = f"delete {name.rsplit('/', 1)[-1]}", "DELETE", name
+        self._quiet_until = time.time() + 20 * tick_of(cfg)  # the operation runs (or failed): not again meanwhile
+        self._idle_looks = 0
         status, reply = self.api(cfg, method, path, {} if method == "POST" else None)
-        tick = float(cfg.get("tick") or DEFAULT_TICK)
-        self._quiet_until = time.time() + 20 * tick  # the operation runs; do not ask twice meanwhile
         if status == 200:
             self.say(f"{what}: {why}; operation {reply.get('name', '?')}", repeat=True)
             return True
         if status == 404:
             self.say(f"{what}: already gone ({why})", repeat=True)
             return True
-        message = reply.get("error", {}).get("message", "")
+        message = reply.get("error", {}).get("message", "") if isinstance(reply.get("error"), dict) else ""
         self.say(f"{what} failed: HTTP {status} {message} ({why})", repeat=True)
         return False
 
     def tick(self) -> float:
-        cfg = self.config()
+        """One look (and decision); the seconds until the next. No failure ends the watchdog."""
+        cfg: dict = {}
         try:
+            cfg = self.config()
             self.look()
             if self.decides(cfg):
                 self.decide(cfg)
-        except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:
-            self.say(f"error: {exc}")
-        return float(cfg.get("tick") or (DEFAULT_TICK if cfg else UNSET_TICK))
+        except Exception as exc:  # noqa: BLE001 - whatever a look meets, the next look comes
+            try:
+                self.say(f"error: {type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001
+                pass
+        return tick_of(cfg) if cfg else UNSET_TICK
+
+
+def tick_of(cfg: dict) -> float:
+    try:
+        return min(3600.0, max(0.2, float(cfg.get("tick") or DEFAULT_TICK)))
+    except (TypeError, ValueError):
+        return DEFAULT_TICK
+
+
+def _state_of(entries: list, worker: int) -> dict | None:
+    """Worker WORKER's published state in a getGuestAttributes reply (one entry per worker, in order)."""
+    try:
+        items = entries[worker]["queryValue"]["items"]
+        value = next(i["value"] for i in items if i.get("key") == STATE_KEY)
+        state = json.loads(value)
+    except (IndexError, KeyError, TypeError, StopIteration, ValueError, AttributeError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 # ------------------------------------------------------------------ running it
@@ -311,7 +412,11 @@ class Watchdog:
 
 def _locked() -> object | None:
     """The per-worker lock, held (keep the returned file open), or None if another watchdog holds it."""
-    f = open(LOCK, "a")
+    try:
+        os.makedirs(RUN_DIR, mode=0o700, exist_ok=True)
+        f = open(LOCK, "a")
+    except OSError:
+        return None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -321,6 +426,9 @@ def _locked() -> object | None:
 
 
 def run() -> int:
+    if os.geteuid() != 0:
+        sys.stderr.write("tpurun watchdog: needs root (to see every user's processes)\n")
+        return 1
     lock = _locked()
     if lock is None:
         return 0  # one is running already
@@ -331,11 +439,8 @@ def run() -> int:
 
 
 def ensure() -> int:
-    """Start `run` in the background unless one runs; as root (through `sudo -n`) when possible."""
-    lock = _locked()
-    if lock is None:
-        return 0
-    lock.close()  # type: ignore[attr-defined]
+    """Start `run` in the background unless one runs. It needs root: as another user, through `sudo -n`;
+    exit 1 if that is refused."""
     if os.geteuid() != 0:
         try:
             argv_ = ["sudo", "-n", sys.executable, os.path.abspath(__file__), "ensure"]
@@ -344,9 +449,15 @@ def ensure() -> int:
                 return 0
         except OSError:
             pass
+        sys.stderr.write("tpurun watchdog: needs root, and `sudo -n` was refused\n")
+        return 1
+    lock = _locked()
+    if lock is None:
+        return 0 if os.path.exists(LOCK) else 1
+    lock.close()  # type: ignore[attr-defined]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPURUN_")}  # belongs to no job
     argv = [sys.executable, os.path.abspath(__file__), "run"]
-    if os.geteuid() == 0 and os.path.isdir("/run/systemd/system"):
+    if os.path.isdir("/run/systemd/system"):
         # a unit of its own: systemd keeps it apart from the startup script's or ssh session's unit
         try:
             unit = ["systemd-run", "--quiet", "--collect", "--unit=tpurun-watchdog"]
