@@ -264,6 +264,15 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     print(f"wrote {path.relative_to(ROOT)}")
 
 
+def publish(res: dict[str, Any], text: str, name: str, heading: str, *, write: bool) -> None:
+    """Print a benchmark's table TEXT; with WRITE, keep RES in docs/bench/NAME.json and TEXT in
+    docs/benchmarks.md under HEADING (its section marked NAME)."""
+    print(text)
+    if write:
+        write_json(BENCH_DOCS / f"{name}.json", res)
+        replace_section(DOCS / "benchmarks.md", name, text, heading)
+
+
 def replace_section(doc: Path, marker: str, text: str, heading: str) -> None:
     """Put TEXT between `<!-- MARKER:begin -->` and `<!-- MARKER:end -->` in DOC (appended under HEADING if absent)."""
     block = f"<!-- {marker}:begin (generated; do not edit by hand) -->\n{text.rstrip()}\n<!-- {marker}:end -->"

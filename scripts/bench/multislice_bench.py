@@ -123,11 +123,7 @@ def main() -> int:
                 print(f"round {rnd + 1}: {n} slice(s): create {made:.2f} s, exec {first:.2f} s, train {got}", flush=True)
     res["sizes"] = {str(n): {k: stats(v) for k, v in samples[n].items()} for n in SLICES}
     res["seconds"] = time.monotonic() - t0
-    text = render(res)
-    print(text)
-    if not args.no_write:
-        common.write_json(common.BENCH_DOCS / "multislice.json", res)
-        common.replace_section(common.DOCS / "benchmarks.md", "multislice", text, "### Multislice: 1, 2 and 4 slices")
+    common.publish(res, render(res), "multislice", "### Multislice: 1, 2 and 4 slices", write=not args.no_write)
     return 0
 
 

@@ -167,11 +167,7 @@ def main() -> int:
         res["production"] = {**measure(pid, args.prod), "tick": 30.0}
         print("as deployed:", res["production"], flush=True)
     res["seconds"] = time.monotonic() - t0
-    text = render(res)
-    print(text)
-    if not args.no_write:
-        common.write_json(common.BENCH_DOCS / "watchdog.json", res)
-        common.replace_section(common.DOCS / "benchmarks.md", "watchdog", text, "### The TPU watchdog's own cost")
+    common.publish(res, render(res), "watchdog", "### The TPU watchdog's own cost", write=not args.no_write)
     return 0
 
 

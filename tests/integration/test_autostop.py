@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from google.cloud import tpu_v2
 
 from tests.helpers import assert_clean_error, calls_since, finish, popen, read_until
 
@@ -59,8 +60,9 @@ def _deleted_by_vm(emulator, before: int, resource: str) -> dict:
     calls = [r for r in emulator.requests(before) if r["method"] == "DELETE" and r["path"].endswith(resource)]
     assert calls, emulator.requests(before)
     assert calls[0]["status"] == 200 and calls[0]["caller"].startswith("vm:"), calls
-    ops = emulator.client().list_operations(request={"name": emulator.parent})
-    assert any(op.metadata.value and resource.rsplit("/", 1)[-1].encode() in op.metadata.value for op in ops.operations)
+    ops = emulator.client().list_operations(request={"name": emulator.parent}).operations
+    meta = [tpu_v2.OperationMetadata.deserialize(op.metadata.value) for op in ops if op.metadata.value]
+    assert any(m.verb == "delete" and m.target.endswith(resource) for m in meta), meta
     return calls[0]
 
 
@@ -193,7 +195,7 @@ def test_queued_resource_node_takes_its_queued_resource_with_it(tp, emulator):
     r = tp("create", "qd", "-t", "v4-8", "--queued", "--autostop", "2s")
     assert r.code == 0, r.err
     _gone_within(emulator, "qd", 30)
-    _deleted_by_vm(emulator, before, "/queuedResources/qd?force=true".split("?")[0])
+    _deleted_by_vm(emulator, before, "/queuedResources/qd")
     deadline = time.monotonic() + 30
     while list(emulator.client().list_queued_resources(parent=emulator.parent)):
         assert time.monotonic() < deadline

@@ -54,7 +54,9 @@ def parse_idle(text: str, option: str = "--autostop") -> int:
         raise UsageError(f"{option} {text}: not a duration; use e.g. 30m, 2h or 1d (or 'off')") from None
     floor = MIN_TICKS * tick()
     if seconds < floor:
-        raise UsageError(f"{option} {text}: the shortest idle period is {wd.duration(floor)} (two looks of the watchdog)")
+        raise UsageError(
+            f"{option} {text}: the shortest idle period is {wd.duration(floor)} (two looks of the watchdog)"
+        )
     return seconds
 
 
@@ -220,7 +222,11 @@ class Activity:
 
 
 def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
-    """Read what every worker of NODES (one TPU) published; nodes that are not READY publish nothing."""
+    """Read what every worker of NODES (one TPU) published; nodes that are not READY publish nothing, and
+    no watchdog runs where tpurun never wrote a setting (no API call is made for those)."""
+    current = read(dict(nodes[0].metadata)) if nodes else None
+    if current is None:
+        return Activity()
     states: list[tuple[str, dict | None]] = []
     decision = ""
     many = len(nodes) > 1
@@ -232,18 +238,12 @@ def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
         except TpurunError:
             return Activity()
         for w, items in enumerate(attrs):
-            raw = items.get((wd.NAMESPACE, wd.STATE_KEY))
-            try:
-                state = json.loads(raw) if raw else None
-            except ValueError:
-                state = None
-            states.append((f"s{s}/w{w}" if many else f"w{w}", state if isinstance(state, dict) else None))
+            states.append((f"s{s}/w{w}" if many else f"w{w}", wd.parse_state(items.get((wd.NAMESPACE, wd.STATE_KEY)))))
             decision = decision or items.get((wd.NAMESPACE, wd.DECISION_KEY), "")
     if not any(st for _, st in states):
         return Activity()
-    current = read(dict(nodes[0].metadata))
     now = time.time()
-    running, busy, since = wd.summarize(states, now, current.tick if current else wd.DEFAULT_TICK)
+    running, busy, since = wd.summarize(states, now, current.tick)
     jobs = sorted({j for _, st in states if st for j in st.get("jobs", [])})
     reasons = running + busy
     return Activity(

@@ -35,12 +35,10 @@ from tpurun.transport.streams import Stream, open_stream, run_capture
 from tpurun.transport.targets import Target
 from tpurun.worker import bundle_name
 
-AGENT_MISSING = bundle.MISSING  # exit code of the start command when the agent file is not on the worker yet
-
-# Runs on each worker: agent present? start the job (spec from $2, base64), then stream its records
-# with our stdin as the lifeline (exec: the stream process *is* the channel's command).
+# Runs on each worker: agent present (else exit bundle.MISSING)? start the job (spec from $2, base64), then
+# stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
 _START_AND_STREAM = (
-    'f="$HOME/.tpurun/bin/$1/agent.py"; [ -f "$f" ] || exit 93; '
+    f'f="{bundle.BIN}/$1/agent.py"; [ -f "$f" ] || exit {bundle.MISSING}; '
     'printf %s "$2" | base64 -d | "$3" "$f" start >/dev/null || exit $?; '
     '[ "$5" = detach ] && exit 0; '
     'exec "$3" "$f" stream "$4" --follow --attached'
@@ -294,7 +292,7 @@ class JobRun:
         w = runner.worker.index
         try:
             stream = open_stream(runner, self._command(w))
-            if self._pump(w, stream) == AGENT_MISSING:
+            if self._pump(w, stream) == bundle.MISSING:
                 # first job on this worker (or a new tpurun version): ship the agent, then start again
                 bundle.install(runner)
                 self._pump(w, open_stream(runner, self._command(w)))
@@ -331,7 +329,7 @@ class JobRun:
         rc = stream.wait()
         if not done:
             err = stream.stderr_text().strip()
-            if rc == AGENT_MISSING:
+            if rc == bundle.MISSING:
                 return rc
             if rc == 3 and "still running" in err:
                 # another job holds this worker: a refusal (nothing of ours started), not a lost worker

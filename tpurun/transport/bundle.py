@@ -13,14 +13,15 @@ from tpurun.transport.streams import run_capture
 from tpurun.worker import bundle_name, bundle_tar
 
 MISSING = 93  # exit code of a program's argv when the bundle is not on the worker yet
+BIN = "$HOME/.tpurun/bin"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
 
 # The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
 # and of two concurrent installs the second finds the first's and drops its own.
 _INSTALL = (
-    'd="$HOME/.tpurun/bin/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -xf - -C "$t" || { rm -rf "$t"; exit 1; }; '
+    f'd="{BIN}/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -xf - -C "$t" || {{ rm -rf "$t"; exit 1; }}; '
     '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
 )
-_RUN = 'p=$1; f="$HOME/.tpurun/bin/$2/$3"; shift 3; [ -f "$f" ] || exit 93; exec "$p" "$f" "$@"'
+_RUN = f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {MISSING}; exec "$p" "$f" "$@"'
 
 
 def install(runner: Runner) -> None:

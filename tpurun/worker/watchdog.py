@@ -400,9 +400,16 @@ def _state_of(entries: list, worker: int) -> dict | None:
     """Worker WORKER's published state in a getGuestAttributes reply (one entry per worker, in order)."""
     try:
         items = entries[worker]["queryValue"]["items"]
-        value = next(i["value"] for i in items if i.get("key") == STATE_KEY)
-        state = json.loads(value)
-    except (IndexError, KeyError, TypeError, StopIteration, ValueError, AttributeError):
+        return parse_state(next(i["value"] for i in items if i.get("key") == STATE_KEY))
+    except (IndexError, KeyError, TypeError, StopIteration, AttributeError):
+        return None
+
+
+def parse_state(value: object) -> dict | None:
+    """A worker's published state (guest attribute tpurun/watch), or None if there is none or it is not one."""
+    try:
+        state = json.loads(value) if isinstance(value, str) and value else None
+    except ValueError:
         return None
     return state if isinstance(state, dict) else None
 
