@@ -36,8 +36,24 @@ class ApiError(TpurunError):
     exit_code = ExitCode.API
 
 
+class NoSuchTpu(ApiError):
+    """The TPU named does not exist (any more): one wording and one exit code for every command."""
+
+
+class TpuBusy(UsageError):
+    """Another job runs on the TPU: nothing was started, synced or recorded."""
+
+
 class UnreachableError(TpurunError):
     exit_code = ExitCode.UNREACHABLE
+
+
+class Preempted(UnreachableError):
+    """The TPU was preempted: its workers are gone (`train --max-restarts` makes it again)."""
+
+    def __init__(self, message: str, *, tpu: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.tpu = tpu
 
 
 class ProgramFailed(TpurunError):

@@ -169,7 +169,9 @@ class Bench:
 
     @property
     def known_hosts(self) -> Path:
-        return Path(self.env["TPURUN_HOME"]) / "ssh" / "known_hosts"
+        """The peers' known_hosts: the workers' keys under their addresses, as OpenSSH and paramiko look them
+        up (tpurun pins them under each worker's identity instead)."""
+        return self.home / "peers_known_hosts"
 
     def ssh_options(self) -> list[str]:
         """OpenSSH options: tpurun's key and pinned known_hosts, strict checking, never a prompt."""
@@ -198,6 +200,8 @@ class Bench:
         self.tpurun("create", name, "-t", V4_FOR_WORKERS[workers])
         info = self.server.emu.node_info(f"projects/{PROJECT}/locations/{ZONE}/nodes/{name}")
         node = Node(name, [w["address"] for w in info["workers"]])
+        with self.known_hosts.open("a") as f:
+            f.writelines(f"{w['address']} {w['hostKey']}\n" for w in info["workers"])
         print(f"created {name} ({workers} workers) in {time.monotonic() - t0:.1f}s", flush=True)
         self.nodes[name] = node
         return node

@@ -84,11 +84,14 @@ def main() -> int:
         if r.returncode:
             print(r.stderr, file=sys.stderr)
             return 1
-        addresses = [w["internalIp"] for w in json.loads(r.stdout)["workerEndpoints"]]
+        created = json.loads(r.stdout)
+        addresses = [w["internalIp"] for w in created["workerEndpoints"]]
         make_tree(project, args.files, args.mb)
         key = home / ".tpurun" / "ssh" / "id_ed25519"
         known = home / ".tpurun" / "ssh" / "known_hosts"
         ssh_e = f"ssh -i {key} -o IdentitiesOnly=yes -o UserKnownHostsFile={known} -o StrictHostKeyChecking=yes"
+        # tpurun pins each worker's key under its identity, tpu.<node id>-<worker>: OpenSSH's HostKeyAlias
+        alias = {a: f" -o HostKeyAlias=tpu.{created['id']}-{i}" for i, a in enumerate(addresses)}
 
         rnd = [0]  # each round syncs to fresh destinations (see run_all.py: no wipe between rounds)
 
@@ -100,7 +103,7 @@ def main() -> int:
         def rsync_all() -> None:
             procs = [
                 subprocess.Popen(
-                    ["rsync", "-a", "-e", ssh_e, f"{project}/", f"root@{a}:/root/rsync-tree-r{rnd[0]}/"],
+                    ["rsync", "-a", "-e", ssh_e + alias[a], f"{project}/", f"root@{a}:/root/rsync-tree-r{rnd[0]}/"],
                     env=env,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
@@ -115,7 +118,7 @@ def main() -> int:
         def wipe() -> None:
             for a in addresses:
                 subprocess.run(
-                    ["ssh", *shlex.split(ssh_e)[1:], f"root@{a}", "rm -rf /root/tree-r* /root/rsync-tree-r*"],
+                    ["ssh", *shlex.split(ssh_e + alias[a])[1:], f"root@{a}", "rm -rf /root/tree-r* /root/rsync-tree-r*"],
                     env=env, check=True, capture_output=True,
                 )  # fmt: skip
             shutil.rmtree(home / ".tpurun" / "sync-cache", ignore_errors=True)

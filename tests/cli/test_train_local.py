@@ -24,6 +24,40 @@ def test_unknown_options_and_after_dashdash_go_to_the_script(tmp_path):
     assert "one-host pod" in r.err
 
 
+def test_a_misspelt_option_is_refused_unless_after_dashdash(tmp_path):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    for typo, meant in (("--detatch", "--detach"), ("--dry_run", "--dry-run"), ("--max-restart=2", "--max-restarts")):
+        r = tpurun("train", "t.py", "--runtime", "cpu", typo, "--dry-run", cwd=tmp_path, env=env)
+        assert r.code == 2 and f"did you mean {meant}?" in r.err and f"-- {typo}" in r.err, r.err
+        assert "Traceback" not in r.err and r.out == ""
+    r = tpurun("train", "t.py", "--runtime", "cpu", "--dry-run", "--json", "--", "--detatch", cwd=tmp_path, env=env)
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["processes"][0]["command"][1:] == ["t.py", "--detatch"]
+
+
+def test_cpu_processes_are_bounded_by_the_host_unless_oversubscribed(tmp_path):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    for bad in (["--cores", "9"], ["--core", "8"]):
+        r = tpurun("train", "t.py", "--runtime", "cpu", *bad, "--dry-run", cwd=tmp_path, env=env)
+        assert r.code == 2 and "at most 8 devices" in r.err and "--oversubscribe" in r.err, r.err
+    r = tpurun("train", "t.py", "--runtime", "cpu", "--cores", "9", "--oversubscribe", "--dry-run", "--json",
+               cwd=tmp_path, env=env)  # fmt: skip
+    assert r.code == 0, r.err
+    assert len(json.loads(r.out)["processes"]) == 9
+
+
+def test_notes_talk_about_the_framework_the_script_imports(tmp_path):
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    (tmp_path / "j.py").write_text("import jax\nimport jax.numpy as jnp\nprint(jnp.ones(2))\n")
+    (tmp_path / "t.py").write_text("import torch\nimport torch_xla\n")
+    r = tpurun("train", "j.py", "--runtime", "cpu", "--cores", "2", "--dry-run", cwd=tmp_path, env=env)
+    assert r.code == 0 and "jax.distributed.initialize()" in r.err and "torch_xla" not in r.err, r.err
+    r = tpurun("train", "t.py", "--runtime", "cpu", "--cores", "2", "--dry-run", cwd=tmp_path, env=env)
+    assert r.code == 0 and "torch_xla has no cross-process collectives" in r.err and "jax" not in r.err, r.err
+
+
 def test_local_run_streams_every_core_and_fails_fast(tmp_path):
     env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
     (tmp_path / "ok.py").write_text(
@@ -112,8 +146,8 @@ def test_jobs_never_cuts_a_status(tmp_path):
     r = tpurun("jobs", "--json", cwd=tmp_path, env=env, timeout=60)
     assert r.code == 0, r.err
     (row,) = json.loads(r.out)
-    assert row["status"].startswith("unknown: ") and row["status"].rstrip().endswith((".", ")", "`")), row["status"]
-    assert len(row["status"]) > 60, row["status"]
+    assert row["status"] == "unknown" and row["detail"].rstrip().endswith((".", ")", "`")), row
+    assert len(row["detail"]) > 60, row["detail"]
 
 
 def test_a_default_tpu_without_project_names_local_as_a_way_out(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ class Cli:
     cwd: Path
     home: Path
     env: dict[str, str]
+    emulator: Any = None
 
     def __call__(self, *args: str, timeout: float = 180, input: str | None = None) -> Result:
         return tpurun(*args, cwd=self.cwd, env=self.env, timeout=timeout, input=input)
@@ -34,14 +36,24 @@ class Cli:
     def known_hosts(self) -> Path:
         return self.tpurun_home / "ssh" / "known_hosts"
 
+    def host_key_alias(self, address: str) -> str:
+        """The name tpurun pins the key of the worker at ADDRESS under: tpu.<node id>-<worker>."""
+        for node in self.emulator.client().list_nodes(parent=self.emulator.parent):
+            for i, ep in enumerate(node.network_endpoints):
+                if ep.ip_address == address:
+                    return f"tpu.{node.id}-{i}"
+        raise AssertionError(f"no node has a worker at {address}")
+
     def ssh(self, address: str, *command: str, user: str | None = None) -> list[str]:
-        """The system OpenSSH client with tpurun's key and pinned known_hosts (strict host key checking)."""
+        """The system OpenSSH client with tpurun's key and pinned known_hosts (strict host key checking,
+        under the worker's identity as tpurun pins it)."""
         return [
             "ssh",
             "-i", str(self.key),
             "-o", "IdentitiesOnly=yes",
             "-o", "StrictHostKeyChecking=yes",
             "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", f"HostKeyAlias={self.host_key_alias(address)}",
             "-o", "BatchMode=yes",
             "-o", "ConnectTimeout=10",
             "-o", "LogLevel=ERROR",
@@ -74,7 +86,7 @@ def cli(emulator, tmp_path) -> Cli:
     work.mkdir()
     env = cli_env(emulator, home)
     try:
-        yield Cli(work, home, env)
+        yield Cli(work, home, env, emulator)
     finally:
         emulator.restore()
         from tpurun.emulator.pytest_plugin import fast_polling

@@ -154,7 +154,7 @@ def test_autostop_off_disarms_and_setting_it_again_arms(tp, emulator):
     time.sleep(5)  # the job's end plus more than the old period
     assert _exists(emulator, "toggle")
     d = _describe(tp, "toggle")
-    assert d["autostop"] == {"idleSeconds": 0, "action": "delete"}, d
+    assert d["autostop"] == "off", d
     assert d["idleSeconds"] >= 4 and d["watchdog"].endswith("autostop off"), d
     assert tp("autostop", "toggle", "2s").code == 0
     _gone_within(emulator, "toggle", 30)
@@ -233,8 +233,13 @@ def test_train_down_detached_is_deleted_by_the_watchdog_when_the_job_ends(tp, em
     r = tp("train", "job.py", "3", "0", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
     assert r.code == 0, r.err
     assert "later will be deleted when job" in r.err
+    job = r.out.strip()
     time.sleep(1.5)
     assert _exists(emulator, "later")  # the job still runs
+    d = _describe(tp, "later")  # the pending --down is the TPU's autostop; states carry their age
+    assert d["down"] == [job] and d["jobs"] == [job] and 0 <= d["reportedSecondsAgo"] < 5, d
+    listed = " ".join(tp("list").out.split())
+    assert f"delete when {job} ends (--down)" in listed and "busy (" in listed and "s ago)" in listed, listed
     _gone_within(emulator, "later", 40)
     _deleted_by_vm(emulator, before, "/nodes/later")
     _nothing_left(emulator)
@@ -270,7 +275,6 @@ def test_bad_autostop_input_is_one_line_and_changes_nothing(tp, emulator):
         ("create", "x", "-t", "v4-8", "--autostop", "5x"),
         ("create", "x", "-t", "v4-8", "--autostop", "30"),
         ("create", "x", "-t", "v4-16", "--autostop", "1h", "--autostop-action", "stop"),
-        ("autostop", "nosuch", "30m"),
         ("autostop", "keep", "0"),
         ("autostop", "keep", "soon"),
         ("autostop", "keep", "1h", "--action", "stop"),
@@ -278,6 +282,7 @@ def test_bad_autostop_input_is_one_line_and_changes_nothing(tp, emulator):
     ):
         r = tp(*args)
         assert_clean_error(r, 2)
+    assert_clean_error(tp("autostop", "nosuch", "30m"), 3)  # a missing TPU: exit 3, as for every command
     mutations = [c for c in calls_since(emulator, before) if c["method"] != "GET" and ":getGuestAttributes" not in c["path"]]
     assert mutations == []
     assert tp("delete", "keep", "--yes").code == 0

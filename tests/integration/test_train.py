@@ -142,9 +142,14 @@ def test_second_train_on_same_node_refuses(cli):
     first = cli("train", "sleepy.py", "--runtime", "cpu", "--python", "python3", "--detach")
     assert first.code == 0, first.err
     job = first.out.strip().splitlines()[-1]
+    (cli.cwd / "sleepy.py").write_text("print('changed')\n")
     r = cli("train", "sleepy.py", "--runtime", "cpu", "--python", "python3")
-    assert r.code != 0
-    assert job in r.err and "cancel" in r.err
+    assert_clean_error(r, 2)
+    assert job in r.err and "cancel" in r.err and "nothing was started" in r.err, r.err
+    assert r.err.count("job ") == 1 and r.out == ""  # no job id allocated, shown or recorded: the running one
+    assert [row["job_id"] for row in json.loads(cli("jobs", "--json").out)] == [job]
+    synced = cli("exec", "--worker", "0", "--", "cat", "project/sleepy.py")
+    assert "time.sleep(600)" in synced.out, synced.out  # nothing synced under the running job
     assert cli("cancel", job).code == 0
 
 
@@ -171,6 +176,15 @@ def test_preemption_with_max_restarts_recreates_and_finishes(cli, emulator):
     assert proc.returncode == 0, err
     assert "restart 1/1" in err
     assert out.count("restart count 1") == 2 and out.count("finished") == 2
+    # preempted before the job starts: refused without --max-restarts, recovered with it
+    assert cli("exec", "--", "true").code == 0  # remembered, as a user's earlier command would leave it
+    emulator.preempt(emulator.node_name("pre"))
+    r = cli("train", "long.py", "--runtime", "cpu", "--launch", "host", "--python", "python3")
+    assert_clean_error(r, 4)
+    assert "pre (the default TPU here, from" in r.err and "was preempted" in r.err and "--max-restarts" in r.err
+    r = cli("train", "long.py", "--runtime", "cpu", "--launch", "host", "--python", "python3", "--max-restarts", "1")
+    assert r.code == 0, r.err
+    assert "restart 1/1: recreating pre" in r.err and r.out.count("finished") == 2, (r.out, r.err)
 
 
 @pytest.mark.parametrize("accel", ["v2-8", "v3-32", "v4-32", "v5litepod-16", "v6e-8"])

@@ -567,7 +567,7 @@ TYPES = ["v2-8", "v2-32", "v3-8", "v3-32", "v3-128", "v4-8", "v4-32", "v4-128", 
 @given(name=st.sampled_from(TYPES), runtime=st.sampled_from(["pjrt", "cpu"]), cpu_cores=st.integers(1, 8))
 def test_chip_launch_ranks_are_unique_and_contiguous(name: str, runtime: str, cpu_cores: int) -> None:
     topo = parse_accelerator_type(name)
-    p = plan(name, runtime, cores=cpu_cores if runtime == "cpu" else None, launch="chip")
+    p = plan(name, runtime, cores=cpu_cores if runtime == "cpu" else None, launch="chip", oversubscribe=True)
     specs = [s for w in p for s in w]
     world = int(specs[0].env["WORLD_SIZE"])
     assert sorted(int(s.env["RANK"]) for s in specs) == list(range(world))

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from tpurun import __version__, config, ui
-from tpurun.errors import ExitCode, TpurunError
+from tpurun.errors import ExitCode, TpurunError, UsageError
 
 # typer may vendor its own click: find click's exception base through a public typer class
 _ClickException: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -117,6 +117,29 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     return flags + [a for a in args[:end] if a not in _GLOBAL_FLAGS] + args[end:]
 
 
+def refuse_misspelt_options(command: object, args: list[str]) -> None:
+    """A command that hands unknown options to the user's program (train) refuses, before `--`, one that
+    is nearly one of its own (`--detatch`): a typo must not silently become the script's argument."""
+    import difflib
+
+    name = next((a for a in args if not a.startswith("-")), None)
+    sub = getattr(command, "commands", {}).get(name) if name else None
+    if name is None or sub is None or not sub.context_settings.get("ignore_unknown_options"):
+        return
+    own = [o for p in sub.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+    end = args.index("--") if "--" in args else len(args)
+    for arg in args[args.index(name) + 1 : end]:
+        option = arg.split("=", 1)[0]
+        if not option.startswith("--") or option in own:
+            continue
+        near = difflib.get_close_matches(option, own, n=1, cutoff=0.8)
+        if near:
+            raise UsageError(
+                f"unknown option {option} of `tpurun {name}`: did you mean {near[0]}?",
+                hint=f"an argument for your script goes after --: `tpurun {name} SCRIPT -- {arg}`",
+            )
+
+
 def load_commands(args: list[str]) -> None:
     """Register the command ARGS names (only its module), or every command when that is unclear."""
     name = next((a for a in args if not a.startswith("-")), None)
@@ -152,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     load_commands(args)
     command = typer.main.get_command(app)
     try:
+        refuse_misspelt_options(command, args)
         rc = command.main(args=args, prog_name="tpurun", standalone_mode=False)
         code = rc if isinstance(rc, int) else 0
     except TpurunError as exc:

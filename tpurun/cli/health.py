@@ -228,8 +228,8 @@ def doctor_cmd(
         if target.local:
             checks.append(dr.Check(i, "ssh", "pass", "this machine (no ssh)"))
         else:
-            pinned = keys.pinned_key(home, r.worker.address, r.worker.port)
-            detail = f"reachable, host key pinned ({pinned.split()[0]})" if pinned else "reachable"
+            pinned = keys.pinned_key(home, r.worker.host_key)
+            detail = f"reachable, host key pinned as {r.worker.host_key} ({pinned.split()[0]})" if pinned else "reachable"
             checks.append(dr.check_ssh(i, errors.get(i), detail))
         if reports is not None:
             which = r.worker.name if r.worker.slice is not None else str(i)

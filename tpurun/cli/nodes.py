@@ -11,7 +11,7 @@ import typer
 from tpurun import settings, ui
 from tpurun.cli.options import JsonOpt, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
-from tpurun.cloud import autostop, provision, startup
+from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import UsageError
 from tpurun.transport import bundle, targets
@@ -113,7 +113,7 @@ def create_cmd(
     )
     provision.prepare_create(spec)  # every local check before settings or the API are touched
     cloud, s = cloud_for(project, zone)
-    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)  # a new node: new addresses, new keys
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)  # a new TPU: a new identity
     try:
         with progress_display() as progress:
             result = provision.create(cloud, s, spec, progress)
@@ -181,7 +181,7 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
                 "spot" if v.spot else "preemptible" if v.preemptible else "-",
                 f"{v.slice_of[0]} (s{v.slice_of[1]})" if v.slice_of else "-",
                 v.age(),
-                v.autostop_setting.label() if v.autostop_setting else "-",
+                v.activity.autostop_label(v.autostop_setting),
                 v.activity.idle_label(),
                 ", ".join(v.activity.jobs) or "-",
             )
@@ -204,9 +204,10 @@ def describe_cmd(
         ui.print_json(view.to_dict(full=True))
         return
     d = view.to_dict(full=True)
-    hidden = ("workerEndpoints", "metadata", "labels", "slices", "autostop", "idleSeconds", "jobs", "busy", "watchdog")
+    hidden = {"workerEndpoints", "metadata", "labels", "slices", "autostop", "idleSeconds", "jobs", "busy"}
+    hidden |= {"watchdog", "reportedSecondsAgo", "down"}
     rows = [(k, v) for k, v in d.items() if k not in hidden]
-    rows.append(("autostop", view.autostop_setting.label() if view.autostop_setting else "-"))
+    rows.append(("autostop", view.activity.autostop_label(view.autostop_setting)))
     act = view.activity
     rows.append(("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy else "")))
     rows.append(("jobs", ", ".join(act.jobs) or "-"))
@@ -237,7 +238,7 @@ def delete_cmd(
             raise typer.Exit(1)
     with progress_display() as progress:
         qr = provision.delete(cloud, name, progress)
-    targets.forget_node(settings.resolve({}).home_path, cloud.project, cloud.zone, name)
+    identity.bury(settings.resolve({}).home_path, cloud.project, cloud.zone, name, "`tpurun delete`")
     ui.info(f"deleted {name}" + (" and its queued resource" if qr else ""))
     cleared = settings.clear_project_setting("tpu", name)
     if cleared:
@@ -250,7 +251,7 @@ def stop_cmd(name: Annotated[str, typer.Argument()], project: ProjectOpt = None,
     cloud, _ = cloud_for(project, zone)
     with progress_display() as progress:
         view = provision.stop(cloud, name, progress)
-    targets.forget_node(settings.resolve({}).home_path, cloud.project, cloud.zone, name)
+    identity.forget(settings.resolve({}).home_path, cloud.project, cloud.zone, name)
     ui.info(f"{name} is {view.state}")
 
 
@@ -260,7 +261,7 @@ def start_cmd(
     """Start a stopped single-host TPU VM and wait for its startup script."""
     provision.validate_name(name)
     cloud, s = cloud_for(project, zone)
-    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)
     with progress_display() as progress:
         result = provision.start(cloud, s, name, progress)
     if json_out:

@@ -14,7 +14,7 @@ from tpurun import settings, ui
 from tpurun.cli.options import LocalOpt, TpuOpt, WorkerOpt, parsing
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.cloud import keys
-from tpurun.errors import TpurunError, UsageError
+from tpurun.errors import TpurunError, UnreachableError, UsageError
 from tpurun.transport import targets
 from tpurun.transport.fanout import RunResult, fan_out
 from tpurun.transport.runner import DEFAULT_GRACE, worker_names
@@ -61,9 +61,16 @@ def ssh_cmd(
     s = settings.resolve({"tpu": tpu})
     if not s.tpu.value:
         raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
-    target = targets.resolve(tpu=s.tpu.value, local=False, worker_spec=worker)
-    if len(target.runners) != 1:
-        raise UsageError(f"--worker {worker}: name one worker")
+    target = targets.resolve(tpu=tpu, local=False, worker_spec=worker)
+    try:
+        if len(target.runners) != 1:
+            raise UsageError(f"--worker {worker}: name one worker")
+        # the worker proves it is that worker of that TPU (and a gone TPU is reported) before ssh runs
+        errors = target.connect()
+        if errors:
+            raise UnreachableError(next(iter(errors.values())))
+    finally:
+        target.close()
     w = target.runners[0].worker
     home = s.home_path
     argv = [
@@ -72,6 +79,7 @@ def ssh_cmd(
         "-o", "IdentitiesOnly=yes",
         "-o", "StrictHostKeyChecking=yes",
         "-o", f"UserKnownHostsFile={keys.known_hosts_path(home)}",
+        "-o", f"HostKeyAlias={w.host_key}",  # the key pinned for this worker of this TPU, not for its address
         "-o", "LogLevel=ERROR",
         "-p", str(w.port),
     ]  # fmt: skip

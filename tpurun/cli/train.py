@@ -16,7 +16,8 @@ import typer
 from tpurun import settings, ui
 from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
-from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun.cloud import identity
+from tpurun.errors import ExitCode, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job import launcher as train
 from tpurun.job import plan as envc
 from tpurun.job import records
@@ -54,8 +55,15 @@ def train_cmd(
     tpu: TpuOpt = None,
     local: LocalOpt = False,
     cores: Annotated[
-        int | None, typer.Option(help="Processes per worker: 1, or all (default) per the runtime.")
+        int | None,
+        typer.Option(
+            help="Processes per worker: 1, or all (default) per the runtime; on the cpu runtime up to the host's "
+            "devices (8 on this machine)."
+        ),
     ] = None,
+    oversubscribe: Annotated[
+        bool, typer.Option("--oversubscribe", help="The cpu runtime: allow more --cores than the host has devices.")
+    ] = False,
     core: Annotated[int | None, typer.Option(help="Run on one specific core index (like devices=[5]).")] = None,
     runtime: Annotated[
         envc.Runtime, typer.Option(help="auto: pjrt on a TPU (xrt for torch_xla before 2.1), cpu where there is none.")
@@ -128,6 +136,7 @@ def train_cmd(
         grace=grace,
         tpu_ip=tpu_ip,
         down=down,
+        oversubscribe=oversubscribe,
     )
     raise typer.Exit(_run(spec, tpu=tpu, local=local, dest=dest, json_out=json_out))
 
@@ -159,6 +168,10 @@ def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | Non
                 out=out,
                 cancel=cancel,
             )
+    except TpuBusy:
+        if spec.down:
+            ui.warn(f"--down: {s.tpu.value} is kept, another job runs on it")
+        raise
     except BaseException:
         if spec.down and s.tpu.value:  # the launch itself failed (a worker unreachable, ...): --down holds
             _down(s.tpu.value, None, ExitCode.OK)
@@ -200,7 +213,8 @@ def _down(name: str, result: train.JobResult | None, code: int) -> int:
     except TpurunError as exc:
         _error(f"error: --down: {name} was not deleted: {exc.message}")
         return code or exc.exit_code
-    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)
+    job = f" (job {result.job.job_id})" if result is not None else ""
+    identity.bury(s.home_path, cloud.project, cloud.zone, name, f"`tpurun train --down`{job}")
     settings.clear_project_setting("tpu", name)
     ui.info(f"deleted {name} (--down)")
     return code
@@ -265,7 +279,7 @@ def _recreate(name: str) -> None:
 
     s = settings.resolve({})
     cloud = Cloud(s)
-    targets.forget_node(s.home_path, cloud.project, cloud.zone, name)
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)
     with progress_display() as progress:
         provision.recreate(cloud, s, name, progress)
 
@@ -377,45 +391,47 @@ def _agent_argv(record: records.JobRecord, *args: str) -> list[str]:
     return bundle.program_argv(record.python, "agent.py", *args)
 
 
-def jobs_cmd(tpu: TpuOpt = None, json_out: JsonOpt = False) -> None:
-    """Jobs started with `train` (attached and detached), with their state on worker 0."""
-    s = settings.resolve({"tpu": tpu})
-    known = [r for r in records.list_records(s.home_path) if not tpu or r.tpu == tpu]
-    rows: list[dict[str, Any]] = []
-    for r in known:
-        status = "unknown"
-        try:
-            target = _record_target(r)
-            try:
-                train.connect(target)
-                rc, out, _ = run_capture(target.runners[0], _agent_argv(r, "state", r.job_id), timeout=30)
-                if rc == 0:
-                    status = json.loads(out.decode()).get("status", "unknown")
-            finally:
-                target.close()
-        except TpurunError as exc:
-            status = f"unknown: {exc.message}"  # whole: a table wraps it between words
-        rows.append(
-            {
-                "job_id": r.job_id,
-                "tpu": r.tpu,
-                "status": status,
-                "created": r.created,
-                "detached": r.detached,
-                "command": " ".join(r.command),
-            }
-        )
+def jobs_cmd(
+    tpu: TpuOpt = None,
+    prune: Annotated[
+        bool, typer.Option("--prune", help="Forget the jobs of TPUs that no longer exist (after showing them).")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Jobs started with `train` (attached and detached), each with its state over every worker: a failure on
+    any worker is failed, naming it; a job whose TPU was deleted is gone."""
+    from tpurun.job import status
+
+    rows = status.jobs(settings.resolve({"tpu": tpu}).home_path, tpu, prune=prune)
+    data = [
+        {
+            "job_id": row.record.job_id,
+            "tpu": row.record.tpu,
+            "status": row.state.status,
+            "detail": row.state.detail,
+            "created": row.record.created,
+            "detached": row.record.detached,
+            "command": " ".join(row.record.command),
+        }
+        for row in rows
+    ]
     if json_out:
-        ui.print_json(rows)
+        ui.print_json(data)
         return
     ui.table(
         None,
         ["job", "tpu", "status", "created", "detached", "command"],
         [
-            (d["job_id"], d["tpu"], d["status"], d["created"], "yes" if d["detached"] else "no", d["command"])
-            for d in rows
-        ],
+            (row.record.job_id, row.record.tpu, row.state.label(), row.record.created,
+             "yes" if row.record.detached else "no", " ".join(row.record.command))
+            for row in rows
+        ],  # fmt: skip
     )
+    gone = sum(1 for row in rows if row.state.status == "gone")
+    if prune and gone:
+        ui.info(f"forgot {gone} job(s) of TPUs that no longer exist")
+    elif gone:
+        ui.info(f"{gone} job(s) ran on TPUs that no longer exist: `tpurun jobs --prune` forgets them")
 
 
 def logs_cmd(
@@ -430,7 +446,7 @@ def logs_cmd(
     renderer.names = worker_names(target.all_workers)
     viewer = _Viewer(record, target, renderer, follow)
     try:
-        train.connect(target)
+        train.connect(target, record)
         with stop_on_signals(viewer.stop):
             each(target.runners, viewer.view, name="logs")
         for _, w, c, _, line in sorted(viewer.replay):
@@ -521,7 +537,7 @@ def cancel_cmd(
     target = _record_target(record)
     failures = []
     try:
-        train.connect(target)
+        train.connect(target, record)
         results: dict[int, tuple[int, str]] = {}
         before: dict[int, str] = {}  # worker -> the job's status there when the stop came
 

@@ -114,8 +114,8 @@ def read(md: dict[str, str]) -> Setting | None:
 
 
 def tpu_nodes(cloud: Cloud, name: str) -> list[tpu_v2.Node]:
-    """NAME's nodes: the node, or every slice of the multislice TPU NAME. A TPU that does not exist is bad
-    input (UsageError), like a mistyped name."""
+    """NAME's nodes: the node, or every slice of the multislice TPU NAME (NoSuchTpu, exit 3, for a TPU that
+    does not exist, as everywhere)."""
     validate_name(name)
     node, found = multislice.find(cloud, name)
     if found is not None:
@@ -125,11 +125,7 @@ def tpu_nodes(cloud: Cloud, name: str) -> list[tpu_v2.Node]:
             raise ApiError(f"{name}: the queued resource is {multislice.qr_state(qr)} and not every slice exists yet")
         return nodes
     if node is None:
-        similar = cloud.similar_names(name)
-        raise UsageError(
-            f"no TPU named '{name}' in {cloud.project}/{cloud.zone}",
-            hint=f"did you mean {', '.join(similar)}?" if similar else "`tpurun list` shows the TPUs that exist",
-        )
+        raise cloud.no_such_tpu(name)
     where = multislice.slice_of(node)
     if where is not None:
         raise UsageError(
@@ -204,13 +200,20 @@ class Activity:
     why_busy: str = ""  # the first reason it is not idle ("" if idle or nothing reported)
     decision: str = ""  # the deciding worker's last line (tpurun/watchdog)
     reported: bool = False  # some worker runs a watchdog
+    age: float | None = None  # seconds since the oldest report used was published
+    down: list[str] = field(default_factory=list)  # running `train --down` jobs: the TPU goes when they end
 
     def idle_label(self) -> str:
         if not self.reported:
             return "-"
-        if self.idle_for is None:
-            return "busy"
-        return ui.age(self.idle_for)
+        state = "busy" if self.idle_for is None else ui.age(self.idle_for)
+        return f"{state} ({ui.age(self.age)} ago)" if self.age is not None else state
+
+    def autostop_label(self, setting: Setting | None) -> str:
+        """SETTING, or what replaces it while a `train --down` job runs."""
+        if self.down:
+            return f"delete when {', '.join(self.down)} ends (--down)"
+        return setting.label() if setting else "-"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -218,6 +221,8 @@ class Activity:
             "jobs": self.jobs,
             "busy": self.why_busy or None,
             "watchdog": self.decision or None,
+            "reportedSecondsAgo": None if self.age is None else round(self.age, 1),
+            "down": self.down,
         }
 
 
@@ -245,13 +250,17 @@ def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
     now = time.time()
     running, busy, since = wd.summarize(states, now, current.tick)
     jobs = sorted({j for _, st in states if st for j in st.get("jobs", [])})
+    down = sorted({str(j) for _, st in states if st for j in st.get("down", []) if j in jobs})
     reasons = running + busy
+    times = [float(st["t"]) for _, st in states if st and isinstance(st.get("t"), int | float)]
     return Activity(
         idle_for=None if reasons else max(0.0, now - since),
         jobs=jobs,
         why_busy=reasons[0] if reasons else "",
         decision=decision,
         reported=True,
+        age=max(0.0, now - min(times)) if times else None,
+        down=down,
     )
 
 

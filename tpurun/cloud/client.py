@@ -24,7 +24,7 @@ from google.api_core.future import polling as gpolling
 from google.cloud import tpu_v2
 
 from tpurun import config
-from tpurun.errors import ApiError, UsageError
+from tpurun.errors import ApiError, NoSuchTpu, UsageError
 from tpurun.naming import validate_zone
 from tpurun.settings import Settings
 
@@ -92,7 +92,7 @@ def _transient(exc: Exception) -> bool:
     return isinstance(exc, TRANSIENT) or (isinstance(exc, OSError) and not isinstance(exc, gexc.GoogleAPIError))
 
 
-def _short_name(name: str) -> str:
+def short_name(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 
 
@@ -178,13 +178,9 @@ class Cloud:
                 "and the Cloud TPU API enabled (gcloud services enable tpu.googleapis.com)",
             )
         if isinstance(exc, gexc.NotFound):
-            hint = "`tpurun list` shows the nodes that exist"
             if node:
-                similar = self.similar_names(node)
-                if similar:
-                    hint = f"did you mean {', '.join(similar)}?"
-                return ApiError(f"{what}: no TPU named '{node}' in {where}", hint=hint)
-            return ApiError(f"{what}: not found in {where}: {msg}", hint=hint)
+                return self.no_such_tpu(node)
+            return ApiError(f"{what}: not found in {where}: {msg}", hint="`tpurun list` shows the TPUs that exist")
         if isinstance(exc, gexc.ResourceExhausted | gexc.TooManyRequests):
             return ApiError(
                 f"{what}: out of capacity or quota in {where}: {msg}",
@@ -201,9 +197,17 @@ class Cloud:
             return ApiError(f"{what}: not authenticated: {msg}", hint="run `gcloud auth application-default login`")
         return ApiError(f"{what}: Cloud TPU API error {exc.code}: {msg}")
 
+    def no_such_tpu(self, name: str) -> ApiError:
+        """The one error every command gives for a TPU NAME that does not exist (exit code 3)."""
+        similar = self.similar_names(name)
+        return NoSuchTpu(
+            f"no TPU named '{name}' in project {self.project}, zone {self.zone}",
+            hint=f"did you mean {', '.join(similar)}?" if similar else "`tpurun list` shows the TPUs that exist",
+        )
+
     def similar_names(self, name: str) -> list[str]:
         try:
-            names = [_short_name(n.name) for n in self.client.list_nodes(parent=self.parent)]
+            names = [short_name(n.name) for n in self.client.list_nodes(parent=self.parent)]
         except gexc.GoogleAPICallError:
             return []
         return difflib.get_close_matches(name, names, n=3, cutoff=0.5)

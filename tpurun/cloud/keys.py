@@ -2,8 +2,11 @@
 
 The ed25519 key is created once under $TPURUN_HOME/ssh (0600, directory 0700). Host keys are never
 learned on first contact: they are pinned from the guest attributes the TPU guest agent publishes
-(namespace `hostkeys`), and stored in $TPURUN_HOME/known_hosts in OpenSSH format so that both paramiko
-and the system `ssh` can check them.
+(namespace `hostkeys`), and stored in $TPURUN_HOME/ssh/known_hosts in OpenSSH format so that both
+paramiko and the system `ssh` can check them. They are pinned under the worker's identity, not its
+address: `tpu.<node id>-<worker>`, the name gcloud gives them (OpenSSH's HostKeyAlias). A VM that answers
+at a worker's address proves it is that worker of that TPU by holding its key; any other VM there, even
+one whose key tpurun pinned for another TPU, is refused.
 """
 
 from __future__ import annotations
@@ -83,15 +86,16 @@ def merge_ssh_keys(existing: str, entry: str) -> tuple[str, bool]:
     return "\n".join(lines) + "\n", True
 
 
-def host_entry(address: str, port: int) -> str:
-    return address if port == 22 else f"[{address}]:{port}"
+def host_key_alias(node_id: str, host: int) -> str:
+    """The name worker HOST of the node with unique id NODE_ID has its host key pinned under."""
+    return f"tpu.{node_id}-{host}"
 
 
 def pin_host_keys(home: Path, hosts: dict[str, str]) -> None:
-    """Record HOSTS ({"addr" or "[addr]:port": "ssh-ed25519 AAAA..."}) as the only trusted keys for them.
+    """Record HOSTS ({alias: "ssh-ed25519 AAAA..."}) as the only trusted keys for them.
 
-    A host's earlier entries are replaced: the guest attributes are the authority (a recreated node
-    reuses addresses with new keys). The file is rewritten atomically.
+    A host's earlier entries are replaced: the guest attributes are the authority. The file is rewritten
+    atomically.
     """
     path = known_hosts_path(home)
     ssh_dir(home)
@@ -112,11 +116,11 @@ def pin_host_keys(home: Path, hosts: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def pinned_key(home: Path, address: str, port: int = 22) -> str | None:
+def pinned_key(home: Path, host: str) -> str | None:
+    """The key pinned for HOST (an alias), or None."""
     path = known_hosts_path(home)
     if not path.exists():
         return None
-    host = host_entry(address, port)
     for line in path.read_text().splitlines():
         fields = line.split()
         if len(fields) >= 3 and fields[0] == host:

@@ -17,7 +17,7 @@ from google.cloud import tpu_v2
 
 from tpurun import config, settings
 from tpurun.cloud import autostop, keys, multislice, startup
-from tpurun.cloud.client import Cloud
+from tpurun.cloud.client import Cloud, short_name
 from tpurun.cloud.multislice import qr_state
 from tpurun.cloud.views import STATE, NodeView, WorkerView, multislice_view, node_view  # noqa: F401
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
@@ -314,16 +314,17 @@ class StartupFailed(ProgramFailed):
 
 
 def host_keys_from(attrs: list[dict[tuple[str, str], str]], node: tpu_v2.Node) -> dict[str, str]:
+    """{alias: key} of every worker of NODE, from its `hostkeys/` guest attributes."""
     pinned = {}
     for i, ep in enumerate(node.network_endpoints):
         key = attrs[i].get(("hostkeys", "ssh-ed25519")) if i < len(attrs) else None
         if not key:
             raise ApiError(
-                f"worker {i} ({ep.ip_address}) has not published its ssh host key in guest attributes yet",
-                hint="wait a minute after the node is READY and run `tpurun attach` again",
+                f"worker {i} ({ep.ip_address}) of {short_name(node.name)} has not published its ssh host key in guest "
+                "attributes yet",
+                hint="wait a minute after the node is READY and try again",
             )
-        for address in {ep.ip_address, ep.access_config.external_ip if ep.access_config else ""} - {""}:
-            pinned[keys.host_entry(address, 22)] = key
+        pinned[keys.host_key_alias(str(node.id), i)] = key
     return pinned
 
 

@@ -46,6 +46,7 @@ class NodeView:
     labels: dict[str, str]
     metadata: dict[str, str]
     queued_resource: str
+    id: str = ""  # the node's unique id in the API (a multislice TPU has one per slice)
     slices: list[NodeView] = field(default_factory=list)  # a multislice TPU: one view per slice
     slice_of: tuple[str, int] | None = None  # a slice's node: (its multislice TPU, its slice index)
     activity: autostop.Activity = field(default_factory=autostop.Activity)  # what its watchdogs report
@@ -62,6 +63,7 @@ class NodeView:
     def to_dict(self, *, full: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
             "name": self.name,
+            "id": self.id or None,
             "acceleratorType": self.accelerator_type,
             "state": self.state,
             "health": self.health,
@@ -71,8 +73,8 @@ class NodeView:
             "age": self.age(),
             "createTime": self.created.isoformat() if self.created else None,
         }
-        setting = self.autostop_setting  # idleSeconds 0: off; null: tpurun set nothing
-        d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting else None
+        setting = self.autostop_setting  # "off" as the command says it; null: tpurun set nothing
+        d["autostop"] = None if setting is None else {"idleSeconds": setting.idle, "action": setting.action} if setting.idle else "off"
         d.update(self.activity.to_dict())
         if not full:
             d.pop("watchdog")
@@ -140,6 +142,7 @@ def node_view(
         labels=dict(node.labels),
         metadata=dict(node.metadata),
         queued_resource=node.queued_resource,
+        id=str(node.id) if node.id else "",
         slice_of=where,
         activity=activity or autostop.Activity(),
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tpurun import config, settings
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import ApiError, Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job import plan as envc
 from tpurun.job import setup as job_setup
 from tpurun.job.records import JobRecord, RecordStream, new_job_id
@@ -104,6 +104,7 @@ class TrainSpec:
     master_port: int = 12355
     tpu_ip: str | None = None
     down: bool = False  # delete the TPU when the job ends (the TPU's watchdog does, if tpurun is gone)
+    oversubscribe: bool = False  # the cpu runtime: more processes per worker than the host has devices
 
 
 @dataclass
@@ -193,6 +194,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
         precision=spec.precision,
         restart_count=restart_count,
         tpu_ip=spec.tpu_ip,
+        oversubscribe=spec.oversubscribe,
     )
     return JobPlan(runtime, why, launch, launch_why, specs)
 
@@ -425,10 +427,17 @@ def hint_for(lines: list[str], *, python: str = "python3", local: bool = False) 
     return None
 
 
-def connect(target: Target) -> None:
+def connect(target: Target, record: JobRecord | None = None) -> None:
+    """Connect every worker of TARGET, or raise; with RECORD, also that TARGET is the TPU that job ran on."""
     errors = target.connect()
     if errors:
         raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
+    if record is not None and record.ids and target.ids and record.ids != target.ids:
+        raise ApiError(
+            f"job {record.job_id} ran on the TPU {record.tpu} with node id {', '.join(record.ids)}, which no longer "
+            f"exists: the TPU named {record.tpu} now is another one (node id {', '.join(target.ids)}), without "
+            "that job or its logs"
+        )
 
 
 # ---------------------------------------------------------------------------- a whole job
@@ -456,6 +465,7 @@ class Job:
     python: str
     cwd: str
     setup: job_setup.Setup | None
+    framework: str = "torch"  # what the script imports: "jax" or "torch" (envc.script_framework)
 
     def notes(self) -> list[tuple[str, str]]:
         """(info|warn, text): what the user is told before the job starts."""
@@ -469,7 +479,16 @@ class Job:
                 f"{p.processes} process(es) started by tpurun",
             )
         ]
-        if p.runtime == "cpu" and p.processes > 1:
+        if p.runtime == "cpu" and p.processes > 1 and self.framework == "jax":
+            out.append(
+                (
+                    "info",
+                    f"note: {p.processes} CPU processes join as one JAX job when the script calls "
+                    "jax.distributed.initialize() (tpurun sets its coordinator, process count and id; CPU "
+                    "collectives go over gloo: docs/train.md)",
+                )
+            )
+        elif p.runtime == "cpu" and p.processes > 1:
             out.append(
                 (
                     "info",
@@ -504,11 +523,31 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
         connect(target)
     p = plan(target, spec, job_id, restart_count=restart)
     python = target.python(spec.python)
+    if not spec.dry_run:
+        refuse_if_busy(target, python)
     cwd = str(local_dir) if target.local else (dest or sender.default_dest(local_dir))
     setup = job_setup.plan(
         spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=local_dir, on_tpu=not target.local
     )
-    return Job(job_id, spec, target, p, python, cwd, setup)
+    try:
+        framework = envc.script_framework((local_dir / spec.script).read_text(errors="replace"))
+    except OSError:
+        framework = "torch"
+    return Job(job_id, spec, target, p, python, cwd, setup, framework)
+
+
+def refuse_if_busy(target: Target, python: str) -> None:
+    """Raise TpuBusy when a job runs on any of TARGET's workers: before a job id is shown, code synced or
+    a record written. (The agents refuse a second job on their own too, should one slip in meanwhile.)"""
+    from tpurun.job import status
+
+    busy = status.running(target, python)
+    if busy:
+        job, where = sorted(busy.items())[0]
+        raise TpuBusy(
+            f"{target.name} is busy: job {job} runs on {', '.join(where)}; nothing was started",
+            hint=f"`tpurun cancel {job}` first, or wait: `tpurun logs {job} --follow`",
+        )
 
 
 def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event) -> JobResult:
@@ -533,6 +572,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         detached=spec.detach,
         command=[spec.script, *spec.args],
         python=job.python,
+        ids=list(target.ids),
     ).save(home)
     topo = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
     run = JobRun(
@@ -581,9 +621,22 @@ def train(
     """The job, relaunched on a recreated node after each preemption, up to spec.max_restarts times."""
     restarts = 0
     while True:
-        target = resolve()
         try:
-            job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir)
+            target = resolve()
+            try:
+                job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir)
+            except BaseException:
+                target.close()
+                raise
+        except Preempted as exc:  # preempted before the job started: recovered like one preempted under it
+            if restarts >= spec.max_restarts:
+                raise
+            restarts += 1
+            out.warn(exc.message)
+            out.info(f"restart {restarts}/{spec.max_restarts}: recreating {exc.tpu}")
+            recreate(exc.tpu)
+            continue
+        try:
             for kind, text in job.notes():
                 (out.warn if kind == "warn" else out.info)(text)
             result = start(job, home=home, local_dir=local_dir, out=out, cancel=cancel)
@@ -632,9 +685,12 @@ def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> 
             "could not sync the code: "
             + "; ".join(f"{st.name} ({st.address}): {st.error or st.errors[0]}" for st in failed)
         )
-    sent = sum(st.files_sent for st in stats)
+    # files, not files x workers: what changed here, sent to each worker that lacked it
+    sent = sorted({st.files_sent for st in stats})
+    some = " (to some workers only)" if len(sent) > 1 else ""
     out.info(
-        f"synced {src} to {dest} on {len(stats)} worker(s): {sent} file(s) sent in {time.monotonic() - started:.1f} s"
+        f"synced {src} to {dest} on {len(stats)} worker(s): {sent[-1] if sent else 0} of "
+        f"{len(manifest.files) + len(manifest.links)} file(s) sent{some} in {time.monotonic() - started:.1f} s"
     )
 
 

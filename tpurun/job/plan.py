@@ -143,6 +143,15 @@ def _multislice_env(coordinator: str, slice_id: int, num_slices: int) -> dict[st
     }
 
 
+_IMPORT_RE = re.compile(r"^\s*(?:import|from)\s+(jax|torch_xla|torch|lightning|pytorch_lightning)\b", re.MULTILINE)
+
+
+def script_framework(source: str) -> str:
+    """"jax" for a script that imports JAX and no torch, else "torch" (what its notes talk about)."""
+    found = set(_IMPORT_RE.findall(source))
+    return "jax" if "jax" in found and not found - {"jax"} else "torch"
+
+
 def _jax_cpu_env(coordinator: str, process_id: int, num_processes: int) -> dict[str, str]:
     """Where there is no TPU, what `jax.distributed.initialize()` cannot find for itself: the coordinator
     (jax reads JAX_COORDINATOR_ADDRESS), the process count and this process's id (read by the cluster
@@ -174,8 +183,8 @@ def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
     if requested is None:
         if runtime == "cpu":
             return "chip", (
-                "launch chip, the default on the cpu runtime: torch_xla's spawner makes one process on CPU, "
-                "so tpurun starts one per core"
+                "launch chip, the default on the cpu runtime: with no chips for a script's spawner to find, "
+                "tpurun starts one process per core"
             )
         return "host", (
             f"launch host, the default on {runtime}: one process per worker; the script's spawner "
@@ -190,7 +199,20 @@ def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
     return "host", "launch host, as requested: one process per worker; the script's spawner makes the chip processes"
 
 
-def _slots(*, runtime: str, launch: str, topology: Topology | None, cores: int | None, core: int | None) -> list[int]:
+# A one-host pod on this machine stands for one TPU host: at most as many CPU processes as the largest host
+# has PJRT devices (v2/v3: 4 chips x 2 TensorCores), unless oversubscribed on purpose.
+LOCAL_MAX_PROCESSES = 8
+
+
+def _slots(
+    *,
+    runtime: str,
+    launch: str,
+    topology: Topology | None,
+    cores: int | None,
+    core: int | None,
+    oversubscribe: bool = False,
+) -> list[int]:
     """The core indices (process slots) to start on every worker: [HOST] for a host launch."""
     if cores is not None and core is not None:
         raise UsageError("--cores and --core exclude each other: give one")
@@ -206,6 +228,16 @@ def _slots(*, runtime: str, launch: str, topology: Topology | None, cores: int |
                     "on CPU; use --launch chip to run N processes"
                 )
             return [HOST]
+        limit = topology.pjrt_devices_per_host if topology else LOCAL_MAX_PROCESSES
+        wanted = (core + 1) if core is not None else cores
+        if wanted is not None and wanted > limit and not oversubscribe:
+            host = f"a {topology.name} host has {limit} PJRT devices" if topology else (
+                f"a one-host pod stands for one TPU host, at most {limit} devices"
+            )
+            what = f"--core {core}" if core is not None else f"--cores {cores}"
+            raise UsageError(
+                f"{what}: {host}, and each CPU process stands for one; --oversubscribe starts more on purpose"
+            )
         if core is not None:
             return [core]
         n = cores if cores is not None else (topology.pjrt_devices_per_host if topology else 1)
@@ -270,6 +302,7 @@ def plan_job(
     precision: str = "32",
     restart_count: int = 0,
     tpu_ip: str | None = None,
+    oversubscribe: bool = False,
 ) -> list[list[CoreSpec]]:
     """Every process tpurun starts for the job: one list per worker, one CoreSpec per process on it.
 
@@ -283,7 +316,7 @@ def plan_job(
     num_workers = len(worker_addresses)
     _check_job(runtime, launch, precision, topology, num_workers, tpu_ip, slice_size)
     size = slice_size or num_workers
-    slots = _slots(runtime=runtime, launch=launch, topology=topology, cores=cores, core=core)
+    slots = _slots(runtime=runtime, launch=launch, topology=topology, cores=cores, core=core, oversubscribe=oversubscribe)
     local_world = len(slots)
     world_size = num_workers * local_world
     argv = [python, script, *args]

@@ -8,7 +8,7 @@ import json
 import os
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun.errors import UsageError
@@ -31,6 +31,7 @@ class JobRecord:
     detached: bool
     command: list[str]
     python: str
+    ids: list[str] = field(default_factory=list)  # the TPU's identity (its nodes' unique ids); [] for local
 
     def save(self, home: Path) -> None:
         d = home / "jobs"
@@ -51,6 +52,11 @@ class JobRecord:
         data = json.loads(path.read_text())
         data["cores"] = {int(k): v for k, v in data["cores"].items()}
         return cls(**data)
+
+
+def forget(home: Path, job_id: str) -> None:
+    """Drop the record of JOB_ID (its TPU is gone)."""
+    (home / "jobs" / f"{job_id}.json").unlink(missing_ok=True)
 
 
 def list_records(home: Path) -> list[JobRecord]:

@@ -16,8 +16,9 @@ All proxies of one `ProxyGroup` share one asyncio loop on a daemon thread::
 
 A single `LatencyProxy(...).start()` gets a private loop. `proxy_workers` puts a proxy in front of
 every worker of an emulated node and returns the address map to give tpurun through the
-`TPURUN_ADDRESS_MAP` environment variable; `pin_proxies` copies the workers' pinned host keys to the
-proxy addresses in a known_hosts file, so that paramiko and OpenSSH check them strictly there too.
+`TPURUN_ADDRESS_MAP` environment variable (tpurun checks each worker's key under its identity, wherever it
+connects). `pin_proxies` copies host keys pinned under the workers' addresses (by peers that look keys up
+by address: OpenSSH, paramiko, rsync) to the proxy addresses, so that they check them strictly there too.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the command's process group is killed (TERM, then KILL after a grace) when the c
 closes, i.e. when tpurun stops it on purpose *or* when tpurun dies and the connection drops. So a
 remote process never outlives the tpurun that started it.
 
-Host keys are checked against tpurun's pinned known_hosts only; unknown or changed keys are refused.
+Host keys are checked against tpurun's pinned known_hosts only, under the worker's identity (its node's
+unique id and its index), never under its address; unknown or changed keys are refused.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Worker:
     slice: int | None = None  # its slice in a multislice TPU
     host: int = 0  # its index in that slice
     internal: str = ""  # its address inside the VPC, where it differs from the one tpurun connects to
+    host_key: str = ""  # the name its host key is pinned under: its identity (keys.host_key_alias)
 
     @property
     def name(self) -> str:
@@ -158,7 +160,10 @@ def parse_worker_spec(spec: str, count: int, names: list[str] | None = None) -> 
 # otherwise); the command itself reads /dev/null. setsid gives the command its own process group
 # (its pid = pgid), which is what we signal.
 _WRAPPER = (
-    'g=$1; shift; exec 3<&0; setsid "$@" </dev/null & p=$!; '
+    # a missing program is named as the user typed it, not through setsid's own message
+    """g=$1; shift; command -v "$1" >/dev/null 2>&1 || { printf 'cannot start %s: command not found\\n' "$1" >&2; """
+    "exit 127; }; "
+    'exec 3<&0; setsid "$@" </dev/null & p=$!; '
     "( while read -r _ <&3; do :; done; kill -TERM -$p 2>/dev/null; i=0; "
     "while kill -0 -$p 2>/dev/null && [ $i -lt $((g*10)) ]; do sleep 0.1; i=$((i+1)); done; "
     "kill -KILL -$p 2>/dev/null ) & w=$!; exec 3<&-; "
@@ -306,7 +311,7 @@ def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
     return t
 
 
-_host_keys_cache: dict[tuple[str, int, int], paramiko.HostKeys] = {}
+_host_keys_cache: dict[tuple[str, int, int, int], paramiko.HostKeys] = {}
 _host_keys_lock = threading.Lock()
 
 
@@ -318,19 +323,32 @@ def _pin_host_keys(client: paramiko.SSHClient, known_hosts: Path, worker: Worker
         st = known_hosts.stat()
     except FileNotFoundError:
         return
-    cache_key = (str(known_hosts), st.st_mtime_ns, st.st_size)
+    cache_key = (str(known_hosts), st.st_ino, st.st_mtime_ns, st.st_size)
     with _host_keys_lock:
         keys = _host_keys_cache.get(cache_key)
         if keys is None:
             keys = paramiko.HostKeys(str(known_hosts))
             _host_keys_cache.clear()
             _host_keys_cache[cache_key] = keys
-    # the name paramiko checks the server's key under
+    # the name paramiko checks the server's key under; the key is the one pinned for the worker's identity
     host = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
-    entry = keys.lookup(host)
+    entry = keys.lookup(worker.host_key) if worker.host_key else None
     if entry is not None:
         for keytype in entry.keys():
             client.get_host_keys().add(host, keytype, entry[keytype])
+
+
+def _why_unreachable(exc: BaseException) -> str:
+    """What a failed TCP connection or SSH banner most likely means, in words (not `[Errno None] ...`)."""
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return "no answer within the timeout (the VM is down or stopped, or a firewall rule drops port 22)"
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError | ConnectionRefusedError):
+        return "the connection was refused (its sshd is not running yet or any more, or the VM is gone)"
+    if isinstance(exc, EOFError | ConnectionResetError):
+        return "the connection was closed during the SSH handshake (its sshd is starting or overloaded)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
 
 
 class SshRunner(Runner):
@@ -356,6 +374,7 @@ class SshRunner(Runner):
         self.node_name = node_name
         self.client: paramiko.SSHClient | None = None
         self.liveness: _Liveness | None = None
+        self.refused_key = False  # the last connect failed because the worker could not prove who it is
 
     @property
     def dead_reason(self) -> str:
@@ -364,7 +383,11 @@ class SshRunner(Runner):
     def _attach_hint(self) -> str:
         return f"`tpurun attach {self.node_name}`" if self.node_name else "`tpurun attach NAME`"
 
+    def _of_tpu(self) -> str:
+        return f" of {self.node_name}" if self.node_name else ""
+
     def connect(self) -> None:
+        self.refused_key = False
         client = paramiko.SSHClient()
         # only tpurun's pinned keys; never the user's known_hosts, never trust on first use
         if self.known_hosts.exists():
@@ -391,16 +414,20 @@ class SshRunner(Runner):
                 break
             except paramiko.BadHostKeyException:
                 client.close()
+                self.refused_key = True
                 raise UnreachableError(
-                    f"HOST KEY CHANGED for worker {w.label()}: refusing to connect (it does not match the key "
-                    f"pinned from the TPU's guest attributes; this could be a man-in-the-middle)",
-                    hint=f"if the node was recreated, {self._attach_hint()} re-pins its keys",
+                    f"HOST KEY CHANGED for worker {w.label()}{self._of_tpu()}: refusing to connect (the VM that "
+                    "answers there does not hold the key the TPU published for that worker: another VM has "
+                    "the address now, or a man in the middle)",
+                    hint=f"`tpurun describe {self.node_name or 'NAME'}` shows the TPU's workers",
                 ) from None
             except paramiko.SSHException as exc:
                 client.close()
                 if "not found in known_hosts" in str(exc):
+                    self.refused_key = True
                     raise UnreachableError(
-                        f"no pinned host key for worker {w.label()}: refusing to trust an unknown host",
+                        f"no pinned host key for worker {w.label()}{self._of_tpu()}: refusing to trust an unknown "
+                        "host",
                         hint=f"{self._attach_hint()} pins the keys the TPU published",
                     ) from None
                 auth = isinstance(exc, paramiko.AuthenticationException)
@@ -418,10 +445,10 @@ class SshRunner(Runner):
                 client.set_missing_host_key_policy(paramiko.RejectPolicy())
             except (OSError, EOFError) as exc:
                 client.close()
-                reason = (
-                    "timed out" if isinstance(exc, socket.timeout | TimeoutError) else str(exc) or type(exc).__name__
-                )
-                raise UnreachableError(f"cannot reach worker {w.label()} port {w.port}: {reason}") from None
+                raise UnreachableError(
+                    f"cannot reach worker {w.label()}{self._of_tpu()} on port {w.port}: {_why_unreachable(exc)}",
+                    hint=f"`tpurun describe {self.node_name}` shows its state" if self.node_name else None,
+                ) from None
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(15)

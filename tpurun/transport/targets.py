@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpurun import config, settings
-from tpurun.cloud import keys
-from tpurun.errors import UnreachableError, UsageError
+from tpurun.cloud import identity, keys
+from tpurun.cloud.identity import Endpoints
+from tpurun.errors import ApiError, NoSuchTpu, Preempted, UnreachableError, UsageError
 from tpurun.transport.fanout import connect_all
 from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, parse_worker_spec
 
@@ -30,6 +28,7 @@ class Target:
     all_workers: list[Worker]  # every worker of the node, selected or not (rank math needs them)
     local: bool
     nodes: list[str] = field(default_factory=list)  # the TPU's nodes: one, or one per slice
+    ids: list[str] = field(default_factory=list)  # their unique ids in the API: the TPU's identity
     cached: bool = False  # built from remembered endpoints, without an API call
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
 
@@ -49,20 +48,27 @@ class Target:
     def connect(self, then: Callable[[SshRunner], None] | None = None) -> dict[int, str]:
         """Connect every runner at once; {worker: error} for those that failed.
 
-        Remembered endpoints save the API call (and importing its client) on every command; they are
-        checked against the API as soon as a worker cannot be reached, so a preempted, stopped or
-        recreated node is reported as such.
+        Every connection checks the worker's host key under the TPU's identity (its node's unique id), so a
+        worker reached is that worker of that TPU. Remembered endpoints save the API call (and importing its
+        client) on every command; as soon as a worker cannot be reached or does not prove who it is, the API
+        is asked: a TPU deleted, preempted or stopped since is reported as such (raised), one made anew
+        under the same name is used with its own workers, and a worker refused for its key gets one more
+        try with the keys the API publishes now.
         """
         errors = connect_all(self.runners, then)
         if not errors or not self.cached or self.refresh is None:
             return errors
-        fresh = self.refresh()  # raises UnreachableError when the node is not READY any more
-        if fresh.all_workers == self.all_workers:
+        fresh = self.refresh()  # raises when the TPU is gone or not READY any more
+        if fresh.all_workers == self.all_workers:  # the same TPU at the same addresses
             fresh.close()
-            return errors
+            again = [r for r in self.runners if r.worker.index in errors and getattr(r, "refused_key", False)]
+            for r in again:
+                r.close()
+            retried = connect_all(again, then)
+            return {i: e for i, e in errors.items() if i not in {r.worker.index for r in again}} | retried
         self.close()
         self.runners, self.all_workers, self.nodes, self.cached = fresh.runners, fresh.all_workers, fresh.nodes, False
-        self.accelerator_type = fresh.accelerator_type
+        self.ids, self.accelerator_type = fresh.ids, fresh.accelerator_type
         return connect_all(self.runners, then)
 
 
@@ -70,7 +76,7 @@ def _mapped(address: str) -> tuple[str, int]:
     """ADDRESS rewritten by TPURUN_ADDRESS_MAP (testing only: JSON {"real_ip": "other_ip[:port]"}), and its port.
 
     Lets tests and benchmarks put something between tpurun and a worker, e.g. the latency proxy of
-    tpurun.testing.latency_proxy; host keys are then checked under the mapped address.
+    tpurun.testing.latency_proxy; host keys are still checked under the worker's identity.
     """
     raw = config.ADDRESS_MAP.raw()
     if not raw:
@@ -115,105 +121,101 @@ def resolve(
         raise UsageError(
             f"{exc.message}; or run on this machine with --local (the TPU {name!r} comes from {s.tpu.source})"
         ) from None
-    cache = node_cache_path(s.home_path, project, zone, name)
-    remembered = _read_cache(cache)
+    file = identity.path(s.home_path, project, zone, name)
+    remembered = identity.read(file)
 
     def from_api() -> Target:
-        endpoints = _fetch(s, name)
-        _write_cache(cache, endpoints)
+        endpoints = _fetch(s, name, remembered)
+        identity.remember(file, endpoints)
         return _build(s, name, endpoints, worker_spec, cached=False)
 
-    if remembered is None:
+    if remembered is None or remembered.endpoints is None:
         return from_api()
-    target = _build(s, name, remembered, worker_spec, cached=True)
+    # used as remembered: every worker reached proves in its SSH handshake that it is that worker of that
+    # TPU (its host key is pinned under the node's unique id); Target.connect asks the API when one cannot
+    target = _build(s, name, remembered.endpoints, worker_spec, cached=True)
     target.refresh = from_api
     return target
 
 
-def node_cache_path(home: Path, project: str, zone: str, name: str) -> Path:
-    return home / "nodes" / f"{project}--{zone}--{name}.json"
-
-
-def forget_node(home: Path, project: str, zone: str, name: str) -> None:
-    node_cache_path(home, project, zone, name).unlink(missing_ok=True)
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """What reaching a TPU's workers takes: its accelerator type and, per slice, each worker's (internal,
-    external) address. One slice unless the TPU is a multislice one."""
-
-    accelerator_type: str
-    slices: list[list[tuple[str, str]]]
-    nodes: list[str]  # the node of each slice
-    multislice: bool = False
-
-    def to_json(self) -> dict:
-        return {
-            "acceleratorType": self.accelerator_type,
-            "slices": self.slices,
-            "nodes": self.nodes,
-            "multislice": self.multislice,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict) -> Endpoints:
-        slices = [[(str(a), str(b)) for a, b in eps] for eps in data["slices"]]
-        nodes = [str(n) for n in data["nodes"]]
-        return cls(str(data["acceleratorType"]), slices, nodes, bool(data.get("multislice")))
-
-
-def _read_cache(path: Path) -> Endpoints | None:
-    if config.NODE_CACHE.raw() == "0":
-        return None
-    try:
-        return Endpoints.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write_cache(path: Path, endpoints: Endpoints) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**endpoints.to_json(), "saved": time.time()}))
-    os.replace(tmp, path)
-
-
-def _fetch(s: settings.Settings, name: str) -> Endpoints:
-    """Where NAME's workers are (every slice's, for a multislice TPU), if each of its nodes is READY."""
-    from tpurun.cloud import multislice
-    from tpurun.cloud.client import Cloud
+def _fetch(s: settings.Settings, name: str, remembered: identity.Remembered | None) -> Endpoints:
+    """Where NAME's workers are (every slice's, for a multislice TPU), if each of its nodes is READY, with
+    their host keys pinned again from the API under the nodes' ids."""
+    from tpurun.cloud import multislice, provision
+    from tpurun.cloud.client import Cloud, short_name
     from tpurun.cloud.multislice import qr_state
 
     cloud = Cloud(s)
     node, found = multislice.find(cloud, name)
     if found is None:
-        node = node or cloud.get_node(name)  # NotFound, with similar names
-        return Endpoints(node.accelerator_type, [_ready_endpoints(name, node)], [name])
-    qr, nodes = found
-    ready = []
-    for i, n in enumerate(nodes):
-        if n is None:
-            raise UnreachableError(
-                f"{name}: slice {i} does not exist (its queued resource is {qr_state(qr)}), so its workers "
-                "cannot be reached",
-                hint=f"`tpurun describe {name}`",
-            )
-        ready.append(_ready_endpoints(name, n, f" (slice {i})"))
-    names = [n.name.rsplit("/", 1)[-1] for n in nodes if n is not None]
-    return Endpoints(nodes[0].accelerator_type if nodes[0] else "", ready, names, multislice=True)
+        if node is None:
+            raise _missing(cloud.no_such_tpu(name), s, remembered)
+        nodes = [node]
+        endpoints = Endpoints(node.accelerator_type, [_ready_endpoints(s, name, node)], [name], [str(node.id)])
+    else:
+        qr, slice_nodes = found
+        ready = []
+        for i, n in enumerate(slice_nodes):
+            if n is None:
+                raise UnreachableError(
+                    f"{name}: slice {i} does not exist (its queued resource is {qr_state(qr)}), so its workers "
+                    "cannot be reached",
+                    hint=f"`tpurun describe {name}`",
+                )
+            ready.append(_ready_endpoints(s, name, n, f" (slice {i})"))
+        nodes = [n for n in slice_nodes if n is not None]
+        endpoints = Endpoints(
+            nodes[0].accelerator_type,
+            ready,
+            [short_name(n.name) for n in nodes],
+            [str(n.id) for n in nodes],
+            multislice=True,
+        )
+    for n in nodes:
+        provision.pin_from_guest_attributes(cloud, s.home_path, short_name(n.name), n)
+    return endpoints
 
 
-def _ready_endpoints(name: str, node: tpu_v2.Node, what: str = "") -> list[tuple[str, str]]:
+def _missing(error: ApiError, s: settings.Settings, remembered: identity.Remembered | None) -> NoSuchTpu:
+    """ERROR (no TPU of that name) with what tpurun knows of how it went, and what to do instead."""
+    message, hint = error.message, error.hint
+    if remembered is not None and remembered.deleted_by:
+        message += f": it was deleted by {remembered.deleted_by} {remembered.age()}"
+    elif remembered is not None:
+        message += (
+            f": it existed {remembered.age()} (node id {', '.join(remembered.ids)}) and was deleted since, by "
+            "something other than this tpurun (its autostop, the console, gcloud, another user)"
+        )
+    if _is_default(s):
+        hint = (
+            f"it is the default TPU here ({s.tpu.source}): `tpurun create {s.tpu.value} -t TYPE` makes it again, "
+            "`tpurun attach NAME` makes another the default, or pass --local"
+        )
+    return NoSuchTpu(message, hint=hint)
+
+
+def _is_default(s: settings.Settings) -> bool:
+    """Whether the TPU was not named on the command line but came from the environment or a file."""
+    return not s.tpu.source.startswith("flag")
+
+
+def _ready_endpoints(s: settings.Settings, name: str, node: tpu_v2.Node, what: str = "") -> list[tuple[str, str]]:
     """(internal, external) address of each worker of NODE (of the TPU NAME; WHAT says which part of it)."""
     from tpurun.cloud.provision import STATE
 
     state = STATE(node.state).name
     if state != "READY":
-        raise UnreachableError(
-            f"{name}{what} is {state}, so its workers cannot be reached",
-            hint=f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else ""),
-        )
+        default = f" (the default TPU here, from {s.tpu.source})" if _is_default(s) else ""
+        if state == "PREEMPTED":
+            raise Preempted(
+                f"{name}{what}{default} was preempted: its VMs are gone",
+                tpu=name,
+                hint=f"`tpurun delete {name}` and create it again (`train --max-restarts N` does that for a job)",
+            )
+        else:
+            problem = f"{name}{what}{default} is {state}, so its workers cannot be reached"
+            hint = f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else "")
+        raise UnreachableError(problem, hint=hint)
     return [
         (ep.ip_address, ep.access_config.external_ip if ep.access_config else "") for ep in node.network_endpoints
     ]
@@ -226,11 +228,23 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         for host, (internal, external) in enumerate(slice_endpoints):
             address, port = _mapped(external or internal)
             where = slice_id if endpoints.multislice else None
-            workers.append(Worker(len(workers), address, port, user, slice=where, host=host, internal=internal))
+            alias = keys.host_key_alias(endpoints.ids[slice_id], host)
+            workers.append(
+                Worker(len(workers), address, port, user, slice=where, host=host, internal=internal, host_key=alias)
+            )
     chosen = parse_worker_spec(worker_spec, len(workers), [w.name for w in workers] if endpoints.multislice else None)
     home = s.home_path
     runners: list[Runner] = [
         SshRunner(workers[i], key_path=keys.key_path(home), known_hosts=keys.known_hosts_path(home), node_name=name)
         for i in chosen
     ]
-    return Target(name, endpoints.accelerator_type, runners, workers, False, nodes=endpoints.nodes, cached=cached)
+    return Target(
+        name,
+        endpoints.accelerator_type,
+        runners,
+        workers,
+        False,
+        nodes=endpoints.nodes,
+        ids=endpoints.ids,
+        cached=cached,
+    )

@@ -171,6 +171,16 @@ def job_roots() -> list[str]:
     return roots
 
 
+def down_pending(roots: list[str], running: list[str]) -> list[str]:
+    """The RUNNING jobs started with `train --down`: the TPU is deleted when they end."""
+    return sorted(
+        name
+        for root in roots
+        for name in running
+        if (read_json(os.path.join(root, name, "spec.json"), MAX_USER_FILE) or {}).get("down") is True
+    )
+
+
 def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str]) -> list[str]:
     """Directories of jobs started with `train --down` that ended at least SETTLE seconds ago (an attached
     client deletes the TPU itself meanwhile) and were not acted on (DONE)."""
@@ -261,6 +271,7 @@ class Watchdog:
             self.idle_since = now
         state = {"t": round(now, 1), "worker": self.worker, "jobs": self.jobs, "work": work, "holders": held}
         state["idle_since"] = None if self.idle_since is None else round(self.idle_since, 1)
+        state["down"] = down_pending(self.roots, self.jobs)
         publish(STATE_KEY, json.dumps(state, sort_keys=True))
 
     def say(self, text: str, *, repeat: bool = False) -> None:

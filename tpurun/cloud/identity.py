@@ -1,0 +1,118 @@
+"""What tpurun remembers of each TPU between commands: its identity, where its workers are, and how it ended.
+
+One JSON file per TPU, `$TPURUN_HOME/nodes/PROJECT--ZONE--NAME.json` (0600 in a 0700 directory):
+
+- `ids`: the API's unique id of each of the TPU's nodes (one per slice). A name is not an identity: a
+  TPU deleted by anything (the console, gcloud, its autostop watchdog, a preemption's clean-up) and
+  made again under the same name, or another TPU given the same addresses, is a different TPU.
+- `acceleratorType`, `slices` (per slice, each worker's (internal, external) address), `nodes` and
+  `multislice`: what reaching the workers takes, so that a command needs no API call.
+- `saved`: when the API last confirmed it.
+- `deleted`, `by`: once tpurun itself deleted the TPU, when and how (a tombstone: no addresses left).
+
+Host keys are pinned per id and worker (`keys.host_key_alias`), so reaching a worker proves, in the SSH
+handshake, that the VM answering at a remembered address is that worker of that TPU; transport.targets
+asks the API again whenever a worker cannot prove it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpurun import config
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """What reaching a TPU's workers takes: its accelerator type, its nodes' unique ids and, per slice, each
+    worker's (internal, external) address. One slice unless the TPU is a multislice one."""
+
+    accelerator_type: str
+    slices: list[list[tuple[str, str]]]
+    nodes: list[str]  # the node of each slice
+    ids: list[str]  # the API's unique id of each slice's node
+    multislice: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "acceleratorType": self.accelerator_type,
+            "slices": self.slices,
+            "nodes": self.nodes,
+            "ids": self.ids,
+            "multislice": self.multislice,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Endpoints:
+        slices = [[(str(a), str(b)) for a, b in eps] for eps in data["slices"]]
+        nodes = [str(n) for n in data["nodes"]]
+        ids = [str(i) for i in data["ids"]]
+        if len(ids) != len(slices) or not all(ids):
+            raise ValueError("an id per slice")
+        return cls(str(data["acceleratorType"]), slices, nodes, ids, bool(data.get("multislice")))
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """One TPU's file: where its workers were (None once tpurun deleted it), when, and how it was deleted."""
+
+    endpoints: Endpoints | None
+    saved: float  # when the API last confirmed ENDPOINTS, or when tpurun deleted the TPU
+    ids: tuple[str, ...]
+    deleted_by: str = ""  # "`tpurun delete`", "`tpurun train --down` (job X)"; empty while it exists
+
+    def age(self) -> str:
+        """How long ago SAVED was, for messages: `5m02s ago`."""
+        from tpurun.ui import age
+
+        return f"{age(time.time() - self.saved)} ago"
+
+
+def path(home: Path, project: str, zone: str, name: str) -> Path:
+    return home / "nodes" / f"{project}--{zone}--{name}.json"
+
+
+def read(file: Path) -> Remembered | None:
+    """FILE's record, or None when there is none (or it is unreadable, or from before ids were kept:
+    the caller then asks the API)."""
+    if config.NODE_CACHE.raw() == "0":
+        return None
+    try:
+        data = json.loads(file.read_text())
+        saved = float(data.get("saved", 0))
+        if data.get("deleted"):
+            return Remembered(None, saved, tuple(str(i) for i in data.get("ids", [])), str(data.get("by", "")))
+        endpoints = Endpoints.from_json(data)
+        return Remembered(endpoints, saved, tuple(endpoints.ids))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def remember(file: Path, endpoints: Endpoints) -> None:
+    """Record ENDPOINTS as just confirmed by the API."""
+    _write(file, {**endpoints.to_json(), "saved": time.time()})
+
+
+def forget(home: Path, project: str, zone: str, name: str) -> None:
+    """Drop what is remembered of NAME (it is being made anew, stopped or started: the API says next)."""
+    path(home, project, zone, name).unlink(missing_ok=True)
+
+
+def bury(home: Path, project: str, zone: str, name: str, by: str) -> None:
+    """Remember that tpurun deleted NAME, and how (BY), so that a later command naming it says so."""
+    file = path(home, project, zone, name)
+    old = read(file)
+    _write(file, {"deleted": True, "by": by, "ids": list(old.ids) if old else [], "saved": time.time()})
+
+
+def _write(file: Path, data: dict) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = file.with_name(file.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data))
+    os.replace(tmp, file)

@@ -1,0 +1,143 @@
+"""A job's state over every worker, for `jobs`: each worker's agent keeps its own; tpurun combines them.
+
+A failure anywhere makes the job failed, naming the worker (and chip and exit code) that failed first; a
+job whose TPU no longer exists is `gone`, and `jobs --prune` forgets it. One connection round and one
+agent call per worker, all at once, per TPU, however many jobs it ran.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpurun.errors import NoSuchTpu, TpurunError
+from tpurun.job.records import JobRecord, forget, list_records
+from tpurun.transport import targets
+from tpurun.transport.bundle import program_argv
+from tpurun.transport.fanout import each
+from tpurun.transport.runner import Runner
+from tpurun.transport.streams import run_capture
+from tpurun.transport.targets import Target
+
+ACTIVE = ("pending", "starting", "running")
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    status: str  # running | failed | lost | stopped | finished | gone | unknown
+    detail: str = ""  # which worker failed and how; why the state is not known; what became of the TPU
+
+    def label(self) -> str:
+        return f"{self.status} ({self.detail})" if self.detail else self.status
+
+
+@dataclass(frozen=True)
+class JobRow:
+    record: JobRecord
+    state: JobStatus
+
+
+def combine(states: Mapping[str, dict | None]) -> JobStatus:
+    """One job's state from every worker's: STATES is {worker name: its agent's state, None where the
+    job is unknown there}, in worker order."""
+    for name, st in states.items():
+        if st is not None and st.get("status") == "failed":
+            first = st.get("first_failure") or {}
+            core = first.get("core")
+            where = f"{name}/c{core}" if isinstance(core, int) and core >= 0 else name
+            code = first.get("exit_code")
+            return JobStatus("failed", where + (f": exit code {code}" if code is not None else ""))
+    lost = [name for name, st in states.items() if st is not None and st.get("status") == "lost"]
+    if lost:
+        return JobStatus("lost", f"{', '.join(lost)}: its supervisor is gone")
+    missing = [name for name, st in states.items() if st is None]
+    if any(st is not None and st.get("status") in ACTIVE for st in states.values()):
+        return JobStatus("running", f"not on {', '.join(missing)}" if missing else "")
+    if missing:
+        return JobStatus("unknown", f"no trace on {', '.join(missing)}")
+    ended = {str(st.get("status")) for st in states.values() if st is not None}
+    if ended == {"finished"}:
+        return JobStatus("finished")
+    return JobStatus("stopped" if "stopped" in ended else ", ".join(sorted(ended)))
+
+
+def _rows(records: list[JobRecord]) -> list[JobRow]:
+    """Every job of RECORDS with its state over every worker, asking each TPU once."""
+    groups: dict[tuple[str, tuple[str, ...]], list[JobRecord]] = {}
+    for r in records:
+        groups.setdefault((r.tpu, tuple(r.ids)), []).append(r)
+    rows: dict[str, JobStatus] = {}
+    for (tpu, ids), group in groups.items():
+        rows.update(_tpu_states(tpu, list(ids), group))
+    return [JobRow(r, rows[r.job_id]) for r in records]
+
+
+def jobs(home: Path, tpu: str | None = None, *, prune: bool = False) -> list[JobRow]:
+    """The jobs started from this machine (on TPU, else everywhere), with their states; with PRUNE, the
+    records of jobs whose TPU no longer exists are forgotten (and still returned, this once)."""
+    rows = _rows([r for r in list_records(home) if not tpu or r.tpu == tpu])
+    if prune:
+        for row in rows:
+            if row.state.status == "gone":
+                forget(home, row.record.job_id)
+    return rows
+
+
+def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobStatus]:
+    workers = sorted({w for r in group for w in r.workers})
+    local = tpu == "local"
+    try:
+        target = targets.resolve(
+            tpu=None if local else tpu, local=local, worker_spec=",".join(map(str, workers)) if not local else "all"
+        )
+    except NoSuchTpu:
+        return {r.job_id: JobStatus("gone", f"TPU {tpu} deleted") for r in group}
+    except TpurunError as exc:
+        return {r.job_id: JobStatus("unknown", exc.message) for r in group}
+    try:
+        try:
+            errors = target.connect()
+        except NoSuchTpu:
+            return {r.job_id: JobStatus("gone", f"TPU {tpu} deleted") for r in group}
+        except TpurunError as exc:
+            return {r.job_id: JobStatus("unknown", exc.message) for r in group}
+        if ids and target.ids and list(ids) != target.ids:
+            return {r.job_id: JobStatus("gone", f"TPU {tpu} deleted; another has its name") for r in group}
+        reached = [r for r in target.runners if r.worker.index not in errors]
+        python = group[-1].python
+        listed = each(reached, lambda runner: _agent_jobs(runner, python), name="jobs")
+    finally:
+        target.close()
+    names = {w.index: w.name for w in target.all_workers}
+    out = {}
+    for r in group:
+        unreachable = [names.get(w, str(w)) for w in r.workers if w in errors]
+        if unreachable:
+            out[r.job_id] = JobStatus("unknown", f"{', '.join(unreachable)} unreachable")
+            continue
+        out[r.job_id] = combine({names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers})
+    return out
+
+
+def running(target: Target, python: str) -> dict[str, list[str]]:
+    """{job id: the names of the workers it runs on} of the jobs running on TARGET's (connected) workers."""
+    found: dict[str, list[str]] = {}
+    listed = each(target.runners, lambda runner: _agent_jobs(runner, python), name="jobs")
+    for r in target.runners:
+        for job, st in listed.get(r.worker.index, {}).items():
+            if st.get("status") in ACTIVE and st.get("supervisor_alive", True):
+                found.setdefault(job, []).append(r.worker.name)
+    return found
+
+
+def _agent_jobs(runner: Runner, python: str) -> dict[str, dict]:
+    """{job id: its state} of every job the agent on RUNNER's worker knows ({} without an agent there)."""
+    rc, out, _ = run_capture(runner, program_argv(python, "agent.py", "jobs"), timeout=30)
+    if rc != 0:
+        return {}
+    try:
+        return {str(st.get("job_id")): st for st in json.loads(out.decode())}
+    except (ValueError, AttributeError):
+        return {}
