@@ -200,8 +200,11 @@ class Bench:
         self.tpurun("create", name, "-t", V4_FOR_WORKERS[workers])
         info = self.server.emu.node_info(f"projects/{PROJECT}/locations/{ZONE}/nodes/{name}")
         node = Node(name, [w["address"] for w in info["workers"]])
-        with self.known_hosts.open("a") as f:
-            f.writelines(f"{w['address']} {w['hostKey']}\n" for w in info["workers"])
+        # a deleted node's addresses are reused: its lines go (by address, the peers cannot tell VMs apart)
+        fresh = {w["address"]: f"{w['address']} {w['hostKey']}" for w in info["workers"]}
+        old = self.known_hosts.read_text().splitlines() if self.known_hosts.exists() else []
+        kept = [line for line in old if line.split(" ", 1)[0] not in fresh]
+        self.known_hosts.write_text("".join(line + "\n" for line in [*kept, *fresh.values()]))
         print(f"created {name} ({workers} workers) in {time.monotonic() - t0:.1f}s", flush=True)
         self.nodes[name] = node
         return node
