@@ -25,7 +25,10 @@ class TpurunError(Exception):
             self.exit_code = exit_code
 
     def __str__(self) -> str:
-        return f"{self.message} ({self.hint})" if self.hint else self.message
+        if not self.hint:
+            return self.message
+        # after lines quoted on their own (a log's tail), the hint is a line of its own too
+        return f"{self.message}\n{self.hint}" if "\n" in self.message else f"{self.message} ({self.hint})"
 
 
 class UsageError(TpurunError):

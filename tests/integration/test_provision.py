@@ -53,8 +53,13 @@ def test_failing_startup_on_one_worker_shows_its_tail(cli):
     r = cli("create", "broken", "-t", "v4-16", "--startup-script", str(script))
     assert r.code == 1, (r.out, r.err)
     assert "worker 1" in r.err and "exit code 7" in r.err
-    assert "disk quota boom on worker 1" in r.err
+    assert "\n    disk quota boom on worker 1\n" in r.err  # the tail on lines of its own
+    assert "broken is still running, and billing: `tpurun delete broken --yes`" in r.err.splitlines()[-1]
     assert "Traceback" not in r.err
+    assert any(n.name.endswith("/broken") for n in cli.emulator.client().list_nodes(parent=cli.emulator.parent))
+    r = cli("create", "broken2", "-t", "v4-16", "--startup-script", str(script), "--delete-on-failure")
+    assert r.code == 1 and "disk quota boom on worker 1" in r.err and "broken2 was deleted" in r.err, r.err
+    assert not any(n.name.endswith("/broken2") for n in cli.emulator.client().list_nodes(parent=cli.emulator.parent))
 
 
 def test_spot_node_preempted_shows_in_list(cli, emulator):

@@ -13,7 +13,7 @@ from tpurun.cli.options import JsonOpt, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
-from tpurun.errors import UsageError
+from tpurun.errors import ProgramFailed, UsageError
 from tpurun.transport import bundle, targets
 
 
@@ -83,6 +83,12 @@ def create_cmd(
         str | None, typer.Option("--autostop-action", help="delete (default), or stop for a single-host TPU VM.")
     ] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once the request is accepted.")] = False,
+    delete_on_failure: Annotated[
+        bool,
+        typer.Option(
+            "--delete-on-failure", help="Delete the TPU when its startup script fails (else it is kept, and bills)."
+        ),
+    ] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for READY and startup.")] = 1800.0,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
@@ -120,7 +126,12 @@ def create_cmd(
     except provision.StartupFailed as exc:
         if not json_out:
             _workers_table(exc.view)
-        raise
+        if not delete_on_failure:
+            raise
+        with progress_display() as progress:
+            provision.take_down(cloud, name, progress)
+        identity.bury(s.home_path, cloud.project, cloud.zone, name, "`tpurun create --delete-on-failure`")
+        raise ProgramFailed(exc.message, hint=f"{name} was deleted (--delete-on-failure)") from None
     view = result.view if isinstance(result, provision.CreateResult) else result
     if isinstance(result, provision.CreateResult) and not s.tpu.value:
         path = settings.write_project_setting("tpu", name)

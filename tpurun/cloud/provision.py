@@ -305,7 +305,11 @@ def _raise_if_startup_failed(name: str, view: NodeView, reports: list[startup.St
 
 class StartupFailed(ProgramFailed):
     def __init__(self, message: str, *, view: NodeView, reports: list[startup.StartupReport]) -> None:
-        super().__init__(message, hint=f"fix the script, then `tpurun delete {view.name}` and create again")
+        super().__init__(
+            message,
+            hint=f"{view.name} is still running, and billing: `tpurun delete {view.name} --yes` deletes it "
+            "(`tpurun create --delete-on-failure` does that at once); fix the script and create it again",
+        )
         self.view = view
         self.reports = reports
 
