@@ -128,6 +128,39 @@ def test_ssh_runs_one_command_exactly(cli):
     assert r.out == "a b|$HOME|it's|"
 
 
+def test_ssh_forwards_a_local_port_and_refuses_a_gone_tpu(cli, emulator):
+    """`tpurun ssh -L` (ssh's own flag): the worker's sshd is reached through the forwarded local port."""
+    import socket
+
+    d = create_node(cli, "fwd", "v4-16")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    target = d["workerEndpoints"][1]["internalIp"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", "ssh", "--worker", "1", "-L", f"127.0.0.1:{port}:{target}:22",
+         "--ssh-flag", "-o ExitOnForwardFailure=yes", "--", "sleep", "20"],
+        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        banner = b""
+        while not banner.startswith(b"SSH-2.0-"):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                    banner = c.recv(64)
+            except OSError:
+                time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cli("delete", "fwd", "--yes").code == 0
+    r = cli("ssh", "--tpu", "fwd", "--", "true")
+    assert_clean_error(r, 3)
+    assert "no TPU named 'fwd'" in r.err and "deleted by `tpurun delete`" in r.err
+
+
 _text = st.text(
     alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=0, max_size=40
 )

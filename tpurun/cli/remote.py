@@ -56,6 +56,16 @@ def ssh_cmd(
     command: Annotated[list[str] | None, typer.Argument(help="-- CMD [ARGS...] to run instead of a shell.")] = None,
     tpu: TpuOpt = None,
     worker: Annotated[str, typer.Option("--worker", "-w", help="Worker index (sS/wN in a multislice TPU).")] = "0",
+    forward: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--forward", "-L", help="[BIND:]PORT:HOST:HOSTPORT: forward a local port through the worker, as ssh -L."
+        ),
+    ] = None,
+    ssh_flag: Annotated[
+        list[str] | None,
+        typer.Option("--ssh-flag", help="One more option for the system ssh, e.g. '-D 1080' (repeatable)."),
+    ] = None,
 ) -> None:
     """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys."""
     s = settings.resolve({"tpu": tpu})
@@ -83,6 +93,11 @@ def ssh_cmd(
         "-o", "LogLevel=ERROR",
         "-p", str(w.port),
     ]  # fmt: skip
+    # after tpurun's own options: ssh keeps the first value it gets of each, so these cannot loosen them
+    for spec in forward or []:
+        argv += ["-L", spec]
+    for flag in ssh_flag or []:
+        argv += shlex.split(flag)
     if command:
         for arg in command:
             if "\0" in arg:

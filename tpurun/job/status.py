@@ -133,8 +133,12 @@ def running(target: Target, python: str) -> dict[str, list[str]]:
 
 
 def _agent_jobs(runner: Runner, python: str) -> dict[str, dict]:
-    """{job id: its state} of every job the agent on RUNNER's worker knows ({} without an agent there)."""
-    rc, out, _ = run_capture(runner, program_argv(python, "agent.py", "jobs"), timeout=30)
+    """{job id: its state} of every job the agent on RUNNER's worker knows ({} without an agent there, or
+    when the worker stopped answering meanwhile)."""
+    try:
+        rc, out, _ = run_capture(runner, program_argv(python, "agent.py", "jobs"), timeout=30)
+    except (TpurunError, OSError, EOFError):
+        return {}
     if rc != 0:
         return {}
     try:
