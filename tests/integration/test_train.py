@@ -295,6 +295,13 @@ def test_logs_replays_every_worker_in_time_order(cli):
     out = cli("logs", job).out
     turns = [line.split("] ", 1)[1] for line in out.splitlines() if "] turn " in line]
     assert turns == [f"turn {i} w {w}" for i in range(5) for w in (0, 1)], turns
+    # one worker, the last lines of each process (then --follow: the job has ended, nothing more)
+    for follow in ([], ["--follow"]):
+        r = cli("logs", job, "--worker", "1", "--tail", "2", *follow)
+        assert r.code == 0, r.err
+        assert [line for line in r.out.splitlines() if "turn" in line] == ["[w1/c0] turn 3 w 1", "[w1/c0] turn 4 w 1"]
+    assert_clean_error(cli("logs", job, "--tail", "-1"), 2)
+    assert_clean_error(cli("logs", job, "--worker", "5"), 2)
 
 
 def test_processes_meet_at_internal_addresses_whatever_tpurun_connects_to(cli):

@@ -8,13 +8,14 @@ import shlex
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from tpurun import settings, ui
-from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, parsing
+from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, WorkerOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
 from tpurun.cloud import identity
 from tpurun.errors import ExitCode, TpuBusy, TpurunError, UnreachableError, UsageError
@@ -380,11 +381,17 @@ def _summary(run: train.JobRun) -> None:
 # ---------------------------------------------------------------------------- jobs, logs, cancel
 
 
-def _record_target(record: records.JobRecord) -> targets.Target:
+def _record_target(record: records.JobRecord, worker: str = "all") -> targets.Target:
+    """The workers RECORD's job ran on (WORKER: those of them a SPEC names)."""
     if record.tpu == "local":
-        return targets.resolve(tpu=None, local=True)
-    spec = ",".join(str(w) for w in record.workers)
-    return targets.resolve(tpu=record.tpu, local=False, worker_spec=spec)
+        return targets.resolve(tpu=None, local=True, worker_spec=worker)
+    spec = ",".join(str(w) for w in record.workers) if worker == "all" else worker
+    target = targets.resolve(tpu=record.tpu, local=False, worker_spec=spec)
+    outside = [r.worker.name for r in target.runners if r.worker.index not in record.workers]
+    if outside:
+        target.close()
+        raise UsageError(f"--worker {worker}: job {record.job_id} did not run on {', '.join(outside)}")
+    return target
 
 
 def _agent_argv(record: records.JobRecord, *args: str) -> list[str]:
@@ -437,20 +444,31 @@ def jobs_cmd(
 def logs_cmd(
     job: Annotated[str, typer.Argument(help="Job id (from `tpurun jobs`).")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
+    worker: WorkerOpt = "all",
+    tail: Annotated[
+        int | None, typer.Option("--tail", help="Only the last N lines of each process so far (then --follow goes on).")
+    ] = None,
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
+    if tail is not None and tail < 0:
+        raise UsageError(f"--tail {tail}: give 0 or more lines")
     s = settings.resolve({})
     record = records.JobRecord.load(s.home_path, job)
-    target = _record_target(record)
+    target = _record_target(record, worker)
     renderer = Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
     renderer.names = worker_names(target.all_workers)
-    viewer = _Viewer(record, target, renderer, follow)
+    viewer = _Viewer(record, target, renderer, follow and tail is None)
     try:
         train.connect(target, record)
         with stop_on_signals(viewer.stop):
             each(target.runners, viewer.view, name="logs")
-        for _, w, c, _, line in sorted(viewer.replay):
-            renderer.line(w, c, line)
+            replay = sorted(viewer.replay)
+            for _, w, c, _, line in replay if tail is None else _last_lines(replay, tail):
+                renderer.line(w, c, line)
+            renderer.flush()
+            if follow and tail is not None and not viewer.stop.is_set():  # then on from where the tail ended
+                viewer.follow = True
+                each(target.runners, viewer.view, name="logs")
         renderer.flush()
     finally:
         target.close()
@@ -461,6 +479,18 @@ def logs_cmd(
     if viewer.errors:
         missing = any("not" in e for e in viewer.errors.values())
         raise typer.Exit(ExitCode.USAGE if missing else ExitCode.UNREACHABLE)
+
+
+def _last_lines(rows: list[tuple[float, int, int, int, str]], n: int) -> list[tuple[float, int, int, int, str]]:
+    """ROWS (in time order: time, worker, core, offset, line) keeping the last N lines of each process."""
+    total = Counter((w, c) for _, w, c, _, _ in rows)
+    seen: Counter[tuple[int, int]] = Counter()
+    out = []
+    for row in rows:
+        seen[row[1], row[2]] += 1
+        if seen[row[1], row[2]] > total[row[1], row[2]] - n:
+            out.append(row)
+    return out
 
 
 class _Viewer:
