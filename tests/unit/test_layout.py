@@ -24,7 +24,8 @@ def outside_paths() -> list[str]:
         if sibling != here:
             found += [f"../{sibling.name}/", f"{sibling}/"]
     base = Path(sys.base_prefix).resolve()
-    if here not in base.parents:
+    # a private interpreter (pyenv's, a toolchain's) is this machine's own; the system's (/usr) is every one's
+    if here not in base.parents and base not in (Path("/usr"), Path("/usr/local")):
         found.append(str(base) + "/")
     return [n for n in found if n.strip("./")]
 
