@@ -306,7 +306,7 @@ def autostop_cmd(
     def start_watchdogs() -> dict[int, str]:
         target = targets.resolve(tpu=name, local=False, project=cloud.project, zone=cloud.zone)
         try:
-            return bundle.start_watchdogs(target.runners, target.python())
+            return bundle.start_watchdogs(target)
         finally:
             target.close()
 

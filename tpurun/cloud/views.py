@@ -74,7 +74,9 @@ class NodeView:
             "createTime": self.created.isoformat() if self.created else None,
         }
         setting = self.autostop_setting  # "off" as the command says it; null: tpurun set nothing
-        d["autostop"] = None if setting is None else {"idleSeconds": setting.idle, "action": setting.action} if setting.idle else "off"
+        d["autostop"] = None
+        if setting is not None:
+            d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting.idle else "off"
         d.update(self.activity.to_dict())
         if not full:
             d.pop("watchdog")

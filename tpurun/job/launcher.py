@@ -432,7 +432,7 @@ def connect(target: Target, record: JobRecord | None = None) -> None:
     errors = target.connect()
     if errors:
         raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
-    if record is not None and record.ids and target.ids and record.ids != target.ids:
+    if record is not None and target.other_than(record.ids):
         raise ApiError(
             f"job {record.job_id} ran on the TPU {record.tpu} with node id {', '.join(record.ids)}, which no longer "
             f"exists: the TPU named {record.tpu} now is another one (node id {', '.join(target.ids)}), without "

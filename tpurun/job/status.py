@@ -86,30 +86,29 @@ def jobs(home: Path, tpu: str | None = None, *, prune: bool = False) -> list[Job
 
 
 def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobStatus]:
-    workers = sorted({w for r in group for w in r.workers})
+    """The state of every job of GROUP, all run on the TPU TPU whose nodes had IDS."""
+
+    def every(status: str, detail: str) -> dict[str, JobStatus]:
+        return {r.job_id: JobStatus(status, detail) for r in group}
+
     local = tpu == "local"
+    workers = "all" if local else ",".join(map(str, sorted({w for r in group for w in r.workers})))
+    target: Target | None = None
     try:
-        target = targets.resolve(
-            tpu=None if local else tpu, local=local, worker_spec=",".join(map(str, workers)) if not local else "all"
-        )
-    except NoSuchTpu:
-        return {r.job_id: JobStatus("gone", f"TPU {tpu} deleted") for r in group}
-    except TpurunError as exc:
-        return {r.job_id: JobStatus("unknown", exc.message) for r in group}
-    try:
-        try:
-            errors = target.connect()
-        except NoSuchTpu:
-            return {r.job_id: JobStatus("gone", f"TPU {tpu} deleted") for r in group}
-        except TpurunError as exc:
-            return {r.job_id: JobStatus("unknown", exc.message) for r in group}
-        if ids and target.ids and list(ids) != target.ids:
-            return {r.job_id: JobStatus("gone", f"TPU {tpu} deleted; another has its name") for r in group}
-        reached = [r for r in target.runners if r.worker.index not in errors]
+        target = targets.resolve(tpu=None if local else tpu, local=local, worker_spec=workers)
+        errors = target.connect()
+        if target.other_than(ids):
+            return every("gone", f"TPU {tpu} deleted; another has its name")
         python = group[-1].python
+        reached = [r for r in target.runners if r.worker.index not in errors]
         listed = each(reached, lambda runner: _agent_jobs(runner, python), name="jobs")
+    except NoSuchTpu:
+        return every("gone", f"TPU {tpu} deleted")
+    except TpurunError as exc:
+        return every("unknown", exc.message)
     finally:
-        target.close()
+        if target is not None:
+            target.close()
     names = {w.index: w.name for w in target.all_workers}
     out = {}
     for r in group:

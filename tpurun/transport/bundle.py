@@ -4,13 +4,16 @@ beside older ones, so an upgrade never replaces files a running job uses."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tpurun.errors import UnreachableError
-from tpurun.transport.fanout import connect_all, each
+from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
 from tpurun.transport.streams import run_capture
 from tpurun.worker import bundle_name, bundle_tar
+
+if TYPE_CHECKING:
+    from tpurun.transport.targets import Target
 
 MISSING = 93  # exit code of a program's argv when the bundle is not on the worker yet
 BIN = "$HOME/.tpurun/bin"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
@@ -35,9 +38,11 @@ def program_argv(python: str, program: str, *args: str) -> list[str]:
     return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, *args]
 
 
-def start_watchdogs(runners: Sequence[Runner], python: str) -> dict[int, str]:
-    """Make sure the TPU's watchdog runs on every worker (installing the bundle where it is missing);
-    {worker index: why not} for the workers where it could not be started."""
+def start_watchdogs(target: Target) -> dict[int, str]:
+    """Make sure the TPU's watchdog runs on every worker of TARGET (each one checked to be that TPU's, the
+    bundle installed where it is missing); {worker index: why not} for the workers where it could not be
+    started."""
+    python = target.python()
 
     def one(runner: Runner) -> str:
         argv = program_argv(python, "watchdog.py", "ensure")
@@ -50,7 +55,7 @@ def start_watchdogs(runners: Sequence[Runner], python: str) -> dict[int, str]:
             return str(exc)
         return "" if rc == 0 else f"watchdog.py ensure exited {rc}: {err.strip()[-200:]}"
 
-    failed = connect_all(runners)
-    reached = [r for r in runners if r.worker.index not in failed]
+    failed = target.connect()
+    reached = [r for r in target.runners if r.worker.index not in failed]
     failed.update({w: why for w, why in each(reached, one, name="watchdog").items() if why})
     return failed

@@ -208,6 +208,7 @@ class Runner:
 
     worker: Worker
     python = "python3"  # the worker's Python when none is named
+    refused_key = False  # the last connect failed because the worker could not prove it is that worker
 
     def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
         """ARGV to completion in its own process group, its lines to SINK; STOP ends it (after GRACE)."""
@@ -374,7 +375,6 @@ class SshRunner(Runner):
         self.node_name = node_name
         self.client: paramiko.SSHClient | None = None
         self.liveness: _Liveness | None = None
-        self.refused_key = False  # the last connect failed because the worker could not prove who it is
 
     @property
     def dead_reason(self) -> str:

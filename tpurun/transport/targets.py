@@ -37,6 +37,10 @@ class Target:
         """How many slices the TPU has (1 unless it is a multislice TPU)."""
         return len({w.slice for w in self.all_workers})
 
+    def other_than(self, ids: list[str]) -> bool:
+        """Whether this is known to be another TPU than the one whose nodes had IDS (a name made anew)."""
+        return bool(ids) and bool(self.ids) and list(ids) != self.ids
+
     def python(self, chosen: str | None = None) -> str:
         """CHOSEN, else the workers' Python when none is named (this machine: the one tpurun runs in)."""
         return chosen or self.runners[0].python
@@ -61,7 +65,7 @@ class Target:
         fresh = self.refresh()  # raises when the TPU is gone or not READY any more
         if fresh.all_workers == self.all_workers:  # the same TPU at the same addresses
             fresh.close()
-            again = [r for r in self.runners if r.worker.index in errors and getattr(r, "refused_key", False)]
+            again = [r for r in self.runners if r.worker.index in errors and r.refused_key]
             for r in again:
                 r.close()
             retried = connect_all(again, then)
