@@ -48,9 +48,10 @@ class Settings:
     def all(self) -> list[Setting]:
         return [self.project, self.zone, self.tpu, self.api_endpoint, self.home]
 
-    def require_location(self) -> tuple[str, str]:
-        """Project and zone, or one error naming every place they could come from."""
-        missing = [s.key for s in (self.project, self.zone) if not s.value]
+    def require_location(self, *, zone: bool = True) -> tuple[str, str]:
+        """Project and zone (ZONE False: the project only, the zone may be unset), or one error naming every
+        place they could come from."""
+        missing = [s.key for s in (self.project, self.zone) if not s.value and (zone or s is self.project)]
         if missing:
             names = " and ".join(missing)
             places = "; ".join(
@@ -63,8 +64,8 @@ class Settings:
                 ]
             )
             raise UsageError(f"no {names} configured: set it with one of: {places}")
-        assert self.project.value and self.zone.value
-        return self.project.value, self.zone.value
+        assert self.project.value
+        return self.project.value, self.zone.value or ""
 
     @property
     def endpoint(self) -> str:

@@ -98,7 +98,8 @@ def cli(emulator, tmp_path) -> Cli:
                 ops.append(client.delete_queued_resource(request={"name": qr.name, "force": True}))
             except Exception:
                 pass  # already being deleted
-        for node in list(client.list_nodes(parent=emulator.parent)):
+        every_zone = emulator.parent.rsplit("/", 1)[0] + "/-"  # tests make TPUs in other zones too
+        for node in list(client.list_nodes(parent=every_zone)):
             try:
                 ops.append(client.delete_node(name=node.name))
             except Exception:

@@ -69,6 +69,7 @@ COMMANDS: dict[str, str] = {
     "exec": "remote:exec_cmd",
     "ssh": "remote:ssh_cmd",
     "sync": "sync:sync_cmd",
+    "download": "sync:download_cmd",
     "train": "train:train_cmd",
     "jobs": "train:jobs_cmd",
     "logs": "train:logs_cmd",

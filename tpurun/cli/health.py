@@ -18,7 +18,7 @@ import typer
 
 from tpurun import config, settings, ui
 from tpurun import health as dr
-from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, WorkerOpt
+from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cloud import keys, startup
 from tpurun.errors import ExitCode, TpurunError, UnreachableError
 from tpurun.job import plan as envc
@@ -99,6 +99,8 @@ def _tpu_flag(target: Target) -> str:
 def kill_stale_cmd(
     tpu: TpuOpt = None,
     local: LocalOpt = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
     worker: WorkerOpt = "all",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only show what holds the TPU; change nothing.")] = False,
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.", min=0, max=3600)] = 10.0,
@@ -109,7 +111,7 @@ def kill_stale_cmd(
     Holders: processes with /dev/accel* or /dev/vfio/* open, or with a libtpu*.so mapped. Nothing else
     is touched. Exit 0 when every selected worker's TPU is free, 1 when a holder is left (--dry-run: found).
     """
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
+    target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
     cfg = _scan_config(target)
     cfg.update(dry_run=dry_run, grace=grace)
     try:
@@ -199,6 +201,8 @@ def _kill_stale_exit(workers: list[dict[str, Any]], dry_run: bool, target: Targe
 def doctor_cmd(
     tpu: TpuOpt = None,
     local: LocalOpt = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
     worker: WorkerOpt = "all",
     python: Annotated[
         str | None, typer.Option(help="Python whose torch/torch_xla to check (default python3; here: this one).")
@@ -209,11 +213,11 @@ def doctor_cmd(
 
     Exit 0 when no check failed, 1 when one did, 4 when a worker could not be reached.
     """
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
+    target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
     py = target.python(python)
     cfg = _scan_config(target)
     cfg.update(python=py, probe=envc.PROBE_SCRIPT)
-    reports = _startup_reports(target, tpu)
+    reports = _startup_reports(target)
     try:
         probes, errors, times = _run_all(
             target, lambda r: stale.program_argv("python3" if not target.local else sys.executable, "doctor", cfg), 120
@@ -222,7 +226,7 @@ def doctor_cmd(
         target.close()
     kill_cmd = f"tpurun kill-stale{_tpu_flag(target)}"
     checks: list[dr.Check] = []
-    home = settings.resolve({"tpu": tpu}).home_path
+    home = settings.resolve({}).home_path
     for r in target.runners:
         i = r.worker.index
         if target.local:
@@ -278,7 +282,7 @@ def doctor_cmd(
     raise typer.Exit(code)
 
 
-def _startup_reports(target: Target, tpu: str | None) -> list[startup.StartupReport] | None:
+def _startup_reports(target: Target) -> list[startup.StartupReport] | None:
     """Each worker's startup report from the guest attributes (named TPUs only); [] when unreadable."""
     if target.local:
         return None
@@ -288,7 +292,7 @@ def _startup_reports(target: Target, tpu: str | None) -> list[startup.StartupRep
     sizes = Counter(w.slice for w in target.all_workers)  # workers per slice (one key: None, a plain node)
     per_slice = [sizes[k] for k in sorted(sizes, key=lambda k: -1 if k is None else k)]
     try:
-        cloud = Cloud(settings.resolve({"tpu": tpu}))
+        cloud = Cloud(settings.resolve({"project": target.project, "zone": target.zone}))
         for node, size in zip(target.nodes or [target.name], per_slice, strict=True):
             attrs = cloud.guest_attributes(node, startup.NAMESPACE + "/")
             reports += [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(size)]

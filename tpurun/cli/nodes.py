@@ -160,9 +160,21 @@ def attach_cmd(
     _workers_table(view)
 
 
-def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False) -> None:
-    """List TPU nodes in the zone."""
-    cloud, _ = cloud_for(project, zone)
+def list_cmd(
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+    all_zones: Annotated[
+        bool, typer.Option("--all-zones", help="The TPUs of every zone of the project, with a zone column.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """List the TPUs in the zone (or in every zone), with their state, idleness and jobs."""
+    if all_zones and zone:
+        raise UsageError("choose one of --zone and --all-zones")
+    if all_zones:
+        cloud = Cloud(settings.resolve({"project": project}), every_zone=True)
+    else:
+        cloud, _ = cloud_for(project, zone)
     views = provision.list_nodes(cloud)
     if json_out:
         ui.print_json([v.to_dict() for v in views])
@@ -170,6 +182,7 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
     ui.table(
         None,
         [
+            *(["zone"] if all_zones else []),
             "name",
             "accelerator",
             "state",
@@ -184,6 +197,7 @@ def list_cmd(project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt
         ],
         [
             (
+                *([v.zone] if all_zones else []),
                 v.name,
                 v.accelerator_type,
                 v.state,

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from tpurun import settings, ui
-from tpurun.cli.options import LocalOpt, TpuOpt, WorkerOpt, parsing
+from tpurun.cli.options import LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.cloud import keys
 from tpurun.errors import TpurunError, UnreachableError, UsageError
@@ -25,6 +25,8 @@ def exec_cmd(
     command: Annotated[list[str], typer.Argument(help="-- CMD [ARGS...]: passed exactly, never through a shell.")],
     tpu: TpuOpt = None,
     local: LocalOpt = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
     worker: WorkerOpt = "all",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = DEFAULT_GRACE,
@@ -32,7 +34,7 @@ def exec_cmd(
     """Run a command on every selected worker at once, lines prefixed \\[wN]."""
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
+    target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
     names = worker_names(target.all_workers)
     writer = LineWriter(colour=not ui.is_plain(), names=names)
     stop = threading.Event()
@@ -55,6 +57,8 @@ def exec_cmd(
 def ssh_cmd(
     command: Annotated[list[str] | None, typer.Argument(help="-- CMD [ARGS...] to run instead of a shell.")] = None,
     tpu: TpuOpt = None,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
     worker: Annotated[str, typer.Option("--worker", "-w", help="Worker index (sS/wN in a multislice TPU).")] = "0",
     forward: Annotated[
         list[str] | None,
@@ -68,10 +72,10 @@ def ssh_cmd(
     ] = None,
 ) -> None:
     """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys."""
-    s = settings.resolve({"tpu": tpu})
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
     if not s.tpu.value:
         raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
-    target = targets.resolve(tpu=tpu, local=False, worker_spec=worker)
+    target = targets.resolve(tpu=tpu, local=False, project=project, zone=zone, worker_spec=worker)
     try:
         if len(target.runners) != 1:
             raise UsageError(f"--worker {worker}: name one worker")

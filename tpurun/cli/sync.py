@@ -1,4 +1,5 @@
-"""`tpurun sync`: the command line around tpurun.sync.sender (options, progress bar, summary, exit code)."""
+"""`tpurun sync` and `tpurun download`: the command lines around tpurun.sync.sender and tpurun.sync.download
+(options, progress bar, summary, exit code)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Annotated
 import typer
 
 from tpurun import settings, ui
-from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, WorkerOpt
+from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
+from tpurun.sync import download
 from tpurun.sync.sender import (
     Counters,
     Interrupted,
@@ -39,7 +41,7 @@ def _size(n: float) -> str:
 class _Bar:
     """A rich progress bar (bytes and files) fed from the sending threads' counters."""
 
-    def __init__(self, progress: Counters) -> None:
+    def __init__(self, progress: Counters, label: str = "sync") -> None:
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -51,7 +53,7 @@ class _Bar:
 
         self.counters = progress
         self.bar = RichProgress(
-            TextColumn("sync"),
+            TextColumn(label),
             BarColumn(),
             DownloadColumn(),
             TransferSpeedColumn(),
@@ -60,7 +62,7 @@ class _Bar:
             console=ui.err(),
             transient=True,
         )
-        self.task = self.bar.add_task("sync", total=None, files="")
+        self.task = self.bar.add_task(label, total=None, files="")
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -142,6 +144,8 @@ def sync_cmd(
     src: Annotated[str, typer.Argument(help="Directory to copy (default: the current one).")] = ".",
     tpu: TpuOpt = None,
     local: LocalOpt = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
     dest: Annotated[
         str | None,
         typer.Option("--dest", "-d", help="Where on each worker (default ~/<name of SRC>; relative = under ~)."),
@@ -161,16 +165,17 @@ def sync_cmd(
         raise UsageError(f"{src} is not a directory: sync copies a directory (e.g. `tpurun sync .`)")
     source = source.resolve()
     destination = dest or default_dest(source)
-    if not local and not settings.resolve({"tpu": tpu}).tpu.value:
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
+    if not local and not s.tpu.value:
         raise UsageError(
             "no TPU named: sync copies a directory to a TPU's workers; name one with --tpu NAME (or TPURUN_TPU, "
             "or tpu in tpurun.toml), or pass --local to copy it on this machine"
         )
-    target = targets.resolve(tpu=tpu, local=local, worker_spec=worker, announce=ui.info)
+    target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
     if target.local:
         destination = str(check_local_dest(source, destination))
     started = time.monotonic()
-    home = settings.resolve({"tpu": tpu}).home_path
+    home = s.home_path
     stop = threading.Event()
     progress = Counters()
     try:
@@ -206,3 +211,82 @@ def sync_cmd(
     finally:
         target.close()
     raise typer.Exit(code)
+
+
+def download_cmd(
+    path: Annotated[str, typer.Argument(help="A file or directory on the workers (relative: under the home).")],
+    dest: Annotated[
+        str, typer.Argument(help="Where on this machine (default: here); from several workers, DEST/<worker>.")
+    ] = ".",
+    tpu: TpuOpt = None,
+    local: LocalOpt = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+    worker: WorkerOpt = "all",
+    outside_home: Annotated[
+        bool, typer.Option("--outside-home", help="Allow a PATH outside the worker's home directory.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Copy a file or directory (checkpoints, outputs) from every selected worker to this machine, only the
+    files that changed since the last download."""
+    if not local and not settings.resolve({"tpu": tpu, "project": project, "zone": zone}).tpu.value:
+        raise UsageError(
+            "no TPU named: download copies from a TPU's workers; name one with --tpu NAME (or TPURUN_TPU, or tpu "
+            "in tpurun.toml), or pass --local to copy from this machine's home"
+        )
+    into = Path(dest).expanduser()
+    if into.exists() and not into.is_dir():
+        raise UsageError(f"{dest} is not a directory: download puts what it copies into a directory")
+    target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
+    started = time.monotonic()
+    stop = threading.Event()
+    progress = Counters()
+    try:
+        with stop_on_signals(stop) as seen:
+            errors = target.connect()
+            show_bar = not json_out and not ui.is_plain()
+            try:
+                with _Bar(progress, "download") if show_bar else nullcontext():
+                    got = download.download(
+                        target.runners, path, into, outside_home=outside_home, progress=progress, stop=stop,
+                        connect_errors=errors,
+                    )  # fmt: skip
+            except Interrupted:
+                seen["interrupted"] = True
+            if seen["interrupted"]:
+                ui.err().print("interrupted: no half-written file is left here", markup=False)
+                raise typer.Exit(ExitCode.INTERRUPTED)
+    finally:
+        target.close()
+    raise typer.Exit(_report_download(got, json_out, time.monotonic() - started))
+
+
+def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float) -> int:
+    if json_out:
+        ui.print_json({"seconds": round(elapsed, 3), "workers": [g.to_json() for g in got]})
+    else:
+        for g in got:
+            if not g.error:
+                print(
+                    f"[{g.name}] {g.files_fetched} of {g.files_total} files changed, {_size(g.bytes_fetched)}, "
+                    f"{g.seconds:.1f} s: {g.remote} -> {g.local}",
+                    flush=True,
+                )
+            for rel, why in g.skipped:
+                ui.warn(f"{g.name}: {rel}: {why}")
+    code = ExitCode.OK
+    for g in got:
+        if g.error:
+            label = "" if g.unreachable else f"{g.name} ({g.address}): "
+            ui.err().print(f"error: {label}{g.error}", markup=False)
+            code = max(code, ExitCode.UNREACHABLE if g.unreachable else ExitCode.PROGRAM_FAILED)
+        for rel, message in g.errors[:3]:
+            ui.err().print(f"error: {g.name}: {rel}: {message}", markup=False)
+            code = max(code, ExitCode.PROGRAM_FAILED)
+        if len(g.errors) > 3:
+            ui.err().print(f"error: {g.name}: and {len(g.errors) - 3} more files", markup=False)
+    if any(g.outside_home for g in got):
+        ui.err().print("hint: pass --outside-home to download a path outside the workers' home", markup=False)
+        code = ExitCode.USAGE
+    return code

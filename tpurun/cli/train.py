@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from tpurun import settings, ui
-from tpurun.cli.options import JsonOpt, LocalOpt, TpuOpt, WorkerOpt, parsing
+from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
 from tpurun.cloud import identity
 from tpurun.errors import ExitCode, TpuBusy, TpurunError, UnreachableError, UsageError
@@ -55,6 +55,8 @@ def train_cmd(
     args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
     tpu: TpuOpt = None,
     local: LocalOpt = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
     cores: Annotated[
         int | None,
         typer.Option(
@@ -139,13 +141,23 @@ def train_cmd(
         down=down,
         oversubscribe=oversubscribe,
     )
-    raise typer.Exit(_run(spec, tpu=tpu, local=local, dest=dest, json_out=json_out))
+    flags = {"tpu": tpu, "project": project, "zone": zone}
+    raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
 
 
-def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | None, json_out: bool) -> int:
-    s = settings.resolve({"tpu": tpu})
+def _run(
+    spec: train.TrainSpec, flags: dict[str, str | None], *, local: bool, dest: str | None, json_out: bool
+) -> int:
+    """Run SPEC on the TPU FLAGS name (--tpu, --project, --zone, else the settings), or on this machine."""
+    s = settings.resolve(flags)
+
+    def resolve() -> targets.Target:
+        return targets.resolve(
+            tpu=flags["tpu"], local=local, project=flags["project"], zone=flags["zone"], announce=ui.info
+        )
+
     if spec.dry_run:
-        target = targets.resolve(tpu=tpu, local=local, announce=ui.info)
+        target = resolve()
         try:
             job = train.prepare(spec, target, 0, dest=dest, local_dir=Path.cwd())
             _notes(job)
@@ -161,8 +173,8 @@ def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | Non
         with stop_on_signals(cancel):
             result = train.train(
                 spec,
-                resolve=lambda: targets.resolve(tpu=tpu, local=local, announce=ui.info),
-                recreate=_recreate,
+                resolve=resolve,
+                recreate=lambda name: _recreate(s, name),
                 dest=dest,
                 home=s.home_path,
                 local_dir=Path.cwd(),
@@ -175,11 +187,11 @@ def _run(spec: train.TrainSpec, *, tpu: str | None, local: bool, dest: str | Non
         raise
     except BaseException:
         if spec.down and s.tpu.value:  # the launch itself failed (a worker unreachable, ...): --down holds
-            _down(s.tpu.value, None, ExitCode.OK)
+            _down(s, None, ExitCode.OK)
         raise
     code = _render(result, json_out)
     if spec.down:
-        code = _down(result.job.target.name, result, code)
+        code = _down(s, result, code)
     return code
 
 
@@ -194,11 +206,14 @@ def _arm_down(s: settings.Settings, local: bool) -> None:
         autostop.arm_down(Cloud(s), s.tpu.value, progress)
 
 
-def _down(name: str, result: train.JobResult | None, code: int) -> int:
+def _down(s: settings.Settings, result: train.JobResult | None, code: int) -> int:
     """After a `--down` job (RESULT None: its launch failed): delete its TPU, unless the job runs on
     (detached: its watchdog deletes the TPU when it ends) or never started because another job holds it."""
     from tpurun.cloud import provision
     from tpurun.cloud.client import Cloud
+
+    name = s.tpu.value
+    assert name, "--down is refused without a TPU"
 
     if result is not None and result.state is train.JobState.DETACHED:
         ui.info(f"{name} will be deleted when job {result.job.job_id} ends, by the watchdog on the TPU (--down)")
@@ -206,7 +221,6 @@ def _down(name: str, result: train.JobResult | None, code: int) -> int:
     if result is not None and result.state is train.JobState.BUSY:
         ui.warn(f"--down: {name} is kept, another job runs on it")
         return code
-    s = settings.resolve({"tpu": name})
     cloud = Cloud(s)
     try:
         with progress_display() as progress:
@@ -274,11 +288,10 @@ def _print_dry_run(job: train.Job, json_out: bool) -> None:
             print(f"    {k}={v}")
 
 
-def _recreate(name: str) -> None:
+def _recreate(s: settings.Settings, name: str) -> None:
     from tpurun.cloud import provision
     from tpurun.cloud.client import Cloud
 
-    s = settings.resolve({})
     cloud = Cloud(s)
     identity.forget(s.home_path, cloud.project, cloud.zone, name)
     with progress_display() as progress:
@@ -381,25 +394,14 @@ def _summary(run: train.JobRun) -> None:
 # ---------------------------------------------------------------------------- jobs, logs, cancel
 
 
-def _record_target(record: records.JobRecord, worker: str = "all") -> targets.Target:
-    """The workers RECORD's job ran on (WORKER: those of them a SPEC names)."""
-    if record.tpu == "local":
-        return targets.resolve(tpu=None, local=True, worker_spec=worker)
-    spec = ",".join(str(w) for w in record.workers) if worker == "all" else worker
-    target = targets.resolve(tpu=record.tpu, local=False, worker_spec=spec)
-    outside = [r.worker.name for r in target.runners if r.worker.index not in record.workers]
-    if outside:
-        target.close()
-        raise UsageError(f"--worker {worker}: job {record.job_id} did not run on {', '.join(outside)}")
-    return target
-
-
 def _agent_argv(record: records.JobRecord, *args: str) -> list[str]:
     return bundle.program_argv(record.python, "agent.py", *args)
 
 
 def jobs_cmd(
-    tpu: TpuOpt = None,
+    tpu: Annotated[str | None, typer.Option("--tpu", help="Only the jobs of this TPU.")] = None,
+    project: Annotated[str | None, typer.Option("--project", help="Only the jobs of TPUs in this project.")] = None,
+    zone: Annotated[str | None, typer.Option("--zone", help="Only the jobs of TPUs in this zone.")] = None,
     prune: Annotated[
         bool, typer.Option("--prune", help="Forget the jobs of TPUs that no longer exist (after showing them).")
     ] = False,
@@ -409,7 +411,7 @@ def jobs_cmd(
     any worker is failed, naming it; a job whose TPU was deleted is gone."""
     from tpurun.job import status
 
-    rows = status.jobs(settings.resolve({"tpu": tpu}).home_path, tpu, prune=prune)
+    rows = status.jobs(settings.resolve({}).home_path, tpu, project=project, zone=zone, prune=prune)
     data = [
         {
             "job_id": row.record.job_id,
@@ -454,7 +456,7 @@ def logs_cmd(
         raise UsageError(f"--tail {tail}: give 0 or more lines")
     s = settings.resolve({})
     record = records.JobRecord.load(s.home_path, job)
-    target = _record_target(record, worker)
+    target = record.target(worker)
     renderer = Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
     renderer.names = worker_names(target.all_workers)
     viewer = _Viewer(record, target, renderer, follow and tail is None)
@@ -564,7 +566,7 @@ def cancel_cmd(
     """Stop a job on every worker; returns when none of its processes is left."""
     s = settings.resolve({})
     record = records.JobRecord.load(s.home_path, job)
-    target = _record_target(record)
+    target = record.target()
     failures = []
     try:
         train.connect(target, record)

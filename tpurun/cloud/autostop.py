@@ -239,7 +239,7 @@ def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
         if tpu_v2.Node.State(node.state).name != "READY":
             return Activity()
         try:
-            attrs = cloud.guest_attributes(node.name.rsplit("/", 1)[-1], wd.NAMESPACE + "/")
+            attrs = cloud.guest_attributes(node.name, wd.NAMESPACE + "/")  # the full name: any zone
         except TpurunError:
             return Activity()
         for w, items in enumerate(attrs):

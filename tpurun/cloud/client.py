@@ -32,6 +32,10 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+# the location that stands for every zone of a project when listing (AIP-159's "-" wildcard; the list's
+# `unreachable` field names the zones that did not answer)
+EVERY_ZONE = "-"
+
 TRANSIENT = (
     gexc.TooManyRequests,
     gexc.ServiceUnavailable,
@@ -99,9 +103,13 @@ def short_name(name: str) -> str:
 class Cloud:
     """Nodes, queued resources and operations in one project and zone."""
 
-    def __init__(self, s: Settings, *, retry: Backoff | None = None) -> None:
-        self.project, self.zone = s.require_location()
-        validate_zone(self.zone)  # every command judges a zone the same way, before the API sees it
+    def __init__(self, s: Settings, *, retry: Backoff | None = None, every_zone: bool = False) -> None:
+        """EVERY_ZONE: a Cloud that lists the nodes of every zone of the project (no zone needed)."""
+        self.project, self.zone = s.require_location(zone=not every_zone)
+        if every_zone:
+            self.zone = EVERY_ZONE
+        else:
+            validate_zone(self.zone)  # every command judges a zone the same way, before the API sees it
         self.endpoint = s.endpoint
         self.parent = f"projects/{self.project}/locations/{self.zone}"
         self.retry = retry or Backoff(
@@ -234,7 +242,21 @@ class Cloud:
         return self.call(what, get, node=node)
 
     def list_nodes(self) -> list[tpu_v2.Node]:
-        return self.call("list nodes", lambda: list(self.client.list_nodes(parent=self.parent)))
+        """The nodes of the zone (of every zone, for a Cloud made with every_zone; zones the API could not
+        reach then are logged as a warning)."""
+
+        def pages() -> tuple[list[tpu_v2.Node], list[str]]:
+            nodes: list[tpu_v2.Node] = []
+            unreachable: list[str] = []
+            for page in self.client.list_nodes(parent=self.parent).pages:
+                nodes += page.nodes
+                unreachable += page.unreachable
+            return nodes, unreachable
+
+        nodes, unreachable = self.call("list nodes", pages)
+        if unreachable:
+            log.warning("the Cloud TPU API could not list the nodes of %s", ", ".join(sorted(set(unreachable))))
+        return nodes
 
     def create_node(self, node_id: str, node: tpu_v2.Node) -> Any:
         return self.call(

@@ -47,6 +47,7 @@ class NodeView:
     metadata: dict[str, str]
     queued_resource: str
     id: str = ""  # the node's unique id in the API (a multislice TPU has one per slice)
+    zone: str = ""
     slices: list[NodeView] = field(default_factory=list)  # a multislice TPU: one view per slice
     slice_of: tuple[str, int] | None = None  # a slice's node: (its multislice TPU, its slice index)
     activity: autostop.Activity = field(default_factory=autostop.Activity)  # what its watchdogs report
@@ -64,6 +65,7 @@ class NodeView:
         d: dict[str, Any] = {
             "name": self.name,
             "id": self.id or None,
+            "zone": self.zone or None,
             "acceleratorType": self.accelerator_type,
             "state": self.state,
             "health": self.health,
@@ -117,6 +119,12 @@ def shorten_metadata(key: str, value: str) -> str:
     return value
 
 
+def _zone_of(name: str) -> str:
+    """The zone in a node's full name, projects/P/locations/ZONE/nodes/N."""
+    parts = name.split("/")
+    return parts[3] if len(parts) == 6 and parts[2] == "locations" else ""
+
+
 def node_view(
     node: tpu_v2.Node,
     reports: list[startup.StartupReport] | None = None,
@@ -133,6 +141,7 @@ def node_view(
         created = node.create_time if node.create_time.tzinfo else node.create_time.replace(tzinfo=dt.timezone.utc)
     return NodeView(
         name=node.name.rsplit("/", 1)[-1],
+        zone=_zone_of(node.name),
         accelerator_type=node.accelerator_type,
         state=STATE(node.state).name,
         health=tpu_v2.Node.Health(node.health).name if node.health else "-",
@@ -168,10 +177,12 @@ def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]
             labels=dict(template.labels),
             metadata=dict(template.metadata),
             queued_resource=qr.name,
+            zone=_zone_of(qr.name.replace("/queuedResources/", "/nodes/")),
         )
     first = slices[0]
     return NodeView(
         name=name,
+        zone=first.zone,
         accelerator_type=first.accelerator_type,
         state=qr_state(qr),
         health=first.health if all(v.health == first.health for v in slices) else "mixed",

@@ -573,6 +573,8 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         command=[spec.script, *spec.args],
         python=job.python,
         ids=list(target.ids),
+        project=target.project,
+        zone=target.zone,
     ).save(home)
     topo = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
     run = JobRun(
@@ -662,7 +664,7 @@ def preempted(target: Target) -> bool:
     deadline = time.monotonic() + config.PREEMPT_CHECK.number()
     while True:
         try:
-            cloud = Cloud(settings.resolve({}))
+            cloud = Cloud(settings.resolve({"project": target.project, "zone": target.zone}))
             states = [cloud.find_node(name) for name in target.nodes or [target.name]]
         except TpurunError:
             return False

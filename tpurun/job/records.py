@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun.errors import UsageError
+from tpurun.transport import targets
 from tpurun.transport.streams import Stream
+from tpurun.transport.targets import Target
 
 
 def new_job_id() -> str:
@@ -32,6 +34,26 @@ class JobRecord:
     command: list[str]
     python: str
     ids: list[str] = field(default_factory=list)  # the TPU's identity (its nodes' unique ids); [] for local
+    project: str = ""  # where the TPU is ("" for local, and in records older than these fields)
+    zone: str = ""
+
+    def target(self, worker: str = "all") -> Target:
+        """The workers this job ran on (WORKER: those of them a spec names), on its TPU where it was then."""
+        if self.tpu == "local":
+            return targets.resolve(tpu=None, local=True, worker_spec=worker)
+        spec = ",".join(str(w) for w in self.workers) if worker == "all" else worker
+        target = targets.resolve(
+            tpu=self.tpu, local=False, worker_spec=spec, project=self.project or None, zone=self.zone or None
+        )
+        outside = [r.worker.name for r in target.runners if r.worker.index not in self.workers]
+        if outside:
+            target.close()
+            raise UsageError(f"--worker {worker}: job {self.job_id} did not run on {', '.join(outside)}")
+        return target
+
+    def where(self) -> tuple[str, str, str, tuple[str, ...]]:
+        """Which TPU the job ran on: its name, project, zone and nodes' ids."""
+        return self.tpu, self.project, self.zone, tuple(self.ids)
 
     def save(self, home: Path) -> None:
         d = home / "jobs"

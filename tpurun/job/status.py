@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpurun.errors import NoSuchTpu, TpurunError
 from tpurun.job.records import JobRecord, forget, list_records
-from tpurun.transport import targets
 from tpurun.transport.bundle import program_argv
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
@@ -65,19 +64,26 @@ def combine(states: Mapping[str, dict | None]) -> JobStatus:
 
 def _rows(records: list[JobRecord]) -> list[JobRow]:
     """Every job of RECORDS with its state over every worker, asking each TPU once."""
-    groups: dict[tuple[str, tuple[str, ...]], list[JobRecord]] = {}
+    groups: dict[tuple[str, str, str, tuple[str, ...]], list[JobRecord]] = {}
     for r in records:
-        groups.setdefault((r.tpu, tuple(r.ids)), []).append(r)
+        groups.setdefault(r.where(), []).append(r)
     rows: dict[str, JobStatus] = {}
-    for (tpu, ids), group in groups.items():
+    for (tpu, _, _, ids), group in groups.items():
         rows.update(_tpu_states(tpu, list(ids), group))
     return [JobRow(r, rows[r.job_id]) for r in records]
 
 
-def jobs(home: Path, tpu: str | None = None, *, prune: bool = False) -> list[JobRow]:
-    """The jobs started from this machine (on TPU, else everywhere), with their states; with PRUNE, the
-    records of jobs whose TPU no longer exists are forgotten (and still returned, this once)."""
-    rows = _rows([r for r in list_records(home) if not tpu or r.tpu == tpu])
+def jobs(
+    home: Path, tpu: str | None = None, *, project: str | None = None, zone: str | None = None, prune: bool = False
+) -> list[JobRow]:
+    """The jobs started from this machine (on TPU, in PROJECT and ZONE when given; else everywhere), with
+    their states; with PRUNE, the records of jobs whose TPU no longer exists are forgotten (and still
+    returned, this once)."""
+
+    def chosen(r: JobRecord) -> bool:
+        return (not tpu or r.tpu == tpu) and (not project or r.project == project) and (not zone or r.zone == zone)
+
+    rows = _rows([r for r in list_records(home) if chosen(r)])
     if prune:
         for row in rows:
             if row.state.status == "gone":
@@ -91,11 +97,10 @@ def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, J
     def every(status: str, detail: str) -> dict[str, JobStatus]:
         return {r.job_id: JobStatus(status, detail) for r in group}
 
-    local = tpu == "local"
-    workers = "all" if local else ",".join(map(str, sorted({w for r in group for w in r.workers})))
+    every_worker = replace(group[0], workers=sorted({w for r in group for w in r.workers}))
     target: Target | None = None
     try:
-        target = targets.resolve(tpu=None if local else tpu, local=local, worker_spec=workers)
+        target = every_worker.target()
         errors = target.connect()
         if target.other_than(ids):
             return every("gone", f"TPU {tpu} deleted; another has its name")

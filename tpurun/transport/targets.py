@@ -29,6 +29,8 @@ class Target:
     local: bool
     nodes: list[str] = field(default_factory=list)  # the TPU's nodes: one, or one per slice
     ids: list[str] = field(default_factory=list)  # their unique ids in the API: the TPU's identity
+    project: str = ""  # where the TPU is ("" for this machine)
+    zone: str = ""
     cached: bool = False  # built from remembered endpoints, without an API call
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
 
@@ -250,5 +252,7 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         False,
         nodes=endpoints.nodes,
         ids=endpoints.ids,
+        project=s.project.value or "",
+        zone=s.zone.value or "",
         cached=cached,
     )

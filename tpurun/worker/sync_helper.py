@@ -1,4 +1,5 @@
-"""The receiving end of `tpurun sync`: a stdlib-only program run on each worker (or locally).
+"""The worker's end of `tpurun sync` (it receives) and of `tpurun download` (it sends): a stdlib-only
+program run on each worker (or locally).
 
 tpurun ships this file's source with the command line (``python3 -c ...``), so workers need no
 install; it must therefore stay stdlib-only and run on Python 3.8 or newer (no ``match``, no
@@ -17,6 +18,18 @@ payload length, the payload. JSON payloads are zlib-compressed.
     helper -> client   R {written, bytes, deleted, errors: [[path, kind, message]...]}
 
 So a sync is one exchange for the manifest and one stream for the data, whatever the file count.
+
+A download is the same in the other direction (the client writes, see tpurun.sync.download):
+
+    client -> helper   L  {v, path, outside_home}
+    helper -> client   I  {root, file: bool, files: [[path, size, mtime_ns, mode]...], links: [[path, target]...]}
+                          (or Q {error, outside_home}: PATH is missing or unreadable, or outside_home is
+                          true: it is outside the home and the request did not allow that)
+    client -> helper   W  [indexes of the files it lacks or has with another size or mtime]
+    helper -> client   for each: F <index u32>, D <bytes>..., Z <sha256 hex of what was sent> (or A <reason>), then E
+
+PATH is resolved on the worker (~ and a relative path are under the login user's home, symlinks followed)
+before it is checked against the home, so a link cannot lead a download outside it.
 
 Every file is written to ``.tpurun-tmp-<name>-<random>`` in its target directory and renamed over
 the real name only after its size and sha256 matched: a killed sync never leaves a half file under a
@@ -449,6 +462,97 @@ class Receiver:
         return {"written": self.written, "bytes": self.bytes, "deleted": self.deleted, "errors": self.errors}
 
 
+# ------------------------------------------------------------------ download: this end sends
+
+
+class Sender:
+    """Lists PATH (a file or a tree) and sends the files the client asks for."""
+
+    def __init__(self, request: dict) -> None:
+        home = os.path.realpath(os.path.expanduser("~"))
+        path = os.path.expanduser(request["path"])
+        self.root = os.path.realpath(os.path.join(home, path))  # an absolute PATH stays as it is
+        self.outside_home = bool(request.get("outside_home"))
+        self.home = home
+        self.files: list = []
+        self.links: list = []
+        self.single = False  # PATH is one file
+
+    def outside(self) -> bool:
+        """Whether PATH is refused for being outside the home (and no one asked for that)."""
+        return not self.outside_home and self.root != self.home and not self.root.startswith(self.home + "/")
+
+    def listing(self) -> dict:
+        """The I reply; raises OSError (with the path) for a PATH that cannot be sent."""
+        if self.outside():
+            raise PermissionError(f"{self.root} is outside the home directory {self.home}")
+        st = os.stat(self.root)  # FileNotFoundError, PermissionError: the client shows the message
+        if stat.S_ISREG(st.st_mode):
+            self.single = True
+            self.files.append([os.path.basename(self.root), st.st_size, st.st_mtime_ns, st.st_mode & 0o7777])
+            return {"root": self.root, "file": True, "files": self.files, "links": []}
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(f"{self.root} is neither a file nor a directory")
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_dir = "" if rel_dir == "." else rel_dir + "/"
+            dirnames.sort()
+            for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                full = os.path.join(dirpath, name)
+                try:
+                    lst = os.lstat(full)
+                    if stat.S_ISLNK(lst.st_mode):
+                        self.links.append([rel_dir + name, os.readlink(full)])
+                    elif stat.S_ISREG(lst.st_mode) and not name.startswith(TMP_PREFIX):
+                        self.files.append([rel_dir + name, lst.st_size, lst.st_mtime_ns, lst.st_mode & 0o7777])
+                except OSError:
+                    continue  # gone since it was listed: not part of this download
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        return {"root": self.root, "file": False, "files": self.files, "links": self.links}
+
+    def send(self, stdout, wanted) -> None:
+        import hashlib
+
+        for index in wanted:
+            path = self.files[index][0]
+            full = self.root if self.single else os.path.join(self.root, path)
+            write_frame(stdout, b"F", struct.pack(">I", index))
+            h = hashlib.sha256()
+            try:
+                with open(full, "rb") as f:
+                    while True:
+                        chunk = f.read(1 << 20)
+                        if not chunk:
+                            break
+                        h.update(chunk)
+                        write_frame(stdout, b"D", chunk)
+            except OSError as exc:
+                write_frame(stdout, b"A", (exc.strerror or str(exc)).encode("utf-8", "replace"))
+                continue
+            write_frame(stdout, b"Z", h.hexdigest().encode("ascii"))
+        write_frame(stdout, b"E")
+        stdout.flush()
+
+
+def serve_download(request: dict, stdin, stdout) -> int:
+    sender = Sender(request)
+    try:
+        reply = sender.listing()
+    except OSError as exc:
+        where = exc.filename or sender.root
+        text = f"{where}: {exc.strerror}" if exc.strerror else str(exc)
+        write_frame(stdout, b"Q", pack_json({"error": text, "outside_home": sender.outside()}))
+        stdout.flush()
+        return 1
+    write_frame(stdout, b"I", pack_json(reply))
+    stdout.flush()
+    kind, payload = read_frame(stdin)
+    if kind != b"W":
+        raise ValueError("expected the wanted files")
+    sender.send(stdout, unpack_json(payload))
+    return 0
+
+
 def _stop(signum, frame):
     raise Eof()
 
@@ -462,13 +566,15 @@ def main() -> int:
     receiver = None
     try:
         kind, payload = read_frame(stdin)
-        if kind != b"M":
-            raise ValueError("expected a manifest")
+        if kind not in (b"M", b"L"):
+            raise ValueError("expected a manifest or a download request")
         manifest = unpack_json(payload)
         if manifest.get("v") != PROTOCOL:
             write_frame(stdout, b"Q", pack_json({"error": "protocol version mismatch"}))
             stdout.flush()
             return 2
+        if kind == b"L":
+            return serve_download(manifest, stdin, stdout)
         receiver = Receiver(manifest)
         try:
             reply = receiver.start()
