@@ -86,7 +86,7 @@ def test_two_slices_of_v4_16_create_exec_describe_delete(cli, emulator):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["create", "z", "-t", "v4-16", "--slices", "0"], "--slices 0"),
+        (["create", "z", "-t", "v4-16", "--slices", "0"], "'--slices': 0 is not in the range x>=1"),
         (["create", "z", "-t", "v3-32", "--slices", "2"], "v4 and newer"),
         (["create", "z", "-t", "v2-8", "--slices", "3"], "v4 and newer"),
     ],

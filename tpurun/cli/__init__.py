@@ -23,7 +23,7 @@ _ClickAbort: tuple[type[BaseException], ...] = tuple(
 
 app = typer.Typer(
     name="tpurun",
-    help="Launch PyTorch/XLA jobs on Cloud TPU VMs and pod slices.",
+    help="Launch PyTorch (PyTorch/XLA, Lightning) and JAX jobs on Cloud TPU VMs and pod slices.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -18,7 +18,7 @@ import typer
 
 from tpurun import config, settings, ui
 from tpurun import health as dr
-from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
+from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cloud import keys, startup
 from tpurun.errors import ExitCode, TpurunError, UnreachableError
 from tpurun.job import plan as envc
@@ -103,7 +103,7 @@ def kill_stale_cmd(
     zone: ZoneOpt = None,
     worker: WorkerOpt = "all",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only show what holds the TPU; change nothing.")] = False,
-    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.", min=0, max=3600)] = 10.0,
+    grace: GraceOpt = 10.0,
     json_out: JsonOpt = False,
 ) -> None:
     """Free the TPU: stop the processes holding its device files or libtpu, then remove stale lock files.

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from tpurun import settings, ui
-from tpurun.cli.options import JsonOpt, ProjectOpt, ZoneOpt
+from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
@@ -39,7 +39,9 @@ def _workers_table(view: provision.NodeView) -> None:
 
 
 def create_cmd(
-    name: Annotated[str, typer.Argument(help="Node name: lowercase letters, digits, '-'.")],
+    name: Annotated[
+        str, typer.Argument(metavar="NAME", help="The new TPU's name: lowercase letters, digits and '-'.")
+    ],
     accelerator_type: Annotated[str, typer.Option("--accelerator-type", "-t", help="e.g. v4-16, v5litepod-8.")],
     version: Annotated[str | None, typer.Option(help="Runtime version (default per generation).")] = None,
     spot: Annotated[bool, typer.Option("--spot", help="Spot VM (cheaper, can be preempted).")] = False,
@@ -48,8 +50,9 @@ def create_cmd(
     slices: Annotated[
         int,
         typer.Option(
+            min=1,
             help="Several slices joined over the data-center network (multislice, v4 and newer): one queued "
-            "resource NAME makes NAME-0 … NAME-(N-1); NAME then stands for all of them."
+            "resource NAME makes NAME-0 … NAME-(N-1); NAME then stands for all of them.",
         ),
     ] = 1,
     valid_until: Annotated[
@@ -89,7 +92,7 @@ def create_cmd(
             "--delete-on-failure", help="Delete the TPU when its startup script fails (else it is kept, and bills)."
         ),
     ] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for READY and startup.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(min=0, help="Seconds to wait for READY and startup.")] = 1800.0,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
     json_out: JsonOpt = False,
@@ -143,7 +146,7 @@ def create_cmd(
 
 
 def attach_cmd(
-    name: Annotated[str, typer.Argument(help="An existing node.")],
+    name: NameArg,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
     json_out: JsonOpt = False,
@@ -216,12 +219,12 @@ def list_cmd(
 
 
 def describe_cmd(
-    name: Annotated[str, typer.Argument(help="Node name.")],
+    name: NameArg,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Everything about one node: workers, IPs, startup status, labels (ssh keys shortened)."""
+    """Everything about one TPU: workers, IPs, startup status, labels (ssh keys shortened)."""
     provision.validate_name(name)
     cloud, _ = cloud_for(project, zone)
     view = provision.describe(cloud, name)
@@ -248,12 +251,12 @@ def describe_cmd(
 
 
 def delete_cmd(
-    name: Annotated[str, typer.Argument(help="Node name.")],
+    name: NameArg,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
 ) -> None:
-    """Delete a node (and the queued resource it came from); asks unless --yes."""
+    """Delete a TPU (and the queued resource it came from); asks unless --yes."""
     provision.validate_name(name)
     cloud, _ = cloud_for(project, zone)
     if not yes:
@@ -270,7 +273,7 @@ def delete_cmd(
         ui.info(f"{name} is no longer the default TPU in {cleared}")
 
 
-def stop_cmd(name: Annotated[str, typer.Argument()], project: ProjectOpt = None, zone: ZoneOpt = None) -> None:
+def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) -> None:
     """Stop a single-host TPU VM (pod slices can only be deleted)."""
     provision.validate_name(name)
     cloud, _ = cloud_for(project, zone)
@@ -281,7 +284,7 @@ def stop_cmd(name: Annotated[str, typer.Argument()], project: ProjectOpt = None,
 
 
 def start_cmd(
-    name: Annotated[str, typer.Argument()], project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False
+    name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False
 ) -> None:
     """Start a stopped single-host TPU VM and wait for its startup script."""
     provision.validate_name(name)
@@ -296,7 +299,7 @@ def start_cmd(
 
 
 def autostop_cmd(
-    name: Annotated[str, typer.Argument(help="The TPU (a node, or a multislice TPU).")],
+    name: NameArg,
     idle: Annotated[
         str, typer.Argument(metavar="IDLE|off", help="How long every worker must be idle first, e.g. 30m, 2h; or off.")
     ],

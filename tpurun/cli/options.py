@@ -10,9 +10,21 @@ import typer
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 TpuOpt = Annotated[str | None, typer.Option("--tpu", help="TPU name (else TPURUN_TPU / tpurun.toml).")]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Act on this machine as a one-host pod.")]
-WorkerOpt = Annotated[str, typer.Option("--worker", "-w", help="all, N, N,M or N-M.")]
+WorkerOpt = Annotated[
+    str, typer.Option("--worker", "-w", help="Workers: all, N, N,M, N-M or a mix (sS or sS/wN in a multislice TPU).")
+]
 ProjectOpt = Annotated[str | None, typer.Option("--project", help="GCP project (else settings).")]
 ZoneOpt = Annotated[str | None, typer.Option("--zone", help="Zone, e.g. us-central2-b (else settings).")]
+
+# every bounded number declares its range to the parser, which shows it in --help as [x>=0] and refuses
+# what is outside it with one line (exit 2)
+GraceOpt = Annotated[
+    float, typer.Option("--grace", min=0, max=3600, help="Seconds between SIGTERM and SIGKILL when stopping.")
+]
+
+# arguments: metavars in capitals, as the docs write them
+NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The TPU: a node, or a multislice TPU.")]
+JobArg = Annotated[str, typer.Argument(metavar="JOB", help="A job id (from `tpurun jobs`).")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

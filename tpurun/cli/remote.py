@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from tpurun import settings, ui
-from tpurun.cli.options import LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
+from tpurun.cli.options import GraceOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.cloud import keys
 from tpurun.errors import TpurunError, UnreachableError, UsageError
@@ -22,14 +22,14 @@ from tpurun.transport.runner import DEFAULT_GRACE, worker_names
 
 @parsing(context_settings={"allow_interspersed_args": False})
 def exec_cmd(
-    command: Annotated[list[str], typer.Argument(help="-- CMD [ARGS...]: passed exactly, never through a shell.")],
+    command: Annotated[list[str], typer.Argument(metavar="-- CMD [ARGS]...", help="Passed exactly, never through a shell.")],
     tpu: TpuOpt = None,
     local: LocalOpt = False,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
     worker: WorkerOpt = "all",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
-    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = DEFAULT_GRACE,
+    grace: GraceOpt = DEFAULT_GRACE,
 ) -> None:
     """Run a command on every selected worker at once, lines prefixed \\[wN]."""
     if not command:
@@ -55,7 +55,7 @@ def exec_cmd(
 
 @parsing(context_settings={"allow_interspersed_args": False})
 def ssh_cmd(
-    command: Annotated[list[str] | None, typer.Argument(help="-- CMD [ARGS...] to run instead of a shell.")] = None,
+    command: Annotated[list[str] | None, typer.Argument(metavar="[-- CMD [ARGS]...]", help="A command to run instead of a shell.")] = None,
     tpu: TpuOpt = None,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,

@@ -141,7 +141,7 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
 
 
 def sync_cmd(
-    src: Annotated[str, typer.Argument(help="Directory to copy (default: the current one).")] = ".",
+    src: Annotated[str, typer.Argument(metavar="[SRC]", help="The directory to copy (default: the current one).")] = ".",
     tpu: TpuOpt = None,
     local: LocalOpt = False,
     project: ProjectOpt = None,
@@ -214,9 +214,11 @@ def sync_cmd(
 
 
 def download_cmd(
-    path: Annotated[str, typer.Argument(help="A file or directory on the workers (relative: under the home).")],
+    path: Annotated[str, typer.Argument(metavar="PATH", help="A file or directory on the workers (relative: under the home).")],
     dest: Annotated[
-        str, typer.Argument(help="Where on this machine (default: here); from several workers, DEST/<worker>.")
+        str, typer.Argument(
+            metavar="[DEST]", help="Where on this machine (default: here); from several workers, DEST/<worker>."
+        )
     ] = ".",
     tpu: TpuOpt = None,
     local: LocalOpt = False,

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from tpurun import settings, ui
-from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
+from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
 from tpurun.cloud import identity
 from tpurun.errors import ExitCode, TpuBusy, TpurunError, UnreachableError, UsageError
@@ -41,18 +41,14 @@ def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
                 f"{script} is outside this directory: tpurun syncs the current directory, so run it from "
                 "the project that holds the script"
             ) from None
-    if cores is not None and cores < 1:
-        raise UsageError(f"--cores {cores}: must be at least 1")
-    if core is not None and core < 0:
-        raise UsageError(f"--core {core}: must be 0 or more")
     if cores is not None and core is not None:
         raise UsageError("choose one of --cores and --core")
 
 
 @parsing(context_settings={"ignore_unknown_options": True})
 def train_cmd(
-    script: Annotated[str, typer.Argument(help="The training script (relative to this directory).")],
-    args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
+    script: Annotated[str, typer.Argument(metavar="SCRIPT", help="The training script (relative to this directory).")],
+    args: Annotated[list[str] | None, typer.Argument(metavar="[ARGS]...", help="Arguments for the script.")] = None,
     tpu: TpuOpt = None,
     local: LocalOpt = False,
     project: ProjectOpt = None,
@@ -60,14 +56,15 @@ def train_cmd(
     cores: Annotated[
         int | None,
         typer.Option(
+            min=1,
             help="Processes per worker: 1, or all (default) per the runtime; on the cpu runtime up to the host's "
-            "devices (8 on this machine)."
+            "devices (8 on this machine).",
         ),
     ] = None,
     oversubscribe: Annotated[
         bool, typer.Option("--oversubscribe", help="The cpu runtime: allow more --cores than the host has devices.")
     ] = False,
-    core: Annotated[int | None, typer.Option(help="Run on one specific core index (like devices=[5]).")] = None,
+    core: Annotated[int | None, typer.Option(min=0, help="Run on one specific core index (like devices=[5]).")] = None,
     runtime: Annotated[
         envc.Runtime, typer.Option(help="auto: pjrt on a TPU (xrt for torch_xla before 2.1), cpu where there is none.")
     ] = envc.Runtime.auto,
@@ -83,7 +80,7 @@ def train_cmd(
     detach: Annotated[
         bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")
     ] = False,
-    max_restarts: Annotated[int, typer.Option(help="Recreate a preempted node and relaunch, up to N times.")] = 0,
+    max_restarts: Annotated[int, typer.Option(min=0, help="Recreate a preempted TPU and relaunch, up to N times.")] = 0,
     metrics: Annotated[
         bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")
     ] = False,
@@ -101,7 +98,7 @@ def train_cmd(
             "installed on TPU workers without asking.",
         ),
     ] = None,
-    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL when stopping.")] = 5.0,
+    grace: GraceOpt = 5.0,
     dest: Annotated[str | None, typer.Option(help="Where the code goes on the workers (default ~/<dir name>).")] = None,
     tpu_ip: Annotated[str | None, typer.Option("--tpu-ip", help="xrt on the old TPU Node architecture.")] = None,
     down: Annotated[
@@ -117,8 +114,6 @@ def train_cmd(
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
     streaming every chip process's lines."""
     _check_inputs(script, cores, core)
-    if max_restarts < 0:
-        raise UsageError("--max-restarts must be 0 or more")
     spec = train.TrainSpec(
         script=str(Path(script))
         if not Path(script).is_absolute()
@@ -444,16 +439,15 @@ def jobs_cmd(
 
 
 def logs_cmd(
-    job: Annotated[str, typer.Argument(help="Job id (from `tpurun jobs`).")],
+    job: JobArg,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
     worker: WorkerOpt = "all",
     tail: Annotated[
-        int | None, typer.Option("--tail", help="Only the last N lines of each process so far (then --follow goes on).")
+        int | None,
+        typer.Option("--tail", min=0, help="Only the last N lines of each process so far (then --follow goes on)."),
     ] = None,
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
-    if tail is not None and tail < 0:
-        raise UsageError(f"--tail {tail}: give 0 or more lines")
     s = settings.resolve({})
     record = records.JobRecord.load(s.home_path, job)
     target = record.target(worker)
@@ -560,8 +554,8 @@ class _Viewer:
 
 
 def cancel_cmd(
-    job: Annotated[str, typer.Argument(help="Job id.")],
-    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
+    job: JobArg,
+    grace: GraceOpt = 5.0,
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
     s = settings.resolve({})
