@@ -230,7 +230,8 @@ def test_train_down_after_a_failed_setup_and_a_failed_launch(tp, emulator):
 def test_train_down_detached_is_deleted_by_the_watchdog_when_the_job_ends(tp, emulator):
     assert tp("create", "later", "-t", "v4-16").code == 0
     before = len(emulator.requests())
-    r = tp("train", "job.py", "3", "0", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
+    # long enough that describe and list still see it run on a loaded machine (2 cores, the whole suite)
+    r = tp("train", "job.py", "10", "0", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
     assert r.code == 0, r.err
     assert "later will be deleted when job" in r.err
     job = r.out.strip()

@@ -64,6 +64,7 @@ def test_a_deleted_tpu_whose_addresses_another_tpu_has_is_refused_everywhere(cli
         ("kill-stale",),
         ("ssh", "--", "touch", "ssh-marker"),
         ("doctor",),
+        ("download", "project", "back"),
     ]
     for command in commands:
         by_default = cli(*command)
@@ -83,6 +84,7 @@ def test_a_deleted_tpu_whose_addresses_another_tpu_has_is_refused_everywhere(cli
     assert r.code == 0, r.err
     seen = {line.split()[-1] for line in r.out.splitlines()}
     assert not seen & {"exec-marker", "ssh-marker", "job-marker", "project"}, seen
+    assert not (cli.cwd / "back").exists() or not any((cli.cwd / "back").rglob("*"))  # nothing of bb came back
     assert all(job_pids(emulator, "bb", "tag-bb-holder", [w]) for w in (0, 1))  # kill-stale never reached bb
     assert cli("kill-stale", "--tpu", "bb").code == 0
 
