@@ -35,7 +35,7 @@ TIME = Path("/usr/bin/time").exists()  # GNU time (Debian package `time`)
 # worker's plain `python3` is the runtime image's, i.e. whatever Python runs the emulator: a pyenv build
 # here runs the agent's record encoding ~25 % slower than Debian's, which moved the numbers on its own).
 WORKER_PYTHON = "/usr/bin/python3"
-V4_FOR_WORKERS = {8: "v4-64", 16: "v4-128", 32: "v4-256", 64: "v4-512", 128: "v4-1024"}
+V4_FOR_WORKERS = {4: "v4-32", 8: "v4-64", 16: "v4-128", 32: "v4-256", 64: "v4-512", 128: "v4-1024"}
 
 
 def tpurun_bin() -> list[str]:
