@@ -15,7 +15,7 @@ from tests.helpers import assert_clean_error, create_node
 pytestmark = pytest.mark.integration
 
 _MAKE = (
-    "mkdir -p run/ckpt && hostname > run/host.txt && head -c 300000 /dev/urandom > run/ckpt/model.bin && "
+    "mkdir -p run/ckpt run/empty && hostname > run/host.txt && head -c 300000 /dev/urandom > run/ckpt/model.bin && "
     "ln -s ../host.txt run/ckpt/latest && ln -s /etc/hostname run/outside && ln -s /etc escape"
 )
 
@@ -51,6 +51,7 @@ def test_download_from_every_worker_moves_only_what_changed(cli):
         assert _sha(tree / "ckpt" / "model.bin") == _remote_sha(cli, w, "run/ckpt/model.bin")
         assert (tree / "ckpt" / "latest").read_text() == (tree / "host.txt").read_text()
         assert not (tree / "outside").exists() and not (tree / "outside").is_symlink()  # leads out: skipped
+        assert (tree / "empty").is_dir()
         assert first[f"w{w}"]["skipped"] == [["outside", "a symlink to /etc/hostname, outside the tree: not recreated"]]
     assert (out / "w0" / "run" / "host.txt").read_text() != (out / "w1" / "run" / "host.txt").read_text()
 

@@ -290,5 +290,5 @@ def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float
             ui.err().print(f"error: {g.name}: and {len(g.errors) - 3} more files", markup=False)
     if any(g.outside_home for g in got):
         ui.err().print("hint: pass --outside-home to download a path outside the workers' home", markup=False)
-        code = ExitCode.USAGE
+        code = max(code, ExitCode.USAGE)  # an unreachable worker's 4 stays
     return code

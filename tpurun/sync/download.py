@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
 import threading
 import time
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpurun.sync.sender import Counters, FrameReader, Interrupted, frame, helper_command
+from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
 from tpurun.transport.streams import Pipe
@@ -61,84 +62,158 @@ def local_root(dest: Path, worker_name: str, many: bool) -> Path:
     return dest / worker_name if many else dest
 
 
-def _link_stays_inside(rel: str, target: str) -> bool:
-    """Whether a symlink at REL (relative to the tree) pointing at TARGET resolves inside the tree."""
-    if os.path.isabs(target):
+class Protocol(Exception):
+    """The worker sent something this side refuses (a name outside the tree, an unexpected frame)."""
+
+
+def _link_stays_inside(rel: str, target: str, links: set[str]) -> bool:
+    """Whether a symlink at REL pointing at TARGET resolves inside the tree downloaded. Every directory on
+    the way is a real one this side made (_Tree.directory), so the target is followed component by
+    component as the system would; one that goes through another link of the tree is refused."""
+    if not target or os.path.isabs(target) or "\0" in target:
         return False
-    resolved = os.path.normpath(os.path.join(os.path.dirname(rel), target))
-    return resolved != ".." and not resolved.startswith("../")
+    parts = rel.split("/")[:-1]
+    for comp in target.split("/"):
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            if not parts:
+                return False
+            parts.pop()
+        else:
+            parts.append(comp)
+            if "/".join(parts) in links:
+                return False
+    return True
 
 
-class _Writer:
-    """Writes one worker's files, each through a temp file beside its real name."""
+class _Tree:
+    """The tree of one worker's download under BASE, made without ever following a symlink: every
+    directory on the way is checked with lstat and made a real one, so nothing a worker names and
+    nothing already in DEST can lead a write outside BASE."""
 
-    def __init__(self, got: Fetched) -> None:
+    def __init__(self, base: Path, got: Fetched) -> None:
+        self.base = base
         self.got = got
-        self.tmp: str | None = None
+        self.ok: set[str] = set()  # directories known to be real, relative to base ("" is base)
+        self.tmp: str | None = None  # the file being received, removed on any failure
 
-    def parent(self, base: Path, rel: str) -> str:
-        parent = (base / rel).parent
-        parent.mkdir(parents=True, exist_ok=True)
-        real = os.path.realpath(parent)
-        if real != os.path.realpath(base) and not real.startswith(os.path.realpath(base) + os.sep):
-            raise OSError(f"{parent} leads outside {base}")  # through a symlink already there
-        return str(parent)
+    def directory(self, rel: str) -> Path:
+        """BASE/REL as a real directory (made, or a file or symlink in its way replaced, as rsync does)."""
+        if rel in self.ok:
+            return self.base / rel if rel else self.base
+        if not rel:  # BASE itself: the user's choice (DEST, or DEST/<worker>), a link to elsewhere included
+            self.base.mkdir(parents=True, exist_ok=True)
+            if not self.base.is_dir():
+                raise OSError(f"{self.base} is not a directory")
+            self._sweep(self.base)
+            self.ok.add(rel)
+            return self.base
+        self.directory(rel.rpartition("/")[0])
+        path = self.base / rel
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            path.unlink()  # a file or a link where the worker has a directory
+            st = None
+        if st is None:
+            path.mkdir()
+        else:
+            self._sweep(path)
+        self.ok.add(rel)
+        return path
 
-    def receive(self, reader: FrameReader, base: Path, entry: list, progress: Counters) -> None:
+    def _sweep(self, path: Path) -> None:
+        """Temp files a killed download left in PATH."""
+        with os.scandir(path) as entries:
+            for e in entries:
+                if e.name.startswith(proto.TMP_PREFIX) and e.is_file(follow_symlinks=False):
+                    os.unlink(e.path)
+
+    def receive(self, reader: FrameReader, entry: list, progress: Counters) -> None:
         rel, size, mtime_ns, mode = entry[:4]
         h = hashlib.sha256()
         got = 0
         fd = -1
         failed = ""
         try:
-            parent = self.parent(base, rel)
-            self.tmp = os.path.join(parent, f"{proto.TMP_PREFIX}{os.path.basename(rel)}-{os.urandom(4).hex()}")
-            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            parent, name = rel.rpartition("/")[::2]
+            where = self.directory(parent)
+            if (where / name).is_dir() and not (where / name).is_symlink():
+                raise OSError(f"a directory is in the way of the file {rel}")
+            self.tmp = str(where / f"{proto.TMP_PREFIX}{name[:100]}-{os.urandom(4).hex()}")
+            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as exc:
             failed = exc.strerror or str(exc)
-        while True:
-            kind, payload = reader.read_frame()
-            if kind == b"D":
-                h.update(payload)
-                got += len(payload)
-                progress.sent(0, len(payload))
-                if not failed:
-                    try:
-                        view = memoryview(payload)
-                        while view:
-                            view = view[os.write(fd, view) :]
-                    except OSError as exc:
-                        failed = exc.strerror or str(exc)
-            elif kind == b"A":
-                failed = failed or "not sent: " + payload.decode("utf-8", "replace")
-                break
-            elif kind == b"Z":
-                if not failed and h.hexdigest() != payload.decode("ascii", "replace"):
-                    failed = "sha256 mismatch after transfer"
-                elif not failed and got != size:
-                    failed = "changed on the worker during the download; download again"
-                break
-            else:
-                raise proto.Eof()
-        progress.sent(1, 0)
-        if not failed:
-            try:
+        try:
+            while True:
+                kind, payload = reader.read_frame()
+                if kind == b"D":
+                    h.update(payload)
+                    got += len(payload)
+                    progress.sent(0, len(payload))
+                    if not failed:
+                        try:
+                            view = memoryview(payload)
+                            while view:
+                                view = view[os.write(fd, view) :]
+                        except OSError as exc:
+                            failed = exc.strerror or str(exc)
+                elif kind == b"A":
+                    failed = failed or "not sent: " + payload.decode("utf-8", "replace")
+                    break
+                elif kind == b"Z":
+                    if not failed and h.hexdigest() != payload.decode("ascii", "replace"):
+                        failed = "sha256 mismatch after transfer"
+                    elif not failed and got != size:
+                        failed = "changed on the worker during the download; download again"
+                    break
+                else:
+                    raise Protocol(f"unexpected frame {kind!r} inside a file")
+            progress.sent(1, 0)
+            if not failed:
                 os.fchmod(fd, mode & 0o777)
                 os.utime(fd, ns=(mtime_ns, mtime_ns))  # the next download sees it as unchanged
                 os.close(fd)
                 fd = -1
                 assert self.tmp is not None
-                os.replace(self.tmp, base / rel)
+                os.replace(self.tmp, where / name)  # a symlink at the name is replaced, never followed
                 self.tmp = None
                 self.got.files_fetched += 1
                 self.got.bytes_fetched += got
-            except OSError as exc:
-                failed = exc.strerror or str(exc)
-        if fd >= 0:
-            os.close(fd)
+        except OSError as exc:
+            failed = exc.strerror or str(exc)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if self.tmp:
+                self.drop_tmp()
         if failed:
-            self.drop_tmp()
             self.got.errors.append([rel, failed])
+
+    def link(self, rel: str, target: str, links: set[str]) -> None:
+        if not _link_stays_inside(rel, target, links):
+            self.got.skipped.append([rel, f"a symlink to {target}, outside the tree: not recreated"])
+            return
+        try:
+            parent, name = rel.rpartition("/")[::2]
+            path = self.directory(parent) / name
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode) and os.readlink(path) == target:
+                return
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                raise OSError(f"a directory is in the way of the symlink {rel}")
+            if st is not None:
+                path.unlink()
+            os.symlink(target, path)
+            self.got.links += 1
+        except OSError as exc:
+            self.got.errors.append([rel, exc.strerror or str(exc)])
 
     def drop_tmp(self) -> None:
         if self.tmp:
@@ -154,7 +229,21 @@ def _unchanged(path: Path, size: int, mtime_ns: int) -> bool:
         st = path.lstat()
     except OSError:
         return False
-    return st.st_size == size and st.st_mtime_ns == mtime_ns and not path.is_symlink()
+    return stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == mtime_ns
+
+
+def _listing(reply: dict) -> tuple[str, list, list, list]:
+    """The tree's name and its files, links and directories, every name checked to stay inside it."""
+    name = os.path.basename(str(reply["root"]).rstrip("/"))
+    if not proto.safe_relpath(name) or "/" in name:
+        raise Protocol(f"a tree named {name!r}")
+    files, links, dirs = reply["files"], reply.get("links", []), reply.get("dirs", [])
+    if reply.get("file") and (links or dirs or len(files) != 1 or files[0][0] != name):
+        raise Protocol("a file download that lists more than the file")
+    for rel in [f[0] for f in files] + [x[0] for x in links] + dirs:
+        if not isinstance(rel, str) or not proto.safe_relpath(rel):
+            raise Protocol(f"a name outside the tree: {rel!r}")
+    return name, files, links, dirs
 
 
 def download_stream(
@@ -169,59 +258,41 @@ def download_stream(
         got.error, got.outside_home = str(reply.get("error")), bool(reply.get("outside_home"))
         return
     if kind != b"I":
-        raise proto.Eof()
-    got.remote = reply["root"]
-    name = os.path.basename(got.remote.rstrip("/")) or "root"
-    files, links = reply["files"], reply.get("links", [])
+        raise Protocol(f"unexpected frame {kind!r}")
+    got.remote = str(reply["root"])
+    name, files, links, dirs = _listing(reply)
+    got.errors += [[rel, f"not readable on the worker: {why}"] for rel, why in reply.get("unreadable", [])]
     base = root if reply.get("file") else root / name  # a file lands in ROOT, a tree as ROOT/<its name>
     got.local = str(root / name)
     got.files_total = len(files)
-    for rel, _ in links:
-        if not proto.safe_relpath(rel):
-            raise proto.Eof()  # a worker naming paths outside the tree: talk to it no more
-    wanted = []
-    for i, entry in enumerate(files):
-        rel = entry[0]
-        if not proto.safe_relpath(rel):
-            raise proto.Eof()
-        if not _unchanged(base / rel, entry[1], entry[2]):
-            wanted.append(i)
+    tree = _Tree(root, got)
+    tree.directory("" if reply.get("file") else name)
+    tree.base, tree.ok = base, {""}  # from here on, every name is relative to the tree
+    wanted = [i for i, (rel, size, mtime_ns, *_) in enumerate(files) if not _unchanged(base / rel, size, mtime_ns)]
     progress.plan(len(wanted), sum(files[i][1] for i in wanted))
     stream.send(frame(b"W", proto.pack_json(wanted)))
     asked = set(wanted)
-    writer = _Writer(got)
     try:
         for _ in wanted:
             kind, payload = reader.read_frame()
             if kind != b"F":
-                raise proto.Eof()
+                raise Protocol(f"unexpected frame {kind!r}")
             (index,) = struct.unpack(">I", payload)
             if index not in asked:
-                raise proto.Eof()
-            writer.receive(reader, base, files[index], progress)
+                raise Protocol(f"a file it was not asked for ({index})")
+            tree.receive(reader, files[index], progress)
         if reader.read_frame()[0] != b"E":
-            raise proto.Eof()
+            raise Protocol("no end after the files")
     finally:
-        writer.drop_tmp()
+        tree.drop_tmp()
+    for rel in dirs:
+        try:
+            tree.directory(rel)
+        except OSError as exc:
+            got.errors.append([rel, exc.strerror or str(exc)])
+    names = {x[0] for x in links}
     for rel, target in links:
-        _relink(base, rel, target, got)
-
-
-def _relink(base: Path, rel: str, target: str, got: Fetched) -> None:
-    link = base / rel
-    if not _link_stays_inside(rel, target):
-        got.skipped.append([rel, f"a symlink to {target}, outside the tree: not recreated"])
-        return
-    try:
-        if link.is_symlink() and os.readlink(link) == target:
-            return
-        if link.is_symlink() or link.is_file():
-            link.unlink()
-        link.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
-        got.links += 1
-    except OSError as exc:
-        got.errors.append([rel, exc.strerror or str(exc)])
+        tree.link(rel, target, names)
 
 
 def download(
@@ -251,12 +322,15 @@ def download(
             stream = streams[r.worker.index] = r.pipe(helper_command(r.python))
             root = local_root(dest, r.worker.name, many)
             download_stream(stream, g, path, root, outside_home=outside_home, progress=progress)
+        except (Protocol, KeyError, TypeError, ValueError, struct.error) as exc:
+            g.error = f"the worker's download helper answered what this side refuses: {exc}"
         except (proto.Eof, OSError, EOFError) as exc:
             if not stop.is_set():
-                g.error = f"{g.name} ({g.address}): the connection was lost ({type(exc).__name__}: {exc})"
-                g.unreachable = True
+                why = describe_failure(streams[r.worker.index]) if r.worker.index in streams else str(exc)
+                g.unreachable = why.startswith("the connection was lost")  # exit 4, else the helper's own failure
+                g.error = f"{g.name} ({g.address}): {why}" if g.unreachable else why
         except Exception as exc:  # paramiko errors: this worker fails, not the others
-            g.error, g.unreachable = f"{type(exc).__name__}: {exc}", True
+            g.error, g.unreachable = f"{g.name} ({g.address}): {type(exc).__name__}: {exc}", True
         finally:
             if r.worker.index in streams:
                 streams[r.worker.index].close()

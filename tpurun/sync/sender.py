@@ -213,7 +213,8 @@ def helper_command(python: str = "python3") -> tuple[str, ...]:
     return (python, "-I", "-S", "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))")
 
 
-def _describe_failure(stream: Pipe) -> str:
+def describe_failure(stream: Pipe) -> str:
+    """Why a helper's stream ended early, in one line (its exit code and last stderr line)."""
     rc, err = stream.ended()
     text = err.decode("utf-8", "replace").strip().splitlines()
     last = text[-1] if text else ""
@@ -491,7 +492,7 @@ def sync_stream(
     except (proto.Eof, OSError, EOFError) as exc:
         if stop.is_set():
             raise Interrupted() from None
-        why = _describe_failure(stream)
+        why = describe_failure(stream)
         if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError) and why == "the connection was lost":
             why = f"{why}: {exc}"
         stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"

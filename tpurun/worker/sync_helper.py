@@ -22,7 +22,8 @@ So a sync is one exchange for the manifest and one stream for the data, whatever
 A download is the same in the other direction (the client writes, see tpurun.sync.download):
 
     client -> helper   L  {v, path, outside_home}
-    helper -> client   I  {root, file: bool, files: [[path, size, mtime_ns, mode]...], links: [[path, target]...]}
+    helper -> client   I  {root, file: bool, files: [[path, size, mtime_ns, mode]...], links: [[path, target]...],
+                           dirs: [path...], unreadable: [[path, message]...]}
                           (or Q {error, outside_home}: PATH is missing or unreadable, or outside_home is
                           true: it is outside the home and the request did not allow that)
     client -> helper   W  [indexes of the files it lacks or has with another size or mtime]
@@ -493,9 +494,17 @@ class Sender:
             return {"root": self.root, "file": True, "files": self.files, "links": []}
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(f"{self.root} is neither a file nor a directory")
-        for dirpath, dirnames, filenames in os.walk(self.root):
+        dirs: list = []
+        unreadable: list = []
+
+        def note(exc: OSError) -> None:
+            unreadable.append([os.path.relpath(exc.filename or self.root, self.root), exc.strerror or str(exc)])
+
+        for dirpath, dirnames, filenames in os.walk(self.root, onerror=note):
             rel_dir = os.path.relpath(dirpath, self.root)
             rel_dir = "" if rel_dir == "." else rel_dir + "/"
+            if rel_dir:
+                dirs.append(rel_dir[:-1])  # empty ones too
             dirnames.sort()
             for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
                 full = os.path.join(dirpath, name)
@@ -508,7 +517,14 @@ class Sender:
                 except OSError:
                     continue  # gone since it was listed: not part of this download
             dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
-        return {"root": self.root, "file": False, "files": self.files, "links": self.links}
+        return {
+            "root": self.root,
+            "file": False,
+            "files": self.files,
+            "links": self.links,
+            "dirs": dirs,
+            "unreadable": unreadable,
+        }
 
     def send(self, stdout, wanted) -> None:
         import hashlib
@@ -519,7 +535,12 @@ class Sender:
             write_frame(stdout, b"F", struct.pack(">I", index))
             h = hashlib.sha256()
             try:
-                with open(full, "rb") as f:
+                # never through a link put there since the listing: a regular file, as listed, or nothing
+                fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise OSError(f"{path} is no longer a regular file")
+                with os.fdopen(fd, "rb") as f:
                     while True:
                         chunk = f.read(1 << 20)
                         if not chunk:
