@@ -29,6 +29,18 @@ class Generation:
     single_host_max_chips: int = 4
     megacore: bool = False
     alias: str = ""  # other spelling users meet, e.g. "v5e"
+    # the chip on PCI (vendor 0x1ae0), as the runtimes and tpu-info count chips: (device, subsystem device)
+    pci_ids: tuple[str, str] = ("", "")
+    # Compute Engine: machine type -> chips per VM (empty: the generation is not offered there), and the
+    # boot image family of its VMs (project ubuntu-os-accelerator-images)
+    machine_types: dict[str, int] = field(default_factory=dict)
+    image_family: str = ""
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Who can make it: the Cloud TPU API ("tpu-api", when it has an AcceleratorConfig type for it)
+        and Compute Engine ("compute", when it has machine types for it)."""
+        return tuple(b for b, ok in (("tpu-api", bool(self.api_type)), ("compute", bool(self.machine_types))) if ok)
 
 
 def _v5p_shapes() -> dict[int, str]:
@@ -62,6 +74,7 @@ GENERATIONS: dict[str, Generation] = {
             process_per_chip_devices=2,
             default_runtime="tpu-ubuntu2204-base",
             shapes={8: "2x2", 32: "4x4", 128: "8x8", 256: "8x16", 512: "16x16"},
+            pci_ids=("0x0027", "0x004e"),
         ),
         Generation(
             name="v3",
@@ -82,6 +95,7 @@ GENERATIONS: dict[str, Generation] = {
                 1024: "16x32",
                 2048: "32x32",
             },
+            pci_ids=("0x0027", "0x004f"),
         ),
         Generation(
             name="v4",
@@ -107,6 +121,7 @@ GENERATIONS: dict[str, Generation] = {
                 2048: "8x8x16",
                 4096: "8x16x16",
             },
+            pci_ids=("0x005e", "0x005e"),
         ),
         Generation(
             name="v5litepod",
@@ -129,6 +144,7 @@ GENERATIONS: dict[str, Generation] = {
                 128: "8x16",
                 256: "16x16",
             },
+            pci_ids=("0x0063", "0x0063"),
         ),
         Generation(
             name="v5p",
@@ -141,6 +157,9 @@ GENERATIONS: dict[str, Generation] = {
             default_runtime="v2-alpha-tpuv5",
             megacore=True,
             shapes=_v5p_shapes(),
+            pci_ids=("0x0062", "0x00ad"),
+            machine_types={"ct5p-hightpu-4t": 4},
+            image_family="ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
         ),
         Generation(
             name="v6e",
@@ -163,6 +182,36 @@ GENERATIONS: dict[str, Generation] = {
                 128: "8x16",
                 256: "16x16",
             },
+            pci_ids=("0x006f", "0x00d1"),
+            machine_types={"ct6e-standard-1t": 1, "ct6e-standard-4t": 4, "ct6e-standard-8t": 8},
+            image_family="ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
+        ),
+        Generation(
+            name="tpu7x",
+            api_type="",  # the Cloud TPU API does not offer it: Compute Engine (or GKE) only
+            size_unit="cores",
+            cores_per_chip=2,
+            chips_per_host=4,
+            device_kind="vfio",
+            process_per_chip_devices=2,  # its two TensorCores are two devices (no megacore)
+            default_runtime="",
+            alias="ironwood",
+            shapes={
+                2: "1x1x1",
+                8: "2x2x1",
+                16: "2x2x2",
+                32: "2x2x4",
+                64: "2x4x4",
+                128: "4x4x4",
+                256: "4x4x8",
+                512: "4x8x8",
+                1024: "8x8x8",
+                2048: "8x8x16",
+                4096: "8x16x16",
+            },
+            pci_ids=("0x0076", "0x00f2"),
+            machine_types={"tpu7x-standard-1t": 1, "tpu7x-standard-4t": 4},
+            image_family="ubuntu-accel-2404-amd64-tpu-tpu7x",
         ),
     ]
 }
@@ -191,7 +240,10 @@ class Topology:
     host_bounds: str  # TPU_HOST_BOUNDS / TPU_PROCESS_BOUNDS at one process per host, "x,y,z"
     chips_per_host_bounds: str  # TPU_CHIPS_PER_HOST_BOUNDS, "x,y,z"
     device_files: tuple[str, ...]
-    default_runtime_version: str
+    default_runtime_version: str  # the Cloud TPU API's ("" where it does not make this type)
+    machine_type: str = ""  # Compute Engine's machine type for its VMs ("" where it does not make it)
+    backends: tuple[str, ...] = ()  # "tpu-api", "compute": who can make it
+    pci_ids: tuple[str, str] = ("", "")  # each chip's PCI device and subsystem device ids (vendor 0x1ae0)
 
     @property
     def multi_host(self) -> bool:
@@ -205,6 +257,8 @@ class Topology:
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["device_files"] = list(self.device_files)
+        d["backends"] = list(self.backends)
+        d["pci_ids"] = list(self.pci_ids)
         d["multi_host"] = self.multi_host
         return d
 
@@ -252,6 +306,9 @@ def _build(gen: Generation, size: int) -> Topology:
         chips_per_host_bounds=",".join(str(b) for b in per_host_bounds),
         device_files=devices,
         default_runtime_version=gen.default_runtime,
+        machine_type=next((m for m, chips in gen.machine_types.items() if chips == per_host), ""),
+        backends=gen.backends,
+        pci_ids=gen.pci_ids,
     )
 
 
@@ -259,8 +316,9 @@ def valid_sizes(generation: str) -> list[int]:
     return sorted(GENERATIONS[generation].shapes)
 
 
-def all_accelerator_types() -> list[str]:
-    return [f"{g.name}-{s}" for g in GENERATIONS.values() for s in sorted(g.shapes)]
+def all_accelerator_types(backend: str = "") -> list[str]:
+    """Every accelerator type (that BACKEND, "tpu-api" or "compute", can make, when given)."""
+    return [f"{g.name}-{s}" for g in GENERATIONS.values() if not backend or backend in g.backends for s in sorted(g.shapes)]
 
 
 def default_runtime_version(generation: str) -> str:
@@ -287,20 +345,33 @@ def parse_accelerator_type(name: str) -> Topology:
             f"(generations: {gens}; `tpurun topology --list` shows all)"
         )
     gen = _generation_for(m.group("gen"))
-    if m.group("gen") in ("tpu7x", "v7", "v7x", "ironwood"):
-        raise UsageError(
-            f"'{name}': TPU7x (Ironwood) is not offered through the Cloud TPU API that tpurun drives; "
-            "use GKE or Compute Engine for it"
-        )
     if gen is None:
         raise UsageError(f"unknown TPU generation '{m.group('gen')}' in '{name}': known generations are {gens}")
     if gen.alias == m.group("gen"):
         raise UsageError(
-            f"'{name}': the Cloud TPU API calls this generation '{gen.name}'; use {gen.name}-{m.group('size')}"
+            f"'{name}': accelerator types call this generation '{gen.name}'; use {gen.name}-{m.group('size')}"
         )
     size = int(m.group("size"))
     if size not in gen.shapes:
         unit = "TensorCores" if gen.size_unit == "cores" else "chips"
         sizes = ", ".join(str(s) for s in sorted(gen.shapes))
         raise UsageError(f"'{name}' is not a valid {gen.name} size: {gen.name}-N counts {unit}, N is one of {sizes}")
+    return _build(gen, size)
+
+
+def from_machine_type(machine_type: str, topology: str) -> Topology:
+    """The accelerator type Compute Engine's spelling names: MACHINE_TYPE (e.g. tpu7x-standard-4t) in the
+    physical TOPOLOGY (e.g. 2x2x4), or UsageError naming what is valid."""
+    mt = machine_type.strip().lower()
+    gen = next((g for g in GENERATIONS.values() if mt in g.machine_types), None)
+    if gen is None:
+        known = ", ".join(m for g in GENERATIONS.values() for m in g.machine_types)
+        raise UsageError(f"unknown TPU machine type '{machine_type}': Compute Engine's are {known}")
+    per_vm = gen.machine_types[mt]
+    shape = topology.strip().lower()
+    fits = [size for size, s in gen.shapes.items() if _build(gen, size).chips_per_host == per_vm]
+    size = next((size for size in fits if _dims(gen.shapes[size]) == _dims(shape) if "x" in shape), None)
+    if size is None:
+        shapes = ", ".join(gen.shapes[s] for s in sorted(fits))
+        raise UsageError(f"{mt} ({per_vm} chips per VM) cannot make the topology '{topology}': it makes {shapes}")
     return _build(gen, size)

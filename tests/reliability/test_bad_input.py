@@ -53,6 +53,8 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
     ("timeout-not-number", ["create", "ok", "-t", "v4-8", "--timeout", "soon"], 2, "", ""),
     ("unknown-option", ["create", "ok", "-t", "v4-8", "--colour", "red"], 2, "", ""),
     ("create-semicolon", ["create", "a;b", "-t", "v4-8"], 2, "invalid TPU name", ""),
+    ("create-tpu7x-through-tpu-api", ["create", "ok", "-t", "tpu7x-32"], 2, "Compute Engine only", ""),
+    ("type-tpu7x-bad-size", ["create", "ok", "-t", "tpu7x-12"], 2, "tpu7x-N counts TensorCores", ""),
     # node commands on names that are invalid or unknown (404 is an API answer: exit 3)
     ("describe-invalid", ["describe", "Bad_Name"], 2, "invalid TPU name", ""),
     ("describe-unknown", ["describe", "nosuchnode"], 3, "no TPU named", ""),

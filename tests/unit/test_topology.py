@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tpurun.errors import UsageError
-from tpurun.topology import GENERATIONS, all_accelerator_types, parse_accelerator_type
+from tpurun.topology import GENERATIONS, all_accelerator_types, from_machine_type, parse_accelerator_type
 
 # type, hosts, chips/host, cores/host, pjrt devices/host, host bounds, device file prefix
 GOLDEN = [
@@ -35,6 +35,11 @@ GOLDEN = [
     ("v6e-8", 1, 8, 8, 8, "1,1,1", "/dev/vfio/"),
     ("v6e-16", 4, 4, 4, 4, "2,2,1", "/dev/vfio/"),
     ("v6e-256", 64, 4, 4, 4, "8,8,1", "/dev/vfio/"),
+    # tpu7x-N counts TensorCores, 2 per chip and each a device of its own; 4 chips per VM
+    ("tpu7x-2", 1, 1, 2, 2, "1,1,1", "/dev/vfio/"),
+    ("tpu7x-8", 1, 4, 8, 8, "1,1,1", "/dev/vfio/"),
+    ("tpu7x-32", 4, 4, 8, 8, "1,1,4", "/dev/vfio/"),
+    ("tpu7x-4096", 512, 4, 8, 8, "4,8,16", "/dev/vfio/"),
 ]
 
 
@@ -98,7 +103,8 @@ def test_every_type_is_consistent(name):
         ("v4-12", "v4-N counts TensorCores"),
         ("v5litepod-2", "counts chips"),
         ("v5e-8", "v5litepod-8"),
-        ("tpu7x-8", "not offered through the Cloud TPU API"),
+        ("tpu7x-12", "tpu7x-N counts TensorCores"),
+        ("ironwood-8", "use tpu7x-8"),
         ("", "not an accelerator type"),
         ("v4-", "not an accelerator type"),
     ],
@@ -111,3 +117,59 @@ def test_invalid_types_name_valid_sizes(bad, needle):
 
 def test_case_and_space_tolerated():
     assert parse_accelerator_type(" V4-32 ").name == "v4-32"
+
+
+# Compute Engine's spelling: (machine type, topology) -> the accelerator type, and the VMs it takes
+MACHINE_TYPES = [
+    ("tpu7x-standard-4t", "2x2x4", "tpu7x-32", 4),
+    ("tpu7x-standard-4t", "2x2x1", "tpu7x-8", 1),
+    ("tpu7x-standard-1t", "1x1x1", "tpu7x-2", 1),
+    ("ct6e-standard-4t", "4x4", "v6e-16", 4),
+    ("ct6e-standard-4t", "2x2", "v6e-4", 1),
+    ("ct6e-standard-8t", "2x4", "v6e-8", 1),
+    ("ct6e-standard-1t", "1x1", "v6e-1", 1),
+    ("ct5p-hightpu-4t", "2x2x4", "v5p-32", 4),
+    ("CT5P-HIGHTPU-4T", "4x4x4", "v5p-128", 16),
+]
+
+
+@pytest.mark.parametrize("machine_type,shape,name,vms", MACHINE_TYPES)
+def test_compute_engine_spelling_names_the_same_type(machine_type, shape, name, vms):
+    t = from_machine_type(machine_type, shape)
+    assert (t.name, t.hosts, t.machine_type) == (name, vms, machine_type.lower())
+    assert parse_accelerator_type(name).machine_type == machine_type.lower()
+
+
+@pytest.mark.parametrize(
+    "machine_type,shape,needle",
+    [
+        ("tpu7x-standard-4t", "1x1x1", "cannot make the topology '1x1x1'"),  # 1 chip: the 1t machine type
+        ("ct6e-standard-8t", "4x4", "it makes 2x4"),
+        ("ct4p-hightpu-4t", "2x2x1", "unknown TPU machine type"),  # v4: GKE only, not Compute Engine
+        ("tpu7x-standard-4t", "2x2x3", "cannot make"),
+    ],
+)
+def test_machine_types_refuse_what_they_cannot_make(machine_type, shape, needle):
+    with pytest.raises(UsageError) as exc:
+        from_machine_type(machine_type, shape)
+    assert needle in str(exc.value)
+
+
+def test_who_makes_what():
+    backends = {name: g.backends for name, g in GENERATIONS.items()}
+    assert backends == {
+        "v2": ("tpu-api",),
+        "v3": ("tpu-api",),
+        "v4": ("tpu-api",),
+        "v5litepod": ("tpu-api",),
+        "v5p": ("tpu-api", "compute"),
+        "v6e": ("tpu-api", "compute"),
+        "tpu7x": ("compute",),
+    }
+    assert not any(n.startswith("tpu7x") for n in all_accelerator_types("tpu-api"))
+    assert all(parse_accelerator_type(n).machine_type for n in all_accelerator_types("compute"))
+    # each generation's chip on PCI, as jax's and torch_xla's chip detection know them
+    assert {n: g.pci_ids[0] for n, g in GENERATIONS.items()} == {
+        "v2": "0x0027", "v3": "0x0027", "v4": "0x005e", "v5litepod": "0x0063", "v5p": "0x0062", "v6e": "0x006f",
+        "tpu7x": "0x0076",
+    }  # fmt: skip

@@ -18,7 +18,8 @@ config_app = typer.Typer(help="Show tpurun's resolved settings.", no_args_is_hel
 
 def topology_cmd(
     accelerator_type: Annotated[
-        str | None, typer.Argument(metavar="TYPE", help="Accelerator type, e.g. v3-32, v4-16, v5litepod-16.")
+        str | None,
+        typer.Argument(metavar="TYPE", help="Accelerator type, e.g. v3-32, v4-16, v5litepod-16, v6e-8, tpu7x-32."),
     ] = None,
     list_all: Annotated[bool, typer.Option("--list", help="List every accelerator type.")] = False,
     json_out: JsonOpt = False,
@@ -33,8 +34,12 @@ def topology_cmd(
             return
         ui.table(
             None,
-            ["type", "hosts", "chips/host", "cores/host", "pjrt devices/host", "topology"],
-            [(t.name, t.hosts, t.chips_per_host, t.cores_per_host, t.pjrt_devices_per_host, t.topology) for t in tops],
+            ["type", "hosts", "chips/host", "cores/host", "pjrt devices/host", "topology", "machine type"],
+            [
+                (t.name, t.hosts, t.chips_per_host, t.cores_per_host, t.pjrt_devices_per_host, t.topology,
+                 t.machine_type or "-")
+                for t in tops
+            ],  # fmt: skip
         )
         return
     t = topology.parse_accelerator_type(accelerator_type)
@@ -43,7 +48,7 @@ def topology_cmd(
         return
     rows = [
         ("generation", t.generation),
-        ("API type", t.api_type),
+        ("API type", t.api_type or "-"),
         ("physical topology", t.topology),
         ("hosts (TPU VMs)", t.hosts),
         ("chips", t.chips),
@@ -55,7 +60,10 @@ def topology_cmd(
         ("host bounds", t.host_bounds),
         ("chips per host bounds", t.chips_per_host_bounds),
         ("device files", " ".join(t.device_files)),
-        ("default runtime version", t.default_runtime_version),
+        ("made by", ", ".join({"tpu-api": "Cloud TPU API", "compute": "Compute Engine"}[b] for b in t.backends)),
+        ("default runtime version", t.default_runtime_version or "-"),
+        ("Compute Engine machine type", t.machine_type or "-"),
+        ("PCI device (subsystem)", f"{t.pci_ids[0]} ({t.pci_ids[1]})"),
     ]
     ui.table(t.name, ["field", "value"], rows)
 

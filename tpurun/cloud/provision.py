@@ -97,6 +97,12 @@ def prepare_create(
     (Without CLOUD, the watchdog's setting is made for a stand-in project: the same checks, before settings.)"""
     validate_name(spec.name)
     topo = parse_accelerator_type(spec.accelerator_type)
+    if "tpu-api" not in topo.backends:
+        raise UsageError(
+            f"{topo.name}: {topo.generation} is made through Compute Engine only (the Cloud TPU API does not offer "
+            "it), and tpurun does not create TPUs through Compute Engine yet",
+            hint=f"`tpurun topology {topo.name}` shows its machine type ({topo.machine_type}) and shape",
+        )
     if spec.spot and spec.preemptible:
         raise UsageError("choose one of --spot and --preemptible")
     multislice.check_request(spec.name, topo, spec.slices)

@@ -272,6 +272,8 @@ class Core:
             raise invalid(f"Invalid value for field 'node.accelerator_type': '{name}'. {e.message}") from e
         if topo.name != name:
             raise invalid(f"Invalid value for field 'node.accelerator_type': '{name}'. Did you mean {topo.name}?")
+        if "tpu-api" not in topo.backends:
+            raise invalid(f"Invalid value for field 'node.accelerator_type': '{name}'. Accelerator type not supported.")
         return topo
 
     def _queued_node_changed(self, rec: NodeRecord, gone: bool = False) -> None:

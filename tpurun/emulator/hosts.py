@@ -70,6 +70,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from tpurun import topology
 from tpurun.emulator import procs
 from tpurun.emulator._metadata import JsonText, MetadataService, parse_ssh_keys
 from tpurun.emulator.tpu_vm import WorkerImage, image_bin, image_paths, worker_image
@@ -90,7 +91,7 @@ _UNSHARE = [
 ]
 _SSHD = "/usr/sbin/sshd"
 BOOT_TIMEOUT = 60.0
-GENERATIONS = ("v2", "v3", "v4", "v5litepod", "v5p", "v6e", "7x")
+GENERATIONS = tuple(topology.GENERATIONS)  # the one table of generations
 
 
 @dataclass

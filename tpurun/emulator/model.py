@@ -85,7 +85,7 @@ RUNTIME_VERSIONS = sorted(
         "v2-alpha-tpuv6e",
         "v2-tpuv5-litepod",
     }
-    | {g.default_runtime for g in GENERATIONS.values()}
+    | {g.default_runtime for g in GENERATIONS.values() if g.default_runtime}
 )
 
 ZONES = [

@@ -46,12 +46,12 @@ class Operations(Core):
 
     def list_accelerator_types(self, parent: str, page_size: int, page_token: str) -> dict[str, Any]:
         split_parent(parent)
-        items = [self._accel_json(parent, t) for t in all_accelerator_types()]
+        items = [self._accel_json(parent, t) for t in all_accelerator_types("tpu-api")]
         return paged("acceleratorTypes", items, page_size, page_token)
 
     def get_accelerator_type(self, name: str) -> dict[str, Any]:
         project, zone, t = split_name(name, "acceleratorTypes")
-        if t not in all_accelerator_types():
+        if t not in all_accelerator_types("tpu-api"):
             raise not_found(name)
         return self._accel_json(f"projects/{project}/locations/{zone}", t)
 

@@ -17,16 +17,6 @@ from tpurun.errors import UsageError
 from tpurun.topology import Topology, parse_accelerator_type
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
-# generation -> (PCI device id, PCI subsystem device id). v2 and v3 share a device id and differ in the
-# subsystem id; for later chips the subsystem id is not published, so the device id is repeated there.
-PCI_IDS = {
-    "v2": ("0x0027", "0x004e"),
-    "v3": ("0x0027", "0x004f"),
-    "v4": ("0x005e", "0x005e"),
-    "v5litepod": ("0x0063", "0x0063"),
-    "v5p": ("0x0062", "0x0062"),
-    "v6e": ("0x006f", "0x006f"),
-}
 # libtpu's runtime metrics ports: one per chip from this one (tpu-env TPU_RUNTIME_METRICS_PORTS).
 METRICS_BASE_PORT = 8431
 # A v5e/v6e slice's axis of this many chips is a ring (wraps around); see wrap().
@@ -83,7 +73,7 @@ def worker_image(
         topo = parse_accelerator_type(accelerator_type)
     except UsageError as exc:
         raise ValueError(str(exc)) from exc
-    device, subsystem = PCI_IDS[topo.generation]
+    device, subsystem = topo.pci_ids
     pci = tuple(
         PciFunction(
             f"0000:00:{4 + chip:02x}.0",
