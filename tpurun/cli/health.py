@@ -286,13 +286,11 @@ def _startup_reports(target: Target) -> list[startup.StartupReport] | None:
     """Each worker's startup report from the guest attributes (named TPUs only); [] when unreadable."""
     if target.local:
         return None
-    from tpurun.cloud.client import Cloud
-
     reports = []
     sizes = Counter(w.slice for w in target.all_workers)  # workers per slice (one key: None, a plain node)
     per_slice = [sizes[k] for k in sorted(sizes, key=lambda k: -1 if k is None else k)]
     try:
-        cloud = Cloud(settings.resolve({"project": target.project, "zone": target.zone}))
+        cloud = target.cloud()
         for node, size in zip(target.nodes or [target.name], per_slice, strict=True):
             attrs = cloud.guest_attributes(node, startup.NAMESPACE + "/")
             reports += [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(size)]

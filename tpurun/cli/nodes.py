@@ -17,9 +17,9 @@ from tpurun.errors import ProgramFailed, UsageError
 from tpurun.transport import bundle, targets
 
 
-def cloud_for(project: str | None, zone: str | None) -> tuple[Cloud, settings.Settings]:
+def cloud_for(project: str | None, zone: str | None, *, every_zone: bool = False) -> tuple[Cloud, settings.Settings]:
     s = settings.resolve({"project": project, "zone": zone})
-    return Cloud(s), s
+    return Cloud(s, every_zone=every_zone), s
 
 
 def _workers_table(view: provision.NodeView) -> None:
@@ -174,10 +174,7 @@ def list_cmd(
     """List the TPUs in the zone (or in every zone), with their state, idleness and jobs."""
     if all_zones and zone:
         raise UsageError("choose one of --zone and --all-zones")
-    if all_zones:
-        cloud = Cloud(settings.resolve({"project": project}), every_zone=True)
-    else:
-        cloud, _ = cloud_for(project, zone)
+    cloud, _ = cloud_for(project, zone, every_zone=all_zones)
     views = provision.list_nodes(cloud)
     if json_out:
         ui.print_json([v.to_dict() for v in views])

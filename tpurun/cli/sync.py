@@ -140,6 +140,20 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
     return ExitCode.PROGRAM_FAILED if failed else ExitCode.OK
 
 
+def _named_tpu_or_local(
+    tpu: str | None, project: str | None, zone: str | None, local: bool, what: str
+) -> settings.Settings:
+    """The settings, refused when they name no TPU and --local was not given: sync and download would
+    otherwise copy on this machine without being asked to."""
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
+    if not local and not s.tpu.value:
+        raise UsageError(
+            f"no TPU named: {what}; name one with --tpu NAME (or TPURUN_TPU, or tpu in tpurun.toml), or pass "
+            "--local to copy on this machine"
+        )
+    return s
+
+
 def sync_cmd(
     src: Annotated[str, typer.Argument(metavar="[SRC]", help="The directory to copy (default: the current one).")] = ".",
     tpu: TpuOpt = None,
@@ -165,12 +179,7 @@ def sync_cmd(
         raise UsageError(f"{src} is not a directory: sync copies a directory (e.g. `tpurun sync .`)")
     source = source.resolve()
     destination = dest or default_dest(source)
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
-    if not local and not s.tpu.value:
-        raise UsageError(
-            "no TPU named: sync copies a directory to a TPU's workers; name one with --tpu NAME (or TPURUN_TPU, "
-            "or tpu in tpurun.toml), or pass --local to copy it on this machine"
-        )
+    s = _named_tpu_or_local(tpu, project, zone, local, "sync copies a directory to a TPU's workers")
     target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
     if target.local:
         destination = str(check_local_dest(source, destination))
@@ -232,11 +241,7 @@ def download_cmd(
 ) -> None:
     """Copy a file or directory (checkpoints, outputs) from every selected worker to this machine, only the
     files that changed since the last download."""
-    if not local and not settings.resolve({"tpu": tpu, "project": project, "zone": zone}).tpu.value:
-        raise UsageError(
-            "no TPU named: download copies from a TPU's workers; name one with --tpu NAME (or TPURUN_TPU, or tpu "
-            "in tpurun.toml), or pass --local to copy from this machine's home"
-        )
+    _named_tpu_or_local(tpu, project, zone, local, "download copies from a TPU's workers")
     into = Path(dest).expanduser()
     if into.exists() and not into.is_dir():
         raise UsageError(f"{dest} is not a directory: download puts what it copies into a directory")

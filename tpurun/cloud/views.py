@@ -120,9 +120,9 @@ def shorten_metadata(key: str, value: str) -> str:
 
 
 def _zone_of(name: str) -> str:
-    """The zone in a node's full name, projects/P/locations/ZONE/nodes/N."""
+    """The zone in a resource's full name, projects/P/locations/ZONE/..."""
     parts = name.split("/")
-    return parts[3] if len(parts) == 6 and parts[2] == "locations" else ""
+    return parts[3] if len(parts) > 3 and parts[2] == "locations" else ""
 
 
 def node_view(
@@ -177,7 +177,7 @@ def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]
             labels=dict(template.labels),
             metadata=dict(template.metadata),
             queued_resource=qr.name,
-            zone=_zone_of(qr.name.replace("/queuedResources/", "/nodes/")),
+            zone=_zone_of(qr.name),
         )
     first = slices[0]
     return NodeView(

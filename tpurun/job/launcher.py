@@ -21,7 +21,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
-from tpurun import config, settings
+from tpurun import config
 from tpurun.errors import ApiError, Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job import plan as envc
 from tpurun.job import setup as job_setup
@@ -658,13 +658,15 @@ def preempted(target: Target) -> bool:
     vanished; it may say so a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
     if target.local:
         return False
-    from tpurun.cloud.client import Cloud
     from tpurun.cloud.provision import STATE
 
     deadline = time.monotonic() + config.PREEMPT_CHECK.number()
+    try:
+        cloud = target.cloud()
+    except TpurunError:
+        return False
     while True:
         try:
-            cloud = Cloud(settings.resolve({"project": target.project, "zone": target.zone}))
             states = [cloud.find_node(name) for name in target.nodes or [target.name]]
         except TpurunError:
             return False

@@ -92,10 +92,12 @@ class _Tree:
     directory on the way is checked with lstat and made a real one, so nothing a worker names and
     nothing already in DEST can lead a write outside BASE."""
 
-    def __init__(self, base: Path, got: Fetched) -> None:
+    def __init__(self, base: Path, got: Fetched, *, made: bool = False) -> None:
+        """MADE: BASE is already a real directory (a tree's own, made by the caller's _Tree)."""
         self.base = base
         self.got = got
-        self.ok: set[str] = set()  # directories known to be real, relative to base ("" is base)
+        self.ok: set[str] = {""} if made else set()  # real directories, relative to base ("" is base)
+        self.swept: set[str] = set()  # directories cleared of a killed download's temp files
         self.tmp: str | None = None  # the file being received, removed on any failure
 
     def directory(self, rel: str) -> Path:
@@ -106,7 +108,6 @@ class _Tree:
             self.base.mkdir(parents=True, exist_ok=True)
             if not self.base.is_dir():
                 raise OSError(f"{self.base} is not a directory")
-            self._sweep(self.base)
             self.ok.add(rel)
             return self.base
         self.directory(rel.rpartition("/")[0])
@@ -120,13 +121,16 @@ class _Tree:
             st = None
         if st is None:
             path.mkdir()
-        else:
-            self._sweep(path)
+            self.swept.add(rel)  # new: nothing to sweep
         self.ok.add(rel)
         return path
 
-    def _sweep(self, path: Path) -> None:
-        """Temp files a killed download left in PATH."""
+    def _sweep(self, rel: str, path: Path) -> None:
+        """Temp files a killed download left in PATH (BASE/REL), once, before the first file written there:
+        a download that writes nothing reads no directory."""
+        if rel in self.swept:
+            return
+        self.swept.add(rel)
         with os.scandir(path) as entries:
             for e in entries:
                 if e.name.startswith(proto.TMP_PREFIX) and e.is_file(follow_symlinks=False):
@@ -141,6 +145,7 @@ class _Tree:
         try:
             parent, name = rel.rpartition("/")[::2]
             where = self.directory(parent)
+            self._sweep(parent, where)
             if (where / name).is_dir() and not (where / name).is_symlink():
                 raise OSError(f"a directory is in the way of the file {rel}")
             self.tmp = str(where / f"{proto.TMP_PREFIX}{name[:100]}-{os.urandom(4).hex()}")
@@ -265,9 +270,8 @@ def download_stream(
     base = root if reply.get("file") else root / name  # a file lands in ROOT, a tree as ROOT/<its name>
     got.local = str(root / name)
     got.files_total = len(files)
-    tree = _Tree(root, got)
-    tree.directory("" if reply.get("file") else name)
-    tree.base, tree.ok = base, {""}  # from here on, every name is relative to the tree
+    _Tree(root, got).directory("" if reply.get("file") else name)
+    tree = _Tree(base, got, made=True)  # every name from here on is relative to the tree
     wanted = [i for i, (rel, size, mtime_ns, *_) in enumerate(files) if not _unchanged(base / rel, size, mtime_ns)]
     progress.plan(len(wanted), sum(files[i][1] for i in wanted))
     stream.send(frame(b"W", proto.pack_json(wanted)))

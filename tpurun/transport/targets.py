@@ -17,6 +17,8 @@ from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, pars
 if TYPE_CHECKING:
     from google.cloud import tpu_v2  # not at run time: exec and train load the Cloud TPU client only when asked
 
+    from tpurun.cloud.client import Cloud
+
 
 @dataclass
 class Target:
@@ -29,10 +31,25 @@ class Target:
     local: bool
     nodes: list[str] = field(default_factory=list)  # the TPU's nodes: one, or one per slice
     ids: list[str] = field(default_factory=list)  # their unique ids in the API: the TPU's identity
-    project: str = ""  # where the TPU is ("" for this machine)
-    zone: str = ""
     cached: bool = False  # built from remembered endpoints, without an API call
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
+    where: settings.Settings | None = field(default=None, repr=False)  # what named the TPU (None: this machine)
+
+    @property
+    def project(self) -> str:
+        """The project the TPU is in ("" for this machine)."""
+        return (self.where.project.value or "") if self.where else ""
+
+    @property
+    def zone(self) -> str:
+        return (self.where.zone.value or "") if self.where else ""
+
+    def cloud(self) -> Cloud:
+        """The Cloud TPU API where the TPU is (a named TPU only)."""
+        from tpurun.cloud.client import Cloud
+
+        assert self.where is not None, "this machine has no Cloud TPU API"
+        return Cloud(self.where)
 
     @property
     def slices(self) -> int:
@@ -252,7 +269,6 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         False,
         nodes=endpoints.nodes,
         ids=endpoints.ids,
-        project=s.project.value or "",
-        zone=s.zone.value or "",
         cached=cached,
+        where=s,
     )
