@@ -375,3 +375,15 @@ def from_machine_type(machine_type: str, topology: str) -> Topology:
         shapes = ", ".join(gen.shapes[s] for s in sorted(fits))
         raise UsageError(f"{mt} ({per_vm} chips per VM) cannot make the topology '{topology}': it makes {shapes}")
     return _build(gen, size)
+
+
+def vm_topology(machine_type: str) -> Topology:
+    """The single-host slice that one VM of MACHINE_TYPE is on its own (tpu7x-standard-4t: tpu7x-8, 2x2x1), or
+    UsageError."""
+    mt = machine_type.strip().lower()
+    gen = next((g for g in GENERATIONS.values() if mt in g.machine_types), None)
+    if gen is None:
+        known = ", ".join(m for g in GENERATIONS.values() for m in g.machine_types)
+        raise UsageError(f"unknown TPU machine type '{machine_type}': Compute Engine's are {known}")
+    built = (_build(gen, size) for size in sorted(gen.shapes))
+    return next(t for t in built if t.hosts == 1 and t.chips_per_host == gen.machine_types[mt])

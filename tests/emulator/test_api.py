@@ -229,7 +229,8 @@ def test_guest_attributes_filters(emulator, tpu_client):
             request={"name": n.name, "query_path": "hostkeys/ssh-ed25519", "worker_ids": ["1"]}
         )
         (entry,) = one.guest_attributes
-        assert entry.query_value.items[0].value == emulator.node_info(n.name)["workers"][1]["hostKey"]
+        # the guest agent's form: the key type is the attribute's key, its value the base64 key alone
+        assert f"ssh-ed25519 {entry.query_value.items[0].value}" == emulator.node_info(n.name)["workers"][1]["hostKey"]
         with pytest.raises(gx.BadRequest, match="worker"):
             tpu_client.get_guest_attributes(request={"name": n.name, "worker_ids": ["5"]})
     finally:

@@ -187,7 +187,7 @@ def test_startup_script_and_guest_attributes(env: Env) -> None:
     attrs = env.hosts.guest_attributes(NODE)
     for i, (w, a) in enumerate(zip(env.hosts.workers(NODE), attrs, strict=True)):
         assert a[("tpurun", "startup")] == f"ready-{i}"
-        assert a[("hostkeys", "ssh-ed25519")] == w.host_key
+        assert f"ssh-ed25519 {a[('hostkeys', 'ssh-ed25519')]}" == w.host_key  # the guest agent's form
         log = env.hosts.startup_log(NODE, i).read_text()
         assert f"startup on {w.hostname} as 0 in / home=/root md={w.address}:80" in log
     # The script's background child lives in the worker's pid namespace.

@@ -18,6 +18,19 @@ from pathlib import Path
 from tpurun import config
 
 KEY_COMMENT = "tpurun"
+# the host key types Google's guest agent publishes, in the order tpurun pins them
+HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
+
+
+def published_host_key(attributes: dict[tuple[str, str], str]) -> str | None:
+    """A worker's host key as an OpenSSH line ("ssh-ed25519 AAAA..."), from the guest attributes its guest agent
+    published: one `hostkeys/<type>` per key, whose value is the base64 key (anything after it dropped, as gcloud
+    does); the first type of HOST_KEY_TYPES present, or None while none is."""
+    for kind in HOST_KEY_TYPES:
+        value = attributes.get(("hostkeys", kind), "").split()
+        if value:
+            return f"{kind} {value[0]}"
+    return None
 
 
 def _private_dir(path: Path) -> Path:

@@ -327,7 +327,7 @@ def host_keys_from(attrs: list[dict[tuple[str, str], str]], node: tpu_v2.Node) -
     """{alias: key} of every worker of NODE, from its `hostkeys/` guest attributes."""
     pinned = {}
     for i, ep in enumerate(node.network_endpoints):
-        key = attrs[i].get(("hostkeys", "ssh-ed25519")) if i < len(attrs) else None
+        key = keys.published_host_key(attrs[i]) if i < len(attrs) else None
         if not key:
             raise ApiError(
                 f"worker {i} ({ep.ip_address}) of {short_name(node.name)} has not published its ssh host key in guest "

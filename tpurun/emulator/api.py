@@ -13,100 +13,34 @@ The server binds to 127.0.0.1 only: it grants root-made hosts to whoever can rea
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from google.cloud import tpu_v2
-from google.protobuf import json_format
 
+from tpurun.emulator.compute_api import COMPUTE_PREFIX, add_compute_routes
+from tpurun.emulator.compute_model import compute_body
 from tpurun.emulator.model import ApiError, invalid
+from tpurun.emulator.routing import SYSTEM_PARAMS, Request, Router, parse_message, render
 from tpurun.emulator.state import Emulator
 
 ADMIN_PREFIX = "/emulator/v1"
 _PARENT = r"projects/[^/]+/locations/[^/:]+"
 _ID = r"[^/:]+"
 
-Handler = Callable[["Request"], Any]
-
-
-class Request:
-    def __init__(self, method: str, path: str, query: dict[str, list[str]], body: bytes, groups: dict[str, str]):
-        self.method = method
-        self.path = path
-        self.query = query
-        self.body = body
-        self.groups = groups
-
-    def q(self, key: str, default: str = "") -> str:
-        vals = self.query.get(key)
-        return vals[-1] if vals else default
-
-    def q_int(self, key: str) -> int:
-        raw = self.q(key, "0")
-        try:
-            return int(raw)
-        except ValueError as e:
-            raise invalid(f"Invalid value at '{key}' (TYPE_INT32), \"{raw}\"") from e
-
-    def q_bool(self, key: str) -> bool:
-        return self.q(key, "false").lower() in ("true", "1")
-
-    def text(self) -> str:
-        return self.body.decode("utf-8") if self.body else "{}"
-
-    def json(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.text())
-        except ValueError as e:
-            raise invalid(f"Invalid JSON payload received. {e}") from e
-        if not isinstance(data, dict):
-            raise invalid("Invalid JSON payload received. Expected an object.")
-        return data
-
-
-def parse_message(cls: Any, req: Request, where: str) -> Any:
-    """REQ's body as a proto-plus CLS; unknown fields and bad values are 400s in the API's words."""
-    try:
-        return cls.from_json(req.text(), ignore_unknown_fields=False)
-    except json_format.ParseError as e:
-        msg = str(e).splitlines()[0]
-        m = re.search(r'has no field named "([^"]+)"', msg)
-        if m:
-            raise invalid(
-                f"Invalid JSON payload received. Unknown name \"{m.group(1)}\" at '{where}': Cannot find field."
-            ) from e
-        raise invalid(f"Invalid JSON payload received. {msg}") from e
-
-
-class Router:
-    def __init__(self) -> None:
-        self.routes: list[tuple[str, re.Pattern[str], Handler, frozenset[str]]] = []
-
-    def add(self, method: str, pattern: str, handler: Handler, params: tuple[str, ...] = ()) -> None:
-        self.routes.append((method, re.compile(f"^{pattern}$"), handler, frozenset(params)))
-
-    def match(self, method: str, path: str) -> tuple[Handler, dict[str, str], frozenset[str]] | None:
-        for m, rx, h, params in self.routes:
-            if m == method:
-                hit = rx.match(path)
-                if hit:
-                    return h, hit.groupdict(), params
-        return None
-
 
 _PAGE = ("pageSize", "pageToken", "filter", "orderBy")  # the query parameters of every list call
 
 
 def build_api_router(emu: Emulator) -> Router:
-    """The Cloud TPU v2 REST surface, resource by resource."""
+    """The Cloud TPU v2 REST surface, resource by resource, and Compute Engine's under /compute/v1/."""
     r = Router()
     for add in (_node_routes, _operation_routes, _catalogue_routes, _queued_routes, _location_routes):
         add(r, emu)
+    add_compute_routes(r, emu)
     return r
 
 
@@ -308,6 +242,11 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
     r.add("POST", f"{A}/capacity", capacity)
     r.add("GET", f"{A}/nodes/(?P<node>.+)", lambda q: emu.node_info(unquote(q.groups["node"])))
     r.add("POST", f"{A}/nodes/(?P<node>.+):preempt", preempt)
+    r.add(
+        "POST",
+        f"{A}/instances/(?P<instance>.+):preempt",
+        lambda q: emu.preempt_instance(unquote(q.groups["instance"]), force=bool(q.json().get("force"))),
+    )
     r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):kill", kill_worker)
     r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):kill-sshd", kill_sshd)
     return r
@@ -334,6 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         is_api = not path.startswith(ADMIN_PREFIX)
+        is_compute = path.startswith(COMPUTE_PREFIX)
         status: int = 200
         payload: Any = {}
         caller = "user"  # the emulator's own user: a call without credentials
@@ -351,20 +291,24 @@ class _Handler(BaseHTTPRequestHandler):
                     404, f"The requested URL {self.command} {path} was not found on this server.", "NOT_FOUND"
                 )
             handler, groups, params = hit
+            req = Request(self.command, path, query, body, groups)
             if is_api:
                 for key in query:
-                    if key not in params and not key.startswith("$"):
+                    if key not in params and key not in SYSTEM_PARAMS and not key.startswith("$"):
                         raise invalid(
                             f'Invalid JSON payload received. Unknown name "{key}": Cannot bind query parameter.'
                         )
-            result = handler(Request(self.command, path, query, body, groups))
+            result = handler(req)
             payload = {} if result is None else result
+            data = render(payload, req if is_api else None)
         except ApiError as e:
-            status, payload = e.http, e.body()
+            status, payload = e.http, compute_body(e) if is_compute else e.body()
+            data = json.dumps(payload, indent=2).encode()
         except Exception as e:  # a bug here must still answer like a server, not hang the client
             status = 500
-            payload = ApiError(500, f"Internal error in the tpurun emulator: {type(e).__name__}: {e}").body()
-        data = json.dumps(payload).encode()
+            err = ApiError(500, f"Internal error in the tpurun emulator: {type(e).__name__}: {e}")
+            payload = compute_body(err) if is_compute else err.body()
+            data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(data)))
@@ -466,6 +410,11 @@ class AdminClient:
 
     def preempt(self, node: str, force: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = self.call("POST", f"nodes/{node}:preempt", {"force": force})
+        return out
+
+    def preempt_instance(self, instance: str, force: bool = False) -> dict[str, Any]:
+        """Preempt one Compute Engine VM (by name or path): its worker dies, it is TERMINATED."""
+        out: dict[str, Any] = self.call("POST", f"instances/{instance}:preempt", {"force": force})
         return out
 
     def kill_worker(self, node: str, worker: int) -> None:

@@ -103,13 +103,12 @@ class Core:
         """Worker init pids in the state dir: `tpurun emulator stop` kills them if the server cannot."""
         pids: dict[str, list[int]] = {}
         with self.lock:
-            records = list(self.nodes.values())
-        for rec in records:
-            if rec.booted:
-                try:
-                    pids[rec.key] = [w.init_pid for w in self.hosts.workers(rec.key) if w.init_pid]
-                except Exception:
-                    pids[rec.key] = []
+            keys = [r.key for r in self.nodes.values() if r.booted] + self._compute_booted()
+        for key in keys:
+            try:
+                pids[key] = [w.init_pid for w in self.hosts.workers(key) if w.init_pid]
+            except Exception:
+                pids[key] = []
         path = self.config.state_dir / "workers.json"
         try:
             tmp = path.with_suffix(".tmp")
@@ -147,11 +146,21 @@ class Core:
     # ------------------------------------------------------------------ capacity
 
     def _usage(self, zone: str, gen: str, unit: str) -> int:
-        used = 0
+        used = self._compute_usage(zone, gen, unit)
         for rec in self.nodes.values():
             if rec.zone == zone and rec.topo.generation == gen and rec.holds and rec.state in _HOLDING:
                 used += rec.topo.chips if unit == "chips" else rec.topo.hosts
         return used
+
+    # what Compute Engine's VMs hold (compute.ComputeResources): capacity, worker slots, booted worker hosts
+    def _compute_usage(self, zone: str, gen: str, unit: str) -> int:
+        return 0
+
+    def _compute_slots(self) -> set[int]:
+        return set()
+
+    def _compute_booted(self) -> list[str]:
+        return []
 
     def _fits(self, zone: str, topo: Topology, extra: list[Topology] | None = None) -> bool:
         limit = self.config.capacity.limit_for(zone, topo.generation)
@@ -188,7 +197,7 @@ class Core:
         return None
 
     def _free_slot(self, avoid: set[int] | None = None) -> int:
-        used = {r.slot for r in self.nodes.values() if r.slot} | (avoid or set())
+        used = {r.slot for r in self.nodes.values() if r.slot} | self._compute_slots() | (avoid or set())
         for s in range(1, 251):  # WorkerHosts' slot range
             if s not in used and self._slot_free_on_host(s):
                 return s

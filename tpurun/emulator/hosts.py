@@ -67,13 +67,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from tpurun import topology
 from tpurun.emulator import procs
-from tpurun.emulator._metadata import JsonText, MetadataService, parse_ssh_keys
-from tpurun.emulator.tpu_vm import WorkerImage, image_bin, image_paths, worker_image
+from tpurun.emulator._metadata import MetadataService, parse_ssh_keys
+from tpurun.emulator.sshd import host_key, sshd_config, write_atomic
+from tpurun.emulator.tpu_vm import (
+    VmIdentity,
+    WorkerImage,
+    image_bin,
+    image_paths,
+    metadata_tree,
+    stable_int,
+    worker_image,
+)
 
 __all__ = ["WorkerInfo", "WorkerHosts", "GENERATIONS"]
 
@@ -104,20 +110,22 @@ class WorkerInfo:
     init_pid: int | None  # pid (root pid ns) of the worker namespace's init; None when down
 
 
-def _write(path: Path, data: str, mode: int = 0o644) -> None:
-    """Atomic replace (for files that are not bind-mounted into a worker)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+@dataclass(frozen=True)
+class ComputeVms:
+    """A node whose workers are Compute Engine instances (the VMs of one slice): each has its own name (its
+    hostname), id and metadata, and none of the Cloud TPU API's own metadata (`tpu-env`, `agent-worker-number`,
+    `worker-network-endpoints`)."""
+
+    names: tuple[str, ...]
+    ids: tuple[str, ...]
+    machine_type: str
+    metadata: Callable[[int], dict[str, str]]  # instance I's metadata, as the API holds it now
 
 
 def _write_in_place(path: Path, data: str, mode: int = 0o644) -> None:
     """Rewrite a file without changing its inode: a running worker has it bind-mounted."""
     if not path.exists():
-        _write(path, data, mode)
+        write_atomic(path, data, mode)
         return
     raw = data.encode()
     fd = os.open(path, os.O_WRONLY)
@@ -133,13 +141,6 @@ def _safe_name(key: str) -> str:
     if name != key:
         name += "-" + hashlib.sha256(key.encode()).hexdigest()[:8]
     return name
-
-
-CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
-
-
-def _stable_int(text: str, digits: int) -> int:
-    return int(hashlib.sha256(text.encode()).hexdigest(), 16) % (10**digits)
 
 
 @dataclass
@@ -170,6 +171,7 @@ class _Node:
     boots: int = 0
     # what a multislice node's `tpu-env` adds (the MEGASCALE values), asked for each time it is served
     extra_tpu_env: Callable[[], dict[str, str]] | None = None
+    vms: ComputeVms | None = None  # the workers are Compute Engine instances
     lock: threading.RLock = field(default_factory=threading.RLock)  # boot/stop/fault of this node
     # Guest attributes have their own lock: the metadata server writes them while a boot holds `lock`.
     guest_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -183,32 +185,21 @@ class _WorkerSource:
 
     def tree(self) -> dict[str, Any]:
         node, w = self._node, self._worker
-        attrs = dict(node.get_metadata())
+        attrs = self._hosts.metadata_of(node, w.index)
         attrs.update(self._hosts._computed_attributes(node, w))
-        project_number = str(_stable_int("project:" + node.project, 12))
-        email = f"{project_number}-compute@developer.gserviceaccount.com"
-        account = {
-            "aliases": "default\n",
-            "email": email,
-            "scopes": f"{CLOUD_PLATFORM_SCOPE}\n",
-            "token": JsonText(
-                json.dumps({"access_token": self._hosts.token_for(node.key), "expires_in": 3599, "token_type": "Bearer"})
-            ),
-        }
-        return {
-            "instance": {
-                "attributes": attrs,
-                "hostname": w.hostname,
-                "name": w.hostname,
-                "id": str(_stable_int(f"{node.key}/{w.index}", 19)),
-                "zone": f"projects/{project_number}/zones/{node.zone}",
-                "machine-type": f"projects/{project_number}/machineTypes/tpu-vm",
-                "network-interfaces": {"0": {"ip": w.address, "network": "default"}},
-                # the VM's service account: what google-auth's Compute Engine credentials ask for
-                "service-accounts": {"default": account, email: account},
-            },
-            "project": {"project-id": node.project, "numeric-project-id": project_number},
-        }
+        vm = None
+        if node.vms is not None:
+            vm = VmIdentity(node.vms.names[w.index], node.vms.ids[w.index], node.vms.machine_type)
+        return metadata_tree(
+            attrs,
+            project=node.project,
+            zone=node.zone,
+            hostname=w.hostname,
+            instance_id=str(stable_int(f"{node.key}/{w.index}", 19)),
+            address=w.address,
+            token=self._hosts.token_for(node.key),
+            vm=vm,
+        )
 
     def guest_get(self, namespace: str, key: str) -> str | None:
         with self._node.guest_lock:
@@ -269,8 +260,10 @@ class WorkerHosts:
         project: str = "emulated-project",
         zone: str = "emulated-zone",
         extra_tpu_env: Callable[[], dict[str, str]] | None = None,
+        vms: ComputeVms | None = None,
     ) -> list[WorkerInfo]:
-        """Boot (or reboot) every worker of a node; returns once each sshd accepts connections."""
+        """Boot (or reboot) every worker of a node; returns once each sshd accepts connections. VMS: the
+        workers are these Compute Engine instances (one per name), not a Cloud TPU API node's."""
         if not 1 <= slot <= 250:
             raise ValueError(f"slot must be 1..250, got {slot}")
         if not 1 <= num_workers <= 254:
@@ -305,18 +298,18 @@ class WorkerHosts:
         with node.lock:
             self._stop_workers(node)
             node.generation, node.accelerator_type, node.get_metadata = generation, accelerator_type, get_metadata
-            node.project, node.zone, node.extra_tpu_env = project, zone, extra_tpu_env
+            node.project, node.zone, node.extra_tpu_env, node.vms = project, zone, extra_tpu_env, vms
             tag = hashlib.sha256(node_key.encode()).hexdigest()[:8]
+            names = list(vms.names) if vms else [f"t1v-n-{tag}-w-{i}" for i in range(num_workers)]
             node.workers = [
                 node.workers[i]
-                if i < len(node.workers)
-                else _Worker(i, f"127.77.{slot}.{i + 1}", f"t1v-n-{tag}-w-{i}", node.dir / f"w{i}")
+                if i < len(node.workers) and node.workers[i].hostname == names[i]
+                else _Worker(i, f"127.77.{slot}.{i + 1}", names[i], node.dir / f"w{i}")
                 for i in range(num_workers)
             ]
             node.boots += 1
-            md = get_metadata()
             for w in node.workers:
-                self._prepare(node, w, md)
+                self._prepare(node, w, self.metadata_of(node, w.index))
             try:
                 for w in node.workers:
                     metadata.add(w.address, _WorkerSource(self, node, w))
@@ -353,28 +346,33 @@ class WorkerHosts:
                 entry.unlink(missing_ok=True)
         os.chmod(d / "tmp", 0o1777)
         view = "/run/tpurun" + str(d)  # where the init re-attaches d inside the worker
-        w.host_key = self._host_key(d)
+        w.host_key = host_key(d)
         hosts = [
             "127.0.0.1\tlocalhost",
             "::1\tlocalhost ip6-localhost ip6-loopback",
             f"{w.address}\tmetadata.google.internal metadata",
         ]
-        hosts += [f"{o.address}\t{o.hostname}" for o in node.workers]
+        if node.vms is None:
+            hosts += [f"{o.address}\t{o.hostname}" for o in node.workers]
+        else:  # an instance's internal DNS name, then its short name
+            hosts += [
+                f"{o.address}\t{o.hostname}.{node.zone}.c.{node.project}.internal {o.hostname}" for o in node.workers
+            ]
         _write_in_place(d / "etc" / "hosts", "\n".join(hosts) + "\n")
         _write_in_place(d / "etc" / "hostname", w.hostname + "\n")
         self._apply_keys(w, md.get("ssh-keys", ""))
-        _write(d / "sshd_config", self._sshd_config(w, view))
+        write_atomic(d / "sshd_config", sshd_config(w.address, self.ssh_port, view))
         script = md.get("startup-script")
         if script:
-            _write(d / "startup-script", script, 0o755)
+            write_atomic(d / "startup-script", script, 0o755)
         else:
             (d / "startup-script").unlink(missing_ok=True)
         (d / "startup.status").unlink(missing_ok=True)
         (d / "startup.log").touch()
         (d / "image" / "bin").mkdir(parents=True, exist_ok=True)
         for name, text in image_bin().items():
-            _write(d / "image" / "bin" / name, text, 0o755)
-        _write(
+            write_atomic(d / "image" / "bin" / name, text, 0o755)
+        write_atomic(
             d / "init.json",
             json.dumps(
                 {
@@ -391,63 +389,18 @@ class WorkerHosts:
         )
         with node.guest_lock:
             w.guest.clear()  # guest attributes do not survive a reboot; the agent republishes
-            w.guest[("hostkeys", "ssh-ed25519")] = w.host_key
-
-    @staticmethod
-    def _host_key(d: Path) -> str:
-        """The worker's ed25519 host key: generated once, kept across stop/start."""
-        priv, pub = d / "ssh_host_ed25519_key", d / "ssh_host_ed25519_key.pub"
-        if not (priv.exists() and pub.exists()):
-            key = Ed25519PrivateKey.generate()
-            pem = key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-            ).decode()
-            line = (
-                key.public_key()
-                .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-                .decode()
-            )
-            _write(priv, pem, 0o600)  # sshd refuses host keys readable by others
-            _write(pub, line + "\n")
-        return " ".join(pub.read_text().split()[:2])
-
-    def _sshd_config(self, w: _Worker, view: str) -> str:
-        return "\n".join(
-            [
-                f"ListenAddress {w.address}:{self.ssh_port}",
-                f"HostKey {view}/ssh_host_ed25519_key",
-                "PidFile none",
-                f"AuthorizedKeysFile {view}/authorized_keys/%u",
-                "PubkeyAuthentication yes",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "PermitRootLogin prohibit-password",
-                # Key files live in the emulator's state dir, whose parents we do not control.
-                "StrictModes no",
-                "MaxStartups 1000",
-                "MaxSessions 100",
-                "LoginGraceTime 30",
-                "Subsystem sftp internal-sftp",
-                # No AcceptEnv line: sshd then accepts no client environment variables.
-                "LogLevel ERROR",
-                "ClientAliveInterval 30",
-                "ClientAliveCountMax 4",
-                "UseDNS no",
-                "PrintMotd no",
-                "PrintLastLog no",
-                "X11Forwarding no",
-                "AllowTcpForwarding yes",
-                "",
-            ]
-        )
+            # Google's guest agent publishes each host key as hostkeys/<type> = <base64 key>, where guest
+            # attributes are enabled: always on a Cloud TPU API node, by metadata on a Compute Engine VM
+            if node.vms is None or md.get("enable-guest-attributes", "").upper() == "TRUE":
+                kind, blob = w.host_key.split()[:2]
+                w.guest[("hostkeys", kind)] = blob
 
     def _apply_keys(self, w: _Worker, ssh_keys: str) -> None:
         """Write a worker's authorized keys (per user) and its passwd/shadow/group with root aliases."""
         users = parse_ssh_keys(ssh_keys)
         kdir = w.dir / "authorized_keys"
         for user, lines in users.items():
-            _write(kdir / user, "\n".join(lines) + "\n", 0o600)
+            write_atomic(kdir / user, "\n".join(lines) + "\n", 0o600)
         for old in kdir.iterdir():
             if old.name not in users and not old.name.endswith(".tmp"):
                 old.unlink(missing_ok=True)
@@ -620,11 +573,15 @@ class WorkerHosts:
         timer.start()
 
     def _refresh_now(self, node: _Node) -> None:
-        keys = node.get_metadata().get("ssh-keys", "")
         with node.lock:
             for w in node.workers:
                 if w.dir.exists():
-                    self._apply_keys(w, keys)
+                    self._apply_keys(w, self.metadata_of(node, w.index).get("ssh-keys", ""))
+
+    @staticmethod
+    def metadata_of(node: _Node, index: int) -> dict[str, str]:
+        """Worker INDEX's metadata attributes as the API holds them (a node's are every worker's)."""
+        return dict(node.vms.metadata(index) if node.vms is not None else node.get_metadata())
 
     def guest_attributes(self, node_key: str) -> list[dict[tuple[str, str], str]]:
         node = self._get(node_key)
@@ -669,8 +626,11 @@ class WorkerHosts:
         )
 
     def _computed_attributes(self, node: _Node, w: _Worker) -> dict[str, str]:
+        """What the Cloud TPU API adds to each worker's metadata (a Compute Engine VM has none of it)."""
+        if node.vms is not None:
+            return {}
         endpoints = ",".join(
-            f"{o.hostname}:{_stable_int(f'{node.key}/{o.index}', 19)}:{o.address}" for o in node.workers
+            f"{o.hostname}:{stable_int(f'{node.key}/{o.index}', 19)}:{o.address}" for o in node.workers
         )
         return {
             "agent-worker-number": str(w.index),

@@ -112,11 +112,12 @@ _HOLDING = {"CREATING", "READY", "STARTING", "STOPPING", "RESTARTING", "REPAIRIN
 class ApiError(Exception):
     """An error the API answers with: HTTP status + Google status name + message."""
 
-    def __init__(self, http: int, message: str, status: str | None = None) -> None:
+    def __init__(self, http: int, message: str, status: str | None = None, reason: str = "") -> None:
         super().__init__(message)
         self.http = http
         self.status = status or STATUS_FOR_HTTP.get(http, "UNKNOWN")
         self.message = message
+        self.reason = reason  # Compute Engine's `errors[].reason` (compute_model.compute_body)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.http, "message": self.message, "status": self.status}}
@@ -145,6 +146,7 @@ class HostsLike(Protocol):
         project: str = ...,
         zone: str = ...,
         extra_tpu_env: Callable[[], dict[str, str]] | None = ...,
+        vms: Any = ...,
     ) -> list[Any]: ...
 
     def shutdown_node(self, node_key: str, *, delete: bool = False) -> None: ...

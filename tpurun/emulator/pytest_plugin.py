@@ -304,7 +304,7 @@ def tpu_node(
         workers = []
         lines = []
         for i, (ep, ga) in enumerate(zip(ready.network_endpoints, attrs.guest_attributes, strict=True)):
-            host_key = next(it.value for it in ga.query_value.items if it.key == "ssh-ed25519")
+            host_key = "ssh-ed25519 " + next(it.value for it in ga.query_value.items if it.key == "ssh-ed25519")
             info = emulator.node_info(name)["workers"][i]
             workers.append(ReadyWorker(i, ep.ip_address, info["hostname"], host_key, info["sshPort"]))
             host = ep.ip_address if info["sshPort"] == 22 else f"[{ep.ip_address}]:{info['sshPort']}"

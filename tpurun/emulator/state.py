@@ -16,11 +16,11 @@ from typing import Any
 
 from google.cloud import tpu_v2
 
+from tpurun.emulator.compute_migs import ManagedGroups
 from tpurun.emulator.model import ApiError, NodeRecord, set_enum
-from tpurun.emulator.queued import Queued
 
 
-class Emulator(Queued):
+class Emulator(ManagedGroups):
     """The whole emulated service. Thread-safe: HTTP handler threads and operation threads share it."""
 
     # ------------------------------------------------------------------ faults and admin
@@ -61,7 +61,7 @@ class Emulator(Queued):
                 "UNAUTHENTICATED",
             )
         project = node.split("/")[1]
-        m = re.match(r"^/v2/projects/([^/]+)/", path)
+        m = re.match(r"^/(?:v2|compute/v1)/projects/([^/]+)/", path)
         if m and m.group(1) != project:
             raise ApiError(
                 403,
@@ -134,10 +134,13 @@ class Emulator(Queued):
                 "capacity": {f"{z}/{g}": f"{n} {u}" for (z, g), (n, u) in self.config.capacity.limits.items()},
                 "maxWorkersPerNode": self.config.max_workers_per_node,
                 "failRules": list(self._fail_rules),
+                **self.compute_status(),
             }
 
     def reset(self) -> None:
-        """Delete every node and queued resource at once, forget operations, faults and the request log."""
+        """Delete every node, queued resource and Compute Engine resource at once, forget operations, faults and
+        the request log."""
+        self.compute_teardown()
         with self.lock:
             recs = list(self.nodes.values())
         for rec in recs:
@@ -171,6 +174,7 @@ class Emulator(Queued):
                     self.log_event("internal-error", f"shutdown {rec.key}: {e}")
         for t in threads:
             t.join(timeout=30)
+        self.compute_teardown()
         self.hosts.close()
         with self.lock:
             self.nodes.clear()

@@ -8,11 +8,15 @@ server). Sources of every value are in docs/emulator.md.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shlex
 import sys
 from dataclasses import dataclass
+from typing import Any
 
+from tpurun.emulator._metadata import JsonText
 from tpurun.errors import UsageError
 from tpurun.topology import Topology, parse_accelerator_type
 
@@ -113,6 +117,70 @@ def worker_image(
         **(extra or {}),
     }
     return WorkerImage(pci=pci, device_files=topo.device_files, tpu_env=env)
+
+
+# ---------------------------------------------------------------- the metadata server's tree
+
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+
+
+def stable_int(text: str, digits: int) -> int:
+    """A number of DIGITS digits that TEXT always gives (ids and project numbers that survive a restart)."""
+    return int(hashlib.sha256(text.encode()).hexdigest(), 16) % (10**digits)
+
+
+@dataclass(frozen=True)
+class VmIdentity:
+    """A Compute Engine instance's own name, id and machine type (a Cloud TPU API worker has none of these)."""
+
+    name: str
+    id: str
+    machine_type: str
+
+
+def metadata_tree(
+    attributes: dict[str, str],
+    *,
+    project: str,
+    zone: str,
+    hostname: str,
+    instance_id: str,
+    address: str,
+    token: str,
+    vm: VmIdentity | None = None,
+) -> dict[str, Any]:
+    """What one worker's metadata server serves under /computeMetadata/v1/: its ATTRIBUTES, who it is, its
+    network and its service account (whose TOKEN the emulated API accepts). A Compute Engine instance (VM) is
+    named by its instance name, with the internal DNS name as its hostname; a Cloud TPU API worker's name is
+    its hostname and its machine type the generic TPU VM's."""
+    project_number = str(stable_int("project:" + project, 12))
+    email = f"{project_number}-compute@developer.gserviceaccount.com"
+    account = {
+        "aliases": "default\n",
+        "email": email,
+        "scopes": f"{CLOUD_PLATFORM_SCOPE}\n",
+        "token": JsonText(json.dumps({"access_token": token, "expires_in": 3599, "token_type": "Bearer"})),
+    }
+    instance: dict[str, Any] = {
+        "attributes": attributes,
+        "hostname": hostname,
+        "name": hostname,
+        "id": instance_id,
+        "zone": f"projects/{project_number}/zones/{zone}",
+        "machine-type": f"projects/{project_number}/machineTypes/tpu-vm",
+        "network-interfaces": {"0": {"ip": address, "network": f"projects/{project_number}/networks/default"}},
+        "preempted": "FALSE",
+        # the VM's service account: what google-auth's Compute Engine credentials ask for
+        "service-accounts": {"default": account, email: account},
+    }
+    if vm is not None:
+        instance.update(
+            hostname=f"{vm.name}.{zone}.c.{project}.internal",
+            name=vm.name,
+            id=vm.id,
+            **{"machine-type": f"projects/{project_number}/machineTypes/{vm.machine_type}"},
+        )
+    return {"instance": instance, "project": {"project-id": project, "numeric-project-id": project_number}}
 
 
 # ---------------------------------------------------------------- the runtime image's Python

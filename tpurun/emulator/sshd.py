@@ -1,0 +1,68 @@
+"""A worker's sshd: its host key (made once, kept across reboots) and its configuration."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+
+def write_atomic(path: Path, data: str, mode: int = 0o644) -> None:
+    """Replace PATH atomically (for files that are not bind-mounted into a worker)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(data)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def host_key(d: Path) -> str:
+    """The worker's ed25519 host key: generated once, kept across stop/start."""
+    priv, pub = d / "ssh_host_ed25519_key", d / "ssh_host_ed25519_key.pub"
+    if not (priv.exists() and pub.exists()):
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ).decode()
+        line = (
+            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+        )
+        write_atomic(priv, pem, 0o600)  # sshd refuses host keys readable by others
+        write_atomic(pub, line + "\n")
+    return " ".join(pub.read_text().split()[:2])
+
+
+def sshd_config(address: str, port: int, view: str) -> str:
+    """The sshd_config of a worker listening on ADDRESS:PORT whose directory it sees at VIEW."""
+    return "\n".join(
+        [
+            f"ListenAddress {address}:{port}",
+            f"HostKey {view}/ssh_host_ed25519_key",
+            "PidFile none",
+            f"AuthorizedKeysFile {view}/authorized_keys/%u",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "PermitRootLogin prohibit-password",
+            # Key files live in the emulator's state dir, whose parents we do not control.
+            "StrictModes no",
+            "MaxStartups 1000",
+            "MaxSessions 100",
+            "LoginGraceTime 30",
+            "Subsystem sftp internal-sftp",
+            # No AcceptEnv line: sshd then accepts no client environment variables.
+            "LogLevel ERROR",
+            "ClientAliveInterval 30",
+            "ClientAliveCountMax 4",
+            "UseDNS no",
+            "PrintMotd no",
+            "PrintLastLog no",
+            "X11Forwarding no",
+            "AllowTcpForwarding yes",
+            "",
+        ]
+    )
