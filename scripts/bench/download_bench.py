@@ -21,7 +21,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,12 +43,6 @@ for root, _, names in os.walk(os.path.expanduser("~/ckpt")):
         os.utime(os.path.join(root, n), (old, old))
 """
 _CHANGE = "import os; p = os.path.expanduser('~/ckpt/shard00/part00000.bin'); d = open(p, 'rb').read(); open(p, 'wb').write(d[::-1])"
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -88,10 +81,10 @@ def main() -> int:
         for round_ in range(args.repeat):
             rnd[0] = round_
             for name, fn in (("tpurun download", tpurun_download), ("rsync -a pull xN", rsync_all)):
-                first = timed(fn)
-                noop = timed(fn)
+                first = common.seconds(fn)
+                noop = common.seconds(fn)
                 bench.tpurun("exec", *tpu, "--", "python3", "-c", _CHANGE)
-                one = timed(fn)
+                one = common.seconds(fn)
                 for k, v in (("first", first), ("no-op", noop), ("one file", one)):
                     results[name][k] = min(results[name].get(k, 1e9), v)
         n = len(node.workers)

@@ -26,6 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
 
 def sh(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, check=False)
@@ -40,12 +44,6 @@ def make_tree(root: Path, files: int, total_mb: int) -> None:
     old = time.time_ns() - 3600 * 10**9
     for p in root.rglob("*"):
         os.utime(p, ns=(old, old))
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -130,12 +128,12 @@ def main() -> int:
             rnd[0] = r_
             shutil.rmtree(home / ".tpurun" / "sync-cache", ignore_errors=True)
             for name, fn in (("tpurun sync", tpurun_sync), ("rsync -a x8", rsync_all)):
-                first = timed(fn)
-                noop = timed(fn)
+                first = common.seconds(fn)
+                noop = common.seconds(fn)
                 data = victim.read_bytes()
                 victim.write_bytes(data[::-1])  # same size, new content
                 os.utime(victim, ns=(time.time_ns() - 10 * 10**9,) * 2)
-                one = timed(fn)
+                one = common.seconds(fn)
                 victim.write_bytes(data)
                 old = time.time_ns() - 3600 * 10**9
                 os.utime(victim, ns=(old, old))

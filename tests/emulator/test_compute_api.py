@@ -298,6 +298,12 @@ def test_system_parameters_on_both_fronts(emulator, gce):
     assert b"\n" not in raw
     pretty = urllib.request.urlopen(f"{base}/sys?fields=workloadPolicy/acceleratorTopology").read()
     assert json.loads(pretty) == {"workloadPolicy": {"acceleratorTopology": "2x2x1"}} and b"\n" in pretty
+    # list filters, through the client: the forms docs/emulator.md names
+    names = lambda f: [p.name for p in gce.policies.list(request={"project": PROJECT, "region": REGION, "filter": f})]  # noqa: E731
+    assert names('name = "sys"') == ["sys"] and names("name != sys") == []
+    assert names("name eq s.s AND status = READY") == ["sys"] and names("name ne s.*") == []
+    with pytest.raises(gx.BadRequest, match="filter"):
+        names("name ~ sys")
     tpu = urllib.request.urlopen(
         f"{emulator.endpoint}/v2/{emulator.parent}/nodes?alt=json&prettyPrint=false&quotaUser=x"
     )
@@ -342,7 +348,8 @@ def test_discovery_based_client_shapes(emulator, gce):
     assert done["status"] == "DONE"
     got = compute.resourcePolicies().list(project=PROJECT, region=REGION).execute()
     assert [p["name"] for p in got["items"]] == ["disc"]
-    compute.resourcePolicies().delete(project=PROJECT, region=REGION, resourcePolicy="disc").execute()
+    gone = compute.resourcePolicies().delete(project=PROJECT, region=REGION, resourcePolicy="disc").execute()
+    compute.regionOperations().wait(project=PROJECT, region=REGION, operation=gone["name"]).execute()
     tpu = discovery.build(
         "tpu",
         "v2",
@@ -352,4 +359,3 @@ def test_discovery_based_client_shapes(emulator, gce):
         cache_discovery=False,
     )
     assert tpu.projects().locations().nodes().list(parent=emulator.parent).execute() == {}
-    time.sleep(0.2)

@@ -140,7 +140,10 @@ def _worker_root(emulator, node: str, worker: int) -> Path:
     return Path(f"/proc/{pids[0]}/root/root")
 
 
-def test_killed_sync_leaves_no_partial_file(cli, pod, emulator):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["killed", "ctrl-c"])
+def test_killed_sync_leaves_no_partial_file(cli, pod, emulator, sig):
+    """Killed (SIGKILL) or stopped with Ctrl-C (SIGINT: exit 130, one line saying so) mid-stream, a sync leaves
+    every file on the workers whole or absent."""
     big = cli.cwd / "big"
     big.mkdir()
     for i in range(3):
@@ -151,7 +154,7 @@ def test_killed_sync_leaves_no_partial_file(cli, pod, emulator):
     env.update(cli.env)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpurun", "sync", "--json"],
-        cwd=cli.cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=cli.cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     roots = [_worker_root(emulator, "n1", i) for i in range(WORKERS)]
     deadline = time.monotonic() + 60
@@ -164,8 +167,11 @@ def test_killed_sync_leaves_no_partial_file(cli, pod, emulator):
         time.sleep(0.02)
     assert streaming, "the sync never started streaming"
     time.sleep(0.3)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines()[-1] == "interrupted: nothing half-written is left on the workers", err
     time.sleep(1.0)  # the helpers see EOF and clean up
     want = {f"f{i}.bin": hashlib.sha256((big / f"f{i}.bin").read_bytes()).hexdigest() for i in range(3)}
     partial_seen = False

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -28,6 +29,8 @@ from tpurun.sync.sender import (
     sync,
 )
 from tpurun.transport import targets
+
+T = TypeVar("T")
 
 
 def _size(n: float) -> str:
@@ -204,22 +207,35 @@ def sync_cmd(
                 "bytes": manifest.total_bytes,
                 "hashed": manifest.hashed,
             }
-            show_bar = not json_out and not ui.is_plain()
-            try:
-                with _Bar(progress) if show_bar else nullcontext():
-                    stats = sync(
-                        target.runners, source, destination, manifest=manifest, excludes=exclude or [],
-                        delete=delete, progress=progress, stop=stop, connect_errors=errors, opened=opened,
-                    )  # fmt: skip
-            except Interrupted:
-                seen["interrupted"] = True
-            if seen["interrupted"]:
-                ui.err().print("interrupted: nothing half-written is left on the workers", markup=False)
-                raise typer.Exit(ExitCode.INTERRUPTED)
+            stats = _transfer(
+                lambda: sync(
+                    target.runners, source, destination, manifest=manifest, excludes=exclude or [],
+                    delete=delete, progress=progress, stop=stop, connect_errors=errors, opened=opened,
+                ),
+                progress, "sync", json_out, seen, "nothing half-written is left on the workers",
+            )  # fmt: skip
             code = _report(stats, destination, json_out, time.monotonic() - started, info)
     finally:
         target.close()
     raise typer.Exit(code)
+
+
+def _transfer(
+    run: Callable[[], T], progress: Counters, label: str, json_out: bool, seen: dict[str, bool], left: str
+) -> T:
+    """RUN (a sync or download) under a progress bar on a terminal; Ctrl-C ends the command with exit 130,
+    saying what is LEFT of the copy."""
+    show_bar = not json_out and not ui.is_plain()
+    result: T | None = None
+    try:
+        with _Bar(progress, label) if show_bar else nullcontext():
+            result = run()
+    except Interrupted:
+        seen["interrupted"] = True
+    if seen["interrupted"] or result is None:
+        ui.err().print(f"interrupted: {left}", markup=False)
+        raise typer.Exit(ExitCode.INTERRUPTED)
+    return result
 
 
 def download_cmd(
@@ -252,18 +268,13 @@ def download_cmd(
     try:
         with stop_on_signals(stop) as seen:
             errors = target.connect()
-            show_bar = not json_out and not ui.is_plain()
-            try:
-                with _Bar(progress, "download") if show_bar else nullcontext():
-                    got = download.download(
-                        target.runners, path, into, outside_home=outside_home, progress=progress, stop=stop,
-                        connect_errors=errors,
-                    )  # fmt: skip
-            except Interrupted:
-                seen["interrupted"] = True
-            if seen["interrupted"]:
-                ui.err().print("interrupted: no half-written file is left here", markup=False)
-                raise typer.Exit(ExitCode.INTERRUPTED)
+            got = _transfer(
+                lambda: download.download(
+                    target.runners, path, into, outside_home=outside_home, progress=progress, stop=stop,
+                    connect_errors=errors,
+                ),
+                progress, "download", json_out, seen, "no half-written file is left here",
+            )  # fmt: skip
     finally:
         target.close()
     raise typer.Exit(_report_download(got, json_out, time.monotonic() - started))

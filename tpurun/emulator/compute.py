@@ -99,13 +99,17 @@ class ListQuery:
                 return False
         return True
 
+    def page(self, items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+        """One page (500 items by default) of the ITEMS the filter keeps, and the next page's token."""
+        return page([item for item in items if self.keeps(item)], self.max_results, self.page_token, default_size=500)
+
 
 _TERM = re.compile(r'\s*\(?\s*([A-Za-z][\w.]*)\s*(=|!=|\beq\b|\bne\b)\s*(?:"([^"]*)"|([^\s)]+))\s*\)?\s*(?:AND\s+)?')
 
 
 def _terms(text: str) -> list[tuple[str, str, str]]:
-    terms, pos = [], 0
-    while pos < len(text.strip()):
+    terms, pos, text = [], 0, text.strip()
+    while pos < len(text):
         m = _TERM.match(text, pos)
         if m is None:
             raise compute_error(400, f"Invalid list filter expression '{text}'.", "invalid")
@@ -116,8 +120,7 @@ def _terms(text: str) -> list[tuple[str, str, str]]:
 
 def listing(kind: str, path: str, items: list[dict[str, Any]], query: ListQuery) -> dict[str, Any]:
     """A Compute Engine list answer: the items QUERY's filter keeps, one page of them, with its kind and link."""
-    kept = [item for item in items if query.keeps(item)]
-    chunk, nxt = page(kept, query.max_results, query.page_token, default_size=500)
+    chunk, nxt = query.page(items)
     out: dict[str, Any] = {"kind": kind, "id": path, "items": chunk, "selfLink": link(path)}
     if not chunk:
         del out["items"]
@@ -377,7 +380,6 @@ class ComputeResources(Queued):
                     op.finish(Failure("RESOURCE_NOT_READY", f"{rec.path} was deleted while it was being made", 400))
                     return
                 if self._fits(group.zone, group.topo):
-                    group.booted = False
                     self._hold(group)
                     break
             if time.time() >= deadline or not self._sleep(self.config.delays.queue):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import string
-import threading
 import time
 from typing import Any
 
@@ -55,8 +54,7 @@ class ManagedGroups(ComputeResources):
         self.migs: dict[str, MigRecord] = {}
         self.resize_requests: dict[str, ResizeRecord] = {}
         super().__init__(hosts, config)
-        self._mig_loop = threading.Thread(target=self._reconcile_loop, name="emulator-migs", daemon=True)
-        self._mig_loop.start()
+        self._every_tick("migs", self._reconcile_once)
 
     # ------------------------------------------------------------------ create
 
@@ -183,13 +181,6 @@ class ManagedGroups(ComputeResources):
 
     # ------------------------------------------------------------------ making the VMs
 
-    def _reconcile_loop(self) -> None:
-        while self._sleep(0.05):
-            try:
-                self._reconcile_once()
-            except Exception as e:
-                self.log_event("internal-error", f"MIG loop: {type(e).__name__}: {e}")
-
     def _reconcile_once(self) -> None:
         """Start making the VMs of every group that lacks them, when its zone has the capacity for all of them."""
         now = time.time()
@@ -306,10 +297,8 @@ class ManagedGroups(ComputeResources):
                 elif rec.last_failure is not None:
                     mi["lastAttempt"] = {"errors": rec.last_failure.errors()}
                 items.append(mi)
-        out = listing("", path, items, query)
-        return {
-            k: v for k, v in (("managedInstances", out.get("items")), ("nextPageToken", out.get("nextPageToken"))) if v
-        }
+        chunk, nxt = query.page(items)
+        return {k: v for k, v in (("managedInstances", chunk), ("nextPageToken", nxt)) if v}
 
     # ------------------------------------------------------------------ change
 

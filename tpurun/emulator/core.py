@@ -59,6 +59,19 @@ class Core:
             self._threads.append(t)
         t.start()
 
+    def _every_tick(self, name: str, once: Callable[[], None]) -> None:
+        """Run ONCE every 50 ms on a thread of its own until the emulator closes; a failure is logged for the
+        admin and the loop goes on (the schedulers of queued resources and of MIGs)."""
+
+        def loop() -> None:
+            while self._sleep(0.05):
+                try:
+                    once()
+                except Exception as e:
+                    self.log_event("internal-error", f"{name}: {type(e).__name__}: {e}")
+
+        threading.Thread(target=loop, name=f"emulator-{name}", daemon=True).start()
+
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:
         try:
             fn(*args)

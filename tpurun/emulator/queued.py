@@ -4,7 +4,6 @@ and deleted with them."""
 from __future__ import annotations
 
 import datetime as _dt
-import threading
 import time
 from typing import Any
 
@@ -36,8 +35,7 @@ from tpurun.topology import Topology
 class Queued(Nodes):
     def __init__(self, hosts: HostsLike, config: EmulatorConfig) -> None:
         super().__init__(hosts, config)
-        self._scheduler = threading.Thread(target=self._schedule_loop, name="emulator-queue", daemon=True)
-        self._scheduler.start()
+        self._every_tick("queue", self._schedule_once)  # waiting queued resources to PROVISIONING once they fit
 
     # ------------------------------------------------------------------ queued resources
 
@@ -191,14 +189,6 @@ class Queued(Nodes):
             op = self._new_op(rec.project, rec.zone, "reset", name)
             self._finish(op, {"@type": QR_TYPE, **to_json(rec.qr)})
         return op.to_json()
-
-    def _schedule_loop(self) -> None:
-        """Moves waiting queued resources to PROVISIONING when their capacity is free."""
-        while self._sleep(0.05):
-            try:
-                self._schedule_once()
-            except Exception as e:
-                self.log_event("internal-error", f"queue scheduler: {type(e).__name__}: {e}")
 
     def _schedule_once(self) -> None:
         with self.lock:
