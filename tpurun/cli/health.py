@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from typing import Annotated, Any
 
 import typer
@@ -286,15 +285,10 @@ def _startup_reports(target: Target) -> list[startup.StartupReport] | None:
     """Each worker's startup report from the guest attributes (named TPUs only); [] when unreadable."""
     if target.local:
         return None
-    reports = []
-    sizes = Counter(w.slice for w in target.all_workers)  # workers per slice (one key: None, a plain node)
-    per_slice = [sizes[k] for k in sorted(sizes, key=lambda k: -1 if k is None else k)]
+    from tpurun.cloud import provision
+
     try:
-        cloud = target.cloud()
-        for node, size in zip(target.nodes or [target.name], per_slice, strict=True):
-            attrs = cloud.guest_attributes(node, startup.NAMESPACE + "/")
-            reports += [startup.parse_report(attrs[i] if i < len(attrs) else {}) for i in range(size)]
+        return provision.read_startup_reports(target.cloud(), target.name)
     except TpurunError as exc:
         ui.warn(f"cannot read {target.name}'s guest attributes: {exc}")
         return []
-    return reports

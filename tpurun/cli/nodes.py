@@ -175,7 +175,7 @@ def list_cmd(
     if all_zones and zone:
         raise UsageError("choose one of --zone and --all-zones")
     cloud, _ = cloud_for(project, zone, every_zone=all_zones)
-    views = provision.list_nodes(cloud)
+    views = provision.list_tpus(cloud)
     if json_out:
         ui.print_json([v.to_dict() for v in views])
         return
@@ -262,9 +262,9 @@ def delete_cmd(
         if not typer.confirm(f"Delete {name} in {cloud.project}/{cloud.zone}?", default=False):
             raise typer.Exit(1)
     with progress_display() as progress:
-        qr = provision.delete(cloud, name, progress)
+        also = provision.delete(cloud, name, progress)
     identity.bury(settings.resolve({}).home_path, cloud.project, cloud.zone, name, "`tpurun delete`")
-    ui.info(f"deleted {name}" + (" and its queued resource" if qr else ""))
+    ui.info(" and ".join([f"deleted {name}", *also]))
     cleared = settings.clear_project_setting("tpu", name)
     if cleared:
         ui.info(f"{name} is no longer the default TPU in {cleared}")

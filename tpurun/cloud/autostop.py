@@ -16,18 +16,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
-
-from google.cloud import tpu_v2
+from typing import TYPE_CHECKING, Any
 
 from tpurun import config, ui
-from tpurun.cloud import multislice, startup
-from tpurun.cloud.client import Cloud
+from tpurun.cloud import startup
 from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
-from tpurun.naming import parse_duration, validate_name
-from tpurun.topology import parse_accelerator_type
+from tpurun.naming import parse_duration
 from tpurun.worker import bundle_metadata
 from tpurun.worker import watchdog as wd
+
+if TYPE_CHECKING:
+    from tpurun.cloud.backend import Backend
+    from tpurun.cloud.client import Cloud
+    from tpurun.cloud.views import NodeView
 
 KEY = wd.CONFIG_KEY
 ACTIONS = ("delete", "stop")
@@ -113,27 +114,6 @@ def read(md: dict[str, str]) -> Setting | None:
         return None
 
 
-def tpu_nodes(cloud: Cloud, name: str) -> list[tpu_v2.Node]:
-    """NAME's nodes: the node, or every slice of the multislice TPU NAME (NoSuchTpu, exit 3, for a TPU that
-    does not exist, as everywhere)."""
-    validate_name(name)
-    node, found = multislice.find(cloud, name)
-    if found is not None:
-        qr, slices = found
-        nodes = [n for n in slices if n is not None]
-        if not nodes or len(nodes) != len(slices):
-            raise ApiError(f"{name}: the queued resource is {multislice.qr_state(qr)} and not every slice exists yet")
-        return nodes
-    if node is None:
-        raise cloud.no_such_tpu(name)
-    where = multislice.slice_of(node)
-    if where is not None:
-        raise UsageError(
-            f"{name} is slice {where[1]} of the multislice TPU {where[0]}", hint=f"`tpurun autostop {where[0]} …`"
-        )
-    return [node]
-
-
 def configure(
     cloud: Cloud,
     name: str,
@@ -143,15 +123,13 @@ def configure(
     start_watchdogs: Callable[[], dict[int, str]],
 ) -> Setting:
     """Set (IDLE > 0) or turn off (0) autostop on the TPU NAME. Where tpurun's startup wrapper does not
-    start the watchdog at boot (a node tpurun did not create), START_WATCHDOGS starts it first, over SSH."""
-    nodes = tpu_nodes(cloud, name)
-    first = nodes[0]
-    current = read(dict(first.metadata))
+    start the watchdog at boot (a TPU tpurun did not create), START_WATCHDOGS starts it first, over SSH."""
+    maker, view = _ready(cloud, name)
+    current = read(view.metadata)
     action = action or (current.action if current else "delete")
-    topo = parse_accelerator_type(first.accelerator_type)
-    stoppable = len(nodes) == 1 and not topo.multi_host and not first.queued_resource
-    check_action(action, stoppable=stoppable, what=f"{name} ({topo.name})")
-    if idle and any(startup.WATCHDOG_KEY not in n.metadata.get("startup-script", "") for n in nodes):
+    stoppable = not maker.cannot_stop(view, "stop") and not view.queued_resource
+    check_action(action, stoppable=stoppable, what=f"{name} ({view.accelerator_type})")
+    if idle and any(startup.WATCHDOG_KEY not in part.metadata.get("startup-script", "") for part in view.parts):
         progress(f"{name}: starting the watchdog on every worker")
         failed = start_watchdogs()
         if failed:
@@ -160,32 +138,33 @@ def configure(
                 f"{name}: the watchdog could not be started on worker {w}: {why}; autostop is unchanged",
                 hint=f"`tpurun attach {name}` installs tpurun's ssh key; `tpurun doctor` shows what is wrong",
             )
-    names = [n.name.rsplit("/", 1)[-1] for n in nodes]
-    for n in nodes:
-        progress(f"{n.name.rsplit('/', 1)[-1]}: setting autostop")
-        apply(cloud, n, names, idle, action)
+    progress(f"{name}: setting autostop")
+    entries = metadata(cloud, [p.name for p in view.parts], idle, action)
+    maker.update_metadata(view, lambda _md: entries)
     return Setting(idle, action)
 
 
 def arm_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
-    """Before a `train --down` job: every node of NAME carries a watchdog setting (autostop off where none
-    was set), so the watchdog the job's agent starts knows the TPU's nodes and the API."""
-    nodes = tpu_nodes(cloud, name)
-    names = [n.name.rsplit("/", 1)[-1] for n in nodes]
-    for n in nodes:
-        if read(dict(n.metadata)) is None:
-            progress(f"{n.name.rsplit('/', 1)[-1]}: setting up its watchdog for --down")
-            apply(cloud, n, names, 0, "delete")
+    """Before a `train --down` job: every slice of NAME carries a watchdog setting (autostop off where none
+    was set), so the watchdog the job's agent starts knows the TPU's slices and the API."""
+    maker, view = _ready(cloud, name)
+    entries = metadata(cloud, [p.name for p in view.parts], 0, "delete")
+    if any(read(part.metadata) is None for part in view.parts):
+        progress(f"{name}: setting up its watchdog for --down")
+    maker.update_metadata(view, lambda md: None if read(md) is not None else entries)
 
 
-def apply(cloud: Cloud, node: tpu_v2.Node, nodes: list[str], idle: int, action: str) -> None:
-    """Set autostop on NODE (one of NODES, the TPU's nodes), keeping every other metadata entry."""
-    md = dict(node.metadata)
-    md.update(metadata(cloud, nodes, idle, action))
-    startup.check_limits(md)
-    name = node.name.rsplit("/", 1)[-1]
-    op = cloud.update_metadata(name, md)
-    cloud.wait(f"update {name}", op, timeout=300)
+def _ready(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
+    """NAME's backend and view, every slice of it existing."""
+    from tpurun.cloud import provision
+
+    maker, view = provision.locate(cloud, name)
+    if view.slice_of is not None:
+        tpu, index = view.slice_of
+        raise UsageError(f"{name} is slice {index} of the multislice TPU {tpu}", hint=f"`tpurun autostop {tpu} …`")
+    if view.gone:
+        raise ApiError(f"{name}: the queued resource is {view.state} and not every slice exists yet")
+    return maker, view
 
 
 # ---------------------------------------------------------------------------- what the watchdogs report
@@ -226,25 +205,24 @@ class Activity:
         }
 
 
-def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
-    """Read what every worker of NODES (one TPU) published; nodes that are not READY publish nothing, and
-    no watchdog runs where tpurun never wrote a setting (no API call is made for those)."""
-    current = read(dict(nodes[0].metadata)) if nodes else None
-    if current is None:
+def activity(cloud: Cloud, view: NodeView) -> Activity:
+    """Read what every worker of the TPU VIEW published; a TPU not READY publishes nothing, and no
+    watchdog runs where tpurun never wrote a setting (no API call is made for those)."""
+    from tpurun.cloud import backend
+
+    current = read(view.metadata)
+    if current is None or set(view.states) != {"READY"}:
         return Activity()
-    states: list[tuple[str, dict | None]] = []
-    decision = ""
-    many = len(nodes) > 1
-    for s, node in enumerate(nodes):
-        if tpu_v2.Node.State(node.state).name != "READY":
-            return Activity()
-        try:
-            attrs = cloud.guest_attributes(node.name, wd.NAMESPACE + "/")  # the full name: any zone
-        except TpurunError:
-            return Activity()
-        for w, items in enumerate(attrs):
-            states.append((f"s{s}/w{w}" if many else f"w{w}", wd.parse_state(items.get((wd.NAMESPACE, wd.STATE_KEY)))))
-            decision = decision or items.get((wd.NAMESPACE, wd.DECISION_KEY), "")
+    try:
+        attrs = backend.of_kind(cloud, backend.Kind(view.backend)).guest_attributes(view, wd.NAMESPACE + "/")
+    except TpurunError:
+        return Activity()
+    many = len(view.parts) > 1
+    states = [
+        (f"s{w.slice}/w{w.index}" if many else f"w{w.index}", wd.parse_state(items.get((wd.NAMESPACE, wd.STATE_KEY))))
+        for w, items in zip(view.workers, attrs, strict=True)
+    ]
+    decision = next((d for items in attrs if (d := items.get((wd.NAMESPACE, wd.DECISION_KEY), ""))), "")
     if not any(st for _, st in states):
         return Activity()
     now = time.time()
@@ -264,9 +242,9 @@ def activity(cloud: Cloud, nodes: list[tpu_v2.Node]) -> Activity:
     )
 
 
-def activities(cloud: Cloud, tpus: list[list[tpu_v2.Node]]) -> list[Activity]:
-    """`activity` of many TPUs at once (one guest-attributes read per node, in parallel)."""
-    if not tpus:
+def activities(cloud: Cloud, views: list[NodeView]) -> list[Activity]:
+    """`activity` of many TPUs at once (in parallel)."""
+    if not views:
         return []
-    with ThreadPoolExecutor(max_workers=min(8, len(tpus))) as pool:
-        return list(pool.map(lambda nodes: activity(cloud, nodes), tpus))
+    with ThreadPoolExecutor(max_workers=min(8, len(views))) as pool:
+        return list(pool.map(lambda view: activity(cloud, view), views))

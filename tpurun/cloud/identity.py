@@ -5,12 +5,13 @@ One JSON file per TPU, `$TPURUN_HOME/nodes/PROJECT--ZONE--NAME.json` (0600 in a 
 - `ids`: the API's unique id of each of the TPU's nodes (one per slice). A name is not an identity: a
   TPU deleted by anything (the console, gcloud, its autostop watchdog, a preemption's clean-up) and
   made again under the same name, or another TPU given the same addresses, is a different TPU.
-- `acceleratorType`, `slices` (per slice, each worker's (internal, external) address), `nodes` and
-  `multislice`: what reaching the workers takes, so that a command needs no API call.
+- `acceleratorType`, `slices` (per slice, each worker's internal and external address and the alias
+  its host key is pinned under), `nodes` and `multislice`: what reaching the workers takes, so that a
+  command needs no API call.
 - `saved`: when the API last confirmed it.
 - `deleted`, `by`: once tpurun itself deleted the TPU, when and how (a tombstone: no addresses left).
 
-Host keys are pinned per id and worker (`keys.host_key_alias`), so reaching a worker proves, in the SSH
+Host keys are pinned per worker identity (`keys.host_key_alias`), so reaching a worker proves, in the SSH
 handshake, that the VM answering at a remembered address is that worker of that TPU; transport.targets
 asks the API again whenever a worker cannot prove it.
 """
@@ -28,13 +29,14 @@ from tpurun import config
 
 @dataclass(frozen=True)
 class Endpoints:
-    """What reaching a TPU's workers takes: its accelerator type, its nodes' unique ids and, per slice, each
-    worker's (internal, external) address. One slice unless the TPU is a multislice one."""
+    """What reaching a TPU's workers takes: its accelerator type, its slices' unique ids and, per slice,
+    each worker's (internal address, external address, host key alias). One slice unless the TPU is a
+    multislice one."""
 
     accelerator_type: str
-    slices: list[list[tuple[str, str]]]
-    nodes: list[str]  # the node of each slice
-    ids: list[str]  # the API's unique id of each slice's node
+    slices: list[list[tuple[str, str, str]]]
+    nodes: list[str]  # the node (instance group, instance) of each slice
+    ids: list[str]  # the API's unique id of each slice
     multislice: bool = False
 
     def to_json(self) -> dict:
@@ -48,7 +50,7 @@ class Endpoints:
 
     @classmethod
     def from_json(cls, data: dict) -> Endpoints:
-        slices = [[(str(a), str(b)) for a, b in eps] for eps in data["slices"]]
+        slices = [[(str(a), str(b), str(c)) for a, b, c in eps] for eps in data["slices"]]
         nodes = [str(n) for n in data["nodes"]]
         ids = [str(i) for i in data["ids"]]
         if len(ids) != len(slices) or not all(ids):

@@ -54,9 +54,7 @@ def refuse_taken(cloud: Cloud, name: str, slices: int) -> None:
 def queued_resource(cloud: Cloud, name: str, slices: int, node: tpu_v2.Node) -> tpu_v2.QueuedResource:
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
         parent=cloud.parent,
-        multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
-            node_count=slices, node_id_prefix=name
-        ),
+        multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(node_count=slices, node_id_prefix=name),
         node=node,
     )
     return tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]))
@@ -82,13 +80,6 @@ def slice_nodes(cloud: Cloud, name: str) -> Slices | None:
         return None
     prefix = qr.tpu.node_spec[0].multislice_params.node_id_prefix or name
     return qr, [cloud.find_node(n) for n in slice_ids(prefix, slice_count(qr))]
-
-
-def find(cloud: Cloud, name: str) -> tuple[tpu_v2.Node | None, Slices | None]:
-    """What the TPU NAME is: (its node, None), or (None, its slices) for a multislice TPU, or (None, None)
-    when neither exists."""
-    node = cloud.find_node(name)
-    return node, (slice_nodes(cloud, name) if node is None else None)
 
 
 def slice_of(node: tpu_v2.Node) -> tuple[str, int] | None:

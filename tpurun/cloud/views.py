@@ -1,5 +1,7 @@
-"""What `list`, `describe` and `create` show of a TPU: a node's view (its workers, their startup reports,
-its autostop setting and what its watchdogs report), and a multislice TPU's view over its slices."""
+"""What every command knows of a TPU, whichever API made it: its state, its slices and their workers
+(addresses, the alias each one's host key is pinned under), its metadata, its startup reports and
+what its watchdogs report. A backend (tpurun.cloud.backend) answers in these; `list`, `describe` and
+`create` show them."""
 
 from __future__ import annotations
 
@@ -7,14 +9,15 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.cloud import tpu_v2
-
 from tpurun import ui
-from tpurun.cloud import autostop, multislice, startup
-from tpurun.cloud.multislice import qr_state
+from tpurun.cloud import autostop, startup
 from tpurun.naming import worker_name
 
-STATE = tpu_v2.Node.State
+# the states every command reads (a backend says its own in these words; `describe` shows its own too)
+READY = "READY"
+PREEMPTED = "PREEMPTED"
+STOPPED = "STOPPED"
+GONE = "GONE"  # a slice of the TPU that does not exist (yet, or any more)
 
 
 @dataclass
@@ -22,6 +25,7 @@ class WorkerView:
     index: int
     internal_ip: str
     external_ip: str
+    host_key: str = ""  # the alias its ssh host key is pinned under (keys.host_key_alias), its identity
     report: startup.StartupReport | None = None
     slice: int | None = None  # its slice, in a multislice TPU
 
@@ -32,9 +36,10 @@ class WorkerView:
 
 @dataclass
 class NodeView:
-    """What `list` and `describe` show: one node, with the fields users ask about."""
+    """One TPU (or one slice of a multislice TPU), with the fields users ask about."""
 
     name: str
+    backend: str  # who made it: "tpu-api" (a Cloud TPU node) or "compute" (Compute Engine VMs)
     accelerator_type: str
     state: str
     health: str
@@ -46,11 +51,28 @@ class NodeView:
     labels: dict[str, str]
     metadata: dict[str, str]
     queued_resource: str
-    id: str = ""  # the node's unique id in the API (a multislice TPU has one per slice)
+    id: str = ""  # its unique id in the API (a multislice TPU has one per slice)
     zone: str = ""
     slices: list[NodeView] = field(default_factory=list)  # a multislice TPU: one view per slice
+    gone: list[int] = field(default_factory=list)  # a multislice TPU: its slices that do not exist
     slice_of: tuple[str, int] | None = None  # a slice's node: (its multislice TPU, its slice index)
     activity: autostop.Activity = field(default_factory=autostop.Activity)  # what its watchdogs report
+
+    @property
+    def parts(self) -> list[NodeView]:
+        """Its slices' views (itself, for a TPU of one slice)."""
+        return self.slices or [self]
+
+    @property
+    def states(self) -> list[str]:
+        """Each slice's state, GONE for a slice that does not exist."""
+        return [v.state for v in self.parts] + [GONE] * len(self.gone)
+
+    def with_reports(self, reports: list[startup.StartupReport] | None) -> NodeView:
+        """Itself, each worker (over every slice, in order) given its startup report."""
+        for i, w in enumerate(self.workers):
+            w.report = reports[i] if reports and i < len(reports) else None
+        return self
 
     @property
     def autostop_setting(self) -> autostop.Setting | None:
@@ -64,6 +86,7 @@ class NodeView:
     def to_dict(self, *, full: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
             "name": self.name,
+            "backend": self.backend,
             "id": self.id or None,
             "zone": self.zone or None,
             "acceleratorType": self.accelerator_type,
@@ -117,82 +140,3 @@ def shorten_metadata(key: str, value: str) -> str:
     if len(value) > 200:
         return f"<{len(value)} bytes>"
     return value
-
-
-def _zone_of(name: str) -> str:
-    """The zone in a resource's full name, projects/P/locations/ZONE/..."""
-    parts = name.split("/")
-    return parts[3] if len(parts) > 3 and parts[2] == "locations" else ""
-
-
-def node_view(
-    node: tpu_v2.Node,
-    reports: list[startup.StartupReport] | None = None,
-    activity: autostop.Activity | None = None,
-) -> NodeView:
-    where = multislice.slice_of(node)
-    workers = []
-    for i, ep in enumerate(node.network_endpoints):
-        ext = ep.access_config.external_ip if ep.access_config else ""
-        report = reports[i] if reports and i < len(reports) else None
-        workers.append(WorkerView(i, ep.ip_address, ext, report, slice=where[1] if where else None))
-    created = None
-    if node.create_time:
-        created = node.create_time if node.create_time.tzinfo else node.create_time.replace(tzinfo=dt.timezone.utc)
-    return NodeView(
-        name=node.name.rsplit("/", 1)[-1],
-        zone=_zone_of(node.name),
-        accelerator_type=node.accelerator_type,
-        state=STATE(node.state).name,
-        health=tpu_v2.Node.Health(node.health).name if node.health else "-",
-        runtime_version=node.runtime_version,
-        workers=workers,
-        spot=bool(node.scheduling_config.spot),
-        preemptible=bool(node.scheduling_config.preemptible),
-        created=created,
-        labels=dict(node.labels),
-        metadata=dict(node.metadata),
-        queued_resource=node.queued_resource,
-        id=str(node.id) if node.id else "",
-        slice_of=where,
-        activity=activity or autostop.Activity(),
-    )
-
-
-def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]) -> NodeView:
-    """The view of a multislice TPU: the queued resource's state, every slice's workers in slice order
-    (none yet while it waits: then the node template of its request stands for the slices)."""
-    if not slices:
-        template = qr.tpu.node_spec[0].node
-        return NodeView(
-            name=name,
-            accelerator_type=template.accelerator_type,
-            state=qr_state(qr),
-            health="-",
-            runtime_version=template.runtime_version,
-            workers=[],
-            spot="spot" in qr,
-            preemptible=False,
-            created=None,
-            labels=dict(template.labels),
-            metadata=dict(template.metadata),
-            queued_resource=qr.name,
-            zone=_zone_of(qr.name),
-        )
-    first = slices[0]
-    return NodeView(
-        name=name,
-        zone=first.zone,
-        accelerator_type=first.accelerator_type,
-        state=qr_state(qr),
-        health=first.health if all(v.health == first.health for v in slices) else "mixed",
-        runtime_version=first.runtime_version,
-        workers=[w for v in slices for w in v.workers],
-        spot=first.spot,
-        preemptible=first.preemptible,
-        created=first.created,
-        labels=first.labels,
-        metadata=first.metadata,
-        queued_resource=qr.name,
-        slices=slices,
-    )

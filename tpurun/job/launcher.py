@@ -654,11 +654,11 @@ def train(
 
 
 def preempted(target: Target) -> bool:
-    """Whether the API reports TARGET's node (one of its slices' nodes) preempted or gone after its workers
-    vanished; it may say so a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
+    """Whether the API reports TARGET (one of its slices) preempted or gone after its workers vanished; it
+    may say so a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
     if target.local:
         return False
-    from tpurun.cloud.provision import STATE
+    from tpurun.cloud import provision
 
     deadline = time.monotonic() + config.PREEMPT_CHECK.number()
     try:
@@ -667,14 +667,11 @@ def preempted(target: Target) -> bool:
         return False
     while True:
         try:
-            states = [cloud.find_node(name) for name in target.nodes or [target.name]]
+            answer = provision.gone_or_preempted(cloud, target.name)
         except TpurunError:
             return False
-        names = ["GONE" if node is None else STATE(node.state).name for node in states]
-        if any(n in ("GONE", "PREEMPTED", "TERMINATED") for n in names):
-            return True
-        if any(n != "READY" for n in names) or time.monotonic() > deadline:
-            return False
+        if answer is not None or time.monotonic() > deadline:
+            return bool(answer)
         time.sleep(1.0)
 
 

@@ -15,9 +15,7 @@ from tpurun.transport.fanout import connect_all
 from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, parse_worker_spec
 
 if TYPE_CHECKING:
-    from google.cloud import tpu_v2  # not at run time: exec and train load the Cloud TPU client only when asked
-
-    from tpurun.cloud.client import Cloud
+    from tpurun.cloud.client import Cloud  # not at run time: exec and train load the API clients only when asked
 
 
 @dataclass
@@ -45,7 +43,7 @@ class Target:
         return (self.where.zone.value or "") if self.where else ""
 
     def cloud(self) -> Cloud:
-        """The Cloud TPU API where the TPU is (a named TPU only)."""
+        """The APIs where the TPU is (a named TPU only)."""
         from tpurun.cloud.client import Cloud
 
         assert self.where is not None, "this machine has no Cloud TPU API"
@@ -162,41 +160,32 @@ def resolve(
 
 
 def _fetch(s: settings.Settings, name: str, remembered: identity.Remembered | None) -> Endpoints:
-    """Where NAME's workers are (every slice's, for a multislice TPU), if each of its nodes is READY, with
-    their host keys pinned again from the API under the nodes' ids."""
-    from tpurun.cloud import multislice, provision
-    from tpurun.cloud.client import Cloud, short_name
-    from tpurun.cloud.multislice import qr_state
+    """Where NAME's workers are (every slice's, for a multislice TPU), if each of its slices is READY, with
+    their host keys pinned again from the API under their identities."""
+    from tpurun.cloud import backend, provision
+    from tpurun.cloud.client import Cloud
 
     cloud = Cloud(s)
-    node, found = multislice.find(cloud, name)
+    found = backend.locate(cloud, name)
     if found is None:
-        if node is None:
-            raise _missing(cloud.no_such_tpu(name), s, remembered)
-        nodes = [node]
-        endpoints = Endpoints(node.accelerator_type, [_ready_endpoints(s, name, node)], [name], [str(node.id)])
-    else:
-        qr, slice_nodes = found
-        ready = []
-        for i, n in enumerate(slice_nodes):
-            if n is None:
-                raise UnreachableError(
-                    f"{name}: slice {i} does not exist (its queued resource is {qr_state(qr)}), so its workers "
-                    "cannot be reached",
-                    hint=f"`tpurun describe {name}`",
-                )
-            ready.append(_ready_endpoints(s, name, n, f" (slice {i})"))
-        nodes = [n for n in slice_nodes if n is not None]
-        endpoints = Endpoints(
-            nodes[0].accelerator_type,
-            ready,
-            [short_name(n.name) for n in nodes],
-            [str(n.id) for n in nodes],
-            multislice=True,
+        raise _missing(cloud.no_such_tpu(name), s, remembered)
+    view = found[1]
+    many = len(view.parts) > 1 or bool(view.gone)
+    if view.gone:
+        raise UnreachableError(
+            f"{name}: slice {view.gone[0]} does not exist ({view.state}), so its workers cannot be reached",
+            hint=f"`tpurun describe {name}`",
         )
-    for n in nodes:
-        provision.pin_from_guest_attributes(cloud, s.home_path, short_name(n.name), n)
-    return endpoints
+    for i, part in enumerate(view.parts):
+        _check_ready(s, name, part.state, f" (slice {i})" if many else "")
+    provision.pin_host_keys(cloud, s.home_path, view)
+    return Endpoints(
+        view.accelerator_type,
+        [[(w.internal_ip, w.external_ip, w.host_key) for w in part.workers] for part in view.parts],
+        [part.name for part in view.parts],
+        [part.id for part in view.parts],
+        multislice=many,
+    )
 
 
 def _missing(error: ApiError, s: settings.Settings, remembered: identity.Remembered | None) -> NoSuchTpu:
@@ -222,36 +211,28 @@ def _is_default(s: settings.Settings) -> bool:
     return not s.tpu.source.startswith("flag")
 
 
-def _ready_endpoints(s: settings.Settings, name: str, node: tpu_v2.Node, what: str = "") -> list[tuple[str, str]]:
-    """(internal, external) address of each worker of NODE (of the TPU NAME; WHAT says which part of it)."""
-    from tpurun.cloud.provision import STATE
-
-    state = STATE(node.state).name
-    if state != "READY":
-        default = f" (the default TPU here, from {s.tpu.source})" if _is_default(s) else ""
-        if state == "PREEMPTED":
-            raise Preempted(
-                f"{name}{what}{default} was preempted: its VMs are gone",
-                tpu=name,
-                hint=f"`tpurun delete {name}` and create it again (`train --max-restarts N` does that for a job)",
-            )
-        else:
-            problem = f"{name}{what}{default} is {state}, so its workers cannot be reached"
-            hint = f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else "")
-        raise UnreachableError(problem, hint=hint)
-    return [
-        (ep.ip_address, ep.access_config.external_ip if ep.access_config else "") for ep in node.network_endpoints
-    ]
+def _check_ready(s: settings.Settings, name: str, state: str, what: str = "") -> None:
+    """Refuse a TPU whose slice (WHAT says which, of the TPU NAME) is in STATE, unless READY."""
+    if state == "READY":
+        return
+    default = f" (the default TPU here, from {s.tpu.source})" if _is_default(s) else ""
+    if state == "PREEMPTED":
+        raise Preempted(
+            f"{name}{what}{default} was preempted: its VMs are gone",
+            tpu=name,
+            hint=f"`tpurun delete {name}` and create it again (`train --max-restarts N` does that for a job)",
+        )
+    hint = f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else "")
+    raise UnreachableError(f"{name}{what}{default} is {state}, so its workers cannot be reached", hint=hint)
 
 
 def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: str, *, cached: bool) -> Target:
     user = keys.ssh_user()
     workers: list[Worker] = []
     for slice_id, slice_endpoints in enumerate(endpoints.slices):
-        for host, (internal, external) in enumerate(slice_endpoints):
+        for host, (internal, external, alias) in enumerate(slice_endpoints):
             address, port = _mapped(external or internal)
             where = slice_id if endpoints.multislice else None
-            alias = keys.host_key_alias(endpoints.ids[slice_id], host)
             workers.append(
                 Worker(len(workers), address, port, user, slice=where, host=host, internal=internal, host_key=alias)
             )

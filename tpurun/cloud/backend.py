@@ -1,0 +1,152 @@
+"""The one interface between tpurun and whichever Google API made a TPU.
+
+Two APIs make TPU VMs: the Cloud TPU API (nodes and queued resources, `tpurun.cloud.tpu_api`) and
+Compute Engine (instances, and managed instance groups with a workload policy, `tpurun.cloud.compute`).
+Each is a `Backend`; both answer in the same views (`tpurun.cloud.views`), so nothing above the cloud
+layer asks which one made a TPU. `locate` finds the TPU a name stands for in either.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tpurun.errors import ApiError
+from tpurun.topology import Topology
+
+if TYPE_CHECKING:
+    from tpurun.cloud.client import Cloud
+    from tpurun.cloud.views import NodeView
+
+Progress = Callable[[str], None]
+# per worker of a TPU, in worker order over its slices: {(namespace, key): value}
+GuestAttributes = list[dict[tuple[str, str], str]]
+# given a slice's (or VM's) metadata, the entries to set in it (None: leave it as it is)
+MetadataChange = Callable[[dict[str, str]], dict[str, str] | None]
+
+
+class Kind(str, enum.Enum):
+    """Who makes a TPU; the words `create --backend`, `list` and `--json` use."""
+
+    TPU_API = "tpu-api"
+    COMPUTE = "compute"
+
+    @property
+    def api_name(self) -> str:
+        return {"tpu-api": "Cloud TPU API", "compute": "Compute Engine"}[self.value]
+
+
+@dataclass
+class CreateSpec:
+    """What `tpurun create` was asked for, as the user said it."""
+
+    name: str
+    accelerator_type: str
+    version: str | None = None
+    spot: bool = False
+    preemptible: bool = False
+    queued: bool = False
+    slices: int = 1  # several: one multislice TPU
+    valid_until: str | None = None
+    startup_script: Path | None = None
+    setup: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    network: str | None = None
+    subnetwork: str | None = None
+    internal_ips: bool = False
+    code: str | None = None  # DIR[:DEST]
+    data: list[str] = field(default_factory=list)
+    autostop: str | None = None  # e.g. 30m: the watchdog deletes (or stops) the TPU after that long idle
+    autostop_action: str | None = None
+    wait: bool = True
+    timeout: float = 1800.0
+
+
+@dataclass
+class Request:
+    """A `CreateSpec` checked and made ready for an API: its shape, the metadata every VM boots with
+    (startup script, watchdog, tpurun's ssh key), its labels and how long it may wait for capacity."""
+
+    topology: Topology
+    metadata: dict[str, str]
+    labels: dict[str, str]
+    valid_until: int | None  # seconds
+
+
+class Backend(ABC):
+    """A TPU's life through one API. Every method takes the name the user gave the TPU; a backend that
+    has no TPU of that name answers None from `find` and nothing else is asked of it."""
+
+    kind: Kind
+
+    def __init__(self, cloud: Cloud) -> None:
+        self.cloud = cloud
+
+    @abstractmethod
+    def find(self, name: str) -> NodeView | None:
+        """The TPU NAME as it is now (a multislice TPU with every slice); None when this API has none."""
+
+    @abstractmethod
+    def all_tpus(self) -> list[NodeView]:
+        """Every TPU of the zone this API made (slices of a multislice TPU listed on their own)."""
+
+    @abstractmethod
+    def create(self, spec: CreateSpec, request: Request, progress: Progress) -> None:
+        """Ask for the TPU; unless `spec.wait` is off, return once the API made every VM (or raise)."""
+
+    @abstractmethod
+    def delete(self, view: NodeView, progress: Progress) -> list[str]:
+        """Delete the TPU and everything made with it; what else went, for the user ("its queued resource")."""
+
+    @abstractmethod
+    def recreate(self, view: NodeView, progress: Progress) -> None:
+        """Delete a preempted TPU and ask for it again with the same settings, waiting until its VMs exist."""
+
+    @abstractmethod
+    def stop(self, view: NodeView, progress: Progress) -> None: ...
+
+    @abstractmethod
+    def start(self, view: NodeView, progress: Progress) -> None: ...
+
+    @abstractmethod
+    def update_metadata(self, view: NodeView, change: MetadataChange) -> None:
+        """Set what CHANGE gives in the metadata of every slice (or VM) of the TPU, keeping every other entry."""
+
+    @abstractmethod
+    def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
+        """What every worker published under QUERY_PATH ("hostkeys/", "tpurun/"), in worker order."""
+
+    @abstractmethod
+    def cannot_stop(self, view: NodeView, verb: str) -> str:
+        """Why the TPU cannot be stopped or started (VERB: which), "" when it can."""
+
+
+def backends(cloud: Cloud) -> list[Backend]:
+    from tpurun.cloud.tpu_api import TpuApi
+
+    return [TpuApi(cloud)]
+
+
+def of_kind(cloud: Cloud, kind: Kind) -> Backend:
+    return next(b for b in backends(cloud) if b.kind is kind)
+
+
+def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
+    """The TPU NAME and the API that made it; None when neither has one. When one API cannot be asked
+    (not enabled in the project, no permission) and the other has no such TPU, that failure is raised."""
+    failures: list[ApiError] = []
+    for backend in backends(cloud):
+        try:
+            view = backend.find(name)
+        except ApiError as exc:
+            failures.append(exc)
+            continue
+        if view is not None:
+            return backend, view
+    if failures:
+        raise failures[0]
+    return None

@@ -1,0 +1,281 @@
+"""TPUs made by the Cloud TPU API: a node, a node asked for through a queued resource, or the slices of
+a multislice queued resource (tpurun.cloud.multislice), told in tpurun's views."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+from google.cloud import tpu_v2
+
+from tpurun.cloud import keys, multislice, startup
+from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
+from tpurun.cloud.client import short_name
+from tpurun.cloud.multislice import qr_state
+from tpurun.cloud.views import NodeView, WorkerView
+from tpurun.errors import ApiError
+from tpurun.topology import parse_accelerator_type
+
+STATE = tpu_v2.Node.State
+
+
+class TpuApi(Backend):
+    kind = Kind.TPU_API
+
+    # ------------------------------------------------------------------ reading
+
+    def find(self, name: str) -> NodeView | None:
+        cloud = self.cloud
+        node = cloud.find_node(name)
+        if node is not None:
+            return node_view(node)
+        qr = cloud.find_queued_resource(name)
+        if qr is None:
+            return None
+        if not multislice.slice_count(qr):
+            return _waiting_view(name, qr)  # a node asked for through a queued resource, not made yet
+        found = multislice.slice_nodes(cloud, name)
+        assert found is not None
+        qr, nodes = found
+        view = multislice_view(name, qr, [node_view(n) for n in nodes if n is not None])
+        view.gone = [i for i, n in enumerate(nodes) if n is None]
+        return view
+
+    def all_tpus(self) -> list[NodeView]:
+        return [node_view(n) for n in sorted(self.cloud.list_nodes(), key=lambda n: n.name)]
+
+    def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
+        out: GuestAttributes = []
+        for part in view.parts:
+            attrs = self.cloud.guest_attributes(self._path(part), query_path)
+            out += [attrs[i] if i < len(attrs) else {} for i in range(len(part.workers))]
+        return out
+
+    def _path(self, part: NodeView) -> str:
+        """A node's full name (a TPU listed from every zone is in its own zone)."""
+        zone = part.zone or self.cloud.zone
+        return f"projects/{self.cloud.project}/locations/{zone}/nodes/{part.name}"
+
+    # ------------------------------------------------------------------ making
+
+    def create(self, spec: CreateSpec, request: Request, progress: Progress) -> None:
+        cloud = self.cloud
+        node = tpu_v2.Node(
+            accelerator_type=request.topology.name,
+            runtime_version=spec.version or request.topology.default_runtime_version,
+            labels=request.labels,
+            metadata=request.metadata,
+            network_config=tpu_v2.NetworkConfig(
+                network=spec.network or "",
+                subnetwork=spec.subnetwork or "",
+                enable_external_ips=not spec.internal_ips,
+            ),
+            scheduling_config=tpu_v2.SchedulingConfig(spot=spec.spot, preemptible=spec.preemptible),
+        )
+        if spec.slices > 1:
+            multislice.refuse_taken(cloud, spec.name, spec.slices)
+            qr = multislice.queued_resource(cloud, spec.name, spec.slices, node)
+            self._queue(spec, qr, request.valid_until, progress)
+        elif spec.queued:
+            nodes = [tpu_v2.QueuedResource.Tpu.NodeSpec(parent=cloud.parent, node_id=spec.name, node=node)]
+            self._queue(
+                spec,
+                tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=nodes)),
+                request.valid_until,
+                progress,
+            )
+        else:
+            op = cloud.create_node(spec.name, node)
+            if spec.wait:
+                cloud.wait(
+                    f"create {spec.name}", op, timeout=spec.timeout, on_poll=lambda: progress(f"{spec.name}: CREATING")
+                )
+
+    def _queue(self, spec: CreateSpec, qr: tpu_v2.QueuedResource, valid_until: int | None, progress: Progress) -> None:
+        """Ask for QR and, unless --no-wait, wait until it is ACTIVE (its nodes made)."""
+        cloud = self.cloud
+        if spec.spot:
+            qr.spot = tpu_v2.QueuedResource.Spot()
+        if valid_until:
+            qr.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(valid_until_duration={"seconds": valid_until})
+        op = cloud.create_queued_resource(spec.name, qr)
+        cloud.wait(f"queue {spec.name}", op, timeout=120)
+        deadline = time.monotonic() + (valid_until or spec.timeout)
+        if not spec.wait:
+            return
+        for _ in cloud.iter_poll():
+            got = cloud.get_queued_resource(spec.name)
+            state = qr_state(got)
+            progress(f"{spec.name}: queued resource {state}")
+            if state == "ACTIVE":
+                return
+            if state in ("FAILED", "SUSPENDED"):
+                detail = got.state.failed_data.error.message if got.state.failed_data else ""
+                raise ApiError(
+                    f"queued resource {spec.name} {state}{': ' + detail if detail else ''}",
+                    hint=f"delete it with `tpurun delete {spec.name} --yes` and try another zone or size",
+                )
+            if time.monotonic() > deadline:
+                raise ApiError(
+                    f"queued resource {spec.name} is still {state} after {spec.timeout:.0f} s",
+                    hint="it stays queued; check later with `tpurun list`, or `tpurun delete` it",
+                )
+
+    def delete(self, view: NodeView, progress: Progress) -> list[str]:
+        cloud, name = self.cloud, view.name
+        node_made = bool(view.id)  # a node (else: a queued resource waiting, or a multislice TPU)
+        if node_made:
+            op = cloud.delete_node(name)
+            cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
+        if not view.queued_resource:
+            return []
+        short = short_name(view.queued_resource)
+        progress(f"{name}: deleting queued resource {short}" + ("" if node_made else " and its slices"))
+        op = cloud.delete_queued_resource(view.queued_resource)
+        cloud.wait(f"delete queued resource {view.queued_resource}", op, timeout=1800)
+        return ["its queued resource"]
+
+    def recreate(self, view: NodeView, progress: Progress) -> None:
+        """A multislice TPU is asked for again whole: Cloud TPU gives a queued resource's slices back only
+        together."""
+        cloud, name = self.cloud, view.name
+        if not view.id:
+            qr = cloud.get_queued_resource(name)
+            template, count, spot = qr.tpu.node_spec[0].node, multislice.slice_count(qr), "spot" in qr
+            progress(f"{name}: deleting queued resource {name} and its slices")
+            cloud.wait(f"delete queued resource {name}", cloud.delete_queued_resource(name), timeout=1800)
+            again = CreateSpec(name=name, accelerator_type=template.accelerator_type, spot=spot, slices=count)
+            self._queue(again, multislice.queued_resource(cloud, name, count, template), None, progress)
+            return
+        old = cloud.get_node(name)
+        node = tpu_v2.Node(
+            accelerator_type=old.accelerator_type,
+            runtime_version=old.runtime_version,
+            labels=dict(old.labels),
+            metadata=dict(old.metadata),
+            network_config=old.network_config,
+            scheduling_config=old.scheduling_config,
+        )
+        cloud.wait(
+            f"delete {name}", cloud.delete_node(name), timeout=1800, on_poll=lambda: progress(f"{name}: DELETING")
+        )
+        cloud.wait(
+            f"create {name}", cloud.create_node(name, node), timeout=1800, on_poll=lambda: progress(f"{name}: CREATING")
+        )
+
+    # ------------------------------------------------------------------ changing
+
+    def cannot_stop(self, view: NodeView, verb: str) -> str:
+        if view.slices or view.gone:
+            return f"{view.name} is a multislice TPU; Cloud TPU can {verb} only single-host TPU VMs"
+        if not view.id:
+            return f"{view.name} is a queued resource {view.state}; Cloud TPU can {verb} only a TPU VM it made"
+        topo = parse_accelerator_type(view.accelerator_type)
+        if topo.multi_host:
+            return (
+                f"{view.name} is a {topo.name} pod slice with {topo.hosts} workers; Cloud TPU can {verb} only "
+                "single-host TPU VMs"
+            )
+        return ""
+
+    def stop(self, view: NodeView, progress: Progress) -> None:
+        op = self.cloud.stop_node(view.name)
+        self.cloud.wait(f"stop {view.name}", op, timeout=1800, on_poll=lambda: progress(f"{view.name}: STOPPING"))
+
+    def start(self, view: NodeView, progress: Progress) -> None:
+        op = self.cloud.start_node(view.name)
+        self.cloud.wait(f"start {view.name}", op, timeout=1800, on_poll=lambda: progress(f"{view.name}: STARTING"))
+
+    def update_metadata(self, view: NodeView, change: MetadataChange) -> None:
+        for part in view.parts:
+            node = self.cloud.get_node(part.name)
+            metadata = dict(node.metadata)
+            entries = change(metadata)
+            if not entries:
+                continue
+            metadata.update(entries)
+            startup.check_limits(metadata)
+            op = self.cloud.update_metadata(part.name, metadata)
+            self.cloud.wait(f"update {part.name}", op, timeout=300)
+
+
+def _zone_of(name: str) -> str:
+    """The zone in a resource's full name, projects/P/locations/ZONE/..."""
+    parts = name.split("/")
+    return parts[3] if len(parts) > 3 and parts[2] == "locations" else ""
+
+
+def node_view(node: tpu_v2.Node) -> NodeView:
+    where = multislice.slice_of(node)
+    workers = []
+    for i, ep in enumerate(node.network_endpoints):
+        ext = ep.access_config.external_ip if ep.access_config else ""
+        alias = keys.host_key_alias(str(node.id), i)
+        workers.append(WorkerView(i, ep.ip_address, ext, alias, slice=where[1] if where else None))
+    created = None
+    if node.create_time:
+        created = node.create_time if node.create_time.tzinfo else node.create_time.replace(tzinfo=dt.timezone.utc)
+    return NodeView(
+        name=short_name(node.name),
+        backend=Kind.TPU_API.value,
+        zone=_zone_of(node.name),
+        accelerator_type=node.accelerator_type,
+        state=STATE(node.state).name,
+        health=tpu_v2.Node.Health(node.health).name if node.health else "-",
+        runtime_version=node.runtime_version,
+        workers=workers,
+        spot=bool(node.scheduling_config.spot),
+        preemptible=bool(node.scheduling_config.preemptible),
+        created=created,
+        labels=dict(node.labels),
+        metadata=dict(node.metadata),
+        queued_resource=node.queued_resource,
+        id=str(node.id) if node.id else "",
+        slice_of=where,
+    )
+
+
+def _waiting_view(name: str, qr: tpu_v2.QueuedResource) -> NodeView:
+    """A queued resource whose node(s) are not made yet: its request's node stands for them."""
+    template = qr.tpu.node_spec[0].node
+    return NodeView(
+        name=name,
+        backend=Kind.TPU_API.value,
+        accelerator_type=template.accelerator_type,
+        state=qr_state(qr),
+        health="-",
+        runtime_version=template.runtime_version,
+        workers=[],
+        spot="spot" in qr,
+        preemptible=False,
+        created=None,
+        labels=dict(template.labels),
+        metadata=dict(template.metadata),
+        queued_resource=qr.name,
+        zone=_zone_of(qr.name),
+    )
+
+
+def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]) -> NodeView:
+    """The view of a multislice TPU: the queued resource's state, every slice's workers in slice order
+    (none yet while it waits)."""
+    if not slices:
+        return _waiting_view(name, qr)
+    first = slices[0]
+    return NodeView(
+        name=name,
+        backend=Kind.TPU_API.value,
+        zone=first.zone,
+        accelerator_type=first.accelerator_type,
+        state=qr_state(qr),
+        health=first.health if all(v.health == first.health for v in slices) else "mixed",
+        runtime_version=first.runtime_version,
+        workers=[w for v in slices for w in v.workers],
+        spot=first.spot,
+        preemptible=first.preemptible,
+        created=first.created,
+        labels=first.labels,
+        metadata=first.metadata,
+        queued_resource=qr.name,
+        slices=slices,
+    )
