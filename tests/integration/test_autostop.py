@@ -84,7 +84,7 @@ def test_idle_node_is_deleted_by_its_own_watchdog(tp, emulator):
 
 def test_not_deleted_while_a_detached_job_runs_then_after_it_plus_the_period(tp, emulator):
     assert tp("create", "busy", "-t", "v4-16").code == 0
-    r = tp("train", "job.py", "6", "0", "--runtime", "cpu", "--launch", "host", "--detach")
+    r = tp("train", "job.py", "9", "0", "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip()
     r = tp("autostop", "busy", "2s")

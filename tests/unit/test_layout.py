@@ -76,3 +76,22 @@ def test_every_module_of_the_map_exists():
     for package, modules in re.findall(r"^\| `tpurun/(\w+)/`[^|]*\| ([^|]+) \|", page, re.M):
         for module in re.findall(r"`([\w/]+\.py)`", modules):
             assert (PACKAGE / package / module).is_file(), f"docs/architecture.md names tpurun/{package}/{module}"
+
+
+def test_no_caller_asks_which_api_made_a_tpu():
+    """Backends answer in the same views: outside tpurun/cloud/ only the CLI's option parsing and list
+    rendering name them, and nothing but the cloud layer imports an API's client or a backend module."""
+    asks = re.compile(
+        r"\.backend\b\s*(==|!=|in\b)|Kind\.(TPU_API|COMPUTE)\b|\b(tpu_v2|compute_v1)\b|"
+        r"cloud\.(tpu_api|compute)\b|import (TpuApi|Compute)\b"
+    )
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] in ("cloud", "emulator"):
+            continue
+        offenders += [
+            f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if asks.search(line)
+        ]
+    assert offenders == []

@@ -8,6 +8,7 @@ import typer
 
 from tpurun import settings, topology, ui
 from tpurun.cli.options import JsonOpt, parsing
+from tpurun.cloud.backend import Kind
 from tpurun.errors import TpurunError
 
 config_app = typer.Typer(help="Show tpurun's resolved settings.", no_args_is_help=True)
@@ -60,7 +61,7 @@ def topology_cmd(
         ("host bounds", t.host_bounds),
         ("chips per host bounds", t.chips_per_host_bounds),
         ("device files", " ".join(t.device_files)),
-        ("made by", ", ".join({"tpu-api": "Cloud TPU API", "compute": "Compute Engine"}[b] for b in t.backends)),
+        ("made by", ", ".join(Kind(b).api_name for b in t.backends)),
         ("default runtime version", t.default_runtime_version or "-"),
         ("Compute Engine machine type", t.machine_type or "-"),
         ("PCI device (subsystem)", f"{t.pci_ids[0]} ({t.pci_ids[1]})"),

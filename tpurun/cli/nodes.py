@@ -39,10 +39,25 @@ def _workers_table(view: provision.NodeView) -> None:
 
 
 def create_cmd(
-    name: Annotated[
-        str, typer.Argument(metavar="NAME", help="The new TPU's name: lowercase letters, digits and '-'.")
-    ],
-    accelerator_type: Annotated[str, typer.Option("--accelerator-type", "-t", help="e.g. v4-16, v5litepod-8.")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The new TPU's name: lowercase letters, digits and '-'.")],
+    accelerator_type: Annotated[
+        str | None, typer.Option("--accelerator-type", "-t", help="e.g. v4-16, v5litepod-8, tpu7x-32.")
+    ] = None,
+    machine_type: Annotated[
+        str | None,
+        typer.Option("--machine-type", help="Compute Engine's spelling, with --topology: e.g. tpu7x-standard-4t."),
+    ] = None,
+    topology: Annotated[
+        str | None, typer.Option("--topology", help="With --machine-type: the slice's chips, e.g. 2x2x4.")
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(
+            "--backend",
+            help="Who makes it: tpu-api (Cloud TPU API) or compute (Compute Engine). Default: the Cloud TPU API "
+            "where it offers the type, else Compute Engine (TPU7x).",
+        ),
+    ] = None,
     version: Annotated[str | None, typer.Option(help="Runtime version (default per generation).")] = None,
     spot: Annotated[bool, typer.Option("--spot", help="Spot VM (cheaper, can be preempted).")] = False,
     preemptible: Annotated[bool, typer.Option("--preemptible", help="Preemptible VM.")] = False,
@@ -79,7 +94,7 @@ def create_cmd(
         typer.Option(
             "--autostop",
             help="Delete the TPU (and its queued resource) once every worker has been idle this long, e.g. 30m: "
-            "no tpurun job and no process holding a TPU device. Done by a watchdog on the TPU itself."
+            "no tpurun job and no process holding a TPU device. Done by a watchdog on the TPU itself.",
         ),
     ] = None,
     autostop_action: Annotated[
@@ -101,6 +116,9 @@ def create_cmd(
     spec = provision.CreateSpec(
         name=name,
         accelerator_type=accelerator_type,
+        machine_type=machine_type,
+        topology=topology,
+        backend=backend,
         version=version,
         spot=spot,
         preemptible=preemptible,
@@ -184,6 +202,7 @@ def list_cmd(
         [
             *(["zone"] if all_zones else []),
             "name",
+            "backend",
             "accelerator",
             "state",
             "health",
@@ -199,6 +218,7 @@ def list_cmd(
             (
                 *([v.zone] if all_zones else []),
                 v.name,
+                v.backend,
                 v.accelerator_type,
                 v.state,
                 v.health,
@@ -280,9 +300,7 @@ def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) ->
     ui.info(f"{name} is {view.state}")
 
 
-def start_cmd(
-    name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False
-) -> None:
+def start_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False) -> None:
     """Start a stopped single-host TPU VM and wait for its startup script."""
     provision.validate_name(name)
     cloud, s = cloud_for(project, zone)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpurun import config, ui
 from tpurun.cloud import startup
+from tpurun.cloud.backend import Kind
 from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.worker import bundle_metadata
@@ -164,6 +165,12 @@ def _ready(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
         raise UsageError(f"{name} is slice {index} of the multislice TPU {tpu}", hint=f"`tpurun autostop {tpu} …`")
     if view.gone:
         raise ApiError(f"{name}: the queued resource is {view.state} and not every slice exists yet")
+    if maker.kind is Kind.COMPUTE:
+        raise UsageError(
+            f"{name} is made by Compute Engine, and its watchdog cannot delete Compute Engine TPUs yet: autostop "
+            "and train --down are not offered for it",
+            hint=f"`tpurun delete {name}` when you are done",
+        )
     return maker, view
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +45,10 @@ class CreateSpec:
     """What `tpurun create` was asked for, as the user said it."""
 
     name: str
-    accelerator_type: str
+    accelerator_type: str | None = None  # or Compute Engine's spelling: machine_type and topology
+    machine_type: str | None = None
+    topology: str | None = None
+    backend: str | None = None  # "tpu-api" or "compute"; None: the default for the type
     version: str | None = None
     spot: bool = False
     preemptible: bool = False
@@ -72,6 +75,7 @@ class Request:
     (startup script, watchdog, tpurun's ssh key), its labels and how long it may wait for capacity."""
 
     topology: Topology
+    backend: Kind
     metadata: dict[str, str]
     labels: dict[str, str]
     valid_until: int | None  # seconds
@@ -125,10 +129,15 @@ class Backend(ABC):
         """Why the TPU cannot be stopped or started (VERB: which), "" when it can."""
 
 
-def backends(cloud: Cloud) -> list[Backend]:
+def backends(cloud: Cloud) -> Iterator[Backend]:
+    """Both backends, the Cloud TPU API's first; each made (and its client imported, Compute Engine's
+    taking a second or two) only when the caller goes on to it."""
     from tpurun.cloud.tpu_api import TpuApi
 
-    return [TpuApi(cloud)]
+    yield TpuApi(cloud)
+    from tpurun.cloud.compute import Compute
+
+    yield Compute(cloud)
 
 
 def of_kind(cloud: Cloud, kind: Kind) -> Backend:

@@ -1,8 +1,10 @@
-"""The control plane's one small interface to the Cloud TPU API (google-cloud-tpu, v2, REST).
+"""The control plane's way to Google's APIs: the Cloud TPU API (google-cloud-tpu, v2, REST) here, and
+the retries and error messages Compute Engine's client (tpurun.cloud.compute) shares.
 
 Every command goes through `Cloud`: it never knows whether the endpoint is Google or the local
-emulator. Transient failures (429, 503, timeouts, dropped connections) are retried with backoff and
-shown; everything else becomes an `ApiError` with a message that says what to do.
+emulator (which serves both APIs on one endpoint). Transient failures (429, 503, timeouts, dropped
+connections) are retried with backoff and shown; everything else becomes an `ApiError` with a
+message that says what to do.
 """
 
 from __future__ import annotations
@@ -46,6 +48,31 @@ TRANSIENT = (
 )
 
 
+@dataclass(frozen=True)
+class Service:
+    """A Google API tpurun calls, as its messages name it."""
+
+    title: str
+    host: str  # its public endpoint, and the name `gcloud services enable` takes
+    roles: str  # the IAM roles its calls need
+
+
+TPU_API = Service("Cloud TPU API", "tpu.googleapis.com", "the Cloud TPU Admin role (roles/tpu.admin)")
+COMPUTE_API = Service(
+    "Compute Engine API",
+    "compute.googleapis.com",
+    "the Compute Instance Admin (v1) role (roles/compute.instanceAdmin.v1) and Service Account User "
+    "(roles/iam.serviceAccountUser)",
+)
+
+
+def compute_endpoint(endpoint: str) -> str:
+    """Compute Engine's endpoint beside the Cloud TPU API's ENDPOINT: Google's own for Google's, else the
+    same (the emulator answers both)."""
+    host = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}").hostname or ""
+    return f"https://{COMPUTE_API.host}" if host.endswith(TPU_API.host) else endpoint
+
+
 def is_emulator(endpoint: str) -> bool:
     """An http:// endpoint on a loopback address is the local emulator (anonymous credentials)."""
     url = urlparse(endpoint)
@@ -57,7 +84,8 @@ def is_emulator(endpoint: str) -> bool:
         return url.hostname == "localhost"
 
 
-def _credentials(endpoint: str) -> Any:
+def credentials(endpoint: str) -> Any:
+    """Anonymous for the emulator, else Application Default Credentials."""
     if is_emulator(endpoint):
         from google.auth.credentials import AnonymousCredentials
 
@@ -119,7 +147,7 @@ class Cloud:
         self.client = tpu_v2.TpuClient(
             transport="rest",
             client_options={"api_endpoint": self.endpoint},
-            credentials=_credentials(self.endpoint),
+            credentials=credentials(self.endpoint),
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -130,15 +158,27 @@ class Cloud:
     def qr_path(self, name: str) -> str:
         return name if name.startswith("projects/") else f"{self.parent}/queuedResources/{name}"
 
-    def call(self, what: str, fn: Callable[[], T], *, node: str | None = None) -> T:
+    def call(self, what: str, fn: Callable[[], T], *, node: str | None = None, api: Service = TPU_API) -> T:
         """FN with transient errors retried (each retry logged as a warning), other API errors mapped to
-        clear messages."""
+        clear messages (NODE: the TPU a NotFound is about)."""
         try:
-            return self._retry(what)(lambda: _unwrap_retry_error(what, fn))()
+            return self._retry(what, api)(lambda: _unwrap_retry_error(what, fn))()
         except gexc.GoogleAPICallError as exc:
-            raise self._explain(what, exc, node) from None
+            raise self.explain(what, exc, node, api) from None
 
-    def _retry(self, what: str) -> gretry.Retry:
+    def find(self, what: str, fn: Callable[[], T], *, api: Service = TPU_API) -> T | None:
+        """FN's answer, or None when the API says it does not exist (other failures retried and explained
+        like `call`)."""
+
+        def get() -> T | None:
+            try:
+                return fn()
+            except gexc.NotFound:
+                return None
+
+        return self.call(what, get, api=api)
+
+    def _retry(self, what: str, api: Service = TPU_API) -> gretry.Retry:
         """google-api-core's Retry for transient failures of WHAT: each retry logged as a warning, an
         `ApiError` after the last attempt."""
         failures = 0
@@ -147,7 +187,7 @@ class Cloud:
             nonlocal failures
             failures += 1
             if failures >= self.retry.attempts:
-                raise self._gave_up(what, exc, failures) from None
+                raise self._gave_up(what, exc, failures, api) from None
             if isinstance(exc, gexc.GoogleAPICallError):
                 why = f"{exc.code} {_api_message(exc)}"
             else:
@@ -163,27 +203,30 @@ class Cloud:
             on_error=on_error,
         )
 
-    def _gave_up(self, what: str, exc: Exception, attempts: int) -> ApiError:
+    def _gave_up(self, what: str, exc: Exception, attempts: int, api: Service) -> ApiError:
         if isinstance(exc, gexc.GoogleAPICallError):
             return ApiError(
-                f"{what} failed: the Cloud TPU API kept answering {exc.code} ({_api_message(exc)}) after {attempts} "
+                f"{what} failed: the {api.title} kept answering {exc.code} ({_api_message(exc)}) after {attempts} "
                 "attempts",
                 hint="try again in a minute",
             )
+        endpoint = self.endpoint if api is TPU_API else compute_endpoint(self.endpoint)
         return ApiError(
-            f"{what} failed: cannot reach the Cloud TPU API at {self.endpoint} ({exc.__class__.__name__})",
+            f"{what} failed: cannot reach the {api.title} at {endpoint} ({exc.__class__.__name__})",
             hint="check TPURUN_API_ENDPOINT and your network; `tpurun emulator status` for the emulator",
         )
 
-    def _explain(self, what: str, exc: gexc.GoogleAPICallError, node: str | None) -> ApiError:
+    def explain(
+        self, what: str, exc: gexc.GoogleAPICallError, node: str | None = None, api: Service = TPU_API
+    ) -> ApiError:
         # REST errors arrive as HTTP classes (Forbidden, Conflict, ...), failed operations as gRPC ones
         msg = _api_message(exc)
         where = f"project {self.project}, zone {self.zone}"
         if isinstance(exc, gexc.PermissionDenied | gexc.Forbidden):
             return ApiError(
                 f"{what}: permission denied in {where}: {msg}",
-                hint="your account needs the Cloud TPU Admin role (roles/tpu.admin) on the project, "
-                "and the Cloud TPU API enabled (gcloud services enable tpu.googleapis.com)",
+                hint=f"your account needs {api.roles} on the project, and the {api.title} enabled "
+                f"(gcloud services enable {api.host})",
             )
         if isinstance(exc, gexc.NotFound):
             if node:
@@ -200,10 +243,10 @@ class Cloud:
                 hint="choose another name, `tpurun attach` the existing node, or delete it first",
             )
         if isinstance(exc, gexc.InvalidArgument | gexc.FailedPrecondition | gexc.BadRequest):
-            return ApiError(f"{what}: the Cloud TPU API refused the request: {msg}")
+            return ApiError(f"{what}: the {api.title} refused the request: {msg}")
         if isinstance(exc, gexc.Unauthenticated | gexc.Unauthorized):
             return ApiError(f"{what}: not authenticated: {msg}", hint="run `gcloud auth application-default login`")
-        return ApiError(f"{what}: Cloud TPU API error {exc.code}: {msg}")
+        return ApiError(f"{what}: {api.title} error {exc.code}: {msg}")
 
     def no_such_tpu(self, name: str) -> ApiError:
         """The one error every command gives for a TPU NAME that does not exist (exit code 3)."""
@@ -227,19 +270,7 @@ class Cloud:
 
     def find_node(self, name: str) -> tpu_v2.Node | None:
         """NAME's node, or None when there is none."""
-        return self._find(f"get {name}", lambda: self.client.get_node(name=self.node_path(name)), node=name)
-
-    def _find(self, what: str, fn: Callable[[], T], *, node: str | None = None) -> T | None:
-        """FN's answer, or None when the API says it does not exist (other failures retried and explained
-        like `call`)."""
-
-        def get() -> T | None:
-            try:
-                return fn()
-            except gexc.NotFound:
-                return None
-
-        return self.call(what, get, node=node)
+        return self.find(f"get {name}", lambda: self.client.get_node(name=self.node_path(name)))
 
     def list_nodes(self) -> list[tpu_v2.Node]:
         """The nodes of the zone (of every zone, for a Cloud made with every_zone; zones the API could not
@@ -315,7 +346,7 @@ class Cloud:
 
     def find_queued_resource(self, name: str) -> tpu_v2.QueuedResource | None:
         """The queued resource NAME, or None when there is none."""
-        return self._find(
+        return self.find(
             f"get queued resource {name}", lambda: self.client.get_queued_resource(name=self.qr_path(name))
         )
 
@@ -346,7 +377,7 @@ class Cloud:
         except concurrent.futures.TimeoutError:
             raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`") from None
         except gexc.GoogleAPICallError as exc:
-            raise self._explain(what, exc, None) from None
+            raise self.explain(what, exc) from None
 
     def iter_poll(self, interval: float | None = None) -> Iterator[None]:
         interval = interval if interval is not None else config.POLL_INTERVAL.number()

@@ -104,6 +104,11 @@ def host_key_alias(node_id: str, host: int) -> str:
     return f"tpu.{node_id}-{host}"
 
 
+def instance_key_alias(instance_id: str) -> str:
+    """The name a Compute Engine VM with unique id INSTANCE_ID has its host key pinned under (gcloud's)."""
+    return f"compute.{instance_id}"
+
+
 def pin_host_keys(home: Path, hosts: dict[str, str]) -> None:
     """Record HOSTS ({alias: "ssh-ed25519 AAAA..."}) as the only trusted keys for them.
 

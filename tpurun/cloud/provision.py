@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import READY, NodeView
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
-from tpurun.topology import parse_accelerator_type
+from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
 
 __all__ = ["CreateSpec", "NodeView", "validate_name"]  # what the CLI takes from here besides the functions
 
@@ -71,13 +72,10 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     """Everything that can be checked without the API. (Without CLOUD, the watchdog's setting is made for a
     stand-in project: the same checks, before settings.)"""
     validate_name(spec.name)
-    topo = parse_accelerator_type(spec.accelerator_type)
-    if "tpu-api" not in topo.backends:
-        raise UsageError(
-            f"{topo.name}: {topo.generation} is made through Compute Engine only (the Cloud TPU API does not offer "
-            "it), and tpurun does not create TPUs through Compute Engine yet",
-            hint=f"`tpurun topology {topo.name}` shows its machine type ({topo.machine_type}) and shape",
-        )
+    topo = shape_of(spec)
+    kind = backend_for(topo, spec.backend)
+    if kind is backend.Kind.COMPUTE:
+        _check_compute(spec, topo)
     if spec.spot and spec.preemptible:
         raise UsageError("choose one of --spot and --preemptible")
     multislice.check_request(spec.name, topo, spec.slices)
@@ -112,7 +110,53 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     nodes = multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
     watch = autostop.metadata(cloud, nodes, idle, action)
     metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
-    return Request(topo, metadata, labels, valid_until)
+    return Request(topo, kind, metadata, labels, valid_until)
+
+
+def shape_of(spec: CreateSpec) -> Topology:
+    """The slice asked for, in either spelling: an accelerator type (tpu7x-32), or Compute Engine's machine
+    type and topology (tpu7x-standard-4t, 2x2x4; a single VM's topology may be left out)."""
+    if spec.accelerator_type and (spec.machine_type or spec.topology):
+        raise UsageError("give either --accelerator-type, or --machine-type with --topology")
+    if spec.accelerator_type:
+        return parse_accelerator_type(spec.accelerator_type)
+    if spec.topology and not spec.machine_type:
+        raise UsageError("--topology needs --machine-type (e.g. --machine-type tpu7x-standard-4t --topology 2x2x4)")
+    if not spec.machine_type:
+        raise UsageError("give the TPU's type: --accelerator-type (e.g. v4-8, tpu7x-32) or --machine-type")
+    if spec.topology:
+        return from_machine_type(spec.machine_type, spec.topology)
+    return vm_topology(spec.machine_type)
+
+
+def backend_for(topo: Topology, asked: str | None) -> backend.Kind:
+    """Who makes TOPO: ASKED when it can, else the Cloud TPU API where it offers the type (v5p and v6e
+    too: there every command works, multislice, queued resources and stop included), else Compute Engine."""
+    kinds = [backend.Kind(b) for b in topo.backends]
+    if asked is None:
+        return kinds[0]
+    try:
+        kind = backend.Kind(asked)
+    except ValueError:
+        raise UsageError(f"--backend {asked}: choose compute or tpu-api") from None
+    if kind not in kinds:
+        makers = " and ".join(k.api_name for k in kinds)
+        raise UsageError(f"--backend {asked}: {kind.api_name} does not make {topo.name}; {makers} does")
+    return kind
+
+
+def _check_compute(spec: CreateSpec, topo: Topology) -> None:
+    """What tpurun does not ask of Compute Engine (yet), refused before anything is made."""
+    refused = [
+        ("--slices", spec.slices > 1, "several slices of Compute Engine TPUs are not made by tpurun yet"),
+        ("--queued", spec.queued, "queued resources belong to the Cloud TPU API"),
+        ("--valid-until", bool(spec.valid_until), "it applies to queued resources, which belong to the Cloud TPU API"),
+        ("--version", bool(spec.version), "Compute Engine VMs boot an image family, not a Cloud TPU runtime version"),
+        ("--autostop", bool(spec.autostop), "the watchdog cannot delete Compute Engine TPUs yet"),
+    ]
+    for option, given, why in refused:
+        if given:
+            raise UsageError(f"{option}: {topo.name} is made by Compute Engine here, and {why}")
 
 
 def create(
@@ -124,8 +168,7 @@ def create(
     home = s.home_path
     _, public = keys.ensure_key(home)
     request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
-    maker = backend.of_kind(cloud, backend.Kind.TPU_API)
-    maker.create(spec, request, progress)
+    backend.of_kind(cloud, request.backend).create(spec, request, progress)
     if not spec.wait:
         return tpu(cloud, spec.name)
     return until_started(cloud, home, spec.name, progress, timeout=spec.timeout)
@@ -298,7 +341,10 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
 
 def list_tpus(cloud: Cloud) -> list[NodeView]:
     """The TPUs of the zone (of every zone), whoever made them, in name order."""
-    views = sorted((v for b in backend.backends(cloud) for v in b.all_tpus()), key=lambda v: (v.zone, v.name))
+    # both APIs at once: Compute Engine's client takes a second to import, while the Cloud TPU API answers
+    with ThreadPoolExecutor(max_workers=len(backend.Kind)) as pool:
+        lists = list(pool.map(lambda kind: backend.of_kind(cloud, kind).all_tpus(), backend.Kind))
+    views = sorted((v for found in lists for v in found), key=lambda v: (v.zone, v.name))
     for v, act in zip(views, autostop.activities(cloud, views), strict=True):
         v.activity = act
     return views

@@ -26,6 +26,7 @@ class WorkerView:
     internal_ip: str
     external_ip: str
     host_key: str = ""  # the alias its ssh host key is pinned under (keys.host_key_alias), its identity
+    vm: str = ""  # its VM's name where the API names each VM (Compute Engine); "" for a node's worker
     report: startup.StartupReport | None = None
     slice: int | None = None  # its slice, in a multislice TPU
 

@@ -1,0 +1,124 @@
+"""TPUs made through Compute Engine, by the real CLI against the emulator's Compute Engine front: a TPU7x
+slice as a managed instance group with its workload policy and template, a single VM, and the same
+commands as for a Cloud TPU node (list, describe, exec, attach, delete), leaving nothing behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import assert_clean_error
+
+pytestmark = pytest.mark.integration
+
+KINDS = ("instances", "instanceGroupManagers", "instanceTemplates", "resourcePolicies")
+
+
+def _left(emulator) -> dict[str, list]:
+    status = emulator.admin.status()
+    return {k: status[k] for k in KINDS if status[k]}
+
+
+@pytest.fixture
+def clean(emulator):
+    """Whatever a test leaves in Compute Engine goes when it ends (each test checks what it leaves itself)."""
+    yield
+    emulator.emu.compute_teardown()
+
+
+def _names(entries: list) -> list[str]:
+    return [(e["name"] if isinstance(e, dict) else e).rsplit("/", 1)[-1] for e in entries]
+
+
+def test_tpu7x_slice_through_a_managed_instance_group(cli, emulator, clean):
+    r = cli("create", "ironwood", "-t", "tpu7x-32", "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    assert (d["backend"], d["acceleratorType"], d["state"], d["workers"]) == ("compute", "tpu7x-32", "READY", 4)
+    assert [w["startup"] for w in d["workerEndpoints"]] == ["done"] * 4
+    # what Compute Engine holds: a zonal MIG of 4 with a HIGH_THROUGHPUT 2x2x4 policy and a regional template
+    status = emulator.admin.status()
+    assert _names(status["instanceGroupManagers"]) == ["ironwood"]
+    assert _names(status["resourcePolicies"]) == _names(status["instanceTemplates"]) == ["ironwood"]
+    assert len(status["instances"]) == 4
+
+    # every worker answers, as the VM the API named (its host key pinned under its instance id)
+    r = cli("exec", "--", "hostname")
+    assert r.code == 0, r.err
+    names = {line.split("] ", 1)[1] for line in r.out.splitlines() if line.startswith("[w")}
+    assert len(names) == 4 and all(n.startswith("ironwood-") for n in names), r.out
+    assert all(line.startswith("compute.") for line in _aliases(cli))
+
+    listed = json.loads(cli("list", "--json").out)
+    assert [(t["name"], t["backend"], t["acceleratorType"]) for t in listed] == [("ironwood", "compute", "tpu7x-32")]
+    plain = cli("--plain", "list").out
+    assert "compute" in plain and "ironwood" in plain
+    desc = json.loads(cli("describe", "ironwood", "--json").out)
+    assert sorted(w["name"] for w in desc["workerEndpoints"]) == ["w0", "w1", "w2", "w3"]
+
+    # attach from another machine (a fresh home): keys pinned from guest attributes, tpurun's key added
+    other = cli.home.parent / "other"
+    other.mkdir()
+    env = dict(cli.env, HOME=str(other), TPURUN_HOME=str(other / ".tpurun"))
+    from tests.helpers import tpurun
+
+    work = other / "project"
+    work.mkdir()
+    assert tpurun("attach", "ironwood", cwd=work, env=env).code == 0
+    r = tpurun("exec", "--worker", "3", "--", "true", cwd=work, env=env)
+    assert r.code == 0, r.err
+
+    for refused in (["stop", "ironwood"], ["autostop", "ironwood", "30m"]):
+        r = cli(*refused)
+        assert_clean_error(r, 2)
+        assert "Compute Engine" in r.err
+
+    r = cli("delete", "ironwood", "--yes")
+    assert r.code == 0, r.err
+    assert "its instance template" in r.err and "its workload policy" in r.err
+    assert not _left(emulator)
+    assert_clean_error(cli("describe", "ironwood"), 3)
+
+
+def test_single_vm_in_compute_engines_spelling(cli, emulator, clean):
+    r = cli("create", "solo", "--machine-type", "tpu7x-standard-4t", "--spot", "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    assert (d["backend"], d["acceleratorType"], d["workers"], d["spot"]) == ("compute", "tpu7x-8", 1, True)
+    status = emulator.admin.status()
+    assert _names(status["instances"]) == ["solo"] and not status["instanceGroupManagers"]
+    r = cli("exec", "--", "hostname")
+    assert (r.code, r.out.strip()) == (0, "[w0] solo"), r.err
+    emulator.admin.preempt_instance("solo")
+    assert json.loads(cli("describe", "solo", "--json").out)["state"] == "PREEMPTED"
+    r = cli("exec", "--", "true")
+    assert_clean_error(r, 4)
+    assert "preempted" in r.err
+    assert cli("delete", "solo", "--yes").code == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["-t", "tpu7x-32", "--backend", "tpu-api"], "Cloud TPU API does not make tpu7x-32; Compute Engine does"),
+        (["-t", "tpu7x-32", "--backend", "gce"], "choose compute or tpu-api"),
+        (["--machine-type", "tpu7x-standard-4t", "--topology", "3x3x3"], "cannot make the topology '3x3x3'"),
+        (["--topology", "2x2x4"], "--topology needs --machine-type"),
+        (["-t", "tpu7x-32", "--machine-type", "tpu7x-standard-4t"], "either --accelerator-type, or --machine-type"),
+        (["-t", "tpu7x-32", "--slices", "2"], "--slices"),
+        (["-t", "tpu7x-32", "--queued"], "--queued"),
+        (["-t", "tpu7x-8", "--version", "v2-alpha-tpu7x"], "image family"),
+        (["-t", "v4-8", "--backend", "compute"], "Compute Engine does not make v4-8"),
+        ([], "give the TPU's type"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_made(cli, emulator, clean, args, words):
+    r = cli("create", "nope", *args)
+    assert_clean_error(r, 2)
+    assert words in r.err
+    assert not _left(emulator)
+
+
+def _aliases(cli) -> list[str]:
+    return [line.split()[0] for line in cli.known_hosts.read_text().splitlines() if line.strip()]

@@ -1,0 +1,528 @@
+"""TPUs made by Compute Engine (google-cloud-compute, v1, REST): a single-host slice is one VM instance, a
+multi-host slice is a zonal managed instance group (MIG) whose workload policy (a regional resource
+policy of type HIGH_THROUGHPUT) gives the slice's shape, its VMs made from a regional instance
+template. tpurun names all three after the TPU.
+
+Long-running calls use each method's `_unary` form and wait with the operations client of the
+operation's scope, on the same endpoint: the client's own `ExtendedOperation.result()` would poll
+Google's public host whatever endpoint it was given.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from google.api_core import exceptions as gexc
+from google.cloud import compute_v1
+
+from tpurun.cloud import keys
+from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
+from tpurun.cloud.client import COMPUTE_API, Cloud, compute_endpoint, credentials, short_name
+from tpurun.cloud.views import NodeView, WorkerView
+from tpurun.errors import ApiError, UsageError
+from tpurun.topology import Topology, from_machine_type, vm_topology
+
+T = TypeVar("T")
+
+IMAGE_PROJECT = "ubuntu-os-accelerator-images"
+BOOT_DISK_GB = 100
+# what tpurun writes in the description of the template and policy it makes for a TPU: delete takes only
+# those with it (a MIG made elsewhere may share its template or policy with other groups)
+MADE_BY = "made by tpurun for the TPU "
+DONE = compute_v1.Operation.Status.DONE
+# a VM status -> the state every command reads (views); a stopped spot VM was preempted
+_STATES = {
+    "RUNNING": "READY",
+    "PROVISIONING": "CREATING",
+    "STAGING": "CREATING",
+    "PENDING": "CREATING",
+    "STOPPING": "STOPPING",
+    "PENDING_STOP": "STOPPING",
+    "SUSPENDING": "STOPPING",
+    "SUSPENDED": "STOPPED",
+    "REPAIRING": "REPAIRING",
+    "DEPROVISIONING": "DELETING",
+}
+
+
+def region_of(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
+
+
+class Compute(Backend):
+    kind = Kind.COMPUTE
+
+    def __init__(self, cloud: Cloud) -> None:
+        super().__init__(cloud)
+        self.project, self.zone, self.region = cloud.project, cloud.zone, region_of(cloud.zone)
+        options = {"api_endpoint": compute_endpoint(cloud.endpoint)}
+        creds = credentials(cloud.endpoint)
+
+        def client(cls: Callable[..., T]) -> T:
+            return cls(transport="rest", client_options=options, credentials=creds)
+
+        self.instances = client(compute_v1.InstancesClient)
+        self.groups = client(compute_v1.InstanceGroupManagersClient)
+        self.templates = client(compute_v1.RegionInstanceTemplatesClient)
+        self.global_templates = client(compute_v1.InstanceTemplatesClient)
+        self.policies = client(compute_v1.ResourcePoliciesClient)
+        self.zone_ops = client(compute_v1.ZoneOperationsClient)
+        self.region_ops = client(compute_v1.RegionOperationsClient)
+        self.global_ops = client(compute_v1.GlobalOperationsClient)
+
+    def _call(self, what: str, fn: Callable[[], T], *, tpu: str | None = None) -> T:
+        return self.cloud.call(what, fn, node=tpu, api=COMPUTE_API)
+
+    def _find(self, what: str, fn: Callable[[], T]) -> T | None:
+        return self.cloud.find(what, fn, api=COMPUTE_API)
+
+    # ------------------------------------------------------------------ reading
+
+    def find(self, name: str) -> NodeView | None:
+        if self.zone == "-":
+            return None
+        group = self._find(
+            f"get instance group {name}",
+            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
+        )
+        if group is not None:
+            return self._group_view(group, self._group_vms(name))
+        vm = self._find(
+            f"get instance {name}", lambda: self.instances.get(project=self.project, zone=self.zone, instance=name)
+        )
+        return self._vm_view(vm) if vm is not None and _tpu_vm(vm) and not _member(vm) else None
+
+    def all_tpus(self) -> list[NodeView]:
+        if self.zone == "-":
+            return []  # every zone: Compute Engine's aggregated lists are not read yet
+        vms = self._call("list instances", lambda: list(self.instances.list(project=self.project, zone=self.zone)))
+        groups = self._call(
+            "list instance groups", lambda: list(self.groups.list(project=self.project, zone=self.zone))
+        )
+        views = [v for g in groups if (v := self._group_view(g, [vm for vm in vms if _member(vm) == g.name]))]
+        return views + [self._vm_view(vm) for vm in vms if _tpu_vm(vm) and not _member(vm)]
+
+    def _group_vms(self, name: str) -> list[compute_v1.Instance]:
+        """The VMs of the group NAME that exist, through listManagedInstances."""
+        managed = self._call(
+            f"list the VMs of {name}",
+            lambda: list(
+                self.groups.list_managed_instances(project=self.project, zone=self.zone, instance_group_manager=name)
+            ),
+        )
+        names = {short_name(m.instance) for m in managed if m.instance}  # a placeholder has no VM yet
+        if not names:
+            return []
+        vms = self._call("list instances", lambda: list(self.instances.list(project=self.project, zone=self.zone)))
+        return [vm for vm in vms if vm.name in names]
+
+    def _group_view(self, group: compute_v1.InstanceGroupManager, vms: list[compute_v1.Instance]) -> NodeView | None:
+        """The TPU a group is (None for a group of other VMs)."""
+        template = self._template(group.instance_template)
+        if template is None or not _is_tpu_type(template.properties.machine_type):
+            return None
+        topo = self._group_topology(group, template.properties.machine_type)
+        vms = sorted(vms, key=lambda vm: vm.name)
+        states = [_vm_state(vm) for vm in vms]
+        if len(vms) < group.target_size or not group.status.is_stable:
+            waiting = group.status.bulk_instance_operation.in_progress and not vms
+            state = "WAITING_FOR_RESOURCES" if waiting else "CREATING"
+            state = next((s for s in states if s in ("PREEMPTED", "STOPPED")), state)
+        else:
+            state = next((s for s in states if s != "READY"), "READY")
+        props = template.properties
+        return NodeView(
+            name=group.name,
+            backend=Kind.COMPUTE.value,
+            zone=self.zone,
+            accelerator_type=topo.name,
+            state=state,
+            health="-",
+            runtime_version=_image(props.disks),
+            workers=[_worker(i, vm) for i, vm in enumerate(vms)],
+            spot=props.scheduling.provisioning_model == "SPOT",
+            preemptible=bool(props.scheduling.preemptible),
+            created=_time(group.creation_timestamp),
+            labels=dict(props.labels),
+            metadata=_metadata(vms[0].metadata if vms else props.metadata),
+            queued_resource="",
+            id=str(group.id),
+        )
+
+    def _group_topology(self, group: compute_v1.InstanceGroupManager, machine_type: str) -> Topology:
+        policy_url = group.resource_policies.workload_policy
+        if not policy_url:
+            return vm_topology(machine_type)
+        policy = self._policy(policy_url)
+        shape = policy.workload_policy.accelerator_topology if policy else ""
+        return from_machine_type(machine_type, shape) if shape else vm_topology(machine_type)
+
+    def _vm_view(self, vm: compute_v1.Instance) -> NodeView:
+        return NodeView(
+            name=vm.name,
+            backend=Kind.COMPUTE.value,
+            zone=self.zone,
+            accelerator_type=vm_topology(short_name(vm.machine_type)).name,
+            state=_vm_state(vm),
+            health="-",
+            runtime_version=_image(vm.disks),
+            workers=[_worker(0, vm)],
+            spot=vm.scheduling.provisioning_model == "SPOT",
+            preemptible=bool(vm.scheduling.preemptible),
+            created=_time(vm.creation_timestamp),
+            labels=dict(vm.labels),
+            metadata=_metadata(vm.metadata),
+            queued_resource="",
+            id=str(vm.id),
+        )
+
+    def _template(self, url: str) -> compute_v1.InstanceTemplate | None:
+        parts = url.split("/")
+        name = parts[-1]
+        if "regions" in parts:
+            region = parts[parts.index("regions") + 1]
+            return self._find(
+                f"get instance template {name}",
+                lambda: self.templates.get(project=self.project, region=region, instance_template=name),
+            )
+        return self._find(
+            f"get instance template {name}",
+            lambda: self.global_templates.get(project=self.project, instance_template=name),
+        )
+
+    def _policy(self, url: str) -> compute_v1.ResourcePolicy | None:
+        parts = url.split("/")
+        region = parts[parts.index("regions") + 1] if "regions" in parts else self.region
+        return self._find(
+            f"get workload policy {parts[-1]}",
+            lambda: self.policies.get(project=self.project, region=region, resource_policy=parts[-1]),
+        )
+
+    def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
+        def read(vm: str) -> dict[tuple[str, str], str]:
+            got = self._find(
+                f"read guest attributes of {vm}",
+                lambda: self.instances.get_guest_attributes(
+                    request=compute_v1.GetGuestAttributesInstanceRequest(
+                        project=self.project, zone=view.zone or self.zone, instance=vm, query_path=query_path
+                    )
+                ),
+            )
+            return {(i.namespace, i.key): i.value for i in got.query_value.items} if got else {}
+
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(view.workers)))) as pool:
+            return list(pool.map(read, [w.vm for w in view.workers]))
+
+    # ------------------------------------------------------------------ making
+
+    def create(self, spec: CreateSpec, request: Request, progress: Progress) -> None:
+        topo, name = request.topology, spec.name
+        props = self._properties(spec, request)
+        if not topo.multi_host:
+            vm = compute_v1.Instance(name=name, **_instance_fields(props, self.zone))
+            op = self._call(
+                f"create {name}",
+                lambda: self.instances.insert_unary(project=self.project, zone=self.zone, instance_resource=vm),
+            )
+            if spec.wait:
+                self._wait(f"create {name}", op, spec.timeout, lambda: progress(f"{name}: CREATING"))
+            return
+        made: list[Callable[[], None]] = []  # how to take back what was made, should a later step fail
+        try:
+            policy = self._make_policy(name, topo)
+            made.append(lambda: self._delete_policy(name))
+            template = self._make_template(name, props)
+            made.append(lambda: self._delete_template(name))
+            group = compute_v1.InstanceGroupManager(
+                name=name,
+                base_instance_name=name,
+                instance_template=template,
+                target_size=topo.hosts,
+                resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy),
+            )
+            op = self._call(
+                f"create instance group {name}",
+                lambda: self.groups.insert_unary(
+                    project=self.project, zone=self.zone, instance_group_manager_resource=group
+                ),
+            )
+            self._wait(f"create instance group {name}", op, 600)
+        except BaseException:
+            for undo in reversed(made):
+                try:
+                    undo()
+                except ApiError:
+                    pass
+            raise
+
+    def _properties(self, spec: CreateSpec, request: Request) -> compute_v1.InstanceProperties:
+        """What every VM of the TPU is made with: a template's properties (an instance takes the same)."""
+        topo = request.topology
+        metadata = {**request.metadata, "enable-guest-attributes": "TRUE"}
+        access = [] if spec.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")]
+        model = "SPOT" if spec.spot else "STANDARD"
+        return compute_v1.InstanceProperties(
+            machine_type=topo.machine_type,
+            disks=[
+                compute_v1.AttachedDisk(
+                    boot=True,
+                    auto_delete=True,
+                    initialize_params=compute_v1.AttachedDiskInitializeParams(
+                        source_image=f"projects/{IMAGE_PROJECT}/global/images/family/{_family(topo)}",
+                        disk_size_gb=BOOT_DISK_GB,
+                    ),
+                )
+            ],
+            network_interfaces=[
+                compute_v1.NetworkInterface(
+                    network=spec.network or "global/networks/default",
+                    access_configs=access,
+                    **({"subnetwork": spec.subnetwork} if spec.subnetwork else {}),
+                )
+            ],
+            scheduling=compute_v1.Scheduling(
+                on_host_maintenance="TERMINATE",
+                automatic_restart=False,
+                provisioning_model=model,
+                preemptible=spec.preemptible,
+                **({"instance_termination_action": "STOP"} if spec.spot else {}),
+            ),
+            metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
+            service_accounts=[
+                compute_v1.ServiceAccount(email="default", scopes=["https://www.googleapis.com/auth/cloud-platform"])
+            ],
+            labels=request.labels,
+        )
+
+    def _make_policy(self, name: str, topo: Topology) -> str:
+        policy = compute_v1.ResourcePolicy(
+            name=name,
+            description=MADE_BY + name,
+            workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(
+                type_="HIGH_THROUGHPUT", accelerator_topology=topo.topology
+            ),
+        )
+        op = self._call(
+            f"create workload policy {name}",
+            lambda: self.policies.insert_unary(
+                project=self.project, region=self.region, resource_policy_resource=policy
+            ),
+        )
+        self._wait(f"create workload policy {name}", op, 300)
+        return f"projects/{self.project}/regions/{self.region}/resourcePolicies/{name}"
+
+    def _make_template(self, name: str, props: compute_v1.InstanceProperties) -> str:
+        template = compute_v1.InstanceTemplate(name=name, description=MADE_BY + name, properties=props)
+        op = self._call(
+            f"create instance template {name}",
+            lambda: self.templates.insert_unary(
+                project=self.project, region=self.region, instance_template_resource=template
+            ),
+        )
+        self._wait(f"create instance template {name}", op, 300)
+        return f"projects/{self.project}/regions/{self.region}/instanceTemplates/{name}"
+
+    # ------------------------------------------------------------------ deleting
+
+    def delete(self, view: NodeView, progress: Progress) -> list[str]:
+        name = view.name
+        group = self._find(
+            f"get instance group {name}",
+            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
+        )
+        if group is None:
+            op = self._call(
+                f"delete {name}",
+                lambda: self.instances.delete_unary(project=self.project, zone=self.zone, instance=name),
+                tpu=name,
+            )
+            self._wait(f"delete {name}", op, 1800, lambda: progress(f"{name}: DELETING"))
+            return []
+        op = self._call(
+            f"delete instance group {name}",
+            lambda: self.groups.delete_unary(project=self.project, zone=self.zone, instance_group_manager=name),
+        )
+        self._wait(f"delete instance group {name}", op, 1800, lambda: progress(f"{name}: DELETING its VMs"))
+        also = []
+        template = self._template(group.instance_template)
+        if template is not None and template.description == MADE_BY + name:
+            progress(f"{name}: deleting its instance template")
+            self._delete_template(name)
+            also.append("its instance template")
+        policy = (
+            self._policy(group.resource_policies.workload_policy) if group.resource_policies.workload_policy else None
+        )
+        if policy is not None and policy.description == MADE_BY + name:
+            progress(f"{name}: deleting its workload policy")
+            self._delete_policy(name)
+            also.append("its workload policy")
+        return also
+
+    def _delete_template(self, name: str) -> None:
+        op = self._call(
+            f"delete instance template {name}",
+            lambda: self.templates.delete_unary(project=self.project, region=self.region, instance_template=name),
+        )
+        self._wait(f"delete instance template {name}", op, 300)
+
+    def _delete_policy(self, name: str) -> None:
+        op = self._call(
+            f"delete workload policy {name}",
+            lambda: self.policies.delete_unary(project=self.project, region=self.region, resource_policy=name),
+        )
+        self._wait(f"delete workload policy {name}", op, 300)
+
+    def recreate(self, view: NodeView, progress: Progress) -> None:
+        raise UsageError(
+            f"{view.name}: tpurun does not remake a Compute Engine TPU after a preemption yet",
+            hint=f"`tpurun delete {view.name}` and create it again",
+        )
+
+    # ------------------------------------------------------------------ changing
+
+    def cannot_stop(self, view: NodeView, verb: str) -> str:
+        return (
+            f"{view.name} is made by Compute Engine, whose TPU VMs tpurun does not {verb} (Google documents "
+            "deleting and creating them again)"
+        )
+
+    def stop(self, view: NodeView, progress: Progress) -> None:
+        raise UsageError(self.cannot_stop(view, "stop"))
+
+    def start(self, view: NodeView, progress: Progress) -> None:
+        raise UsageError(self.cannot_stop(view, "start"))
+
+    def update_metadata(self, view: NodeView, change: MetadataChange) -> None:
+        def update(vm_name: str) -> None:
+            vm = self._call(
+                f"get instance {vm_name}",
+                lambda: self.instances.get(project=self.project, zone=self.zone, instance=vm_name),
+            )
+            entries = change(_metadata(vm.metadata))
+            if not entries:
+                return
+            items = {**_metadata(vm.metadata), **entries}
+            body = compute_v1.Metadata(
+                fingerprint=vm.metadata.fingerprint,
+                items=[compute_v1.Items(key=k, value=v) for k, v in items.items()],
+            )
+            op = self._call(
+                f"update metadata of {vm_name}",
+                lambda: self.instances.set_metadata_unary(
+                    project=self.project, zone=self.zone, instance=vm_name, metadata_resource=body
+                ),
+            )
+            self._wait(f"update metadata of {vm_name}", op, 300)
+
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(view.workers)))) as pool:
+            list(pool.map(update, [w.vm for w in view.workers]))
+
+    # ------------------------------------------------------------------ operations
+
+    def _wait(
+        self, what: str, op: compute_v1.Operation, timeout: float, on_poll: Callable[[], None] | None = None
+    ) -> None:
+        """Until OP is DONE (the API's own `wait` holds each call until then or for a while), then raise
+        its error as the API would have answered it."""
+        deadline = time.monotonic() + timeout
+        while op.status != DONE:
+            if time.monotonic() > deadline:
+                raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`")
+            if on_poll is not None:
+                on_poll()
+            op = self._call(what, functools.partial(self._poll, op))
+        if op.http_error_status_code or op.error.errors:
+            first = op.error.errors[0] if op.error.errors else None
+            message = first.message if first else op.http_error_message
+            exc = gexc.from_http_status(op.http_error_status_code or 400, message, errors=list(op.error.errors))
+            if first is not None and first.code.endswith("RESOURCE_POOL_EXHAUSTED"):
+                raise ApiError(
+                    f"{what}: out of capacity in project {self.project}, zone {self.zone}: {message}",
+                    hint="retry with --spot, or try another zone",
+                )
+            raise self.cloud.explain(what, exc, api=COMPUTE_API)
+
+    def _poll(self, op: compute_v1.Operation) -> compute_v1.Operation:
+        if op.zone:
+            return self.zone_ops.wait(project=self.project, zone=short_name(op.zone), operation=op.name)
+        if op.region:
+            return self.region_ops.wait(project=self.project, region=short_name(op.region), operation=op.name)
+        return self.global_ops.wait(project=self.project, operation=op.name)
+
+
+# ---------------------------------------------------------------------------- Compute Engine's records
+
+
+def _is_tpu_type(machine_type: str) -> bool:
+    try:
+        vm_topology(short_name(machine_type))
+    except UsageError:
+        return False
+    return True
+
+
+def _tpu_vm(vm: compute_v1.Instance) -> bool:
+    return _is_tpu_type(vm.machine_type)
+
+
+def _member(vm: compute_v1.Instance) -> str:
+    """The group a VM belongs to ("" for a VM on its own), from the `created-by` metadata a MIG gives it."""
+    created_by = _metadata(vm.metadata).get("created-by", "")
+    return short_name(created_by) if "/instanceGroupManagers/" in created_by else ""
+
+
+def _metadata(md: compute_v1.Metadata) -> dict[str, str]:
+    return {item.key: item.value for item in md.items}
+
+
+def _vm_state(vm: compute_v1.Instance) -> str:
+    if vm.status in ("TERMINATED", "STOPPED"):
+        spot = vm.scheduling.provisioning_model == "SPOT" or vm.scheduling.preemptible
+        return "PREEMPTED" if spot else "STOPPED"
+    return _STATES.get(vm.status, vm.status)
+
+
+def _worker(index: int, vm: compute_v1.Instance) -> WorkerView:
+    nic = vm.network_interfaces[0] if vm.network_interfaces else compute_v1.NetworkInterface()
+    external = nic.access_configs[0].nat_i_p if nic.access_configs else ""
+    return WorkerView(index, nic.network_i_p, external, keys.instance_key_alias(str(vm.id)), vm=vm.name)
+
+
+def _image(disks: Any) -> str:
+    """The boot image (family) a VM or template boots, by its last name."""
+    for disk in disks:
+        if disk.boot:
+            return short_name(disk.initialize_params.source_image or disk.source) or "-"
+    return "-"
+
+
+def _family(topo: Topology) -> str:
+    from tpurun.topology import GENERATIONS
+
+    return GENERATIONS[topo.generation].image_family
+
+
+def _instance_fields(props: compute_v1.InstanceProperties, zone: str) -> dict[str, Any]:
+    """An instance's fields from template properties (an instance names its machine type by zone)."""
+    return {
+        "machine_type": f"zones/{zone}/machineTypes/{props.machine_type}",
+        "disks": list(props.disks),
+        "network_interfaces": list(props.network_interfaces),
+        "scheduling": props.scheduling,
+        "metadata": props.metadata,
+        "service_accounts": list(props.service_accounts),
+        "labels": dict(props.labels),
+    }
+
+
+def _time(stamp: str) -> Any:
+    import datetime as dt
+
+    try:
+        return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+    except ValueError:
+        return None
