@@ -23,8 +23,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpurun import config
+
+if TYPE_CHECKING:
+    from tpurun.cloud.views import NodeView
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,18 @@ class Endpoints:
             "ids": self.ids,
             "multislice": self.multislice,
         }
+
+    @classmethod
+    def of(cls, view: NodeView) -> Endpoints:
+        """What reaching the workers of the TPU VIEW takes, as the API just told it."""
+        many = len(view.parts) > 1 or bool(view.gone)
+        return cls(
+            view.accelerator_type,
+            [[(w.internal_ip, w.external_ip, w.host_key) for w in part.workers] for part in view.parts],
+            [part.name for part in view.parts],
+            [part.id for part in view.parts],
+            multislice=many,
+        )
 
     @classmethod
     def from_json(cls, data: dict) -> Endpoints:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpurun import config, settings
-from tpurun.cloud import autostop, backend, keys, multislice, startup
+from tpurun.cloud import autostop, backend, identity, keys, multislice, startup
 from tpurun.cloud.backend import CreateSpec, Request
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import READY, NodeView
@@ -168,10 +168,11 @@ def create(
     home = s.home_path
     _, public = keys.ensure_key(home)
     request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
-    backend.of_kind(cloud, request.backend).create(spec, request, progress)
+    maker = backend.of_kind(cloud, request.backend)
+    maker.create(spec, request, progress)
     if not spec.wait:
         return tpu(cloud, spec.name)
-    return until_started(cloud, home, spec.name, progress, timeout=spec.timeout)
+    return until_started(cloud, maker, home, spec.name, progress, timeout=spec.timeout)
 
 
 # ---------------------------------------------------------------------------- finding
@@ -205,15 +206,16 @@ def whole(cloud: Cloud, name: str, command: str) -> tuple[backend.Backend, NodeV
 # ---------------------------------------------------------------------------- waiting
 
 
-def wait_ready(cloud: Cloud, name: str, progress: Callable[[str], None], *, timeout: float) -> NodeView:
-    """NAME once every slice of it is READY."""
+def wait_ready(
+    cloud: Cloud, maker: backend.Backend, name: str, progress: Callable[[str], None], *, timeout: float
+) -> NodeView:
+    """NAME, which MAKER makes, once every slice of it is READY."""
     deadline = time.monotonic() + timeout
     for _ in cloud.iter_poll():
-        found = backend.locate(cloud, name)
-        if found is None:
+        view = maker.find(name)
+        if view is None:
             progress(f"{name}: waiting for it to appear")
         else:
-            view = found[1]
             progress(f"{name}: {view.state}")
             if set(view.states) == {READY}:
                 return view
@@ -277,12 +279,14 @@ class StartupFailed(ProgramFailed):
 
 
 def until_started(
-    cloud: Cloud, home: Path, name: str, progress: Callable[[str], None], *, timeout: float
+    cloud: Cloud, maker: backend.Backend, home: Path, name: str, progress: Callable[[str], None], *, timeout: float
 ) -> CreateResult:
-    """Wait for READY and every worker's startup script, pin the host keys; StartupFailed if one failed."""
-    ready = wait_ready(cloud, name, progress, timeout=timeout)
+    """Wait for READY and every worker's startup script, pin the host keys and remember where the workers
+    are (the next command reaches them without asking the API); StartupFailed if one failed."""
+    ready = wait_ready(cloud, maker, name, progress, timeout=timeout)
     reports = wait_startup(cloud, ready, progress, timeout=timeout)
     pin_host_keys(cloud, home, ready)
+    identity.remember(identity.path(home, cloud.project, cloud.zone, name), identity.Endpoints.of(ready))
     ready.with_reports(reports)
     _raise_if_startup_failed(ready, reports)
     return CreateResult(ready, reports)
@@ -420,14 +424,14 @@ def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str
     maker, view = _stoppable(cloud, name, "start")
     maker.start(view, progress)
     # guest attributes start empty at boot, so the startup report read now is this boot's
-    return until_started(cloud, s.home_path, name, progress, timeout=1800)
+    return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
 
 
 def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> CreateResult:
     """Delete a preempted TPU and make it again with the same settings (for train --max-restarts)."""
     maker, view = whole(cloud, name, "delete")
     maker.recreate(view, progress)
-    return until_started(cloud, s.home_path, name, progress, timeout=1800)
+    return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
 
 
 def gone_or_preempted(cloud: Cloud, name: str) -> bool | None:

@@ -179,13 +179,7 @@ def _fetch(s: settings.Settings, name: str, remembered: identity.Remembered | No
     for i, part in enumerate(view.parts):
         _check_ready(s, name, part.state, f" (slice {i})" if many else "")
     provision.pin_host_keys(cloud, s.home_path, view)
-    return Endpoints(
-        view.accelerator_type,
-        [[(w.internal_ip, w.external_ip, w.host_key) for w in part.workers] for part in view.parts],
-        [part.name for part in view.parts],
-        [part.id for part in view.parts],
-        multislice=many,
-    )
+    return Endpoints.of(view)
 
 
 def _missing(error: ApiError, s: settings.Settings, remembered: identity.Remembered | None) -> NoSuchTpu:
