@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -66,13 +65,8 @@ def run(bench: common.Bench, jobs: Path, backend: str, kind: str) -> dict[str, f
     return {"create": made, "exec": first, "started": max(starts) - t2, "exit": s.wall}
 
 
-def stats(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
-
-
 def render(res: dict[str, Any]) -> str:
-    def ms(d: dict[str, float]) -> str:
-        return f"{d['median'] * 1000:.0f} ({d['min'] * 1000:.0f}-{d['max'] * 1000:.0f})" if d else "-"
+    ms = common.ms_cell
 
     def ratio(a: dict[str, float], b: dict[str, float]) -> str:
         return f"{a['median'] / b['median']:.2f}x" if a and b else "-"
@@ -117,7 +111,8 @@ def main() -> int:
                     samples[f"{backend} {kind}"].setdefault(key, []).append(value)
                 print(f"round {rnd + 1}: {backend} {kind}: {got}", flush=True)
     res["runs"] = {
-        case: {k: stats(v.get(k, [])) for k in ("create", "exec", "started", "exit")} for case, v in samples.items()
+        case: {k: common.spread(v.get(k, [])) for k in ("create", "exec", "started", "exit")}
+        for case, v in samples.items()
     }
     res["seconds"] = time.monotonic() - t0
     common.publish(

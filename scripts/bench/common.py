@@ -114,6 +114,16 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and count of XS (empty when there are none)."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+
+
+def ms_cell(d: dict[str, float]) -> str:
+    """A `spread` of seconds as a table cell: median (min-max) in ms."""
+    return f"{d['median'] * 1000:.0f} ({d['min'] * 1000:.0f}-{d['max'] * 1000:.0f})" if d else "-"
+
+
 def summary(samples: Sequence[Sample]) -> dict[str, Any]:
     walls = [s.wall for s in samples]
     return {

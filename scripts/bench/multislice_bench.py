@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -68,13 +67,8 @@ def train(bench: common.Bench, jobs: Path, slices: int) -> tuple[float, float] |
     return max(starts) - t0, s.wall
 
 
-def stats(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
-
-
 def render(res: dict[str, Any]) -> str:
-    def ms(d: dict[str, float]) -> str:
-        return f"{d['median'] * 1000:.0f} ({d['min'] * 1000:.0f}-{d['max'] * 1000:.0f})" if d else "-"
+    ms = common.ms_cell
 
     base = res["sizes"]["1"]
     lines = [
@@ -121,7 +115,7 @@ def main() -> int:
                     samples[n]["started"].append(got[0])
                     samples[n]["exit"].append(got[1])
                 print(f"round {rnd + 1}: {n} slice(s): create {made:.2f} s, exec {first:.2f} s, train {got}", flush=True)
-    res["sizes"] = {str(n): {k: stats(v) for k, v in samples[n].items()} for n in SLICES}
+    res["sizes"] = {str(n): {k: common.spread(v) for k, v in samples[n].items()} for n in SLICES}
     res["seconds"] = time.monotonic() - t0
     common.publish(res, render(res), "multislice", "### Multislice: 1, 2 and 4 slices", write=not args.no_write)
     return 0
