@@ -69,6 +69,12 @@ def test_tpu7x_slice_through_a_managed_instance_group(cli, emulator, clean):
     r = tpurun("exec", "--worker", "3", "--", "true", cwd=work, env=env)
     assert r.code == 0, r.err
 
+    # one name, one TPU: the Cloud TPU API is not asked for a node of a name Compute Engine has
+    r = cli("create", "ironwood", "-t", "v4-8")
+    assert_clean_error(r, 2)
+    assert "Compute Engine already has a TPU of that name" in r.err
+    assert not list(emulator.client().list_nodes(parent=emulator.parent))
+
     for refused in (["stop", "ironwood"], ["autostop", "ironwood", "30m"]):
         r = cli(*refused)
         assert_clean_error(r, 2)
@@ -109,6 +115,7 @@ def test_single_vm_in_compute_engines_spelling(cli, emulator, clean):
         (["-t", "tpu7x-32", "--slices", "2"], "--slices"),
         (["-t", "tpu7x-32", "--queued"], "--queued"),
         (["-t", "tpu7x-8", "--version", "v2-alpha-tpu7x"], "image family"),
+        (["-t", "tpu7x-8", "--preemptible"], "--spot"),
         (["-t", "v4-8", "--backend", "compute"], "Compute Engine does not make v4-8"),
         ([], "give the TPU's type"),
     ],

@@ -123,7 +123,7 @@ def test_resource_exhausted_suggests_spot_queued_zone(cli, emulator):
 
 
 def test_transient_503s_are_retried(cli, emulator):
-    emulator.fail_api(3, 503)
+    emulator.fail_api(3, 503, "/v2/")  # the Cloud TPU API's calls (google-cloud-compute retries its own quietly)
     r = cli("create", "flaky", "-t", "v4-8")
     assert r.code == 0, r.err
     assert "503" in r.err and "retrying" in r.err

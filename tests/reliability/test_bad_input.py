@@ -21,7 +21,7 @@ N = "bi"  # the READY node the node-bound cases act on
 
 # Usage errors found by the CLI framework itself (typer/click: missing argument, unknown option, a
 # value of the wrong type): tpurun.cli.main turns them into the same one-line form; listed for the docs.
-FRAMEWORK = {"create-no-type", "timeout-not-number", "unknown-option", "exec-no-command", "train-cores-word"}
+FRAMEWORK = {"timeout-not-number", "unknown-option", "exec-no-command", "train-cores-word"}
 
 # (id, argv, expected exit code, a needle of the message, setup key)
 CASES: list[tuple[str, list[str], int, str, str]] = [
@@ -34,7 +34,7 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
     ("create-quote", ["create", "a'b", "-t", "v4-8"], 2, "invalid TPU name", ""),
     ("create-non-ascii", ["create", "tpü", "-t", "v4-8"], 2, "invalid TPU name", ""),
     ("create-empty", ["create", "", "-t", "v4-8"], 2, "", ""),
-    ("create-no-type", ["create", "ok"], 2, "", ""),
+    ("create-no-type", ["create", "ok"], 2, "give the TPU's type: --accelerator-type", ""),
     ("type-cores", ["create", "ok", "-t", "v3-33"], 2, "8, 32, 64", ""),
     ("type-gen", ["create", "ok", "-t", "v9-8"], 2, "unknown TPU generation", ""),
     ("type-garbage", ["create", "ok", "-t", "banana"], 2, "", ""),
@@ -53,7 +53,13 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
     ("timeout-not-number", ["create", "ok", "-t", "v4-8", "--timeout", "soon"], 2, "", ""),
     ("unknown-option", ["create", "ok", "-t", "v4-8", "--colour", "red"], 2, "", ""),
     ("create-semicolon", ["create", "a;b", "-t", "v4-8"], 2, "invalid TPU name", ""),
-    ("create-tpu7x-through-tpu-api", ["create", "ok", "-t", "tpu7x-32"], 2, "Compute Engine only", ""),
+    (
+        "create-tpu7x-through-tpu-api",
+        ["create", "ok", "-t", "tpu7x-32", "--backend", "tpu-api"],
+        2,
+        "Cloud TPU API does not make tpu7x-32; Compute Engine does",
+        "",
+    ),
     ("type-tpu7x-bad-size", ["create", "ok", "-t", "tpu7x-12"], 2, "tpu7x-N counts TensorCores", ""),
     # node commands on names that are invalid or unknown (404 is an API answer: exit 3)
     ("describe-invalid", ["describe", "Bad_Name"], 2, "invalid TPU name", ""),

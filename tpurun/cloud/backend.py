@@ -9,6 +9,7 @@ layer asks which one made a TPU. `locate` finds the TPU a name stands for in eit
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from tpurun.topology import Topology
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 # per worker of a TPU, in worker order over its slices: {(namespace, key): value}
@@ -131,13 +134,21 @@ class Backend(ABC):
 
 def backends(cloud: Cloud) -> Iterator[Backend]:
     """Both backends, the Cloud TPU API's first; each made (and its client imported, Compute Engine's
-    taking a second or two) only when the caller goes on to it."""
-    from tpurun.cloud.tpu_api import TpuApi
+    taking a second or two) only when the caller goes on to it, and once per Cloud."""
+    for kind in Kind:
+        if kind not in cloud.backends:
+            cloud.backends[kind] = _make(kind, cloud)
+        yield cloud.backends[kind]
 
-    yield TpuApi(cloud)
+
+def _make(kind: Kind, cloud: Cloud) -> Backend:
+    if kind is Kind.TPU_API:
+        from tpurun.cloud.tpu_api import TpuApi
+
+        return TpuApi(cloud)
     from tpurun.cloud.compute import Compute
 
-    yield Compute(cloud)
+    return Compute(cloud)
 
 
 def of_kind(cloud: Cloud, kind: Kind) -> Backend:
@@ -145,9 +156,11 @@ def of_kind(cloud: Cloud, kind: Kind) -> Backend:
 
 
 def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
-    """The TPU NAME and the API that made it; None when neither has one. When one API cannot be asked
-    (not enabled in the project, no permission) and the other has no such TPU, that failure is raised."""
+    """The TPU NAME and the API that made it; None when neither has one. An API that cannot be asked (not
+    enabled in the project, no permission) is passed over with a warning when the other says it has no
+    such TPU; its failure is raised only when no API could answer."""
     failures: list[ApiError] = []
+    answered = False
     for backend in backends(cloud):
         try:
             view = backend.find(name)
@@ -156,6 +169,32 @@ def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
             continue
         if view is not None:
             return backend, view
-    if failures:
+        answered = True
+    if failures and not answered:
         raise failures[0]
+    for failure in failures:
+        log.warning("%s (looking for %s there too)", failure.message, name)
     return None
+
+
+def list_all(cloud: Cloud) -> list[NodeView]:
+    """Every TPU of the zone, both APIs asked at once (Compute Engine's client takes a second to import,
+    while the Cloud TPU API answers). An API that cannot be asked is passed over with a warning, unless
+    neither can."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(kind: Kind) -> list[NodeView] | ApiError:
+        try:
+            return of_kind(cloud, kind).all_tpus()
+        except ApiError as exc:
+            return exc
+
+    of_kind(cloud, Kind.TPU_API)  # made here: the threads then share the cached backends
+    with ThreadPoolExecutor(max_workers=len(Kind)) as pool:
+        answers = list(pool.map(ask, Kind))
+    failures = [a for a in answers if isinstance(a, ApiError)]
+    if len(failures) == len(answers):
+        raise failures[0]
+    for failure in failures:
+        log.warning("%s; listing the other API's TPUs only", failure.message)
+    return [v for a in answers if not isinstance(a, ApiError) for v in a]

@@ -139,6 +139,7 @@ class Cloud:
         else:
             validate_zone(self.zone)  # every command judges a zone the same way, before the API sees it
         self.endpoint = s.endpoint
+        self.backends: dict[Any, Any] = {}  # tpurun.cloud.backend's, made once each per Cloud
         self.parent = f"projects/{self.project}/locations/{self.zone}"
         self.retry = retry or Backoff(
             first_delay=config.RETRY_DELAY.number(),

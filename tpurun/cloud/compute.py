@@ -11,6 +11,7 @@ Google's public host whatever endpoint it was given.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, from_machine_type, vm_topology
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 IMAGE_PROJECT = "ubuntu-os-accelerator-images"
 BOOT_DISK_GB = 100
@@ -231,12 +233,13 @@ class Compute(Backend):
             if spec.wait:
                 self._wait(f"create {name}", op, spec.timeout, lambda: progress(f"{name}: CREATING"))
             return
-        made: list[Callable[[], None]] = []  # how to take back what was made, should a later step fail
+        made: list[Callable[[], None]] = []  # how to take back what was asked for, should a later step fail
         try:
-            policy = self._make_policy(name, topo)
             made.append(lambda: self._delete_policy(name))
-            template = self._make_template(name, props)
+            policy = self._make_policy(name, topo)
             made.append(lambda: self._delete_template(name))
+            template = self._make_template(name, props)
+            made.append(lambda: self._delete_group(name))
             group = compute_v1.InstanceGroupManager(
                 name=name,
                 base_instance_name=name,
@@ -252,11 +255,15 @@ class Compute(Backend):
             )
             self._wait(f"create instance group {name}", op, 600)
         except BaseException:
+            left = []
             for undo in reversed(made):
                 try:
                     undo()
-                except ApiError:
-                    pass
+                except ApiError as exc:
+                    if "not found" not in exc.message:  # a step that never made anything
+                        left.append(exc.message)
+            for message in left:
+                log.warning("%s: could not take back what was made: %s", name, message)
             raise
 
     def _properties(self, spec: CreateSpec, request: Request) -> compute_v1.InstanceProperties:
@@ -279,16 +286,19 @@ class Compute(Backend):
             ],
             network_interfaces=[
                 compute_v1.NetworkInterface(
-                    network=spec.network or "global/networks/default",
+                    network=_under(spec.network or "default", "global/networks"),
                     access_configs=access,
-                    **({"subnetwork": spec.subnetwork} if spec.subnetwork else {}),
+                    **(
+                        {"subnetwork": _under(spec.subnetwork, f"regions/{self.region}/subnetworks")}
+                        if spec.subnetwork
+                        else {}
+                    ),
                 )
             ],
             scheduling=compute_v1.Scheduling(
                 on_host_maintenance="TERMINATE",
                 automatic_restart=False,
                 provisioning_model=model,
-                preemptible=spec.preemptible,
                 **({"instance_termination_action": "STOP"} if spec.spot else {}),
             ),
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
@@ -342,11 +352,7 @@ class Compute(Backend):
             )
             self._wait(f"delete {name}", op, 1800, lambda: progress(f"{name}: DELETING"))
             return []
-        op = self._call(
-            f"delete instance group {name}",
-            lambda: self.groups.delete_unary(project=self.project, zone=self.zone, instance_group_manager=name),
-        )
-        self._wait(f"delete instance group {name}", op, 1800, lambda: progress(f"{name}: DELETING its VMs"))
+        self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
         also = []
         template = self._template(group.instance_template)
         if template is not None and template.description == MADE_BY + name:
@@ -361,6 +367,13 @@ class Compute(Backend):
             self._delete_policy(name)
             also.append("its workload policy")
         return also
+
+    def _delete_group(self, name: str, on_poll: Callable[[], None] | None = None) -> None:
+        op = self._call(
+            f"delete instance group {name}",
+            lambda: self.groups.delete_unary(project=self.project, zone=self.zone, instance_group_manager=name),
+        )
+        self._wait(f"delete instance group {name}", op, 1800, on_poll)
 
     def _delete_template(self, name: str) -> None:
         op = self._call(
@@ -438,12 +451,15 @@ class Compute(Backend):
         if op.http_error_status_code or op.error.errors:
             first = op.error.errors[0] if op.error.errors else None
             message = first.message if first else op.http_error_message
-            exc = gexc.from_http_status(op.http_error_status_code or 400, message, errors=list(op.error.errors))
-            if first is not None and first.code.endswith("RESOURCE_POOL_EXHAUSTED"):
+            code = first.code if first else ""
+            # the error's own code first: Compute Engine answers a quota with 403, not a permission problem
+            if "RESOURCE_POOL_EXHAUSTED" in code or "QUOTA" in code:
                 raise ApiError(
-                    f"{what}: out of capacity in project {self.project}, zone {self.zone}: {message}",
-                    hint="retry with --spot, or try another zone",
+                    f"{what}: out of {'quota' if 'QUOTA' in code else 'capacity'} in project {self.project}, "
+                    f"zone {self.zone}: {message} ({code})",
+                    hint="retry with --spot, try another zone, or ask for quota",
                 )
+            exc = gexc.from_http_status(op.http_error_status_code or 400, message, errors=list(op.error.errors))
             raise self.cloud.explain(what, exc, api=COMPUTE_API)
 
     def _poll(self, op: compute_v1.Operation) -> compute_v1.Operation:
@@ -455,6 +471,11 @@ class Compute(Backend):
 
 
 # ---------------------------------------------------------------------------- Compute Engine's records
+
+
+def _under(name: str, collection: str) -> str:
+    """NAME as Compute Engine takes it: a bare name (as the Cloud TPU API takes networks) under COLLECTION."""
+    return name if "/" in name else f"{collection}/{name}"
 
 
 def _is_tpu_type(machine_type: str) -> bool:

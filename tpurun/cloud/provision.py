@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +151,7 @@ def _check_compute(spec: CreateSpec, topo: Topology) -> None:
         ("--queued", spec.queued, "queued resources belong to the Cloud TPU API"),
         ("--valid-until", bool(spec.valid_until), "it applies to queued resources, which belong to the Cloud TPU API"),
         ("--version", bool(spec.version), "Compute Engine VMs boot an image family, not a Cloud TPU runtime version"),
+        ("--preemptible", spec.preemptible, "its VMs are spot VMs (--spot), not preemptible ones"),
         ("--autostop", bool(spec.autostop), "the watchdog cannot delete Compute Engine TPUs yet"),
     ]
     for option, given, why in refused:
@@ -169,6 +169,14 @@ def create(
     _, public = keys.ensure_key(home)
     request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
     maker = backend.of_kind(cloud, request.backend)
+    for other in backend.backends(cloud):
+        taken = other.find(spec.name) if other is not maker else None
+        if taken is not None:  # one name, one TPU: every command finds a TPU by its name in either API
+            raise UsageError(
+                f"{spec.name}: the {other.kind.api_name} already has a TPU of that name ({taken.accelerator_type}, "
+                f"{taken.state})",
+                hint=f"choose another name, or `tpurun delete {spec.name}` first",
+            )
     maker.create(spec, request, progress)
     if not spec.wait:
         return tpu(cloud, spec.name)
@@ -345,10 +353,7 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
 
 def list_tpus(cloud: Cloud) -> list[NodeView]:
     """The TPUs of the zone (of every zone), whoever made them, in name order."""
-    # both APIs at once: Compute Engine's client takes a second to import, while the Cloud TPU API answers
-    with ThreadPoolExecutor(max_workers=len(backend.Kind)) as pool:
-        lists = list(pool.map(lambda kind: backend.of_kind(cloud, kind).all_tpus(), backend.Kind))
-    views = sorted((v for found in lists for v in found), key=lambda v: (v.zone, v.name))
+    views = sorted(backend.list_all(cloud), key=lambda v: (v.zone, v.name))
     for v, act in zip(views, autostop.activities(cloud, views), strict=True):
         v.activity = act
     return views

@@ -33,7 +33,10 @@ class TpuApi(Backend):
         if qr is None:
             return None
         if not multislice.slice_count(qr):
-            return _waiting_view(name, qr)  # a node asked for through a queued resource, not made yet
+            view = _waiting_view(name, qr)  # a node asked for through a queued resource: not made, or gone
+            if view.state in ("ACTIVE", "SUSPENDED", "FAILED"):
+                view.gone = [0]
+            return view
         found = multislice.slice_nodes(cloud, name)
         assert found is not None
         qr, nodes = found
