@@ -159,10 +159,7 @@ def _ready(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
     """NAME's backend and view, every slice of it existing."""
     from tpurun.cloud import provision
 
-    maker, view = provision.locate(cloud, name)
-    if view.slice_of is not None:
-        tpu, index = view.slice_of
-        raise UsageError(f"{name} is slice {index} of the multislice TPU {tpu}", hint=f"`tpurun autostop {tpu} …`")
+    maker, view = provision.whole(cloud, name, "autostop")
     if view.gone:
         raise ApiError(f"{name}: the queued resource is {view.state} and not every slice exists yet")
     if maker.kind is Kind.COMPUTE:
@@ -216,9 +213,10 @@ def activity(cloud: Cloud, view: NodeView) -> Activity:
     """Read what every worker of the TPU VIEW published; a TPU not READY publishes nothing, and no
     watchdog runs where tpurun never wrote a setting (no API call is made for those)."""
     from tpurun.cloud import backend
+    from tpurun.cloud.views import READY  # the views module imports this one
 
     current = read(view.metadata)
-    if current is None or set(view.states) != {"READY"}:
+    if current is None or set(view.states) != {READY}:
         return Activity()
     try:
         attrs = backend.of_kind(cloud, backend.Kind(view.backend)).guest_attributes(view, wd.NAMESPACE + "/")

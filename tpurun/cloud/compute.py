@@ -23,7 +23,7 @@ from google.cloud import compute_v1
 from tpurun.cloud import keys
 from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
 from tpurun.cloud.client import COMPUTE_API, Cloud, compute_endpoint, credentials, short_name
-from tpurun.cloud.views import NodeView, WorkerView
+from tpurun.cloud.views import PREEMPTED, READY, STOPPED, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, from_machine_type, vm_topology
 
@@ -38,14 +38,14 @@ MADE_BY = "made by tpurun for the TPU "
 DONE = compute_v1.Operation.Status.DONE
 # a VM status -> the state every command reads (views); a stopped spot VM was preempted
 _STATES = {
-    "RUNNING": "READY",
+    "RUNNING": READY,
     "PROVISIONING": "CREATING",
     "STAGING": "CREATING",
     "PENDING": "CREATING",
     "STOPPING": "STOPPING",
     "PENDING_STOP": "STOPPING",
     "SUSPENDING": "STOPPING",
-    "SUSPENDED": "STOPPED",
+    "SUSPENDED": STOPPED,
     "REPAIRING": "REPAIRING",
     "DEPROVISIONING": "DELETING",
 }
@@ -133,9 +133,9 @@ class Compute(Backend):
         if len(vms) < group.target_size or not group.status.is_stable:
             waiting = group.status.bulk_instance_operation.in_progress and not vms
             state = "WAITING_FOR_RESOURCES" if waiting else "CREATING"
-            state = next((s for s in states if s in ("PREEMPTED", "STOPPED")), state)
+            state = next((s for s in states if s in (PREEMPTED, STOPPED)), state)
         else:
-            state = next((s for s in states if s != "READY"), "READY")
+            state = next((s for s in states if s != READY), READY)
         props = template.properties
         return NodeView(
             name=group.name,
@@ -226,12 +226,13 @@ class Compute(Backend):
         props = self._properties(spec, request)
         if not topo.multi_host:
             vm = compute_v1.Instance(name=name, **_instance_fields(props, self.zone))
-            op = self._call(
+            self._operate(
                 f"create {name}",
                 lambda: self.instances.insert_unary(project=self.project, zone=self.zone, instance_resource=vm),
+                spec.timeout,
+                lambda: progress(f"{name}: CREATING"),
+                wait=spec.wait,
             )
-            if spec.wait:
-                self._wait(f"create {name}", op, spec.timeout, lambda: progress(f"{name}: CREATING"))
             return
         made: list[Callable[[], None]] = []  # how to take back what was asked for, should a later step fail
         try:
@@ -247,13 +248,13 @@ class Compute(Backend):
                 target_size=topo.hosts,
                 resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy),
             )
-            op = self._call(
+            self._operate(
                 f"create instance group {name}",
                 lambda: self.groups.insert_unary(
                     project=self.project, zone=self.zone, instance_group_manager_resource=group
                 ),
+                600,
             )
-            self._wait(f"create instance group {name}", op, 600)
         except BaseException:
             left = []
             for undo in reversed(made):
@@ -316,24 +317,24 @@ class Compute(Backend):
                 type_="HIGH_THROUGHPUT", accelerator_topology=topo.topology
             ),
         )
-        op = self._call(
+        self._operate(
             f"create workload policy {name}",
             lambda: self.policies.insert_unary(
                 project=self.project, region=self.region, resource_policy_resource=policy
             ),
+            300,
         )
-        self._wait(f"create workload policy {name}", op, 300)
         return f"projects/{self.project}/regions/{self.region}/resourcePolicies/{name}"
 
     def _make_template(self, name: str, props: compute_v1.InstanceProperties) -> str:
         template = compute_v1.InstanceTemplate(name=name, description=MADE_BY + name, properties=props)
-        op = self._call(
+        self._operate(
             f"create instance template {name}",
             lambda: self.templates.insert_unary(
                 project=self.project, region=self.region, instance_template_resource=template
             ),
+            300,
         )
-        self._wait(f"create instance template {name}", op, 300)
         return f"projects/{self.project}/regions/{self.region}/instanceTemplates/{name}"
 
     # ------------------------------------------------------------------ deleting
@@ -345,12 +346,13 @@ class Compute(Backend):
             lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
         )
         if group is None:
-            op = self._call(
+            self._operate(
                 f"delete {name}",
                 lambda: self.instances.delete_unary(project=self.project, zone=self.zone, instance=name),
+                1800,
+                lambda: progress(f"{name}: DELETING"),
                 tpu=name,
             )
-            self._wait(f"delete {name}", op, 1800, lambda: progress(f"{name}: DELETING"))
             return []
         self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
         also = []
@@ -369,25 +371,26 @@ class Compute(Backend):
         return also
 
     def _delete_group(self, name: str, on_poll: Callable[[], None] | None = None) -> None:
-        op = self._call(
+        self._operate(
             f"delete instance group {name}",
             lambda: self.groups.delete_unary(project=self.project, zone=self.zone, instance_group_manager=name),
+            1800,
+            on_poll,
         )
-        self._wait(f"delete instance group {name}", op, 1800, on_poll)
 
     def _delete_template(self, name: str) -> None:
-        op = self._call(
+        self._operate(
             f"delete instance template {name}",
             lambda: self.templates.delete_unary(project=self.project, region=self.region, instance_template=name),
+            300,
         )
-        self._wait(f"delete instance template {name}", op, 300)
 
     def _delete_policy(self, name: str) -> None:
-        op = self._call(
+        self._operate(
             f"delete workload policy {name}",
             lambda: self.policies.delete_unary(project=self.project, region=self.region, resource_policy=name),
+            300,
         )
-        self._wait(f"delete workload policy {name}", op, 300)
 
     def recreate(self, view: NodeView, progress: Progress) -> None:
         raise UsageError(
@@ -423,18 +426,33 @@ class Compute(Backend):
                 fingerprint=vm.metadata.fingerprint,
                 items=[compute_v1.Items(key=k, value=v) for k, v in items.items()],
             )
-            op = self._call(
+            self._operate(
                 f"update metadata of {vm_name}",
                 lambda: self.instances.set_metadata_unary(
                     project=self.project, zone=self.zone, instance=vm_name, metadata_resource=body
                 ),
+                300,
             )
-            self._wait(f"update metadata of {vm_name}", op, 300)
 
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(view.workers)))) as pool:
             list(pool.map(update, [w.vm for w in view.workers]))
 
     # ------------------------------------------------------------------ operations
+
+    def _operate(
+        self,
+        what: str,
+        call: Callable[[], compute_v1.Operation],
+        timeout: float,
+        on_poll: Callable[[], None] | None = None,
+        *,
+        tpu: str | None = None,
+        wait: bool = True,
+    ) -> None:
+        """CALL, a long-running method's `_unary` form; unless WAIT is off, until its operation is done."""
+        op = self._call(what, call, tpu=tpu)
+        if wait:
+            self._wait(what, op, timeout, on_poll)
 
     def _wait(
         self, what: str, op: compute_v1.Operation, timeout: float, on_poll: Callable[[], None] | None = None
@@ -503,7 +521,7 @@ def _metadata(md: compute_v1.Metadata) -> dict[str, str]:
 def _vm_state(vm: compute_v1.Instance) -> str:
     if vm.status in ("TERMINATED", "STOPPED"):
         spot = vm.scheduling.provisioning_model == "SPOT" or vm.scheduling.preemptible
-        return "PREEMPTED" if spot else "STOPPED"
+        return PREEMPTED if spot else STOPPED
     return _STATES.get(vm.status, vm.status)
 
 

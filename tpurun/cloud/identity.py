@@ -55,13 +55,12 @@ class Endpoints:
     @classmethod
     def of(cls, view: NodeView) -> Endpoints:
         """What reaching the workers of the TPU VIEW takes, as the API just told it."""
-        many = len(view.parts) > 1 or bool(view.gone)
         return cls(
             view.accelerator_type,
             [[(w.internal_ip, w.external_ip, w.host_key) for w in part.workers] for part in view.parts],
             [part.name for part in view.parts],
             [part.id for part in view.parts],
-            multislice=many,
+            multislice=view.multislice,
         )
 
     @classmethod

@@ -18,7 +18,7 @@ from tpurun import config, settings
 from tpurun.cloud import autostop, backend, identity, keys, multislice, startup
 from tpurun.cloud.backend import CreateSpec, Request
 from tpurun.cloud.client import Cloud
-from tpurun.cloud.views import READY, NodeView
+from tpurun.cloud.views import GONE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
 from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
@@ -227,7 +227,7 @@ def wait_ready(
             progress(f"{name}: {view.state}")
             if set(view.states) == {READY}:
                 return view
-            bad = sorted({st for st in view.states if st in ("PREEMPTED", "TERMINATED", "STOPPED")})
+            bad = sorted({st for st in view.states if st in (PREEMPTED, TERMINATED, STOPPED)})
             if bad:
                 raise ApiError(f"{name} went {bad[0]} while waiting for it to be READY")
         if time.monotonic() > deadline:
@@ -446,6 +446,6 @@ def gone_or_preempted(cloud: Cloud, name: str) -> bool | None:
     if found is None:
         return True
     states = set(found[1].states)
-    if states & {"GONE", "PREEMPTED", "TERMINATED"}:
+    if states & {GONE, PREEMPTED, TERMINATED}:
         return True
     return None if states == {READY} else False

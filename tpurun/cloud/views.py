@@ -17,6 +17,7 @@ from tpurun.naming import worker_name
 READY = "READY"
 PREEMPTED = "PREEMPTED"
 STOPPED = "STOPPED"
+TERMINATED = "TERMINATED"
 GONE = "GONE"  # a slice of the TPU that does not exist (yet, or any more)
 
 
@@ -63,6 +64,11 @@ class NodeView:
     def parts(self) -> list[NodeView]:
         """Its slices' views (itself, for a TPU of one slice)."""
         return self.slices or [self]
+
+    @property
+    def multislice(self) -> bool:
+        """Whether it is several slices joined as one TPU (some of them may not exist)."""
+        return len(self.parts) > 1 or bool(self.gone)
 
     @property
     def states(self) -> list[str]:

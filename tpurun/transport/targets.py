@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tpurun import config, settings
 from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
+from tpurun.cloud.views import PREEMPTED, READY, STOPPED
 from tpurun.errors import ApiError, NoSuchTpu, Preempted, UnreachableError, UsageError
 from tpurun.transport.fanout import connect_all
 from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, parse_worker_spec
@@ -170,14 +171,13 @@ def _fetch(s: settings.Settings, name: str, remembered: identity.Remembered | No
     if found is None:
         raise _missing(cloud.no_such_tpu(name), s, remembered)
     view = found[1]
-    many = len(view.parts) > 1 or bool(view.gone)
     if view.gone:
         raise UnreachableError(
             f"{name}: slice {view.gone[0]} does not exist ({view.state}), so its workers cannot be reached",
             hint=f"`tpurun describe {name}`",
         )
     for i, part in enumerate(view.parts):
-        _check_ready(s, name, part.state, f" (slice {i})" if many else "")
+        _check_ready(s, name, part.state, f" (slice {i})" if view.multislice else "")
     provision.pin_host_keys(cloud, s.home_path, view)
     return Endpoints.of(view)
 
@@ -207,16 +207,16 @@ def _is_default(s: settings.Settings) -> bool:
 
 def _check_ready(s: settings.Settings, name: str, state: str, what: str = "") -> None:
     """Refuse a TPU whose slice (WHAT says which, of the TPU NAME) is in STATE, unless READY."""
-    if state == "READY":
+    if state == READY:
         return
     default = f" (the default TPU here, from {s.tpu.source})" if _is_default(s) else ""
-    if state == "PREEMPTED":
+    if state == PREEMPTED:
         raise Preempted(
             f"{name}{what}{default} was preempted: its VMs are gone",
             tpu=name,
             hint=f"`tpurun delete {name}` and create it again (`train --max-restarts N` does that for a job)",
         )
-    hint = f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == "STOPPED" else "")
+    hint = f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == STOPPED else "")
     raise UnreachableError(f"{name}{what}{default} is {state}, so its workers cannot be reached", hint=hint)
 
 
