@@ -125,3 +125,13 @@ def calls_since(emulator, before: int) -> list[dict]:
     return [
         r for r in emulator.requests(before) if not (r["method"] == "GET" and "/operations/" in r["path"])
     ]
+
+
+def by_tag(out: str) -> dict[str, list[str]]:
+    """OUT's lines by their tag: {"w0": [...], "s1/w0": [...]} for lines `[w0] text`."""
+    found: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        m = re.match(r"^\[([^\]]+)\] (.*)$", line)
+        if m:
+            found.setdefault(m.group(1), []).append(m.group(2))
+    return found

@@ -5,10 +5,12 @@ commands as for a Cloud TPU node (list, describe, exec, attach, delete), leaving
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error
+from tests.helpers import assert_clean_error, by_tag
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +27,41 @@ def clean(emulator):
     """Whatever a test leaves in Compute Engine goes when it ends (each test checks what it leaves itself)."""
     yield
     emulator.emu.compute_teardown()
+
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+# Run by `tpurun train --runtime pjrt` (a host launch) on every VM: what jax's own cluster detection and
+# torch_xla's own `_internal/tpu.py` make of the VM and of what tpurun gave the process. libtpu is not on
+# this machine, so TPU_LIBRARY_PATH names a file for jax's check that libtpu is there; the chips jax and
+# torch_xla count are the emulated VM's PCI devices.
+PROBE = r"""
+import json, os, urllib.request, urllib.error
+os.environ["TPU_LIBRARY_PATH"] = "/bin/true"
+def metadata(key):
+    url = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/" + key
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})).status
+    except urllib.error.HTTPError as e:
+        return e.code
+import jax
+from jax._src import clusters
+found = [c for c in clusters.ClusterEnv._cluster_types if not c.opt_in_only_method and c.is_env_present()]
+jx = found[0]
+from torch_xla._internal import tpu
+local = tpu.num_local_processes()
+seen = {
+    "metadata": {k: metadata(k) for k in ("tpu-env", "agent-worker-number", "worker-network-endpoints")},
+    "cluster": jx.name, "id": jx.get_process_id(), "count": jx.get_process_count(),
+    "coordinator": jx.get_coordinator_address(10, None),
+    "chips": tpu.num_available_chips(), "local": local, "version": tpu.version(),
+    "worker_id": tpu.worker_id(), "worker_ips": tpu.get_worker_ips(),
+    "worker": os.environ["TPURUN_WORKER_ID"],
+}
+tpu.configure_topology(local - 1, local)
+seen["last"] = {k: os.environ[k] for k in ("TPU_PROCESS_BOUNDS", "CLOUD_TPU_TASK_ID", "TPU_VISIBLE_CHIPS")}
+print(json.dumps(seen))
+"""
 
 
 def _names(entries: list) -> list[str]:
@@ -49,6 +86,7 @@ def test_tpu7x_slice_through_a_managed_instance_group(cli, emulator, clean):
     names = {line.split("] ", 1)[1] for line in r.out.splitlines() if line.startswith("[w")}
     assert len(names) == 4 and all(n.startswith("ironwood-") for n in names), r.out
     assert all(line.startswith("compute.") for line in _aliases(cli))
+    _runtimes_find_their_slice(cli, [w["internalIp"] for w in d["workerEndpoints"]])
 
     listed = json.loads(cli("list", "--json").out)
     assert [(t["name"], t["backend"], t["acceleratorType"]) for t in listed] == [("ironwood", "compute", "tpu7x-32")]
@@ -85,6 +123,41 @@ def test_tpu7x_slice_through_a_managed_instance_group(cli, emulator, clean):
     assert "its instance template" in r.err and "its workload policy" in r.err
     assert not _left(emulator)
     assert_clean_error(cli("describe", "ironwood"), 3)
+
+
+def _runtimes_find_their_slice(cli, addresses: list[str]) -> None:
+    """What a launch gives the runtimes on VMs that carry no Cloud TPU metadata."""
+    tags = ["w0", "w1", "w2", "w3"]
+    # the JAX example, unmodified, once per host: jax.distributed.initialize() joins the 4 VMs and gloo
+    # all-reduces across them
+    shutil.copy(EXAMPLES / "digits_jax.py", cli.cwd / "digits_jax.py")
+    r = cli("train", "digits_jax.py", "--runtime", "cpu", "--launch", "host", "--", "--steps", "20", timeout=600)
+    assert r.code == 0, r.err[-3000:]
+    tagged = by_tag(r.out)
+    assert sorted(tagged) == tags, sorted(tagged)
+    for i, tag in enumerate(tags):
+        assert f"[process {i}/4] all-reduce check: 10.0 (expected 10.0)" in tagged[tag], tagged[tag][:4]
+
+    # on a TPU (host launch): jax's own cluster detection and torch_xla's own topology code agree with
+    # tpurun's numbering, from what tpurun gave them, the VMs' metadata having none of it
+    (cli.cwd / "probe.py").write_text(PROBE)
+    r = cli("train", "probe.py", "--runtime", "pjrt", timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    # (its last line is tagged as chip 3's: configure_topology gave the process that chip's variables)
+    lines = {tag: [t for k, v in by_tag(r.out).items() if k.split("/")[0] == tag for t in v] for tag in tags}
+    plan = json.loads(cli("train", "probe.py", "--runtime", "pjrt", "--launch", "chip", "--dry-run", "--json").out)
+    chip_env = {p["name"]: p["env"] for p in plan["processes"]}
+    for i, tag in enumerate(tags):
+        seen = json.loads(next(t for t in lines[tag] if t.startswith("{")))
+        assert seen["metadata"] == {"tpu-env": 404, "agent-worker-number": 404, "worker-network-endpoints": 404}
+        assert (seen["cluster"], seen["id"], seen["count"], seen["worker"]) == ("gketpu", i, 4, str(i)), seen
+        assert seen["coordinator"] == f"{addresses[0]}:8482"
+        assert (seen["chips"], seen["local"], seen["version"], seen["worker_id"]) == (4, 4, 7, i)
+        assert seen["worker_ips"] == addresses
+        # the last chip process torch_xla's spawner would make is the one tpurun's chip launch makes
+        mine = chip_env[f"{tag}/c3"]
+        assert seen["last"] == {k: mine[k] for k in seen["last"]}, (seen["last"], mine)
+        assert seen["last"]["CLOUD_TPU_TASK_ID"] == str(4 * i + 3)
 
 
 def test_single_vm_in_compute_engines_spelling(cli, emulator, clean):

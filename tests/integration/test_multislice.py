@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error, calls_since, finish, job_pids, popen, read_until
+from tests.helpers import assert_clean_error, by_tag, calls_since, finish, job_pids, popen, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -128,15 +128,6 @@ def _two_slices(cli, name: str) -> dict:
     return json.loads(r.out)
 
 
-def _by_tag(out: str) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    for line in out.splitlines():
-        m = re.match(r"^\[([^\]]+)\] (.*)$", line)
-        if m:
-            found.setdefault(m.group(1), []).append(m.group(2))
-    return found
-
-
 def test_jax_example_trains_across_two_slices_with_real_collectives(cli):
     """The JAX example, unmodified, once per host on 2 slices x 2 workers: jax.distributed.initialize()
     with no arguments joins all 4 processes and gloo all-reduces across every slice."""
@@ -144,16 +135,16 @@ def test_jax_example_trains_across_two_slices_with_real_collectives(cli):
     shutil.copy(EXAMPLES / "digits_jax.py", cli.cwd / "digits_jax.py")
     r = cli("train", "digits_jax.py", "--runtime", "cpu", "--launch", "host", timeout=600)
     assert r.code == 0, r.err[-3000:]
-    by_tag = _by_tag(r.out)
-    assert sorted(by_tag) == TAGS, sorted(by_tag)
+    tagged = by_tag(r.out)
+    assert sorted(tagged) == TAGS, sorted(tagged)
     finals = {}
     for i, tag in enumerate(TAGS):
-        lines = by_tag[tag]
+        lines = tagged[tag]
         # jax numbers the processes slice by slice; the sum of every process's index + 1 is 10
         assert f"[process {i}/4] all-reduce check: 10.0 (expected 10.0)" in lines, lines[:4]
         finals[tag] = [line.split("] ", 1)[1] for line in lines if " step 300 " in line]
     assert len({tuple(v) for v in finals.values()}) == 1, finals  # the same model everywhere: one loss
-    accuracy = [line for line in by_tag["s0/w0"] if line.startswith("final test accuracy")]
+    accuracy = [line for line in tagged["s0/w0"] if line.startswith("final test accuracy")]
     assert accuracy and float(accuracy[0].split()[-1]) >= 0.9
 
 
@@ -174,11 +165,11 @@ def test_jax_finds_the_slices_from_the_emulated_vms_as_on_cloud_tpu(cli):
     )
     r = cli("train", "probe.py", "--runtime", "pjrt")
     assert r.code == 0, r.err[-3000:]
-    by_tag = _by_tag(r.out)
-    assert sorted(by_tag) == TAGS
+    tagged = by_tag(r.out)
+    assert sorted(tagged) == TAGS
     first = d["workerEndpoints"][0]["internalIp"]
     for i, tag in enumerate(TAGS):
-        seen = json.loads(by_tag[tag][-1])
+        seen = json.loads(tagged[tag][-1])
         assert seen["vm"] == seen["env"], seen  # tpurun says what the VM says
         assert seen["vm"]["MEGASCALE_SLICE_ID"] == str(i // 2)
         assert (seen["id"], seen["count"], seen["worker"]) == (i, 4, str(i))
@@ -197,10 +188,10 @@ def test_detach_and_logs_across_slices(cli):
     job = r.out.strip().splitlines()[-1]
     r = cli("logs", job, "--follow")
     assert r.code == 0, r.err
-    by_tag = _by_tag(r.out)
-    assert sorted(by_tag) == TAGS
+    tagged = by_tag(r.out)
+    assert sorted(tagged) == TAGS
     for i, tag in enumerate(TAGS):
-        assert by_tag[tag] == [f"line {n} of {i}" for n in range(3)]
+        assert tagged[tag] == [f"line {n} of {i}" for n in range(3)]
 
 
 def test_dry_run_shows_every_slice(cli):
@@ -257,7 +248,7 @@ def test_a_preempted_slice_relaunches_the_job_on_every_slice(cli, emulator):
     out, err = finish(proc, 300)
     assert proc.returncode == 0, err
     assert "sp was preempted" in err and "restart 1/1" in err, err
-    again = _by_tag(out)
+    again = by_tag(out)
     for tag in TAGS:
         slice_id = tag[1]
         assert [x for x in again[tag] if "restart 1" in x] == [f"n {i} restart 1 slice {slice_id}" for i in range(3)]

@@ -620,6 +620,36 @@ def test_pjrt_host_launch_leaves_the_topology_to_the_vm() -> None:
     assert not [k for k in s.env if k.startswith("TPU_")]
 
 
+@pytest.mark.parametrize(("name", "bounds", "per_host"), [("tpu7x-32", "1,1,4", "2,2,1"), ("v6e-8", "1,1,1", "2,4,1")])
+def test_pjrt_host_launch_on_vms_that_do_not_describe_their_slice(name: str, bounds: str, per_host: str) -> None:
+    """Compute Engine VMs carry no `tpu-env`: each host is given its slice under the environment names,
+    host-level only, so the script's spawner still numbers its chip processes itself."""
+    topo = parse_accelerator_type(name)
+    p = plan(name, "pjrt", launch="host", slice_metadata=False)
+    for w, (s,) in enumerate(p):
+        tpu = {k: v for k, v in s.env.items() if k.startswith(("TPU_", "MEGASCALE_"))}
+        assert tpu == {
+            "TPU_SKIP_MDS_QUERY": "1",
+            "TPU_ACCELERATOR_TYPE": name,
+            "TPU_WORKER_ID": str(w),
+            "TPU_WORKER_HOSTNAMES": ",".join(ADDRESSES[: topo.hosts]),
+            "TPU_HOST_BOUNDS": bounds,
+            "TPU_CHIPS_PER_HOST_BOUNDS": per_host,
+            "TPU_TOPOLOGY": topo.topology,
+            "MEGASCALE_NUM_SLICES": "1",
+            "MEGASCALE_SLICE_ID": "0",
+        }
+    # on the cpu runtime there is no TPU to describe
+    (s,) = plan(name, "cpu", launch="host", slice_metadata=False)[0]
+    assert not [k for k in s.env if k.startswith(("TPU_", "MEGASCALE_"))]
+
+
+def test_tpu7x_chip_launch_bounds_count_its_two_tensorcores() -> None:
+    """torch_xla's configure_topology adds a fourth process bound of 2 on TPU7x (pytorch/xla #9586)."""
+    s = plan("tpu7x-32", "pjrt", launch="chip")[3][3]
+    assert (s.env["TPU_PROCESS_BOUNDS"], s.env["CLOUD_TPU_TASK_ID"]) == ("2,2,4,2", "15")
+
+
 @pytest.mark.parametrize(
     ("name", "kw", "chip"), [("v4-8", {"cores": 1}, "0"), ("v3-8", {"core": 5}, "2"), ("v6e-8", {"core": 7}, "7")]
 )

@@ -153,6 +153,7 @@ class Compute(Backend):
             metadata=_metadata(vms[0].metadata if vms else props.metadata),
             queued_resource="",
             id=str(group.id),
+            slice_metadata=False,
         )
 
     def _group_topology(self, group: compute_v1.InstanceGroupManager, machine_type: str) -> Topology:
@@ -180,6 +181,7 @@ class Compute(Backend):
             metadata=_metadata(vm.metadata),
             queued_resource="",
             id=str(vm.id),
+            slice_metadata=False,
         )
 
     def _template(self, url: str) -> compute_v1.InstanceTemplate | None:

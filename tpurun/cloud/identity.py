@@ -42,6 +42,7 @@ class Endpoints:
     nodes: list[str]  # the node (instance group, instance) of each slice
     ids: list[str]  # the API's unique id of each slice
     multislice: bool = False
+    slice_metadata: bool = True  # NodeView.slice_metadata: the VMs tell the runtimes their place themselves
 
     def to_json(self) -> dict:
         return {
@@ -50,6 +51,7 @@ class Endpoints:
             "nodes": self.nodes,
             "ids": self.ids,
             "multislice": self.multislice,
+            "sliceMetadata": self.slice_metadata,
         }
 
     @classmethod
@@ -61,6 +63,7 @@ class Endpoints:
             [part.name for part in view.parts],
             [part.id for part in view.parts],
             multislice=view.multislice,
+            slice_metadata=view.slice_metadata,
         )
 
     @classmethod
@@ -70,7 +73,14 @@ class Endpoints:
         ids = [str(i) for i in data["ids"]]
         if len(ids) != len(slices) or not all(ids):
             raise ValueError("an id per slice")
-        return cls(str(data["acceleratorType"]), slices, nodes, ids, bool(data.get("multislice")))
+        return cls(
+            str(data["acceleratorType"]),
+            slices,
+            nodes,
+            ids,
+            bool(data.get("multislice")),
+            bool(data.get("sliceMetadata", True)),
+        )
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ class NodeView:
     gone: list[int] = field(default_factory=list)  # a multislice TPU: its slices that do not exist
     slice_of: tuple[str, int] | None = None  # a slice's node: (its multislice TPU, its slice index)
     activity: autostop.Activity = field(default_factory=autostop.Activity)  # what its watchdogs report
+    # Whether each VM's metadata server tells the runtimes their place in the slice, as the Cloud TPU API's
+    # `tpu-env`, `agent-worker-number` and `worker-network-endpoints` do; when not (Compute Engine VMs),
+    # a launch gives them those values itself (docs/train.md, "Where the runtimes learn their slice").
+    slice_metadata: bool = True
 
     @property
     def parts(self) -> list[NodeView]:

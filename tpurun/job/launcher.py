@@ -195,6 +195,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
         restart_count=restart_count,
         tpu_ip=spec.tpu_ip,
         oversubscribe=spec.oversubscribe,
+        slice_metadata=target.slice_metadata,
     )
     return JobPlan(runtime, why, launch, launch_why, specs)
 

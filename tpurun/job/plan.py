@@ -303,6 +303,7 @@ def plan_job(
     restart_count: int = 0,
     tpu_ip: str | None = None,
     oversubscribe: bool = False,
+    slice_metadata: bool = True,
 ) -> list[list[CoreSpec]]:
     """Every process tpurun starts for the job: one list per worker, one CoreSpec per process on it.
 
@@ -311,7 +312,9 @@ def plan_job(
     device index of the host, mapped to its chip, see explain_core). In a chip launch ranks are global
     process indices (torchrun's meaning), worker-major. `slice_size`: hosts per slice of a multislice TPU
     (WORKER_ADDRESSES slice-major): each slice gets its own TPU variables, every process the MEGASCALE
-    ones that join the slices.
+    ones that join the slices. `slice_metadata`: whether the VMs' metadata server tells the runtimes their
+    place in the slice (a Cloud TPU API node's does, a Compute Engine VM's does not: then every process is
+    given those values, see _slice_env).
     """
     num_workers = len(worker_addresses)
     _check_job(runtime, launch, precision, topology, num_workers, tpu_ip, slice_size)
@@ -339,6 +342,9 @@ def plan_job(
             )
             if slice_size is not None:
                 env.update(_multislice_env(worker_addresses[0], slice_id, num_workers // size))
+            elif runtime == "pjrt" and not slice_metadata:
+                # one slice: jax looks these up in the environment, then in `tpu-env` (six tries, 3 s, each)
+                env.update({"MEGASCALE_NUM_SLICES": "1", "MEGASCALE_SLICE_ID": "0"})
             if launch == "chip":
                 env.update(
                     _torchrun_env(
@@ -359,6 +365,7 @@ def plan_job(
                     single_chip=single_chip,
                     job_id=job_id,
                     tpu_ip=tpu_ip,
+                    slice_metadata=slice_metadata,
                 )
             )
             if precision == "bf16":
@@ -422,12 +429,15 @@ def _runtime_env(
     single_chip: int | None,
     job_id: str,
     tpu_ip: str | None,
+    slice_metadata: bool = True,
 ) -> dict[str, str]:
     """What one process needs of its runtime: PJRT's variables (per host or per chip), XRT's, or CPU's."""
     env: dict[str, str] = {}
     if runtime == "pjrt":
         assert topology is not None
         if launch == "host":
+            if not slice_metadata:
+                env.update(_slice_env(topology, worker, worker_addresses))
             env.update(_pjrt_host_env(single_chip))
         else:
             env.update(
@@ -469,6 +479,33 @@ def _pjrt_host_env(single_chip: int | None) -> dict[str, str]:
     return env
 
 
+def _slice_env(topology: Topology, worker: int, worker_addresses: list[str]) -> dict[str, str]:
+    """A host launch on VMs whose metadata server does not describe their slice (Compute Engine's): what
+    the runtimes would have read from a Cloud TPU API node's `tpu-env`, `agent-worker-number` and
+    `worker-network-endpoints`, under the names they read from the environment instead (the ones GKE gives
+    a TPU container). Host-level names only: the script's spawner still derives each chip process's own
+    (xmp.spawn's configure_topology sets TPU_PROCESS_BOUNDS and the rest only where they are unset)."""
+    return {
+        # torch_xla reads the variables below instead of the metadata server (tpu.build_tpu_env_from_vars),
+        # and jax's cluster detection skips its metadata cluster (GceTpuCluster) for the env one (GkeTpuCluster)
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": topology.name,
+        "TPU_WORKER_ID": str(worker),
+        "TPU_WORKER_HOSTNAMES": ",".join(worker_addresses),
+        "TPU_HOST_BOUNDS": topology.host_bounds,
+        "TPU_CHIPS_PER_HOST_BOUNDS": topology.chips_per_host_bounds,
+        "TPU_TOPOLOGY": topology.topology,
+    }
+
+
+def _process_bounds(topology: Topology) -> str:
+    """TPU_PROCESS_BOUNDS at one process per chip, as torch_xla's configure_topology makes it: host bounds ×
+    chips-per-host bounds (v2/v3: chips per host 2,2,1), and on TPU7x a fourth bound of 2, its TensorCores
+    per chip (pytorch/xla #9586)."""
+    bounds = _mul_bounds(topology.host_bounds, topology.chips_per_host_bounds)
+    return bounds + ",2" if topology.generation == "tpu7x" else bounds
+
+
 def _pjrt_env(
     *,
     topology: Topology,
@@ -504,8 +541,7 @@ def _pjrt_env(
     ports = [PJRT_BASE_PORT + i for i in range(local_world)]
     env.update(
         {
-            # host bounds × chips-per-host bounds = one chip per process (v2/v3: chips per host 2,2,1).
-            "TPU_PROCESS_BOUNDS": _mul_bounds(topology.host_bounds, topology.chips_per_host_bounds),
+            "TPU_PROCESS_BOUNDS": _process_bounds(topology),
             "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
             "TPU_VISIBLE_CHIPS": str(local_rank),
             "CLOUD_TPU_TASK_ID": str(worker * local_world + local_rank),

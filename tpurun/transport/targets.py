@@ -33,6 +33,7 @@ class Target:
     cached: bool = False  # built from remembered endpoints, without an API call
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
     where: settings.Settings | None = field(default=None, repr=False)  # what named the TPU (None: this machine)
+    slice_metadata: bool = True  # NodeView.slice_metadata: its VMs tell the runtimes their place themselves
 
     @property
     def project(self) -> str:
@@ -90,7 +91,7 @@ class Target:
             return {i: e for i, e in errors.items() if i not in {r.worker.index for r in again}} | retried
         self.close()
         self.runners, self.all_workers, self.nodes, self.cached = fresh.runners, fresh.all_workers, fresh.nodes, False
-        self.ids, self.accelerator_type = fresh.ids, fresh.accelerator_type
+        self.ids, self.accelerator_type, self.slice_metadata = fresh.ids, fresh.accelerator_type, fresh.slice_metadata
         return connect_all(self.runners, then)
 
 
@@ -246,4 +247,5 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         ids=endpoints.ids,
         cached=cached,
         where=s,
+        slice_metadata=endpoints.slice_metadata,
     )
