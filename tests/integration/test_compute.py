@@ -202,3 +202,72 @@ def test_bad_requests_are_refused_before_anything_is_made(cli, emulator, clean, 
 
 def _aliases(cli) -> list[str]:
     return [line.split()[0] for line in cli.known_hosts.read_text().splitlines() if line.strip()]
+
+
+TICK = "import os, time\nfor i in range(600):\n    print('tick', i, os.environ['TPURUN_WORKER_ID'], flush=True)\n    time.sleep(0.1)\n"
+FAIL = (
+    "import os, sys, time\n"
+    "if os.environ['TPURUN_WORKER_ID'] == '1' and os.environ['TPURUN_CORE'] == '1':\n"
+    "    print('giving up', flush=True); sys.exit(3)\n"
+    "time.sleep(120)\n"
+)
+HOLD = (
+    "setsid nohup python3 -c \"import time; f = open('/dev/vfio/0', 'rb'); open('/tmp/held', 'w').close(); "
+    "time.sleep(999)\" tag-holder >/dev/null 2>&1 </dev/null & "
+    "for i in $(seq 100); do [ -e /tmp/held ] && exit 0; sleep 0.05; done; exit 1"
+)
+
+
+def _running(emulator, name: str, needle: str) -> list[str]:
+    """Command lines containing NEEDLE in the worker namespaces of the Compute Engine TPU NAME."""
+    hosts = emulator.emu.hosts
+    (key,) = [k for k in hosts.node_keys() if k.rsplit("/", 1)[-1] == name]
+    found = []
+    for w in range(2):
+        for pid in hosts.worker_root_pids(key, w):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmd:
+                found.append(cmd)
+    return found
+
+
+def test_every_worker_command_on_a_compute_engine_slice(cli, emulator, clean):
+    """The commands that act on workers find nothing different on a two-VM Compute Engine slice: detach,
+    jobs, logs, cancel, fail-fast, kill-stale and doctor, ending with nothing left anywhere."""
+    assert cli("create", "duo", "-t", "tpu7x-16").code == 0
+    (cli.cwd / "tick.py").write_text(TICK)
+    r = cli("train", "tick.py", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    jobs = json.loads(cli("jobs", "--json").out)
+    assert [(j["job_id"], j["status"]) for j in jobs] == [(job, "running")], jobs
+    r = cli("logs", job)
+    assert r.code == 0, r.err
+    assert {"w0", "w1"} <= set(by_tag(r.out)), r.out[-500:]
+    r = cli("cancel", job)
+    assert r.code == 0, r.err
+    assert not _running(emulator, "duo", "tick.py")
+
+    # fail-fast: one chip process of the second VM fails, the job stops everywhere with its code
+    (cli.cwd / "fail.py").write_text(FAIL)
+    r = cli("train", "fail.py", "--runtime", "cpu", "--cores", "2", timeout=120)
+    assert r.code == 1 and "giving up" in r.out, (r.out[-800:], r.err[-800:])
+    assert "w1/c1" in r.err and "3" in r.err
+    assert not _running(emulator, "duo", "fail.py")
+
+    # a stale process holding a chip on every VM is found and stopped
+    assert cli("exec", "--", "sh", "-c", HOLD).code == 0
+    r = cli("kill-stale", "--grace", "1", "--json")
+    assert r.code == 0, r.err
+    doc = json.loads(r.out)
+    assert doc["free"] and [len(w["holders"]) for w in doc["workers"]] == [1, 1], doc
+    assert not _running(emulator, "duo", "tag-holder")
+
+    r = cli("doctor", "--json")
+    assert r.code == 0, (r.out[-1500:], r.err[-800:])
+
+    assert cli("delete", "duo", "--yes").code == 0
+    assert not _left(emulator)
