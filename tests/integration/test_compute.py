@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error, by_tag
+from tests.helpers import assert_clean_error, by_tag, finish, popen, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -213,7 +213,7 @@ FAIL = (
 )
 HOLD = (
     "setsid nohup python3 -c \"import time; f = open('/dev/vfio/0', 'rb'); open('/tmp/held', 'w').close(); "
-    "time.sleep(999)\" tag-holder >/dev/null 2>&1 </dev/null & "
+    'time.sleep(999)" tag-holder >/dev/null 2>&1 </dev/null & '
     "for i in $(seq 100); do [ -e /tmp/held ] && exit 0; sleep 0.05; done; exit 1"
 )
 
@@ -270,4 +270,38 @@ def test_every_worker_command_on_a_compute_engine_slice(cli, emulator, clean):
     assert r.code == 0, (r.out[-1500:], r.err[-800:])
 
     assert cli("delete", "duo", "--yes").code == 0
+    assert not _left(emulator)
+
+
+RESUME = (
+    "import os, time\n"
+    "n = os.environ['TPURUN_RESTART_COUNT']\n"
+    "print('restart count', n, flush=True)\n"
+    "time.sleep(600 if n == '0' else 0.1)\n"
+    "print('finished', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "vms"), [("spotgroup", ["-t", "tpu7x-16"], 2), ("spotvm", ["-t", "v6e-4"], 1)]
+)
+def test_preempted_spot_tpu_is_remade_for_max_restarts(cli, emulator, clean, name, args, vms):
+    """One spot VM of a group (or the one VM) preempted mid-job: `--max-restarts` deletes the VMs and
+    makes them again as they were (the group with its template and policy), then runs the job again."""
+    r = cli("create", name, *args, "--backend", "compute", "--spot", "--json")
+    assert r.code == 0, r.err
+    (cli.cwd / "resume.py").write_text(RESUME)
+    proc = popen(cli, "train", "resume.py", "--runtime", "cpu", "--launch", "host", "--max-restarts", "1")
+    read_until(proc, lambda lines: sum("restart count 0" in line for line in lines) == vms)
+    victim = _names(emulator.admin.status()["instances"])[-1]
+    emulator.admin.preempt_instance(victim)
+    out, err = finish(proc, timeout=240)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"restart 1/1: recreating {name}" in err
+    assert out.count("restart count 1") == vms and out.count("finished") == vms, out
+    d = json.loads(cli("describe", name, "--json").out)
+    assert (d["state"], d["spot"], len(d["workerEndpoints"])) == ("READY", True, vms)
+    now = _names(emulator.admin.status()["instances"])
+    assert len(now) == vms and (vms == 1 or not set(now) & {victim}), now
+    assert cli("delete", name, "--yes").code == 0
     assert not _left(emulator)

@@ -227,14 +227,8 @@ class Compute(Backend):
         topo, name = request.topology, spec.name
         props = self._properties(spec, request)
         if not topo.multi_host:
-            vm = compute_v1.Instance(name=name, **_instance_fields(props, self.zone))
-            self._operate(
-                f"create {name}",
-                lambda: self.instances.insert_unary(project=self.project, zone=self.zone, instance_resource=vm),
-                spec.timeout,
-                lambda: progress(f"{name}: CREATING"),
-                wait=spec.wait,
-            )
+            vm = compute_v1.Instance(name=name, description=MADE_BY + name, **_instance_fields(props, self.zone))
+            self._insert_vm(vm, spec.timeout, progress, wait=spec.wait)
             return
         made: list[Callable[[], None]] = []  # how to take back what was asked for, should a later step fail
         try:
@@ -243,20 +237,7 @@ class Compute(Backend):
             made.append(lambda: self._delete_template(name))
             template = self._make_template(name, props)
             made.append(lambda: self._delete_group(name))
-            group = compute_v1.InstanceGroupManager(
-                name=name,
-                base_instance_name=name,
-                instance_template=template,
-                target_size=topo.hosts,
-                resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy),
-            )
-            self._operate(
-                f"create instance group {name}",
-                lambda: self.groups.insert_unary(
-                    project=self.project, zone=self.zone, instance_group_manager_resource=group
-                ),
-                600,
-            )
+            self._insert_group(name, template, topo.hosts, policy)
         except BaseException:
             left = []
             for undo in reversed(made):
@@ -269,6 +250,32 @@ class Compute(Backend):
                 log.warning("%s: could not take back what was made: %s", name, message)
             raise
 
+    def _insert_vm(self, vm: compute_v1.Instance, timeout: float, progress: Progress, *, wait: bool = True) -> None:
+        self._operate(
+            f"create {vm.name}",
+            lambda: self.instances.insert_unary(project=self.project, zone=self.zone, instance_resource=vm),
+            timeout,
+            lambda: progress(f"{vm.name}: CREATING"),
+            wait=wait,
+        )
+
+    def _insert_group(self, name: str, template: str, size: int, policy: str) -> None:
+        """The managed instance group NAME: SIZE VMs of TEMPLATE, shaped by the workload POLICY."""
+        group = compute_v1.InstanceGroupManager(
+            name=name,
+            base_instance_name=name,
+            instance_template=template,
+            target_size=size,
+            resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy),
+        )
+        self._operate(
+            f"create instance group {name}",
+            lambda: self.groups.insert_unary(
+                project=self.project, zone=self.zone, instance_group_manager_resource=group
+            ),
+            600,
+        )
+
     def _properties(self, spec: CreateSpec, request: Request) -> compute_v1.InstanceProperties:
         """What every VM of the TPU is made with: a template's properties (an instance takes the same)."""
         topo = request.topology
@@ -277,16 +284,7 @@ class Compute(Backend):
         model = "SPOT" if spec.spot else "STANDARD"
         return compute_v1.InstanceProperties(
             machine_type=topo.machine_type,
-            disks=[
-                compute_v1.AttachedDisk(
-                    boot=True,
-                    auto_delete=True,
-                    initialize_params=compute_v1.AttachedDiskInitializeParams(
-                        source_image=f"projects/{IMAGE_PROJECT}/global/images/family/{_family(topo)}",
-                        disk_size_gb=BOOT_DISK_GB,
-                    ),
-                )
-            ],
+            disks=[_boot_disk(topo)],
             network_interfaces=[
                 compute_v1.NetworkInterface(
                     network=_under(spec.network or "default", "global/networks"),
@@ -395,10 +393,38 @@ class Compute(Backend):
         )
 
     def recreate(self, view: NodeView, progress: Progress) -> None:
-        raise UsageError(
-            f"{view.name}: tpurun does not remake a Compute Engine TPU after a preemption yet",
-            hint=f"`tpurun delete {view.name}` and create it again",
+        """Delete the preempted VMs and make them again as they were: Google's way back for a spot TPU
+        VM or group ("you must delete and then recreate it"). A group keeps its template and workload
+        policy and gets new VMs; a single VM is made again with the fields it has, from the boot image
+        family tpurun makes it with (so only one tpurun made)."""
+        name = view.name
+        group = self._find(
+            f"get instance group {name}",
+            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
         )
+        if group is not None:
+            template, policy = group.instance_template, group.resource_policies.workload_policy
+            self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
+            progress(f"{name}: CREATING")
+            self._insert_group(name, template, group.target_size, policy)
+            return
+        vm = self._call(
+            f"get instance {name}", lambda: self.instances.get(project=self.project, zone=self.zone, instance=name)
+        )
+        if vm.description != MADE_BY + name:
+            raise UsageError(
+                f"{name}: tpurun remakes only the Compute Engine VMs it made, and does not know this one's boot disk",
+                hint=f"remake it as it was made, then `tpurun attach {name}`",
+            )
+        again = _remade(vm, self.zone)
+        self._operate(
+            f"delete {name}",
+            lambda: self.instances.delete_unary(project=self.project, zone=self.zone, instance=name),
+            1800,
+            lambda: progress(f"{name}: DELETING"),
+            tpu=name,
+        )
+        self._insert_vm(again, 1800, progress)
 
     # ------------------------------------------------------------------ changing
 
@@ -541,10 +567,18 @@ def _image(disks: Any) -> str:
     return "-"
 
 
-def _family(topo: Topology) -> str:
+def _boot_disk(topo: Topology) -> compute_v1.AttachedDisk:
+    """The boot disk tpurun gives a VM of TOPO: the newest image of its generation's family."""
     from tpurun.topology import GENERATIONS
 
-    return GENERATIONS[topo.generation].image_family
+    family = GENERATIONS[topo.generation].image_family
+    return compute_v1.AttachedDisk(
+        boot=True,
+        auto_delete=True,
+        initialize_params=compute_v1.AttachedDiskInitializeParams(
+            source_image=f"projects/{IMAGE_PROJECT}/global/images/family/{family}", disk_size_gb=BOOT_DISK_GB
+        ),
+    )
 
 
 def _instance_fields(props: compute_v1.InstanceProperties, zone: str) -> dict[str, Any]:
@@ -558,6 +592,29 @@ def _instance_fields(props: compute_v1.InstanceProperties, zone: str) -> dict[st
         "service_accounts": list(props.service_accounts),
         "labels": dict(props.labels),
     }
+
+
+def _remade(vm: compute_v1.Instance, zone: str) -> compute_v1.Instance:
+    """What makes VM (one tpurun made) again: its own fields, and a boot disk of the image family tpurun
+    gives its generation (an instance tells its disk, not the image it came from)."""
+    topo = vm_topology(short_name(vm.machine_type))
+    props = compute_v1.InstanceProperties(
+        machine_type=topo.machine_type,
+        disks=[_boot_disk(topo)],
+        network_interfaces=[
+            compute_v1.NetworkInterface(
+                network=n.network,
+                subnetwork=n.subnetwork,
+                access_configs=[compute_v1.AccessConfig(name=a.name, type_=a.type_) for a in n.access_configs],
+            )
+            for n in vm.network_interfaces
+        ],
+        scheduling=vm.scheduling,
+        metadata=compute_v1.Metadata(items=list(vm.metadata.items)),
+        service_accounts=list(vm.service_accounts),
+        labels=dict(vm.labels),
+    )
+    return compute_v1.Instance(name=vm.name, description=vm.description, **_instance_fields(props, zone))
 
 
 def _time(stamp: str) -> Any:
