@@ -305,3 +305,19 @@ def test_preempted_spot_tpu_is_remade_for_max_restarts(cli, emulator, clean, nam
     assert len(now) == vms and (vms == 1 or not set(now) & {victim}), now
     assert cli("delete", name, "--yes").code == 0
     assert not _left(emulator)
+
+
+def test_list_all_zones_reads_compute_engines_aggregated_lists(cli, emulator, clean):
+    far = "us-east5-a"
+    assert cli("create", "east", "-t", "tpu7x-8", "--zone", far).code == 0
+    assert cli("create", "west", "-t", "tpu7x-16").code == 0
+    listed = json.loads(cli("list", "--all-zones", "--json").out)
+    assert sorted((t["zone"], t["name"], t["backend"], t["workers"]) for t in listed) == sorted(
+        [(far, "east", "compute", 1), (emulator.zone, "west", "compute", 2)]
+    ), listed
+    assert [t["name"] for t in json.loads(cli("list", "--json").out)] == ["west"]
+    calls = [r["path"] for r in emulator.requests() if "/aggregated/" in r["path"]]
+    assert any(p.endswith("/aggregated/instances") for p in calls), calls
+    assert cli("delete", "east", "--zone", far, "--yes").code == 0
+    assert cli("delete", "west", "--yes").code == 0
+    assert not _left(emulator)

@@ -100,13 +100,35 @@ class Compute(Backend):
 
     def all_tpus(self) -> list[NodeView]:
         if self.zone == "-":
-            return []  # every zone: Compute Engine's aggregated lists are not read yet
+            return self._every_zone()
         vms = self._call("list instances", lambda: list(self.instances.list(project=self.project, zone=self.zone)))
         groups = self._call(
             "list instance groups", lambda: list(self.groups.list(project=self.project, zone=self.zone))
         )
-        views = [v for g in groups if (v := self._group_view(g, [vm for vm in vms if _member(vm) == g.name]))]
-        return views + [self._vm_view(vm) for vm in vms if _tpu_vm(vm) and not _member(vm)]
+        return self._tpus(self.zone, groups, vms)
+
+    def _every_zone(self) -> list[NodeView]:
+        """Every zone's TPUs, through the aggregated lists (one call per kind for the whole project)."""
+        vms: dict[str, list[compute_v1.Instance]] = {}
+        groups: dict[str, list[compute_v1.InstanceGroupManager]] = {}
+        for scope, scoped in self._call(
+            "list instances of every zone", lambda: list(self.instances.aggregated_list(project=self.project))
+        ):
+            vms.setdefault(scope.rsplit("/", 1)[-1], []).extend(scoped.instances)
+        for scope, scoped in self._call(
+            "list instance groups of every zone", lambda: list(self.groups.aggregated_list(project=self.project))
+        ):
+            if scope.startswith("zones/"):  # tpurun's groups are zonal, as a slice's VMs are in one zone
+                groups.setdefault(scope.rsplit("/", 1)[-1], []).extend(scoped.instance_group_managers)
+        zones = sorted(set(vms) | set(groups))
+        return [v for zone in zones for v in self._tpus(zone, groups.get(zone, []), vms.get(zone, []))]
+
+    def _tpus(
+        self, zone: str, groups: list[compute_v1.InstanceGroupManager], vms: list[compute_v1.Instance]
+    ) -> list[NodeView]:
+        """The TPUs among ZONE's GROUPS and VMS: each TPU group, and each TPU VM in no group."""
+        views = [v for g in groups if (v := self._group_view(g, [vm for vm in vms if _member(vm) == g.name], zone))]
+        return views + [self._vm_view(vm, zone) for vm in vms if _tpu_vm(vm) and not _member(vm)]
 
     def _group_vms(self, name: str) -> list[compute_v1.Instance]:
         """The VMs of the group NAME that exist, through listManagedInstances."""
@@ -122,8 +144,10 @@ class Compute(Backend):
         vms = self._call("list instances", lambda: list(self.instances.list(project=self.project, zone=self.zone)))
         return [vm for vm in vms if vm.name in names]
 
-    def _group_view(self, group: compute_v1.InstanceGroupManager, vms: list[compute_v1.Instance]) -> NodeView | None:
-        """The TPU a group is (None for a group of other VMs)."""
+    def _group_view(
+        self, group: compute_v1.InstanceGroupManager, vms: list[compute_v1.Instance], zone: str = ""
+    ) -> NodeView | None:
+        """The TPU a group is (None for a group of other VMs), in ZONE (the configured zone unless given)."""
         template = self._template(group.instance_template)
         if template is None or not _is_tpu_type(template.properties.machine_type):
             return None
@@ -140,7 +164,7 @@ class Compute(Backend):
         return NodeView(
             name=group.name,
             backend=Kind.COMPUTE.value,
-            zone=self.zone,
+            zone=zone or self.zone,
             accelerator_type=topo.name,
             state=state,
             health="-",
@@ -164,11 +188,11 @@ class Compute(Backend):
         shape = policy.workload_policy.accelerator_topology if policy else ""
         return from_machine_type(machine_type, shape) if shape else vm_topology(machine_type)
 
-    def _vm_view(self, vm: compute_v1.Instance) -> NodeView:
+    def _vm_view(self, vm: compute_v1.Instance, zone: str = "") -> NodeView:
         return NodeView(
             name=vm.name,
             backend=Kind.COMPUTE.value,
-            zone=self.zone,
+            zone=zone or self.zone,
             accelerator_type=vm_topology(short_name(vm.machine_type)).name,
             state=_vm_state(vm),
             health="-",

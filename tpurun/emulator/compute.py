@@ -129,6 +129,21 @@ def listing(kind: str, path: str, items: list[dict[str, Any]], query: ListQuery)
     return out
 
 
+def aggregated(kind: str, path: str, collection: str, items: list[dict[str, Any]], query: ListQuery) -> dict[str, Any]:
+    """A Compute Engine aggregated list answer: one page of the ITEMS the filter keeps, under the scope
+    each is in (`zones/Z`, `regions/R`), each scope's list named COLLECTION (`instances`)."""
+    chunk, nxt = query.page(items)
+    scoped: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for item in chunk:
+        where = item.get("zone") or item.get("region") or ""
+        scope = "/".join(where.rstrip("/").split("/")[-2:])
+        scoped.setdefault(scope, {collection: []})[collection].append(item)
+    out: dict[str, Any] = {"kind": kind, "id": path, "items": scoped, "selfLink": link(path)}
+    if nxt:
+        out["nextPageToken"] = nxt
+    return out
+
+
 class ComputeResources(Queued):
     def __init__(self, hosts: HostsLike, config: EmulatorConfig) -> None:
         self.compute_ops: dict[str, ComputeOperation] = {}
@@ -464,6 +479,13 @@ class ComputeResources(Queued):
         with self.lock:
             items = [to_json(r.inst) for k, r in sorted(self.instances.items()) if k.startswith(scope + "/")]
         return listing("compute#instanceList", scope, items, query)
+
+    def aggregated_instances(self, project: str, query: ListQuery) -> dict[str, Any]:
+        """Every zone's instances (instances.aggregatedList)."""
+        with self.lock:
+            items = [to_json(r.inst) for k, r in sorted(self.instances.items()) if k.startswith(f"projects/{project}/")]
+        path = f"projects/{project}/aggregated/instances"
+        return aggregated("compute#instanceAggregatedList", path, "instances", items, query)
 
     def delete_instance(self, path: str) -> dict[str, Any]:
         rec = self._record(path)

@@ -21,6 +21,7 @@ COMPUTE_PREFIX = "/compute/v1/"
 _P = "/compute/v1/projects/(?P<project>[^/]+)"
 _ID = "[^/]+"
 _LIST = ("filter", "maxResults", "orderBy", "pageToken", "returnPartialSuccess")
+_AGGREGATED = (*_LIST, "includeAllScopes", "serviceProjectNumber")
 _SCOPES = {"zones": "zone", "regions": "region"}
 
 
@@ -106,6 +107,7 @@ def _instances(r: Router, emu: Emulator) -> None:
         ("requestId", "sourceInstanceTemplate"),
     )
     r.add("GET", base, lambda q: emu.list_instances(_project(q), q.groups["zone"], _query(q)), _LIST)
+    r.add("GET", f"{_P}/aggregated/instances", lambda q: emu.aggregated_instances(_project(q), _query(q)), _AGGREGATED)
     item = f"/compute/v1/(?P<path>projects/[^/]+/zones/[^/]+/instances/{_ID})"
     r.add("GET", item, lambda q: emu.get_instance(q.groups["path"]))
     r.add("DELETE", item, lambda q: emu.delete_instance(q.groups["path"]), ("requestId",))
@@ -125,6 +127,12 @@ def _instances(r: Router, emu: Emulator) -> None:
 
 def _groups(r: Router, emu: Emulator) -> None:
     """Zonal and regional managed instance groups."""
+    r.add(
+        "GET",
+        f"{_P}/aggregated/instanceGroupManagers",
+        lambda q: emu.aggregated_migs(_project(q), _query(q)),
+        _AGGREGATED,
+    )
     for kind in _SCOPES:
         scope = f"/compute/v1/(?P<scope>projects/[^/]+/{kind}/[^/]+)"
         base = f"{scope}/instanceGroupManagers"

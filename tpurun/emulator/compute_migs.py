@@ -21,6 +21,7 @@ from google.cloud import compute_v1
 from tpurun.emulator.compute import (
     ComputeResources,
     ListQuery,
+    aggregated,
     check_name,
     check_region,
     check_zone,
@@ -274,6 +275,13 @@ class ManagedGroups(ComputeResources):
                 if k.startswith(scope + "/instanceGroupManagers/")
             ]
         return listing("compute#instanceGroupManagerList", f"{scope}/instanceGroupManagers", items, query)
+
+    def aggregated_migs(self, project: str, query: ListQuery) -> dict[str, Any]:
+        """Every zone's and region's groups (instanceGroupManagers.aggregatedList)."""
+        with self.lock:
+            items = [self._mig_json(r) for k, r in sorted(self.migs.items()) if k.startswith(f"projects/{project}/")]
+        path = f"projects/{project}/aggregated/instanceGroupManagers"
+        return aggregated("compute#instanceGroupManagerAggregatedList", path, "instanceGroupManagers", items, query)
 
     def list_managed_instances(self, path: str, query: ListQuery) -> dict[str, Any]:
         """Every VM the group manages or is making, in the order it made their names."""
