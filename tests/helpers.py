@@ -71,9 +71,15 @@ def job_pids(emulator, node: str, needle: str, workers: list[int] | None = None)
     name = emulator.node_name(node)
     if workers is None:
         workers = list(range(len(emulator.node_info(name)["workers"])))
+    return pids_in(emulator, name, workers, needle)
+
+
+def pids_in(emulator, hosts_key: str, workers: list[int], needle: str) -> list[int]:
+    """Processes whose command line contains NEEDLE in the namespaces of WORKERS of the emulator's hosts
+    HOSTS_KEY (a node's name, or a Compute Engine group's or VM's path)."""
     pids = []
     for w in workers:
-        for pid in emulator.emu.hosts.worker_root_pids(name, w):
+        for pid in emulator.emu.hosts.worker_root_pids(hosts_key, w):
             try:
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:

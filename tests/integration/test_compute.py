@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error, by_tag, finish, popen, read_until
+from tests.helpers import assert_clean_error, by_tag, finish, pids_in, popen, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -218,20 +218,10 @@ HOLD = (
 )
 
 
-def _running(emulator, name: str, needle: str) -> list[str]:
-    """Command lines containing NEEDLE in the worker namespaces of the Compute Engine TPU NAME."""
-    hosts = emulator.emu.hosts
-    (key,) = [k for k in hosts.node_keys() if k.rsplit("/", 1)[-1] == name]
-    found = []
-    for w in range(2):
-        for pid in hosts.worker_root_pids(key, w):
-            try:
-                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if needle in cmd:
-                found.append(cmd)
-    return found
+def _running(emulator, name: str, needle: str) -> list[int]:
+    """Processes whose command line contains NEEDLE on the two VMs of the Compute Engine TPU NAME."""
+    (key,) = [k for k in emulator.emu.hosts.node_keys() if k.rsplit("/", 1)[-1] == name]
+    return pids_in(emulator, key, [0, 1], needle)
 
 
 def test_every_worker_command_on_a_compute_engine_slice(cli, emulator, clean):

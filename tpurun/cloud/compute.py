@@ -370,13 +370,7 @@ class Compute(Backend):
             lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
         )
         if group is None:
-            self._operate(
-                f"delete {name}",
-                lambda: self.instances.delete_unary(project=self.project, zone=self.zone, instance=name),
-                1800,
-                lambda: progress(f"{name}: DELETING"),
-                tpu=name,
-            )
+            self._delete_vm(name, progress)
             return []
         self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
         also = []
@@ -393,6 +387,15 @@ class Compute(Backend):
             self._delete_policy(name)
             also.append("its workload policy")
         return also
+
+    def _delete_vm(self, name: str, progress: Progress) -> None:
+        self._operate(
+            f"delete {name}",
+            lambda: self.instances.delete_unary(project=self.project, zone=self.zone, instance=name),
+            1800,
+            lambda: progress(f"{name}: DELETING"),
+            tpu=name,
+        )
 
     def _delete_group(self, name: str, on_poll: Callable[[], None] | None = None) -> None:
         self._operate(
@@ -441,13 +444,7 @@ class Compute(Backend):
                 hint=f"remake it as it was made, then `tpurun attach {name}`",
             )
         again = _remade(vm, self.zone)
-        self._operate(
-            f"delete {name}",
-            lambda: self.instances.delete_unary(project=self.project, zone=self.zone, instance=name),
-            1800,
-            lambda: progress(f"{name}: DELETING"),
-            tpu=name,
-        )
+        self._delete_vm(name, progress)
         self._insert_vm(again, 1800, progress)
 
     # ------------------------------------------------------------------ changing
