@@ -245,7 +245,7 @@ def test_every_worker_command_on_a_compute_engine_slice(cli, emulator, clean):
     (cli.cwd / "fail.py").write_text(FAIL)
     r = cli("train", "fail.py", "--runtime", "cpu", "--cores", "2", timeout=120)
     assert r.code == 1 and "giving up" in r.out, (r.out[-800:], r.err[-800:])
-    assert "w1/c1" in r.err and "3" in r.err
+    assert "w1/c1" in r.err and "(exit code 3)" in r.err, r.err[-800:]
     assert not _running(emulator, "duo", "fail.py")
 
     # a stale process holding a chip on every VM is found and stopped
