@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,7 @@ def test_tpu7x_slice_through_a_managed_instance_group(cli, emulator, clean):
     assert "Compute Engine already has a TPU of that name" in r.err
     assert not list(emulator.client().list_nodes(parent=emulator.parent))
 
-    for refused in (["stop", "ironwood"], ["autostop", "ironwood", "30m"]):
+    for refused in (["stop", "ironwood"], ["autostop", "ironwood", "30m", "--action", "stop"]):
         r = cli(*refused)
         assert_clean_error(r, 2)
         assert "Compute Engine" in r.err
@@ -311,3 +312,46 @@ def test_list_all_zones_reads_compute_engines_aggregated_lists(cli, emulator, cl
     assert cli("delete", "east", "--zone", far, "--yes").code == 0
     assert cli("delete", "west", "--yes").code == 0
     assert not _left(emulator)
+
+
+def _wait_until_nothing_left(emulator, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _left(emulator):
+        assert time.monotonic() < deadline, _left(emulator)
+        time.sleep(0.3)
+
+
+def _by_vm(emulator, before: int) -> list[tuple[str, str]]:
+    """The calls a VM made with its own token since BEFORE that changed something: (method, what)."""
+    return [
+        (r["method"], r["path"].split("/", 5)[-1])
+        for r in emulator.requests(before)
+        if r["caller"].startswith("vm:")
+        and r["method"] != "GET"
+        and "/operations/" not in r["path"]
+        and "listManagedInstances" not in r["path"]
+    ]
+
+
+def test_the_watchdog_deletes_a_compute_engine_tpu_with_its_own_token(cli, emulator, clean):
+    """A group's `train --down` job ends (detached): its first VM leaves the group, deletes the group, its
+    template and its workload policy, then itself. A lone VM made with --autostop deletes itself once idle."""
+    cli.env["TPURUN_WATCHDOG_TICK"] = "0.5"
+    assert cli("create", "downgroup", "-t", "tpu7x-16").code == 0
+    assert cli("autostop", "downgroup", "1h").code == 0  # set per VM, the watchdogs started over SSH
+    assert json.loads(cli("describe", "downgroup", "--json").out)["autostop"] == "delete after 1h idle"
+    (cli.cwd / "job.py").write_text("import time; time.sleep(2); print('job done', flush=True)\n")
+    before = len(emulator.requests())
+    r = cli("train", "job.py", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
+    assert r.code == 0, r.err
+    _wait_until_nothing_left(emulator, 90)
+    calls = _by_vm(emulator, before)
+    (leave,) = [c for c in calls if c[1].endswith("/abandonInstances")]
+    assert leave[1] == "zones/" + emulator.zone + "/instanceGroupManagers/downgroup/abandonInstances", calls
+    deletes = [what.rsplit("/", 2)[-2] for m, what in calls if m == "DELETE"]
+    assert deletes == ["instanceGroupManagers", "instanceTemplates", "resourcePolicies", "instances"], calls
+
+    assert cli("create", "idlevm", "-t", "tpu7x-8", "--autostop", "2s").code == 0
+    before = len(emulator.requests())
+    _wait_until_nothing_left(emulator, 60)
+    assert [(m, what.rsplit("/", 1)[-1]) for m, what in _by_vm(emulator, before)] == [("DELETE", "idlevm")]

@@ -45,18 +45,18 @@ def test_the_test_setting_lowers_the_shortest_period(monkeypatch):
         autostop.parse_idle("0s")
 
 
-def test_stop_only_where_cloud_tpu_can_stop():
-    autostop.check_action("stop", stoppable=True, what="a")
-    autostop.check_action("delete", stoppable=False, what="a")
-    with pytest.raises(UsageError, match="single-host"):
-        autostop.check_action("stop", stoppable=False, what="a (v4-16)")
+def test_stop_only_where_the_tpu_can_be_stopped():
+    autostop.check_action("stop")
+    autostop.check_action("delete", "a (v4-16) cannot be stopped")
+    with pytest.raises(UsageError, match="stop: a .v4-16. cannot be stopped"):
+        autostop.check_action("stop", "a (v4-16) cannot be stopped")
     with pytest.raises(UsageError, match="choose delete or stop"):
-        autostop.check_action("shrink", stoppable=True, what="a")
+        autostop.check_action("shrink")
 
 
 def test_setting_round_trip(monkeypatch):
     monkeypatch.setenv("TPURUN_WATCHDOG_TICK", "7")
-    md = autostop.metadata(None, ["a-0", "a-1"], 1800, "delete")
+    md = autostop.metadata(autostop.stand_in(["a-0", "a-1"]), 1800, "delete")
     value = json.loads(md[autostop.KEY])
     assert value["nodes"] == ["projects/-/locations/-/nodes/a-0", "projects/-/locations/-/nodes/a-1"]
     assert value["tick"] == 7.0 and value["idle"] == 1800
@@ -139,6 +139,9 @@ def test_the_setting_makes_a_bare_host_https(monkeypatch):
         def node_path(self, n):
             return f"projects/p/locations/z/nodes/{n}"
 
-    value = json.loads(autostop.setting(Stub(), ["a"], 60))  # type: ignore[arg-type]
+    from tpurun.cloud.tpu_api import TpuApi
+
+    target = TpuApi(Stub()).watch_target("a", ["a"], False, None)  # type: ignore[arg-type]
+    value = json.loads(autostop.setting(target, 60))
     assert value["endpoint"] == "https://tpu.example.com"
     assert autostop.read({autostop.KEY: json.dumps(value)}).tick == 30.0

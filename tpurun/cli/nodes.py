@@ -332,7 +332,7 @@ def autostop_cmd(
     provision.validate_name(name)
     seconds = autostop.parse_idle(idle, "autostop")
     if action is not None:
-        autostop.check_action(action, stoppable=True, what=name)
+        autostop.check_action(action)
     cloud, s = cloud_for(project, zone)
 
     def start_watchdogs() -> dict[int, str]:

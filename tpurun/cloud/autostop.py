@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from tpurun import config, ui
 from tpurun.cloud import startup
-from tpurun.cloud.backend import Kind
 from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.worker import bundle_metadata
@@ -62,33 +61,28 @@ def parse_idle(text: str, option: str = "--autostop") -> int:
     return seconds
 
 
-def check_action(action: str, *, stoppable: bool, what: str) -> None:
+def check_action(action: str, cannot_stop: str = "") -> None:
+    """ACTION is one the watchdog takes, and stop only where the TPU can be stopped (CANNOT_STOP: why not)."""
     if action not in ACTIONS:
         raise UsageError(f"--autostop-action {action}: choose delete or stop")
-    if action == "stop" and not stoppable:
-        raise UsageError(
-            f"--autostop-action stop: Cloud TPU can stop only single-host TPU VMs, and {what} is not one",
-            hint="use --autostop-action delete",
-        )
+    if action == "stop" and cannot_stop:
+        raise UsageError(f"--autostop-action stop: {cannot_stop}", hint="use --autostop-action delete")
 
 
-def setting(cloud: Cloud | None, nodes: list[str], idle: int, action: str = "delete") -> str:
-    """The `tpurun-autostop` metadata value for the TPU made of NODES (its first node's worker 0 decides).
-    Without CLOUD (checks made before settings are resolved), one of the same size and shape."""
-    endpoint = cloud.endpoint if cloud else "https://tpu.googleapis.com"
-    value = {
-        "idle": idle,
-        "action": action,
-        "nodes": [cloud.node_path(n) if cloud else f"projects/-/locations/-/nodes/{n}" for n in nodes],
-        "endpoint": endpoint if "://" in endpoint else f"https://{endpoint}",  # a bare host means https
-        "tick": tick(),
-    }
-    return json.dumps(value, sort_keys=True)
+def setting(target: dict[str, Any], idle: int, action: str = "delete") -> str:
+    """The `tpurun-autostop` metadata value: TARGET (the API and the TPU's resources, from the backend's
+    `watch_target`), the idle period, the action and the watchdog's tick."""
+    return json.dumps({**target, "idle": idle, "action": action, "tick": tick()}, sort_keys=True)
 
 
-def metadata(cloud: Cloud | None, nodes: list[str], idle: int, action: str = "delete") -> dict[str, str]:
+def stand_in(nodes: list[str]) -> dict[str, Any]:
+    """A target of the same size and shape as a Cloud TPU API one, for checks made before settings."""
+    return {"nodes": [f"projects/-/locations/-/nodes/{n}" for n in nodes], "endpoint": "https://tpu.googleapis.com"}
+
+
+def metadata(target: dict[str, Any], idle: int, action: str = "delete") -> dict[str, str]:
     """The metadata entries that install the watchdog (the startup wrapper starts it) and set it."""
-    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(cloud, nodes, idle, action)}
+    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(target, idle, action)}
 
 
 @dataclass(frozen=True)
@@ -128,8 +122,10 @@ def configure(
     maker, view = _ready(cloud, name)
     current = read(view.metadata)
     action = action or (current.action if current else "delete")
-    stoppable = not maker.cannot_stop(view, "stop") and not view.queued_resource
-    check_action(action, stoppable=stoppable, what=f"{name} ({view.accelerator_type})")
+    cannot_stop = maker.cannot_stop(view, "stop")
+    if view.queued_resource and not cannot_stop:
+        cannot_stop = f"{name} came from a queued resource, which Cloud TPU deletes but does not stop"
+    check_action(action, cannot_stop)
     if idle and any(startup.WATCHDOG_KEY not in part.metadata.get("startup-script", "") for part in view.parts):
         progress(f"{name}: starting the watchdog on every worker")
         failed = start_watchdogs()
@@ -140,7 +136,7 @@ def configure(
                 hint=f"`tpurun attach {name}` installs tpurun's ssh key; `tpurun doctor` shows what is wrong",
             )
     progress(f"{name}: setting autostop")
-    entries = metadata(cloud, [p.name for p in view.parts], idle, action)
+    entries = metadata(_target(maker, view), idle, action)
     maker.update_metadata(view, lambda _md: entries)
     return Setting(idle, action)
 
@@ -149,7 +145,7 @@ def arm_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
     """Before a `train --down` job: every slice of NAME carries a watchdog setting (autostop off where none
     was set), so the watchdog the job's agent starts knows the TPU's slices and the API."""
     maker, view = _ready(cloud, name)
-    entries = metadata(cloud, [p.name for p in view.parts], 0, "delete")
+    entries = metadata(_target(maker, view), 0, "delete")
     if any(read(part.metadata) is None for part in view.parts):
         progress(f"{name}: setting up its watchdog for --down")
     maker.update_metadata(view, lambda md: None if read(md) is not None else entries)
@@ -162,13 +158,11 @@ def _ready(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
     maker, view = provision.whole(cloud, name, "autostop")
     if view.gone:
         raise ApiError(f"{name}: the queued resource is {view.state} and not every slice exists yet")
-    if maker.kind is Kind.COMPUTE:
-        raise UsageError(
-            f"{name} is made by Compute Engine, and its watchdog cannot delete Compute Engine TPUs yet: autostop "
-            "and train --down are not offered for it",
-            hint=f"`tpurun delete {name}` when you are done",
-        )
     return maker, view
+
+
+def _target(maker: Backend, view: NodeView) -> dict[str, Any]:
+    return maker.watch_target(view.name, [p.name for p in view.parts], len(view.workers) > len(view.parts), view)
 
 
 # ---------------------------------------------------------------------------- what the watchdogs report

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tpurun.errors import ApiError
 from tpurun.topology import Topology
@@ -126,6 +126,12 @@ class Backend(ABC):
     @abstractmethod
     def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
         """What every worker published under QUERY_PATH ("hostkeys/", "tpurun/"), in worker order."""
+
+    @abstractmethod
+    def watch_target(self, name: str, parts: list[str], multi_host: bool, view: NodeView | None) -> dict[str, Any]:
+        """What the TPU's watchdog calls and deletes: the part of its `tpurun-autostop` setting that names
+        the API's root and the TPU's resources (tpurun/worker/watchdog.py reads it). VIEW: the TPU as it is;
+        None: about to be made by tpurun, as the slices PARTS (multi-host ones if MULTI_HOST)."""
 
     @abstractmethod
     def cannot_stop(self, view: NodeView, verb: str) -> str:

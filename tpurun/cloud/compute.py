@@ -87,10 +87,7 @@ class Compute(Backend):
     def find(self, name: str) -> NodeView | None:
         if self.zone == "-":
             return None
-        group = self._find(
-            f"get instance group {name}",
-            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
-        )
+        group = self._get_group(name)
         if group is not None:
             return self._group_view(group, self._group_vms(name))
         vm = self._find(
@@ -348,7 +345,13 @@ class Compute(Backend):
             ),
             300,
         )
+        return self._policy_path(name)
+
+    def _policy_path(self, name: str) -> str:
         return f"projects/{self.project}/regions/{self.region}/resourcePolicies/{name}"
+
+    def _template_path(self, name: str) -> str:
+        return f"projects/{self.project}/regions/{self.region}/instanceTemplates/{name}"
 
     def _make_template(self, name: str, props: compute_v1.InstanceProperties) -> str:
         template = compute_v1.InstanceTemplate(name=name, description=MADE_BY + name, properties=props)
@@ -359,34 +362,45 @@ class Compute(Backend):
             ),
             300,
         )
-        return f"projects/{self.project}/regions/{self.region}/instanceTemplates/{name}"
+        return self._template_path(name)
 
     # ------------------------------------------------------------------ deleting
 
     def delete(self, view: NodeView, progress: Progress) -> list[str]:
         name = view.name
-        group = self._find(
-            f"get instance group {name}",
-            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
-        )
+        group = self._get_group(name)
         if group is None:
             self._delete_vm(name, progress)
             return []
+        made_template, made_policy = self._made_template(group, name), self._made_policy(group, name)
         self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
         also = []
-        template = self._template(group.instance_template)
-        if template is not None and template.description == MADE_BY + name:
+        if made_template:
             progress(f"{name}: deleting its instance template")
             self._delete_template(name)
             also.append("its instance template")
-        policy = (
-            self._policy(group.resource_policies.workload_policy) if group.resource_policies.workload_policy else None
-        )
-        if policy is not None and policy.description == MADE_BY + name:
+        if made_policy:
             progress(f"{name}: deleting its workload policy")
             self._delete_policy(name)
             also.append("its workload policy")
         return also
+
+    def _get_group(self, name: str) -> compute_v1.InstanceGroupManager | None:
+        return self._find(
+            f"get instance group {name}",
+            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
+        )
+
+    def _made_template(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
+        """The group's template is the one tpurun made for the TPU NAME (a group made elsewhere may share its
+        template with other groups)."""
+        template = self._template(group.instance_template)
+        return template is not None and template.description == MADE_BY + name
+
+    def _made_policy(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
+        url = group.resource_policies.workload_policy
+        policy = self._policy(url) if url else None
+        return policy is not None and policy.description == MADE_BY + name
 
     def _delete_vm(self, name: str, progress: Progress) -> None:
         self._operate(
@@ -425,10 +439,7 @@ class Compute(Backend):
         policy and gets new VMs; a single VM is made again with the fields it has, from the boot image
         family tpurun makes it with (so only one tpurun made)."""
         name = view.name
-        group = self._find(
-            f"get instance group {name}",
-            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
-        )
+        group = self._get_group(name)
         if group is not None:
             template, policy = group.instance_template, group.resource_policies.workload_policy
             self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
@@ -448,6 +459,28 @@ class Compute(Backend):
         self._insert_vm(again, 1800, progress)
 
     # ------------------------------------------------------------------ changing
+
+    def watch_target(self, name: str, parts: list[str], multi_host: bool, view: NodeView | None) -> dict[str, Any]:
+        """A lone VM deletes itself; a group's first VM deletes the groups, then the template and the workload
+        policy tpurun made with them (those of a group made elsewhere stay, as `delete` leaves them)."""
+        where: dict[str, Any] = {"project": self.project, "zone": self.zone, "name": name}
+        group = None if view is None else self._get_group(name)
+        if view is None and multi_host:
+            where["groups"] = list(parts)
+            where["also"] = [self._template_path(name), self._policy_path(name)]
+        elif group is not None:
+            where["groups"] = [name]
+            where["also"] = [
+                path
+                for path, made in (
+                    (self._template_path(name), self._made_template(group, name)),
+                    (self._policy_path(name), self._made_policy(group, name)),
+                )
+                if made
+            ]
+        else:
+            where["instance"] = name
+        return {"compute": where, "endpoint": compute_endpoint(self.cloud.endpoint)}
 
     def cannot_stop(self, view: NodeView, verb: str) -> str:
         return (

@@ -104,12 +104,26 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     if spec.autostop_action and not spec.autostop:
         raise UsageError("--autostop-action needs --autostop")
     action = spec.autostop_action or "delete"
-    stoppable = not topo.multi_host and not spec.queued and spec.slices == 1
-    autostop.check_action(action, stoppable=stoppable, what=f"{spec.name} ({topo.name})")
+    autostop.check_action(action, _cannot_stop(spec, topo, kind))
     nodes = multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
-    watch = autostop.metadata(cloud, nodes, idle, action)
+    target = (
+        backend.of_kind(cloud, kind).watch_target(spec.name, nodes, topo.multi_host, None)
+        if cloud
+        else autostop.stand_in(nodes)
+    )
+    watch = autostop.metadata(target, idle, action)
     metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
     return Request(topo, kind, metadata, labels, valid_until)
+
+
+def _cannot_stop(spec: CreateSpec, topo: Topology, kind: backend.Kind) -> str:
+    """Why the TPU asked for could not be stopped ("" when it can): Cloud TPU stops single-host TPU VMs only."""
+    what = f"{spec.name} ({topo.name})"
+    if kind is backend.Kind.COMPUTE:
+        return f"{what} is made by Compute Engine, whose TPU VMs tpurun deletes but does not stop"
+    if topo.multi_host or spec.queued or spec.slices > 1:
+        return f"Cloud TPU can stop only single-host TPU VMs, and {what} is not one"
+    return ""
 
 
 def shape_of(spec: CreateSpec) -> Topology:
@@ -152,7 +166,6 @@ def _check_compute(spec: CreateSpec, topo: Topology) -> None:
         ("--valid-until", bool(spec.valid_until), "it applies to queued resources, which belong to the Cloud TPU API"),
         ("--version", bool(spec.version), "Compute Engine VMs boot an image family, not a Cloud TPU runtime version"),
         ("--preemptible", spec.preemptible, "its VMs are spot VMs (--spot), not preemptible ones"),
-        ("--autostop", bool(spec.autostop), "the watchdog cannot delete Compute Engine TPUs yet"),
     ]
     for option, given, why in refused:
         if given:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from typing import Any
 
 from google.cloud import tpu_v2
 
@@ -167,6 +168,13 @@ class TpuApi(Backend):
         )
 
     # ------------------------------------------------------------------ changing
+
+    def watch_target(self, name: str, parts: list[str], multi_host: bool, view: NodeView | None) -> dict[str, Any]:
+        endpoint = self.cloud.endpoint
+        return {
+            "nodes": [self.cloud.node_path(p) for p in parts],
+            "endpoint": endpoint if "://" in endpoint else f"https://{endpoint}",  # a bare host means https
+        }
 
     def cannot_stop(self, view: NodeView, verb: str) -> str:
         if view.slices or view.gone:

@@ -498,22 +498,36 @@ class ComputeResources(Queued):
         def run() -> None:
             if not self._sleep(self.config.delays.delete):
                 return
-            self._take_down(rec.group)
+            self._take_down(rec.group, [path])
             op.finish()
 
         self._spawn(run)
         return op.to_json()
 
-    def _take_down(self, group: Group) -> None:
-        """Shut GROUP's worker hosts down for good and forget its instances."""
+    def _take_down(self, group: Group, paths: list[str] | None = None) -> None:
+        """Shut down for good the worker hosts of GROUP's instances at PATHS (all but those its MIG abandoned,
+        by default) and forget those instances; the hosts go with the last instance."""
         with group.lock:
-            if group.booted or group.ever_booted:
+            with self.lock:
+                going = [p for p in group.members if p not in group.left] if paths is None else paths
+                staying = [p for p in group.members if p in self.instances and p not in going]
+            if not staying and (group.booted or group.ever_booted):
                 try:
                     self.hosts.shutdown_node(group.key, delete=True)
                 except KeyError:
                     pass
+            elif group.booted:
+                for path in going:
+                    try:
+                        self.hosts.kill_worker(group.key, group.members.index(path))
+                    except KeyError:
+                        pass
             with self.lock:
-                self._forget_group(group)
+                if staying:
+                    for path in going:
+                        self.instances.pop(path, None)
+                else:
+                    self._forget_group(group)
         self._persist_pids()
 
     def set_metadata(self, path: str, metadata: compute_v1.Metadata) -> dict[str, Any]:

@@ -153,6 +153,15 @@ def _groups(r: Router, emu: Emulator) -> None:
             _LIST,
         )
         r.add("POST", f"{item}/resize", lambda q: emu.resize_mig(q.groups["path"], _size(q)), ("size", "requestId"))
+        r.add(
+            "POST",
+            f"{item}/abandonInstances",
+            lambda q: emu.abandon_instances(
+                q.groups["path"],
+                list(parse_message(compute_v1.InstanceGroupManagersAbandonInstancesRequest, q, "resource").instances),
+            ),
+            ("requestId",),
+        )
 
 
 def _resize_requests(r: Router, emu: Emulator) -> None:

@@ -235,9 +235,9 @@ class ManagedGroups(ComputeResources):
     def _mig_json(self, rec: MigRecord) -> dict[str, Any]:
         """The group as the API shows it: what it is doing to its VMs, their states, whether it is stable."""
         igm = compute_v1.InstanceGroupManager(rec.igm)
-        made = [self.instances[p] for p in rec.group.members if p in self.instances]
+        made = [self.instances[p] for p in self._managed(rec) if p in self.instances]
         running = sum(1 for r in made if r.inst.status == "RUNNING")
-        creating = len(rec.group.members) - running if not rec.deleting else 0
+        creating = len(self._managed(rec)) - running if not rec.deleting else 0
         actions = {name: 0 for name in compute_v1.InstanceGroupManagerActionsSummary.meta.fields}
         actions["none"], actions["creating"] = running, creating
         if rec.deleting:
@@ -288,7 +288,7 @@ class ManagedGroups(ComputeResources):
         rec = self._mig(path)
         with self.lock:
             items = []
-            for member in rec.group.members:
+            for member in self._managed(rec):
                 made = self.instances.get(member)
                 mi: dict[str, Any] = {
                     "name": member.rsplit("/", 1)[-1],
@@ -308,13 +308,41 @@ class ManagedGroups(ComputeResources):
         chunk, nxt = query.page(items)
         return {k: v for k, v in (("managedInstances", chunk), ("nextPageToken", nxt)) if v}
 
+    @staticmethod
+    def _managed(rec: MigRecord) -> list[str]:
+        """The paths of the VMs REC manages (made or to be made): its members, less those it abandoned."""
+        return [p for p in rec.group.members if p not in rec.group.left]
+
     # ------------------------------------------------------------------ change
+
+    def abandon_instances(self, path: str, urls: list[str]) -> dict[str, Any]:
+        """The VMs at URLS leave the group and live on as VMs of their own; its target size drops by as many."""
+        rec = self._mig(path)
+        with self.lock:
+            if rec.deleting or rec.emptying:
+                raise compute_error(400, f"The resource '{path}' is being changed", "resourceNotReady")
+            going = [full_path(u, rec.group.project, f"zones/{rec.zone}/instances") for u in urls]
+            if not going:
+                raise invalid_field("instances", "", "At least one instance must be specified.")
+            for vm in going:
+                if vm not in self._managed(rec) or vm not in self.instances:
+                    raise compute_error(
+                        400, f"The instance '{vm}' is not a member of the instance group '{path}'.", "invalid"
+                    )
+            for vm in going:
+                rec.group.left.add(vm)
+                self.instances[vm].mig = ""
+            rec.igm.target_size -= len(going)
+            op = self._operation(rec.scope, "compute.instanceGroupManagers.abandonInstances", path, rec.igm.id)
+        return self._quick(op)
 
     def resize_mig(self, path: str, size: int) -> dict[str, Any]:
         """A slice's VMs come and go together: to 0 (delete them) or from 0 to its size."""
         rec = self._mig(path)
         with self.lock:
             current = rec.igm.target_size
+            if rec.group.left:
+                raise compute_error(400, "The tpurun emulator does not resize a group that abandoned VMs.", "invalid")
             if size < 0:
                 raise invalid_field("size", size, "Must be at least 0.")
             full = rec.group.topo.hosts if rec.policy else None
@@ -338,11 +366,14 @@ class ManagedGroups(ComputeResources):
     def _empty(self, rec: MigRecord, op: ComputeOperation) -> dict[str, Any]:
         """Answer OP now; in the background, delete REC's VMs and bring its target to 0, then finish OP."""
 
+        rec.emptying = True
+
         def run() -> None:
             self._take_down(rec.group)
             with self.lock:
                 rec.group.members.clear()
                 rec.igm.target_size = 0
+                rec.emptying = False
             op.finish()
 
         self._spawn(run)
@@ -395,7 +426,7 @@ class ManagedGroups(ComputeResources):
             if path in self.resize_requests:
                 raise already_exists(path)
             full = rec.group.topo.hosts if rec.policy else None
-            if rec.igm.target_size or (full is not None and rr.resize_by != full):
+            if rec.igm.target_size or rec.group.left or (full is not None and rr.resize_by != full):
                 raise compute_error(
                     400,
                     f"The tpurun emulator takes a resize request only for a TPU group with no VMs, for its full size"
@@ -503,7 +534,7 @@ class ManagedGroups(ComputeResources):
             groups = list(self.groups.values())
         for group in groups:
             try:
-                self._take_down(group)
+                self._take_down(group, list(group.members))
             except Exception as e:
                 self.log_event("internal-error", f"shutdown {group.key}: {e}")
         with self.lock:

@@ -214,6 +214,7 @@ class Group:
     booted: bool = False
     ever_booted: bool = False
     members: list[str] = field(default_factory=list)  # the instances' paths, in worker order
+    left: set[str] = field(default_factory=set)  # members a MIG abandoned: their VMs live on outside it
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
@@ -238,6 +239,7 @@ class MigRecord:
     bulk: bool
     last_failure: Failure | None = None  # why its VMs could not be made yet
     deleting: bool = False
+    emptying: bool = False  # a resize to 0 takes its VMs down
     created: float = field(default_factory=time.time)
 
 

@@ -21,6 +21,12 @@ decider reads every worker's tpurun/watch (nodes.getGuestAttributes) and acts:
   resource the node came from (with its nodes), or else delete the node (or stop it, action "stop");
 - down: a job on this worker was started with `train --down` and has ended, and no worker runs a job
   -> the same deletion.
+A TPU made by Compute Engine has, instead of "nodes", "compute": {"project", "zone", "name", "instance":
+its lone VM, or "groups": its slices' managed instance groups, and "also": the template and workload
+policy made with it}, with Compute Engine's root as the endpoint. Its first VM decides (the lone VM, or
+the first by name of the first group), reading each VM's tpurun/watch (instances.getGuestAttributes);
+to delete, it leaves its group, deletes the groups and what was made with them, then itself
+(`compute_delete` says why in that order).
 A worker that has not reported for SILENT_TICKS ticks, and a node that is not READY, count as busy:
 work it cannot see is never deleted. Every decision is a line in LOG on the deciding worker and in
 guest attribute tpurun/watchdog. Nothing a user can write (guest attributes, job files) can stop it:
@@ -55,6 +61,10 @@ RUN_DIR = "/run/tpurun"  # root's only (0700): the lock, the log, the `--down` j
 LOG = f"{RUN_DIR}/watchdog.log"
 LOCK = f"{RUN_DIR}/watchdog.lock"
 DOWN_DONE = f"{RUN_DIR}/down-done"  # one line per `--down` job acted on
+LEAVING = f"{RUN_DIR}/leaving"  # this Compute Engine VM left its group to delete the TPU: it goes on deciding
+REASK_TICKS = 20  # how often a Compute Engine VM asks whether it is the TPU's first
+OPERATION_TIMEOUT = 1800.0
+LEAVE_TIMEOUT = 600.0
 WORK_MARKERS = (b"TPURUN_JOB_ID=", b"TPURUN_ACTIVITY=")  # in a process's environment: tpurun work
 DEFAULT_TICK = 30.0
 UNSET_TICK = 5.0  # no setting yet (started by `tpurun autostop` just before it writes one): look again soon
@@ -250,6 +260,8 @@ class Watchdog:
         self._said = ""
         self._quiet_until = 0.0
         self._idle_looks = 0  # looks in a row that found the TPU idle for the whole period
+        self._first = False  # on Compute Engine: this VM decides (asked of the API now and then)
+        self._first_until = 0.0
 
     # ---- what every worker does
     def config(self) -> dict:
@@ -289,9 +301,32 @@ class Watchdog:
 
     # ---- what the deciding worker does
     def decides(self, cfg: dict) -> bool:
-        return self.worker == 0 and self.slice == 0 and bool(cfg.get("nodes")) and bool(cfg.get("endpoint"))
+        if not cfg.get("endpoint"):
+            return False
+        if isinstance(cfg.get("compute"), dict):
+            return self.first_vm(cfg)
+        return self.worker == 0 and self.slice == 0 and bool(cfg.get("nodes"))
+
+    def first_vm(self, cfg: dict) -> bool:
+        """On Compute Engine: this VM is the TPU's first (its lone VM, or the first by name of its first
+        group, the worker 0 tpurun numbers), or has begun deleting the TPU. Asked again every REASK_TICKS."""
+        if os.path.exists(LEAVING):
+            return True
+        now = time.time()
+        if now < self._first_until:
+            return self._first
+        c = cfg["compute"]
+        me = (metadata("instance/name") or "").strip()
+        if c.get("instance"):
+            self._first = bool(me) and me == c["instance"]
+        else:
+            names = self.group_vms(cfg, str((c.get("groups") or [""])[0]))[1]
+            self._first = bool(me) and sorted(names)[:1] == [me]
+        self._first_until = now + REASK_TICKS * tick_of(cfg)
+        return self._first
 
     def api(self, cfg: dict, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        """One call to the API the config names (the Cloud TPU API's v2, or Compute Engine's v1)."""
         endpoint = str(cfg["endpoint"]).rstrip("/")
         if not endpoint_ok(endpoint):
             raise ValueError(f"refusing to send the VM's token to {endpoint} (https only, or http on loopback)")
@@ -301,7 +336,8 @@ class Watchdog:
             self._token_until = time.time() + max(0, int(tok.get("expires_in", 0)) - 60)
         headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
         data = json.dumps(body).encode() if body is not None else None
-        status, raw = request(method, f"{endpoint}/v2/{path}", data, headers)
+        root = "compute/v1" if isinstance(cfg.get("compute"), dict) else "v2"
+        status, raw = request(method, f"{endpoint}/{root}/{path}", data, headers)
         try:
             reply = json.loads(raw.decode() or "{}")
         except ValueError:
@@ -329,7 +365,131 @@ class Watchdog:
                 states.append((f"s{s}/w{w}" if many else f"w{w}", _state_of(entries, w)))
         return nodes, states
 
+    # ---- the same on Compute Engine: a VM, or managed instance groups (one per slice)
+    def group_vms(self, cfg: dict, group: str, *, running: bool = True) -> tuple[int, list[str]]:
+        """GROUP's target size and its VMs (by name; RUNNING ones only unless not RUNNING), through
+        listManagedInstances; (0, []) for a group that does not exist."""
+        scope = compute_scope(cfg)
+        status, got = self.api(cfg, "GET", f"{scope}/instanceGroupManagers/{group}")
+        if status == 404:
+            return 0, []
+        if status != 200:
+            raise OSError(f"GET instance group {group}: HTTP {status} {error_of(got)}")
+        names: list[str] = []
+        token = ""
+        while True:
+            query = f"?pageToken={token}" if token else ""
+            status, page = self.api(cfg, "POST", f"{scope}/instanceGroupManagers/{group}/listManagedInstances{query}")
+            if status != 200:
+                raise OSError(f"list the VMs of {group}: HTTP {status} {error_of(page)}")
+            for m in page.get("managedInstances") or []:
+                if m.get("instance") and (m.get("instanceStatus") == "RUNNING" or not running):
+                    names.append(str(m["instance"]).rsplit("/", 1)[-1])
+            token = str(page.get("nextPageToken") or "")
+            if not token:
+                return int(got.get("targetSize") or 0), names
+
+    def vm_state(self, cfg: dict, vm: str) -> dict | None:
+        status, got = self.api(
+            cfg, "GET", f"{compute_scope(cfg)}/instances/{vm}/getGuestAttributes?queryPath={NAMESPACE}/{STATE_KEY}"
+        )
+        items = (got.get("queryValue") or {}).get("items") or [] if status == 200 else []
+        return parse_state(next((i.get("value") for i in items if i.get("key") == STATE_KEY), None))
+
+    def compute_reports(self, cfg: dict) -> list[tuple[str, dict | None]]:
+        """Every VM's last published state; a group short of its VMs counts as one VM that has not reported."""
+        c = cfg["compute"]
+        if c.get("instance"):
+            vm = str(c["instance"])
+            status, got = self.api(cfg, "GET", f"{compute_scope(cfg)}/instances/{vm}")
+            if status != 200:
+                raise OSError(f"GET instance {vm}: HTTP {status} {error_of(got)}")
+            return [("w0", self.vm_state(cfg, vm) if got.get("status") == "RUNNING" else None)]
+        groups = [str(g) for g in c.get("groups") or []]
+        many = len(groups) > 1
+        states: list[tuple[str, dict | None]] = []
+        for s, group in enumerate(groups):
+            target, vms = self.group_vms(cfg, group)
+            if not target or len(vms) < target:
+                states.append((f"s{s}" if many else group, None))
+                continue
+            for w, vm in enumerate(sorted(vms)):
+                states.append((f"s{s}/w{w}" if many else f"w{w}", self.vm_state(cfg, vm)))
+        return states
+
+    def compute_delete(self, cfg: dict, why: str) -> bool:
+        """Delete the TPU through Compute Engine. A group's VM cannot delete its group and then what the group
+        used (the template, the workload policy: Compute Engine refuses while a group uses them), since the
+        group takes the VM with it: so this VM first leaves its group (abandonInstances), then deletes every
+        group, then each resource made with the TPU, and last itself."""
+        c = cfg["compute"]
+        scope, me = compute_scope(cfg), (metadata("instance/name") or "").strip()
+        if not me:
+            self.say(f"not deleting: the metadata server did not say this VM's name ({why})", repeat=True)
+            return False
+        name = str(c.get("name") or me)
+        groups = [str(g) for g in c.get("groups") or []]
+        if not groups:
+            vm = str(c.get("instance") or me)
+            return self.call_done(cfg, f"delete {name}", "DELETE", f"{scope}/instances/{vm}", why, wait=False)
+        if not self.leave(cfg, name, groups[0], me, why):
+            return False
+        steps = [(f"delete instance group {g}", f"{scope}/instanceGroupManagers/{g}") for g in groups]
+        steps += [(f"delete {kind_of(p)} {p.rsplit('/', 1)[-1]}", str(p)) for p in c.get("also") or []]
+        for what, path in steps:
+            if not self.call_done(cfg, f"{name}: {what}", "DELETE", path, why):
+                return False
+        return self.call_done(
+            cfg, f"{name}: delete its last VM {me}", "DELETE", f"{scope}/instances/{me}", why, wait=False
+        )
+
+    def leave(self, cfg: dict, name: str, group: str, me: str, why: str) -> bool:
+        """This VM out of GROUP, for sure: the abandon operation is DONE once the removal is scheduled, so
+        the group's members are asked until this VM is no longer one. LEAVING is written first (a retry or a
+        restarted watchdog goes on from here), and removed when the group refused to let it go."""
+        with open(LEAVING, "w") as f:
+            f.write(me + "\n")
+        body = {"instances": [f"zones/{cfg['compute']['zone']}/instances/{me}"]}
+        path = f"{compute_scope(cfg)}/instanceGroupManagers/{group}/abandonInstances"
+        asked = me not in self.group_vms(cfg, group, running=False)[1] or self.call_done(
+            cfg, f"{name}: leave group {group}", "POST", path, why, body=body
+        )
+        deadline = time.time() + LEAVE_TIMEOUT
+        while me in self.group_vms(cfg, group, running=False)[1]:
+            if not asked:
+                os.unlink(LEAVING)  # the group keeps it: the next decision starts from the idle check again
+                return False
+            if time.time() > deadline:
+                self.say(f"{name}: still in group {group} {LEAVE_TIMEOUT:.0f} s after leaving it ({why})", repeat=True)
+                return False
+            time.sleep(1)
+        return True
+
+    def call_done(
+        self, cfg: dict, what: str, method: str, path: str, why: str, *, body: dict | None = None, wait: bool = True
+    ) -> bool:
+        """One Compute Engine call and (WAIT) its operation until done; said either way. A 404 is done."""
+        status, op = self.api(cfg, method, path, {} if body is None and method == "POST" else body)
+        if status == 404:
+            self.say(f"{what}: already gone ({why})", repeat=True)
+            return True
+        deadline = time.time() + OPERATION_TIMEOUT
+        while status == 200 and wait and op.get("status") != "DONE" and time.time() < deadline:
+            link = str(op.get("selfLink") or "")
+            status, op = self.api(cfg, "POST", link.split("/compute/v1/", 1)[-1] + "/wait")
+        errors = (op.get("error") or {}).get("errors") or [] if status == 200 else []
+        if status != 200 or errors or (wait and op.get("status") != "DONE"):
+            detail = errors[0].get("message", "") if errors else error_of(op) or op.get("status", "")
+            self.say(f"{what} failed: HTTP {status} {detail} ({why})", repeat=True)
+            return False
+        self.say(f"{what}: {why}; operation {op.get('name', '?')}", repeat=True)
+        return True
+
     def decide(self, cfg: dict) -> None:
+        if isinstance(cfg.get("compute"), dict) and os.path.exists(LEAVING):  # decided: go on from there
+            if time.time() >= self._quiet_until:
+                self.act(cfg, [], "delete", "going on deleting the TPU this VM left its group for")
+            return
         idle = float(cfg.get("idle") or 0)
         tick = tick_of(cfg)
         down = down_jobs(self.roots, self.jobs, SETTLE_TICKS * tick, read_done())
@@ -339,14 +499,18 @@ class Watchdog:
             return
         if time.time() < self._quiet_until:
             return
-        nodes, states = self.reports(cfg)
+        nodes: list[dict] = []
+        if isinstance(cfg.get("compute"), dict):
+            states = self.compute_reports(cfg)
+        else:
+            nodes, states = self.reports(cfg)
         now = time.time()
         running, busy, since = summarize(states, now, tick)
         if down:
             job = os.path.basename(down[0])
             if running:
                 self.say(f"down: waiting, job {job} ended but {running[0]}")
-            elif self.act(cfg, nodes[0], "delete", f"job {job} ended (train --down)"):
+            elif self.act(cfg, nodes, "delete", f"job {job} ended (train --down)"):
                 with open(DOWN_DONE, "a") as f:
                     f.write("".join(d + "\n" for d in down))
             return
@@ -357,12 +521,17 @@ class Watchdog:
             self._idle_looks += 1
             if self._idle_looks >= 2:  # on two looks in a row: no worker's state is a look behind
                 why = f"idle for {duration(now - since)} on all {len(states)} workers (autostop {duration(idle)})"
-                self.act(cfg, nodes[0], str(cfg.get("action") or "delete"), why)
+                self.act(cfg, nodes, str(cfg.get("action") or "delete"), why)
         else:
             self._idle_looks = 0
             self.say(f"idle since {time.strftime('%H:%M:%S', time.gmtime(since))}Z; autostop after {duration(idle)}")
 
-    def act(self, cfg: dict, node: dict, action: str, why: str) -> bool:
+    def act(self, cfg: dict, nodes: list[dict], action: str, why: str) -> bool:
+        self._quiet_until = time.time() + 20 * tick_of(cfg)  # the operation runs (or failed): not again meanwhile
+        self._idle_looks = 0
+        if isinstance(cfg.get("compute"), dict):
+            return self.compute_delete(cfg, why)  # Compute Engine TPU VMs are not stopped (tpurun refuses it)
+        node = nodes[0]
         name = str(node.get("name", ""))
         qr = str(node.get("queuedResource", ""))
         if qr:
@@ -371,8 +540,6 @@ class Watchdog:
             what, method, path = f"stop {name.rsplit('/', 1)[-1]}", "POST", f"{name}:stop"
         else:
             what, method, path = f"delete {name.rsplit('/', 1)[-1]}", "DELETE", name
-        self._quiet_until = time.time() + 20 * tick_of(cfg)  # the operation runs (or failed): not again meanwhile
-        self._idle_looks = 0
         status, reply = self.api(cfg, method, path, {} if method == "POST" else None)
         if status == 200:
             self.say(f"{what}: {why}; operation {reply.get('name', '?')}", repeat=True)
@@ -380,8 +547,7 @@ class Watchdog:
         if status == 404:
             self.say(f"{what}: already gone ({why})", repeat=True)
             return True
-        message = reply.get("error", {}).get("message", "") if isinstance(reply.get("error"), dict) else ""
-        self.say(f"{what} failed: HTTP {status} {message} ({why})", repeat=True)
+        self.say(f"{what} failed: HTTP {status} {error_of(reply)} ({why})", repeat=True)
         return False
 
     def tick(self) -> float:
@@ -398,6 +564,22 @@ class Watchdog:
             except Exception:  # noqa: BLE001
                 pass
         return tick_of(cfg) if cfg else UNSET_TICK
+
+
+def compute_scope(cfg: dict) -> str:
+    c = cfg["compute"]
+    return f"projects/{c['project']}/zones/{c['zone']}"
+
+
+def kind_of(path: str) -> str:
+    """'instance template' for '.../instanceTemplates/NAME', and so on."""
+    kind = path.rsplit("/", 2)[-2] if path.count("/") >= 2 else ""
+    return {"instanceTemplates": "instance template", "resourcePolicies": "workload policy"}.get(kind, kind)
+
+
+def error_of(reply: dict) -> str:
+    err = reply.get("error")
+    return str(err.get("message", "")) if isinstance(err, dict) else ""
 
 
 def tick_of(cfg: dict) -> float:
