@@ -186,7 +186,8 @@ def test_single_vm_in_compute_engines_spelling(cli, emulator, clean):
         (["--machine-type", "tpu7x-standard-4t", "--topology", "3x3x3"], "cannot make the topology '3x3x3'"),
         (["--topology", "2x2x4"], "--topology needs --machine-type"),
         (["-t", "tpu7x-32", "--machine-type", "tpu7x-standard-4t"], "either --accelerator-type, or --machine-type"),
-        (["-t", "tpu7x-32", "--slices", "2"], "--slices"),
+        (["-t", "tpu7x-32", "--slices", "2", "--valid-until", "1h"], "--valid-until"),
+        (["-t", "tpu7x-16", "--autostop", "1h", "--autostop-action", "stop"], "deletes but does not stop"),
         (["-t", "tpu7x-32", "--queued"], "--queued"),
         (["-t", "tpu7x-8", "--version", "v2-alpha-tpu7x"], "image family"),
         (["-t", "tpu7x-8", "--preemptible"], "--spot"),
@@ -339,7 +340,7 @@ def test_the_watchdog_deletes_a_compute_engine_tpu_with_its_own_token(cli, emula
     cli.env["TPURUN_WATCHDOG_TICK"] = "0.5"
     assert cli("create", "downgroup", "-t", "tpu7x-16").code == 0
     assert cli("autostop", "downgroup", "1h").code == 0  # set per VM, the watchdogs started over SSH
-    assert json.loads(cli("describe", "downgroup", "--json").out)["autostop"] == "delete after 1h idle"
+    assert json.loads(cli("describe", "downgroup", "--json").out)["autostop"] == {"idleSeconds": 3600, "action": "delete"}
     (cli.cwd / "job.py").write_text("import time; time.sleep(2); print('job done', flush=True)\n")
     before = len(emulator.requests())
     r = cli("train", "job.py", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
@@ -355,3 +356,49 @@ def test_the_watchdog_deletes_a_compute_engine_tpu_with_its_own_token(cli, emula
     before = len(emulator.requests())
     _wait_until_nothing_left(emulator, 60)
     assert [(m, what.rsplit("/", 1)[-1]) for m, what in _by_vm(emulator, before)] == [("DELETE", "idlevm")]
+
+
+def test_two_slices_through_compute_engine_are_one_tpu(cli, emulator, clean):
+    """`--slices 2` on Compute Engine: two groups sharing one template and one workload policy, one name for
+    both; each host gets its slice's values and the MEGASCALE ones that join the slices, and jax's own
+    cluster detection numbers the hosts as tpurun does."""
+    r = cli("create", "twin", "-t", "tpu7x-16", "--slices", "2", "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    assert [w["name"] for w in d["workerEndpoints"]] == ["s0/w0", "s0/w1", "s1/w0", "s1/w1"]
+    assert [s["name"] for s in d["slices"]] == ["twin-0", "twin-1"] and d["backend"] == "compute"
+    status = emulator.admin.status()
+    assert _names(status["instanceGroupManagers"]) == ["twin-0", "twin-1"]
+    assert _names(status["resourcePolicies"]) == _names(status["instanceTemplates"]) == ["twin"]
+    r = cli("delete", "twin-1", "--yes")  # a slice goes with the others
+    assert_clean_error(r, 2)
+    assert "slice 1 of the multislice TPU twin" in r.err
+
+    (cli.cwd / "probe.py").write_text(PROBE.replace("print(json.dumps(seen))", SLICE_VALUES))
+    r = cli("train", "probe.py", "--runtime", "pjrt", timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    addresses = [w["internalIp"] for w in d["workerEndpoints"]]
+    for i, tag in enumerate(["s0/w0", "s0/w1", "s1/w0", "s1/w1"]):
+        line = next(t for k, v in by_tag(r.out).items() if k.startswith(tag + "/") or k == tag for t in v if "{" in t)
+        seen = json.loads(line[line.index("{") :])
+        own = addresses[2 * (i // 2) : 2 * (i // 2) + 2]
+        assert seen["env"] == {
+            "MEGASCALE_COORDINATOR_ADDRESS": f"{addresses[0]}:8081",
+            "MEGASCALE_NUM_SLICES": "2",
+            "MEGASCALE_SLICE_ID": str(i // 2),
+            "TPU_WORKER_ID": str(i % 2),
+            "TPU_WORKER_HOSTNAMES": ",".join(own),
+        }, seen["env"]
+        assert (seen["cluster"], seen["id"], seen["count"]) == ("gketpu", i, 4), seen
+        assert seen["coordinator"] == f"{addresses[0]}:8482" and seen["worker_ips"] == own
+
+    r = cli("delete", "twin", "--yes")
+    assert r.code == 0, r.err
+    assert "its 2 slices' instance groups" in r.err and "its workload policy" in r.err
+    assert not _left(emulator)
+
+
+SLICE_VALUES = """keys = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "TPU_WORKER_ID",
+        "TPU_WORKER_HOSTNAMES")
+seen["env"] = {k: os.environ.get(k) for k in keys}
+print(json.dumps(seen))"""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from google.cloud import compute_v1
 from tpurun.cloud import keys
 from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
 from tpurun.cloud.client import COMPUTE_API, Cloud, compute_endpoint, credentials, short_name
+from tpurun.cloud.multislice import slice_ids
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, from_machine_type, vm_topology
@@ -35,6 +37,8 @@ BOOT_DISK_GB = 100
 # what tpurun writes in the description of the template and policy it makes for a TPU: delete takes only
 # those with it (a MIG made elsewhere may share its template or policy with other groups)
 MADE_BY = "made by tpurun for the TPU "
+# a slice's group of a TPU of several slices says which, in its description
+SLICE_RE = re.compile(r"^made by tpurun for the TPU (?P<tpu>[a-z][a-z0-9-]*), slice (?P<index>\d+) of (?P<count>\d+)$")
 DONE = compute_v1.Operation.Status.DONE
 # a VM status -> the state every command reads (views); a stopped spot VM was preempted
 _STATES = {
@@ -93,7 +97,25 @@ class Compute(Backend):
         vm = self._find(
             f"get instance {name}", lambda: self.instances.get(project=self.project, zone=self.zone, instance=name)
         )
-        return self._vm_view(vm) if vm is not None and _tpu_vm(vm) and not _member(vm) else None
+        if vm is not None:
+            return self._vm_view(vm) if _tpu_vm(vm) and not _member(vm) else None
+        return self._slices_view(name)
+
+    def _slices_view(self, name: str) -> NodeView | None:
+        """The TPU NAME of several slices, one group each (NAME-0 …, each saying which slice it is); None
+        where there is no such TPU."""
+        first = self._get_group(slice_ids(name, 1)[0])
+        where = _slice_of(first) if first is not None else None
+        if first is None or where is None or where[:2] != (name, 0):
+            return None
+        groups = [first] + [self._get_group(g) for g in slice_ids(name, where[2])[1:]]
+        parts = [v for g in groups if g is not None and (v := self._group_view(g, self._group_vms(g.name)))]
+        gone = [i for i, g in enumerate(groups) if g is None]
+        if not parts:
+            return None
+        states = [p.state for p in parts]
+        state = next((s for s in states if s != READY), "CREATING" if gone else READY)
+        return NodeView.joined(name, parts, state, gone=gone)
 
     def all_tpus(self) -> list[NodeView]:
         if self.zone == "-":
@@ -158,6 +180,10 @@ class Compute(Backend):
         else:
             state = next((s for s in states if s != READY), READY)
         props = template.properties
+        where = _slice_of(group)
+        workers = [_worker(i, vm) for i, vm in enumerate(vms)]
+        for w in workers:
+            w.slice = where[1] if where else None
         return NodeView(
             name=group.name,
             backend=Kind.COMPUTE.value,
@@ -166,7 +192,7 @@ class Compute(Backend):
             state=state,
             health="-",
             runtime_version=_image(props.disks),
-            workers=[_worker(i, vm) for i, vm in enumerate(vms)],
+            workers=workers,
             spot=props.scheduling.provisioning_model == "SPOT",
             preemptible=bool(props.scheduling.preemptible),
             created=_time(group.creation_timestamp),
@@ -175,6 +201,7 @@ class Compute(Backend):
             queued_resource="",
             id=str(group.id),
             slice_metadata=False,
+            slice_of=where[:2] if where else None,
         )
 
     def _group_topology(self, group: compute_v1.InstanceGroupManager, machine_type: str) -> Topology:
@@ -245,31 +272,59 @@ class Compute(Backend):
     # ------------------------------------------------------------------ making
 
     def create(self, spec: CreateSpec, request: Request, progress: Progress) -> None:
+        """One VM for a single-host slice; else a group per slice (NAME, or NAME-0 … for several slices), all
+        of one instance template NAME and, for multi-host slices, one workload policy NAME."""
         topo, name = request.topology, spec.name
         props = self._properties(spec, request)
-        if not topo.multi_host:
+        if not topo.multi_host and spec.slices == 1:
             vm = compute_v1.Instance(name=name, description=MADE_BY + name, **_instance_fields(props, self.zone))
             self._insert_vm(vm, spec.timeout, progress, wait=spec.wait)
             return
+        groups = slice_ids(name, spec.slices) if spec.slices > 1 else [name]
+        self._refuse_taken(name, groups, policy=topo.multi_host)
         made: list[Callable[[], None]] = []  # how to take back what was asked for, should a later step fail
         try:
-            made.append(lambda: self._delete_policy(name))
-            policy = self._make_policy(name, topo)
-            made.append(lambda: self._delete_template(name))
-            template = self._make_template(name, props)
-            made.append(lambda: self._delete_group(name))
-            self._insert_group(name, template, topo.hosts, policy)
+            policy = self._make_policy(name, topo, lambda: made.append(lambda: self._delete_policy(name)))
+            template = self._make_template(name, props, lambda: made.append(lambda: self._delete_template(name)))
+            for i, group in enumerate(groups):
+                about = MADE_BY + name + (f", slice {i} of {len(groups)}" if len(groups) > 1 else "")
+                self._insert_group(
+                    group,
+                    template,
+                    topo.hosts,
+                    policy,
+                    about,
+                    functools.partial(made.append, functools.partial(self._delete_group, group)),
+                )
         except BaseException:
             left = []
             for undo in reversed(made):
                 try:
                     undo()
                 except ApiError as exc:
-                    if "not found" not in exc.message:  # a step that never made anything
-                        left.append(exc.message)
+                    left.append(exc.message)
             for message in left:
                 log.warning("%s: could not take back what was made: %s", name, message)
             raise
+
+    def _refuse_taken(self, name: str, groups: list[str], *, policy: bool) -> None:
+        """Refuse, before anything is made, a TPU whose group, template or policy name is taken."""
+        taken = [f"instance group {g}" for g in groups if self._get_group(g) is not None]
+        if (
+            self._find(
+                f"get instance template {name}",
+                lambda: self.templates.get(project=self.project, region=self.region, instance_template=name),
+            )
+            is not None
+        ):
+            taken.append(f"instance template {name}")
+        if policy and self._policy(self._policy_path(name)) is not None:
+            taken.append(f"workload policy {name}")
+        if taken:
+            raise UsageError(
+                f"{name}: Compute Engine already has {', '.join(taken)}, which tpurun would make for it",
+                hint=f"choose another name, or `tpurun delete {name}` first",
+            )
 
     def _insert_vm(self, vm: compute_v1.Instance, timeout: float, progress: Progress, *, wait: bool = True) -> None:
         self._operate(
@@ -280,21 +335,26 @@ class Compute(Backend):
             wait=wait,
         )
 
-    def _insert_group(self, name: str, template: str, size: int, policy: str) -> None:
-        """The managed instance group NAME: SIZE VMs of TEMPLATE, shaped by the workload POLICY."""
+    def _insert_group(
+        self, name: str, template: str, size: int, policy: str, about: str, started: Callable[[], None] | None = None
+    ) -> None:
+        """The managed instance group NAME: SIZE VMs of TEMPLATE, shaped by the workload POLICY (if any)."""
         group = compute_v1.InstanceGroupManager(
             name=name,
+            description=about,
             base_instance_name=name,
             instance_template=template,
             target_size=size,
-            resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy),
         )
+        if policy:
+            group.resource_policies = compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy)
         self._operate(
             f"create instance group {name}",
             lambda: self.groups.insert_unary(
                 project=self.project, zone=self.zone, instance_group_manager_resource=group
             ),
             600,
+            started=started,
         )
 
     def _properties(self, spec: CreateSpec, request: Request) -> compute_v1.InstanceProperties:
@@ -330,7 +390,10 @@ class Compute(Backend):
             labels=request.labels,
         )
 
-    def _make_policy(self, name: str, topo: Topology) -> str:
+    def _make_policy(self, name: str, topo: Topology, started: Callable[[], None]) -> str:
+        """The workload policy NAME of TOPO's shape; "" for a single-host slice, which needs none."""
+        if not topo.multi_host:
+            return ""
         policy = compute_v1.ResourcePolicy(
             name=name,
             description=MADE_BY + name,
@@ -344,6 +407,7 @@ class Compute(Backend):
                 project=self.project, region=self.region, resource_policy_resource=policy
             ),
             300,
+            started=started,
         )
         return self._policy_path(name)
 
@@ -353,7 +417,7 @@ class Compute(Backend):
     def _template_path(self, name: str) -> str:
         return f"projects/{self.project}/regions/{self.region}/instanceTemplates/{name}"
 
-    def _make_template(self, name: str, props: compute_v1.InstanceProperties) -> str:
+    def _make_template(self, name: str, props: compute_v1.InstanceProperties, started: Callable[[], None]) -> str:
         template = compute_v1.InstanceTemplate(name=name, description=MADE_BY + name, properties=props)
         self._operate(
             f"create instance template {name}",
@@ -361,6 +425,7 @@ class Compute(Backend):
                 project=self.project, region=self.region, instance_template_resource=template
             ),
             300,
+            started=started,
         )
         return self._template_path(name)
 
@@ -368,13 +433,17 @@ class Compute(Backend):
 
     def delete(self, view: NodeView, progress: Progress) -> list[str]:
         name = view.name
-        group = self._get_group(name)
+        several = bool(view.slices or view.gone)
+        names = slice_ids(name, len(view.parts) + len(view.gone)) if several else [name]
+        group = next((g for n in names if (g := self._get_group(n)) is not None), None)
         if group is None:
             self._delete_vm(name, progress)
             return []
         made_template, made_policy = self._made_template(group, name), self._made_policy(group, name)
-        self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
-        also = []
+        for n in names:
+            if n == group.name or self._get_group(n) is not None:
+                self._delete_group(n, functools.partial(progress, f"{n}: DELETING its VMs"))
+        also = [f"its {len(names)} slices' instance groups"] if several else []
         if made_template:
             progress(f"{name}: deleting its instance template")
             self._delete_template(name)
@@ -439,12 +508,19 @@ class Compute(Backend):
         policy and gets new VMs; a single VM is made again with the fields it has, from the boot image
         family tpurun makes it with (so only one tpurun made)."""
         name = view.name
-        group = self._get_group(name)
-        if group is not None:
-            template, policy = group.instance_template, group.resource_policies.workload_policy
-            self._delete_group(name, lambda: progress(f"{name}: DELETING its VMs"))
+        groups = [g for p in view.parts if (g := self._get_group(p.name)) is not None]
+        if groups:
+            for group in groups:
+                self._delete_group(group.name, functools.partial(progress, f"{group.name}: DELETING its VMs"))
             progress(f"{name}: CREATING")
-            self._insert_group(name, template, group.target_size, policy)
+            for group in groups:
+                self._insert_group(
+                    group.name,
+                    group.instance_template,
+                    group.target_size,
+                    group.resource_policies.workload_policy,
+                    group.description,
+                )
             return
         vm = self._call(
             f"get instance {name}", lambda: self.instances.get(project=self.project, zone=self.zone, instance=name)
@@ -464,12 +540,13 @@ class Compute(Backend):
         """A lone VM deletes itself; a group's first VM deletes the groups, then the template and the workload
         policy tpurun made with them (those of a group made elsewhere stay, as `delete` leaves them)."""
         where: dict[str, Any] = {"project": self.project, "zone": self.zone, "name": name}
-        group = None if view is None else self._get_group(name)
-        if view is None and multi_host:
+        groups = [name] if view is None or not view.slices else [p.name for p in view.parts]
+        group = None if view is None else self._get_group(groups[0])
+        if view is None and (multi_host or len(parts) > 1):
             where["groups"] = list(parts)
-            where["also"] = [self._template_path(name), self._policy_path(name)]
+            where["also"] = [self._template_path(name)] + ([self._policy_path(name)] if multi_host else [])
         elif group is not None:
-            where["groups"] = [name]
+            where["groups"] = groups
             where["also"] = [
                 path
                 for path, made in (
@@ -530,9 +607,13 @@ class Compute(Backend):
         *,
         tpu: str | None = None,
         wait: bool = True,
+        started: Callable[[], None] | None = None,
     ) -> None:
-        """CALL, a long-running method's `_unary` form; unless WAIT is off, until its operation is done."""
+        """CALL, a long-running method's `_unary` form; unless WAIT is off, until its operation is done.
+        STARTED is told once the API took the call (what it makes may then need taking back)."""
         op = self._call(what, call, tpu=tpu)
+        if started is not None:
+            started()
         if wait:
             self._wait(what, op, timeout, on_poll)
 
@@ -594,6 +675,12 @@ def _member(vm: compute_v1.Instance) -> str:
     """The group a VM belongs to ("" for a VM on its own), from the `created-by` metadata a MIG gives it."""
     created_by = _metadata(vm.metadata).get("created-by", "")
     return short_name(created_by) if "/instanceGroupManagers/" in created_by else ""
+
+
+def _slice_of(group: compute_v1.InstanceGroupManager) -> tuple[str, int, int] | None:
+    """(its TPU, its slice, how many slices) of a group tpurun made as one slice of several."""
+    m = SLICE_RE.match(group.description)
+    return (m["tpu"], int(m["index"]), int(m["count"])) if m else None
 
 
 def _metadata(md: compute_v1.Metadata) -> dict[str, str]:

@@ -161,7 +161,6 @@ def backend_for(topo: Topology, asked: str | None) -> backend.Kind:
 def _check_compute(spec: CreateSpec, topo: Topology) -> None:
     """What tpurun does not ask of Compute Engine (yet), refused before anything is made."""
     refused = [
-        ("--slices", spec.slices > 1, "several slices of Compute Engine TPUs are not made by tpurun yet"),
         ("--queued", spec.queued, "queued resources belong to the Cloud TPU API"),
         ("--valid-until", bool(spec.valid_until), "it applies to queued resources, which belong to the Cloud TPU API"),
         ("--version", bool(spec.version), "Compute Engine VMs boot an image family, not a Cloud TPU runtime version"),

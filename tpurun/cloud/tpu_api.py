@@ -272,21 +272,4 @@ def multislice_view(name: str, qr: tpu_v2.QueuedResource, slices: list[NodeView]
     (none yet while it waits)."""
     if not slices:
         return _waiting_view(name, qr)
-    first = slices[0]
-    return NodeView(
-        name=name,
-        backend=Kind.TPU_API.value,
-        zone=first.zone,
-        accelerator_type=first.accelerator_type,
-        state=qr_state(qr),
-        health=first.health if all(v.health == first.health for v in slices) else "mixed",
-        runtime_version=first.runtime_version,
-        workers=[w for v in slices for w in v.workers],
-        spot=first.spot,
-        preemptible=first.preemptible,
-        created=first.created,
-        labels=first.labels,
-        metadata=first.metadata,
-        queued_resource=qr.name,
-        slices=slices,
-    )
+    return NodeView.joined(name, slices, qr_state(qr), queued_resource=qr.name)

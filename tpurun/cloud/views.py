@@ -64,6 +64,34 @@ class NodeView:
     # a launch gives them those values itself (docs/train.md, "Where the runtimes learn their slice").
     slice_metadata: bool = True
 
+    @classmethod
+    def joined(cls, name: str, slices: list[NodeView], state: str, **fields: Any) -> NodeView:
+        """A multislice TPU NAME of SLICES (not empty, in slice order): every slice's workers, the first
+        slice's settings, STATE, and FIELDS (queued_resource, gone, ...)."""
+        first = slices[0]
+        health = first.health if all(v.health == first.health for v in slices) else "mixed"
+        return cls(
+            **{
+                "name": name,
+                "backend": first.backend,
+                "zone": first.zone,
+                "accelerator_type": first.accelerator_type,
+                "state": state,
+                "health": health,
+                "runtime_version": first.runtime_version,
+                "workers": [w for v in slices for w in v.workers],
+                "spot": first.spot,
+                "preemptible": first.preemptible,
+                "created": first.created,
+                "labels": first.labels,
+                "metadata": first.metadata,
+                "queued_resource": "",
+                "slices": slices,
+                "slice_metadata": first.slice_metadata,
+                **fields,
+            }
+        )
+
     @property
     def parts(self) -> list[NodeView]:
         """Its slices' views (itself, for a TPU of one slice)."""
