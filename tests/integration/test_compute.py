@@ -193,6 +193,11 @@ def test_single_vm_in_compute_engines_spelling(cli, emulator, clean):
         (["-t", "tpu7x-8", "--preemptible"], "--spot"),
         (["-t", "v4-8", "--backend", "compute"], "Compute Engine does not make v4-8"),
         ([], "give the TPU's type"),
+        (["-t", "tpu7x-16", "--flex-start"], "needs --max-run-duration"),
+        (["-t", "tpu7x-16", "--max-run-duration", "2h"], "needs --flex-start"),
+        (["-t", "tpu7x-16", "--flex-start", "--max-run-duration", "5m"], "between 10m and 7d"),
+        (["-t", "tpu7x-16", "--flex-start", "--max-run-duration", "2h", "--spot"], "one of --spot and --flex-start"),
+        (["-t", "v6e-8", "--flex-start", "--max-run-duration", "2h"], "add --backend compute"),
     ],
 )
 def test_bad_requests_are_refused_before_anything_is_made(cli, emulator, clean, args, words):
@@ -340,7 +345,10 @@ def test_the_watchdog_deletes_a_compute_engine_tpu_with_its_own_token(cli, emula
     cli.env["TPURUN_WATCHDOG_TICK"] = "0.5"
     assert cli("create", "downgroup", "-t", "tpu7x-16").code == 0
     assert cli("autostop", "downgroup", "1h").code == 0  # set per VM, the watchdogs started over SSH
-    assert json.loads(cli("describe", "downgroup", "--json").out)["autostop"] == {"idleSeconds": 3600, "action": "delete"}
+    assert json.loads(cli("describe", "downgroup", "--json").out)["autostop"] == {
+        "idleSeconds": 3600,
+        "action": "delete",
+    }
     (cli.cwd / "job.py").write_text("import time; time.sleep(2); print('job done', flush=True)\n")
     before = len(emulator.requests())
     r = cli("train", "job.py", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
@@ -402,3 +410,34 @@ SLICE_VALUES = """keys = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES
         "TPU_WORKER_HOSTNAMES")
 seen["env"] = {k: os.environ.get(k) for k in keys}
 print(json.dumps(seen))"""
+
+
+def test_flex_start_waits_for_capacity_then_makes_the_slice_at_once(cli, emulator, clean):
+    """--flex-start: a FLEX_START template (its run duration, deleted at the end) and a BULK group, which
+    makes no VM until the zone has capacity for all of them; create waits as for a queued resource."""
+    emulator.set_capacity(f"{emulator.zone}/tpu7x=0")
+    proc = popen(cli, "create", "flexy", "-t", "tpu7x-16", "--flex-start", "--max-run-duration", "2h", "--json")
+    try:
+        deadline = time.monotonic() + 60
+        while "flexy" not in _names(emulator.admin.status()["instanceGroupManagers"]):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        time.sleep(1)
+        d = json.loads(cli("describe", "flexy", "--json").out)
+        assert (d["state"], d["workers"]) == ("WAITING_FOR_RESOURCES", 0), d
+    finally:
+        emulator.set_capacity(clear=True)
+    out, err = finish(proc, timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert json.loads(out)["state"] == "READY" and "WAITING_FOR_RESOURCES" in err
+    (template,) = emulator.emu.templates.values()
+    sched = template.properties.scheduling
+    assert (sched.provisioning_model, sched.max_run_duration.seconds, sched.instance_termination_action) == (
+        "FLEX_START",
+        7200,
+        "DELETE",
+    )
+    (group,) = emulator.emu.migs.values()
+    assert group.igm.target_size_policy.mode == "BULK"
+    assert cli("delete", "flexy", "--yes").code == 0
+    assert not _left(emulator)

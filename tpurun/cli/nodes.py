@@ -71,7 +71,25 @@ def create_cmd(
         ),
     ] = 1,
     valid_until: Annotated[
-        str | None, typer.Option("--valid-until", help="With --queued: give up after e.g. 6h.")
+        str | None,
+        typer.Option(
+            "--valid-until", help="With --queued or --flex-start: give up waiting for capacity after e.g. 6h."
+        ),
+    ] = None,
+    flex_start: Annotated[
+        bool,
+        typer.Option(
+            "--flex-start",
+            help="Compute Engine's flex-start capacity: wait until every VM of the slice can be made at once, "
+            "then run for at most --max-run-duration.",
+        ),
+    ] = False,
+    max_run_duration: Annotated[
+        str | None,
+        typer.Option(
+            "--max-run-duration",
+            help="With --flex-start: how long the VMs run before Compute Engine deletes them (10m to 7d).",
+        ),
     ] = None,
     startup_script: Annotated[
         Path | None, typer.Option("--startup-script", help="Script every worker runs as root at every boot.")
@@ -125,6 +143,8 @@ def create_cmd(
         queued=queued,
         slices=slices,
         valid_until=valid_until,
+        flex_start=flex_start,
+        max_run_duration=max_run_duration,
         startup_script=startup_script,
         setup=setup or [],
         labels=label or [],

@@ -58,6 +58,8 @@ class CreateSpec:
     queued: bool = False
     slices: int = 1  # several: one multislice TPU
     valid_until: str | None = None
+    flex_start: bool = False  # Compute Engine's flex-start provisioning model
+    max_run_duration: str | None = None  # with flex_start, e.g. 8h
     startup_script: Path | None = None
     setup: list[str] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
@@ -82,6 +84,7 @@ class Request:
     metadata: dict[str, str]
     labels: dict[str, str]
     valid_until: int | None  # seconds
+    max_run: int | None = None  # seconds a flex-start VM runs
 
 
 class Backend(ABC):

@@ -278,6 +278,10 @@ class Compute(Backend):
         props = self._properties(spec, request)
         if not topo.multi_host and spec.slices == 1:
             vm = compute_v1.Instance(name=name, description=MADE_BY + name, **_instance_fields(props, self.zone))
+            if request.max_run:  # a flex-start VM's insert waits for capacity that long
+                wait_for = request.valid_until or int(spec.timeout)
+                vm.params = compute_v1.InstanceParams(request_valid_for_duration=compute_v1.Duration(seconds=wait_for))
+                progress(f"{name}: WAITING_FOR_RESOURCES")
             self._insert_vm(vm, spec.timeout, progress, wait=spec.wait)
             return
         groups = slice_ids(name, spec.slices) if spec.slices > 1 else [name]
@@ -295,6 +299,7 @@ class Compute(Backend):
                     policy,
                     about,
                     functools.partial(made.append, functools.partial(self._delete_group, group)),
+                    bulk=bool(request.max_run),
                 )
         except BaseException:
             left = []
@@ -336,9 +341,18 @@ class Compute(Backend):
         )
 
     def _insert_group(
-        self, name: str, template: str, size: int, policy: str, about: str, started: Callable[[], None] | None = None
+        self,
+        name: str,
+        template: str,
+        size: int,
+        policy: str,
+        about: str,
+        started: Callable[[], None] | None = None,
+        *,
+        bulk: bool = False,
     ) -> None:
-        """The managed instance group NAME: SIZE VMs of TEMPLATE, shaped by the workload POLICY (if any)."""
+        """The managed instance group NAME: SIZE VMs of TEMPLATE, shaped by the workload POLICY (if any); in
+        BULK mode (flex-start) it makes them all at once when capacity for all of them is free."""
         group = compute_v1.InstanceGroupManager(
             name=name,
             description=about,
@@ -346,6 +360,8 @@ class Compute(Backend):
             instance_template=template,
             target_size=size,
         )
+        if bulk:
+            group.target_size_policy = compute_v1.InstanceGroupManagerTargetSizePolicy(mode="BULK")
         if policy:
             group.resource_policies = compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy)
         self._operate(
@@ -362,7 +378,13 @@ class Compute(Backend):
         topo = request.topology
         metadata = {**request.metadata, "enable-guest-attributes": "TRUE"}
         access = [] if spec.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")]
-        model = "SPOT" if spec.spot else "STANDARD"
+        model = "SPOT" if spec.spot else "FLEX_START" if request.max_run else "STANDARD"
+        ends = {"instance_termination_action": "STOP"} if spec.spot else {}
+        if request.max_run:  # flex-start VMs run that long, then are deleted
+            ends = {
+                "instance_termination_action": "DELETE",
+                "max_run_duration": compute_v1.Duration(seconds=request.max_run),
+            }
         return compute_v1.InstanceProperties(
             machine_type=topo.machine_type,
             disks=[_boot_disk(topo)],
@@ -381,7 +403,12 @@ class Compute(Backend):
                 on_host_maintenance="TERMINATE",
                 automatic_restart=False,
                 provisioning_model=model,
-                **({"instance_termination_action": "STOP"} if spec.spot else {}),
+                **ends,
+            ),
+            **(
+                {"reservation_affinity": compute_v1.ReservationAffinity(consume_reservation_type="NO_RESERVATION")}
+                if request.max_run
+                else {}
             ),
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
             service_accounts=[
@@ -520,6 +547,7 @@ class Compute(Backend):
                     group.target_size,
                     group.resource_policies.workload_policy,
                     group.description,
+                    bulk=group.target_size_policy.mode == "BULK",
                 )
             return
         vm = self._call(

@@ -78,8 +78,9 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     if spec.spot and spec.preemptible:
         raise UsageError("choose one of --spot and --preemptible")
     multislice.check_request(spec.name, topo, spec.slices)
-    if spec.valid_until and not (spec.queued or spec.slices > 1):
-        raise UsageError("--valid-until only applies with --queued (or --slices)")
+    max_run = _check_flex_start(spec, kind)
+    if spec.valid_until and not (spec.queued or spec.slices > 1 or spec.flex_start):
+        raise UsageError("--valid-until only applies with --queued, --flex-start (or --slices)")
     valid_until = parse_duration(spec.valid_until) if spec.valid_until else None
     user_script = None
     if spec.startup_script is not None:
@@ -113,7 +114,7 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     )
     watch = autostop.metadata(target, idle, action)
     metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
-    return Request(topo, kind, metadata, labels, valid_until)
+    return Request(topo, kind, metadata, labels, valid_until, max_run)
 
 
 def _cannot_stop(spec: CreateSpec, topo: Topology, kind: backend.Kind) -> str:
@@ -158,11 +159,40 @@ def backend_for(topo: Topology, asked: str | None) -> backend.Kind:
     return kind
 
 
+FLEX_RUN = (600, 7 * 86400)  # the run durations Compute Engine takes for flex-start capacity, in seconds
+
+
+def _check_flex_start(spec: CreateSpec, kind: backend.Kind) -> int | None:
+    """The flex-start VMs' run duration in seconds (None without --flex-start), or why not."""
+    if spec.max_run_duration and not spec.flex_start:
+        raise UsageError("--max-run-duration needs --flex-start")
+    if not spec.flex_start:
+        return None
+    if kind is not backend.Kind.COMPUTE:
+        raise UsageError(
+            "--flex-start: tpurun asks Compute Engine for flex-start capacity, and this TPU is made by the Cloud TPU "
+            "API",
+            hint="add --backend compute (v5p, v6e), or wait for capacity there with --queued",
+        )
+    if spec.spot:
+        raise UsageError("choose one of --spot and --flex-start")
+    if not spec.max_run_duration:
+        raise UsageError("--flex-start needs --max-run-duration (e.g. 8h): flex-start VMs run at most that long")
+    seconds = parse_duration(spec.max_run_duration)
+    if not FLEX_RUN[0] <= seconds <= FLEX_RUN[1]:
+        raise UsageError(f"--max-run-duration {spec.max_run_duration}: give between 10m and 7d")
+    return seconds
+
+
 def _check_compute(spec: CreateSpec, topo: Topology) -> None:
     """What tpurun does not ask of Compute Engine (yet), refused before anything is made."""
     refused = [
-        ("--queued", spec.queued, "queued resources belong to the Cloud TPU API"),
-        ("--valid-until", bool(spec.valid_until), "it applies to queued resources, which belong to the Cloud TPU API"),
+        ("--queued", spec.queued, "queued resources belong to the Cloud TPU API; --flex-start waits for capacity"),
+        (
+            "--valid-until",
+            bool(spec.valid_until) and not spec.flex_start,
+            "it applies to waiting for capacity, which it does with --flex-start",
+        ),
         ("--version", bool(spec.version), "Compute Engine VMs boot an image family, not a Cloud TPU runtime version"),
         ("--preemptible", spec.preemptible, "its VMs are spot VMs (--spot), not preemptible ones"),
     ]

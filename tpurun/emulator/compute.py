@@ -307,6 +307,20 @@ class ComputeResources(Queued):
                 given or "MIGRATE",
                 "TPU VMs cannot live-migrate: set onHostMaintenance to TERMINATE.",
             )
+        sched = props.scheduling
+        if sched.provisioning_model == "FLEX_START":
+            if "max_run_duration" not in sched and "termination_time" not in sched:
+                raise invalid_field(
+                    f"{where}.scheduling.maxRunDuration",
+                    "",
+                    "A FLEX_START VM needs a run duration or a termination time.",
+                )
+            if sched.instance_termination_action != "DELETE":
+                raise invalid_field(
+                    f"{where}.scheduling.instanceTerminationAction",
+                    sched.instance_termination_action,
+                    "A FLEX_START VM is deleted at the end of its run: set instanceTerminationAction to DELETE.",
+                )
         return topo
 
     def _template(self, path: str) -> compute_v1.InstanceTemplate:
