@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -247,6 +248,16 @@ def test_every_worker_command_on_a_compute_engine_slice(cli, emulator, clean):
     r = cli("cancel", job)
     assert r.code == 0, r.err
     assert not _running(emulator, "duo", "tick.py")
+
+    # Ctrl-C on an attached job: exit 130 once nothing of it runs on either VM; ssh reaches one VM
+    proc = popen(cli, "train", "tick.py", "--runtime", "cpu", "--launch", "host")
+    read_until(proc, lambda lines: {"w0", "w1"} <= {ln[1:3] for ln in lines if ln.startswith("[w")})
+    proc.send_signal(signal.SIGINT)
+    _, err = finish(proc)
+    assert proc.returncode == 130, err[-800:]
+    assert not _running(emulator, "duo", "tick.py")
+    r = cli("ssh", "--worker", "1", "--", "cat", "project/tick.py")
+    assert r.code == 0 and r.out == TICK, r.err
 
     # fail-fast: one chip process of the second VM fails, the job stops everywhere with its code
     (cli.cwd / "fail.py").write_text(FAIL)
