@@ -278,18 +278,23 @@ class Compute(Backend):
         props = self._properties(spec, request)
         if not topo.multi_host and spec.slices == 1:
             vm = compute_v1.Instance(name=name, description=MADE_BY + name, **_instance_fields(props, self.zone))
+            state = "CREATING"
             if request.max_run:  # a flex-start VM's insert waits for capacity that long
                 wait_for = request.valid_until or int(spec.timeout)
                 vm.params = compute_v1.InstanceParams(request_valid_for_duration=compute_v1.Duration(seconds=wait_for))
-                progress(f"{name}: WAITING_FOR_RESOURCES")
-            self._insert_vm(vm, spec.timeout, progress, wait=spec.wait)
+                state = "WAITING_FOR_RESOURCES"
+            self._insert_vm(vm, spec.timeout, progress, wait=spec.wait, state=state)
             return
         groups = slice_ids(name, spec.slices) if spec.slices > 1 else [name]
         self._refuse_taken(name, groups, policy=topo.multi_host)
         made: list[Callable[[], None]] = []  # how to take back what was asked for, should a later step fail
         try:
-            policy = self._make_policy(name, topo, lambda: made.append(lambda: self._delete_policy(name)))
-            template = self._make_template(name, props, lambda: made.append(lambda: self._delete_template(name)))
+            policy = self._make_policy(
+                name, topo, functools.partial(made.append, functools.partial(self._delete_policy, name))
+            )
+            template = self._make_template(
+                name, props, functools.partial(made.append, functools.partial(self._delete_template, name))
+            )
             for i, group in enumerate(groups):
                 about = MADE_BY + name + (f", slice {i} of {len(groups)}" if len(groups) > 1 else "")
                 self._insert_group(
@@ -315,13 +320,7 @@ class Compute(Backend):
     def _refuse_taken(self, name: str, groups: list[str], *, policy: bool) -> None:
         """Refuse, before anything is made, a TPU whose group, template or policy name is taken."""
         taken = [f"instance group {g}" for g in groups if self._get_group(g) is not None]
-        if (
-            self._find(
-                f"get instance template {name}",
-                lambda: self.templates.get(project=self.project, region=self.region, instance_template=name),
-            )
-            is not None
-        ):
+        if self._template(self._template_path(name)) is not None:
             taken.append(f"instance template {name}")
         if policy and self._policy(self._policy_path(name)) is not None:
             taken.append(f"workload policy {name}")
@@ -331,12 +330,15 @@ class Compute(Backend):
                 hint=f"choose another name, or `tpurun delete {name}` first",
             )
 
-    def _insert_vm(self, vm: compute_v1.Instance, timeout: float, progress: Progress, *, wait: bool = True) -> None:
+    def _insert_vm(
+        self, vm: compute_v1.Instance, timeout: float, progress: Progress, *, wait: bool = True, state: str = "CREATING"
+    ) -> None:
+        """VM made; while its insert runs, PROGRESS says it is in STATE."""
         self._operate(
             f"create {vm.name}",
             lambda: self.instances.insert_unary(project=self.project, zone=self.zone, instance_resource=vm),
             timeout,
-            lambda: progress(f"{vm.name}: CREATING"),
+            functools.partial(progress, f"{vm.name}: {state}"),
             wait=wait,
         )
 
@@ -462,14 +464,13 @@ class Compute(Backend):
         name = view.name
         several = bool(view.slices or view.gone)
         names = slice_ids(name, len(view.parts) + len(view.gone)) if several else [name]
-        group = next((g for n in names if (g := self._get_group(n)) is not None), None)
-        if group is None:
+        groups = [g for n in names if (g := self._get_group(n)) is not None]
+        if not groups:
             self._delete_vm(name, progress)
             return []
-        made_template, made_policy = self._made_template(group, name), self._made_policy(group, name)
-        for n in names:
-            if n == group.name or self._get_group(n) is not None:
-                self._delete_group(n, functools.partial(progress, f"{n}: DELETING its VMs"))
+        made_template, made_policy = self._made_template(groups[0], name), self._made_policy(groups[0], name)
+        for group in groups:
+            self._delete_group(group.name, functools.partial(progress, f"{group.name}: DELETING its VMs"))
         also = [f"its {len(names)} slices' instance groups"] if several else []
         if made_template:
             progress(f"{name}: deleting its instance template")
@@ -568,21 +569,19 @@ class Compute(Backend):
         """A lone VM deletes itself; a group's first VM deletes the groups, then the template and the workload
         policy tpurun made with them (those of a group made elsewhere stay, as `delete` leaves them)."""
         where: dict[str, Any] = {"project": self.project, "zone": self.zone, "name": name}
-        groups = [name] if view is None or not view.slices else [p.name for p in view.parts]
-        group = None if view is None else self._get_group(groups[0])
-        if view is None and (multi_host or len(parts) > 1):
-            where["groups"] = list(parts)
-            where["also"] = [self._template_path(name)] + ([self._policy_path(name)] if multi_host else [])
-        elif group is not None:
+        if view is None:  # what create is about to make: a group per slice, unless it is one lone VM
+            groups = list(parts) if multi_host or len(parts) > 1 else []
+            made = (True, multi_host)  # its template, and a workload policy for multi-host slices
+        else:
+            group = self._get_group(view.parts[0].name)
+            groups = [p.name for p in view.parts] if group is not None else []
+            made = (
+                (False, False) if group is None else (self._made_template(group, name), self._made_policy(group, name))
+            )
+        if groups:
             where["groups"] = groups
-            where["also"] = [
-                path
-                for path, made in (
-                    (self._template_path(name), self._made_template(group, name)),
-                    (self._policy_path(name), self._made_policy(group, name)),
-                )
-                if made
-            ]
+            paths = (self._template_path(name), self._policy_path(name))
+            where["also"] = [path for path, ours in zip(paths, made, strict=True) if ours]
         else:
             where["instance"] = name
         return {"compute": where, "endpoint": compute_endpoint(self.cloud.endpoint)}

@@ -303,7 +303,7 @@ class Watchdog:
     def decides(self, cfg: dict) -> bool:
         if not cfg.get("endpoint"):
             return False
-        if isinstance(cfg.get("compute"), dict):
+        if on_compute(cfg):
             return self.first_vm(cfg)
         return self.worker == 0 and self.slice == 0 and bool(cfg.get("nodes"))
 
@@ -336,7 +336,7 @@ class Watchdog:
             self._token_until = time.time() + max(0, int(tok.get("expires_in", 0)) - 60)
         headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
         data = json.dumps(body).encode() if body is not None else None
-        root = "compute/v1" if isinstance(cfg.get("compute"), dict) else "v2"
+        root = "compute/v1" if on_compute(cfg) else "v2"
         status, raw = request(method, f"{endpoint}/{root}/{path}", data, headers)
         try:
             reply = json.loads(raw.decode() or "{}")
@@ -486,7 +486,7 @@ class Watchdog:
         return True
 
     def decide(self, cfg: dict) -> None:
-        if isinstance(cfg.get("compute"), dict) and os.path.exists(LEAVING):  # decided: go on from there
+        if on_compute(cfg) and os.path.exists(LEAVING):  # decided: go on from there
             if time.time() >= self._quiet_until:
                 self.act(cfg, [], "delete", "going on deleting the TPU this VM left its group for")
             return
@@ -500,7 +500,7 @@ class Watchdog:
         if time.time() < self._quiet_until:
             return
         nodes: list[dict] = []
-        if isinstance(cfg.get("compute"), dict):
+        if on_compute(cfg):
             states = self.compute_reports(cfg)
         else:
             nodes, states = self.reports(cfg)
@@ -529,7 +529,7 @@ class Watchdog:
     def act(self, cfg: dict, nodes: list[dict], action: str, why: str) -> bool:
         self._quiet_until = time.time() + 20 * tick_of(cfg)  # the operation runs (or failed): not again meanwhile
         self._idle_looks = 0
-        if isinstance(cfg.get("compute"), dict):
+        if on_compute(cfg):
             return self.compute_delete(cfg, why)  # Compute Engine TPU VMs are not stopped (tpurun refuses it)
         node = nodes[0]
         name = str(node.get("name", ""))
@@ -564,6 +564,11 @@ class Watchdog:
             except Exception:  # noqa: BLE001
                 pass
         return tick_of(cfg) if cfg else UNSET_TICK
+
+
+def on_compute(cfg: dict) -> bool:
+    """The setting names a TPU made by Compute Engine (else the Cloud TPU API's nodes)."""
+    return isinstance(cfg.get("compute"), dict)
 
 
 def compute_scope(cfg: dict) -> str:
