@@ -31,6 +31,9 @@ class Generation:
     alias: str = ""  # other spelling users meet, e.g. "v5e"
     # the chip on PCI (vendor 0x1ae0), as the runtimes and tpu-info count chips: (device, subsystem device)
     pci_ids: tuple[str, str] = ("", "")
+    # PCI functions (and VFIO devices) one chip shows: 2 on TPU7x, whose two chiplets (one TensorCore each)
+    # the host sees as two devices (docs/emulator.md)
+    pci_functions_per_chip: int = 1
     # Compute Engine: machine type -> chips per VM (empty: the generation is not offered there), and the
     # boot image family of its VMs (project ubuntu-os-accelerator-images)
     machine_types: dict[str, int] = field(default_factory=dict)
@@ -210,6 +213,7 @@ GENERATIONS: dict[str, Generation] = {
                 4096: "8x16x16",
             },
             pci_ids=("0x0076", "0x00f2"),
+            pci_functions_per_chip=2,
             machine_types={"tpu7x-standard-1t": 1, "tpu7x-standard-4t": 4},
             image_family="ubuntu-accel-2404-amd64-tpu-tpu7x",
         ),
@@ -244,6 +248,7 @@ class Topology:
     machine_type: str = ""  # Compute Engine's machine type for its VMs ("" where it does not make it)
     backends: tuple[str, ...] = ()  # "tpu-api", "compute": who can make it
     pci_ids: tuple[str, str] = ("", "")  # each chip's PCI device and subsystem device ids (vendor 0x1ae0)
+    pci_functions_per_chip: int = 1  # PCI functions (VFIO devices) per chip
 
     @property
     def multi_host(self) -> bool:
@@ -288,7 +293,8 @@ def _build(gen: Generation, size: int) -> Topology:
     if gen.device_kind == "accel":
         devices = tuple(f"/dev/accel{i}" for i in range(per_host))
     else:
-        devices = tuple(f"/dev/vfio/{i}" for i in range(per_host)) + ("/dev/vfio/vfio",)
+        functions = per_host * gen.pci_functions_per_chip
+        devices = tuple(f"/dev/vfio/{i}" for i in range(functions)) + ("/dev/vfio/vfio",)
     cores_per_host = per_host * gen.cores_per_chip
     return Topology(
         name=f"{gen.name}-{size}",
@@ -309,6 +315,7 @@ def _build(gen: Generation, size: int) -> Topology:
         machine_type=next((m for m, chips in gen.machine_types.items() if chips == per_host), ""),
         backends=gen.backends,
         pci_ids=gen.pci_ids,
+        pci_functions_per_chip=gen.pci_functions_per_chip,
     )
 
 
@@ -318,7 +325,9 @@ def valid_sizes(generation: str) -> list[int]:
 
 def all_accelerator_types(backend: str = "") -> list[str]:
     """Every accelerator type (that BACKEND, "tpu-api" or "compute", can make, when given)."""
-    return [f"{g.name}-{s}" for g in GENERATIONS.values() if not backend or backend in g.backends for s in sorted(g.shapes)]
+    return [
+        f"{g.name}-{s}" for g in GENERATIONS.values() if not backend or backend in g.backends for s in sorted(g.shapes)
+    ]
 
 
 def default_runtime_version(generation: str) -> str:

@@ -145,7 +145,7 @@ def _runtimes_find_their_slice(cli, addresses: list[str]) -> None:
     (cli.cwd / "probe.py").write_text(PROBE)
     r = cli("train", "probe.py", "--runtime", "pjrt", timeout=300)
     assert r.code == 0, r.err[-3000:]
-    # (its last line is tagged as chip 3's: configure_topology gave the process that chip's variables)
+    # (its last line is tagged as chip 7's: configure_topology gave the process that chip's variables)
     lines = {tag: [t for k, v in by_tag(r.out).items() if k.split("/")[0] == tag for t in v] for tag in tags}
     plan = json.loads(cli("train", "probe.py", "--runtime", "pjrt", "--launch", "chip", "--dry-run", "--json").out)
     chip_env = {p["name"]: p["env"] for p in plan["processes"]}
@@ -154,12 +154,13 @@ def _runtimes_find_their_slice(cli, addresses: list[str]) -> None:
         assert seen["metadata"] == {"tpu-env": 404, "agent-worker-number": 404, "worker-network-endpoints": 404}
         assert (seen["cluster"], seen["id"], seen["count"], seen["worker"]) == ("gketpu", i, 4, str(i)), seen
         assert seen["coordinator"] == f"{addresses[0]}:8482"
-        assert (seen["chips"], seen["local"], seen["version"], seen["worker_id"]) == (4, 4, 7, i)
+        # a TPU7x VM's 4 chips are 8 PCI functions, one per chiplet: torch_xla counts 8 chips, 8 processes
+        assert (seen["chips"], seen["local"], seen["version"], seen["worker_id"]) == (8, 8, 7, i)
         assert seen["worker_ips"] == addresses
         # the last chip process torch_xla's spawner would make is the one tpurun's chip launch makes
-        mine = chip_env[f"{tag}/c3"]
+        mine = chip_env[f"{tag}/c7"]
         assert seen["last"] == {k: mine[k] for k in seen["last"]}, (seen["last"], mine)
-        assert seen["last"]["CLOUD_TPU_TASK_ID"] == str(4 * i + 3)
+        assert seen["last"]["CLOUD_TPU_TASK_ID"] == str(8 * i + 7)
 
 
 def test_single_vm_in_compute_engines_spelling(cli, emulator, clean):

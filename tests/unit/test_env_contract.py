@@ -536,9 +536,33 @@ def test_restart_count_and_python_and_port() -> None:
             "auto",
             {"libtpu_installed": True, "device_files_present": True, "torch_xla_version": None},
             "cpu",
-            "not installed",
+            "neither torch_xla nor torch_tpu is installed",
+        ),
+        (
+            "auto",
+            {"libtpu_installed": True, "device_files_present": True, "torch_tpu_version": "0.2.0"},
+            "torchtpu",
+            "torch_tpu 0.2.0",
+        ),
+        (  # both (not in one environment as released): torch_xla's, as before TorchTPU; --runtime torchtpu says
+            "auto",
+            {
+                "libtpu_installed": True,
+                "device_files_present": True,
+                "torch_xla_version": "2.9.0",
+                "torch_tpu_version": "0.2.0",
+            },
+            "pjrt",
+            "torch_xla 2.9.0",
+        ),
+        (
+            "auto",
+            {"libtpu_installed": False, "device_files_present": False, "torch_tpu_version": "0.2.0"},
+            "cpu",
+            "libtpu is not",
         ),
         ("pjrt", {}, "pjrt", "requested"),
+        ("torchtpu", {}, "torchtpu", "requested"),
     ],
 )
 def test_pick_runtime(requested: str, probe: dict, runtime: str, why: str) -> None:
@@ -645,9 +669,16 @@ def test_pjrt_host_launch_on_vms_that_do_not_describe_their_slice(name: str, bou
 
 
 def test_tpu7x_chip_launch_bounds_count_its_two_tensorcores() -> None:
-    """torch_xla's configure_topology adds a fourth process bound of 2 on TPU7x (pytorch/xla #9586)."""
-    s = plan("tpu7x-32", "pjrt", launch="chip")[3][3]
-    assert (s.env["TPU_PROCESS_BOUNDS"], s.env["CLOUD_TPU_TASK_ID"]) == ("2,2,4,2", "15")
+    """torch_xla counts a TPU7x chip's two chiplets as two chips (two PCI functions) and its configure_topology
+    adds a fourth process bound of 2 (pytorch/xla #9586): eight processes per host."""
+    p = plan("tpu7x-32", "pjrt", launch="chip")
+    assert [len(w) for w in p] == [8] * 4
+    s = p[3][7]
+    assert (s.env["TPU_PROCESS_BOUNDS"], s.env["CLOUD_TPU_TASK_ID"], s.env["TPU_VISIBLE_CHIPS"]) == (
+        "2,2,4,2",
+        "31",
+        "7",
+    )
 
 
 @pytest.mark.parametrize(
@@ -680,3 +711,71 @@ def test_cpu_host_launch_refuses_several_cores() -> None:
         plan(None, "cpu", launch="host", cores=2)
     (s,) = plan(None, "cpu", launch="host", cores=1)[0]
     assert s.env["PJRT_DEVICE"] == "CPU" and s.core == HOST
+
+
+# ---------------------------------------------------------------- TorchTPU (docs/train.md, "TorchTPU")
+
+TORCHTPU_JOB = {"TPURUN_JOB_ID", "TPURUN_WORKER_ID", "TPURUN_NUM_WORKERS", "TPURUN_LAUNCH", "TPURUN_RESTART_COUNT",
+                "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED"}  # fmt: skip
+
+
+def test_torchtpu_host_launch_gives_each_host_what_set_tpu_launch_env_reads() -> None:
+    """The script's own set_tpu_launch_env derives the rest (slice-builder addresses for its nproc_per_node)."""
+    for w, (s,) in enumerate(plan("v5p-16", "torchtpu", launch="host")):
+        assert s.core == HOST
+        assert {k: v for k, v in s.env.items() if k not in TORCHTPU_JOB} == {
+            "TPU_WORKER_HOSTNAMES": "10.130.0.2,10.130.0.3",
+            "TORCH_TPU_TOPOLOGY": "2,2,2",
+            "TORCH_TPU_XPROF_SESSION_ID": "job-1",
+            "NNODES": "2",
+            "NODE_RANK": str(w),
+        }
+        assert s.env["MASTER_ADDR"] == "10.130.0.2"
+    # one host: TorchTPU finds its topology on PCI and picks local ports itself
+    (s,) = plan("v6e-8", "torchtpu", launch="host")[0]
+    assert {k: v for k, v in s.env.items() if k not in TORCHTPU_JOB} == {
+        "TPU_WORKER_HOSTNAMES": "10.130.0.2",
+        "TORCH_TPU_XPROF_SESSION_ID": "job-1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "per_host", "topology"),
+    [("v5p-16", 4, "2,2,2"), ("v6e-16", 4, "4,4,1"), ("tpu7x-16", 8, "2,2,2,2"), ("v6e-8", 8, "2,4,1"), ("tpu7x-8", 8, "2,2,1,2")],
+)  # fmt: skip
+def test_torchtpu_chip_launch_gives_every_device_what_set_tpu_launch_env_would_derive(name, per_host, topology) -> None:
+    topo = parse_accelerator_type(name)
+    p = plan(name, "torchtpu", launch="chip")
+    assert [len(w) for w in p] == [per_host] * topo.hosts
+    hosts = ADDRESSES[: topo.hosts] if topo.multi_host else ["localhost"]
+    addresses = ",".join(f"{h}:{8070 + i}" for h in hosts for i in range(per_host))
+    for w, specs in enumerate(p):
+        for i, s in enumerate(specs):
+            want = {
+                "TPU_WORKER_HOSTNAMES": ",".join(ADDRESSES[: topo.hosts]),
+                "TORCH_TPU_TOPOLOGY": topology,
+                "TORCH_TPU_XPROF_SESSION_ID": "job-1",
+                "TORCH_TPU_SLICEBUILDER_ADDRESSES": addresses,
+                "TORCHELASTIC_RUN_ID": "job-1",
+                "TPURUN_CORE": str(i),
+                "RANK": str(w * per_host + i),
+                "WORLD_SIZE": str(topo.hosts * per_host),
+                "LOCAL_RANK": str(i),
+                "LOCAL_WORLD_SIZE": str(per_host),
+            }
+            if topo.multi_host:
+                want.update(NNODES=str(topo.hosts), NODE_RANK=str(w))
+            assert {k: v for k, v in s.env.items() if k not in TORCHTPU_JOB} == want
+
+
+def test_torchtpu_ranks_hosts_across_slices_and_runs_every_device() -> None:
+    p = plan("v5p-16", "torchtpu", launch="host", worker_addresses=ADDRESSES[:4], slice_size=2)
+    assert [s.env["NODE_RANK"] for (s,) in p] == ["0", "1", "2", "3"]
+    assert {s.env["NNODES"] for (s,) in p} == {"4"} and {s.env["TORCH_TPU_TOPOLOGY"] for (s,) in p} == {"2,2,2"}
+    assert [s.env["MEGASCALE_SLICE_ID"] for (s,) in p] == ["0", "0", "1", "1"]
+    for kw in ({"cores": 1}, {"core": 2}):
+        with pytest.raises(UsageError, match="TorchTPU runs every device of a host"):
+            plan("v5p-8", "torchtpu", **kw)
+    with pytest.raises(UsageError, match="needs a TPU accelerator type"):
+        plan(None, "torchtpu")
+    assert pick_launch(None, "torchtpu")[0] == "host"

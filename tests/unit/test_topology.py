@@ -90,7 +90,7 @@ def test_every_type_is_consistent(name):
     cb = [int(x) for x in t.chips_per_host_bounds.split(",")]
     assert math.prod(hb) == t.hosts and math.prod(cb) == t.chips_per_host
     chip_files = [f for f in t.device_files if f != "/dev/vfio/vfio"]
-    assert len(chip_files) == t.chips_per_host
+    assert len(chip_files) == t.chips_per_host * t.pci_functions_per_chip  # TPU7x: one per chiplet
     assert t.pjrt_devices_per_host in (t.chips_per_host, t.cores_per_host)
 
 

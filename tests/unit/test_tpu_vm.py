@@ -10,13 +10,20 @@ from tpurun.topology import all_accelerator_types, parse_accelerator_type
 
 
 @pytest.mark.parametrize("accel", all_accelerator_types())
-def test_every_type_has_one_pci_function_and_device_file_per_chip(accel):
+def test_every_type_has_its_pci_functions_and_device_files_per_chip(accel):
     topo = parse_accelerator_type(accel)
     image = worker_image(accel, worker=topo.hosts - 1, node_id="n", zone="z", project="p")
-    assert len(image.pci) == topo.chips_per_host
-    assert len({f.address for f in image.pci}) == topo.chips_per_host
+    functions = topo.chips_per_host * (2 if topo.generation == "tpu7x" else 1)  # a TPU7x chip: two chiplets
+    assert len(image.pci) == functions
+    assert len({f.address for f in image.pci}) == functions
+    assert len({f.address.rsplit(".", 1)[0] for f in image.pci}) == topo.chips_per_host  # a chip: one PCI slot
     assert all(f.files["vendor"] == GOOGLE_PCI_VENDOR for f in image.pci)
     assert image.device_files == topo.device_files
+    # VFIO generations: each function's IOMMU group has its device file, as the runtimes look them up
+    groups = [f.links["iommu_group"].rsplit("/", 1)[1] for f in image.pci if "iommu_group" in f.links]
+    vfio = sorted(d for d in topo.device_files if d != "/dev/vfio/vfio" and d.startswith("/dev/vfio/"))
+    assert sorted(f"/dev/vfio/{g}" for g in groups) == vfio
+    assert len(vfio) in (0, functions)
     env = yaml.safe_load(image.tpu_env_text())  # torch_xla parses it with yaml too
     assert env["ACCELERATOR_TYPE"] == accel
     assert env["WORKER_ID"] == str(topo.hosts - 1)

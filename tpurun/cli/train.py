@@ -66,7 +66,11 @@ def train_cmd(
     ] = False,
     core: Annotated[int | None, typer.Option(min=0, help="Run on one specific core index (like devices=[5]).")] = None,
     runtime: Annotated[
-        envc.Runtime, typer.Option(help="auto: pjrt on a TPU (xrt for torch_xla before 2.1), cpu where there is none.")
+        envc.Runtime,
+        typer.Option(
+            help="auto: pjrt on a TPU (xrt for torch_xla before 2.1; torchtpu where torch_tpu is installed and "
+            "torch_xla is not), cpu where there is none."
+        ),
     ] = envc.Runtime.auto,
     launch: Annotated[
         envc.Launch | None,
@@ -140,9 +144,7 @@ def train_cmd(
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
 
 
-def _run(
-    spec: train.TrainSpec, flags: dict[str, str | None], *, local: bool, dest: str | None, json_out: bool
-) -> int:
+def _run(spec: train.TrainSpec, flags: dict[str, str | None], *, local: bool, dest: str | None, json_out: bool) -> int:
     """Run SPEC on the TPU FLAGS name (--tpu, --project, --zone, else the settings), or on this machine."""
     s = settings.resolve(flags)
 
@@ -426,8 +428,14 @@ def jobs_cmd(
         None,
         ["job", "tpu", "status", "created", "detached", "command"],
         [
-            (row.record.job_id, row.record.tpu, row.state.label(), row.record.created,
-             "yes" if row.record.detached else "no", " ".join(row.record.command))
+            (
+                row.record.job_id,
+                row.record.tpu,
+                row.state.label(),
+                row.record.created,
+                "yes" if row.record.detached else "no",
+                " ".join(row.record.command),
+            )
             for row in rows
         ],  # fmt: skip
     )

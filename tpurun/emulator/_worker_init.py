@@ -125,6 +125,8 @@ def setup_pci(functions: list[dict]) -> None:
         for key, value in fn["files"].items():
             with open(f"{d}/{key}", "w") as f:
                 f.write(value + "\n")
+        for key, target in fn.get("links", {}).items():
+            os.symlink(target, f"{d}/{key}")
     mount(None, base, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 

@@ -380,7 +380,7 @@ class WorkerHosts:
                     "hostname": w.hostname,
                     "boot": node.boots,
                     "devices": list(image.device_files),
-                    "pci": [{"address": f.address, "files": f.files} for f in image.pci],
+                    "pci": [{"address": f.address, "files": f.files, "links": f.links} for f in image.pci],
                     "metadata_host": f"{w.address}:{self.metadata_port}",
                     "image_paths": image_paths(),
                     "image_bin": "image/bin",

@@ -29,10 +29,11 @@ _LITE_POD_FULL_AXIS = 16
 
 @dataclass(frozen=True)
 class PciFunction:
-    """One PCI function as sysfs shows it: /sys/bus/pci/devices/<address>/{vendor,device,...}."""
+    """One PCI function as sysfs shows it: /sys/bus/pci/devices/<address>/{vendor,device,...,iommu_group}."""
 
     address: str  # e.g. "0000:00:04.0"
     files: dict[str, str]
+    links: dict[str, str]  # symlinks in its directory, e.g. iommu_group -> ../../../kernel/iommu_groups/0
 
 
 @dataclass(frozen=True)
@@ -78,18 +79,24 @@ def worker_image(
     except UsageError as exc:
         raise ValueError(str(exc)) from exc
     device, subsystem = topo.pci_ids
+    ids = {
+        "vendor": GOOGLE_PCI_VENDOR,
+        "device": device,
+        "subsystem_vendor": GOOGLE_PCI_VENDOR,
+        "subsystem_device": subsystem,
+        "class": "0x120000",  # processing accelerator
+    }
+    vfio = any(f.startswith("/dev/vfio/") for f in topo.device_files)
+    per_chip = topo.pci_functions_per_chip
     pci = tuple(
         PciFunction(
-            f"0000:00:{4 + chip:02x}.0",
-            {
-                "vendor": GOOGLE_PCI_VENDOR,
-                "device": device,
-                "subsystem_vendor": GOOGLE_PCI_VENDOR,
-                "subsystem_device": subsystem,
-                "class": "0x120000",  # processing accelerator
-            },
+            f"0000:00:{4 + chip:02x}.{fn}",
+            dict(ids),
+            # a function the VFIO driver holds: its IOMMU group, whose device file is /dev/vfio/<group>
+            {"iommu_group": f"../../../kernel/iommu_groups/{chip * per_chip + fn}"} if vfio else {},
         )
         for chip in range(topo.chips_per_host)
+        for fn in range(per_chip)
     )
     # A TPU VM runs one process per host unless told otherwise: process bounds = host bounds.
     env = {

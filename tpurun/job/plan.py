@@ -30,6 +30,7 @@ class Runtime(str, Enum):
     pjrt = "pjrt"
     xrt = "xrt"
     cpu = "cpu"
+    torchtpu = "torchtpu"  # TorchTPU (torch_tpu), PyTorch's native TPU backend
 
 
 RUNTIMES = tuple(m.value for m in Runtime if m is not Runtime.auto)
@@ -68,6 +69,9 @@ XRT_MESH_CONTROLLER_PORT = 8476
 XRT_TPU_NODE_PORT = 8470
 # XRT (torch_xla ≤ 2.0) predates v5e/v5p/v6e, which need torch_xla ≥ 2.1 (PJRT only).
 XRT_GENERATIONS = ("v2", "v3", "v4")
+# TorchTPU's slice-builder ports: one per device of a host from this one (set_tpu_launch_env's
+# TORCH_TPU_BASE_PORT default, torch_tpu/_internal/distributed/distributed.py).
+TORCH_TPU_BASE_PORT = 8070
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,15 @@ class CoreSpec:
     argv: list[str]
 
 
+def _pci_chips(topology: Topology) -> int:
+    """What torch_xla counts as a host's chips (its PCI functions, which TPU_VISIBLE_CHIPS indexes): the
+    chips, but on TPU7x each of a chip's two chiplets."""
+    return topology.chips_per_host * topology.pci_functions_per_chip
+
+
 def _devices_per_chip(topology: Topology) -> int:
-    # v2/v3: 2 PJRT devices (TensorCores) per chip; v4/v5p megacore and v5e/v6e: 1.
-    return topology.pjrt_devices_per_host // topology.chips_per_host
+    # v2/v3: 2 PJRT devices (TensorCores) per chip; v4/v5p megacore, v5e/v6e and a TPU7x chiplet: 1.
+    return topology.pjrt_devices_per_host // _pci_chips(topology)
 
 
 def explain_core(topology: Topology, core: int) -> str:
@@ -103,6 +113,12 @@ def explain_core(topology: Topology, core: int) -> str:
         return (
             f"core {core} is TensorCore {core % per_chip} of chip {chip}; PJRT cannot select one core of a "
             f"{gen} chip, so chip {chip} (cores {first}-{last}) runs as one process"
+        )
+    if topology.pci_functions_per_chip > 1:
+        return (
+            f"core {core} is TensorCore {core % topology.pci_functions_per_chip} of chip "
+            f"{core // topology.pci_functions_per_chip}; a {gen} chip shows each TensorCore as a device of its "
+            "own, so it runs as one process"
         )
     if topology.cores_per_chip > 1:
         return (
@@ -147,7 +163,7 @@ _IMPORT_RE = re.compile(r"^\s*(?:import|from)\s+(jax|torch_xla|torch|lightning|p
 
 
 def script_framework(source: str) -> str:
-    """"jax" for a script that imports JAX and no torch, else "torch" (what its notes talk about)."""
+    """ "jax" for a script that imports JAX and no torch, else "torch" (what its notes talk about)."""
     found = set(_IMPORT_RE.findall(source))
     return "jax" if "jax" in found and not found - {"jax"} else "torch"
 
@@ -181,6 +197,11 @@ def _mul_bounds(a: str, b: str) -> str:
 def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
     """(launch, reason): REQUESTED, or the default for RUNTIME."""
     if requested is None:
+        if runtime == "torchtpu":
+            return "host", (
+                "launch host, the default on torchtpu: one process per worker; the script calls "
+                "set_tpu_launch_env and its launcher (torch.multiprocessing.spawn, torchrun) makes one process per device"
+            )
         if runtime == "cpu":
             return "chip", (
                 "launch chip, the default on the cpu runtime: with no chips for a script's spawner to find, "
@@ -194,6 +215,11 @@ def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
         raise UsageError(f"--launch {requested}: use host or chip")
     if requested == "chip" and runtime == "xrt":
         raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
+    if requested == "chip" and runtime == "torchtpu":
+        return "chip", (
+            "launch chip, as requested: one process per device with torchrun's variables and what "
+            "set_tpu_launch_env would derive"
+        )
     if requested == "chip":
         return "chip", "launch chip, as requested: one process per chip with torchrun's variables"
     return "host", "launch host, as requested: one process per worker; the script's spawner makes the chip processes"
@@ -231,8 +257,10 @@ def _slots(
         limit = topology.pjrt_devices_per_host if topology else LOCAL_MAX_PROCESSES
         wanted = (core + 1) if core is not None else cores
         if wanted is not None and wanted > limit and not oversubscribe:
-            host = f"a {topology.name} host has {limit} PJRT devices" if topology else (
-                f"a one-host pod stands for one TPU host, at most {limit} devices"
+            host = (
+                f"a {topology.name} host has {limit} PJRT devices"
+                if topology
+                else (f"a one-host pod stands for one TPU host, at most {limit} devices")
             )
             what = f"--core {core}" if core is not None else f"--cores {cores}"
             raise UsageError(
@@ -243,6 +271,14 @@ def _slots(
         n = cores if cores is not None else (topology.pjrt_devices_per_host if topology else 1)
         return list(range(n))
     assert topology is not None
+    if runtime == "torchtpu":
+        devices = topology.pjrt_devices_per_host
+        if core is not None or cores not in (None, devices):
+            raise UsageError(
+                f"--cores/--core with --runtime torchtpu: TorchTPU runs every device of a host ({devices} on "
+                f"{topology.name}); drop the option"
+            )
+        return [HOST] if launch == "host" else list(range(devices))
     if runtime == "xrt":
         # xla_dist ran one process per host; the script's own xmp.spawn(nprocs=1|None) picks the cores.
         if core is not None:
@@ -274,7 +310,7 @@ def _slots(
         return [core]
     if cores == 1:
         return [0]
-    return list(range(topology.chips_per_host))
+    return list(range(_pci_chips(topology)))
 
 
 def _single_chip(topology: Topology, cores: int | None, core: int | None) -> int | None:
@@ -319,7 +355,9 @@ def plan_job(
     num_workers = len(worker_addresses)
     _check_job(runtime, launch, precision, topology, num_workers, tpu_ip, slice_size)
     size = slice_size or num_workers
-    slots = _slots(runtime=runtime, launch=launch, topology=topology, cores=cores, core=core, oversubscribe=oversubscribe)
+    slots = _slots(
+        runtime=runtime, launch=launch, topology=topology, cores=cores, core=core, oversubscribe=oversubscribe
+    )
     local_world = len(slots)
     world_size = num_workers * local_world
     argv = [python, script, *args]
@@ -353,6 +391,15 @@ def plan_job(
                 )
             if runtime == "cpu":
                 env.update(_jax_cpu_env(worker_addresses[0], rank, world_size))
+            if runtime == "torchtpu":
+                assert topology is not None
+                # one rendezvous over every host, of every slice: global worker numbers and addresses
+                env.update(
+                    _torchtpu_env(
+                        topology=topology, worker=worker, worker_addresses=worker_addresses, launch=launch,
+                        local_world=local_world, job_id=job_id,
+                    )
+                )  # fmt: skip
             env.update(
                 _runtime_env(
                     runtime=runtime,
@@ -398,7 +445,7 @@ def _check_job(
         raise UsageError(f"--precision {precision}: use {' or '.join(PRECISIONS)}")
     if not num_workers:
         raise UsageError("no workers to run on")
-    if runtime in ("pjrt", "xrt"):
+    if runtime in ("pjrt", "xrt", "torchtpu"):
         if topology is None:
             raise UsageError(f"--runtime {runtime} needs a TPU accelerator type; use --runtime cpu on this machine")
         if tpu_ip is None and topology.hosts != (slice_size or num_workers):
@@ -433,6 +480,8 @@ def _runtime_env(
 ) -> dict[str, str]:
     """What one process needs of its runtime: PJRT's variables (per host or per chip), XRT's, or CPU's."""
     env: dict[str, str] = {}
+    if runtime == "torchtpu":
+        return env  # plan_job: TorchTPU's variables span every slice (_torchtpu_env)
     if runtime == "pjrt":
         assert topology is not None
         if launch == "host":
@@ -554,6 +603,43 @@ def _pjrt_env(
     return env
 
 
+def torchtpu_topology(topology: Topology) -> str:
+    """TORCH_TPU_TOPOLOGY of a slice: its chips along x,y,z, and on TPU7x a fourth bound of 2, its TensorCores
+    per chip, as TorchTPU's own table of one host's topologies writes them (torch_tpu/_internal/utils/hardware.py)."""
+    dims = [int(d) for d in topology.topology.split("x")]
+    bounds = ",".join(str(d) for d in dims + [1] * (3 - len(dims)))
+    return bounds + ",2" if topology.generation == "tpu7x" else bounds
+
+
+def _torchtpu_env(
+    *, topology: Topology, worker: int, worker_addresses: list[str], launch: str, local_world: int, job_id: str
+) -> dict[str, str]:
+    """What TorchTPU's set_tpu_launch_env reads (host launch: the script calls it) or derives (chip launch:
+    every process gets what it would have derived in a parent), from tpurun's numbering of the hosts.
+
+    A host's NODE_RANK is its worker number: TorchTPU ranks a slice's hosts by their chips' coordinates,
+    Z-major, then Y, then X, which is the worker order when the runtime lays the hosts out X-fastest over
+    TPU_HOST_BOUNDS (docs/train.md). Set here, it spares set_tpu_launch_env the child process that would
+    start the TPU client to read the coordinates, and holds across slices, where coordinates repeat."""
+    hosts = len(worker_addresses)
+    env = {
+        "TPU_WORKER_HOSTNAMES": ",".join(worker_addresses),
+        # one profiling session for the whole job (each host's parent would otherwise take its own clock)
+        "TORCH_TPU_XPROF_SESSION_ID": job_id,
+    }
+    if hosts > 1 or launch == "chip":
+        env["TORCH_TPU_TOPOLOGY"] = torchtpu_topology(topology)
+    if hosts > 1:
+        env.update({"NNODES": str(hosts), "NODE_RANK": str(worker)})
+    if launch == "chip":
+        where = worker_addresses if hosts > 1 else ["localhost"]
+        env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] = ",".join(
+            f"{host}:{TORCH_TPU_BASE_PORT + i}" for host in where for i in range(local_world)
+        )
+        env["TORCHELASTIC_RUN_ID"] = job_id
+    return env
+
+
 def _xrt_env(*, topology: Topology, worker: int, worker_addresses: list[str], tpu_ip: str | None) -> dict[str, str]:
     """What torch_xla.distributed.xla_dist (torch_xla 2.0) exported on each worker, or the one-VM configs."""
     devices = str(topology.pjrt_devices_per_host)  # 8 on v2/v3, 4 on v4 (one per megacore)
@@ -617,8 +703,11 @@ def pick_runtime(requested: str, probe: dict[str, object]) -> tuple[str, str]:
         if not probe.get("device_files_present"):
             missing.append("no TPU device files (/dev/accel*, /dev/vfio/*)")
         return "cpu", "auto picked cpu: " + " and ".join(missing)
+    torch_tpu = probe.get("torch_tpu_version")
+    if (not isinstance(version, str) or not version) and isinstance(torch_tpu, str) and torch_tpu:
+        return "torchtpu", f"auto picked torchtpu: libtpu and TPU device files present, torch_tpu {torch_tpu}"
     if not isinstance(version, str) or not version:
-        return "cpu", "auto picked cpu: TPU present but torch_xla is not installed"
+        return "cpu", "auto picked cpu: TPU present but neither torch_xla nor torch_tpu is installed"
     if _version_tuple(version) < (2, 1):
         return "xrt", f"auto picked xrt: torch_xla {version} < 2.1 (XRT era) and a TPU is present"
     return "pjrt", f"auto picked pjrt: libtpu and TPU device files present, torch_xla {version}"
@@ -663,6 +752,7 @@ print(json.dumps({
     "device_files_present": bool(devices),
     "device_files": devices,
     "torch_xla_version": version("torch_xla") or version("torch-xla"),
+    "torch_tpu_version": version("torch_tpu") or version("torch-tpu"),
     "torch_version": version("torch"),
     "python": sys.executable,
     "python_version": "%d.%d.%d" % sys.version_info[:3],
