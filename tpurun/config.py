@@ -88,8 +88,18 @@ DEVICE_GLOBS = Tunable("TPURUN_DEVICE_GLOBS", "", "testing: the TPU device file 
 LIBTPU_GLOB = Tunable("TPURUN_LIBTPU_GLOB", "", "testing: the libtpu file pattern")
 LOCK_FILES = Tunable("TPURUN_LOCK_FILES", "", "testing: the libtpu lock file patterns, separated by ':'")
 
+# the emulator
+IMAGE_VENVS = Tunable(
+    "TPURUN_EMULATOR_IMAGE_VENVS",
+    "",
+    "more Python environments every emulated worker carries at the same path, separated by ':' (one with TorchTPU)",
+)
+
 # the test suite
 REQUIRE_EMULATOR = Tunable("TPURUN_REQUIRE_EMULATOR", "", "1: a machine that cannot run the emulator fails the tests")
+TORCHTPU_PYTHON = Tunable(
+    "TPURUN_TORCHTPU_PYTHON", "", "the Python of the TorchTPU environment (scripts/test makes it)"
+)
 
 ALL = [
     *SETTINGS.values(),
@@ -109,5 +119,7 @@ ALL = [
     DEVICE_GLOBS,
     LIBTPU_GLOB,
     LOCK_FILES,
+    IMAGE_VENVS,
     REQUIRE_EMULATOR,
+    TORCHTPU_PYTHON,
 ]

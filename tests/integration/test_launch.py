@@ -121,21 +121,16 @@ def _check_one_replica_per_chip(reports, topo, addresses: list[str], what: str) 
     assert tasks == set(range(topo.chips)), what
 
 
-# xmp.spawn on every generation; torch_xla.launch and Lightning, which both go through xmp.spawn to make the
-# chip processes, each on two: launch.py with two TensorCores per chip (v3), Lightning across two hosts (v4),
-# both on one host of eight chips (v6e). Every script on every generation cost over half a minute more of a 2-core
-# machine's suite without reaching a path these do not.
+# xmp.spawn's code on every generation (torch_xla.launch and Lightning make the chip processes through it):
+# launch.py with two TensorCores per chip (v3) and on one host of eight chips (v6e), Lightning across two hosts
+# (v4) and on v6e. Every script on every generation cost a minute more of a 2-core machine's suite without
+# reaching a path these do not.
 XMP, LAUNCH, LIGHTNING = "xmp_spawn.py", "launch.py", "lightning_tpu.py"
 
 
 @pytest.mark.parametrize(
     ("accel", "scripts"),
-    [
-        ("v3-8", (XMP, LAUNCH)),
-        ("v4-16", (XMP, LIGHTNING)),
-        ("v5litepod-16", (XMP,)),
-        ("v6e-8", (XMP, LAUNCH, LIGHTNING)),
-    ],
+    [("v3-8", (XMP, LAUNCH)), ("v4-16", (XMP, LIGHTNING)), ("v5litepod-16", (XMP,)), ("v6e-8", (LAUNCH, LIGHTNING))],
 )
 def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel, scripts):
     topo = parse_accelerator_type(accel)

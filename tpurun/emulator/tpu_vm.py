@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from tpurun import config
 from tpurun.emulator._metadata import JsonText
 from tpurun.errors import UsageError
 from tpurun.topology import Topology, parse_accelerator_type
@@ -208,7 +209,10 @@ def image_paths() -> list[str]:
     worker only, never this machine or the other workers. System directories (/usr) are left alone.
     """
     found = set()
-    for p in {sys.prefix, sys.base_prefix}:
+    # and the other environments it was asked to carry (TPURUN_EMULATOR_IMAGE_VENVS: TorchTPU's, whose torch
+    # cannot share an environment with torch_xla's), so their Pythons run on every worker as they do here
+    more = [p for p in config.IMAGE_VENVS.raw().split(":") if p]
+    for p in {sys.prefix, sys.base_prefix, *more}:
         real = os.path.realpath(p)
         if os.path.isdir(real) and real not in ("/", "/usr", "/usr/local"):
             found.add(real)

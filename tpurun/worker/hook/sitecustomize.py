@@ -8,8 +8,11 @@ so its lines land in w<W>-c<chip>.log and reach tpurun as [wW/cM], and its child
 also tells the agent how the spawner's task in the process ended (observed where the standard library's
 process pool sends the result back), so a failing chip stops the job at once and is named.
 
+A script whose launcher is torch.multiprocessing.spawn (TorchTPU's way) has its processes followed the
+same way: each becomes the device its index names (see _follow_torch_spawn).
+
 Where tpurun gives JAX its coordinator, process count and id (no TPU to detect them from), it adds a
-cluster to jax.distributed's auto-detection (see _JaxCluster).
+cluster to jax.distributed's auto-detection (see _add_jax_cluster_to).
 
 With `tpurun train --metrics` it also writes torch_xla's metrics report of each process that did the
 work: a process the agent started, at its exit, and a chip process of a host launch, when its task ends
@@ -149,15 +152,17 @@ def _write_metrics():
     )
 
 
-def _become_chip(chip):
+def _become_chip(chip, pool=None):
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    # "pool": the replica runs as a task of a concurrent.futures pool, whose end the hook reports; a chip
-    # process of another spawner that ends without a report has simply ended
-    pool = getattr(sys.modules.get("concurrent.futures.process"), "_sendback_result", None) is not None
+    # "pool": the replica runs as a task whose end the hook reports (a concurrent.futures pool's, or the
+    # function torch.multiprocessing.spawn runs); a chip process of another spawner that ends without a
+    # report has simply ended
+    if pool is None:
+        pool = getattr(sys.modules.get("concurrent.futures.process"), "_sendback_result", None) is not None
     header = {"core": chip, "pid": os.getpid(), "pool": pool}
     out, err, _state["ctl"] = _connect([dict(header, stream=name) for name in ("out", "err", "ctl")])
     _state["owner"] = os.getpid()
@@ -177,6 +182,21 @@ def _become_chip(chip):
         os.register_at_fork(after_in_child=lambda: faulthandler.disable() if not _mine() else None)
 
 
+def _claim(chip, pool=None):
+    """Become CHIP's process once (the first sign of which chip wins)."""
+    if _state["done"] or _state["busy"]:
+        return False
+    _state["busy"] = True
+    try:
+        _become_chip(chip, pool)
+        return True
+    except Exception:
+        return False  # the lines stay on the host process's log: never break the user's process
+    finally:
+        _state["done"] = True
+        _state["busy"] = False
+
+
 def _audit(event, args):
     if event != "os.putenv" or _state["done"] or _state["busy"]:
         return
@@ -184,32 +204,19 @@ def _audit(event, args):
     if key not in _CHIP_VARS:
         return
     chip = _chip_of(key, _as_bytes(args[1]).decode("ascii", "replace"))
-    if chip is None:
-        return
-    _state["busy"] = True
-    try:
-        _become_chip(chip)
-    except Exception:
-        pass  # the lines stay on the host process's log: never break the user's process
-    finally:
-        _state["done"] = True
-        _state["busy"] = False
+    if chip is not None:
+        _claim(chip)
 
 
-class _JaxCluster:
-    """Where tpurun gave the JAX coordinator, process count and id (no TPU to detect them from), adds a
-    cluster to jax.distributed's auto-detection, so `jax.distributed.initialize()` needs no arguments.
+class _AfterImport:
+    """Runs CHANGE on module NAME once it has loaded, before anyone uses it: a finder that steps aside for
+    the import system, then wraps the loader it found. Nothing of the module is replaced when CHANGE fails."""
 
-    jax finds clusters by subclassing its ClusterEnv (each subclass registers itself); this finder waits
-    for jax's cluster package to be imported, then defines one that reads tpurun's variables. Nothing of
-    jax is replaced; on a TPU VM tpurun sets none of the variables, and jax's own Cloud TPU cluster
-    answers from the VM's metadata.
-    """
-
-    PACKAGE = "jax._src.clusters"
+    def __init__(self, name, change):
+        self.name, self.change = name, change
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.PACKAGE:
+        if name != self.name:
             return None
         try:
             sys.meta_path.remove(self)
@@ -218,18 +225,69 @@ class _JaxCluster:
             spec = importlib.util.find_spec(name)
             loader = spec.loader  # type: ignore[union-attr]
             run = loader.exec_module  # type: ignore[union-attr]
+            change = self.change
 
             def exec_module(module):
                 run(module)
                 try:
-                    _add_jax_cluster(module.ClusterEnv)
+                    change(module)
                 except Exception:
-                    pass  # jax changed: it stays as it was, and the script can pass the values itself
+                    pass  # the library changed: it stays as it was
 
             loader.exec_module = exec_module  # type: ignore[union-attr, method-assign]
             return spec
         except Exception:
             return None  # the import system goes on as if we were not here
+
+
+def _follow_torch_spawn(module):
+    """torch.multiprocessing.spawn (TorchTPU's launcher, and many a torch script's) starts each process with
+    `_wrap(fn, i, args, error_queue)`: the process becomes chip (device) i, and says how fn ended, so a
+    failing device stops the job at once and is named. The wrapper stands in for `_wrap` under its own name,
+    so the parent pickles it for the child as it did the original (by reference)."""
+    original = module._wrap
+
+    def _wrap(fn, i, *rest, **kwargs):
+        if "TPURUN_CORE" not in os.environ and _claim(i, pool=True):
+            fn = _reporting(fn)
+        return original(fn, i, *rest, **kwargs)
+
+    _wrap.__module__, _wrap.__qualname__ = original.__module__, original.__qualname__
+    module._wrap = _wrap
+
+
+def _reporting(fn):
+    def run(*args, **kwargs):
+        try:
+            result = fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise  # stopped by its parent, as torch takes it: not a failure of this device
+        except SystemExit as e:
+            _report("ok") if e.code in (None, 0) else _report("failed", code=e.code if isinstance(e.code, int) else 1)
+            raise
+        except BaseException:
+            import traceback
+
+            kind, error, tb = sys.exc_info()  # into this device's log (torch hands it to the parent too),
+            traceback.print_exception(kind, error, tb.tb_next if tb else None)  # from the script's own frame
+            sys.stderr.flush()
+            _report("failed", code=1)
+            raise
+        if os.environ.get("TPURUN_METRICS") == "1":
+            _metrics_report()
+        _report("ok")
+        return result
+
+    return run
+
+
+def _add_jax_cluster_to(module):
+    """Where tpurun gave the JAX coordinator, process count and id (no TPU to detect them from), adds a
+    cluster to jax.distributed's auto-detection, so `jax.distributed.initialize()` needs no arguments.
+    jax finds clusters by subclassing its ClusterEnv (each subclass registers itself). Nothing of jax is
+    replaced; on a TPU VM tpurun sets none of the variables, and jax's own Cloud TPU cluster answers from
+    the VM's metadata."""
+    _add_jax_cluster(module.ClusterEnv)
 
 
 def _add_jax_cluster(base):
@@ -284,5 +342,7 @@ if os.environ.get("TPURUN_METRICS") == "1" and str(os.getppid()) == os.environ.g
 
     atexit.register(_metrics_report)  # a process the agent started (not its children)
 if "JAX_PROCESS_ID" in os.environ and "TPURUN_JOB_ID" in os.environ and "jax" not in sys.modules:
-    sys.meta_path.insert(0, _JaxCluster())
+    sys.meta_path.insert(0, _AfterImport("jax._src.clusters", _add_jax_cluster_to))
+if _SOCKET and "TPURUN_CORE" not in os.environ:
+    sys.meta_path.insert(0, _AfterImport("torch.multiprocessing.spawn", _follow_torch_spawn))
 _chain()
