@@ -271,11 +271,10 @@ class Topology:
 _NAME_RE = re.compile(r"^(?P<gen>[a-z0-9]+?)-(?P<size>[0-9]+)$")  # ASCII digits: \d takes '８' too
 
 
-def _dims(shape: str) -> list[int]:
+def axes(shape: str) -> list[int]:
+    """Chips along x, y and z of a shape such as "2x4" ([2, 4, 1])."""
     dims = [int(x) for x in shape.split("x")]
-    while len(dims) < 3:
-        dims.append(1)
-    return dims
+    return dims + [1] * (3 - len(dims))
 
 
 def _build(gen: Generation, size: int) -> Topology:
@@ -283,12 +282,12 @@ def _build(gen: Generation, size: int) -> Topology:
     chips = size if gen.size_unit == "chips" else size // gen.cores_per_chip
     if chips <= gen.single_host_max_chips and (chips <= gen.chips_per_host or gen.size_unit == "chips"):
         hosts, per_host = 1, chips
-        per_host_bounds = _dims(shape)
+        per_host_bounds = axes(shape)
     else:
         per_host = gen.chips_per_host
         hosts = chips // per_host
         per_host_bounds = [2, 2, 1]
-    dims = _dims(shape)
+    dims = axes(shape)
     host_bounds = [d // b for d, b in zip(dims, per_host_bounds, strict=True)]
     if gen.device_kind == "accel":
         devices = tuple(f"/dev/accel{i}" for i in range(per_host))
@@ -379,7 +378,7 @@ def from_machine_type(machine_type: str, topology: str) -> Topology:
     per_vm = gen.machine_types[mt]
     shape = topology.strip().lower()
     fits = [size for size, s in gen.shapes.items() if _build(gen, size).chips_per_host == per_vm]
-    size = next((size for size in fits if _dims(gen.shapes[size]) == _dims(shape) if "x" in shape), None)
+    size = next((size for size in fits if axes(gen.shapes[size]) == axes(shape) if "x" in shape), None)
     if size is None:
         shapes = ", ".join(gen.shapes[s] for s in sorted(fits))
         raise UsageError(f"{mt} ({per_vm} chips per VM) cannot make the topology '{topology}': it makes {shapes}")

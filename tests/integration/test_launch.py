@@ -31,6 +31,15 @@ SCRIPTS = Path(__file__).with_name("launch_scripts")
 REPORT = re.compile(r"^\[w(\d+)(?:/c(\d+))?\] TPU-START (\{.*\})$")
 
 
+def parse_reports(lines: list[str]) -> list[tuple[int, int | None, dict]]:
+    """(worker, chip or None for a host process's own line, report) of every TPU-START line among LINES."""
+    found = []
+    for m in map(REPORT.match, lines):
+        if m:
+            found.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2)), json.loads(m.group(3))))
+    return found
+
+
 class Run:
     """`tpurun train ...` in the background; its stdout lines as they come."""
 
@@ -49,12 +58,7 @@ class Run:
             self.lines.append(line.rstrip("\n"))
 
     def reports(self) -> list[tuple[int, int | None, dict]]:
-        out = []
-        for line in list(self.lines):
-            m = REPORT.match(line)
-            if m:
-                out.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2)), json.loads(m.group(3))))
-        return out
+        return parse_reports(list(self.lines))
 
     def wait_reports(self, n: int, timeout: float = 300) -> list[tuple[int, int | None, dict]]:
         deadline = time.monotonic() + timeout

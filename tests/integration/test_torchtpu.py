@@ -8,7 +8,7 @@ launch environment from what tpurun gives a host, torch.multiprocessing.spawn ma
 
 Where it stops: there is no TPU here. A process's first operation on a device calls TorchTPU's device
 module `_lazy_init` and then libtpu's PJRT client, which aborts the process ("No jellyfish device
-found"). A test-only module (launch_scripts/torchtpu_stop) stops each process at that `_lazy_init` and
+found"). A test-only module (launch_scripts/tpu_stop) stops each process at that `_lazy_init` and
 prints what it was given; everything before that is TorchTPU's, torch's and the script's own doing.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import create_node
-from tests.integration.test_launch import REPORT, Run, _no_python_left, _project
+from tests.integration.test_launch import Run, _no_python_left, _project, parse_reports
 from tpurun import config
 from tpurun.topology import parse_accelerator_type
 
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 LAUNCH_ENV = re.compile(r"^\[w(\d+)\] LAUNCH-ENV (\{.*\})$")
-STOP = ("--env", "PYTHONPATH=torchtpu_stop")
+STOP = ("--env", "PYTHONPATH=tpu_stop")
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +53,6 @@ def _launch_env(lines: list[str]) -> dict[int, dict]:
     return {int(m.group(1)): json.loads(m.group(2)) for m in map(LAUNCH_ENV.match, lines) if m}
 
 
-def _reports(lines: list[str]) -> list[tuple[int, int | None, dict]]:
-    found = []
-    for m in map(REPORT.match, lines):
-        if m:
-            found.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2)), json.loads(m.group(3))))
-    return found
-
-
 def test_torchtpu_on_a_v5p_pod_slice(cli, emulator, python):
     """Both launch styles on two hosts: TorchTPU's own launch code agrees with tpurun's numbering, the device
     processes its spawner makes are followed and tagged, and detach, logs, kill-stale, Ctrl-C and fail-fast
@@ -78,10 +70,10 @@ def test_torchtpu_on_a_v5p_pod_slice(cli, emulator, python):
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         lines = cli("logs", job).out.splitlines()
-        if len(_reports(lines)) == topo.chips or json.loads(cli("jobs", "--json").out)[0]["status"] != "running":
+        if len(parse_reports(lines)) == topo.chips or json.loads(cli("jobs", "--json").out)[0]["status"] != "running":
             break
         time.sleep(2)
-    launch, reports = _launch_env(lines), _reports(lines)
+    launch, reports = _launch_env(lines), parse_reports(lines)
     want_addresses = ",".join(f"{a}:{8070 + i}" for a in addresses for i in range(4))
     assert sorted(launch) == [0, 1], lines[-20:]
     for w, env in launch.items():

@@ -19,7 +19,7 @@ from typing import Any
 from tpurun import config
 from tpurun.emulator._metadata import JsonText
 from tpurun.errors import UsageError
-from tpurun.topology import Topology, parse_accelerator_type
+from tpurun.topology import Topology, axes, parse_accelerator_type
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # libtpu's runtime metrics ports: one per chip from this one (tpu-env TPU_RUNTIME_METRICS_PORTS).
@@ -50,14 +50,9 @@ class WorkerImage:
         return "".join(f"{k}: '{v}'\n" for k, v in sorted(self.tpu_env.items()))
 
 
-def _dims(shape: str) -> list[int]:
-    dims = [int(d) for d in shape.split("x")]
-    return dims + [1] * (3 - len(dims))
-
-
 def wrap(topology: Topology) -> str:
     """Which axes of the slice are tori: v2-v5p only from a full 4x4x4 cube up; v5e/v6e per axis of 16."""
-    dims = _dims(topology.topology)
+    dims = axes(topology.topology)
     if topology.generation in ("v5litepod", "v6e"):
         return ",".join("true" if d == _LITE_POD_FULL_AXIS else "false" for d in dims)
     return ",".join(["true" if all(d >= 4 for d in dims) else "false"] * 3)

@@ -20,7 +20,7 @@ from enum import Enum
 
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
 from tpurun.naming import worker_name
-from tpurun.topology import MEGASCALE_PORT, Topology
+from tpurun.topology import MEGASCALE_PORT, Topology, axes
 
 
 class Runtime(str, Enum):
@@ -551,8 +551,12 @@ def _process_bounds(topology: Topology) -> str:
     """TPU_PROCESS_BOUNDS at one process per chip, as torch_xla's configure_topology makes it: host bounds ×
     chips-per-host bounds (v2/v3: chips per host 2,2,1), and on TPU7x a fourth bound of 2, its TensorCores
     per chip (pytorch/xla #9586)."""
-    bounds = _mul_bounds(topology.host_bounds, topology.chips_per_host_bounds)
-    return bounds + ",2" if topology.generation == "tpu7x" else bounds
+    return _mul_bounds(topology.host_bounds, topology.chips_per_host_bounds) + _tensorcore_bound(topology)
+
+
+def _tensorcore_bound(topology: Topology) -> str:
+    """The fourth bound both torch_xla and TorchTPU add on TPU7x: its TensorCores per chip (",2"), else none."""
+    return f",{topology.cores_per_chip}" if topology.generation == "tpu7x" else ""
 
 
 def _pjrt_env(
@@ -606,9 +610,7 @@ def _pjrt_env(
 def torchtpu_topology(topology: Topology) -> str:
     """TORCH_TPU_TOPOLOGY of a slice: its chips along x,y,z, and on TPU7x a fourth bound of 2, its TensorCores
     per chip, as TorchTPU's own table of one host's topologies writes them (torch_tpu/_internal/utils/hardware.py)."""
-    dims = [int(d) for d in topology.topology.split("x")]
-    bounds = ",".join(str(d) for d in dims + [1] * (3 - len(dims)))
-    return bounds + ",2" if topology.generation == "tpu7x" else bounds
+    return ",".join(str(d) for d in axes(topology.topology)) + _tensorcore_bound(topology)
 
 
 def _torchtpu_env(

@@ -263,7 +263,10 @@ def _reporting(fn):
         except KeyboardInterrupt:
             raise  # stopped by its parent, as torch takes it: not a failure of this device
         except SystemExit as e:
-            _report("ok") if e.code in (None, 0) else _report("failed", code=e.code if isinstance(e.code, int) else 1)
+            if e.code in (None, 0):
+                _report("ok")
+            else:
+                _report("failed", code=e.code if isinstance(e.code, int) else 1)
             raise
         except BaseException:
             import traceback
