@@ -90,7 +90,11 @@ def test_setup_commands_run_in_the_job_dir_and_a_failure_names_the_worker(cli):
     shown = lines_by_core(r.out)
     assert shown[(0, 0)][0].endswith("-w-0") and shown[(1, 0)][0].endswith("-w-1")
 
-    failing = 'echo "checking $(hostname)"; case $(hostname) in *-w-1) echo "no space left" >&2; exit 3 ;; esac'
+    # w1 fails a while after starting, so w0 (whose part takes no time) has finished its setup by then:
+    # a failure stops every worker's setup, and this checks what is remembered of the one that finished
+    failing = (
+        'echo "checking $(hostname)"; case $(hostname) in *-w-1) sleep 2; echo "no space left" >&2; exit 3 ;; esac'
+    )
     r = cli("train", "show.py", "--runtime", "cpu", "--cores", "1", "--setup", failing)
     assert r.code == 1
     line = next(x for x in r.err.splitlines() if x.startswith("error:"))

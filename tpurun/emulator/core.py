@@ -211,7 +211,7 @@ class Core:
 
     def _free_slot(self, avoid: set[int] | None = None) -> int:
         used = {r.slot for r in self.nodes.values() if r.slot} | self._compute_slots() | (avoid or set())
-        for s in range(1, 251):  # WorkerHosts' slot range
+        for s in self.config.slots:
             if s not in used and self._slot_free_on_host(s):
                 return s
         raise self._no_capacity("emulator")

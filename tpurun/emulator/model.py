@@ -210,6 +210,7 @@ class EmulatorConfig:
     capacity: Capacity = field(default_factory=Capacity)
     max_workers_per_node: int = 128
     request_log_size: int = 10_000
+    slots: range = range(1, 251)  # the address slots (127.77.SLOT.*) its nodes take: see hosts.WorkerHosts
 
 
 def set_enum(msg: Any, field_name: str, value: Any) -> None:

@@ -55,6 +55,18 @@ def host_problem() -> str | None:
     return None
 
 
+def _slots() -> range:
+    """The address slots of this session's emulator: under pytest-xdist each worker process has its own
+    share, so the emulators of a parallel run never reach for the same addresses."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return range(1, 251)
+    size = 250 // count
+    i = int(worker[2:])
+    return range(1 + i * size, 1 + (i + 1) * size)
+
+
 @dataclass
 class EmulatorHandle:
     """A running emulator: its endpoint, its model (for direct inspection) and fault helpers."""
@@ -230,7 +242,7 @@ def emulator() -> Iterator[EmulatorHandle]:
 
     state_dir = Path(tempfile.mkdtemp(prefix="tpurun-emulator-")).resolve()
     hosts = WorkerHosts(state_dir, key_propagation_delay=0.1)
-    emu = Emulator(hosts, EmulatorConfig(state_dir=state_dir, delays=Delays(**FAST)))
+    emu = Emulator(hosts, EmulatorConfig(state_dir=state_dir, delays=Delays(**FAST), slots=_slots()))
     server = EmulatorServer(emu)
     server.start_thread()
     handle = EmulatorHandle(endpoint=server.endpoint, state_dir=state_dir, server=server)
