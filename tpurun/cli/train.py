@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import shlex
 import sys
 import threading
-import time
-from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -18,15 +15,11 @@ from tpurun import settings, ui
 from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
 from tpurun.cloud import identity
-from tpurun.errors import ExitCode, TpuBusy, TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, TpuBusy, TpurunError, UsageError
+from tpurun.job import control
 from tpurun.job import launcher as train
 from tpurun.job import plan as envc
-from tpurun.job import records
-from tpurun.naming import worker_name
-from tpurun.transport import bundle, targets
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import worker_names
-from tpurun.transport.streams import open_stream, run_capture
+from tpurun.transport import targets
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -391,10 +384,6 @@ def _summary(run: train.JobRun) -> None:
 # ---------------------------------------------------------------------------- jobs, logs, cancel
 
 
-def _agent_argv(record: records.JobRecord, *args: str) -> list[str]:
-    return bundle.program_argv(record.python, "agent.py", *args)
-
-
 def jobs_cmd(
     tpu: Annotated[str | None, typer.Option("--tpu", help="Only the jobs of this TPU.")] = None,
     project: Annotated[str | None, typer.Option("--project", help="Only the jobs of TPUs in this project.")] = None,
@@ -456,109 +445,17 @@ def logs_cmd(
     ] = None,
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
-    s = settings.resolve({})
-    record = records.JobRecord.load(s.home_path, job)
-    target = record.target(worker)
-    renderer = Renderer(colour=not ui.is_plain(), chatter=ui.state.debug)
-    renderer.names = worker_names(target.all_workers)
-    viewer = _Viewer(record, target, renderer, follow and tail is None)
-    try:
-        train.connect(target, record)
-        with stop_on_signals(viewer.stop):
-            each(target.runners, viewer.view, name="logs")
-            replay = sorted(viewer.replay)
-            for _, w, c, _, line in replay if tail is None else _last_lines(replay, tail):
-                renderer.line(w, c, line)
-            renderer.flush()
-            if follow and tail is not None and not viewer.stop.is_set():  # then on from where the tail ended
-                viewer.follow = True
-                each(target.runners, viewer.view, name="logs")
-        renderer.flush()
-    finally:
-        target.close()
-    if viewer.stop.is_set():
+    home = settings.resolve({}).home_path
+    out = TerminalOutput(colour=not ui.is_plain(), quiet=False, chatter=ui.state.debug)
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        result = control.logs(home, job, out, stop, worker=worker, follow=follow, tail=tail)
+    if result.interrupted:
         raise typer.Exit(ExitCode.INTERRUPTED)
-    for w, e in sorted(viewer.errors.items()):
-        ui.err().print(f"error: {renderer.names.get(w) or worker_name(w)}: {e}", markup=False)
-    if viewer.errors:
-        missing = any("not" in e for e in viewer.errors.values())
-        raise typer.Exit(ExitCode.USAGE if missing else ExitCode.UNREACHABLE)
-
-
-def _last_lines(rows: list[tuple[float, int, int, int, str]], n: int) -> list[tuple[float, int, int, int, str]]:
-    """ROWS (in time order: time, worker, core, offset, line) keeping the last N lines of each process."""
-    total = Counter((w, c) for _, w, c, _, _ in rows)
-    seen: Counter[tuple[int, int]] = Counter()
-    out = []
-    for row in rows:
-        seen[row[1], row[2]] += 1
-        if seen[row[1], row[2]] > total[row[1], row[2]] - n:
-            out.append(row)
-    return out
-
-
-class _Viewer:
-    """`logs`: each worker's records of a job, from the offsets already shown, across reconnects (no line
-    lost, none twice). Without --follow the lines are gathered and replayed in time order."""
-
-    def __init__(self, record: records.JobRecord, target: targets.Target, renderer: Renderer, follow: bool) -> None:
-        self.record, self.target, self.renderer, self.follow = record, target, renderer, follow
-        self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
-        self.stop = threading.Event()
-        self.done: set[int] = set()
-        self.errors: dict[int, str] = {}
-        self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, core, offset, line)
-        self.lock = threading.Lock()
-
-    def view(self, runner: Any) -> None:
-        w = runner.worker.index
-        attempts = 0
-        while w not in self.done and not self.stop.is_set():
-            try:
-                if not self._read(runner):
-                    return
-            except (OSError, EOFError, TpurunError) as exc:
-                attempts += 1
-                if attempts > 5:
-                    self.errors[w] = str(exc)
-                    return
-                time.sleep(1)
-                try:
-                    runner.close()
-                    t = self.target
-                    train.connect(targets.Target(t.name, t.accelerator_type, [runner], t.all_workers, t.local))
-                except TpurunError:
-                    continue
-
-    def _read(self, runner: Any) -> bool:
-        """One `agent stream` from the offsets shown so far; whether to go on (follow after a drop)."""
-        w = runner.worker.index
-        args = ["stream", self.record.job_id, "--offsets", json.dumps(self.offsets[w])]
-        stream = open_stream(runner, _agent_argv(self.record, *args, *(["--follow"] if self.follow else [])))
-        reader = records.RecordStream(stream)
-        while (recs := reader.records(0.2)) is not None:
-            if self.stop.is_set():
-                stream.kill()  # a viewer only ends its own stream: the job goes on
-                return False
-            for rec in recs:
-                self._take(w, rec)
-        if stream.wait() == 2:
-            self.errors[w] = stream.stderr_text().strip() or (
-                f"job {self.record.job_id} is not on {self.target.all_workers[w].name}"
-            )
-            return False
-        return self.follow
-
-    def _take(self, w: int, rec: dict[str, Any]) -> None:
-        if rec.get("event") == "done":
-            self.done.add(w)
-        elif rec.get("event") is None:
-            if self.follow:
-                self.renderer.line(w, rec["c"], rec.get("l", ""))
-            else:  # a replay: every worker's lines first, then in time order
-                with self.lock:
-                    self.replay.append((float(rec.get("t", 0)), w, rec["c"], rec["o"], rec.get("l", "")))
-            self.offsets[w][rec["c"]] = rec["o"]
+    for name, why in result.errors.items():
+        _error(f"error: {name}: {why}")
+    if result.errors:
+        raise typer.Exit(ExitCode.USAGE if result.missing else ExitCode.UNREACHABLE)
 
 
 def cancel_cmd(
@@ -566,38 +463,11 @@ def cancel_cmd(
     grace: GraceOpt = 5.0,
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
-    s = settings.resolve({})
-    record = records.JobRecord.load(s.home_path, job)
-    target = record.target()
-    failures = []
-    try:
-        train.connect(target, record)
-        results: dict[int, tuple[int, str]] = {}
-        before: dict[int, str] = {}  # worker -> the job's status there when the stop came
-
-        def one(runner: Any) -> None:
-            rc, out, err = run_capture(
-                runner, _agent_argv(record, "stop", job, "--grace", str(grace)), timeout=grace + 120
-            )
-            try:
-                before[runner.worker.index] = str(json.loads(out.decode()).get("status_before_stop", ""))
-            except ValueError:
-                pass
-            results[runner.worker.index] = (rc, err)
-
-        each(target.runners, one, name="cancel")
-        names = worker_names(target.all_workers)
-        failures = [f"{names[w]}: {err.strip() or rc}" for w, (rc, err) in sorted(results.items()) if rc != 0]
-    finally:
-        target.close()
-    if failures:
-        raise UnreachableError("could not stop the job everywhere: " + "; ".join(failures))
-    ended = {w: st for w, st in before.items() if st in ("finished", "stopped", "failed")}
-    stopped = len(target.runners) - len(ended)
-    if not stopped:
-        states = ", ".join(sorted(set(ended.values())))
+    result = control.cancel(settings.resolve({}).home_path, job, grace)
+    if not result.stopped:
+        states = ", ".join(sorted({st.value for st in result.ended.values()}))
         ui.info(f"job {job} had already ended ({states}) on every worker: nothing to stop")
-    elif ended:
-        ui.info(f"job {job} stopped on {stopped} worker(s); it had already ended on {len(ended)}")
+    elif result.ended:
+        ui.info(f"job {job} stopped on {result.stopped} worker(s); it had already ended on {len(result.ended)}")
     else:
-        ui.info(f"job {job} stopped on {stopped} worker(s)")
+        ui.info(f"job {job} stopped on {result.stopped} worker(s)")

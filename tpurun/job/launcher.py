@@ -33,13 +33,14 @@ from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, worker_names
 from tpurun.transport.streams import Stream, open_stream, run_capture
 from tpurun.transport.targets import Target
-from tpurun.worker import bundle_name
+from tpurun.worker import bundle_name, protocol
+from tpurun.worker.protocol import AgentExit, ProcessStatus
 
-# Runs on each worker: agent present (else exit bundle.MISSING)? start the job (spec from $2, base64), then
-# stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
+# Runs on each worker: agent present (else exit AgentExit.MISSING)? start the job (spec from $2, base64),
+# then stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
 _START_AND_STREAM = (
-    f'f="{bundle.BIN}/$1/agent.py"; [ -f "$f" ] || exit {bundle.MISSING}; '
-    'printf %s "$2" | base64 -d | "$3" "$f" start >/dev/null || exit $?; '
+    f'f="{bundle.BIN}/$1/agent.py"; [ -f "$f" ] || exit {protocol.AgentExit.MISSING.value}; '
+    'printf %s "$2" | base64 -d | "$3" "$f" start || exit $?; '
     '[ "$5" = detach ] && exit 0; '
     'exec "$3" "$f" stream "$4" --follow --attached'
 )
@@ -112,19 +113,19 @@ class CoreOutcome:
     worker: int
     core: int
     exit_code: int | None = None
-    status: str = "running"
+    status: ProcessStatus = ProcessStatus.RUNNING
     started: float = 0.0
     ended: float = 0.0
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=20))
 
     @property
     def failed(self) -> bool:
-        # "died": a chip process of a host launch that vanished unreported (its exit status is its parent's)
-        return self.exit_code not in (0, None) or self.status == "died"
+        # died: a chip process of a host launch that vanished unreported (its exit status is its parent's)
+        return self.exit_code not in (0, None) or self.status is ProcessStatus.DIED
 
     @property
     def ending(self) -> str:
-        if self.status == "died":
+        if self.status is ProcessStatus.DIED:
             return "no exit status: it died, killed by a signal or crashed"
         return f"exit code {self.exit_code}"
 
@@ -274,20 +275,20 @@ class JobRun:
         self.started_at = time.monotonic()
         self.lock = threading.Lock()
 
-    def job_spec(self, worker: int) -> dict[str, Any]:
-        return {
-            "job_id": self.job_id,
-            "worker": worker,
-            "detach": self.detach,
-            "down": self.down,
-            "grace": self.grace,
-            "pre_commands": self.pre(worker),
-            "launch": self.launch,
-            "cores": [{"core": c.core, "argv": c.argv, "env": c.env, "cwd": self.cwd} for c in self.specs[worker]],
-        }
+    def job_spec(self, worker: int) -> protocol.JobSpec:
+        return protocol.JobSpec(
+            job_id=self.job_id,
+            worker=worker,
+            cores=[protocol.ProcessSpec(c.core, c.argv, c.env, self.cwd) for c in self.specs[worker]],
+            launch=protocol.Launch(self.launch),
+            detach=self.detach,
+            down=self.down,
+            grace=self.grace,
+            pre_commands=self.pre(worker),
+        )
 
     def _command(self, worker: int) -> list[str]:
-        spec = base64.b64encode(json.dumps(self.job_spec(worker)).encode()).decode()
+        spec = base64.b64encode(self.job_spec(worker).to_json().encode()).decode()
         mode = "detach" if self.detach else "attach"
         return ["sh", "-c", _START_AND_STREAM, "tpurun", bundle_name(), spec, self.python, self.job_id, mode]
 
@@ -295,7 +296,7 @@ class JobRun:
         w = runner.worker.index
         try:
             stream = open_stream(runner, self._command(w))
-            if self._pump(w, stream) == bundle.MISSING:
+            if self._pump(w, stream) == AgentExit.MISSING:
                 # first job on this worker (or a new tpurun version): ship the agent, then start again
                 bundle.install(runner)
                 self._pump(w, open_stream(runner, self._command(w)))
@@ -332,9 +333,9 @@ class JobRun:
         rc = stream.wait()
         if not done:
             err = stream.stderr_text().strip()
-            if rc == bundle.MISSING:
+            if rc == AgentExit.MISSING:
                 return rc
-            if rc == 3 and "still running" in err:
+            if rc == AgentExit.BUSY:
                 # another job holds this worker: a refusal (nothing of ours started), not a lost worker
                 with self.lock:
                     self.busy[w] = err.splitlines()[-1]
@@ -346,52 +347,47 @@ class JobRun:
                 self._lose(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
         return rc
 
-    def _record(self, w: int, rec: dict[str, Any]) -> bool:
-        event = rec.get("event")
-        if event is None:
-            c = int(rec["c"])
-            line = rec.get("l", "")
-            self.outcome(w, c).last_lines.append(line)
-            self.out.line(w, c, line)
+    def _record(self, w: int, rec: protocol.Record) -> bool:
+        """Take one of W's records; True once W's part of the job is over."""
+        if isinstance(rec, protocol.Line):
+            self.outcome(w, rec.core).last_lines.append(rec.text)
+            self.out.line(w, rec.core, rec.text)
             return False
-        if event == "started":
+        if isinstance(rec, protocol.Exit):
+            self._exited(w, rec)
             return False
-        if event == "exit":
-            c = int(rec["c"])
-            o = self.outcome(w, c)
-            o.exit_code = rec.get("code")
-            o.status = rec.get("status") or "exited"
-            o.ended = time.monotonic() - self.started_at
-            if o.failed and not self.stop.is_set():
-                # a core the agent killed because a sibling failed is not the origin: wait for the sibling's record
-                if o.status != "killed":
-                    with self.lock:
-                        if self.first_failure is None:
-                            self.first_failure = o
-                name = envc.process_name(w, c, self.target.all_workers[w].name)
-                self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
-                self.stop.set()
-            elif o.failed and o.status != "killed" and self.first_failure is None:
-                with self.lock:
-                    self.first_failure = o  # its worker's agent reported the killed sibling first
-            return False
-        if event == "done":
-            state = rec.get("state", {})
-            origin = state.get("first_failure") or {}
-            if origin and self.first_failure is None and "core" in origin:
+        if isinstance(rec, protocol.Done):
+            origin = protocol.first_failure(rec.state)
+            if origin is not None and self.first_failure is None:
                 with self.lock:
                     if self.first_failure is None:
-                        self.first_failure = self.outcome(w, int(origin["core"]))
-            for core in state.get("cores", []):
-                o = self.outcome(w, int(core["core"]))
+                        self.first_failure = self.outcome(w, origin.core)
+            for ps in protocol.process_states(rec.state):
+                o = self.outcome(w, ps.core)
                 if o.exit_code is None:
-                    o.exit_code = core.get("exit_code")
-                    o.status = core.get("status", o.status)
+                    o.exit_code, o.status = ps.exit_code, ps.status
             return True
-        if event == "failed":
-            self._lose(w, f"{self.target.all_workers[w].name}: the agent could not start the job: {rec.get('reason')}")
+        if isinstance(rec, protocol.StartFailed):
+            self._lose(w, f"{self.target.all_workers[w].name}: the agent could not start the job: {rec.reason}")
             return True
-        return False
+        return False  # Started
+
+    def _exited(self, w: int, rec: protocol.Exit) -> None:
+        o = self.outcome(w, rec.core)
+        o.exit_code, o.status = rec.code, rec.status
+        o.ended = time.monotonic() - self.started_at
+        if o.failed and not self.stop.is_set():
+            # a core the agent killed because a sibling failed is not the origin: wait for the sibling's record
+            if o.status is not ProcessStatus.KILLED:
+                with self.lock:
+                    if self.first_failure is None:
+                        self.first_failure = o
+            name = envc.process_name(w, rec.core, self.target.all_workers[w].name)
+            self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
+            self.stop.set()
+        elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
+            with self.lock:
+                self.first_failure = o  # its worker's agent reported the killed sibling first
 
     def outcome(self, w: int, c: int) -> CoreOutcome:
         """W's core C, also one the script's spawner made after the start (a host launch's chips)."""

@@ -21,6 +21,7 @@ from enum import Enum
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
 from tpurun.naming import worker_name
 from tpurun.topology import MEGASCALE_PORT, Topology, axes
+from tpurun.worker.protocol import HOST, Launch  # the agent's words for how processes are made and where filed
 
 
 class Runtime(str, Enum):
@@ -46,17 +47,7 @@ class Precision(str, Enum):
 PRECISIONS = tuple(m.value for m in Precision)
 
 
-class Launch(str, Enum):
-    """How the job's processes are made (--launch): see the module docstring."""
-
-    host = "host"
-    chip = "chip"
-
-
 LAUNCHES = tuple(m.value for m in Launch)
-# The core index of a host launch's one process per worker: its own lines are tagged [wN]; the chip
-# processes its spawner makes are tagged [wN/cM] by their chip M.
-HOST = -1
 
 # xmp.spawn's base port for per-process TPU clients (tpu.configure_topology(base_port=8476)).
 PJRT_BASE_PORT = 8476

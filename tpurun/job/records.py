@@ -15,6 +15,7 @@ from tpurun.errors import UsageError
 from tpurun.transport import targets
 from tpurun.transport.streams import Stream
 from tpurun.transport.targets import Target
+from tpurun.worker import protocol
 
 
 def new_job_id() -> str:
@@ -89,15 +90,14 @@ def list_records(home: Path) -> list[JobRecord]:
 
 
 class RecordStream:
-    """What the agent's `stream` command sends, one JSON record per line: a core's line
-    ({"c": core, "l": text, "t": time, "o": offset}) or an event ({"event": "exit" | "done" | ...}).
-    The one reader of it, for an attached job (the launcher) and for `logs`."""
+    """What the agent's `stream` command sends (protocol records, one per line). The one reader of it, for
+    an attached job (the launcher) and for `logs`."""
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
         self.buf = b""
 
-    def records(self, timeout: float) -> Iterator[dict] | None:
+    def records(self, timeout: float) -> Iterator[protocol.Record] | None:
         """The records that arrived within TIMEOUT, parsed one at a time as the caller takes them (a read
         may hold tens of thousands); None once the stream has ended."""
         data = self.stream.read(timeout)
@@ -108,9 +108,8 @@ class RecordStream:
         return _parse(lines)
 
 
-def _parse(lines: list[bytes]) -> Iterator[dict]:
+def _parse(lines: list[bytes]) -> Iterator[protocol.Record]:
     for raw in lines:
-        try:
-            yield json.loads(raw)
-        except ValueError:
-            continue  # not a record (an empty line)
+        rec = protocol.decode(raw)
+        if rec is not None:  # else not a record (an empty line)
+            yield rec

@@ -19,8 +19,10 @@ from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
 from tpurun.transport.streams import run_capture
 from tpurun.transport.targets import Target
+from tpurun.worker import protocol
+from tpurun.worker.protocol import JobStatus as AgentStatus
 
-ACTIVE = ("pending", "starting", "running")
+ACTIVE = (AgentStatus.STARTING, AgentStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -42,13 +44,12 @@ def combine(states: Mapping[str, dict | None]) -> JobStatus:
     """One job's state from every worker's: STATES is {worker name: its agent's state, None where the
     job is unknown there}, in worker order."""
     for name, st in states.items():
-        if st is not None and st.get("status") == "failed":
-            first = st.get("first_failure") or {}
-            core = first.get("core")
-            where = f"{name}/c{core}" if isinstance(core, int) and core >= 0 else name
-            code = first.get("exit_code")
+        if st is not None and st.get("status") == AgentStatus.FAILED:
+            first = protocol.first_failure(st)
+            where = f"{name}/c{first.core}" if first is not None and first.core != protocol.HOST else name
+            code = first.exit_code if first is not None else None
             return JobStatus("failed", where + (f": exit code {code}" if code is not None else ""))
-    lost = [name for name, st in states.items() if st is not None and st.get("status") == "lost"]
+    lost = [name for name, st in states.items() if st is not None and st.get("status") == AgentStatus.LOST]
     if lost:
         return JobStatus("lost", f"{', '.join(lost)}: its supervisor is gone")
     missing = [name for name, st in states.items() if st is None]
@@ -57,9 +58,9 @@ def combine(states: Mapping[str, dict | None]) -> JobStatus:
     if missing:
         return JobStatus("unknown", f"no trace on {', '.join(missing)}")
     ended = {str(st.get("status")) for st in states.values() if st is not None}
-    if ended == {"finished"}:
+    if ended == {AgentStatus.FINISHED.value}:
         return JobStatus("finished")
-    return JobStatus("stopped" if "stopped" in ended else ", ".join(sorted(ended)))
+    return JobStatus("stopped" if AgentStatus.STOPPED.value in ended else ", ".join(sorted(ended)))
 
 
 def _rows(records: list[JobRecord]) -> list[JobRow]:

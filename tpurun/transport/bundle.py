@@ -11,11 +11,11 @@ from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
 from tpurun.transport.streams import run_capture
 from tpurun.worker import bundle_name, bundle_tar
+from tpurun.worker.protocol import AgentExit
 
 if TYPE_CHECKING:
     from tpurun.transport.targets import Target
 
-MISSING = 93  # exit code of a program's argv when the bundle is not on the worker yet
 BIN = "$HOME/.tpurun/bin"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
 
 # The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
@@ -24,7 +24,7 @@ _INSTALL = (
     f'd="{BIN}/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -xf - -C "$t" || {{ rm -rf "$t"; exit 1; }}; '
     '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
 )
-_RUN = f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {MISSING}; exec "$p" "$f" "$@"'
+_RUN = f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; exec "$p" "$f" "$@"'
 
 
 def install(runner: Runner) -> None:
@@ -34,7 +34,7 @@ def install(runner: Runner) -> None:
 
 
 def program_argv(python: str, program: str, *args: str) -> list[str]:
-    """Run PROGRAM (a file of the bundle, e.g. agent.py) with PYTHON; exits MISSING without the bundle."""
+    """Run PROGRAM (a file of the bundle, e.g. agent.py) with PYTHON; exits AgentExit.MISSING without the bundle."""
     return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, *args]
 
 
@@ -48,7 +48,7 @@ def start_watchdogs(target: Target) -> dict[int, str]:
         argv = program_argv(python, "watchdog.py", "ensure")
         try:
             rc, _, err = run_capture(runner, argv, timeout=60)
-            if rc == MISSING:
+            if rc == AgentExit.MISSING:
                 install(runner)
                 rc, _, err = run_capture(runner, argv, timeout=60)
         except UnreachableError as exc:

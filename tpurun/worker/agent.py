@@ -6,8 +6,10 @@ nothing from tpurun. As in torchelastic, a
 supervisor owns the processes and writes every line to files first; readers (`stream`) tail the files,
 so nothing is lost when the viewer or its SSH session goes away.
 
-Commands (exit 0 on success, 2 bad usage / unknown job, 3 another job runs here, 1 internal error):
-  start                      job spec JSON on stdin; prints {"event":"started",...}; returns at once
+What it reads and writes (the job spec, records, events, statuses, exit codes) is protocol.py's.
+
+Commands (exit codes: protocol.AgentExit):
+  start                      a JobSpec (JSON) on stdin; prints a started (or start-failed) event; returns at once
   stop JOB [--grace S]       stops every core; returns when no process of the job is left; prints state
   stream JOB [--offsets JSON] [--follow] [--attached]
                              framed records (JSON lines) from the per-core .rec files
@@ -16,7 +18,7 @@ Commands (exit 0 on success, 2 bad usage / unknown job, 3 another job runs here,
 
 Files in ~/.tpurun/jobs/<JOB>/ (root overridable with $TPURUN_AGENT_ROOT): spec.json, state.json,
 supervisor.log, pre.log, w<W>-c<C>.log (the core's output bytes as printed, stdout and stderr lines in
-arrival order) and w<W>-c<C>.rec (one JSON object per line: {"s":"out"|"err","t":UNIX_TIME,"l":TEXT}).
+arrival order) and w<W>-c<C>.rec (one line per record, protocol.encode_rec).
 
 A host launch ("launch": "host" in the spec) starts one process per worker (core HOST, files w<W>.log
 and w<W>.rec) with hook/sitecustomize.py (shipped beside this file) first on its PYTHONPATH and the name
@@ -39,9 +41,7 @@ import time
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
 from agent_files import (
     CHUNK,
-    DEFAULT_GRACE,
     POLL,
-    TERMINAL,
     AgentError,
     agent_root,
     group_members,
@@ -57,40 +57,54 @@ from agent_files import (
     write_json_atomic,
 )
 from agent_supervisor import Supervisor
+from protocol import (
+    TERMINAL,
+    AgentExit,
+    Done,
+    Exit,
+    JobSpec,
+    JobStatus,
+    ProcessStatus,
+    Started,
+    StartFailed,
+    decode,
+    encode,
+    frame,
+    rec_time,
+)
 
 # ---------------------------------------------------------------- commands
 
 
 def cmd_start(args) -> int:
     try:
-        spec = json.loads(sys.stdin.read())
+        spec = JobSpec.from_json(sys.stdin.read())
     except ValueError as e:
-        raise AgentError(f"the job spec on stdin is not JSON: {e}") from e
-    if not isinstance(spec, dict) or not spec.get("job_id") or not spec.get("cores"):
-        raise AgentError("the job spec needs job_id and a non-empty cores list")
-    jdir = job_dir(str(spec["job_id"]))
+        raise AgentError(f"the job spec on stdin is not one: {e}") from e
+    jdir = job_dir(spec.job_id)
     os.makedirs(agent_root(), exist_ok=True)
     import fcntl  # Unix only, like the rest of the supervisor
 
     with open(os.path.join(agent_root(), ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two concurrent starts must not both see "nothing running"
-        if not spec.get("allow_concurrent"):
-            busy = running_jobs(agent_root(), exclude=str(spec["job_id"]))
+        if not spec.allow_concurrent:
+            busy = running_jobs(agent_root(), exclude=spec.job_id)
             if busy:
                 sys.stderr.write(
                     f"job {busy[0]} is still running on this worker: `tpurun cancel {busy[0]}` first, or wait\n"
                 )
-                return 3
+                return AgentExit.BUSY
         if os.path.exists(os.path.join(jdir, "state.json")):
-            raise AgentError(f"job {spec['job_id']} already exists on this worker")
+            raise AgentError(f"job {spec.job_id} already exists on this worker")
         os.makedirs(jdir, exist_ok=True)
-        write_json_atomic(os.path.join(jdir, "spec.json"), spec)
+        with open(os.path.join(jdir, "spec.json"), "w") as f:
+            f.write(spec.to_json() + "\n")
         write_json_atomic(
             os.path.join(jdir, "state.json"),
             {
-                "job_id": spec["job_id"],
-                "worker": spec.get("worker", 0),
-                "status": "starting",
+                "job_id": spec.job_id,
+                "worker": spec.worker,
+                "status": JobStatus.STARTING,
                 "supervisor_pid": None,
                 "started_at": now(),
                 "cores": [],
@@ -116,17 +130,18 @@ def cmd_start(args) -> int:
         os.waitpid(pid, 0)
     with os.fdopen(rfd) as r:
         line = r.readline()
-    if not line:
+    msg = decode(line)
+    if not isinstance(msg, (Started, StartFailed)):
         tail = _tail(os.path.join(jdir, "supervisor.log"))
-        raise AgentError(f"the supervisor of job {spec['job_id']} died while starting: {tail}", code=1)
-    msg = json.loads(line)
-    if spec.get("down") and msg.get("event") == "started":
+        raise AgentError(f"the supervisor of job {spec.job_id} died while starting: {tail}", code=AgentExit.INTERNAL)
+    if spec.down and isinstance(msg, Started):
         # `train --down`: the TPU's watchdog deletes it once this job has ended, even with no client left
         here = os.path.dirname(os.path.abspath(__file__))
         dn = subprocess.DEVNULL
         subprocess.call([sys.executable, os.path.join(here, "watchdog.py"), "ensure"], stdin=dn, stdout=dn, stderr=dn)
-    print(json.dumps(msg), flush=True)
-    return 0 if msg.get("event") == "started" else 1
+    sys.stdout.buffer.write(encode(msg))
+    sys.stdout.flush()
+    return AgentExit.OK if isinstance(msg, Started) else AgentExit.INTERNAL
 
 
 def _tail(path: str, n: int = 5) -> str:
@@ -165,17 +180,24 @@ def _load_state(job: str) -> dict:
     return _with_liveness(st)
 
 
+def _load_spec(jdir: str) -> JobSpec:
+    try:
+        return JobSpec.from_dict(read_json(os.path.join(jdir, "spec.json")))
+    except ValueError as e:
+        raise AgentError(f"{jdir}/spec.json: {e}", code=AgentExit.INTERNAL) from e
+
+
 def _with_liveness(st: dict) -> dict:
     alive = pid_alive(st.get("supervisor_pid"))
     st["supervisor_alive"] = alive
-    if st.get("status") == "running" and not alive:
-        st["status"] = "lost"  # the supervisor was killed: nobody watches the cores any more
+    if st.get("status") == JobStatus.RUNNING and not alive:
+        st["status"] = JobStatus.LOST  # the supervisor was killed: nobody watches the cores any more
     return st
 
 
 def cmd_state(args) -> int:
     print(json.dumps(_load_state(args.job), sort_keys=True))
-    return 0
+    return AgentExit.OK
 
 
 def cmd_jobs(args) -> int:
@@ -186,7 +208,7 @@ def cmd_jobs(args) -> int:
         if st is not None:
             out.append(_with_liveness(st))
     print(json.dumps(out, sort_keys=True))
-    return 0
+    return AgentExit.OK
 
 
 def stop_job(job: str, grace: float | None) -> dict:
@@ -196,9 +218,9 @@ def stop_job(job: str, grace: float | None) -> dict:
     st = _load_state(job)
     before = st.get("status")
     if grace is None:
-        grace = float((read_json(os.path.join(jdir, "spec.json")) or {}).get("grace", DEFAULT_GRACE))
+        grace = _load_spec(jdir).grace
     sup = st.get("supervisor_pid")
-    if st.get("status") == "starting" and not sup:
+    if st.get("status") == JobStatus.STARTING and not sup:
         deadline = now() + 10
         while now() < deadline and not st.get("supervisor_pid"):
             time.sleep(POLL)
@@ -231,15 +253,15 @@ def stop_job(job: str, grace: float | None) -> dict:
             if not killed:
                 killed = True
             elif now() > deadline + 10:
-                raise AgentError(f"processes of job {job} survive SIGKILL: {left + marked}", code=1)
+                raise AgentError(f"processes of job {job} survive SIGKILL: {left + marked}", code=AgentExit.INTERNAL)
         time.sleep(POLL)
-    if st.get("status") not in TERMINAL or st.get("status") == "lost":
+    if st.get("status") not in TERMINAL or st.get("status") == JobStatus.LOST:
         # The supervisor did not write the end (it was killed): record it ourselves.
-        st["status"] = "stopped"
+        st["status"] = JobStatus.STOPPED
         st["ended_at"] = now()
         for c in st.get("cores", []):
-            if c.get("status") == "running":
-                c["status"], c["ended_at"] = "killed", now()
+            if c.get("status") == ProcessStatus.RUNNING:
+                c["status"], c["ended_at"] = ProcessStatus.KILLED, now()
         st.pop("supervisor_alive", None)
         write_json_atomic(os.path.join(jdir, "state.json"), st)
         st["supervisor_alive"] = False
@@ -249,14 +271,14 @@ def stop_job(job: str, grace: float | None) -> dict:
 
 def cmd_stop(args) -> int:
     print(json.dumps(stop_job(args.job, args.grace), sort_keys=True), flush=True)
-    return 0
+    return AgentExit.OK
 
 
 class _RecReader:
     """Tails one core's .rec file from a byte offset; yields complete records only."""
 
     def __init__(self, worker: int, core: int, path: str, offset: int) -> None:
-        self.prefix = b'{"w":%d,"c":%d,"o":' % (worker, core)
+        self.worker, self.core = worker, core
         self.path = path
         self.offset = offset  # bytes of the file consumed (complete records only)
         self.f: io.BufferedReader | None = None
@@ -277,16 +299,10 @@ class _RecReader:
         self.pending = data[cut:]
         out = []
         off = self.offset
-        prefix = self.prefix
+        worker, core = self.worker, self.core
         for line in data[:cut].split(b"\n")[:-1]:
             off += len(line) + 1
-            # The record is '{"s":"out","t":T,...': splice our fields in front instead of re-encoding JSON.
-            tend = line.find(b",", 15)
-            try:
-                t = float(line[15:tend])
-            except ValueError:
-                t = 0.0
-            out.append((t, prefix + b"%d," % off + line[1:] + b"\n"))
+            out.append((rec_time(line), frame(worker, core, off, line)))
         self.offset = off
         return out
 
@@ -294,8 +310,8 @@ class _RecReader:
 def cmd_stream(args) -> int:
     jdir = job_dir(args.job)
     st = _load_state(args.job)
-    spec = read_json(os.path.join(jdir, "spec.json")) or {}
-    worker = int(spec.get("worker", st.get("worker", 0)))
+    spec = _load_spec(jdir)
+    worker = spec.worker
     offsets = {}
     if args.offsets:
         try:
@@ -307,7 +323,7 @@ def cmd_stream(args) -> int:
 
     def follow_cores(state: dict) -> None:
         # a host launch's chip cores appear while it runs
-        for c in [int(c["core"]) for c in spec.get("cores", [])] + [int(c["core"]) for c in state.get("cores", [])]:
+        for c in [p.core for p in spec.cores] + [int(c["core"]) for c in state.get("cores", [])]:
             if c not in readers:
                 cores.append(c)
                 readers[c] = _RecReader(worker, c, log_base(jdir, worker, c) + ".rec", offsets.get(c, 0))
@@ -334,24 +350,17 @@ def cmd_stream(args) -> int:
             for c in cores:
                 if c in ended and reported.get(c) != ended[c]["ended_at"]:
                     _drain(readers, out, only=c)
-                    rec = {
-                        "event": "exit",
-                        "w": worker,
-                        "c": c,
-                        "code": ended[c].get("exit_code"),
-                        "status": ended[c].get("status"),
-                    }
-                    out.write((json.dumps(rec) + "\n").encode())
+                    out.write(encode(Exit(worker, c, ended[c].get("exit_code"), ProcessStatus(ended[c]["status"]))))
                     reported[c] = ended[c]["ended_at"]
             over = st.get("status") in TERMINAL and all(c in reported for c in cores)
             if over:
                 _drain(readers, out)
-                out.write((json.dumps({"event": "done", "w": worker, "state": st}) + "\n").encode())
+                out.write(encode(Done(worker, st)))
                 out.flush()
-                return 0
+                return AgentExit.OK
             out.flush()
             if not args.follow:
-                return 0
+                return AgentExit.OK
             if args.attached:
                 if now() - last_touch > 1.0:
                     _touch(lease)
@@ -366,7 +375,7 @@ def cmd_stream(args) -> int:
         _silence_stdout()
         if args.attached:
             stop_job(args.job, None)
-        return 0
+        return AgentExit.OK
 
 
 def _drain(readers: dict, out, only: int | None = None, until_empty: bool = True) -> bool:
@@ -453,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"start": cmd_start, "stop": cmd_stop, "stream": cmd_stream, "jobs": cmd_jobs, "state": cmd_state}
     if args.command not in commands:
         parser.print_usage(sys.stderr)
-        return 2
+        return AgentExit.USAGE
     try:
         return commands[args.command](args)
     except AgentError as e:

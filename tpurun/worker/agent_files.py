@@ -12,14 +12,15 @@ import threading
 import time
 from collections.abc import Callable
 
-TERMINAL = ("finished", "stopped", "failed", "lost")
+if __package__:  # imported by tpurun (the emulator, the watchdog's tests) by its package name
+    from tpurun.worker.protocol import HOST, TERMINAL, AgentExit, JobStatus
+else:  # the bundle on a worker, whose files sit side by side
+    from protocol import HOST, TERMINAL, AgentExit, JobStatus  # type: ignore[no-redef]
+
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 POLL = 0.02  # seconds between checks when nothing happens (supervisor and stream)
 CHUNK = 4 << 20  # bytes read from a .rec file at once: big reads are what make streaming fast
 MAX_LINE = 8 << 20  # a line longer than this is cut into records rather than held in memory
-DEFAULT_GRACE = 5.0
-DEFAULT_PRE_TIMEOUT = 300.0
-DEFAULT_LEASE = 60.0  # attached jobs: no stream alive for this long means the client is gone
 # faulthandler's names of the fatal signals it reports (a chip process's exit status, as the shell shows it)
 FATAL_SIGNALS = {
     "Segmentation fault": int(signal.SIGSEGV),
@@ -28,12 +29,11 @@ FATAL_SIGNALS = {
     "Floating point exception": int(signal.SIGFPE),
     "Illegal instruction": int(signal.SIGILL),
 }
-HOST = -1  # core index of a host launch's one process per worker (see tpurun.job.plan.HOST)
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 
 
 class AgentError(Exception):
-    def __init__(self, message: str, code: int = 2) -> None:
+    def __init__(self, message: str, code: int = AgentExit.USAGE) -> None:
         super().__init__(message)
         self.code = code
 
@@ -185,7 +185,7 @@ def running_jobs(root: str, exclude: str = "") -> list[str]:
         started = float(started) if isinstance(started, (int, float)) else 0.0
         if started < boot_time():
             continue  # from before this boot: its pid may be another process's now
-        starting = st.get("status") == "starting" and now() - started < 120
+        starting = st.get("status") == JobStatus.STARTING and now() - started < 120
         if starting or (isinstance(pid, int) and pid_alive(pid)):
             found.append(name)
     return found

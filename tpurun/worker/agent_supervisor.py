@@ -4,7 +4,6 @@ all. Part of the agent bundle (stdlib only, Python >= 3.8)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -18,12 +17,8 @@ import time
 
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
 from agent_files import (
-    DEFAULT_GRACE,
-    DEFAULT_LEASE,
-    DEFAULT_PRE_TIMEOUT,
     FATAL_SIGNALS,
     HOOK_DIR,
-    HOST,
     MAX_LINE,
     POLL,
     _proc_stat,
@@ -40,6 +35,25 @@ from agent_files import (
     watch_exit,
     write_json_atomic,
 )
+from protocol import (
+    DEFAULT_LEASE,
+    HOOK_ACCEPTED,
+    HOST,
+    HookStream,
+    JobSpec,
+    JobStatus,
+    Launch,
+    ProcessSpec,
+    ProcessStatus,
+    Started,
+    StartFailed,
+    Stream,
+    TaskEnd,
+    encode,
+    encode_rec,
+    read_hook_header,
+    read_task_end,
+)
 
 # ---------------------------------------------------------------- the supervisor
 
@@ -47,12 +61,12 @@ from agent_files import (
 class Core:
     """One core process of the job, its log files and the threads that fill them."""
 
-    def __init__(self, worker: int, spec: dict, jdir: str) -> None:
+    def __init__(self, worker: int, spec: ProcessSpec, jdir: str) -> None:
         self.worker = worker
-        self.index = int(spec["core"])
-        self.argv = [str(a) for a in spec.get("argv") or []]
-        self.env = {str(k): str(v) for k, v in (spec.get("env") or {}).items()}
-        self.cwd = os.path.expanduser(spec.get("cwd") or "~")
+        self.index = int(spec.core)
+        self.argv = [str(a) for a in spec.argv]
+        self.env = {str(k): str(v) for k, v in spec.env.items()}
+        self.cwd = os.path.expanduser(spec.cwd or "~")
         base = log_base(jdir, worker, self.index)
         self.log = open(base + ".log", "ab")
         self.rec = open(base + ".rec", "ab")
@@ -60,7 +74,7 @@ class Core:
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
         self.pgid: int | None = None
-        self.status = "pending"
+        self.status = ProcessStatus.PENDING
         self.exit_code: int | None = None
         self.started_at: float | None = None
         self.ended_at: float | None = None
@@ -93,23 +107,23 @@ class Core:
             )
         except OSError as e:
             # Recorded as exit 127 (the shell's "command not found"); the supervisor fails the job fast.
-            self.write("err", f"tpurun agent: cannot start {self.argv}: {e}\n".encode())
+            self.write(Stream.ERR, f"tpurun agent: cannot start {self.argv}: {e}\n".encode())
             return
         self.pid = self.pgid = self.proc.pid
-        self.status = "running"
+        self.status = ProcessStatus.RUNNING
 
     def start_readers(self) -> None:
         if self.proc is None:
             return
-        for stream, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
+        for stream, pipe in ((Stream.OUT, self.proc.stdout), (Stream.ERR, self.proc.stderr)):
             self.add_reader(stream, pipe)
 
-    def add_reader(self, stream: str, pipe) -> None:
+    def add_reader(self, stream: Stream, pipe) -> None:
         t = threading.Thread(target=self._pump, args=(stream, pipe), daemon=True)
         t.start()
         self.readers.append(t)
 
-    def _pump(self, stream: str, pipe) -> None:
+    def _pump(self, stream: Stream, pipe) -> None:
         # Whatever the pipe holds is written at once (every complete line of it, then flushed): no line
         # ever waits in a buffer for more output, and a flood costs one write per chunk, not per line.
         read = pipe.read1 if hasattr(pipe, "read1") else pipe.read
@@ -138,11 +152,10 @@ class Core:
         finally:
             pipe.close()
 
-    def write(self, stream: str, raw: bytes) -> None:
+    def write(self, stream: Stream, raw: bytes) -> None:
         self.write_lines(stream, [raw])
 
-    def write_lines(self, stream: str, lines: list[bytes]) -> None:
-        tag = stream.encode()
+    def write_lines(self, stream: Stream, lines: list[bytes]) -> None:
         raws = []
         recs = []
         with self.lock:
@@ -154,7 +167,7 @@ class Core:
                     raw += b"\n"  # a partial last line: terminated so it never merges with the other stream
                 text = raw[:-1].decode("utf-8", "backslashreplace")
                 raws.append(raw)
-                recs.append(b'{"s":"%s","t":%.6f,"l":%s}\n' % (tag, t, json.dumps(text).encode()))
+                recs.append(encode_rec(stream, t, text))
             self.log.write(b"".join(raws))
             self.log.flush()
             self.rec.write(b"".join(recs))
@@ -190,24 +203,24 @@ class Core:
 class Supervisor:
     """Owns one job on this worker: pre-commands, one process per core, fail-fast, stop, state.json."""
 
-    def __init__(self, spec: dict, jdir: str) -> None:
+    def __init__(self, spec: JobSpec, jdir: str) -> None:
         self.spec = spec
         self.jdir = jdir
-        self.job = spec["job_id"]
-        self.worker = int(spec.get("worker", 0))
-        self.grace = float(spec.get("grace", DEFAULT_GRACE))
-        self.detach = bool(spec.get("detach", False))
-        lease = spec.get("lease_timeout", None if self.detach else DEFAULT_LEASE)
+        self.job = spec.job_id
+        self.worker = spec.worker
+        self.grace = float(spec.grace)
+        self.detach = spec.detach
+        lease = spec.lease_timeout if spec.lease_timeout is not None else (None if self.detach else DEFAULT_LEASE)
         self.lease = float(lease) if lease else None
-        self.cores = [Core(self.worker, c, jdir) for c in spec["cores"]]
-        self.launch = str(spec.get("launch", "chip"))
+        self.cores = [Core(self.worker, c, jdir) for c in spec.cores]
+        self.launch = spec.launch
         self.cores_lock = threading.Lock()  # the log server adds chip cores while the loop runs
         self.listener: socket.socket | None = None
         self.dirty = False  # a chip core appeared: state.json must show it (readers find its files there)
         self.closed = False  # finish() ran: no new chip cores
         self.pre_groups: list[int] = []
-        self.status = "running"  # stays "running" until every process is gone: readers trust an end status
-        self.outcome: str | None = None  # the end status decided by a stop (stopped/failed), applied at the end
+        self.status = JobStatus.RUNNING  # until every process is gone: readers trust an end status
+        self.outcome: JobStatus | None = None  # the end status decided by a stop (stopped/failed), applied at the end
         self.reason = ""
         self.first_failure: dict | None = None
         self.started_at = now()
@@ -268,31 +281,31 @@ class Supervisor:
                 raise ValueError(f"refused a log connection from pid {pid} (uid {uid}): not a process of this job")
             conn.settimeout(10)
             f = conn.makefile("rb")
-            header = json.loads(f.readline(4096) or b"null")
+            try:
+                core, stream, pool = read_hook_header(f.readline(4096))
+            except ValueError as e:
+                raise ValueError(f"refused a log connection from pid {pid}: {e}") from None
             conn.settimeout(None)
-            core, stream = int(header["core"]), str(header["stream"])
-            if core < 0 or stream not in ("out", "err", "ctl"):
-                raise ValueError(f"refused a log connection from pid {pid}: {header}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:
             self.log(f"log socket: {e}")
             conn.close()
             return
-        c = self.chip(core, pid, bool(header.get("pool")))
+        c = self.chip(core, pid, pool)
         if c is None:  # the job is over
             conn.close()
             return
         try:
-            conn.sendall(b"ok\n")  # the hook moves its output here only once accepted
+            conn.sendall(HOOK_ACCEPTED)  # the hook moves its output here only once accepted
         except OSError:
             conn.close()
             return
         conn.close()  # f keeps the descriptor open until the reader closes it
-        if stream == "ctl":
+        if stream is HookStream.CTL:
             t = threading.Thread(target=self._read_ctl, args=(c, pid, f), daemon=True)
             t.start()
             c.readers.append(t)
         else:
-            c.add_reader(stream, f)
+            c.add_reader(Stream(stream.value), f)
 
     def chip(self, index: int, pid: int, pool: bool) -> Core | None:
         """The core of chip INDEX, made the first time one of its processes connects (None once the job
@@ -302,7 +315,7 @@ class Supervisor:
                 return None
             c = next((x for x in self.cores if x.index == index), None)
             if c is None:
-                c = Core(self.worker, {"core": index}, self.jdir)
+                c = Core(self.worker, ProcessSpec(index, []), self.jdir)
                 c.spawned = True
                 self.cores.append(c)
             if pid not in c.pids:
@@ -314,7 +327,7 @@ class Supervisor:
                 c.died_at.clear()
                 stat = _proc_stat(pid)
                 c.pgid = int(stat[2]) if stat and len(stat) > 2 else c.pgid
-                c.status = "running"
+                c.status = ProcessStatus.RUNNING
                 watch_exit(c.note_end, pid)
                 self.dirty = True
                 self.log(f"chip {index}: process {pid} (group {c.pgid}) of the script's spawner")
@@ -325,21 +338,19 @@ class Supervisor:
         # where it ended before a pidfd could be opened for it
         try:
             for line in f:
-                try:
-                    event = json.loads(line)
-                except ValueError:
+                report = read_task_end(line)
+                if report is None:
                     # faulthandler's report of a fatal signal: into the chip's log, and it crashed
-                    c.write("err", line)
+                    c.write(Stream.ERR, line)
                     crash = re.match(rb"Fatal Python error: (.*)", line)
                     if crash:
                         c.reported = -FATAL_SIGNALS.get(crash.group(1).strip().decode(errors="replace"), 0) or 1
                     continue
-                if not isinstance(event, dict):
-                    continue
-                if event.get("event") == "ok" and c.reported is None:
+                end, code = report
+                if end is TaskEnd.OK and c.reported is None:
                     c.reported = 0
-                elif event.get("event") == "failed":
-                    c.reported = int(event.get("code") or 1)
+                elif end is TaskEnd.FAILED:
+                    c.reported = code or 1
         except OSError:
             pass  # reset by a process that died: the same as its end
         finally:
@@ -353,7 +364,7 @@ class Supervisor:
         if c.reported not in (None, 0) and self.stop_deadline is None:
             # its spawner task failed: stop now, the spawner would wait for every sibling first
             self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": c.reported}
-            self.request_stop(f"chip {c.index} failed", "failed")
+            self.request_stop(f"chip {c.index} failed", JobStatus.FAILED)
         if c.ended_at is not None:
             return False
         if c.exited_at is None:
@@ -363,22 +374,22 @@ class Supervisor:
             for p in c.pids:
                 c.note_end(p)
         host = self.host_core()
-        if c.reported is None and c.ctl_done and c.pool and host is not None and host.status == "running":
+        if c.reported is None and c.ctl_done and c.pool and host is not None and host.status == ProcessStatus.RUNNING:
             self.blame_died("while its spawner ran")
         if not (c.readers_done() or now() - c.exited_at > self.grace + 2):
             return False
         if c.reported is not None:
-            c.exit_code, c.status = c.reported, ("exited" if c.reported == 0 else "failed")
+            c.exit_code, c.status = c.reported, (ProcessStatus.EXITED if c.reported == 0 else ProcessStatus.FAILED)
         elif host is not None and host.pid in c.pids:
-            if host.exit_code is None and host.status == "running":
+            if host.exit_code is None and host.status == ProcessStatus.RUNNING:
                 return False  # the host process was the chip (nprocs=1): its exit code decides
             c.exit_code, c.status = host.exit_code, host.status
         elif (self.first_failure or {}).get("core") == c.index:
-            c.status = "died"
+            c.status = ProcessStatus.DIED
         elif self.stop_deadline is not None:
-            c.status = "killed"
+            c.status = ProcessStatus.KILLED
         else:
-            c.exit_code, c.status = (host.exit_code if host else None), "exited"
+            c.exit_code, c.status = (host.exit_code if host else None), ProcessStatus.EXITED
         c.ended_at = now()
         self.log(f"chip {c.index} ended: {c.status} ({c.exit_code})")
         return True
@@ -409,7 +420,7 @@ class Supervisor:
                 x.note_end(p)
         first = min(gone, key=lambda x: min(x.died_at.values(), default=now()))
         self.first_failure = {"worker": self.worker, "core": first.index, "exit_code": first.reported}
-        self.request_stop(f"chip {first.index} died {why}", "failed")
+        self.request_stop(f"chip {first.index} died {why}", JobStatus.FAILED)
         return True
 
     # --- state
@@ -422,7 +433,7 @@ class Supervisor:
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "status": self.status,
-            "stopping": self.stop_deadline is not None and self.status == "running",
+            "stopping": self.stop_deadline is not None and self.status == JobStatus.RUNNING,
             "detach": self.detach,
             "launch": self.launch,
             "reason": self.reason,
@@ -442,7 +453,7 @@ class Supervisor:
     def run_pre_commands(self) -> bool:
         """xla_dist-style setup commands (the XRT server). A plain argv list runs to completion; an object
         {"argv": [...], "wait": false} is a service kept alive until the job ends."""
-        pre = self.spec.get("pre_commands") or []
+        pre = self.spec.pre_commands
         if not pre:
             return True
         with open(os.path.join(self.jdir, "pre.log"), "ab") as out:
@@ -460,7 +471,7 @@ class Supervisor:
                 self.pre_groups.append(p.pid)
                 if not wait:
                     continue
-                deadline = now() + float(self.spec.get("pre_timeout", DEFAULT_PRE_TIMEOUT))
+                deadline = now() + float(self.spec.pre_timeout)
                 while p.poll() is None and now() < deadline and not self.stop_requested:
                     time.sleep(POLL)
                 code = p.poll()
@@ -490,7 +501,9 @@ class Supervisor:
             if c.proc is None:
                 self.on_exit(c, 127)
 
-    def request_stop(self, reason: str, status: str) -> None:
+    def request_stop(self, reason: str, status: JobStatus | None) -> None:
+        """Stop every process (SIGTERM, SIGKILL after the grace period); STATUS: the job's end, unless one
+        was decided before (None: cleaning up what ended processes left, not an end of its own)."""
         if self.stop_deadline is not None:
             return
         grace = self.grace
@@ -502,7 +515,7 @@ class Supervisor:
         self.stop_deadline = now() + grace
         self.log(f"stopping ({reason}): SIGTERM to every core, SIGKILL after {grace:.1f} s")
         for c in self.snapshot():
-            if c.status == "running":
+            if c.status == ProcessStatus.RUNNING:
                 c.signalled = True
             signal_group(c.pgid, signal.SIGTERM)
         signal_pids(job_processes(self.job), signal.SIGTERM)  # those that left their group
@@ -510,7 +523,7 @@ class Supervisor:
     def on_exit(self, c: Core, rc: int) -> None:
         c.exited_at = now()
         c.exit_code = rc
-        c.status = "killed" if c.signalled else "exited"
+        c.status = ProcessStatus.KILLED if c.signalled else ProcessStatus.EXITED
         self.log(f"core {c.index} exited with {rc}")
         # Whatever the core left behind in its group (children, data loaders) would hold the TPU.
         if group_members(c.pgid):
@@ -519,18 +532,18 @@ class Supervisor:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return
             self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc}
-            self.request_stop(f"core {c.index} exited with {rc}", "failed")
+            self.request_stop(f"core {c.index} exited with {rc}", JobStatus.FAILED)
 
     def loop(self) -> None:
         while True:
             if self.stop_requested and self.stop_deadline is None:
-                self.request_stop("stop requested", "stopped")
+                self.request_stop("stop requested", JobStatus.STOPPED)
             changed = False
             for c in self.snapshot():
                 if c.spawned:
                     changed = self.watch_chip(c) or changed
                     continue
-                if c.status == "running" and c.proc is not None:
+                if c.status == ProcessStatus.RUNNING and c.proc is not None:
                     rc = c.proc.poll()
                     if rc is not None:
                         self.on_exit(c, rc)
@@ -550,7 +563,7 @@ class Supervisor:
                         signal_group(c.pgid, signal.SIGKILL)
                 signal_pids(job_processes(self.job), signal.SIGKILL)
             if self.lease and self.stop_deadline is None and self._lease_expired():
-                self.request_stop(f"the attached client is gone (no stream for {self.lease:.0f} s)", "stopped")
+                self.request_stop(f"the attached client is gone (no stream for {self.lease:.0f} s)", JobStatus.STOPPED)
             if changed or self.dirty:
                 self.dirty = False
                 self.save()
@@ -559,7 +572,7 @@ class Supervisor:
                 if not leftovers:
                     break
                 if self.stop_deadline is None:  # every core ended but children linger: clean them up
-                    self.request_stop("processes left behind by exited cores", "")
+                    self.request_stop("processes left behind by exited cores", None)
             time.sleep(POLL)
 
     def _lease_expired(self) -> bool:
@@ -587,14 +600,14 @@ class Supervisor:
             signal_group(pgid, signal.SIGKILL)
         host = self.host_core()
         for c in self.snapshot():
-            if c.spawned and c.status == "exited" and c.exit_code is None and host is not None:
+            if c.spawned and c.status == ProcessStatus.EXITED and c.exit_code is None and host is not None:
                 c.exit_code = host.exit_code  # ended unreported before its spawner: the spawner's verdict
-        if self.status == "running":
+        if self.status == JobStatus.RUNNING:
             ok = all(c.exit_code == 0 for c in self.snapshot())
-            self.status = self.outcome or ("finished" if ok else "failed")
+            self.status = self.outcome or (JobStatus.FINISHED if ok else JobStatus.FAILED)
         self.ended_at = now()
         self.save()
-        self.log(f"job {self.status}")
+        self.log(f"job {self.status.value}")
         for c in self.snapshot():
             with c.lock:  # a reader still draining a dead chip's socket stops writing (write_lines checks)
                 c.log.close()
@@ -610,35 +623,26 @@ class Supervisor:
         self.save()
         if not self.run_pre_commands():
             self.log(self.reason)
-            self.status = "failed"
+            self.status = JobStatus.FAILED
             for c in self.snapshot():
-                c.status, c.ended_at = "exited", now()
+                c.status, c.ended_at = ProcessStatus.EXITED, now()
             self.finish()
-            self._notify(notify_fd, {"event": "failed", "job": self.job, "reason": self.reason})
+            self._notify(notify_fd, StartFailed(self.job, self.reason))
             return
         self.use_hook()
-        if self.launch == "host":
+        if self.launch is Launch.host:
             self.open_log_socket()
         self.start_cores()
         self.serve_log_socket()  # threads only now: start_cores forks with a preexec_fn
         self.save()
-        self._notify(
-            notify_fd,
-            {
-                "event": "started",
-                "job": self.job,
-                "worker": self.worker,
-                "supervisor_pid": os.getpid(),
-                "cores": [c.to_dict() for c in self.snapshot()],
-            },
-        )
+        self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.to_dict() for c in self.snapshot()]))
         self.loop()
         self.finish()
 
     @staticmethod
-    def _notify(fd: int, message: dict) -> None:
+    def _notify(fd: int, message: Started | StartFailed) -> None:
         try:
-            os.write(fd, (json.dumps(message) + "\n").encode())
+            os.write(fd, encode(message))
             os.close(fd)
         except OSError:
             pass

@@ -52,21 +52,40 @@ def _chip_of(key, value):
         return None
 
 
-def _connect(headers):
-    """One connection per header, all sent before any answer is awaited (one round trip for all)."""
-    import json
+def _protocol():
+    """The agent's protocol module, beside the hook's directory in the bundle (loaded under a private name:
+    nothing is added to the script's sys.path), the first time a process needs it."""
+    name = "_tpurun_agent_protocol"
+    module = sys.modules.get(name)
+    if module is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise OSError(f"no agent protocol at {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look themselves up there
+        spec.loader.exec_module(module)
+    return module
+
+
+def _connect(chip, pool):
+    """The out, err and ctl connections of CHIP's process, all sent before any answer is awaited (one
+    round trip for all)."""
     import socket
 
+    protocol = _protocol()
     socks = []
     try:
-        for header in headers:
+        for stream in (protocol.HookStream.OUT, protocol.HookStream.ERR, protocol.HookStream.CTL):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             socks.append(s)
             s.settimeout(10)
             s.connect("\0" + _SOCKET)
-            s.sendall((json.dumps(header) + "\n").encode())
+            s.sendall(protocol.hook_header(chip, stream, pool))
         for s in socks:
-            if s.recv(3) != b"ok\n":  # the agent checked who we are
+            if s.recv(len(protocol.HOOK_ACCEPTED)) != protocol.HOOK_ACCEPTED:  # the agent checked who we are
                 raise OSError("the agent refused the log connection")
             s.settimeout(None)
     except OSError:
@@ -76,14 +95,14 @@ def _connect(headers):
     return socks
 
 
-def _report(event, **fields):
+def _report(ok, code=0):
+    """Tell the agent how the spawner's task in this process ended."""
     ctl = _state["ctl"]
     if ctl is None or not _mine():
         return
-    import json
-
+    protocol = _protocol()
     try:
-        ctl.sendall((json.dumps(dict(fields, event=event)) + "\n").encode())
+        ctl.sendall(protocol.task_end(protocol.TaskEnd.OK if ok else protocol.TaskEnd.FAILED, code))
     except OSError:
         pass
 
@@ -105,7 +124,7 @@ def _watch_pool_tasks():
             _metrics_report()
         exc = getattr(exception, "exc", exception)  # the pool wraps it with its formatted traceback
         if exception is None or (isinstance(exc, SystemExit) and exc.code in (None, 0)):
-            _report("ok")
+            _report(True)
         else:
             text = str(getattr(exception, "tb", "") or exception).strip().strip('"').strip()
             try:
@@ -113,7 +132,7 @@ def _watch_pool_tasks():
                 sys.stderr.flush()
             except Exception:
                 pass
-            _report("failed", code=1)
+            _report(False, 1)
         return original(*args, **kwargs)
 
     setattr(pool, "_sendback_result", sendback)  # noqa: B010
@@ -163,8 +182,7 @@ def _become_chip(chip, pool=None):
     # report has simply ended
     if pool is None:
         pool = getattr(sys.modules.get("concurrent.futures.process"), "_sendback_result", None) is not None
-    header = {"core": chip, "pid": os.getpid(), "pool": pool}
-    out, err, _state["ctl"] = _connect([dict(header, stream=name) for name in ("out", "err", "ctl")])
+    out, err, _state["ctl"] = _connect(chip, pool)
     _state["owner"] = os.getpid()
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
@@ -264,9 +282,9 @@ def _reporting(fn):
             raise  # stopped by its parent, as torch takes it: not a failure of this device
         except SystemExit as e:
             if e.code in (None, 0):
-                _report("ok")
+                _report(True)
             else:
-                _report("failed", code=e.code if isinstance(e.code, int) else 1)
+                _report(False, e.code if isinstance(e.code, int) else 1)
             raise
         except BaseException:
             import traceback
@@ -274,11 +292,11 @@ def _reporting(fn):
             kind, error, tb = sys.exc_info()  # into this device's log (torch hands it to the parent too),
             traceback.print_exception(kind, error, tb.tb_next if tb else None)  # from the script's own frame
             sys.stderr.flush()
-            _report("failed", code=1)
+            _report(False, 1)
             raise
         if os.environ.get("TPURUN_METRICS") == "1":
             _metrics_report()
-        _report("ok")
+        _report(True)
         return result
 
     return run

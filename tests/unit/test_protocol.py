@@ -1,0 +1,109 @@
+"""The agent's protocol round-trips: every record kind tpurun reads, encoded where the agent encodes it (the
+bundle's own flat copy of protocol.py, in a separate interpreter, the oldest Python the bundle supports
+where this machine has it), decoded by tpurun, and the other way round."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.unit.test_agent import PY38
+from tpurun.worker import WORKER_DIR, protocol
+
+RECORDS: list[protocol.Record] = [
+    protocol.Line(3, 5, 120, protocol.Stream.OUT, 1764000000.25, 'step 1 "loss" 0.5 \u00e9 \\ tab\there'),
+    protocol.Line(0, protocol.HOST, 7, protocol.Stream.ERR, 1764000001.0, ""),
+    protocol.Exit(1, 2, 3, protocol.ProcessStatus.FAILED),
+    protocol.Exit(1, 0, None, protocol.ProcessStatus.DIED),
+    protocol.Exit(0, protocol.HOST, -9, protocol.ProcessStatus.KILLED),
+    protocol.Done(2, {"status": "failed", "first_failure": {"worker": 2, "core": 1, "exit_code": 4}, "cores": []}),
+    protocol.Started("20261125-000000-abcd", 1, 4242, [{"core": 0, "status": "running", "exit_code": None}]),
+    protocol.StartFailed("20261125-000000-abcd", "pre-command ['x'] exited 1 (see pre.log)"),
+]
+
+# The agent's side: the bundle's protocol.py imported the way the agent imports it (its directory first on
+# sys.path, not as part of tpurun); each line of stdin decoded and encoded again.
+AGENT_SIDE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import protocol
+for raw in sys.stdin.buffer:
+    kind, _, body = raw.partition(b" ")
+    if kind == b"record":
+        rec = protocol.decode(body)
+        assert rec is not None, body
+        sys.stdout.buffer.write(protocol.encode(rec))
+    elif kind == b"spec":
+        sys.stdout.buffer.write(protocol.JobSpec.from_json(body.decode()).to_json().encode() + b"\\n")
+    elif kind == b"hook":
+        core, stream, pool = protocol.read_hook_header(body)
+        sys.stdout.buffer.write(protocol.hook_header(core, stream, pool))
+    elif kind == b"end":
+        end, code = protocol.read_task_end(body)
+        sys.stdout.buffer.write(protocol.task_end(end, code))
+"""
+
+SPEC = protocol.JobSpec(
+    job_id="20261125-000000-abcd",
+    worker=2,
+    cores=[protocol.ProcessSpec(protocol.HOST, ["python3", "train.py", "--lr", "1e-3"], {"A": "b c"}, "~/proj")],
+    launch=protocol.Launch.host,
+    detach=True,
+    grace=2.5,
+    pre_commands=[["true"], {"argv": ["sleep", "9"], "wait": False}],
+    lease_timeout=0,
+)
+
+
+@pytest.mark.parametrize("python", [sys.executable, PY38], ids=["this-python", "python3.8"])
+def test_every_record_kind_round_trips_through_the_agent_side(python: str | None) -> None:
+    if python is None:
+        pytest.skip("no python3.8 here")
+    lines = [b"record " + protocol.encode(r) for r in RECORDS]
+    lines.append(b"spec " + SPEC.to_json().encode() + b"\n")
+    lines += [b"hook " + protocol.hook_header(7, s, True) for s in protocol.HookStream]
+    lines += [b"end " + protocol.task_end(e, c) for e, c in [(protocol.TaskEnd.OK, 0), (protocol.TaskEnd.FAILED, 3)]]
+    r = subprocess.run(
+        [python, "-c", AGENT_SIDE, str(WORKER_DIR)], input=b"".join(lines), capture_output=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    back = r.stdout.splitlines(keepends=True)
+    assert len(back) == len(lines)
+    assert [protocol.decode(b) for b in back[: len(RECORDS)]] == RECORDS
+    assert protocol.JobSpec.from_json(back[len(RECORDS)].decode()) == SPEC
+    hooks = back[len(RECORDS) + 1 : len(RECORDS) + 4]
+    assert [protocol.read_hook_header(h) for h in hooks] == [(7, s, True) for s in protocol.HookStream]
+    ends = back[len(RECORDS) + 4 :]
+    assert [protocol.read_task_end(e) for e in ends] == [(protocol.TaskEnd.OK, 0), (protocol.TaskEnd.FAILED, 3)]
+
+
+def test_a_rec_line_framed_by_the_agent_is_the_line_it_was() -> None:
+    rec = protocol.encode_rec(protocol.Stream.ERR, 12.5, "x\ny")[:-1]
+    assert protocol.rec_time(rec) == 12.5
+    assert protocol.decode(protocol.frame(4, 1, 99, rec)) == protocol.Line(4, 1, 99, protocol.Stream.ERR, 12.5, "x\ny")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"not json", b"[1, 2]", b'{"event": "exit", "w": 0}', b'{"w": 0, "c": 1}', b'{"event": "what"}'],
+)
+def test_what_is_not_a_record_decodes_to_none(raw: bytes) -> None:
+    assert protocol.decode(raw) is None
+
+
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        ({"worker": 0, "cores": [{"core": 0, "argv": ["x"]}]}, "job_id"),
+        ({"job_id": "j", "worker": 0, "cores": []}, "cores"),
+        ({"job_id": "j", "worker": 0, "cores": [{"core": 0, "argv": ["x"]}], "colour": "blue"}, "unknown fields"),
+        ({"job_id": "j", "worker": 0, "cores": [{"core": 0}]}, "malformed"),
+        ({"job_id": "j", "worker": 0, "cores": [{"core": 0, "argv": ["x"]}], "launch": "sideways"}, "sideways"),
+    ],
+)
+def test_a_bad_job_spec_says_what_is_wrong(data: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        protocol.JobSpec.from_json(json.dumps(data))

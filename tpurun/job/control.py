@@ -1,0 +1,194 @@
+"""A job after its start, from any machine that started it: `logs` (replay or follow, reconnecting without
+losing or repeating a line) and `cancel` (stop it on every worker). `jobs` is job.status's. Each one call
+that reports lines through a `Lines` and returns what happened; the CLI renders it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from tpurun.errors import TpurunError, UnreachableError
+from tpurun.job.launcher import connect
+from tpurun.job.records import JobRecord, RecordStream
+from tpurun.transport import bundle, targets
+from tpurun.transport.fanout import each
+from tpurun.transport.runner import Runner, worker_names
+from tpurun.transport.streams import open_stream, run_capture
+from tpurun.worker import protocol
+from tpurun.worker.protocol import AgentExit
+
+RECONNECTS = 5  # a worker's stream is opened again this many times after it broke, a second apart
+
+
+class Lines(Protocol):
+    """Where a job's lines go: each worker's name first, then every line as [wN/cM]."""
+
+    def name_workers(self, names: dict[int, str]) -> None: ...
+    def line(self, worker: int, core: int, text: str) -> None: ...
+    def flush(self) -> None: ...
+
+
+@dataclass
+class LogsResult:
+    interrupted: bool = False  # the caller's stop was set
+    errors: dict[str, str] = field(default_factory=dict)  # worker name -> why its lines could not all be read
+    missing: bool = False  # the job is not on some worker it ran on (its files are gone)
+
+
+def logs(
+    home: Path,
+    job_id: str,
+    lines: Lines,
+    stop: threading.Event,
+    *,
+    worker: str = "all",
+    follow: bool = False,
+    tail: int | None = None,
+) -> LogsResult:
+    """Every line of every process of JOB_ID on WORKER (a --worker spec) to LINES: the last TAIL of each
+    process (all without TAIL) in time order, then, with FOLLOW, new ones as they come until the job ends
+    or STOP is set."""
+    record = JobRecord.load(home, job_id)
+    target = record.target(worker)
+    lines.name_workers(worker_names(target.all_workers))
+    viewer = _Viewer(record, target, lines, stop, follow and tail is None)
+    try:
+        connect(target, record)
+        each(target.runners, viewer.view, name="logs")
+        replay = sorted(viewer.replay)
+        for _, w, c, _, text in replay if tail is None else _last_lines(replay, tail):
+            lines.line(w, c, text)
+        lines.flush()
+        if follow and tail is not None and not stop.is_set():  # then on from where the tail ended
+            viewer.follow = True
+            each(target.runners, viewer.view, name="logs")
+        lines.flush()
+    finally:
+        target.close()
+    names = worker_names(target.all_workers)
+    return LogsResult(
+        interrupted=stop.is_set(),
+        errors={names[w]: why for w, why in sorted(viewer.errors.items())},
+        missing=bool(viewer.missing),
+    )
+
+
+def _last_lines(rows: list[tuple[float, int, int, int, str]], n: int) -> list[tuple[float, int, int, int, str]]:
+    """ROWS (in time order: time, worker, core, offset, line) keeping the last N lines of each process."""
+    total = Counter((w, c) for _, w, c, _, _ in rows)
+    seen: Counter[tuple[int, int]] = Counter()
+    out = []
+    for row in rows:
+        seen[row[1], row[2]] += 1
+        if seen[row[1], row[2]] > total[row[1], row[2]] - n:
+            out.append(row)
+    return out
+
+
+class _Viewer:
+    """Each worker's records of a job, from the offsets already shown, across reconnects (no line lost,
+    none twice). Without follow the lines are gathered and replayed in time order."""
+
+    def __init__(
+        self, record: JobRecord, target: targets.Target, lines: Lines, stop: threading.Event, follow: bool
+    ) -> None:
+        self.record, self.target, self.lines, self.stop, self.follow = record, target, lines, stop, follow
+        self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
+        self.done: set[int] = set()
+        self.errors: dict[int, str] = {}
+        self.missing: set[int] = set()  # workers without the job
+        self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, core, offset, line)
+        self.lock = threading.Lock()
+
+    def view(self, runner: Runner) -> None:
+        w = runner.worker.index
+        attempts = 0
+        while w not in self.done and not self.stop.is_set():
+            try:
+                if not self._read(runner):
+                    return
+            except (OSError, EOFError, TpurunError) as exc:
+                attempts += 1
+                if attempts > RECONNECTS:
+                    self.errors[w] = str(exc)
+                    return
+                time.sleep(1)
+                try:
+                    runner.close()
+                    t = self.target
+                    connect(targets.Target(t.name, t.accelerator_type, [runner], t.all_workers, t.local))
+                except TpurunError:
+                    continue
+
+    def _read(self, runner: Runner) -> bool:
+        """One `agent stream` from the offsets shown so far; whether to go on (follow after a drop)."""
+        w = runner.worker.index
+        args = ["stream", self.record.job_id, "--offsets", json.dumps(self.offsets[w])]
+        argv = bundle.program_argv(self.record.python, "agent.py", *args, *(["--follow"] if self.follow else []))
+        stream = open_stream(runner, argv)
+        reader = RecordStream(stream)
+        while (recs := reader.records(0.2)) is not None:
+            if self.stop.is_set():
+                stream.kill()  # a viewer only ends its own stream: the job goes on
+                return False
+            for rec in recs:
+                self._take(w, rec)
+        if stream.wait() == AgentExit.USAGE:
+            self.missing.add(w)
+            self.errors[w] = stream.stderr_text().strip() or (
+                f"job {self.record.job_id} is not on {self.target.all_workers[w].name}"
+            )
+            return False
+        return self.follow
+
+    def _take(self, w: int, rec: protocol.Record) -> None:
+        if isinstance(rec, protocol.Done):
+            self.done.add(w)
+        elif isinstance(rec, protocol.Line):
+            if self.follow:
+                self.lines.line(w, rec.core, rec.text)
+            else:  # a replay: every worker's lines first, then in time order
+                with self.lock:
+                    self.replay.append((rec.time, w, rec.core, rec.offset, rec.text))
+            self.offsets[w][rec.core] = rec.offset
+
+
+@dataclass
+class CancelResult:
+    stopped: int  # workers where the job still ran when the stop came
+    ended: dict[str, protocol.JobStatus]  # worker name -> how the job had already ended there
+
+
+def cancel(home: Path, job_id: str, grace: float) -> CancelResult:
+    """Stop JOB_ID on every worker it ran on (SIGTERM, SIGKILL after GRACE seconds); returns when none of its
+    processes is left anywhere, or raises UnreachableError naming the workers where that is not known."""
+    record = JobRecord.load(home, job_id)
+    target = record.target()
+    results: dict[int, tuple[int, str]] = {}
+    before: dict[int, str] = {}  # worker -> the job's status there when the stop came
+    try:
+        connect(target, record)
+
+        def one(runner: Runner) -> None:
+            argv = bundle.program_argv(record.python, "agent.py", "stop", job_id, "--grace", str(grace))
+            rc, out, err = run_capture(runner, argv, timeout=grace + 120)
+            try:
+                before[runner.worker.index] = str(json.loads(out.decode()).get("status_before_stop", ""))
+            except ValueError:
+                pass
+            results[runner.worker.index] = (rc, err)
+
+        each(target.runners, one, name="cancel")
+    finally:
+        target.close()
+    names = worker_names(target.all_workers)
+    failures = [f"{names[w]}: {err.strip() or rc}" for w, (rc, err) in sorted(results.items()) if rc != AgentExit.OK]
+    if failures:
+        raise UnreachableError("could not stop the job everywhere: " + "; ".join(failures))
+    ended = {names[w]: protocol.JobStatus(st) for w, st in before.items() if st in protocol.ENDED}
+    return CancelResult(stopped=len(target.runners) - len(ended), ended=ended)

@@ -1,0 +1,358 @@
+"""The agent's protocol, written once: what the client (tpurun) and the worker agent say to each other.
+
+Part of the agent bundle (stdlib only, Python >= 3.8). On a worker the agent, its supervisor and the hook
+import it from the bundle's directory; in tpurun it is `tpurun.worker.protocol`. Nothing else spells a
+record key, an event, a status or an exit code.
+
+The conversation, for one job on one worker:
+
+* the client runs `agent.py start` with a `JobSpec` (JSON) on stdin; the agent answers one line, a
+  `started` event (with the job's processes) or a `start-failed` event (with the reason), and exits
+  `AgentExit.OK`, or `AgentExit.BUSY` when another job holds the worker (nothing of this job started);
+* the supervisor writes each line a process prints to its .rec file as a `Line` without worker, process
+  and offset (`encode_rec`); `agent.py stream` adds them in front (`frame`) and sends, after a process's
+  last line, an `exit` event (how it ended: a `ProcessStatus` and its exit code), and once the job is over
+  a `done` event carrying the job's state (state.json: a `JobStatus`, its processes, the first failure);
+* the hook in each process a script's spawner makes opens three connections to the supervisor's log
+  socket (`HookStream`), each starting with a `hook_header` line, and reports on the `ctl` one how the
+  spawner's task ended (`TaskEnd`);
+* `agent.py stop`, `state` and `jobs` answer with the job's state (or a list of them) as JSON.
+
+Every record is one JSON object per line; `decode` reads any of them, `encode` writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any, Union
+
+# ---------------------------------------------------------------- names
+
+
+class AgentExit(IntEnum):
+    """The exit codes of `agent.py COMMAND` (and of the bundle's runner, for a worker without the bundle)."""
+
+    OK = 0
+    INTERNAL = 1  # the agent failed (its message on stderr)
+    USAGE = 2  # bad usage, or no such job on this worker
+    BUSY = 3  # `start`: another job runs on this worker; nothing of this job started
+    MISSING = 93  # the bundle is not installed on the worker (yet): install it and run the command again
+
+
+class Launch(str, Enum):
+    """How a job's processes are made (`train --launch`): lower case, like the command line's other choices."""
+
+    host = "host"  # one process per worker; the script's spawner makes the chip processes, the hook files them
+    chip = "chip"  # one process per chip, started by the agent
+
+
+class JobStatus(str, Enum):
+    """A job's state on one worker (state.json's "status")."""
+
+    STARTING = "starting"  # `start` wrote the spec; the supervisor is not up yet
+    RUNNING = "running"  # until every process is gone, even while it stops
+    FINISHED = "finished"  # every process exited 0
+    STOPPED = "stopped"  # stopped on request (cancel, Ctrl-C, the client gone)
+    FAILED = "failed"  # a process failed, or the job could not start
+    LOST = "lost"  # the supervisor was killed: nobody watches the processes any more
+
+
+TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED, JobStatus.LOST})
+# how a job can have ended by itself before a stop reached it (`cancel` says it had nothing to stop)
+ENDED = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED})
+
+
+class ProcessStatus(str, Enum):
+    """How one process of a job stands or ended (a process slot: the per-worker process in a host launch,
+    one per chip otherwise, and each chip process a script's spawner makes)."""
+
+    PENDING = "pending"  # not started yet
+    RUNNING = "running"
+    EXITED = "exited"  # ended by itself: its exit code says how
+    FAILED = "failed"  # its spawner task reported a failure
+    KILLED = "killed"  # ended by the job's stop (after a sibling failed, or on request)
+    DIED = "died"  # ended without a word (killed from outside, crashed): blamed as the job's first failure
+
+
+class Event(str, Enum):
+    """The "event" of a record that is not a line."""
+
+    STARTED = "started"  # `start`: the supervisor runs the job
+    START_FAILED = "start-failed"  # `start`: the job could not start (a pre-command failed, ...)
+    EXIT = "exit"  # `stream`: a process ended, after its last line
+    DONE = "done"  # `stream`: the job is over on this worker; its state follows
+
+
+class Stream(str, Enum):
+    """Which output a line came from."""
+
+    OUT = "out"
+    ERR = "err"
+
+
+class HookStream(str, Enum):
+    """The hook's connections to the supervisor's log socket, one per kind."""
+
+    OUT = "out"
+    ERR = "err"
+    CTL = "ctl"  # reports: how the spawner's task ended (`TaskEnd`), faulthandler's crash report
+
+
+class TaskEnd(str, Enum):
+    """How a spawner's task in a chip process ended, as the hook reports it on its ctl connection."""
+
+    OK = "ok"
+    FAILED = "failed"
+
+
+DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a job stops
+DEFAULT_PRE_TIMEOUT = 300.0  # seconds a pre-command may take
+DEFAULT_LEASE = 60.0  # an attached job whose client has had no stream for this long is stopped
+HOST = -1  # the core a host launch's one process per worker is filed under (its files: w<W>.log, .rec)
+HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files under the process
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line a process printed: worker, process slot, byte offset after its record in the .rec file."""
+
+    worker: int
+    core: int
+    offset: int
+    stream: Stream
+    time: float
+    text: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    worker: int
+    core: int
+    code: int | None
+    status: ProcessStatus
+
+
+@dataclass(frozen=True)
+class Done:
+    worker: int
+    state: dict[str, Any]  # the job's state.json (`process_states`, `first_failure` read it)
+
+
+@dataclass(frozen=True)
+class Started:
+    job: str
+    worker: int
+    supervisor_pid: int
+    cores: list[dict[str, Any]]  # each process's entry of the state (`ProcessState`)
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    job: str
+    reason: str
+
+
+Record = Union[Line, Exit, Done, Started, StartFailed]  # noqa: UP007 (evaluated: Python 3.8 has no X | Y)
+
+# The .rec line's fixed start: `frame` splices the worker, process and offset in front of it without
+# re-encoding, which is what keeps streaming fast.
+_REC_HEAD = b'{"s":"'
+
+
+def encode_rec(stream: Stream, t: float, text: str) -> bytes:
+    """A line as the supervisor writes it to the process's .rec file (a `Line` without its place)."""
+    return b'%s%s","t":%.6f,"l":%s}\n' % (_REC_HEAD, stream.value.encode(), t, json.dumps(text).encode())
+
+
+def rec_time(rec: bytes) -> float:
+    """The time of an encoded .rec line (what `stream` merges processes' lines by)."""
+    end = rec.find(b",", 15)
+    try:
+        return float(rec[15:end])
+    except ValueError:
+        return 0.0
+
+
+def frame(worker: int, core: int, offset: int, rec: bytes) -> bytes:
+    """A .rec line (without its newline) as `stream` sends it: worker, process and offset in front."""
+    return b'{"w":%d,"c":%d,"o":%d,%s\n' % (worker, core, offset, rec[1:])
+
+
+def encode(record: Record) -> bytes:
+    """Any record as one JSON line."""
+    if isinstance(record, Line):
+        return frame(
+            record.worker, record.core, record.offset, encode_rec(record.stream, record.time, record.text)[:-1]
+        )
+    if isinstance(record, Exit):
+        data: dict[str, Any] = {
+            "event": Event.EXIT.value,
+            "w": record.worker,
+            "c": record.core,
+            "code": record.code,
+            "status": record.status.value,
+        }
+    elif isinstance(record, Done):
+        data = {"event": Event.DONE.value, "w": record.worker, "state": record.state}
+    elif isinstance(record, Started):
+        data = {
+            "event": Event.STARTED.value,
+            "job": record.job,
+            "worker": record.worker,
+            "supervisor_pid": record.supervisor_pid,
+            "cores": record.cores,
+        }
+    else:
+        data = {"event": Event.START_FAILED.value, "job": record.job, "reason": record.reason}
+    return (json.dumps(data) + "\n").encode()
+
+
+def decode(raw: bytes | str) -> Record | None:
+    """One JSON line as a record; None for what is not one (an empty line, another program's output)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        event = data.get("event")
+        if event is None:
+            return Line(int(data["w"]), int(data["c"]), int(data["o"]), Stream(data["s"]), float(data["t"]), data["l"])
+        if event == Event.EXIT:
+            code = data.get("code")
+            return Exit(
+                int(data["w"]), int(data["c"]), None if code is None else int(code), ProcessStatus(data["status"])
+            )
+        if event == Event.DONE:
+            return Done(int(data["w"]), dict(data["state"]))
+        if event == Event.STARTED:
+            return Started(str(data["job"]), int(data["worker"]), int(data["supervisor_pid"]), list(data["cores"]))
+        if event == Event.START_FAILED:
+            return StartFailed(str(data["job"]), str(data["reason"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+# ---------------------------------------------------------------- the job spec (`start`'s stdin)
+
+
+@dataclass
+class ProcessSpec:
+    """One process tpurun starts on a worker, filed under CORE (a chip index, or `HOST`)."""
+
+    core: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "~"
+
+
+@dataclass
+class JobSpec:
+    """What `agent.py start` reads on stdin: one worker's part of a job."""
+
+    job_id: str
+    worker: int
+    cores: list[ProcessSpec]
+    launch: Launch = Launch.chip
+    detach: bool = False
+    down: bool = False  # `train --down`: the TPU's watchdog deletes it once the job has ended
+    grace: float = DEFAULT_GRACE
+    pre_commands: list[Any] = field(default_factory=list)  # argv lists, or {"argv": [...], "wait": false}
+    pre_timeout: float = DEFAULT_PRE_TIMEOUT
+    lease_timeout: float | None = None  # attached: DEFAULT_LEASE unless given (0: none)
+    allow_concurrent: bool = False  # start even while another job runs on the worker
+
+    def to_json(self) -> str:
+        data = dict(self.__dict__)
+        data["cores"] = [dict(p.__dict__) for p in self.cores]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        """The spec, or ValueError naming what is wrong with it."""
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobSpec:
+        """The spec, or ValueError naming what is wrong with it."""
+        data = dict(data) if isinstance(data, dict) else data
+        if not isinstance(data, dict) or not data.get("job_id") or not data.get("cores"):
+            raise ValueError("the job spec needs job_id and a non-empty cores list")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"the job spec has unknown fields {unknown}")
+        try:
+            cores = [ProcessSpec(**p) for p in data.pop("cores")]
+            launch = Launch(data.pop("launch", Launch.chip))
+            return cls(cores=cores, launch=launch, **data)
+        except TypeError as e:
+            raise ValueError(f"the job spec is malformed: {e}") from e
+
+
+# ---------------------------------------------------------------- the job's state (state.json)
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """One process's entry in the job's state."""
+
+    core: int
+    status: ProcessStatus
+    exit_code: int | None
+
+
+def process_states(state: dict[str, Any]) -> list[ProcessState]:
+    """The processes of a job's state (state.json, a `done` record's, `stop`'s answer)."""
+    return [
+        ProcessState(int(c["core"]), ProcessStatus(c["status"]), c.get("exit_code")) for c in state.get("cores", [])
+    ]
+
+
+def first_failure(state: dict[str, Any]) -> ProcessState | None:
+    """The process whose failure stopped the job on this worker, if one did."""
+    origin = state.get("first_failure") or {}
+    if "core" not in origin:
+        return None
+    return ProcessState(int(origin["core"]), ProcessStatus.FAILED, origin.get("exit_code"))
+
+
+# ---------------------------------------------------------------- the hook's connections
+
+
+def hook_header(core: int, stream: HookStream, pool: bool) -> bytes:
+    """The first line of a hook connection: which chip process slot and which stream it carries."""
+    return (json.dumps({"core": core, "stream": stream.value, "pool": pool}) + "\n").encode()
+
+
+def read_hook_header(raw: bytes) -> tuple:
+    """(core, HookStream, pool) of a hook connection's first line, or ValueError."""
+    data = json.loads(raw or b"null")
+    if not isinstance(data, dict):
+        raise ValueError(f"not a hook header: {raw[:100]!r}")
+    try:
+        core, stream = int(data["core"]), HookStream(data["stream"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a hook header: {raw[:100]!r}") from e
+    if core < 0:
+        raise ValueError(f"a hook header with core {core}")
+    return core, stream, bool(data.get("pool"))
+
+
+def task_end(end: TaskEnd, code: int = 0) -> bytes:
+    """The hook's report, on the ctl connection, of how the spawner's task ended."""
+    return (json.dumps({"event": end.value, "code": code}) + "\n").encode()
+
+
+def read_task_end(raw: bytes) -> tuple | None:
+    """(TaskEnd, code) of a ctl line, or None for a line that is not a report (faulthandler's text)."""
+    try:
+        data = json.loads(raw)
+        return TaskEnd(data["event"]), int(data.get("code") or 0)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
