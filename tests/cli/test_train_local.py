@@ -67,6 +67,8 @@ def test_local_run_streams_every_core_and_fails_fast(tmp_path):
     assert r.code == 0, r.err
     for c in range(3):
         assert re.findall(rf"^\[w0/c{c}\] n (\d) {c} CPU$", r.out, re.M) == ["0", "1", "2"]
+    # the summary names each process's end in the agent's words
+    assert len(re.findall(r"^\S*\s*w0/c\d\s+exited\s+0\s", r.err, re.M)) == 3, r.err
     (tmp_path / "bad.py").write_text(
         "import os, sys, time\nif os.environ['RANK'] == '1':\n    print('bye'); sys.exit(7)\ntime.sleep(300)\n"
     )

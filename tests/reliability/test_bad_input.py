@@ -201,7 +201,7 @@ def test_nul_cannot_cross_argv_and_is_refused_inside_values():
 
     from tpurun.errors import UsageError
     from tpurun.job.launcher import parse_env
-    from tpurun.transport.runner import wrap_command
+    from tpurun.transport.ssh import wrap_command
 
     with pytest.raises(ValueError):
         subprocess.run([sys.executable, "-c", "pass", "a\0b"])

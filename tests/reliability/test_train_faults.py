@@ -167,7 +167,7 @@ def test_worker_stops_answering_is_detected(cli, emulator, node):
     """A silent worker (the proxy swallows every byte, closes nothing) is given up within the keepalive
     timeout; the other workers' cores are stopped; once the network heals `cancel` cleans the silent one."""
     from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, proxy_workers
-    from tpurun.transport.runner import keepalive_settings
+    from tpurun.transport.ssh import keepalive_settings
 
     info = emulator.node_info(emulator.node_name(node))
     group = ProxyGroup().start()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[2]
 PACKAGE = ROOT / "tpurun"
@@ -95,3 +99,114 @@ def test_no_caller_asks_which_api_made_a_tpu():
             if asks.search(line)
         ]
     assert offenders == []
+
+
+# ---------------------------------------------------------------------------- static rules
+# Each rule is a function over a package directory returning its violations; each runs on tpurun and on a
+# copy with a violation planted, which it must find (a rule that cannot fail proves nothing).
+
+
+def _module_name(package: Path, path: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
+    return [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def import_cycles(package: Path) -> list[str]:
+    """Circles among the package's modules through imports at module level (an import inside a function,
+    made on first use, is how a circle is broken on purpose)."""
+    name = package.name
+    graph: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        deps = set()
+        for node in _top_level_imports(path):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == name:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    is_module = (package.parent / (sub.replace(".", "/") + ".py")).is_file()
+                    deps.add(sub if is_module else str(node.module))
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == name)
+        graph[_module_name(package, path)] = deps
+    found: set[tuple[str, ...]] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        for dep in sorted(graph.get(mod, ())):
+            if dep in path:
+                cycle = path[path.index(dep) :]
+                start = cycle.index(min(cycle))
+                found.add(tuple(cycle[start:] + cycle[:start]))
+            elif dep in graph and dep not in done:
+                visit(dep, [*path, dep])
+        done.add(mod)
+
+    done: set[str] = set()
+    for mod in sorted(graph):
+        if mod not in done:
+            visit(mod, [mod])
+    return [" -> ".join((*c, c[0])) for c in sorted(found)]
+
+
+def private_imports(package: Path) -> list[str]:
+    """`from package.module import _name`: a module's private name used by another module."""
+    name = package.name
+    out = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == name:
+                out += [
+                    f"{path.relative_to(package.parent)}:{node.lineno}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    return out
+
+
+def bundle_imports(package: Path) -> list[str]:
+    """What the worker bundle (and the programs that travel inline: probe, sync's helper) imports beyond the
+    standard library and the bundle's own files, at module level: a worker has only a bare python3."""
+    from tpurun.worker import BUNDLE
+
+    worker = package / "worker"
+    own = {Path(f).stem for f in BUNDLE} | {"sync_helper", "tpurun"}  # tpurun: the `if __package__:` branch
+    out = []
+    for rel in [*BUNDLE, "sync_helper.py"]:
+        for node in _top_level_imports(worker / rel):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            out += [
+                f"worker/{rel}: {n}"
+                for n in names
+                if node.__class__ is ast.Import or getattr(node, "level", 0) == 0
+                if n.split(".")[0] not in sys.stdlib_module_names and n.split(".")[0] not in own
+            ]
+    return out
+
+
+RULES = {"import circle": import_cycles, "private name": private_imports, "bundle beyond stdlib": bundle_imports}
+
+PLANTED = {
+    "import circle": ("transport/runner.py", "from tpurun.transport.ssh import SshRunner\n"),
+    "private name": ("cli/train.py", "from tpurun.transport.ssh import _fast_transport\n"),
+    "bundle beyond stdlib": ("worker/protocol.py", "import paramiko\n"),
+}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_package_keeps_each_static_rule(rule: str) -> None:
+    assert RULES[rule](PACKAGE) == []
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_each_static_rule_finds_a_planted_violation(rule: str, tmp_path: Path) -> None:
+    copy = tmp_path / "tpurun"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    where, line = PLANTED[rule]
+    target = copy / where
+    text = target.read_text()
+    cut = text.index("\nfrom ") + 1  # among the module's imports
+    target.write_text(text[:cut] + line + text[cut:])
+    found = RULES[rule](copy)
+    assert found and any(Path(where).stem in f for f in found), found

@@ -107,3 +107,10 @@ def test_what_is_not_a_record_decodes_to_none(raw: bytes) -> None:
 def test_a_bad_job_spec_says_what_is_wrong(data: dict, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         protocol.JobSpec.from_json(json.dumps(data))
+
+
+def test_every_word_prints_as_it_goes_on_the_wire() -> None:
+    words = [w for kind in protocol.Word.__subclasses__() for w in kind]
+    assert len(words) > 20
+    for w in words:
+        assert f"{w}" == str(w) == w.value == json.loads(json.dumps(w))

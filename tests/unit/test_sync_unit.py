@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tpurun.sync import ignore
 from tpurun.sync.sender import FrameReader, build_manifest, deletions, frame, helper_command, is_ignored
-from tpurun.transport.runner import LocalRunner
+from tpurun.transport.local import LocalRunner
 from tpurun.worker import sync_helper as proto
 
 
@@ -356,7 +356,7 @@ class _Chan:
 
 @given(st.binary(max_size=5000), st.integers(min_value=1, max_value=700))
 def test_send_all_delivers_every_byte_in_order(data, window):
-    from tpurun.transport.streams import send_all
+    from tpurun.transport.ssh import send_all
 
     chan = _Chan(window)
     send_all(chan, data)  # type: ignore[arg-type]
@@ -364,7 +364,7 @@ def test_send_all_delivers_every_byte_in_order(data, window):
 
 
 def test_send_all_refuses_to_spin_on_a_closed_channel():
-    from tpurun.transport.streams import send_all
+    from tpurun.transport.ssh import send_all
 
     with pytest.raises(OSError):
         send_all(_Chan(100, closed_after=300), b"x" * 1000)  # type: ignore[arg-type]

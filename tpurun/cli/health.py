@@ -24,8 +24,7 @@ from tpurun.job import plan as envc
 from tpurun.topology import parse_accelerator_type
 from tpurun.transport import targets
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, worker_names
-from tpurun.transport.streams import run_capture
+from tpurun.transport.runner import Runner, run_capture, worker_names
 from tpurun.transport.targets import Target
 from tpurun.worker import probe as stale
 

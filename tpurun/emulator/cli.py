@@ -179,9 +179,9 @@ def start(
     raise TpurunError(f"the emulator did not answer within {START_TIMEOUT:.0f}s (log: {log_path})", exit_code=1)
 
 
-def _leftovers(sd: Path) -> list[str]:
+def leftovers(sd: Path) -> list[str]:
     """What the emulator of SD still has running or mounted (empty when everything is gone)."""
-    from tpurun.emulator.hosts import _INIT_SCRIPT
+    from tpurun.emulator.hosts import INIT_SCRIPT
 
     left: list[str] = []
     try:
@@ -190,7 +190,7 @@ def _leftovers(sd: Path) -> list[str]:
         recorded = {}
     for node, pids in recorded.items():
         left += [f"worker init pid {p} of {node}" for p in pids if pid_alive(p)]
-    marker, where = str(_INIT_SCRIPT), str(sd)
+    marker, where = str(INIT_SCRIPT), str(sd)
     for p in (int(x) for x in os.listdir("/proc") if x.isdigit()):
         try:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -253,10 +253,10 @@ def stop(
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    if _leftovers(sd):
+    if leftovers(sd):
         _force_cleanup(sd)
         time.sleep(0.2)
-    left = _leftovers(sd)
+    left = leftovers(sd)
     if left:
         raise TpurunError(f"the emulator left {len(left)} things behind: {'; '.join(left[:5])}", exit_code=1)
     (sd / "server.json").unlink(missing_ok=True)

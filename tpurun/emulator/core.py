@@ -16,8 +16,8 @@ from typing import Any
 from google.cloud import tpu_v2
 
 from tpurun.emulator.model import (
-    _HOLDING,
     GRPC_CODES,
+    HOLDING_STATES,
     LABEL_KEY_RE,
     LABEL_VALUE_RE,
     METADATA_KEY_RE,
@@ -161,7 +161,7 @@ class Core:
     def _usage(self, zone: str, gen: str, unit: str) -> int:
         used = self._compute_usage(zone, gen, unit)
         for rec in self.nodes.values():
-            if rec.zone == zone and rec.topo.generation == gen and rec.holds and rec.state in _HOLDING:
+            if rec.zone == zone and rec.topo.generation == gen and rec.holds and rec.state in HOLDING_STATES:
                 used += rec.topo.chips if unit == "chips" else rec.topo.hosts
         return used
 

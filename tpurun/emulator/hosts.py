@@ -83,7 +83,7 @@ from tpurun.emulator.tpu_vm import (
 
 __all__ = ["WorkerInfo", "WorkerHosts", "GENERATIONS"]
 
-_INIT_SCRIPT = Path(__file__).with_name("_worker_init.py")
+INIT_SCRIPT = Path(__file__).with_name("_worker_init.py")
 _UNSHARE = [
     "unshare",
     "--pid",
@@ -316,7 +316,7 @@ class WorkerHosts:
                 for w in node.workers:
                     with open(w.dir / "init.log", "ab") as log:
                         w.proc = subprocess.Popen(
-                            [*_UNSHARE, sys.executable, "-I", "-S", str(_INIT_SCRIPT), str(w.dir)],
+                            [*_UNSHARE, sys.executable, "-I", "-S", str(INIT_SCRIPT), str(w.dir)],
                             stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL,
                             stderr=log,

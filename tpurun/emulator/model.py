@@ -106,7 +106,7 @@ ZONES = [
 ]
 
 # states in which a node holds capacity in its zone
-_HOLDING = {"CREATING", "READY", "STARTING", "STOPPING", "RESTARTING", "REPAIRING", "DELETING"}
+HOLDING_STATES = {"CREATING", "READY", "STARTING", "STOPPING", "RESTARTING", "REPAIRING", "DELETING"}
 
 
 class ApiError(Exception):

@@ -235,7 +235,7 @@ def emulator() -> Iterator[EmulatorHandle]:
             pytest.fail(problem)
         pytest.skip(problem)
     from tpurun.emulator.api import EmulatorServer
-    from tpurun.emulator.cli import _leftovers
+    from tpurun.emulator.cli import leftovers
     from tpurun.emulator.hosts import WorkerHosts
     from tpurun.emulator.model import Delays, EmulatorConfig
     from tpurun.emulator.state import Emulator
@@ -250,7 +250,7 @@ def emulator() -> Iterator[EmulatorHandle]:
         yield handle
     finally:
         server.stop()
-        left = _leftovers(state_dir)
+        left = leftovers(state_dir)
         if not left:
             shutil.rmtree(state_dir, ignore_errors=True)
     assert not left, f"the emulator left things behind: {left}"

@@ -17,8 +17,7 @@ from tpurun.job.launcher import connect
 from tpurun.job.records import JobRecord, RecordStream
 from tpurun.transport import bundle, targets
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, worker_names
-from tpurun.transport.streams import open_stream, run_capture
+from tpurun.transport.runner import Runner, open_stream, run_capture, worker_names
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit
 

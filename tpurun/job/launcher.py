@@ -30,8 +30,7 @@ from tpurun.sync import sender
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, worker_names
-from tpurun.transport.streams import Stream, open_stream, run_capture
+from tpurun.transport.runner import Runner, Stream, open_stream, run_capture, worker_names
 from tpurun.transport.targets import Target
 from tpurun.worker import bundle_name, protocol
 from tpurun.worker.protocol import AgentExit, ProcessStatus

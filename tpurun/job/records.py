@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tpurun.errors import UsageError
 from tpurun.transport import targets
-from tpurun.transport.streams import Stream
+from tpurun.transport.runner import Stream
 from tpurun.transport.targets import Target
 from tpurun.worker import protocol
 

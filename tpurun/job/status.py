@@ -16,8 +16,7 @@ from tpurun.errors import NoSuchTpu, TpurunError
 from tpurun.job.records import JobRecord, forget, list_records
 from tpurun.transport.bundle import program_argv
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
-from tpurun.transport.streams import run_capture
+from tpurun.transport.runner import Runner, run_capture
 from tpurun.transport.targets import Target
 from tpurun.worker import protocol
 from tpurun.worker.protocol import JobStatus as AgentStatus

@@ -28,8 +28,7 @@ from typing import Any
 
 from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
-from tpurun.transport.streams import Pipe
+from tpurun.transport.runner import Pipe, Runner
 from tpurun.worker import sync_helper as proto
 
 

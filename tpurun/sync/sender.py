@@ -36,8 +36,8 @@ from typing import Any
 from tpurun.errors import UsageError
 from tpurun.sync import ignore
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, SshRunner
-from tpurun.transport.streams import Pipe
+from tpurun.transport.runner import Pipe, Runner
+from tpurun.transport.ssh import SshRunner
 from tpurun.worker import sync_helper as proto
 
 CHUNK = 1 << 20  # bytes per data frame

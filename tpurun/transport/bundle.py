@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 from tpurun.errors import UnreachableError
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
-from tpurun.transport.streams import run_capture
+from tpurun.transport.runner import Runner, run_capture
 from tpurun.worker import bundle_name, bundle_tar
 from tpurun.worker.protocol import AgentExit
 

@@ -10,7 +10,8 @@ from typing import TypeVar
 
 from tpurun.errors import UnreachableError
 from tpurun.transport._paramiko import paramiko
-from tpurun.transport.runner import DEFAULT_GRACE, LineSink, Runner, SshRunner
+from tpurun.transport.runner import DEFAULT_GRACE, LineSink, Runner
+from tpurun.transport.ssh import SshRunner
 
 
 @dataclass

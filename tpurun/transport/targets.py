@@ -13,7 +13,9 @@ from tpurun.cloud.identity import Endpoints
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED
 from tpurun.errors import ApiError, NoSuchTpu, Preempted, UnreachableError, UsageError
 from tpurun.transport.fanout import connect_all
-from tpurun.transport.runner import LocalRunner, Runner, SshRunner, Worker, parse_worker_spec
+from tpurun.transport.local import LocalRunner
+from tpurun.transport.runner import Runner, Worker, parse_worker_spec
+from tpurun.transport.ssh import SshRunner
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud  # not at run time: exec and train load the API clients only when asked

@@ -31,6 +31,13 @@ from typing import Any, Union
 # ---------------------------------------------------------------- names
 
 
+class Word(str, Enum):
+    """A word of the protocol: equal to its wire value, and printed as it (`f"{status}"` is `exited`)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 class AgentExit(IntEnum):
     """The exit codes of `agent.py COMMAND` (and of the bundle's runner, for a worker without the bundle)."""
 
@@ -41,14 +48,14 @@ class AgentExit(IntEnum):
     MISSING = 93  # the bundle is not installed on the worker (yet): install it and run the command again
 
 
-class Launch(str, Enum):
+class Launch(Word):
     """How a job's processes are made (`train --launch`): lower case, like the command line's other choices."""
 
     host = "host"  # one process per worker; the script's spawner makes the chip processes, the hook files them
     chip = "chip"  # one process per chip, started by the agent
 
 
-class JobStatus(str, Enum):
+class JobStatus(Word):
     """A job's state on one worker (state.json's "status")."""
 
     STARTING = "starting"  # `start` wrote the spec; the supervisor is not up yet
@@ -64,7 +71,7 @@ TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED, J
 ENDED = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED})
 
 
-class ProcessStatus(str, Enum):
+class ProcessStatus(Word):
     """How one process of a job stands or ended (a process slot: the per-worker process in a host launch,
     one per chip otherwise, and each chip process a script's spawner makes)."""
 
@@ -76,7 +83,7 @@ class ProcessStatus(str, Enum):
     DIED = "died"  # ended without a word (killed from outside, crashed): blamed as the job's first failure
 
 
-class Event(str, Enum):
+class Event(Word):
     """The "event" of a record that is not a line."""
 
     STARTED = "started"  # `start`: the supervisor runs the job
@@ -85,14 +92,14 @@ class Event(str, Enum):
     DONE = "done"  # `stream`: the job is over on this worker; its state follows
 
 
-class Stream(str, Enum):
+class Stream(Word):
     """Which output a line came from."""
 
     OUT = "out"
     ERR = "err"
 
 
-class HookStream(str, Enum):
+class HookStream(Word):
     """The hook's connections to the supervisor's log socket, one per kind."""
 
     OUT = "out"
@@ -100,7 +107,7 @@ class HookStream(str, Enum):
     CTL = "ctl"  # reports: how the spawner's task ended (`TaskEnd`), faulthandler's crash report
 
 
-class TaskEnd(str, Enum):
+class TaskEnd(Word):
     """How a spawner's task in a chip process ended, as the hook reports it on its ctl connection."""
 
     OK = "ok"

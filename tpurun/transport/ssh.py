@@ -1,0 +1,450 @@
+"""Workers over SSH (paramiko): one connection per worker, its host key checked against tpurun's pinned
+known_hosts only, under the worker's identity (its node's unique id and its index), never under its
+address; unknown or changed keys are refused. A keepalive that wants an answer notices a worker that
+stopped answering.
+
+The three modes of a `Runner`: `run` wraps the command in a small POSIX-sh watchdog on the worker, which
+kills the command's process group (TERM, then KILL after a grace) when the channel's stdin closes, i.e.
+when tpurun stops it on purpose *or* when tpurun dies and the connection drops, so such a process never
+outlives the tpurun that started it; `stream` and `pipe` run the program as it is (the job agent and
+sync's helper end, or stop their job, when their stdin closes).
+"""
+
+from __future__ import annotations
+
+import select
+import shlex
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tpurun import config
+from tpurun.errors import UnreachableError, UsageError
+from tpurun.transport._paramiko import paramiko
+from tpurun.transport.runner import DEFAULT_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
+
+# A worker that stops answering (network partition, hung VM) leaves TCP silent rather than closed.
+# Every connection sends an SSH keepalive that asks for a reply every KEEPALIVE_INTERVAL seconds;
+# no reply within KEEPALIVE_TIMEOUT seconds closes the connection, so every command on that worker
+# ends with "stopped answering" (exit 4) within INTERVAL + TIMEOUT seconds (20 s by default).
+KEEPALIVE_INTERVAL = 5.0
+KEEPALIVE_TIMEOUT = 15.0
+
+
+def keepalive_settings() -> tuple[float, float]:
+    """(interval, timeout) in seconds; TPURUN_KEEPALIVE_INTERVAL / TPURUN_KEEPALIVE_TIMEOUT override."""
+    try:
+        interval = config.KEEPALIVE_INTERVAL.number()
+        timeout = config.KEEPALIVE_TIMEOUT.number()
+    except ValueError:
+        raise UsageError("TPURUN_KEEPALIVE_INTERVAL and TPURUN_KEEPALIVE_TIMEOUT must be seconds") from None
+    return max(0.1, interval), max(0.5, timeout)
+
+
+class Liveness:
+    """Pings one SSH transport (keepalive@openssh.com, reply wanted) and closes it when no reply comes.
+
+    sshd answers unknown global requests with REQUEST_FAILURE, which is all we need: an answer.
+    """
+
+    def __init__(self, transport: paramiko.Transport, worker: Worker) -> None:
+        self.transport = transport
+        self.worker = worker
+        self.interval, self.timeout = keepalive_settings()
+        self.dead: str = ""  # why the connection was given up, once it was
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=f"keepalive-w{worker.index}")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        t = self.transport
+        while not self._stop.wait(self.interval):
+            if not t.is_active():
+                return
+            answered = threading.Event()
+
+            def ping(answered: threading.Event = answered) -> None:
+                try:
+                    t.global_request("keepalive@openssh.com", wait=True)  # returns on any reply or close
+                except Exception:
+                    pass
+                answered.set()
+
+            threading.Thread(target=ping, daemon=True, name=f"ping-w{self.worker.index}").start()
+            if not answered.wait(self.timeout) and not self._stop.is_set():
+                self.dead = (
+                    f"worker {self.worker.label()} stopped answering: no reply to an SSH keepalive "
+                    f"for {self.timeout:.0f} s"
+                )
+                t.close()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+# The watchdog. $1 = grace seconds, the rest = the user's argv (never re-split: "$@").
+# fd 3 keeps the channel's stdin for the watchdog (an asynchronous list's stdin is /dev/null
+# otherwise); the command itself reads /dev/null. setsid gives the command its own process group
+# (its pid = pgid), which is what we signal.
+_WRAPPER = (
+    # a missing program is named as the user typed it, not through setsid's own message
+    """g=$1; shift; command -v "$1" >/dev/null 2>&1 || { printf 'cannot start %s: command not found\\n' "$1" >&2; """
+    "exit 127; }; "
+    'exec 3<&0; setsid "$@" </dev/null & p=$!; '
+    "( while read -r _ <&3; do :; done; kill -TERM -$p 2>/dev/null; i=0; "
+    "while kill -0 -$p 2>/dev/null && [ $i -lt $((g*10)) ]; do sleep 0.1; i=$((i+1)); done; "
+    "kill -KILL -$p 2>/dev/null ) & w=$!; exec 3<&-; "
+    "wait $p; rc=$?; kill $w 2>/dev/null; "
+    # whatever the command left behind in its group goes too
+    "if kill -0 -$p 2>/dev/null; then kill -TERM -$p 2>/dev/null; sleep 0.2; kill -KILL -$p 2>/dev/null; fi; "
+    "exit $rc"
+)
+
+
+def wrap_command(argv: Sequence[str], grace: float = DEFAULT_GRACE) -> str:
+    """The one shell line sshd runs: the watchdog with ARGV quoted so it arrives exactly."""
+    for arg in argv:
+        if "\0" in arg:
+            raise UsageError("arguments cannot contain NUL bytes (no program can receive them)")
+    return shlex.join(["sh", "-c", _WRAPPER, "tpurun", str(max(1, int(round(grace)))), *argv])
+
+
+def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
+    """A paramiko Transport that prefers AES-GCM: one AEAD call per packet instead of AES-CTR plus a
+    separate HMAC, about 40% less CPU per byte on both ends (matters for `sync`'s bulk data)."""
+    t = paramiko.Transport(*args, **kwargs)
+    opts = t.get_security_options()
+    gcm = [c for c in ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com") if c in opts.ciphers]
+    opts.ciphers = tuple(gcm + [c for c in opts.ciphers if c not in gcm])
+    return t
+
+
+_host_keys_cache: dict[tuple[str, int, int, int], paramiko.HostKeys] = {}
+_host_keys_lock = threading.Lock()
+
+
+def _pin_host_keys(client: paramiko.SSHClient, known_hosts: Path, worker: Worker) -> None:
+    """Give CLIENT the pinned keys of WORKER only. The file is parsed once per process, not once per
+    connection: with N workers' lines, N clients each parsing it cost O(N^2) key objects (1.4 s of CPU
+    at 128 workers)."""
+    try:
+        st = known_hosts.stat()
+    except FileNotFoundError:
+        return
+    cache_key = (str(known_hosts), st.st_ino, st.st_mtime_ns, st.st_size)
+    with _host_keys_lock:
+        keys = _host_keys_cache.get(cache_key)
+        if keys is None:
+            keys = paramiko.HostKeys(str(known_hosts))
+            _host_keys_cache.clear()
+            _host_keys_cache[cache_key] = keys
+    # the name paramiko checks the server's key under; the key is the one pinned for the worker's identity
+    host = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
+    entry = keys.lookup(worker.host_key) if worker.host_key else None
+    if entry is not None:
+        for keytype in entry.keys():
+            client.get_host_keys().add(host, keytype, entry[keytype])
+
+
+def _why_unreachable(exc: BaseException) -> str:
+    """What a failed TCP connection or SSH banner most likely means, in words (not `[Errno None] ...`)."""
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return "no answer within the timeout (the VM is down or stopped, or a firewall rule drops port 22)"
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError | ConnectionRefusedError):
+        return "the connection was refused (its sshd is not running yet or any more, or the VM is gone)"
+    if isinstance(exc, EOFError | ConnectionResetError):
+        return "the connection was closed during the SSH handshake (its sshd is starting or overloaded)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
+class SshRunner(Runner):
+    """One paramiko connection to one worker, host key checked against the pinned known_hosts."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        *,
+        key_path: Path,
+        known_hosts: Path,
+        connect_timeout: float = 15.0,
+        auth_retries: int | None = None,
+        auth_retry_delay: float | None = None,
+        node_name: str = "",
+    ) -> None:
+        self.worker = worker
+        self.key_path = key_path
+        self.known_hosts = known_hosts
+        self.connect_timeout = connect_timeout
+        self.auth_retries = auth_retries if auth_retries is not None else config.SSH_RETRIES.integer()
+        self.auth_retry_delay = auth_retry_delay if auth_retry_delay is not None else config.SSH_RETRY_DELAY.number()
+        self.node_name = node_name
+        self.client: paramiko.SSHClient | None = None
+        self.liveness: Liveness | None = None
+
+    @property
+    def dead_reason(self) -> str:
+        return self.liveness.dead if self.liveness is not None else ""
+
+    def _attach_hint(self) -> str:
+        return f"`tpurun attach {self.node_name}`" if self.node_name else "`tpurun attach NAME`"
+
+    def _of_tpu(self) -> str:
+        return f" of {self.node_name}" if self.node_name else ""
+
+    def connect(self) -> None:
+        self.refused_key = False
+        client = paramiko.SSHClient()
+        # only tpurun's pinned keys; never the user's known_hosts, never trust on first use
+        if self.known_hosts.exists():
+            _pin_host_keys(client, self.known_hosts, self.worker)
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        pkey = paramiko.Ed25519Key.from_private_key_file(str(self.key_path)) if self.key_path.exists() else None
+        w = self.worker
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                client.connect(
+                    w.address,
+                    port=w.port,
+                    username=w.user,
+                    pkey=pkey,
+                    allow_agent=pkey is None,
+                    look_for_keys=pkey is None,
+                    timeout=self.connect_timeout,
+                    banner_timeout=self.connect_timeout,
+                    auth_timeout=self.connect_timeout,
+                    transport_factory=_fast_transport,
+                )
+                break
+            except paramiko.BadHostKeyException:
+                client.close()
+                self.refused_key = True
+                raise UnreachableError(
+                    f"HOST KEY CHANGED for worker {w.label()}{self._of_tpu()}: refusing to connect (the VM that "
+                    "answers there does not hold the key the TPU published for that worker: another VM has "
+                    "the address now, or a man in the middle)",
+                    hint=f"`tpurun describe {self.node_name or 'NAME'}` shows the TPU's workers",
+                ) from None
+            except paramiko.SSHException as exc:
+                client.close()
+                if "not found in known_hosts" in str(exc):
+                    self.refused_key = True
+                    raise UnreachableError(
+                        f"no pinned host key for worker {w.label()}{self._of_tpu()}: refusing to trust an unknown "
+                        "host",
+                        hint=f"{self._attach_hint()} pins the keys the TPU published",
+                    ) from None
+                auth = isinstance(exc, paramiko.AuthenticationException)
+                if attempt > self.auth_retries or not auth:
+                    what = "authentication failed" if auth else f"ssh error: {exc}"
+                    raise UnreachableError(
+                        f"cannot log in to worker {w.label()} as {w.user}: {what}",
+                        hint=f"{self._attach_hint()} installs tpurun's key in the node's ssh-keys",
+                    ) from None
+                # a key freshly added to metadata takes a moment to reach the workers
+                time.sleep(self.auth_retry_delay)
+                client = paramiko.SSHClient()
+                if self.known_hosts.exists():
+                    _pin_host_keys(client, self.known_hosts, self.worker)
+                client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            except (OSError, EOFError) as exc:
+                client.close()
+                raise UnreachableError(
+                    f"cannot reach worker {w.label()}{self._of_tpu()} on port {w.port}: {_why_unreachable(exc)}",
+                    hint=f"`tpurun describe {self.node_name}` shows its state" if self.node_name else None,
+                ) from None
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(15)
+        self.liveness = Liveness(transport, w)
+        self.client = client
+
+    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+        assert self.client is not None, "connect() first"
+        transport = self.client.get_transport()
+        assert transport is not None
+        chan = transport.open_session()
+        chan.exec_command(wrap_command(argv, grace))
+        i = self.worker.index
+        out = LineSplitter(lambda line: sink(i, "out", line))
+        err = LineSplitter(lambda line: sink(i, "err", line))
+        stop_sent = False
+        last_alive = time.monotonic()
+        while True:
+            if stop.is_set() and not stop_sent:
+                chan.shutdown_write()  # the watchdog sees EOF and stops the process group
+                stop_sent = True
+            r, _, _ = select.select([chan], [], [], 0.1)
+            got = False
+            while chan.recv_ready():
+                out.feed(chan.recv(65536))
+                got = True
+            while chan.recv_stderr_ready():
+                err.feed(chan.recv_stderr(65536))
+                got = True
+            if got:
+                last_alive = time.monotonic()
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                # drain anything that raced with the exit status
+                while True:
+                    data = chan.recv(65536) if chan.recv_ready() else b""
+                    edata = chan.recv_stderr(65536) if chan.recv_stderr_ready() else b""
+                    if not data and not edata:
+                        break
+                    out.feed(data)
+                    err.feed(edata)
+                break
+            if chan.closed or not transport.is_active():
+                break
+            if stop_sent and time.monotonic() - last_alive > grace + 30:
+                break
+        out.flush()
+        err.flush()
+        if not transport.is_active() and not chan.exit_status_ready():
+            raise UnreachableError(self.dead_reason or f"lost the connection to worker {self.worker.label()}")
+        rc = chan.recv_exit_status()
+        chan.close()
+        return rc
+
+    def stream(self, argv: Sequence[str]) -> Stream:
+        assert self.client is not None, "connect() first"
+        transport = self.client.get_transport()
+        assert transport is not None
+        chan = transport.open_session()
+        chan.exec_command(shlex.join(argv))
+        return SshStream(chan, self.liveness)
+
+    def pipe(self, argv: Sequence[str]) -> Pipe:
+        return SshPipe(self, argv)
+
+    def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def __repr__(self) -> str:
+        return f"SshRunner({self.worker})"
+
+
+def send_all(chan: paramiko.Channel, data: bytes | bytearray | memoryview) -> None:
+    """Send every byte of DATA on CHAN. paramiko's own Channel.sendall re-slices the rest of its input
+    after each 32 KiB packet, copying O(n^2) bytes (half the client's CPU in a bulk sync with 1 MiB
+    writes); sending successive views of one memoryview copies nothing."""
+    view = memoryview(data)
+    while view:
+        sent = chan.send(view)
+        if sent <= 0:
+            raise OSError("the SSH channel no longer accepts data")
+        view = view[sent:]
+
+
+class SshStream(Stream):
+    def __init__(self, chan: paramiko.Channel, liveness: Liveness | None = None) -> None:
+        self.chan = chan
+        self.err = b""
+        self.liveness = liveness
+
+    def write(self, data: bytes) -> None:
+        send_all(self.chan, data)
+
+    def close_stdin(self) -> None:
+        try:
+            self.chan.shutdown_write()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+
+    def read(self, timeout: float = 0.1) -> bytes | None:
+        while self.chan.recv_stderr_ready():
+            self.err += self.chan.recv_stderr(65536)
+        if self.chan.recv_ready():
+            return self.chan.recv(1 << 20)
+        if self.chan.eof_received or self.chan.closed:
+            data = self.chan.recv(1 << 20) if self.chan.recv_ready() else b""
+            return data or None
+        transport = self.chan.get_transport()
+        if transport is None or not transport.is_active():
+            return None
+        select.select([self.chan], [], [], timeout)
+        if self.chan.recv_ready():
+            return self.chan.recv(1 << 20)
+        return b""
+
+    def stderr_text(self) -> str:
+        while self.chan.recv_stderr_ready():
+            self.err += self.chan.recv_stderr(65536)
+        text = self.err.decode("utf-8", errors="replace")
+        if self.liveness is not None and self.liveness.dead:
+            text += ("\n" if text and not text.endswith("\n") else "") + self.liveness.dead
+        return text
+
+    def wait(self) -> int:
+        transport = self.chan.get_transport()
+        if transport is None or not transport.is_active():
+            return -1 if not self.chan.exit_status_ready() else self.chan.recv_exit_status()
+        return self.chan.recv_exit_status()
+
+    def kill(self) -> None:
+        self.chan.close()
+
+
+class SshPipe:
+    """ARGV on one new channel of a connected SshRunner, its exec request pipelined: the caller goes on
+    sending without waiting for the server's reply (a refused request closes the channel, which the
+    reader then sees)."""
+
+    def __init__(self, runner: SshRunner, argv: Sequence[str]) -> None:
+        assert runner.client is not None, "connect() first"
+        transport = runner.client.get_transport()
+        assert transport is not None
+        self.chan = transport.open_session()
+        command = shlex.join(argv)
+        try:
+            from paramiko.common import cMSG_CHANNEL_REQUEST
+            from paramiko.message import Message
+
+            msg = Message()
+            msg.add_byte(cMSG_CHANNEL_REQUEST)
+            msg.add_int(self.chan.remote_chanid)
+            msg.add_string("exec")
+            msg.add_boolean(True)
+            msg.add_string(command)
+            self.chan._event_pending()
+            self.chan.transport._send_user_message(msg)  # type: ignore[union-attr]
+        except (ImportError, AttributeError):  # another paramiko: the plain, waiting request
+            self.chan.exec_command(command)
+
+    def send(self, data: bytes) -> None:
+        send_all(self.chan, data)
+
+    def recv(self, n: int) -> bytes:
+        return self.chan.recv(n)
+
+    def close_write(self) -> None:
+        self.chan.shutdown_write()
+
+    def close(self) -> None:
+        self.chan.close()
+
+    def ended(self) -> tuple[int | None, bytes]:
+        err = b""
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not self.chan.exit_status_ready():
+            time.sleep(0.05)
+        while self.chan.recv_stderr_ready():
+            err += self.chan.recv_stderr(65536)
+        rc = self.chan.exit_status if self.chan.exit_status_ready() else None
+        transport = self.chan.get_transport()
+        if rc in (None, -1) and not err.strip() and (transport is None or not transport.is_active()):
+            return None, b""  # paramiko reports -1 when the connection, not the program, ended
+        return rc, err
+
+
