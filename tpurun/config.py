@@ -3,7 +3,7 @@
 This module is the one place that reads them. The five settings (project, zone, tpu, api_endpoint,
 home) are resolved with their precedence in settings.py from `SETTINGS`; the rest are tunables,
 read when used (tests change them per process). Variables tpurun *sets* for the processes it starts
-(TPURUN_JOB_ID, TPURUN_WORKER_ID, ...) belong to the env contract (job/plan.py), and the
+(TPURUN_JOB_ID, TPURUN_WORKER_ID, ...) belong to the env contract (job/env_contract.py), and the
 programs shipped to workers read their own (they run without this package).
 """
 

@@ -190,7 +190,7 @@ def test_preemption_with_max_restarts_recreates_and_finishes(cli, emulator):
 @pytest.mark.parametrize("accel", ["v2-8", "v3-32", "v4-32", "v5litepod-16", "v6e-8"])
 @pytest.mark.parametrize("runtime", ["pjrt", "xrt"])
 def test_dry_run_env_matches_the_contract(cli, emulator, tpu_node, accel, runtime):
-    from tpurun.job.plan import plan_job
+    from tpurun.job.env_contract import plan_job
     from tpurun.topology import parse_accelerator_type
 
     node = tpu_node(accel, user="root", wait_startup=False)

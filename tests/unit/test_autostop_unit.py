@@ -11,7 +11,7 @@ import pytest
 
 from tpurun.cloud import autostop
 from tpurun.errors import UsageError
-from tpurun.worker import watchdog as wd
+from tpurun.worker import watchdog
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("2h", 7200), ("1d", 86400), ("off", 0)])
@@ -70,7 +70,7 @@ def test_setting_round_trip(monkeypatch):
 def test_summarize_idle_since_the_last_worker_became_idle():
     now = 1000.0
     states = [("w0", {"t": 999, "idle_since": 900, "jobs": []}), ("w1", {"t": 999.5, "idle_since": 950, "jobs": []})]
-    assert wd.summarize(states, now, tick=30) == ([], [], 950)
+    assert watchdog.summarize(states, now, tick=30) == ([], [], 950)
 
 
 def test_summarize_busy_and_silent_workers():
@@ -81,16 +81,16 @@ def test_summarize_busy_and_silent_workers():
         ("w2", {"t": 900, "idle_since": 100, "jobs": []}),  # last report 100 s ago: 3 looks of 30 s missed
         ("w3", None),  # never reported
     ]
-    running, busy, _ = wd.summarize(states, now, tick=30)
+    running, busy, _ = watchdog.summarize(states, now, tick=30)
     assert running == ["w0 runs job j1", "w2 has not reported", "w3 has not reported"]
     assert busy == ["w1: 2 process(es) hold the TPU"]
 
 
 def test_tpu_env_value_and_duration():
     text = "ACCELERATOR_TYPE: 'v4-16'\nMEGASCALE_SLICE_ID: '1'\nZONE: 'us-central2-b'\n"
-    assert wd.tpu_env_value(text, "MEGASCALE_SLICE_ID") == "1"
-    assert wd.tpu_env_value(text, "MISSING") == ""
-    assert [wd.duration(s) for s in (0, 1, 60, 90, 1815, 3600, 5400, 86400, 90000)] == [
+    assert watchdog.tpu_env_value(text, "MEGASCALE_SLICE_ID") == "1"
+    assert watchdog.tpu_env_value(text, "MISSING") == ""
+    assert [watchdog.duration(s) for s in (0, 1, 60, 90, 1815, 3600, 5400, 86400, 90000)] == [
         "0s", "1s", "1m", "1m30s", "30m15s", "1h", "1h30m", "1d", "1d1h"
     ]  # fmt: skip
 
@@ -104,9 +104,9 @@ def test_down_jobs_waits_for_the_settle_time_and_runs_once(tmp_path):
     old = time.time() - 10
     for name in "ad":
         os.utime(root / name / "state.json", (old, old))
-    assert wd.down_jobs([str(root)], [], 5, set()) == [str(root / "a")]  # c ended just now; d's is no true
-    assert wd.down_jobs([str(root)], ["a"], 5, set()) == []
-    assert wd.down_jobs([str(root)], [], 0, {str(root / "a")}) == [str(root / "c")]
+    assert watchdog.down_jobs([str(root)], [], 5, set()) == [str(root / "a")]  # c ended just now; d's is no true
+    assert watchdog.down_jobs([str(root)], ["a"], 5, set()) == []
+    assert watchdog.down_jobs([str(root)], [], 0, {str(root / "a")}) == [str(root / "c")]
 
 
 def test_summarize_counts_setup_as_work_and_unreadable_states_as_silent():
@@ -116,20 +116,20 @@ def test_summarize_counts_setup_as_work_and_unreadable_states_as_silent():
         ("w1", {"t": "soon"}),
         ("w2", [1]),
     ]
-    running, busy, _ = wd.summarize(states, now, tick=30)  # type: ignore[arg-type]
+    running, busy, _ = watchdog.summarize(states, now, tick=30)  # type: ignore[arg-type]
     assert running == ["w0 runs tpurun setup", "w1 has not reported", "w2 has not reported"] and busy == []
 
 
 def test_no_worker_to_look_at_is_never_idle():
-    running, busy, since = wd.summarize([], 1000.0, tick=30)
+    running, busy, since = watchdog.summarize([], 1000.0, tick=30)
     assert running == ["no worker to look at"] and since == 0
 
 
 def test_the_token_goes_to_https_or_loopback_only():
-    assert wd.endpoint_ok("https://tpu.googleapis.com")
-    assert wd.endpoint_ok("http://127.0.0.1:8080") and wd.endpoint_ok("http://localhost:1")
-    assert not wd.endpoint_ok("http://tpu.googleapis.com") and not wd.endpoint_ok("tpu.googleapis.com")
-    assert not wd.endpoint_ok("http://10.0.0.1:80")
+    assert watchdog.endpoint_ok("https://tpu.googleapis.com")
+    assert watchdog.endpoint_ok("http://127.0.0.1:8080") and watchdog.endpoint_ok("http://localhost:1")
+    assert not watchdog.endpoint_ok("http://tpu.googleapis.com") and not watchdog.endpoint_ok("tpu.googleapis.com")
+    assert not watchdog.endpoint_ok("http://10.0.0.1:80")
 
 
 def test_the_setting_makes_a_bare_host_https(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 
 from tpurun.sync import download
 from tpurun.sync.sender import Counters, frame
-from tpurun.worker import sync_helper as proto
+from tpurun.worker import sync_helper
 
 
 class LyingWorker:
@@ -22,7 +22,7 @@ class LyingWorker:
     the client asks for (FILES: {name: content})."""
 
     def __init__(self, listing: dict, files: dict[str, bytes], tail: bytes = b"") -> None:
-        out = frame(b"I", proto.pack_json(listing))
+        out = frame(b"I", sync_helper.pack_json(listing))
         for i, (name, *_) in enumerate(listing["files"]):
             data = files[name]
             out += frame(b"F", struct.pack(">I", i)) + frame(b"D", data)
@@ -118,7 +118,7 @@ def test_an_unexpected_frame_inside_a_file_leaves_no_temp_and_no_descriptor(tmp_
     files = {"a.bin": b"a" * 10}
     listing = _listing("/root/run", files)
     worker = LyingWorker(listing, {"a.bin": b""})  # then the frames below instead of the file's
-    worker.out = frame(b"I", proto.pack_json(listing)) + frame(b"F", struct.pack(">I", 0)) + frame(b"D", b"aaaa")
+    worker.out = frame(b"I", sync_helper.pack_json(listing)) + frame(b"F", struct.pack(">I", 0)) + frame(b"D", b"aaaa")
     worker.out += frame(b"Q", b"nonsense")
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(download.Protocol):

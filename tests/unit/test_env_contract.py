@@ -1,4 +1,4 @@
-"""The env contract (tpurun/job/plan.py) as golden tables: the full environment of chosen processes per
+"""The env contract (tpurun/job/env_contract.py) as golden tables: the full environment of chosen processes per
 runtime and accelerator type, written out literally (sources: docs/train.md). These are tpurun's own
 choices; what torch_xla does with them is tested by running it (tests/integration/test_launch.py)."""
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpurun.errors import UsageError
-from tpurun.job.plan import HOST, CoreSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
+from tpurun.job.env_contract import HOST, CoreSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
 from tpurun.topology import parse_accelerator_type
 
 ADDRESSES = [f"10.130.{i // 200}.{2 + i % 200}" for i in range(64)]
@@ -368,7 +368,7 @@ def test_cpu_runtime_one_device_per_process() -> None:
 
 
 def _multislice_plan(runtime: str, launch: str) -> list[list]:
-    from tpurun.job.plan import plan_job
+    from tpurun.job.env_contract import plan_job
 
     return plan_job(
         job_id="job-1",
@@ -576,7 +576,7 @@ def test_probe_script_runs_here() -> None:
     import subprocess
     import sys
 
-    from tpurun.job.plan import PROBE_SCRIPT
+    from tpurun.job.env_contract import PROBE_SCRIPT
 
     out = subprocess.run([sys.executable, "-c", PROBE_SCRIPT], capture_output=True, text=True, check=True).stdout
     probe = json.loads(out)

@@ -185,12 +185,35 @@ def bundle_imports(package: Path) -> list[str]:
     return out
 
 
-RULES = {"import circle": import_cycles, "private name": private_imports, "bundle beyond stdlib": bundle_imports}
+def renamed_imports(package: Path) -> list[str]:
+    """A module or name of the package imported under another name (`from tpurun.job import plan as envc`):
+    each is called by its own name everywhere."""
+    name = package.name
+    out = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == name:
+                renamed = [a for a in node.names if a.asname and a.asname != a.name]
+            elif isinstance(node, ast.Import):
+                renamed = [a for a in node.names if a.name.split(".")[0] == name and a.asname]
+            else:
+                continue
+            out += [f"{path.relative_to(package.parent)}:{node.lineno}: {a.name} as {a.asname}" for a in renamed]
+    return out
+
+
+RULES = {
+    "import circle": import_cycles,
+    "private name": private_imports,
+    "bundle beyond stdlib": bundle_imports,
+    "renamed import": renamed_imports,
+}
 
 PLANTED = {
     "import circle": ("transport/runner.py", "from tpurun.transport.ssh import SshRunner\n"),
     "private name": ("cli/train.py", "from tpurun.transport.ssh import _fast_transport\n"),
     "bundle beyond stdlib": ("worker/protocol.py", "import paramiko\n"),
+    "renamed import": ("cli/health.py", "from tpurun.job import launcher as train\n"),
 }
 
 

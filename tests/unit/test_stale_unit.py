@@ -7,27 +7,27 @@ import subprocess
 import sys
 import time
 
-from tpurun import health as dr
+from tpurun import health
 from tpurun.cloud.startup import StartupReport
-from tpurun.worker import probe as stale
+from tpurun.worker import probe
 
 
 def test_device_and_libtpu_matching():
-    globs = stale.DEFAULT_DEVICE_GLOBS
-    assert stale.matches_device("/dev/accel0", globs)
-    assert stale.matches_device("/dev/vfio/3", globs) and stale.matches_device("/dev/vfio/vfio", globs)
-    assert stale.matches_device("/dev/accel1 (deleted)", globs)
-    assert not stale.matches_device("/dev/null", globs) and not stale.matches_device("socket:[123]", globs)
-    assert not stale.matches_device("/dev/accelerometer/x", ["/dev/accel[0-9]*"])
-    pat = stale.DEFAULT_LIBTPU_GLOB
-    assert stale.matches_libtpu("/usr/local/lib/python3.10/dist-packages/libtpu/libtpu.so", pat)
-    assert stale.matches_libtpu("/lib/libtpu.so (deleted)", pat)
-    assert stale.matches_libtpu("/opt/libtpu_nightly.so", pat)
-    assert not stale.matches_libtpu("/usr/lib/libtpu.so.backup", pat)
-    assert not stale.matches_libtpu("/usr/lib/libc.so.6", pat)
+    globs = probe.DEFAULT_DEVICE_GLOBS
+    assert probe.matches_device("/dev/accel0", globs)
+    assert probe.matches_device("/dev/vfio/3", globs) and probe.matches_device("/dev/vfio/vfio", globs)
+    assert probe.matches_device("/dev/accel1 (deleted)", globs)
+    assert not probe.matches_device("/dev/null", globs) and not probe.matches_device("socket:[123]", globs)
+    assert not probe.matches_device("/dev/accelerometer/x", ["/dev/accel[0-9]*"])
+    pat = probe.DEFAULT_LIBTPU_GLOB
+    assert probe.matches_libtpu("/usr/local/lib/python3.10/dist-packages/libtpu/libtpu.so", pat)
+    assert probe.matches_libtpu("/lib/libtpu.so (deleted)", pat)
+    assert probe.matches_libtpu("/opt/libtpu_nightly.so", pat)
+    assert not probe.matches_libtpu("/usr/lib/libtpu.so.backup", pat)
+    assert not probe.matches_libtpu("/usr/lib/libc.so.6", pat)
     # a pattern with a '/' matches the whole path (the testing hook TPURUN_LIBTPU_GLOB)
-    assert stale.matches_libtpu("/tmp/t1/libtpu.so", "/tmp/t1/libtpu*.so")
-    assert not stale.matches_libtpu("/lib/libtpu.so", "/tmp/t1/libtpu*.so")
+    assert probe.matches_libtpu("/tmp/t1/libtpu.so", "/tmp/t1/libtpu*.so")
+    assert not probe.matches_libtpu("/lib/libtpu.so", "/tmp/t1/libtpu*.so")
 
 
 def test_maps_stat_status_cmdline_parsing():
@@ -37,13 +37,13 @@ def test_maps_stat_status_cmdline_parsing():
         "7f02-7f03 r--p 00000000 08:01 99     /tmp/dir with space/libtpu.so (deleted)\n"
         "7ffd-7ffe rw-p 00000000 00:00 0      [stack]\n"
     )
-    assert stale.maps_paths(maps) == {"/usr/lib/libtpu/libtpu.so", "/tmp/dir with space/libtpu.so"}
+    assert probe.maps_paths(maps) == {"/usr/lib/libtpu/libtpu.so", "/tmp/dir with space/libtpu.so"}
     stat = "42 (python3 (x) y) S 7 42 42 0 -1 4194560 " + " ".join(["0"] * 12) + " 123456 0 0"  # starttime is field 22
-    assert stale.parse_stat(stat) == (7, "S", 123456)
-    assert stale.parse_status_uid("Name:\tx\nUid:\t1000\t1000\t1000\t1000\n") == 1000
-    assert stale.parse_status_uid("Name:\tx\n") is None
-    assert stale.format_cmdline(b"python3\0-c\0print('a b')\0\0") == "python3 -c 'print('\"'\"'a b'\"'\"')' ''"
-    assert stale.format_cmdline(b"") == ""
+    assert probe.parse_stat(stat) == (7, "S", 123456)
+    assert probe.parse_status_uid("Name:\tx\nUid:\t1000\t1000\t1000\t1000\n") == 1000
+    assert probe.parse_status_uid("Name:\tx\n") is None
+    assert probe.format_cmdline(b"python3\0-c\0print('a b')\0\0") == "python3 -c 'print('\"'\"'a b'\"'\"')' ''"
+    assert probe.format_cmdline(b"") == ""
 
 
 def test_parse_env_exports():
@@ -55,7 +55,7 @@ def test_parse_env_exports():
         "export TPU_NUM_DEVICES='4';\n"
         "echo PJRT_DEVICE=CPU\n"
     )
-    assert stale.parse_env_exports(text) == [
+    assert probe.parse_env_exports(text) == [
         (2, "XRT_TPU_CONFIG", "localservice;0;localhost:51011"),
         (3, "PJRT_DEVICE", "TPU"),
         (5, "TPU_NUM_DEVICES", "4"),
@@ -63,14 +63,14 @@ def test_parse_env_exports():
 
 
 def test_plan_signals():
-    assert stale.plan_signals(0.0, 10, [1, 2], set()) == ([1, 2], [])
-    assert stale.plan_signals(5.0, 10, [2], {1, 2}) == ([], [])
-    assert stale.plan_signals(10.0, 10, [2], {1, 2}) == ([], [2])
-    assert stale.plan_signals(0.0, 0, [3], set()) == ([3], [])  # TERM first even with no grace
+    assert probe.plan_signals(0.0, 10, [1, 2], set()) == ([1, 2], [])
+    assert probe.plan_signals(5.0, 10, [2], {1, 2}) == ([], [])
+    assert probe.plan_signals(10.0, 10, [2], {1, 2}) == ([], [2])
+    assert probe.plan_signals(0.0, 0, [3], set()) == ([3], [])  # TERM first even with no grace
 
 
 def test_ancestors_protect_the_caller():
-    chain = stale.ancestors(os.getpid())
+    chain = probe.ancestors(os.getpid())
     assert {os.getpid(), os.getppid()} <= chain
 
 
@@ -90,11 +90,11 @@ def test_scan_and_kill_on_test_paths(tmp_path):
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"up\n"
         cfg = {"device_globs": [str(dev)], "libtpu_glob": str(tmp_path / "libtpu*.so"), "lock_globs": [str(lock)]}
-        dry = stale.kill_stale(dict(cfg, dry_run=True))
+        dry = probe.kill_stale(dict(cfg, dry_run=True))
         assert [h["pid"] for h in dry["holders"]] == [holder.pid] and not dry["free"]
         assert dry["holders"][0]["holds"] == [str(dev)] and dry["locks"][0]["result"] == "would remove"
         t0 = time.monotonic()
-        out = stale.kill_stale(dict(cfg, grace=0.5))
+        out = probe.kill_stale(dict(cfg, grace=0.5))
         assert time.monotonic() - t0 >= 0.5
         assert out["free"] and out["holders"][0]["result"] == "killed (SIGKILL)"
         assert out["locks"] == [{"path": str(lock), "result": "removed"}] and not lock.exists()
@@ -109,10 +109,10 @@ def test_lock_kept_while_open(tmp_path):
     lock = tmp_path / "libtpu_lockfile"
     lock.write_text("")
     with open(lock):
-        found = stale.scan([str(tmp_path / "nodev")], str(tmp_path / "x.so"), [str(lock)])
+        found = probe.scan([str(tmp_path / "nodev")], str(tmp_path / "x.so"), [str(lock)])
         # this process is an ancestor of nothing here, but it is the scanner itself: protected
         assert found["lock_users"] == {}
-    kept = stale.remove_locks([str(lock)], {str(lock): [123]}, dry_run=False)
+    kept = probe.remove_locks([str(lock)], {str(lock): [123]}, dry_run=False)
     assert kept == [{"path": str(lock), "result": "kept: open in pid 123"}] and lock.exists()
 
 
@@ -150,53 +150,53 @@ def _status(checks, name):
 
 
 def test_versions():
-    assert dr.version_tuple("2.9.0+cpu") == (2, 9, 0) and dr.version_tuple("2.1.0rc1") == (2, 1, 0)
-    assert dr.version_tuple(None) == () and dr.major_minor("2.10.1") == "2.10"
-    assert dr.check_versions(0, _probe(), "python3").status == "pass"
-    bad = dr.check_versions(0, _probe(torch_xla_version="2.8.0"), "python3")
+    assert health.version_tuple("2.9.0+cpu") == (2, 9, 0) and health.version_tuple("2.1.0rc1") == (2, 1, 0)
+    assert health.version_tuple(None) == () and health.major_minor("2.10.1") == "2.10"
+    assert health.check_versions(0, _probe(), "python3").status == "pass"
+    bad = health.check_versions(0, _probe(torch_xla_version="2.8.0"), "python3")
     assert bad.status == "fail" and "do not match" in bad.detail and "torch_xla[tpu]==2.9.*" in bad.fix
-    missing = dr.check_versions(0, _probe(torch_xla_version=None), "python3")
+    missing = health.check_versions(0, _probe(torch_xla_version=None), "python3")
     assert missing.status == "fail" and "torch_xla is not installed" in missing.detail
-    none = dr.check_versions(0, _probe(torch_xla_version=None, torch_version=None), "python3")
+    none = health.check_versions(0, _probe(torch_xla_version=None, torch_version=None), "python3")
     assert "neither" in none.detail
-    err = dr.check_versions(0, {"python_probe": {"error": "py: not found"}}, "py")
+    err = health.check_versions(0, {"python_probe": {"error": "py: not found"}}, "py")
     assert err.status == "fail" and err.name == "python"
 
 
 def test_same_versions_across_workers():
     probes = {0: _probe(), 1: _probe(), 2: _probe(torch_xla_version="2.8.0"), 3: {"python_probe": {"error": "x"}}}
-    checks = dr.check_same_versions(probes)
+    checks = health.check_same_versions(probes)
     assert [(c.worker, c.status) for c in checks] == [(0, "pass"), (1, "pass"), (2, "fail")]
     assert "torch_xla 2.8.0 (others: 2.9.0)" in checks[2].detail
-    assert dr.check_same_versions({0: _probe()}) == []
+    assert health.check_same_versions({0: _probe()}) == []
 
 
 def test_libtpu_and_devices():
-    assert dr.check_libtpu(0, _probe(), "python3").status == "pass"
-    no = dr.check_libtpu(0, _probe(libtpu_installed=False), "python3")
+    assert health.check_libtpu(0, _probe(), "python3").status == "pass"
+    no = health.check_libtpu(0, _probe(libtpu_installed=False), "python3")
     assert no.status == "fail" and "torch_xla[tpu]" in no.fix
-    assert dr.check_libtpu(0, _probe(libtpu_installed=False, devices_present=[]), "python3").status == "pass"
+    assert health.check_libtpu(0, _probe(libtpu_installed=False, devices_present=[]), "python3").status == "pass"
     # plain files where a TPU has character devices: an emulated worker, a warning that says both sides
-    emu = dr.check_libtpu(0, _probe(libtpu_installed=False, devices_plain=["/dev/accel0"]), "python3")
+    emu = health.check_libtpu(0, _probe(libtpu_installed=False, devices_plain=["/dev/accel0"]), "python3")
     assert emu.status == "warn" and "an emulated worker" in emu.detail and "on a real TPU VM" in emu.fix
     kw = {"named_tpu": True, "kill_stale_cmd": "tpurun kill-stale --tpu t"}
-    assert _status(dr.check_devices(0, _probe(), **kw), "devices") == ["pass"]
-    busy = dr.check_devices(
+    assert _status(health.check_devices(0, _probe(), **kw), "devices") == ["pass"]
+    busy = health.check_devices(
         0, _probe(holders=[{"pid": 7, "user": "u", "command": "python3 t.py", "holds": ["/dev/accel0"]}]), **kw
     )
     assert busy[0].status == "fail" and "pid 7 holds /dev/accel0" in busy[0].detail
     assert "tpurun kill-stale --tpu t" in busy[0].fix
-    missing = dr.check_devices(0, _probe(devices_missing=["/dev/accel3"]), **kw)
+    missing = health.check_devices(0, _probe(devices_missing=["/dev/accel3"]), **kw)
     assert missing[0].status == "fail" and "/dev/accel3" in missing[0].detail
-    assert dr.check_devices(0, _probe(devices_present=[]), **kw)[0].status == "fail"
-    assert dr.check_devices(0, _probe(devices_present=[]), named_tpu=False, kill_stale_cmd="k")[0].status == "warn"
-    stale_lock = dr.check_devices(0, _probe(locks=[{"path": "/tmp/libtpu_lockfile", "open_in": []}]), **kw)
+    assert health.check_devices(0, _probe(devices_present=[]), **kw)[0].status == "fail"
+    assert health.check_devices(0, _probe(devices_present=[]), named_tpu=False, kill_stale_cmd="k")[0].status == "warn"
+    stale_lock = health.check_devices(0, _probe(locks=[{"path": "/tmp/libtpu_lockfile", "open_in": []}]), **kw)
     assert _status(stale_lock, "lock files") == ["warn"]
 
 
 def test_xla_config_rules():
     def xla(**kw):
-        return dr.check_xla_config(0, _probe(**kw))
+        return health.check_xla_config(0, _probe(**kw))
 
     assert [c.status for c in xla()] == ["pass"]
     bashrc = [{"file": "~/.bashrc", "line": 12, "name": "XRT_TPU_CONFIG", "value": "localservice;0;localhost:51011"}]
@@ -219,19 +219,19 @@ def test_xla_config_rules():
 
 
 def test_disk_clock_startup_ssh():
-    low = dr.check_disk(0, _probe(disk={"home": ["/root", 5 << 30], "tmp": ["/tmp", 1 << 20]}))
+    low = health.check_disk(0, _probe(disk={"home": ["/root", 5 << 30], "tmp": ["/tmp", 1 << 20]}))
     assert [(c.name, c.status) for c in low] == [("disk home", "warn"), ("disk tmp", "fail")]
     # client sent at 100.0, got the answer at 100.4; the worker answered 0.2 s after reading 105.1
-    offset, unc = dr.clock_offset(100.0, 100.4, 105.1, 0.2)
+    offset, unc = health.clock_offset(100.0, 100.4, 105.1, 0.2)
     assert abs(offset - 5.0) < 1e-9 and abs(unc - 0.1) < 1e-9
-    assert dr.check_clock(0, offset, unc).status == "warn"
-    assert dr.check_clock(0, 0.3, 0.1).status == "pass"
-    assert dr.check_clock(0, 1.05, 0.1).status == "pass"  # within the measurement's error
-    assert dr.check_clock(0, -400.0, 0.1).status == "fail"
-    assert dr.check_clock(0, None).status == "pass"
-    assert dr.check_startup(0, StartupReport("done", duration=3), "log").status == "pass"
-    failed = dr.check_startup(0, StartupReport("failed", exit_code=2, step="setup", tail="a\nboom"), "cat log")
+    assert health.check_clock(0, offset, unc).status == "warn"
+    assert health.check_clock(0, 0.3, 0.1).status == "pass"
+    assert health.check_clock(0, 1.05, 0.1).status == "pass"  # within the measurement's error
+    assert health.check_clock(0, -400.0, 0.1).status == "fail"
+    assert health.check_clock(0, None).status == "pass"
+    assert health.check_startup(0, StartupReport("done", duration=3), "log").status == "pass"
+    failed = health.check_startup(0, StartupReport("failed", exit_code=2, step="setup", tail="a\nboom"), "cat log")
     assert failed.status == "fail" and "boom" in failed.detail and "cat log" in failed.fix
-    assert dr.check_startup(0, StartupReport("running"), "x").status == "warn"
-    assert dr.check_ssh(1, "cannot reach worker w1").status == "fail"
-    assert dr.summary([dr.Check(0, "a", "pass", ""), dr.Check(0, "b", "fail", "")]) == {"pass": 1, "warn": 0, "fail": 1}
+    assert health.check_startup(0, StartupReport("running"), "x").status == "warn"
+    assert health.check_ssh(1, "cannot reach worker w1").status == "fail"
+    assert health.summary([health.Check(0, "a", "pass", ""), health.Check(0, "b", "fail", "")]) == {"pass": 1, "warn": 0, "fail": 1}

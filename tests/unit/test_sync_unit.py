@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tpurun.sync import ignore
 from tpurun.sync.sender import FrameReader, build_manifest, deletions, frame, helper_command, is_ignored
 from tpurun.transport.local import LocalRunner
-from tpurun.worker import sync_helper as proto
+from tpurun.worker import sync_helper
 
 
 def _old(path: Path) -> None:
@@ -42,7 +42,7 @@ def test_frames_round_trip_whatever_the_read_sizes(frames, step):
 
     reader = FrameReader(recv)
     assert [reader.read_frame() for _ in frames] == frames
-    with pytest.raises(proto.Eof):
+    with pytest.raises(sync_helper.Eof):
         reader.read_frame()
 
 
@@ -86,7 +86,7 @@ def test_delete_keeps_ignored_paths(tmp_path):
 def test_helper_command_is_self_contained():
     argv = helper_command(sys.executable)
     # runs with no tpurun importable (as on a worker): an empty manifest to a temp dir
-    r = subprocess.run(argv, input=frame(b"M", proto.pack_json({"v": 99})), capture_output=True,
+    r = subprocess.run(argv, input=frame(b"M", sync_helper.pack_json({"v": 99})), capture_output=True,
                        env={"PATH": os.environ["PATH"], "PYTHONPATH": "/nonexistent"}, cwd="/")  # fmt: skip
     assert r.returncode == 2 and r.stdout[:1] == b"Q"
 
@@ -102,11 +102,11 @@ class Helper:
     def __init__(self, dest: Path, files: list, links=(), delete: bool = False) -> None:
         self.s = LocalRunner().pipe(helper_command(sys.executable))
         self.r = FrameReader(self.s.recv)
-        manifest = {"v": proto.PROTOCOL, "dest": str(dest), "delete": delete, "files": files, "links": list(links)}
-        self.s.send(frame(b"M", proto.pack_json(manifest)))
+        manifest = {"v": sync_helper.PROTOCOL, "dest": str(dest), "delete": delete, "files": files, "links": list(links)}
+        self.s.send(frame(b"M", sync_helper.pack_json(manifest)))
         kind, payload = self.r.read_frame()
         assert kind == b"N", payload
-        self.reply = proto.unpack_json(payload)
+        self.reply = sync_helper.unpack_json(payload)
 
     def file(self, index: int, data: bytes, sha: str | None = None) -> None:
         self.s.send(frame(b"F", struct.pack(">I", index)) + frame(b"D", data))
@@ -114,12 +114,12 @@ class Helper:
 
     def finish(self, delete: list[str] | None = None) -> dict:
         if delete is not None:
-            self.s.send(frame(b"X", proto.pack_json(delete)))
+            self.s.send(frame(b"X", sync_helper.pack_json(delete)))
         self.s.send(frame(b"E"))
         kind, payload = self.r.read_frame()
         assert kind == b"R"
         self.s.close()
-        return proto.unpack_json(payload)
+        return sync_helper.unpack_json(payload)
 
 
 def test_helper_needs_writes_and_caches(tmp_path):
@@ -135,7 +135,7 @@ def test_helper_needs_writes_and_caches(tmp_path):
     assert (dest / "sub/dir/b.sh").stat().st_mode & 0o777 == 0o755
     assert (dest / "a.txt").stat().st_mtime_ns == files[0][2]
     assert os.readlink(dest / "ln") == "a.txt"
-    cache = json.loads((dest / proto.CACHE_NAME).read_text())["files"]
+    cache = json.loads((dest / sync_helper.CACHE_NAME).read_text())["files"]
     assert cache["a.txt"] == [files[0][1], files[0][2], files[0][4]]
     # unchanged: nothing needed; changed content with the same size: needed
     assert Helper(dest, files).reply["need"] == []
@@ -157,7 +157,7 @@ def test_helper_killed_mid_file_cleans_up_and_next_run_removes_stale_temps(tmp_p
     dest.mkdir()
     stale = dest / ".tpurun-tmp-a.txt-deadbeef"
     stale.write_text("half")  # a helper killed with SIGKILL left this, and its busy mark
-    (dest / proto.BUSY_NAME).touch()
+    (dest / sync_helper.BUSY_NAME).touch()
     h = Helper(dest, [_entry("a.txt", b"x" * 100)])
     assert not stale.exists()  # removed at the start
     h.s.send(frame(b"F", struct.pack(">I", 0)) + frame(b"D", b"x" * 50))
@@ -165,11 +165,11 @@ def test_helper_killed_mid_file_cleans_up_and_next_run_removes_stale_temps(tmp_p
     assert any(n.startswith(".tpurun-tmp-") for n in os.listdir(dest))
     h.s.close_write()  # the client vanishes mid-file
     assert h.s.proc.wait(timeout=10) == 3
-    assert os.listdir(dest) == [proto.BUSY_NAME]  # its temp file is gone; the mark tells the next run to look
+    assert os.listdir(dest) == [sync_helper.BUSY_NAME]  # its temp file is gone; the mark tells the next run to look
     h = Helper(dest, [_entry("a.txt", b"x" * 100)])
     h.file(0, b"x" * 100)
     assert h.finish()["written"] == 1
-    assert sorted(os.listdir(dest)) == [proto.CACHE_NAME, "a.txt"]  # a clean finish drops the mark
+    assert sorted(os.listdir(dest)) == [sync_helper.CACHE_NAME, "a.txt"]  # a clean finish drops the mark
 
 
 def test_helper_refuses_unsafe_paths_and_deletes_only_listed_extras(tmp_path):
@@ -182,9 +182,9 @@ def test_helper_refuses_unsafe_paths_and_deletes_only_listed_extras(tmp_path):
     files = [_entry("../outside.txt", b"pwned"), _entry("/etc/x", b"y"), _entry("keep.txt", b"k")]
     h = Helper(dest, files, delete=True)
     assert h.reply["need"] == [] and h.reply["extra"] == ["old/gone.txt"]
-    res = h.finish(delete=["old/gone.txt", "../outside.txt", proto.CACHE_NAME])
+    res = h.finish(delete=["old/gone.txt", "../outside.txt", sync_helper.CACHE_NAME])
     assert res["deleted"] == 1 and [e[1] for e in res["errors"]] == ["path", "path"]
-    assert outside.read_text() == "o" and not (dest / "old").exists() and (dest / proto.CACHE_NAME).exists()
+    assert outside.read_text() == "o" and not (dest / "old").exists() and (dest / sync_helper.CACHE_NAME).exists()
 
 
 # ------------------------------------------------------------------ one reader for many workers
@@ -337,7 +337,7 @@ def test_walk_lists_files_and_symlinks_skips_directory_links_and_specials(tmp_pa
 def test_safe_relpath_is_exactly_no_empty_dot_or_dotdot_part(parts):
     path = "/".join(parts)
     expected = bool(path) and "\0" not in path and all(p not in ("", ".", "..") for p in path.split("/"))
-    assert proto.safe_relpath(path) == expected
+    assert sync_helper.safe_relpath(path) == expected
 
 
 class _Chan:

@@ -97,9 +97,9 @@ def config_show(
 )
 def emulator_cmd(ctx: typer.Context) -> None:
     """A local Cloud TPU API whose nodes are real sshd hosts (start, stop, status, faults)."""
-    from tpurun.emulator.cli import app as emulator_app
+    from tpurun.emulator import cli
 
-    command = typer.main.get_command(emulator_app)
+    command = typer.main.get_command(cli.app)
     rc = command.main(args=list(ctx.args), prog_name="tpurun emulator", standalone_mode=False)
     if isinstance(rc, int) and rc:
         raise typer.Exit(rc)

@@ -15,18 +15,17 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import config, settings, ui
-from tpurun import health as dr
+from tpurun import config, health, settings, ui
 from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cloud import keys, startup
 from tpurun.errors import ExitCode, TpurunError, UnreachableError
-from tpurun.job import plan as envc
+from tpurun.job import env_contract
 from tpurun.topology import parse_accelerator_type
 from tpurun.transport import targets
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, run_capture, worker_names
 from tpurun.transport.targets import Target
-from tpurun.worker import probe as stale
+from tpurun.worker import probe
 
 # Testing hooks (documented in docs/troubleshooting.md): point the scanner at other paths so a test on
 # this machine can plant its own fake device and libtpu without touching anything real.
@@ -114,7 +113,7 @@ def kill_stale_cmd(
     cfg.update(dry_run=dry_run, grace=grace)
     try:
         results, errors, _ = _run_all(
-            target, lambda r: stale.program_argv(target.python(), "kill-stale", cfg), timeout=grace + 120
+            target, lambda r: probe.program_argv(target.python(), "kill-stale", cfg), timeout=grace + 120
         )
     finally:
         target.close()
@@ -214,44 +213,46 @@ def doctor_cmd(
     target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
     py = target.python(python)
     cfg = _scan_config(target)
-    cfg.update(python=py, probe=envc.PROBE_SCRIPT)
+    cfg.update(python=py, probe=env_contract.PROBE_SCRIPT)
     reports = _startup_reports(target)
     try:
         probes, errors, times = _run_all(
-            target, lambda r: stale.program_argv("python3" if not target.local else sys.executable, "doctor", cfg), 120
+            target, lambda r: probe.program_argv("python3" if not target.local else sys.executable, "doctor", cfg), 120
         )
     finally:
         target.close()
     kill_cmd = f"tpurun kill-stale{_tpu_flag(target)}"
-    checks: list[dr.Check] = []
+    checks: list[health.Check] = []
     home = settings.resolve({}).home_path
     for r in target.runners:
         i = r.worker.index
         if target.local:
-            checks.append(dr.Check(i, "ssh", "pass", "this machine (no ssh)"))
+            checks.append(health.Check(i, "ssh", "pass", "this machine (no ssh)"))
         else:
             pinned = keys.pinned_key(home, r.worker.host_key)
-            detail = f"reachable, host key pinned as {r.worker.host_key} ({pinned.split()[0]})" if pinned else "reachable"
-            checks.append(dr.check_ssh(i, errors.get(i), detail))
+            detail = (
+                f"reachable, host key pinned as {r.worker.host_key} ({pinned.split()[0]})" if pinned else "reachable"
+            )
+            checks.append(health.check_ssh(i, errors.get(i), detail))
         if reports is not None:
             which = r.worker.name if r.worker.slice is not None else str(i)
             log_cmd = f"tpurun ssh --tpu {target.name} --worker {which} -- cat {startup.LOG_PATH}"
-            checks.append(dr.check_startup(i, reports[i] if i < len(reports) else None, log_cmd))
+            checks.append(health.check_startup(i, reports[i] if i < len(reports) else None, log_cmd))
         if i not in probes:
             continue
         p = probes[i]
-        checks += dr.worker_checks(i, p, python=py, named_tpu=not target.local, kill_stale_cmd=kill_cmd)
+        checks += health.worker_checks(i, p, python=py, named_tpu=not target.local, kill_stale_cmd=kill_cmd)
         if target.local:
-            checks.append(dr.check_clock(i, None))
+            checks.append(health.check_clock(i, None))
         else:
             t0, t1 = times[i]
-            offset, unc = dr.clock_offset(t0, t1, float(p["clock"]), float(p.get("elapsed", 0)))
-            checks.append(dr.check_clock(i, offset, unc))
-    checks += dr.check_same_versions(probes)
+            offset, unc = health.clock_offset(t0, t1, float(p["clock"]), float(p.get("elapsed", 0)))
+            checks.append(health.check_clock(i, offset, unc))
+    checks += health.check_same_versions(probes)
     order = {r.worker.index: n for n, r in enumerate(target.runners)}
     names = worker_names(target.all_workers)
     checks.sort(key=lambda c: order.get(c.worker, 0))  # stable: each worker's rows stay in check order
-    total = dr.summary(checks)
+    total = health.summary(checks)
     if errors:
         code = ExitCode.UNREACHABLE
     elif total["fail"]:

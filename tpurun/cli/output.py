@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from tpurun import ui
 from tpurun.errors import ExitCode
-from tpurun.job.plan import process_name
+from tpurun.job.env_contract import process_name
 from tpurun.naming import worker_name
 from tpurun.transport.fanout import RunResult
 

@@ -16,9 +16,7 @@ from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, 
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
 from tpurun.cloud import identity
 from tpurun.errors import ExitCode, TpuBusy, TpurunError, UsageError
-from tpurun.job import control
-from tpurun.job import launcher as train
-from tpurun.job import plan as envc
+from tpurun.job import control, env_contract, launcher
 from tpurun.transport import targets
 
 
@@ -59,20 +57,22 @@ def train_cmd(
     ] = False,
     core: Annotated[int | None, typer.Option(min=0, help="Run on one specific core index (like devices=[5]).")] = None,
     runtime: Annotated[
-        envc.Runtime,
+        env_contract.Runtime,
         typer.Option(
             help="auto: pjrt on a TPU (xrt for torch_xla before 2.1; torchtpu where torch_tpu is installed and "
             "torch_xla is not), cpu where there is none."
         ),
-    ] = envc.Runtime.auto,
+    ] = env_contract.Runtime.auto,
     launch: Annotated[
-        envc.Launch | None,
+        env_contract.Launch | None,
         typer.Option(
             help="host: one process per worker, the script's spawner (xmp.spawn, Lightning, ...) makes one per chip "
             "(default on TPUs). chip: one process per chip with torchrun's variables (default on cpu)."
         ),
     ] = None,
-    precision: Annotated[envc.Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")] = envc.Precision.fp32,
+    precision: Annotated[
+        env_contract.Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")
+    ] = env_contract.Precision.fp32,
     env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")] = None,
     detach: Annotated[
         bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")
@@ -111,7 +111,7 @@ def train_cmd(
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
     streaming every chip process's lines."""
     _check_inputs(script, cores, core)
-    spec = train.TrainSpec(
+    spec = launcher.TrainSpec(
         script=str(Path(script))
         if not Path(script).is_absolute()
         else str(Path(script).resolve().relative_to(Path.cwd().resolve())),
@@ -121,7 +121,7 @@ def train_cmd(
         runtime=runtime.value,
         launch=launch.value if launch else None,
         precision=precision.value,
-        env=train.parse_env(env or []),
+        env=launcher.parse_env(env or []),
         detach=detach,
         max_restarts=max_restarts,
         metrics=metrics,
@@ -137,7 +137,9 @@ def train_cmd(
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
 
 
-def _run(spec: train.TrainSpec, flags: dict[str, str | None], *, local: bool, dest: str | None, json_out: bool) -> int:
+def _run(
+    spec: launcher.TrainSpec, flags: dict[str, str | None], *, local: bool, dest: str | None, json_out: bool
+) -> int:
     """Run SPEC on the TPU FLAGS name (--tpu, --project, --zone, else the settings), or on this machine."""
     s = settings.resolve(flags)
 
@@ -149,7 +151,7 @@ def _run(spec: train.TrainSpec, flags: dict[str, str | None], *, local: bool, de
     if spec.dry_run:
         target = resolve()
         try:
-            job = train.prepare(spec, target, 0, dest=dest, local_dir=Path.cwd())
+            job = launcher.prepare(spec, target, 0, dest=dest, local_dir=Path.cwd())
             _notes(job)
             _print_dry_run(job, json_out)
         finally:
@@ -161,7 +163,7 @@ def _run(spec: train.TrainSpec, flags: dict[str, str | None], *, local: bool, de
     out = TerminalOutput(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
     try:
         with stop_on_signals(cancel):
-            result = train.train(
+            result = launcher.train(
                 spec,
                 resolve=resolve,
                 recreate=lambda name: _recreate(s, name),
@@ -196,7 +198,7 @@ def _arm_down(s: settings.Settings, local: bool) -> None:
         autostop.arm_down(Cloud(s), s.tpu.value, progress)
 
 
-def _down(s: settings.Settings, result: train.JobResult | None, code: int) -> int:
+def _down(s: settings.Settings, result: launcher.JobResult | None, code: int) -> int:
     """After a `--down` job (RESULT None: its launch failed): delete its TPU, unless the job runs on
     (detached: its watchdog deletes the TPU when it ends) or never started because another job holds it."""
     from tpurun.cloud import provision
@@ -205,10 +207,10 @@ def _down(s: settings.Settings, result: train.JobResult | None, code: int) -> in
     name = s.tpu.value
     assert name, "--down is refused without a TPU"
 
-    if result is not None and result.state is train.JobState.DETACHED:
+    if result is not None and result.state is launcher.JobState.DETACHED:
         ui.info(f"{name} will be deleted when job {result.job.job_id} ends, by the watchdog on the TPU (--down)")
         return code
-    if result is not None and result.state is train.JobState.BUSY:
+    if result is not None and result.state is launcher.JobState.BUSY:
         ui.warn(f"--down: {name} is kept, another job runs on it")
         return code
     cloud = Cloud(s)
@@ -248,14 +250,14 @@ class TerminalOutput:
         self.lines.flush()
 
 
-def _notes(job: train.Job) -> None:
+def _notes(job: launcher.Job) -> None:
     for kind, text in job.notes():
         (ui.warn if kind == "warn" else ui.info)(text)
 
 
-def _print_dry_run(job: train.Job, json_out: bool) -> None:
+def _print_dry_run(job: launcher.Job, json_out: bool) -> None:
     p, setup = job.plan, job.setup
-    rows = train.dry_run_rows(job.target, p.specs)
+    rows = launcher.dry_run_rows(job.target, p.specs)
     if json_out:
         ui.print_json(
             {
@@ -292,11 +294,11 @@ def _error(text: str) -> None:
     ui.err().print(text, markup=False)
 
 
-def _render(result: train.JobResult, json_out: bool) -> int:
+def _render(result: launcher.JobResult, json_out: bool) -> int:
     """What the job's end means for the user: messages on stderr, the summary, the exit code."""
     job, run, state = result.job, result.run, result.state
     name, spec = job.target.name, job.spec
-    if state is train.JobState.SETUP_FAILED:
+    if state is launcher.JobState.SETUP_FAILED:
         assert result.setup is not None and result.setup.failed is not None
         bad = result.setup.failed
         w = job.target.all_workers[bad.worker]
@@ -308,22 +310,22 @@ def _render(result: train.JobResult, json_out: bool) -> int:
             f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
         )
         return ExitCode.PROGRAM_FAILED
-    if state is train.JobState.INTERRUPTED and run is None:
+    if state is launcher.JobState.INTERRUPTED and run is None:
         _error("error: interrupted during setup; the job did not start")
         return ExitCode.INTERRUPTED
     assert run is not None
-    if state is train.JobState.BUSY:
+    if state is launcher.JobState.BUSY:
         workers = ",".join(job.target.all_workers[w].name for w in sorted(run.busy))
         _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
         return ExitCode.USAGE
-    if state is train.JobState.DETACHED:
+    if state is launcher.JobState.DETACHED:
         if json_out:
             ui.print_json({"job_id": job.job_id, "detached": True})
         else:
             print(job.job_id)
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
         return ExitCode.OK
-    if state is train.JobState.PREEMPTED:
+    if state is launcher.JobState.PREEMPTED:
         if spec.max_restarts:
             _error(f"error: {name} was preempted and --max-restarts {spec.max_restarts} is used up")
         else:
@@ -333,7 +335,7 @@ def _render(result: train.JobResult, json_out: bool) -> int:
             )
             _error("hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job")
         return ExitCode.UNREACHABLE
-    if state is train.JobState.LOST and spec.detach:
+    if state is launcher.JobState.LOST and spec.detach:
         for why in run.lost.values():
             _error(f"error: {why}")
         return ExitCode.UNREACHABLE
@@ -349,33 +351,33 @@ def _render(result: train.JobResult, json_out: bool) -> int:
         )
     else:
         _summary(run)
-    if state is train.JobState.INTERRUPTED:
+    if state is launcher.JobState.INTERRUPTED:
         return ExitCode.INTERRUPTED
     if run.first_failure is not None:
         f = run.first_failure
         tail = "\n".join("    " + line for line in list(f.last_lines))
         _error(
-            f"error: {envc.process_name(f.worker, f.core, job.target.all_workers[f.worker].name)} "
+            f"error: {env_contract.process_name(f.worker, f.core, job.target.all_workers[f.worker].name)} "
             f"({job.target.all_workers[f.worker].address}) failed first "
             f"({f.ending}); its last lines:\n{tail}"
         )
-        hint = train.hint_for(list(f.last_lines), python=run.python, local=job.target.local)
+        hint = launcher.hint_for(list(f.last_lines), python=run.python, local=job.target.local)
         if hint:
             _error(f"hint: {hint}")
         return ExitCode.PROGRAM_FAILED
-    if state is train.JobState.LOST:
+    if state is launcher.JobState.LOST:
         for why in run.lost.values():
             _error(f"error: {why}")
         return ExitCode.UNREACHABLE
-    return ExitCode.PROGRAM_FAILED if state is train.JobState.FAILED else ExitCode.OK
+    return ExitCode.PROGRAM_FAILED if state is launcher.JobState.FAILED else ExitCode.OK
 
 
-def _summary(run: train.JobRun) -> None:
+def _summary(run: launcher.JobRun) -> None:
     rows = []
     for (w, c), o in sorted(run.outcomes.items()):
         code = "-" if o.exit_code is None else str(o.exit_code)
         last = (o.last_lines[-1] if o.last_lines else "")[:60]
-        name = envc.process_name(w, c, run.target.all_workers[w].name)
+        name = env_contract.process_name(w, c, run.target.all_workers[w].name)
         rows.append((name, o.status, code, f"{o.ended:.1f} s" if o.ended else "-", last))
     with contextlib.redirect_stdout(sys.stderr):
         ui.table(f"job {run.job_id}", ["core", "status", "exit", "time", "last line"], rows)

@@ -22,15 +22,14 @@ from tpurun import config, ui
 from tpurun.cloud import startup
 from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
 from tpurun.naming import parse_duration
-from tpurun.worker import bundle_metadata
-from tpurun.worker import watchdog as wd
+from tpurun.worker import bundle_metadata, watchdog
 
 if TYPE_CHECKING:
     from tpurun.cloud.backend import Backend
     from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
 
-KEY = wd.CONFIG_KEY
+KEY = watchdog.CONFIG_KEY
 ACTIONS = ("delete", "stop")
 MIN_TICKS = 2  # an idle period shorter than two looks could not be told from a pause between jobs
 
@@ -56,7 +55,7 @@ def parse_idle(text: str, option: str = "--autostop") -> int:
     floor = MIN_TICKS * tick()
     if seconds < floor:
         raise UsageError(
-            f"{option} {text}: the shortest idle period is {wd.duration(floor)} (two looks of the watchdog)"
+            f"{option} {text}: the shortest idle period is {watchdog.duration(floor)} (two looks of the watchdog)"
         )
     return seconds
 
@@ -89,10 +88,10 @@ def metadata(target: dict[str, Any], idle: int, action: str = "delete") -> dict[
 class Setting:
     idle: int  # seconds; 0: off
     action: str
-    tick: float = wd.DEFAULT_TICK
+    tick: float = watchdog.DEFAULT_TICK
 
     def label(self) -> str:
-        return f"{self.action} after {wd.duration(self.idle)} idle" if self.idle else "off"
+        return f"{self.action} after {watchdog.duration(self.idle)} idle" if self.idle else "off"
 
 
 def read(md: dict[str, str]) -> Setting | None:
@@ -104,7 +103,7 @@ def read(md: dict[str, str]) -> Setting | None:
     if not isinstance(value, dict):
         return None
     try:
-        return Setting(int(value.get("idle") or 0), str(value.get("action") or "delete"), wd.tick_of(value))
+        return Setting(int(value.get("idle") or 0), str(value.get("action") or "delete"), watchdog.tick_of(value))
     except (TypeError, ValueError):
         return None
 
@@ -213,19 +212,19 @@ def activity(cloud: Cloud, view: NodeView) -> Activity:
     if current is None or set(view.states) != {READY}:
         return Activity()
     try:
-        attrs = backend.of_kind(cloud, backend.Kind(view.backend)).guest_attributes(view, wd.NAMESPACE + "/")
+        attrs = backend.of_kind(cloud, backend.Kind(view.backend)).guest_attributes(view, watchdog.NAMESPACE + "/")
     except TpurunError:
         return Activity()
     many = len(view.parts) > 1
     states = [
-        (f"s{w.slice}/w{w.index}" if many else f"w{w.index}", wd.parse_state(items.get((wd.NAMESPACE, wd.STATE_KEY))))
+        (f"s{w.slice}/w{w.index}" if many else f"w{w.index}", watchdog.parse_state(items.get((watchdog.NAMESPACE, watchdog.STATE_KEY))))
         for w, items in zip(view.workers, attrs, strict=True)
     ]
-    decision = next((d for items in attrs if (d := items.get((wd.NAMESPACE, wd.DECISION_KEY), ""))), "")
+    decision = next((d for items in attrs if (d := items.get((watchdog.NAMESPACE, watchdog.DECISION_KEY), ""))), "")
     if not any(st for _, st in states):
         return Activity()
     now = time.time()
-    running, busy, since = wd.summarize(states, now, current.tick)
+    running, busy, since = watchdog.summarize(states, now, current.tick)
     jobs = sorted({j for _, st in states if st for j in st.get("jobs", [])})
     down = sorted({str(j) for _, st in states if st for j in st.get("down", []) if j in jobs})
     reasons = running + busy

@@ -20,10 +20,9 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import config, ui
+from tpurun import config, errors, ui
 from tpurun.emulator.api import AdminClient
 from tpurun.emulator.model import ApiError, Delays
-from tpurun.errors import ApiError as TpurunApiError
 from tpurun.errors import ExitCode, TpurunError, UsageError
 from tpurun.worker.agent_files import pid_alive
 
@@ -91,7 +90,7 @@ def _api_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         code = ExitCode.USAGE if e.http in (400, 404) else ExitCode.API
         raise TpurunError(e.message, exit_code=code) from None
     except OSError as e:
-        raise TpurunApiError(f"the emulator does not answer: {e}") from None
+        raise errors.ApiError(f"the emulator does not answer: {e}") from None
 
 
 # ------------------------------------------------------------------ start / stop / status

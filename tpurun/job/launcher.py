@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 from tpurun import config
 from tpurun.errors import ApiError, Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
-from tpurun.job import plan as envc
-from tpurun.job import setup as job_setup
+from tpurun.job import env_contract
 from tpurun.job.records import JobRecord, RecordStream, new_job_id
+from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.transport import bundle
@@ -91,7 +91,7 @@ class TrainSpec:
     cores: int | None = None
     core: int | None = None
     runtime: str = "auto"
-    launch: str | None = None  # host | chip; None: the runtime's default (envc.pick_launch)
+    launch: str | None = None  # host | chip; None: the runtime's default (env_contract.pick_launch)
     precision: str = "32"
     env: dict[str, str] = field(default_factory=dict)
     detach: bool = False
@@ -134,7 +134,7 @@ class CoreOutcome:
 
 def probe(target: Target, python: str) -> dict[str, Any]:
     """What worker 0 has: libtpu, device files, torch_xla version (for --runtime auto and hints)."""
-    rc, out, err = run_capture(target.runners[0], [python, "-c", envc.PROBE_SCRIPT], timeout=120)
+    rc, out, err = run_capture(target.runners[0], [python, "-c", env_contract.PROBE_SCRIPT], timeout=120)
     if rc != 0:
         raise UnreachableError(
             f"cannot run {python} on worker {target.runners[0].worker.label()}: {err.strip().splitlines()[-1:] or rc}"
@@ -153,7 +153,7 @@ class JobPlan:
     runtime_reason: str
     launch: str
     launch_reason: str
-    specs: list[list[envc.CoreSpec]]
+    specs: list[list[env_contract.CoreSpec]]
 
     @property
     def processes(self) -> int:
@@ -165,8 +165,8 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     topo: Topology | None = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
     runtime, why = spec.runtime, "asked for"
     if runtime == "auto":
-        runtime, why = envc.pick_runtime("auto", probe(target, python))
-    launch, launch_why = envc.pick_launch(spec.launch, runtime)
+        runtime, why = env_contract.pick_runtime("auto", probe(target, python))
+    launch, launch_why = env_contract.pick_launch(spec.launch, runtime)
     cores = spec.cores
     if target.local and cores is None and spec.core is None and runtime == "cpu" and launch == "chip":
         cores = 1
@@ -177,7 +177,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     # default firewall rules), whatever address tpurun itself connects to
     addresses = [w.internal or w.address for w in target.all_workers]
     slice_size = sum(1 for w in target.all_workers if w.slice == 0) if target.slices > 1 else None
-    specs = envc.plan_job(
+    specs = env_contract.plan_job(
         job_id=job_id,
         topology=topo,
         runtime=runtime,
@@ -200,7 +200,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     return JobPlan(runtime, why, launch, launch_why, specs)
 
 
-def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[str, Any]]:
+def dry_run_rows(target: Target, specs: list[list[env_contract.CoreSpec]]) -> list[dict[str, Any]]:
     """Per process tpurun starts: worker, core, address, exact argv and environment (what --dry-run prints)."""
     rows = []
     for per_worker in specs:
@@ -208,8 +208,8 @@ def dry_run_rows(target: Target, specs: list[list[envc.CoreSpec]]) -> list[dict[
             rows.append(
                 {
                     "worker": c.worker,
-                    "name": envc.process_name(c.worker, c.core, target.all_workers[c.worker].name),
-                    "core": None if c.core == envc.HOST else c.core,  # a host launch's one process per worker
+                    "name": env_contract.process_name(c.worker, c.core, target.all_workers[c.worker].name),
+                    "core": None if c.core == env_contract.HOST else c.core,  # a host launch's one process per worker
                     "address": target.all_workers[c.worker].address,
                     "command": c.argv,
                     "env": c.env,
@@ -240,7 +240,7 @@ class JobRun:
         self,
         target: Target,
         job_id: str,
-        specs: list[list[envc.CoreSpec]],
+        specs: list[list[env_contract.CoreSpec]],
         out: Output,
         *,
         cwd: str,
@@ -381,7 +381,7 @@ class JobRun:
                 with self.lock:
                     if self.first_failure is None:
                         self.first_failure = o
-            name = envc.process_name(w, rec.core, self.target.all_workers[w].name)
+            name = env_contract.process_name(w, rec.core, self.target.all_workers[w].name)
             self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
             self.stop.set()
         elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
@@ -460,8 +460,8 @@ class Job:
     plan: JobPlan
     python: str
     cwd: str
-    setup: job_setup.Setup | None
-    framework: str = "torch"  # what the script imports: "jax" or "torch" (envc.script_framework)
+    setup: Setup | None
+    framework: str = "torch"  # what the script imports: "jax" or "torch" (env_contract.script_framework)
 
     def notes(self) -> list[tuple[str, str]]:
         """(info|warn, text): what the user is told before the job starts."""
@@ -494,7 +494,7 @@ class Job:
                 )
             )
         if self.spec.core is not None and t.accelerator_type:
-            out.append(("info", envc.explain_core(parse_accelerator_type(t.accelerator_type), self.spec.core)))
+            out.append(("info", env_contract.explain_core(parse_accelerator_type(t.accelerator_type), self.spec.core)))
         if self.spec.precision == "bf16":
             out.append(
                 ("warn", "XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
@@ -507,7 +507,7 @@ class JobResult:
     job: Job
     state: JobState
     run: JobRun | None = None
-    setup: job_setup.SetupResult | None = None
+    setup: SetupResult | None = None
     restarts: int = 0
 
 
@@ -522,11 +522,11 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
     if not spec.dry_run:
         refuse_if_busy(target, python)
     cwd = str(local_dir) if target.local else (dest or sender.default_dest(local_dir))
-    setup = job_setup.plan(
+    setup = plan_setup(
         spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=local_dir, on_tpu=not target.local
     )
     try:
-        framework = envc.script_framework((local_dir / spec.script).read_text(errors="replace"))
+        framework = env_contract.script_framework((local_dir / spec.script).read_text(errors="replace"))
     except OSError:
         framework = "torch"
     return Job(job_id, spec, target, p, python, cwd, setup, framework)
@@ -582,7 +582,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         python=job.python,
         detach=spec.detach,
         grace=spec.grace,
-        pre=lambda w: envc.pre_commands(topo, job.plan.runtime, w, job.python),
+        pre=lambda w: env_contract.pre_commands(topo, job.plan.runtime, w, job.python),
         launch=job.plan.launch,
         cancel=cancel,
         down=spec.down,
@@ -691,7 +691,7 @@ def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> 
     )
 
 
-def run_setup(job: Job, out: Output, cancel: threading.Event) -> job_setup.SetupResult:
+def run_setup(job: Job, out: Output, cancel: threading.Event) -> SetupResult:
     """The job's setup where it has not run before, its lines to OUT."""
     assert job.setup is not None
     setup = job.setup
@@ -703,7 +703,7 @@ def run_setup(job: Job, out: Output, cancel: threading.Event) -> job_setup.Setup
         if todo:
             out.info(f"setup on {len(todo)} worker(s): {setup.describe()}")
 
-    res = job_setup.run(
+    res = run_everywhere(
         job.target.runners,
         setup,
         cwd=job.cwd,

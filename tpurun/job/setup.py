@@ -52,7 +52,9 @@ class Setup:
         return "; ".join(self.commands)
 
 
-def plan(commands: list[str], *, script: str, python: str, cwd: str, local_dir: Path, on_tpu: bool) -> Setup | None:
+def plan_setup(
+    commands: list[str], *, script: str, python: str, cwd: str, local_dir: Path, on_tpu: bool
+) -> Setup | None:
     """The setup of a job, or None when there is nothing to do."""
     cmds = list(commands)
     req = Path(script).parent / REQUIREMENTS
@@ -96,7 +98,7 @@ class SetupResult:
         return min(bad, key=lambda r: r.duration) if bad else None
 
 
-def run(
+def run_everywhere(
     runners: list[Runner],
     setup: Setup,
     *,

@@ -19,13 +19,15 @@ from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, run_capture
 from tpurun.transport.targets import Target
 from tpurun.worker import protocol
-from tpurun.worker.protocol import JobStatus as AgentStatus
+from tpurun.worker.protocol import JobStatus
 
-ACTIVE = (AgentStatus.STARTING, AgentStatus.RUNNING)
+ACTIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 
 
 @dataclass(frozen=True)
-class JobStatus:
+class JobSummary:
+    """A job's state over every worker (each worker's agent knows its own `JobStatus`)."""
+
     status: str  # running | failed | lost | stopped | finished | gone | unknown
     detail: str = ""  # which worker failed and how; why the state is not known; what became of the TPU
 
@@ -36,30 +38,30 @@ class JobStatus:
 @dataclass(frozen=True)
 class JobRow:
     record: JobRecord
-    state: JobStatus
+    state: JobSummary
 
 
-def combine(states: Mapping[str, dict | None]) -> JobStatus:
+def combine(states: Mapping[str, dict | None]) -> JobSummary:
     """One job's state from every worker's: STATES is {worker name: its agent's state, None where the
     job is unknown there}, in worker order."""
     for name, st in states.items():
-        if st is not None and st.get("status") == AgentStatus.FAILED:
+        if st is not None and st.get("status") == JobStatus.FAILED:
             first = protocol.first_failure(st)
             where = f"{name}/c{first.core}" if first is not None and first.core != protocol.HOST else name
             code = first.exit_code if first is not None else None
-            return JobStatus("failed", where + (f": exit code {code}" if code is not None else ""))
-    lost = [name for name, st in states.items() if st is not None and st.get("status") == AgentStatus.LOST]
+            return JobSummary("failed", where + (f": exit code {code}" if code is not None else ""))
+    lost = [name for name, st in states.items() if st is not None and st.get("status") == JobStatus.LOST]
     if lost:
-        return JobStatus("lost", f"{', '.join(lost)}: its supervisor is gone")
+        return JobSummary("lost", f"{', '.join(lost)}: its supervisor is gone")
     missing = [name for name, st in states.items() if st is None]
     if any(st is not None and st.get("status") in ACTIVE for st in states.values()):
-        return JobStatus("running", f"not on {', '.join(missing)}" if missing else "")
+        return JobSummary("running", f"not on {', '.join(missing)}" if missing else "")
     if missing:
-        return JobStatus("unknown", f"no trace on {', '.join(missing)}")
+        return JobSummary("unknown", f"no trace on {', '.join(missing)}")
     ended = {str(st.get("status")) for st in states.values() if st is not None}
-    if ended == {AgentStatus.FINISHED.value}:
-        return JobStatus("finished")
-    return JobStatus("stopped" if AgentStatus.STOPPED.value in ended else ", ".join(sorted(ended)))
+    if ended == {JobStatus.FINISHED.value}:
+        return JobSummary("finished")
+    return JobSummary("stopped" if JobStatus.STOPPED.value in ended else ", ".join(sorted(ended)))
 
 
 def _rows(records: list[JobRecord]) -> list[JobRow]:
@@ -67,7 +69,7 @@ def _rows(records: list[JobRecord]) -> list[JobRow]:
     groups: dict[tuple[str, str, str, tuple[str, ...]], list[JobRecord]] = {}
     for r in records:
         groups.setdefault(r.where(), []).append(r)
-    rows: dict[str, JobStatus] = {}
+    rows: dict[str, JobSummary] = {}
     for (tpu, _, _, ids), group in groups.items():
         rows.update(_tpu_states(tpu, list(ids), group))
     return [JobRow(r, rows[r.job_id]) for r in records]
@@ -91,11 +93,11 @@ def jobs(
     return rows
 
 
-def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobStatus]:
+def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobSummary]:
     """The state of every job of GROUP, all run on the TPU TPU whose nodes had IDS."""
 
-    def every(status: str, detail: str) -> dict[str, JobStatus]:
-        return {r.job_id: JobStatus(status, detail) for r in group}
+    def every(status: str, detail: str) -> dict[str, JobSummary]:
+        return {r.job_id: JobSummary(status, detail) for r in group}
 
     every_worker = replace(group[0], workers=sorted({w for r in group for w in r.workers}))
     target: Target | None = None
@@ -119,7 +121,7 @@ def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, J
     for r in group:
         unreachable = [names.get(w, str(w)) for w in r.workers if w in errors]
         if unreachable:
-            out[r.job_id] = JobStatus("unknown", f"{', '.join(unreachable)} unreachable")
+            out[r.job_id] = JobSummary("unknown", f"{', '.join(unreachable)} unreachable")
             continue
         out[r.job_id] = combine({names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers})
     return out

@@ -29,7 +29,7 @@ from typing import Any
 from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Pipe, Runner
-from tpurun.worker import sync_helper as proto
+from tpurun.worker import sync_helper
 
 
 @dataclass
@@ -132,7 +132,7 @@ class _Tree:
         self.swept.add(rel)
         with os.scandir(path) as entries:
             for e in entries:
-                if e.name.startswith(proto.TMP_PREFIX) and e.is_file(follow_symlinks=False):
+                if e.name.startswith(sync_helper.TMP_PREFIX) and e.is_file(follow_symlinks=False):
                     os.unlink(e.path)
 
     def receive(self, reader: FrameReader, entry: list, progress: Counters) -> None:
@@ -147,7 +147,7 @@ class _Tree:
             self._sweep(parent, where)
             if (where / name).is_dir() and not (where / name).is_symlink():
                 raise OSError(f"a directory is in the way of the file {rel}")
-            self.tmp = str(where / f"{proto.TMP_PREFIX}{name[:100]}-{os.urandom(4).hex()}")
+            self.tmp = str(where / f"{sync_helper.TMP_PREFIX}{name[:100]}-{os.urandom(4).hex()}")
             fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as exc:
             failed = exc.strerror or str(exc)
@@ -239,13 +239,13 @@ def _unchanged(path: Path, size: int, mtime_ns: int) -> bool:
 def _listing(reply: dict) -> tuple[str, list, list, list]:
     """The tree's name and its files, links and directories, every name checked to stay inside it."""
     name = os.path.basename(str(reply["root"]).rstrip("/"))
-    if not proto.safe_relpath(name) or "/" in name:
+    if not sync_helper.safe_relpath(name) or "/" in name:
         raise Protocol(f"a tree named {name!r}")
     files, links, dirs = reply["files"], reply.get("links", []), reply.get("dirs", [])
     if reply.get("file") and (links or dirs or len(files) != 1 or files[0][0] != name):
         raise Protocol("a file download that lists more than the file")
     for rel in [f[0] for f in files] + [x[0] for x in links] + dirs:
-        if not isinstance(rel, str) or not proto.safe_relpath(rel):
+        if not isinstance(rel, str) or not sync_helper.safe_relpath(rel):
             raise Protocol(f"a name outside the tree: {rel!r}")
     return name, files, links, dirs
 
@@ -255,9 +255,9 @@ def download_stream(
 ) -> None:
     """The whole protocol with one worker's helper; fills GOT (errors included)."""
     reader = FrameReader(stream.recv)
-    stream.send(frame(b"L", proto.pack_json({"v": proto.PROTOCOL, "path": path, "outside_home": outside_home})))
+    stream.send(frame(b"L", sync_helper.pack_json({"v": sync_helper.PROTOCOL, "path": path, "outside_home": outside_home})))
     kind, payload = reader.read_frame()
-    reply = proto.unpack_json(payload)
+    reply = sync_helper.unpack_json(payload)
     if kind == b"Q":
         got.error, got.outside_home = str(reply.get("error")), bool(reply.get("outside_home"))
         return
@@ -273,7 +273,7 @@ def download_stream(
     tree = _Tree(base, got, made=True)  # every name from here on is relative to the tree
     wanted = [i for i, (rel, size, mtime_ns, *_) in enumerate(files) if not _unchanged(base / rel, size, mtime_ns)]
     progress.plan(len(wanted), sum(files[i][1] for i in wanted))
-    stream.send(frame(b"W", proto.pack_json(wanted)))
+    stream.send(frame(b"W", sync_helper.pack_json(wanted)))
     asked = set(wanted)
     try:
         for _ in wanted:
@@ -327,7 +327,7 @@ def download(
             download_stream(stream, g, path, root, outside_home=outside_home, progress=progress)
         except (Protocol, KeyError, TypeError, ValueError, struct.error) as exc:
             g.error = f"the worker's download helper answered what this side refuses: {exc}"
-        except (proto.Eof, OSError, EOFError) as exc:
+        except (sync_helper.Eof, OSError, EOFError) as exc:
             if not stop.is_set():
                 why = describe_failure(streams[r.worker.index]) if r.worker.index in streams else str(exc)
                 g.unreachable = why.startswith("the connection was lost")  # exit 4, else the helper's own failure

@@ -38,7 +38,7 @@ from tpurun.sync import ignore
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Pipe, Runner
 from tpurun.transport.ssh import SshRunner
-from tpurun.worker import sync_helper as proto
+from tpurun.worker import sync_helper
 
 CHUNK = 1 << 20  # bytes per data frame
 SEND_BUFFER = 1 << 20  # small files are batched until this much is queued
@@ -49,7 +49,7 @@ RACY_SECONDS = 2.0  # a file modified this recently may change again within the 
 
 
 def frame(kind: bytes, payload: bytes = b"") -> bytes:
-    return proto.HEADER.pack(kind, len(payload)) + payload
+    return sync_helper.HEADER.pack(kind, len(payload)) + payload
 
 
 class FrameReader:
@@ -63,15 +63,15 @@ class FrameReader:
         while len(self.buf) < n:
             data = self.recv(max(65536, n - len(self.buf)))
             if not data:
-                raise proto.Eof()
+                raise sync_helper.Eof()
             self.buf += data
 
     def read_frame(self) -> tuple[bytes, bytes]:
-        self._fill(proto.HEADER.size)
-        kind, length = proto.HEADER.unpack_from(self.buf)
-        self._fill(proto.HEADER.size + length)
-        payload = bytes(self.buf[proto.HEADER.size : proto.HEADER.size + length])
-        del self.buf[: proto.HEADER.size + length]
+        self._fill(sync_helper.HEADER.size)
+        kind, length = sync_helper.HEADER.unpack_from(self.buf)
+        self._fill(sync_helper.HEADER.size + length)
+        payload = bytes(self.buf[sync_helper.HEADER.size : sync_helper.HEADER.size + length])
+        del self.buf[: sync_helper.HEADER.size + length]
         return kind, payload
 
 
@@ -99,7 +99,7 @@ class Manifest:
 
     def to_wire(self, dest: str, delete: bool) -> dict[str, Any]:
         return {
-            "v": proto.PROTOCOL,
+            "v": sync_helper.PROTOCOL,
             "dest": dest,
             "delete": delete,
             "files": [[f.path, f.size, f.mtime_ns, f.mode, f.sha256] for f in self.files],
@@ -207,7 +207,7 @@ def deletions(extra: Sequence[str], spec: Any) -> list[str]:
 @functools.lru_cache(maxsize=4)
 def helper_command(python: str = "python3") -> tuple[str, ...]:
     """argv that runs the helper from its source, compressed inline: nothing to install on workers."""
-    source = Path(proto.__file__).read_bytes()
+    source = Path(sync_helper.__file__).read_bytes()
     blob = base64.b64encode(zlib.compress(source, 9)).decode("ascii")
     # -I -S: no site-packages, no PYTHON* variables, no user site: stdlib only, and ~5 ms less per start
     return (python, "-I", "-S", "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))")
@@ -298,7 +298,7 @@ def data_segments(manifest: Manifest, src: Path, need: Sequence[int], stop: thre
             with open(src / entry.path, "rb") as f:
                 while chunk := f.read(CHUNK):
                     h.update(chunk)
-                    buf += proto.HEADER.pack(b"D", len(chunk))
+                    buf += sync_helper.HEADER.pack(b"D", len(chunk))
                     if len(chunk) >= SEND_BUFFER // 4:
                         yield Segment(bytes(buf), files, nbytes)
                         yield Segment(chunk, 0, len(chunk))
@@ -402,7 +402,7 @@ class Plan:
         """The M frame, encoded and compressed once for every worker (18 ms for 5,000 files)."""
         with self.cond:
             if self._manifest_frame is None:
-                self._manifest_frame = frame(b"M", proto.pack_json(self.manifest.to_wire(dest, delete)))
+                self._manifest_frame = frame(b"M", sync_helper.pack_json(self.manifest.to_wire(dest, delete)))
             return self._manifest_frame
 
     def arrive(self, worker: int, need: Sequence[int] | None) -> None:
@@ -459,12 +459,12 @@ def sync_stream(
     try:
         stream.send(plan.manifest_frame(dest, delete))
         kind, payload = reader.read_frame()
-        reply = proto.unpack_json(payload)
+        reply = sync_helper.unpack_json(payload)
         if kind == b"Q":
             stats.error = str(reply.get("error"))
             return
         if kind != b"N":
-            raise proto.Eof()
+            raise sync_helper.Eof()
         stats.dest = reply.get("dest", "")
         need: list[int] = reply["need"]
         stats.files_needed = len(need)
@@ -480,16 +480,16 @@ def sync_stream(
         if delete:
             doomed = deletions(reply.get("extra", []), spec)
             if doomed:
-                tail += frame(b"X", proto.pack_json(doomed))
+                tail += frame(b"X", sync_helper.pack_json(doomed))
         stream.send(tail + frame(b"E"))
         kind, payload = reader.read_frame()
         if kind != b"R":
-            raise proto.Eof()
-        result = proto.unpack_json(payload)
+            raise sync_helper.Eof()
+        result = sync_helper.unpack_json(payload)
         stats.files_sent = result["written"]
         stats.deleted = result["deleted"]
         stats.errors = result["errors"]
-    except (proto.Eof, OSError, EOFError) as exc:
+    except (sync_helper.Eof, OSError, EOFError) as exc:
         if stop.is_set():
             raise Interrupted() from None
         why = describe_failure(stream)

@@ -10,7 +10,7 @@ Modes:
   dry-run: SIGTERM, wait up to the grace, SIGKILL the rest, verify; then remove stale libtpu lock files
   if no holder is left.
 - `doctor`: everything `tpurun doctor` judges on a worker: the same holder scan, device files, the
-  versions seen by the user's python (tpurun.job.plan.PROBE_SCRIPT run with it), XLA variables in the
+  versions seen by the user's python (tpurun.job.env_contract.PROBE_SCRIPT run with it), XLA variables in the
   environment and in the shell files users export them from, free disk, and the worker's clock.
 
 As a non-root user, /proc/PID/fd and /proc/PID/maps of other users' processes cannot be read: the
@@ -426,7 +426,7 @@ def env_file_exports(home: str) -> list[dict]:
 
 
 def run_python_probe(python: str, probe: str) -> dict:
-    """The versions PYTHON sees (tpurun.job.plan.PROBE_SCRIPT run with it)."""
+    """The versions PYTHON sees (tpurun.job.env_contract.PROBE_SCRIPT run with it)."""
     try:
         proc = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
     except FileNotFoundError:
