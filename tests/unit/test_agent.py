@@ -459,7 +459,7 @@ def test_host_launch_files_each_chip_process_under_its_chip(home: Path, tmp_path
     p = script(tmp_path, "spawner.py", SPAWNER)
     start(home, f"h1-{RUN}", [host(p, START=start_method, ROUNDS="2")], launch="host")
     st = wait_over(home, f"h1-{RUN}")
-    assert st["status"] == "finished", st
+    assert st["status"] == "finished", (st, (home / ".tpurun" / "jobs" / f"h1-{RUN}" / "supervisor.log").read_text())
     cores = {c["core"]: c for c in st["cores"]}
     assert sorted(cores) == [-1, 0, 1, 2]
     assert all(c["exit_code"] == 0 for c in cores.values())
