@@ -47,7 +47,7 @@ def main() -> int:
     from google.cloud import tpu_v2
 
     from tpurun.emulator.api import EmulatorServer
-    from tpurun.emulator.cli import _leftovers
+    from tpurun.emulator.cli import leftovers
     from tpurun.emulator.hosts import WorkerHosts
     from tpurun.emulator.model import Delays, EmulatorConfig
     from tpurun.emulator.pytest_plugin import fast_polling, host_problem
@@ -124,7 +124,7 @@ def main() -> int:
             run("v4-512")
     finally:
         server.stop()
-        left = _leftovers(state_dir)
+        left = leftovers(state_dir)
         if not left:
             shutil.rmtree(state_dir, ignore_errors=True)
     if left:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +19,17 @@ class Result:
     code: int
     out: str
     err: str
+
+
+def python38() -> str | None:
+    """A working python3.8 (the oldest Python the agent promises to run on), if this machine has one."""
+    for cand in [*glob.glob(os.path.expanduser("~/.pyenv/versions/3.8*/bin/python3.8")), shutil.which("python3.8")]:
+        if cand and subprocess.run([cand, "-c", "pass"], capture_output=True).returncode == 0:
+            return cand
+    return None
+
+
+PY38 = python38()
 
 
 def tpurun(
@@ -128,9 +141,7 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
 def calls_since(emulator, before: int) -> list[dict]:
     """The API requests made since BEFORE, except reads of operations: a command that asked for nothing
     has no operation to read, while an earlier test's operation may still be polled to its end meanwhile."""
-    return [
-        r for r in emulator.requests(before) if not (r["method"] == "GET" and "/operations/" in r["path"])
-    ]
+    return [r for r in emulator.requests(before) if not (r["method"] == "GET" and "/operations/" in r["path"])]
 
 
 def by_tag(out: str) -> dict[str, list[str]]:

@@ -236,7 +236,7 @@ def bench_emulator() -> Iterator[Bench]:
     """The emulator (zero delays) on a thread of this process, and a fresh TPURUN_HOME; torn down after."""
     sys.path.insert(0, str(ROOT))
     from tpurun.emulator.api import EmulatorServer
-    from tpurun.emulator.cli import _leftovers
+    from tpurun.emulator.cli import leftovers
     from tpurun.emulator.hosts import WorkerHosts
     from tpurun.emulator.model import Delays, EmulatorConfig
     from tpurun.emulator.pytest_plugin import host_problem
@@ -275,7 +275,7 @@ def bench_emulator() -> Iterator[Bench]:
         for node in list(bench.nodes.values()):
             bench.delete(node)
         server.stop()
-        left = _leftovers(state_dir / "emu")
+        left = leftovers(state_dir / "emu")
         if left:
             print(f"warning: the emulator left things behind: {left}", file=sys.stderr)
         else:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -285,9 +286,33 @@ def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, 
 
 def test_logs_replays_every_worker_in_time_order(cli):
     create_node(cli, "order")
+    # the workers take turns over a socket (w0 listens at MASTER_ADDR), 0.1 s apart: the true order of their
+    # lines, whatever the skew between the two processes' starts
     (cli.cwd / "turns.py").write_text(
-        "import os, time\nw = int(os.environ['TPURUN_WORKER_ID'])\ntime.sleep(0.1 * w)\n"
-        "for i in range(5):\n    print('turn', i, 'w', w, flush=True); time.sleep(0.2)\n"
+        textwrap.dedent(
+            """\
+            import os, socket, time
+            w = int(os.environ["TPURUN_WORKER_ID"])
+            addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            if w == 0:
+                peer = socket.create_server(addr).accept()[0]
+            else:
+                for _ in range(300):
+                    try:
+                        peer = socket.create_connection(addr)
+                        break
+                    except OSError:
+                        time.sleep(0.1)
+            for i in range(5):
+                if w == 1:
+                    peer.recv(1)
+                print("turn", i, "w", w, flush=True)
+                time.sleep(0.1)
+                peer.sendall(b".")
+                if w == 0:
+                    peer.recv(1)
+            """
+        )
     )
     r = cli("train", "turns.py", "--runtime", "cpu", "--cores", "1", "--python", "python3")
     assert r.code == 0, r.err

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,18 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import PY38
 from tpurun.worker import AGENT_PATH
-
-
-def _python38() -> str | None:
-    """A working python3.8 (the oldest Python the agent promises to run on), if this machine has one."""
-    for cand in [*glob.glob(os.path.expanduser("~/.pyenv/versions/3.8*/bin/python3.8")), shutil.which("python3.8")]:
-        if cand and subprocess.run([cand, "-c", "pass"], capture_output=True).returncode == 0:
-            return cand
-    return None
-
-
-PY38 = _python38()
 
 
 @pytest.fixture

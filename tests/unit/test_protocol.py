@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from tests.unit.test_agent import PY38
+from tests.helpers import PY38
 from tpurun.worker import WORKER_DIR, protocol
 
 RECORDS: list[protocol.Record] = [
-    protocol.Line(3, 5, 120, protocol.Stream.OUT, 1764000000.25, 'step 1 "loss" 0.5 \u00e9 \\ tab\there'),
-    protocol.Line(0, protocol.HOST, 7, protocol.Stream.ERR, 1764000001.0, ""),
+    protocol.Line(3, 5, 120, protocol.Source.OUT, 1764000000.25, 'step 1 "loss" 0.5 \u00e9 \\ tab\there'),
+    protocol.Line(0, protocol.HOST, 7, protocol.Source.ERR, 1764000001.0, ""),
     protocol.Exit(1, 2, 3, protocol.ProcessStatus.FAILED),
     protocol.Exit(1, 0, None, protocol.ProcessStatus.DIED),
     protocol.Exit(0, protocol.HOST, -9, protocol.ProcessStatus.KILLED),
@@ -81,9 +81,9 @@ def test_every_record_kind_round_trips_through_the_agent_side(python: str | None
 
 
 def test_a_rec_line_framed_by_the_agent_is_the_line_it_was() -> None:
-    rec = protocol.encode_rec(protocol.Stream.ERR, 12.5, "x\ny")[:-1]
+    rec = protocol.encode_rec(protocol.Source.ERR, 12.5, "x\ny")[:-1]
     assert protocol.rec_time(rec) == 12.5
-    assert protocol.decode(protocol.frame(4, 1, 99, rec)) == protocol.Line(4, 1, 99, protocol.Stream.ERR, 12.5, "x\ny")
+    assert protocol.decode(protocol.frame(4, 1, 99, rec)) == protocol.Line(4, 1, 99, protocol.Source.ERR, 12.5, "x\ny")
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ from typing import Any
 from tpurun import topology
 from tpurun.emulator import procs
 from tpurun.emulator._metadata import MetadataService, parse_ssh_keys
+from tpurun.emulator.model import SLOTS
 from tpurun.emulator.sshd import host_key, sshd_config, write_atomic
 from tpurun.emulator.tpu_vm import (
     VmIdentity,
@@ -264,8 +265,8 @@ class WorkerHosts:
     ) -> list[WorkerInfo]:
         """Boot (or reboot) every worker of a node; returns once each sshd accepts connections. VMS: the
         workers are these Compute Engine instances (one per name), not a Cloud TPU API node's."""
-        if not 1 <= slot <= 250:
-            raise ValueError(f"slot must be 1..250, got {slot}")
+        if slot not in SLOTS:
+            raise ValueError(f"slot must be {SLOTS.start}..{SLOTS.stop - 1}, got {slot}")
         if not 1 <= num_workers <= 254:
             raise ValueError(f"num_workers must be 1..254, got {num_workers}")
         if generation not in GENERATIONS:

@@ -203,6 +203,10 @@ class Capacity:
         return self.limits.get((zone, gen)) or self.limits.get(("*", gen))
 
 
+# The address slots a node's workers can have: worker I of the node in slot S is 127.77.S.(I+1) (hosts.py).
+SLOTS = range(1, 251)
+
+
 @dataclass
 class EmulatorConfig:
     state_dir: Path
@@ -210,7 +214,7 @@ class EmulatorConfig:
     capacity: Capacity = field(default_factory=Capacity)
     max_workers_per_node: int = 128
     request_log_size: int = 10_000
-    slots: range = range(1, 251)  # the address slots (127.77.SLOT.*) its nodes take: see hosts.WorkerHosts
+    slots: range = SLOTS  # the share of them its nodes take (a parallel test run gives each emulator its own)
 
 
 def set_enum(msg: Any, field_name: str, value: Any) -> None:

@@ -58,13 +58,13 @@ def host_problem() -> str | None:
 def _slots() -> range:
     """The address slots of this session's emulator: under pytest-xdist each worker process has its own
     share, so the emulators of a parallel run never reach for the same addresses."""
+    from tpurun.emulator.model import SLOTS
+
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if not worker.startswith("gw") or count <= 1:
-        return range(1, 251)
-    size = 250 // count
-    i = int(worker[2:])
-    return range(1 + i * size, 1 + (i + 1) * size)
+        return SLOTS
+    return SLOTS[int(worker[2:]) :: count]
 
 
 @dataclass

@@ -54,7 +54,8 @@ def logs(
     or STOP is set."""
     record = JobRecord.load(home, job_id)
     target = record.target(worker)
-    lines.name_workers(worker_names(target.all_workers))
+    names = worker_names(target.all_workers)
+    lines.name_workers(names)
     viewer = _Viewer(record, target, lines, stop, follow and tail is None)
     try:
         connect(target, record)
@@ -69,7 +70,6 @@ def logs(
         lines.flush()
     finally:
         target.close()
-    names = worker_names(target.all_workers)
     return LogsResult(
         interrupted=stop.is_set(),
         errors={names[w]: why for w, why in sorted(viewer.errors.items())},

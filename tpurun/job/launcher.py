@@ -38,7 +38,7 @@ from tpurun.worker.protocol import AgentExit, ProcessStatus
 # Runs on each worker: agent present (else exit AgentExit.MISSING)? start the job (spec from $2, base64),
 # then stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
 _START_AND_STREAM = (
-    f'f="{bundle.BIN}/$1/agent.py"; [ -f "$f" ] || exit {protocol.AgentExit.MISSING.value}; '
+    f'f="{bundle.BIN}/$1/agent.py"; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
     'printf %s "$2" | base64 -d | "$3" "$f" start || exit $?; '
     '[ "$5" = detach ] && exit 0; '
     'exec "$3" "$f" stream "$4" --follow --attached'

@@ -1,3 +1,4 @@
-"""How tpurun reaches workers: runners, SSH or this machine, with one interface (runner.py); the programs
-they start with their pipes connected to us (streams.py); work on every worker at once (fanout.py); and the
-target a command acts on, i.e. its workers resolved from settings (targets.py)."""
+"""How tpurun reaches workers: one interface (runner.py: a worker, and running a program there to completion,
+as a stream or as a pipe) and its transports, SSH (ssh.py) and this machine (local.py); work on every
+worker at once (fanout.py); and the target a command acts on, i.e. its workers resolved from settings
+(targets.py)."""

@@ -131,9 +131,6 @@ class Runner:
     def close(self) -> None:
         pass
 
-    def connect(self) -> None:
-        """Reach the worker (a no-op where there is nothing to connect)."""
-
 
 
 class Stream:

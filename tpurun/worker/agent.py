@@ -97,8 +97,7 @@ def cmd_start(args) -> int:
         if os.path.exists(os.path.join(jdir, "state.json")):
             raise AgentError(f"job {spec.job_id} already exists on this worker")
         os.makedirs(jdir, exist_ok=True)
-        with open(os.path.join(jdir, "spec.json"), "w") as f:
-            f.write(spec.to_json() + "\n")
+        write_json_atomic(os.path.join(jdir, "spec.json"), spec.to_dict())
         write_json_atomic(
             os.path.join(jdir, "state.json"),
             {

@@ -45,9 +45,9 @@ from protocol import (
     Launch,
     ProcessSpec,
     ProcessStatus,
+    Source,
     Started,
     StartFailed,
-    Stream,
     TaskEnd,
     encode,
     encode_rec,
@@ -107,7 +107,7 @@ class Core:
             )
         except OSError as e:
             # Recorded as exit 127 (the shell's "command not found"); the supervisor fails the job fast.
-            self.write(Stream.ERR, f"tpurun agent: cannot start {self.argv}: {e}\n".encode())
+            self.write(Source.ERR, f"tpurun agent: cannot start {self.argv}: {e}\n".encode())
             return
         self.pid = self.pgid = self.proc.pid
         self.status = ProcessStatus.RUNNING
@@ -115,15 +115,15 @@ class Core:
     def start_readers(self) -> None:
         if self.proc is None:
             return
-        for stream, pipe in ((Stream.OUT, self.proc.stdout), (Stream.ERR, self.proc.stderr)):
+        for stream, pipe in ((Source.OUT, self.proc.stdout), (Source.ERR, self.proc.stderr)):
             self.add_reader(stream, pipe)
 
-    def add_reader(self, stream: Stream, pipe) -> None:
+    def add_reader(self, stream: Source, pipe) -> None:
         t = threading.Thread(target=self._pump, args=(stream, pipe), daemon=True)
         t.start()
         self.readers.append(t)
 
-    def _pump(self, stream: Stream, pipe) -> None:
+    def _pump(self, stream: Source, pipe) -> None:
         # Whatever the pipe holds is written at once (every complete line of it, then flushed): no line
         # ever waits in a buffer for more output, and a flood costs one write per chunk, not per line.
         read = pipe.read1 if hasattr(pipe, "read1") else pipe.read
@@ -152,10 +152,10 @@ class Core:
         finally:
             pipe.close()
 
-    def write(self, stream: Stream, raw: bytes) -> None:
+    def write(self, stream: Source, raw: bytes) -> None:
         self.write_lines(stream, [raw])
 
-    def write_lines(self, stream: Stream, lines: list[bytes]) -> None:
+    def write_lines(self, stream: Source, lines: list[bytes]) -> None:
         raws = []
         recs = []
         with self.lock:
@@ -305,7 +305,7 @@ class Supervisor:
             t.start()
             c.readers.append(t)
         else:
-            c.add_reader(Stream(stream.value), f)
+            c.add_reader(Source(stream.value), f)
 
     def chip(self, index: int, pid: int, pool: bool) -> Core | None:
         """The core of chip INDEX, made the first time one of its processes connects (None once the job
@@ -341,7 +341,7 @@ class Supervisor:
                 report = read_task_end(line)
                 if report is None:
                     # faulthandler's report of a fatal signal: into the chip's log, and it crashed
-                    c.write(Stream.ERR, line)
+                    c.write(Source.ERR, line)
                     crash = re.match(rb"Fatal Python error: (.*)", line)
                     if crash:
                         c.reported = -FATAL_SIGNALS.get(crash.group(1).strip().decode(errors="replace"), 0) or 1

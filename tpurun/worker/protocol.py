@@ -92,8 +92,8 @@ class Event(Word):
     DONE = "done"  # `stream`: the job is over on this worker; its state follows
 
 
-class Stream(Word):
-    """Which output a line came from."""
+class Source(Word):
+    """Which of a process's outputs a line came from."""
 
     OUT = "out"
     ERR = "err"
@@ -121,21 +121,23 @@ HOST = -1  # the core a host launch's one process per worker is filed under (its
 HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files under the process
 
 # ---------------------------------------------------------------- records
+# Plain (not frozen) dataclasses: a client decodes one per line a job prints, and a frozen one costs twice
+# as much to make.
 
 
-@dataclass(frozen=True)
+@dataclass
 class Line:
     """One line a process printed: worker, process slot, byte offset after its record in the .rec file."""
 
     worker: int
     core: int
     offset: int
-    stream: Stream
+    source: Source
     time: float
     text: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class Exit:
     worker: int
     core: int
@@ -143,13 +145,13 @@ class Exit:
     status: ProcessStatus
 
 
-@dataclass(frozen=True)
+@dataclass
 class Done:
     worker: int
     state: dict[str, Any]  # the job's state.json (`process_states`, `first_failure` read it)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Started:
     job: str
     worker: int
@@ -157,7 +159,7 @@ class Started:
     cores: list[dict[str, Any]]  # each process's entry of the state (`ProcessState`)
 
 
-@dataclass(frozen=True)
+@dataclass
 class StartFailed:
     job: str
     reason: str
@@ -166,20 +168,23 @@ class StartFailed:
 Record = Union[Line, Exit, Done, Started, StartFailed]  # noqa: UP007 (evaluated: Python 3.8 has no X | Y)
 
 # The .rec line's fixed start: `frame` splices the worker, process and offset in front of it without
-# re-encoding, which is what keeps streaming fast.
+# re-encoding, which is what keeps streaming fast; its time starts at _TIME_AT (every source's name has
+# three letters).
 _REC_HEAD = b'{"s":"'
+_TIME_AT = len(_REC_HEAD) + 3 + len(b'","t":')
+assert all(len(s.value) == 3 for s in Source)
 
 
-def encode_rec(stream: Stream, t: float, text: str) -> bytes:
+def encode_rec(source: Source, t: float, text: str) -> bytes:
     """A line as the supervisor writes it to the process's .rec file (a `Line` without its place)."""
-    return b'%s%s","t":%.6f,"l":%s}\n' % (_REC_HEAD, stream.value.encode(), t, json.dumps(text).encode())
+    return b'%s%s","t":%.6f,"l":%s}\n' % (_REC_HEAD, source.value.encode(), t, json.dumps(text).encode())
 
 
 def rec_time(rec: bytes) -> float:
     """The time of an encoded .rec line (what `stream` merges processes' lines by)."""
-    end = rec.find(b",", 15)
+    end = rec.find(b",", _TIME_AT)
     try:
-        return float(rec[15:end])
+        return float(rec[_TIME_AT:end])
     except ValueError:
         return 0.0
 
@@ -193,7 +198,7 @@ def encode(record: Record) -> bytes:
     """Any record as one JSON line."""
     if isinstance(record, Line):
         return frame(
-            record.worker, record.core, record.offset, encode_rec(record.stream, record.time, record.text)[:-1]
+            record.worker, record.core, record.offset, encode_rec(record.source, record.time, record.text)[:-1]
         )
     if isinstance(record, Exit):
         data: dict[str, Any] = {
@@ -218,6 +223,9 @@ def encode(record: Record) -> bytes:
     return (json.dumps(data) + "\n").encode()
 
 
+_SOURCES = {s.value: s for s in Source}
+
+
 def decode(raw: bytes | str) -> Record | None:
     """One JSON line as a record; None for what is not one (an empty line, another program's output)."""
     try:
@@ -228,8 +236,8 @@ def decode(raw: bytes | str) -> Record | None:
         return None
     try:
         event = data.get("event")
-        if event is None:
-            return Line(int(data["w"]), int(data["c"]), int(data["o"]), Stream(data["s"]), float(data["t"]), data["l"])
+        if event is None:  # a line: the hot path (a dict lookup, not an Enum call, for its source)
+            return Line(int(data["w"]), int(data["c"]), int(data["o"]), _SOURCES[data["s"]], float(data["t"]), data["l"])
         if event == Event.EXIT:
             code = data.get("code")
             return Exit(
@@ -275,10 +283,13 @@ class JobSpec:
     lease_timeout: float | None = None  # attached: DEFAULT_LEASE unless given (0: none)
     allow_concurrent: bool = False  # start even while another job runs on the worker
 
-    def to_json(self) -> str:
+    def to_dict(self) -> dict[str, Any]:
         data = dict(self.__dict__)
         data["cores"] = [dict(p.__dict__) for p in self.cores]
-        return json.dumps(data)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
@@ -321,12 +332,20 @@ def process_states(state: dict[str, Any]) -> list[ProcessState]:
     ]
 
 
-def first_failure(state: dict[str, Any]) -> ProcessState | None:
+@dataclass(frozen=True)
+class FirstFailure:
+    """The process whose failure stopped the job on a worker (its exit code: None where it died unreported)."""
+
+    core: int
+    exit_code: int | None
+
+
+def first_failure(state: dict[str, Any]) -> FirstFailure | None:
     """The process whose failure stopped the job on this worker, if one did."""
     origin = state.get("first_failure") or {}
     if "core" not in origin:
         return None
-    return ProcessState(int(origin["core"]), ProcessStatus.FAILED, origin.get("exit_code"))
+    return FirstFailure(int(origin["core"]), origin.get("exit_code"))
 
 
 # ---------------------------------------------------------------- the hook's connections
