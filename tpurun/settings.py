@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpurun import config
@@ -75,6 +75,16 @@ class Settings:
     def home_path(self) -> Path:
         assert self.home.value
         return Path(self.home.value)
+
+    def naming(self, tpu: str | None, *, project: str = "", zone: str = "", source: str) -> Settings:
+        """These settings for the TPU named TPU (None: no TPU, this machine) in PROJECT and ZONE where given
+        (else as resolved), each from SOURCE (e.g. a job's record): the home and endpoint stay as resolved."""
+        return replace(
+            self,
+            tpu=Setting("tpu", tpu, source),
+            project=Setting("project", project, source) if project else self.project,
+            zone=Setting("zone", zone, source) if zone else self.zone,
+        )
 
 
 def xdg_config_home(env: Mapping[str, str]) -> Path:

@@ -202,11 +202,63 @@ def renamed_imports(package: Path) -> list[str]:
     return out
 
 
+def _imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import of PATH, at any depth (in a function too): a module, or the module
+    a `from` takes names from, each name that is itself a module counted as one."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def cli_transport_imports(package: Path) -> list[str]:
+    """The command line reaching into the transport: it parses, calls the library and renders; connecting,
+    fanning out and running on workers are the library's."""
+    transport = f"{package.name}.transport"
+    return [
+        f"{path.relative_to(package.parent)}:{line}: {module}"
+        for path in sorted((package / "cli").rglob("*.py"))
+        for line, module in _imports_of(path)
+        if module == transport or module.startswith(transport + ".")
+    ]
+
+
+def library_settings_resolved(package: Path) -> list[str]:
+    """Settings resolved (flags, environment, files) outside the command line: each command resolves them
+    once and passes them down, so one command never sees two answers."""
+    settings = f"{package.name}.settings"
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.parts[0] == "cli" or rel == Path("settings.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = (
+                isinstance(node, ast.Attribute)
+                and node.attr == "resolve"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "settings"
+            )
+            imported = (
+                isinstance(node, ast.ImportFrom)
+                and node.module == settings
+                and any(a.name == "resolve" for a in node.names)
+            )
+            if called or imported:
+                out.append(f"{path.relative_to(package.parent)}:{node.lineno}: settings.resolve")
+    return out
+
+
 RULES = {
     "import circle": import_cycles,
     "private name": private_imports,
     "bundle beyond stdlib": bundle_imports,
     "renamed import": renamed_imports,
+    "cli imports transport": cli_transport_imports,
+    "library resolves settings": library_settings_resolved,
 }
 
 PLANTED = {
@@ -214,6 +266,8 @@ PLANTED = {
     "private name": ("cli/train.py", "from tpurun.transport.ssh import _fast_transport\n"),
     "bundle beyond stdlib": ("worker/protocol.py", "import paramiko\n"),
     "renamed import": ("cli/health.py", "from tpurun.job import launcher as train\n"),
+    "cli imports transport": ("cli/remote.py", "from tpurun.transport.fanout import fan_out\n"),
+    "library resolves settings": ("job/launcher.py", "from tpurun.settings import resolve\n"),
 }
 
 

@@ -14,7 +14,6 @@ from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import ProgramFailed, UsageError
-from tpurun.transport import bundle, targets
 
 
 def cloud_for(project: str | None, zone: str | None, *, every_zone: bool = False) -> tuple[Cloud, settings.Settings]:
@@ -38,94 +37,118 @@ def _workers_table(view: provision.NodeView) -> None:
     )
 
 
+# create's options
+AcceleratorTypeOpt = Annotated[
+    str | None, typer.Option("--accelerator-type", "-t", help="e.g. v4-16, v5litepod-8, tpu7x-32.")
+]
+MachineTypeOpt = Annotated[
+    str | None,
+    typer.Option("--machine-type", help="Compute Engine's spelling, with --topology: e.g. tpu7x-standard-4t."),
+]
+TopologyOpt = Annotated[
+    str | None, typer.Option("--topology", help="With --machine-type: the slice's chips, e.g. 2x2x4.")
+]
+BackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--backend",
+        help="Who makes it: tpu-api (Cloud TPU API) or compute (Compute Engine). Default: the Cloud TPU API "
+        "where it offers the type, else Compute Engine (TPU7x).",
+    ),
+]
+VersionOpt = Annotated[str | None, typer.Option(help="Runtime version (default per generation).")]
+SpotOpt = Annotated[bool, typer.Option("--spot", help="Spot VM (cheaper, can be preempted).")]
+PreemptibleOpt = Annotated[bool, typer.Option("--preemptible", help="Preemptible VM.")]
+QueuedOpt = Annotated[bool, typer.Option("--queued", help="Wait in line through a queued resource.")]
+SlicesOpt = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="Several slices joined over the data-center network (multislice, v4 and newer): one queued "
+        "resource NAME makes NAME-0 … NAME-(N-1); NAME then stands for all of them.",
+    ),
+]
+ValidUntilOpt = Annotated[
+    str | None,
+    typer.Option("--valid-until", help="With --queued or --flex-start: give up waiting for capacity after e.g. 6h."),
+]
+FlexStartOpt = Annotated[
+    bool,
+    typer.Option(
+        "--flex-start",
+        help="Compute Engine's flex-start capacity: wait until every VM of the slice can be made at once, "
+        "then run for at most --max-run-duration.",
+    ),
+]
+MaxRunDurationOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--max-run-duration",
+        help="With --flex-start: how long the VMs run before Compute Engine deletes them (10m to 7d).",
+    ),
+]
+StartupScriptOpt = Annotated[
+    Path | None, typer.Option("--startup-script", help="Script every worker runs as root at every boot.")
+]
+SetupOpt = Annotated[list[str] | None, typer.Option("--setup", help="A shell command to run at boot (repeatable).")]
+LabelOpt = Annotated[list[str] | None, typer.Option("--label", help="KEY=VALUE (repeatable).")]
+NetworkOpt = Annotated[str | None, typer.Option(help="VPC network.")]
+SubnetworkOpt = Annotated[str | None, typer.Option(help="VPC subnetwork.")]
+InternalIpsOpt = Annotated[bool, typer.Option("--internal-ips", help="No external IPs.")]
+CodeOpt = Annotated[
+    str | None, typer.Option("--code", help="DIR[:DEST] unpacked on every worker at boot (small dirs).")
+]
+DataOpt = Annotated[
+    list[str] | None, typer.Option("--data", help="URL[#sha256=HEX]=DEST downloaded at boot (repeatable).")
+]
+AutostopIdleOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--autostop",
+        help="Delete the TPU (and its queued resource) once every worker has been idle this long, e.g. 30m: "
+        "no tpurun job and no process holding a TPU device. Done by a watchdog on the TPU itself.",
+    ),
+]
+AutostopActionOpt = Annotated[
+    str | None, typer.Option("--autostop-action", help="delete (default), or stop for a single-host TPU VM.")
+]
+NoWaitOpt = Annotated[bool, typer.Option("--no-wait", help="Return once the request is accepted.")]
+DeleteOnFailureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--delete-on-failure", help="Delete the TPU when its startup script fails (else it is kept, and bills)."
+    ),
+]
+TimeoutOpt = Annotated[float, typer.Option(min=0, help="Seconds to wait for READY and startup.")]
+
+
 def create_cmd(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The new TPU's name: lowercase letters, digits and '-'.")],
-    accelerator_type: Annotated[
-        str | None, typer.Option("--accelerator-type", "-t", help="e.g. v4-16, v5litepod-8, tpu7x-32.")
-    ] = None,
-    machine_type: Annotated[
-        str | None,
-        typer.Option("--machine-type", help="Compute Engine's spelling, with --topology: e.g. tpu7x-standard-4t."),
-    ] = None,
-    topology: Annotated[
-        str | None, typer.Option("--topology", help="With --machine-type: the slice's chips, e.g. 2x2x4.")
-    ] = None,
-    backend: Annotated[
-        str | None,
-        typer.Option(
-            "--backend",
-            help="Who makes it: tpu-api (Cloud TPU API) or compute (Compute Engine). Default: the Cloud TPU API "
-            "where it offers the type, else Compute Engine (TPU7x).",
-        ),
-    ] = None,
-    version: Annotated[str | None, typer.Option(help="Runtime version (default per generation).")] = None,
-    spot: Annotated[bool, typer.Option("--spot", help="Spot VM (cheaper, can be preempted).")] = False,
-    preemptible: Annotated[bool, typer.Option("--preemptible", help="Preemptible VM.")] = False,
-    queued: Annotated[bool, typer.Option("--queued", help="Wait in line through a queued resource.")] = False,
-    slices: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Several slices joined over the data-center network (multislice, v4 and newer): one queued "
-            "resource NAME makes NAME-0 … NAME-(N-1); NAME then stands for all of them.",
-        ),
-    ] = 1,
-    valid_until: Annotated[
-        str | None,
-        typer.Option(
-            "--valid-until", help="With --queued or --flex-start: give up waiting for capacity after e.g. 6h."
-        ),
-    ] = None,
-    flex_start: Annotated[
-        bool,
-        typer.Option(
-            "--flex-start",
-            help="Compute Engine's flex-start capacity: wait until every VM of the slice can be made at once, "
-            "then run for at most --max-run-duration.",
-        ),
-    ] = False,
-    max_run_duration: Annotated[
-        str | None,
-        typer.Option(
-            "--max-run-duration",
-            help="With --flex-start: how long the VMs run before Compute Engine deletes them (10m to 7d).",
-        ),
-    ] = None,
-    startup_script: Annotated[
-        Path | None, typer.Option("--startup-script", help="Script every worker runs as root at every boot.")
-    ] = None,
-    setup: Annotated[
-        list[str] | None, typer.Option("--setup", help="A shell command to run at boot (repeatable).")
-    ] = None,
-    label: Annotated[list[str] | None, typer.Option("--label", help="KEY=VALUE (repeatable).")] = None,
-    network: Annotated[str | None, typer.Option(help="VPC network.")] = None,
-    subnetwork: Annotated[str | None, typer.Option(help="VPC subnetwork.")] = None,
-    internal_ips: Annotated[bool, typer.Option("--internal-ips", help="No external IPs.")] = False,
-    code: Annotated[
-        str | None, typer.Option("--code", help="DIR[:DEST] unpacked on every worker at boot (small dirs).")
-    ] = None,
-    data: Annotated[
-        list[str] | None, typer.Option("--data", help="URL[#sha256=HEX]=DEST downloaded at boot (repeatable).")
-    ] = None,
-    autostop_idle: Annotated[
-        str | None,
-        typer.Option(
-            "--autostop",
-            help="Delete the TPU (and its queued resource) once every worker has been idle this long, e.g. 30m: "
-            "no tpurun job and no process holding a TPU device. Done by a watchdog on the TPU itself.",
-        ),
-    ] = None,
-    autostop_action: Annotated[
-        str | None, typer.Option("--autostop-action", help="delete (default), or stop for a single-host TPU VM.")
-    ] = None,
-    no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once the request is accepted.")] = False,
-    delete_on_failure: Annotated[
-        bool,
-        typer.Option(
-            "--delete-on-failure", help="Delete the TPU when its startup script fails (else it is kept, and bills)."
-        ),
-    ] = False,
-    timeout: Annotated[float, typer.Option(min=0, help="Seconds to wait for READY and startup.")] = 1800.0,
+    accelerator_type: AcceleratorTypeOpt = None,
+    machine_type: MachineTypeOpt = None,
+    topology: TopologyOpt = None,
+    backend: BackendOpt = None,
+    version: VersionOpt = None,
+    spot: SpotOpt = False,
+    preemptible: PreemptibleOpt = False,
+    queued: QueuedOpt = False,
+    slices: SlicesOpt = 1,
+    valid_until: ValidUntilOpt = None,
+    flex_start: FlexStartOpt = False,
+    max_run_duration: MaxRunDurationOpt = None,
+    startup_script: StartupScriptOpt = None,
+    setup: SetupOpt = None,
+    label: LabelOpt = None,
+    network: NetworkOpt = None,
+    subnetwork: SubnetworkOpt = None,
+    internal_ips: InternalIpsOpt = False,
+    code: CodeOpt = None,
+    data: DataOpt = None,
+    autostop_idle: AutostopIdleOpt = None,
+    autostop_action: AutostopActionOpt = None,
+    no_wait: NoWaitOpt = False,
+    delete_on_failure: DeleteOnFailureOpt = False,
+    timeout: TimeoutOpt = 1800.0,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
     json_out: JsonOpt = False,
@@ -295,7 +318,7 @@ def delete_cmd(
 ) -> None:
     """Delete a TPU (and the queued resource it came from); asks unless --yes."""
     provision.validate_name(name)
-    cloud, _ = cloud_for(project, zone)
+    cloud, s = cloud_for(project, zone)
     if not yes:
         if not sys.stdin.isatty():
             raise UsageError(f"refusing to delete {name} without confirmation: pass --yes")
@@ -303,7 +326,7 @@ def delete_cmd(
             raise typer.Exit(1)
     with progress_display() as progress:
         also = provision.delete(cloud, name, progress)
-    identity.bury(settings.resolve({}).home_path, cloud.project, cloud.zone, name, "`tpurun delete`")
+    identity.bury(s.home_path, cloud.project, cloud.zone, name, "`tpurun delete`")
     ui.info(" and ".join([f"deleted {name}", *also]))
     cleared = settings.clear_project_setting("tpu", name)
     if cleared:
@@ -313,10 +336,10 @@ def delete_cmd(
 def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) -> None:
     """Stop a single-host TPU VM (pod slices can only be deleted)."""
     provision.validate_name(name)
-    cloud, _ = cloud_for(project, zone)
+    cloud, s = cloud_for(project, zone)
     with progress_display() as progress:
         view = provision.stop(cloud, name, progress)
-    identity.forget(settings.resolve({}).home_path, cloud.project, cloud.zone, name)
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)
     ui.info(f"{name} is {view.state}")
 
 
@@ -354,14 +377,6 @@ def autostop_cmd(
     if action is not None:
         autostop.check_action(action)
     cloud, s = cloud_for(project, zone)
-
-    def start_watchdogs() -> dict[int, str]:
-        target = targets.resolve(tpu=name, local=False, project=cloud.project, zone=cloud.zone)
-        try:
-            return bundle.start_watchdogs(target)
-        finally:
-            target.close()
-
     with progress_display() as progress:
-        setting = autostop.configure(cloud, name, seconds, action, progress, start_watchdogs)
+        setting = autostop.configure(cloud, name, seconds, action, progress, s)
     ui.info(f"{name}: autostop {setting.label()}")

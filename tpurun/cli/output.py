@@ -15,7 +15,7 @@ from tpurun import ui
 from tpurun.errors import ExitCode
 from tpurun.job.env_contract import process_name
 from tpurun.naming import worker_name
-from tpurun.transport.fanout import RunResult
+from tpurun.remote import ExecResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 _ANSI = {"cyan": 36, "magenta": 35, "green": 32, "yellow": 33, "blue": 34, "red": 31}
@@ -69,8 +69,9 @@ def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
             signal.signal(sig, h)
 
 
-def summarize(results: list[RunResult], interrupted: bool, names: Mapping[int, str] | None = None) -> int:
-    """Print the per-worker summary on stderr and return the exit code (README: 0, 1, 4, 130)."""
+def summarize(done: ExecResult, interrupted: bool, names: Mapping[int, str] | None = None) -> int:
+    """Print the per-worker summary of an exec on stderr and return the exit code (README: 0, 1, 4, 130)."""
+    results = done.results
     names = names or {}
     unreachable = [r for r in results if r.exit_code is None]
     failed = [r for r in results if r.exit_code not in (0, None)]

@@ -6,29 +6,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
 
-from tpurun import settings, ui
+from tpurun import settings, targets, ui
 from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.sync import download
-from tpurun.sync.sender import (
-    Counters,
-    Interrupted,
-    WorkerStats,
-    build_manifest,
-    check_local_dest,
-    default_dest,
-    early_streams,
-    sync,
-)
-from tpurun.transport import targets
+from tpurun.sync.sender import Counters, Interrupted, WorkerStats, check_local_dest, default_dest, push
 
 T = TypeVar("T")
 
@@ -158,7 +147,9 @@ def _named_tpu_or_local(
 
 
 def sync_cmd(
-    src: Annotated[str, typer.Argument(metavar="[SRC]", help="The directory to copy (default: the current one).")] = ".",
+    src: Annotated[
+        str, typer.Argument(metavar="[SRC]", help="The directory to copy (default: the current one).")
+    ] = ".",
     tpu: TpuOpt = None,
     local: LocalOpt = False,
     project: ProjectOpt = None,
@@ -183,41 +174,24 @@ def sync_cmd(
     source = source.resolve()
     destination = dest or default_dest(source)
     s = _named_tpu_or_local(tpu, project, zone, local, "sync copies a directory to a TPU's workers")
-    target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
+    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
     if target.local:
         destination = str(check_local_dest(source, destination))
     started = time.monotonic()
-    home = s.home_path
     stop = threading.Event()
     progress = Counters()
-    try:
-        with stop_on_signals(stop) as seen:
-            # the connections open (network round trips, key exchange) while this thread builds the
-            # manifest (walking and statting the tree): a no-op sync of 5,000 files saves the overlap
-            opened, start_helper = early_streams()
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="connect") as pool:
-                connecting = pool.submit(target.connect, then=start_helper)
-                try:
-                    manifest = build_manifest(source, exclude or [], cache_dir=home / "sync-cache")
-                finally:
-                    errors = connecting.result()  # raises what connect raised
-            info = {
-                "src": str(source),
-                "files": len(manifest.files) + len(manifest.links),
-                "bytes": manifest.total_bytes,
-                "hashed": manifest.hashed,
-            }
-            stats = _transfer(
-                lambda: sync(
-                    target.runners, source, destination, manifest=manifest, excludes=exclude or [],
-                    delete=delete, progress=progress, stop=stop, connect_errors=errors, opened=opened,
-                ),
-                progress, "sync", json_out, seen, "nothing half-written is left on the workers",
-            )  # fmt: skip
-            code = _report(stats, destination, json_out, time.monotonic() - started, info)
-    finally:
-        target.close()
-    raise typer.Exit(code)
+    with target, stop_on_signals(stop) as seen:
+        pushed = _transfer(
+            lambda: push(
+                target, source, destination, cache_dir=s.home_path / "sync-cache", excludes=exclude or [],
+                delete=delete, progress=progress, stop=stop,
+            ),
+            progress, "sync", json_out, seen, "nothing half-written is left on the workers",
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    m = pushed.manifest
+    info = {"src": str(source), "files": len(m.files) + len(m.links), "bytes": m.total_bytes, "hashed": m.hashed}
+    raise typer.Exit(_report(pushed.stats, destination, json_out, elapsed, info))
 
 
 def _transfer(
@@ -239,11 +213,14 @@ def _transfer(
 
 
 def download_cmd(
-    path: Annotated[str, typer.Argument(metavar="PATH", help="A file or directory on the workers (relative: under the home).")],
+    path: Annotated[
+        str, typer.Argument(metavar="PATH", help="A file or directory on the workers (relative: under the home).")
+    ],
     dest: Annotated[
-        str, typer.Argument(
+        str,
+        typer.Argument(
             metavar="[DEST]", help="Where on this machine (default: here); from several workers, DEST/<worker>."
-        )
+        ),
     ] = ".",
     tpu: TpuOpt = None,
     local: LocalOpt = False,
@@ -257,26 +234,21 @@ def download_cmd(
 ) -> None:
     """Copy a file or directory (checkpoints, outputs) from every selected worker to this machine, only the
     files that changed since the last download."""
-    _named_tpu_or_local(tpu, project, zone, local, "download copies from a TPU's workers")
+    s = _named_tpu_or_local(tpu, project, zone, local, "download copies from a TPU's workers")
     into = Path(dest).expanduser()
     if into.exists() and not into.is_dir():
         raise UsageError(f"{dest} is not a directory: download puts what it copies into a directory")
-    target = targets.resolve(tpu=tpu, local=local, project=project, zone=zone, worker_spec=worker, announce=ui.info)
+    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
     started = time.monotonic()
     stop = threading.Event()
     progress = Counters()
-    try:
-        with stop_on_signals(stop) as seen:
-            errors = target.connect()
-            got = _transfer(
-                lambda: download.download(
-                    target.runners, path, into, outside_home=outside_home, progress=progress, stop=stop,
-                    connect_errors=errors,
-                ),
-                progress, "download", json_out, seen, "no half-written file is left here",
-            )  # fmt: skip
-    finally:
-        target.close()
+    with stop_on_signals(stop) as seen:
+        got = _transfer(
+            lambda: download.download_from(
+                target, path, into, outside_home=outside_home, progress=progress, stop=stop
+            ),
+            progress, "download", json_out, seen, "no half-written file is left here",
+        )  # fmt: skip
     raise typer.Exit(_report_download(got, json_out, time.monotonic() - started))
 
 

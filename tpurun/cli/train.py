@@ -6,6 +6,8 @@ import contextlib
 import shlex
 import sys
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated
 
@@ -14,10 +16,8 @@ import typer
 from tpurun import settings, ui
 from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
-from tpurun.cloud import identity
-from tpurun.errors import ExitCode, TpuBusy, TpurunError, UsageError
-from tpurun.job import control, env_contract, launcher
-from tpurun.transport import targets
+from tpurun.errors import ExitCode, TpuBusy, UsageError
+from tpurun.job import control, env_contract, launcher, lifecycle, status
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -36,6 +36,66 @@ def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
         raise UsageError("choose one of --cores and --core")
 
 
+# train's options
+CoresOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Processes per worker: 1, or all (default) per the runtime; on the cpu runtime up to the host's "
+        "devices (8 on this machine).",
+    ),
+]
+OversubscribeOpt = Annotated[
+    bool, typer.Option("--oversubscribe", help="The cpu runtime: allow more --cores than the host has devices.")
+]
+CoreOpt = Annotated[int | None, typer.Option(min=0, help="Run on one specific core index (like devices=[5]).")]
+RuntimeOpt = Annotated[
+    env_contract.Runtime,
+    typer.Option(
+        help="auto: pjrt on a TPU (xrt for torch_xla before 2.1; torchtpu where torch_tpu is installed and "
+        "torch_xla is not), cpu where there is none."
+    ),
+]
+LaunchOpt = Annotated[
+    env_contract.Launch | None,
+    typer.Option(
+        help="host: one process per worker, the script's spawner (xmp.spawn, Lightning, ...) makes one per chip "
+        "(default on TPUs). chip: one process per chip with torchrun's variables (default on cpu)."
+    ),
+]
+PrecisionOpt = Annotated[env_contract.Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")]
+EnvOpt = Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")]
+DetachOpt = Annotated[bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")]
+MaxRestartsOpt = Annotated[int, typer.Option(min=0, help="Recreate a preempted TPU and relaunch, up to N times.")]
+MetricsOpt = Annotated[
+    bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")
+]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option("--dry-run", help="Print the launch model and each process's command and env; start nothing."),
+]
+PythonOpt = Annotated[str | None, typer.Option(help="Python on the workers (default python3; here: this one).")]
+SetupOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--setup",
+        help="A shell command run in the job's directory on every worker before the script, once per content "
+        "(repeatable; e.g. 'pip install -r requirements.txt'). A requirements.txt beside the script is "
+        "installed on TPU workers without asking.",
+    ),
+]
+DestOpt = Annotated[str | None, typer.Option(help="Where the code goes on the workers (default ~/<dir name>).")]
+TpuIpOpt = Annotated[str | None, typer.Option("--tpu-ip", help="xrt on the old TPU Node architecture.")]
+DownOpt = Annotated[
+    bool,
+    typer.Option(
+        "--down",
+        help="Delete the TPU (and its queued resource) when the job ends, however it ends; for a detached job "
+        "(or if tpurun is gone) the TPU's own watchdog does.",
+    ),
+]
+
+
 @parsing(context_settings={"ignore_unknown_options": True})
 def train_cmd(
     script: Annotated[str, typer.Argument(metavar="SCRIPT", help="The training script (relative to this directory).")],
@@ -44,68 +104,23 @@ def train_cmd(
     local: LocalOpt = False,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
-    cores: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Processes per worker: 1, or all (default) per the runtime; on the cpu runtime up to the host's "
-            "devices (8 on this machine).",
-        ),
-    ] = None,
-    oversubscribe: Annotated[
-        bool, typer.Option("--oversubscribe", help="The cpu runtime: allow more --cores than the host has devices.")
-    ] = False,
-    core: Annotated[int | None, typer.Option(min=0, help="Run on one specific core index (like devices=[5]).")] = None,
-    runtime: Annotated[
-        env_contract.Runtime,
-        typer.Option(
-            help="auto: pjrt on a TPU (xrt for torch_xla before 2.1; torchtpu where torch_tpu is installed and "
-            "torch_xla is not), cpu where there is none."
-        ),
-    ] = env_contract.Runtime.auto,
-    launch: Annotated[
-        env_contract.Launch | None,
-        typer.Option(
-            help="host: one process per worker, the script's spawner (xmp.spawn, Lightning, ...) makes one per chip "
-            "(default on TPUs). chip: one process per chip with torchrun's variables (default on cpu)."
-        ),
-    ] = None,
-    precision: Annotated[
-        env_contract.Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")
-    ] = env_contract.Precision.fp32,
-    env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")] = None,
-    detach: Annotated[
-        bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")
-    ] = False,
-    max_restarts: Annotated[int, typer.Option(min=0, help="Recreate a preempted TPU and relaunch, up to N times.")] = 0,
-    metrics: Annotated[
-        bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")
-    ] = False,
-    dry_run: Annotated[
-        bool,
-        typer.Option("--dry-run", help="Print the launch model and each process's command and env; start nothing."),
-    ] = False,
-    python: Annotated[str | None, typer.Option(help="Python on the workers (default python3; here: this one).")] = None,
-    setup: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--setup",
-            help="A shell command run in the job's directory on every worker before the script, once per content "
-            "(repeatable; e.g. 'pip install -r requirements.txt'). A requirements.txt beside the script is "
-            "installed on TPU workers without asking.",
-        ),
-    ] = None,
+    cores: CoresOpt = None,
+    oversubscribe: OversubscribeOpt = False,
+    core: CoreOpt = None,
+    runtime: RuntimeOpt = env_contract.Runtime.auto,
+    launch: LaunchOpt = None,
+    precision: PrecisionOpt = env_contract.Precision.fp32,
+    env: EnvOpt = None,
+    detach: DetachOpt = False,
+    max_restarts: MaxRestartsOpt = 0,
+    metrics: MetricsOpt = False,
+    dry_run: DryRunOpt = False,
+    python: PythonOpt = None,
+    setup: SetupOpt = None,
     grace: GraceOpt = 5.0,
-    dest: Annotated[str | None, typer.Option(help="Where the code goes on the workers (default ~/<dir name>).")] = None,
-    tpu_ip: Annotated[str | None, typer.Option("--tpu-ip", help="xrt on the old TPU Node architecture.")] = None,
-    down: Annotated[
-        bool,
-        typer.Option(
-            "--down",
-            help="Delete the TPU (and its queued resource) when the job ends, however it ends; for a detached job "
-            "(or if tpurun is gone) the TPU's own watchdog does.",
-        ),
-    ] = False,
+    dest: DestOpt = None,
+    tpu_ip: TpuIpOpt = None,
+    down: DownOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
@@ -142,88 +157,43 @@ def _run(
 ) -> int:
     """Run SPEC on the TPU FLAGS name (--tpu, --project, --zone, else the settings), or on this machine."""
     s = settings.resolve(flags)
-
-    def resolve() -> targets.Target:
-        return targets.resolve(
-            tpu=flags["tpu"], local=local, project=flags["project"], zone=flags["zone"], announce=ui.info
-        )
-
+    out = TerminalOutput(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
     if spec.dry_run:
-        target = resolve()
-        try:
-            job = launcher.prepare(spec, target, 0, dest=dest, local_dir=Path.cwd())
-            _notes(job)
-            _print_dry_run(job, json_out)
-        finally:
-            target.close()
+        job = lifecycle.dry_run(s, spec, local=local, dest=dest, local_dir=Path.cwd(), out=out)
+        _notes(job)
+        _print_dry_run(job, json_out)
         return ExitCode.OK
     if spec.down:
-        _arm_down(s, local)
+        lifecycle.arm_down(s, local=local, out=out)
     cancel = threading.Event()
-    out = TerminalOutput(colour=not ui.is_plain(), quiet=json_out, chatter=ui.state.debug)
     try:
         with stop_on_signals(cancel):
-            result = launcher.train(
-                spec,
-                resolve=resolve,
-                recreate=lambda name: _recreate(s, name),
-                dest=dest,
-                home=s.home_path,
-                local_dir=Path.cwd(),
-                out=out,
-                cancel=cancel,
-            )
+            result = lifecycle.train(s, spec, local=local, dest=dest, local_dir=Path.cwd(), out=out, cancel=cancel)
     except TpuBusy:
         if spec.down:
             ui.warn(f"--down: {s.tpu.value} is kept, another job runs on it")
         raise
     except BaseException:
         if spec.down and s.tpu.value:  # the launch itself failed (a worker unreachable, ...): --down holds
-            _down(s, None, ExitCode.OK)
+            _render_down(lifecycle.take_down(s, None, out), ExitCode.OK)
         raise
     code = _render(result, json_out)
     if spec.down:
-        code = _down(s, result, code)
+        code = _render_down(lifecycle.take_down(s, result, out), code)
     return code
 
 
-def _arm_down(s: settings.Settings, local: bool) -> None:
-    """`--down`: a TPU to delete, whose nodes tell its watchdog what to delete should tpurun be gone."""
-    from tpurun.cloud import autostop
-    from tpurun.cloud.client import Cloud
-
-    if local or not s.tpu.value:
-        raise UsageError("--down deletes the TPU the job runs on: give one with --tpu (not with --local)")
-    with progress_display() as progress:
-        autostop.arm_down(Cloud(s), s.tpu.value, progress)
-
-
-def _down(s: settings.Settings, result: launcher.JobResult | None, code: int) -> int:
-    """After a `--down` job (RESULT None: its launch failed): delete its TPU, unless the job runs on
-    (detached: its watchdog deletes the TPU when it ends) or never started because another job holds it."""
-    from tpurun.cloud import provision
-    from tpurun.cloud.client import Cloud
-
-    name = s.tpu.value
-    assert name, "--down is refused without a TPU"
-
-    if result is not None and result.state is launcher.JobState.DETACHED:
-        ui.info(f"{name} will be deleted when job {result.job.job_id} ends, by the watchdog on the TPU (--down)")
-        return code
-    if result is not None and result.state is launcher.JobState.BUSY:
-        ui.warn(f"--down: {name} is kept, another job runs on it")
-        return code
-    cloud = Cloud(s)
-    try:
-        with progress_display() as progress:
-            provision.take_down(cloud, name, progress)
-    except TpurunError as exc:
-        _error(f"error: --down: {name} was not deleted: {exc.message}")
-        return code or exc.exit_code
-    job = f" (job {result.job.job_id})" if result is not None else ""
-    identity.bury(s.home_path, cloud.project, cloud.zone, name, f"`tpurun train --down`{job}")
-    settings.clear_project_setting("tpu", name)
-    ui.info(f"deleted {name} (--down)")
+def _render_down(down: lifecycle.Down, code: int) -> int:
+    """What became of a `--down` job's TPU; the exit code CODE, or the deletion's when the job succeeded."""
+    if down.to_watchdog:
+        ui.info(f"{down.name} will be deleted when job {down.job} ends, by the watchdog on the TPU (--down)")
+    elif down.busy:
+        ui.warn(f"--down: {down.name} is kept, another job runs on it")
+    elif down.error is not None:
+        _error(f"error: --down: {down.name} was not deleted: {down.error.message}")
+        return code or down.error.exit_code
+    else:
+        ui.info(f"deleted {down.name} (--down)")
     return code
 
 
@@ -248,6 +218,9 @@ class TerminalOutput:
 
     def flush(self) -> None:
         self.lines.flush()
+
+    def progress(self) -> AbstractContextManager[Callable[[str], None]]:
+        return progress_display()
 
 
 def _notes(job: launcher.Job) -> None:
@@ -278,16 +251,6 @@ def _print_dry_run(job: launcher.Job, json_out: bool) -> None:
         print(f"[{row['name']}] {row['address']}: {shlex.join(row['command'])}")
         for k, v in sorted(row["env"].items()):
             print(f"    {k}={v}")
-
-
-def _recreate(s: settings.Settings, name: str) -> None:
-    from tpurun.cloud import provision
-    from tpurun.cloud.client import Cloud
-
-    cloud = Cloud(s)
-    identity.forget(s.home_path, cloud.project, cloud.zone, name)
-    with progress_display() as progress:
-        provision.recreate(cloud, s, name, progress)
 
 
 def _error(text: str) -> None:
@@ -397,9 +360,7 @@ def jobs_cmd(
 ) -> None:
     """Jobs started with `train` (attached and detached), each with its state over every worker: a failure on
     any worker is failed, naming it; a job whose TPU was deleted is gone."""
-    from tpurun.job import status
-
-    rows = status.jobs(settings.resolve({}).home_path, tpu, project=project, zone=zone, prune=prune)
+    rows = status.jobs(settings.resolve({}), tpu, project=project, zone=zone, prune=prune)
     data = [
         {
             "job_id": row.record.job_id,
@@ -447,11 +408,11 @@ def logs_cmd(
     ] = None,
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
-    home = settings.resolve({}).home_path
+    s = settings.resolve({})
     out = TerminalOutput(colour=not ui.is_plain(), quiet=False, chatter=ui.state.debug)
     stop = threading.Event()
     with stop_on_signals(stop):
-        result = control.logs(home, job, out, stop, worker=worker, follow=follow, tail=tail)
+        result = control.logs(s, job, out, stop, worker=worker, follow=follow, tail=tail)
     if result.interrupted:
         raise typer.Exit(ExitCode.INTERRUPTED)
     for name, why in result.errors.items():
@@ -465,7 +426,7 @@ def cancel_cmd(
     grace: GraceOpt = 5.0,
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
-    result = control.cancel(settings.resolve({}).home_path, job, grace)
+    result = control.cancel(settings.resolve({}), job, grace)
     if not result.stopped:
         states = ", ".join(sorted({st.value for st in result.ended.values()}))
         ui.info(f"job {job} had already ended ({states}) on every worker: nothing to stop")

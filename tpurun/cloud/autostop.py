@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from tpurun.cloud.backend import Backend
     from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
+    from tpurun.settings import Settings
 
 KEY = watchdog.CONFIG_KEY
 ACTIONS = ("delete", "stop")
@@ -114,10 +115,11 @@ def configure(
     idle: int,
     action: str | None,
     progress: Callable[[str], None],
-    start_watchdogs: Callable[[], dict[int, str]],
+    s: Settings,
 ) -> Setting:
     """Set (IDLE > 0) or turn off (0) autostop on the TPU NAME. Where tpurun's startup wrapper does not
-    start the watchdog at boot (a TPU tpurun did not create), START_WATCHDOGS starts it first, over SSH."""
+    start the watchdog at boot (a TPU tpurun did not create), it is started first over SSH (S: the settings
+    for tpurun's key and pinned host keys)."""
     maker, view = _ready(cloud, name)
     current = read(view.metadata)
     action = action or (current.action if current else "delete")
@@ -127,7 +129,7 @@ def configure(
     check_action(action, cannot_stop)
     if idle and any(startup.WATCHDOG_KEY not in part.metadata.get("startup-script", "") for part in view.parts):
         progress(f"{name}: starting the watchdog on every worker")
-        failed = start_watchdogs()
+        failed = _start_watchdogs(s.naming(name, project=cloud.project, zone=cloud.zone, source="autostop"))
         if failed:
             w, why = sorted(failed.items())[0]
             raise UnreachableError(
@@ -138,6 +140,15 @@ def configure(
     entries = metadata(_target(maker, view), idle, action)
     maker.update_metadata(view, lambda _md: entries)
     return Setting(idle, action)
+
+
+def _start_watchdogs(s: Settings) -> dict[int, str]:
+    """The watchdog started on every worker of the TPU S names: {worker: why not} where it could not be."""
+    from tpurun import targets
+    from tpurun.transport import bundle
+
+    with targets.resolve(s) as target:
+        return bundle.start_watchdogs(target)
 
 
 def arm_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
@@ -217,7 +228,10 @@ def activity(cloud: Cloud, view: NodeView) -> Activity:
         return Activity()
     many = len(view.parts) > 1
     states = [
-        (f"s{w.slice}/w{w.index}" if many else f"w{w.index}", watchdog.parse_state(items.get((watchdog.NAMESPACE, watchdog.STATE_KEY))))
+        (
+            f"s{w.slice}/w{w.index}" if many else f"w{w.index}",
+            watchdog.parse_state(items.get((watchdog.NAMESPACE, watchdog.STATE_KEY))),
+        )
         for w, items in zip(view.workers, attrs, strict=True)
     ]
     decision = next((d for items in attrs if (d := items.get((watchdog.NAMESPACE, watchdog.DECISION_KEY), ""))), "")

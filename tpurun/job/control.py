@@ -9,13 +9,14 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
+from tpurun import targets
 from tpurun.errors import TpurunError, UnreachableError
 from tpurun.job.launcher import connect
 from tpurun.job.records import JobRecord, RecordStream
-from tpurun.transport import bundle, targets
+from tpurun.settings import Settings
+from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, open_stream, run_capture, worker_names
 from tpurun.worker import protocol
@@ -40,7 +41,7 @@ class LogsResult:
 
 
 def logs(
-    home: Path,
+    s: Settings,
     job_id: str,
     lines: Lines,
     stop: threading.Event,
@@ -52,8 +53,8 @@ def logs(
     """Every line of every process of JOB_ID on WORKER (a --worker spec) to LINES: the last TAIL of each
     process (all without TAIL) in time order, then, with FOLLOW, new ones as they come until the job ends
     or STOP is set."""
-    record = JobRecord.load(home, job_id)
-    target = record.target(worker)
+    record = JobRecord.load(s.home_path, job_id)
+    target = record.target(s, worker)
     names = worker_names(target.all_workers)
     lines.name_workers(names)
     viewer = _Viewer(record, target, lines, stop, follow and tail is None)
@@ -163,11 +164,11 @@ class CancelResult:
     ended: dict[str, protocol.JobStatus]  # worker name -> how the job had already ended there
 
 
-def cancel(home: Path, job_id: str, grace: float) -> CancelResult:
+def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
     """Stop JOB_ID on every worker it ran on (SIGTERM, SIGKILL after GRACE seconds); returns when none of its
     processes is left anywhere, or raises UnreachableError naming the workers where that is not known."""
-    record = JobRecord.load(home, job_id)
-    target = record.target()
+    record = JobRecord.load(s.home_path, job_id)
+    target = record.target(s)
     results: dict[int, tuple[int, str]] = {}
     before: dict[int, str] = {}  # worker -> the job's status there when the stop came
     try:

@@ -16,22 +16,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
 from tpurun import config
-from tpurun.errors import ApiError, Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
+from tpurun.errors import ApiError, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job import env_contract
 from tpurun.job.records import JobRecord, RecordStream, new_job_id
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
-from tpurun.topology import Topology, parse_accelerator_type
+from tpurun.targets import Target
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, Stream, open_stream, run_capture, worker_names
-from tpurun.transport.targets import Target
 from tpurun.worker import bundle_name, protocol
 from tpurun.worker.protocol import AgentExit, ProcessStatus
 
@@ -162,7 +162,7 @@ class JobPlan:
 
 def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -> JobPlan:
     python = target.python(spec.python)
-    topo: Topology | None = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
+    topo = target.topology
     runtime, why = spec.runtime, "asked for"
     if runtime == "auto":
         runtime, why = env_contract.pick_runtime("auto", probe(target, python))
@@ -231,6 +231,7 @@ class Output(Protocol):
     def line(self, worker: int, core: int, text: str) -> None: ...
     def worker_line(self, worker: int, stream: str, text: str) -> None: ...
     def flush(self) -> None: ...
+    def progress(self) -> AbstractContextManager[Callable[[str], None]]: ...
 
 
 class JobRun:
@@ -493,8 +494,8 @@ class Job:
                     "(docs/train.md)",
                 )
             )
-        if self.spec.core is not None and t.accelerator_type:
-            out.append(("info", env_contract.explain_core(parse_accelerator_type(t.accelerator_type), self.spec.core)))
+        if self.spec.core is not None and t.topology is not None:
+            out.append(("info", env_contract.explain_core(t.topology, self.spec.core)))
         if self.spec.precision == "bf16":
             out.append(
                 ("warn", "XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
@@ -572,7 +573,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         project=target.project,
         zone=target.zone,
     ).save(home)
-    topo = parse_accelerator_type(target.accelerator_type) if target.accelerator_type else None
+    topo = target.topology
     run = JobRun(
         target,
         job.job_id,
@@ -605,50 +606,6 @@ def _state(run: JobRun, job: Job, cancel: threading.Event) -> JobState:
     return JobState.FAILED if any(o.failed for o in run.outcomes.values()) else JobState.SUCCEEDED
 
 
-def train(
-    spec: TrainSpec,
-    *,
-    resolve: Callable[[], Target],
-    recreate: Callable[[str], None],
-    dest: str | None,
-    home: Path,
-    local_dir: Path,
-    out: Output,
-    cancel: threading.Event,
-) -> JobResult:
-    """The job, relaunched on a recreated node after each preemption, up to spec.max_restarts times."""
-    restarts = 0
-    while True:
-        try:
-            target = resolve()
-            try:
-                job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir)
-            except BaseException:
-                target.close()
-                raise
-        except Preempted as exc:  # preempted before the job started: recovered like one preempted under it
-            if restarts >= spec.max_restarts:
-                raise
-            restarts += 1
-            out.warn(exc.message)
-            out.info(f"restart {restarts}/{spec.max_restarts}: recreating {exc.tpu}")
-            recreate(exc.tpu)
-            continue
-        try:
-            for kind, text in job.notes():
-                (out.warn if kind == "warn" else out.info)(text)
-            result = start(job, home=home, local_dir=local_dir, out=out, cancel=cancel)
-        finally:
-            target.close()
-        result.restarts = restarts
-        if result.state is not JobState.PREEMPTED or restarts >= spec.max_restarts:
-            return result
-        out.warn(f"{target.name} was preempted while job {job.job_id} ran")
-        restarts += 1
-        out.info(f"restart {restarts}/{spec.max_restarts}: recreating {target.name}")
-        recreate(target.name)
-
-
 def preempted(target: Target) -> bool:
     """Whether the API reports TARGET (one of its slices) preempted or gone after its workers vanished; it
     may say so a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
@@ -674,8 +631,8 @@ def preempted(target: Target) -> bool:
 def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> None:
     """SRC to DEST on every worker (incremental: unchanged files cost nothing)."""
     started = time.monotonic()
-    manifest = sender.build_manifest(src, cache_dir=home / "sync-cache")
-    stats = sender.sync(target.runners, src, dest, manifest=manifest)
+    pushed = sender.push(target, src, dest, cache_dir=home / "sync-cache")
+    manifest, stats = pushed.manifest, pushed.stats
     failed = [st for st in stats if st.error or st.errors]
     if failed:
         raise UnreachableError(

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tpurun import targets
 from tpurun.errors import UsageError
-from tpurun.transport import targets
+from tpurun.settings import Settings
+from tpurun.targets import Target
 from tpurun.transport.runner import Stream
-from tpurun.transport.targets import Target
 from tpurun.worker import protocol
 
 
@@ -38,14 +39,14 @@ class JobRecord:
     project: str = ""  # where the TPU is ("" for local, and in records older than these fields)
     zone: str = ""
 
-    def target(self, worker: str = "all") -> Target:
-        """The workers this job ran on (WORKER: those of them a spec names), on its TPU where it was then."""
+    def target(self, s: Settings, worker: str = "all") -> Target:
+        """The workers this job ran on (WORKER: those of them a spec names), on its TPU where it was then
+        (S: the settings for tpurun's home and the API endpoint)."""
         if self.tpu == "local":
-            return targets.resolve(tpu=None, local=True, worker_spec=worker)
+            return targets.resolve(s.naming(None, source="the job's record"), local=True, worker_spec=worker)
         spec = ",".join(str(w) for w in self.workers) if worker == "all" else worker
-        target = targets.resolve(
-            tpu=self.tpu, local=False, worker_spec=spec, project=self.project or None, zone=self.zone or None
-        )
+        where = s.naming(self.tpu, project=self.project, zone=self.zone, source="the job's record")
+        target = targets.resolve(where, worker_spec=spec)
         outside = [r.worker.name for r in target.runners if r.worker.index not in self.workers]
         if outside:
             target.close()

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from tpurun.errors import NoSuchTpu, TpurunError
 from tpurun.job.records import JobRecord, forget, list_records
+from tpurun.settings import Settings
+from tpurun.targets import Target
 from tpurun.transport.bundle import program_argv
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, run_capture
-from tpurun.transport.targets import Target
 from tpurun.worker import protocol
 from tpurun.worker.protocol import JobStatus
 
@@ -64,28 +64,29 @@ def combine(states: Mapping[str, dict | None]) -> JobSummary:
     return JobSummary("stopped" if JobStatus.STOPPED.value in ended else ", ".join(sorted(ended)))
 
 
-def _rows(records: list[JobRecord]) -> list[JobRow]:
+def _rows(s: Settings, records: list[JobRecord]) -> list[JobRow]:
     """Every job of RECORDS with its state over every worker, asking each TPU once."""
     groups: dict[tuple[str, str, str, tuple[str, ...]], list[JobRecord]] = {}
     for r in records:
         groups.setdefault(r.where(), []).append(r)
     rows: dict[str, JobSummary] = {}
     for (tpu, _, _, ids), group in groups.items():
-        rows.update(_tpu_states(tpu, list(ids), group))
+        rows.update(_tpu_states(s, tpu, list(ids), group))
     return [JobRow(r, rows[r.job_id]) for r in records]
 
 
 def jobs(
-    home: Path, tpu: str | None = None, *, project: str | None = None, zone: str | None = None, prune: bool = False
+    s: Settings, tpu: str | None = None, *, project: str | None = None, zone: str | None = None, prune: bool = False
 ) -> list[JobRow]:
-    """The jobs started from this machine (on TPU, in PROJECT and ZONE when given; else everywhere), with
+    """The jobs started from this machine (S: its settings, for tpurun's home) (on TPU, in PROJECT and ZONE when given; else everywhere), with
     their states; with PRUNE, the records of jobs whose TPU no longer exists are forgotten (and still
     returned, this once)."""
 
     def chosen(r: JobRecord) -> bool:
         return (not tpu or r.tpu == tpu) and (not project or r.project == project) and (not zone or r.zone == zone)
 
-    rows = _rows([r for r in list_records(home) if chosen(r)])
+    home = s.home_path
+    rows = _rows(s, [r for r in list_records(home) if chosen(r)])
     if prune:
         for row in rows:
             if row.state.status == "gone":
@@ -93,7 +94,7 @@ def jobs(
     return rows
 
 
-def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobSummary]:
+def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobSummary]:
     """The state of every job of GROUP, all run on the TPU TPU whose nodes had IDS."""
 
     def every(status: str, detail: str) -> dict[str, JobSummary]:
@@ -102,7 +103,7 @@ def _tpu_states(tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, J
     every_worker = replace(group[0], workers=sorted({w for r in group for w in r.workers}))
     target: Target | None = None
     try:
-        target = every_worker.target()
+        target = every_worker.target(s)
         errors = target.connect()
         if target.other_than(ids):
             return every("gone", f"TPU {tpu} deleted; another has its name")

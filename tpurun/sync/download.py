@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
+from tpurun.targets import Target
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Pipe, Runner
 from tpurun.worker import sync_helper
@@ -255,7 +256,9 @@ def download_stream(
 ) -> None:
     """The whole protocol with one worker's helper; fills GOT (errors included)."""
     reader = FrameReader(stream.recv)
-    stream.send(frame(b"L", sync_helper.pack_json({"v": sync_helper.PROTOCOL, "path": path, "outside_home": outside_home})))
+    stream.send(
+        frame(b"L", sync_helper.pack_json({"v": sync_helper.PROTOCOL, "path": path, "outside_home": outside_home}))
+    )
     kind, payload = reader.read_frame()
     reply = sync_helper.unpack_json(payload)
     if kind == b"Q":
@@ -348,3 +351,14 @@ def download(
     if stop.is_set():
         raise Interrupted()
     return [got[r.worker.index] for r in runners]
+
+
+def download_from(
+    target: Target, path: str, dest: Path, *, outside_home: bool, progress: Counters, stop: threading.Event
+) -> list[Fetched]:
+    """PATH from every selected worker of TARGET (connected here, closed after) to DEST, as download()."""
+    with target:
+        errors = target.connect()
+        return download(
+            target.runners, path, dest, outside_home=outside_home, progress=progress, stop=stop, connect_errors=errors
+        )

@@ -13,7 +13,7 @@ from tpurun.worker import bundle_name, bundle_tar
 from tpurun.worker.protocol import AgentExit
 
 if TYPE_CHECKING:
-    from tpurun.transport.targets import Target
+    from tpurun.targets import Target
 
 BIN = "$HOME/.tpurun/bin"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
 

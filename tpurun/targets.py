@@ -1,4 +1,6 @@
-"""Which workers a command acts on: a TPU's workers over SSH, or this machine as a one-host pod."""
+"""Which workers a command acts on: the TPU the settings name (found through what tpurun remembers of it,
+else the cloud API), its workers reached over SSH, or this machine as a one-host pod. Above the transport:
+it picks the runners, the transport reaches them."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED
 from tpurun.errors import ApiError, NoSuchTpu, Preempted, UnreachableError, UsageError
+from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.transport.fanout import connect_all
 from tpurun.transport.local import LocalRunner
-from tpurun.transport.runner import Runner, Worker, parse_worker_spec
+from tpurun.transport.runner import Runner, Worker, parse_worker_spec, worker_names
 from tpurun.transport.ssh import SshRunner
 
 if TYPE_CHECKING:
@@ -36,6 +39,19 @@ class Target:
     refresh: Callable[[], Target] | None = field(default=None, repr=False)
     where: settings.Settings | None = field(default=None, repr=False)  # what named the TPU (None: this machine)
     slice_metadata: bool = True  # NodeView.slice_metadata: its VMs tell the runtimes their place themselves
+    topology: Topology | None = None  # the accelerator type, parsed once (None on this machine)
+    connected: bool = False  # connect() was called
+
+    @property
+    def worker_names(self) -> dict[int, str]:
+        """How each worker is shown: w3, or s1/w1 in a multislice TPU."""
+        return worker_names(self.all_workers)
+
+    def __enter__(self) -> Target:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def project(self) -> str:
@@ -80,6 +96,7 @@ class Target:
         under the same name is used with its own workers, and a worker refused for its key gets one more
         try with the keys the API publishes now.
         """
+        self.connected = True
         errors = connect_all(self.runners, then)
         if not errors or not self.cached or self.refresh is None:
             return errors
@@ -94,6 +111,7 @@ class Target:
         self.close()
         self.runners, self.all_workers, self.nodes, self.cached = fresh.runners, fresh.all_workers, fresh.nodes, False
         self.ids, self.accelerator_type, self.slice_metadata = fresh.ids, fresh.accelerator_type, fresh.slice_metadata
+        self.topology = fresh.topology
         return connect_all(self.runners, then)
 
 
@@ -116,17 +134,15 @@ def _mapped(address: str) -> tuple[str, int]:
 
 
 def resolve(
+    s: settings.Settings,
     *,
-    tpu: str | None,
-    local: bool,
+    local: bool = False,
     worker_spec: str = "all",
-    project: str | None = None,
-    zone: str | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> Target:
-    """The workers a command acts on; ANNOUNCE is told when that is this machine (a one-host pod)."""
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
-    if local and tpu:
+    """The workers of the TPU S names that WORKER_SPEC selects, or with LOCAL (or no TPU named) this machine,
+    which ANNOUNCE is told of (a one-host pod)."""
+    if local and s.tpu.value and s.tpu.source.startswith("flag"):
         raise UsageError("choose one of --tpu and --local")
     name = None if local else s.tpu.value
     if not name:
@@ -250,4 +266,5 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         cached=cached,
         where=s,
         slice_metadata=endpoints.slice_metadata,
+        topology=parse_accelerator_type(endpoints.accelerator_type),
     )

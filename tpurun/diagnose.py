@@ -1,0 +1,240 @@
+"""`kill-stale` and `doctor` over every selected worker: one exec each of tpurun.worker.probe, all at once,
+gathered into what the CLI renders (the judgement of a doctor probe is tpurun.health's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpurun import config, health
+from tpurun.cloud import keys, startup
+from tpurun.errors import TpurunError, UnreachableError
+from tpurun.job import env_contract
+from tpurun.targets import Target
+from tpurun.transport.fanout import each
+from tpurun.transport.runner import Runner, run_capture, worker_names
+from tpurun.worker import probe
+
+Probes = dict[int, dict[str, Any]]  # worker index -> the probe's JSON
+
+
+def scan_config(target: Target) -> dict[str, Any]:
+    """Where the probe looks for holders on TARGET: the generation's device files (or the testing hooks'
+    paths, TPURUN_DEVICE_GLOBS and friends, documented in docs/troubleshooting.md)."""
+    cfg: dict[str, Any] = {}
+    if config.DEVICE_GLOBS.raw():
+        cfg["device_globs"] = [g for g in config.DEVICE_GLOBS.raw().split(os.pathsep) if g]
+    elif target.topology is not None:
+        # the generation's device files: /dev/accel* (v2-v4) or /dev/vfio/* (v5e and later)
+        files = target.topology.device_files
+        cfg["device_globs"] = sorted({"/dev/accel*" if f.startswith("/dev/accel") else "/dev/vfio/*" for f in files})
+        cfg["expected_devices"] = list(files)
+    if config.LIBTPU_GLOB.raw():
+        cfg["libtpu_glob"] = config.LIBTPU_GLOB.raw()
+    if config.LOCK_FILES.raw():
+        cfg["lock_globs"] = [g for g in config.LOCK_FILES.raw().split(os.pathsep) if g]
+    return cfg
+
+
+@dataclass
+class ProbeRun:
+    results: Probes = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # worker index -> why it could not be probed
+    times: dict[int, tuple[float, float]] = field(default_factory=dict)  # worker index -> (sent, answered)
+
+
+def run_probe(target: Target, mode: str, cfg: dict[str, Any], python: str, timeout: float) -> ProbeRun:
+    """The probe in MODE on every reachable worker of TARGET at once, run by PYTHON."""
+    run = ProbeRun(errors=target.connect())
+    argv = probe.program_argv(python, mode, cfg)
+    reachable = [r for r in target.runners if r.worker.index not in run.errors]
+
+    def one(r: Runner) -> tuple[dict[str, Any] | None, str]:
+        label = r.worker.label()
+        t0 = time.time()
+        try:
+            rc, out, err = run_capture(r, argv, timeout=timeout)
+        except (UnreachableError, OSError, EOFError) as exc:
+            return None, str(exc)
+        except Exception as exc:  # paramiko's SSHException and friends: the worker dropped us
+            return None, f"worker {label}: {exc}"
+        run.times[r.worker.index] = (t0, time.time())
+        lines = out.decode("utf-8", "replace").strip().splitlines()
+        if rc == 127 or (rc != 0 and not lines):
+            last = err.strip().splitlines()[-1:] or [f"exit {rc}"]
+            return None, f"worker {label}: cannot run python3 there: {last[0]}"
+        try:
+            return json.loads(lines[-1]), ""
+        except (ValueError, IndexError):
+            return None, f"worker {label}: the probe printed no result"
+
+    for index, (data, error) in each(reachable, one, name="probe").items():
+        if data is None:
+            run.errors[index] = error
+        else:
+            run.results[index] = data
+    return run
+
+
+# ------------------------------------------------------------------ kill-stale
+
+
+@dataclass
+class KillStale:
+    """What kill-stale found and did on every selected worker (each a dict as `--json` prints it)."""
+
+    tpu: str
+    local: bool
+    dry_run: bool
+    grace: float
+    workers: list[dict[str, Any]]
+
+    @property
+    def free(self) -> bool:
+        return all(w.get("free") for w in self.workers)
+
+    @property
+    def unreachable(self) -> list[dict[str, Any]]:
+        return [w for w in self.workers if not w["reachable"]]
+
+    def held(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(worker, holder) for every process still holding a TPU after the stop (found, with --dry-run)."""
+        return [
+            (w, h)
+            for w in self.workers
+            if not w.get("free")
+            for h in w.get("holders", [])
+            if h["pid"] in w.get("survivors", [])
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tpu": self.tpu,
+            "dry_run": self.dry_run,
+            "grace": self.grace,
+            "free": self.free,
+            "workers": self.workers,
+        }
+
+
+def kill_stale(target: Target, *, dry_run: bool, grace: float) -> KillStale:
+    """Free TARGET's TPUs: stop what holds their devices or libtpu (SIGTERM, SIGKILL after GRACE), then remove
+    stale lock files; with DRY_RUN only find them."""
+    cfg = scan_config(target) | {"dry_run": dry_run, "grace": grace}
+    try:
+        run = run_probe(target, "kill-stale", cfg, target.python(), timeout=grace + 120)
+    finally:
+        target.close()
+    workers = []
+    for r in target.runners:
+        i = r.worker.index
+        entry: dict[str, Any] = {"worker": i, "name": r.worker.name, "address": r.worker.address}
+        if i in run.errors:
+            entry.update(reachable=False, error=run.errors[i], free=None, holders=[], locks=[])
+        else:
+            entry.update(reachable=True, **run.results[i])
+        workers.append(entry)
+    return KillStale(target.name, target.local, dry_run, grace, workers)
+
+
+# ------------------------------------------------------------------ doctor
+
+
+@dataclass
+class Doctor:
+    tpu: str
+    accelerator_type: str | None
+    python: str
+    checks: list[health.Check]  # every worker's rows, workers in order, each worker's rows in check order
+    probes: Probes
+    unreachable: bool  # a worker could not be reached
+    names: dict[int, str]  # worker index -> its name
+
+    @property
+    def summary(self) -> dict[str, int]:
+        return health.summary(self.checks)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.summary["fail"])
+
+
+def doctor(
+    target: Target,
+    *,
+    home: Path,
+    python: str | None,
+    warn: Callable[[str], None] | None = None,
+    kill_stale_cmd: str = "tpurun kill-stale",
+) -> Doctor:
+    """Every check of every selected worker of TARGET (its Python PYTHON, else the workers'); WARN is told
+    when the startup reports cannot be read; HOME holds the pinned host keys."""
+    py = target.python(python)
+    cfg = scan_config(target) | {"python": py, "probe": env_contract.PROBE_SCRIPT}
+    reports = _startup_reports(target, warn)
+    try:
+        run = run_probe(target, "doctor", cfg, "python3" if not target.local else sys.executable, timeout=120)
+    finally:
+        target.close()
+    checks: list[health.Check] = []
+    for r in target.runners:
+        checks += _worker_rows(target, r, run, reports, home, py, kill_stale_cmd)
+    checks += health.check_same_versions(run.results)
+    order = {r.worker.index: n for n, r in enumerate(target.runners)}
+    checks.sort(key=lambda c: order.get(c.worker, 0))  # stable: each worker's rows stay in check order
+    names = worker_names(target.all_workers)
+    return Doctor(target.name, target.accelerator_type, py, checks, run.results, bool(run.errors), names)
+
+
+def _worker_rows(
+    target: Target,
+    r: Runner,
+    run: ProbeRun,
+    reports: list[startup.StartupReport] | None,
+    home: Path,
+    python: str,
+    kill_stale_cmd: str,
+) -> list[health.Check]:
+    i = r.worker.index
+    checks = []
+    if target.local:
+        checks.append(health.Check(i, "ssh", "pass", "this machine (no ssh)"))
+    else:
+        pinned = keys.pinned_key(home, r.worker.host_key)
+        detail = f"reachable, host key pinned as {r.worker.host_key} ({pinned.split()[0]})" if pinned else "reachable"
+        checks.append(health.check_ssh(i, run.errors.get(i), detail))
+    if reports is not None:
+        which = r.worker.name if r.worker.slice is not None else str(i)
+        log_cmd = f"tpurun ssh --tpu {target.name} --worker {which} -- cat {startup.LOG_PATH}"
+        checks.append(health.check_startup(i, reports[i] if i < len(reports) else None, log_cmd))
+    if i not in run.results:
+        return checks
+    p = run.results[i]
+    checks += health.worker_checks(i, p, python=python, named_tpu=not target.local, kill_stale_cmd=kill_stale_cmd)
+    if target.local:
+        checks.append(health.check_clock(i, None))
+    else:
+        t0, t1 = run.times[i]
+        offset, unc = health.clock_offset(t0, t1, float(p["clock"]), float(p.get("elapsed", 0)))
+        checks.append(health.check_clock(i, offset, unc))
+    return checks
+
+
+def _startup_reports(target: Target, warn: Callable[[str], None] | None) -> list[startup.StartupReport] | None:
+    """Each worker's startup report from the guest attributes (named TPUs only); [] when unreadable."""
+    if target.local:
+        return None
+    from tpurun.cloud import provision
+
+    try:
+        return provision.read_startup_reports(target.cloud(), target.name)
+    except TpurunError as exc:
+        if warn is not None:
+            warn(f"cannot read {target.name}'s guest attributes: {exc}")
+        return []

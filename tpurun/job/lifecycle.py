@@ -1,0 +1,128 @@
+"""A `train` command's whole course around the launcher: the TPU the settings name resolved (again after each
+recreation), the job only shown (--dry-run) or run, relaunched on a recreated TPU after each preemption up
+to --max-restarts, and with --down the TPU armed for deletion before and deleted after."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpurun import targets
+from tpurun.cloud import identity
+from tpurun.errors import Preempted, TpurunError, UsageError
+from tpurun.job.launcher import Job, JobResult, JobState, Output, TrainSpec, prepare, start
+from tpurun.settings import Settings, clear_project_setting
+
+
+def dry_run(s: Settings, spec: TrainSpec, *, local: bool, dest: str | None, local_dir: Path, out: Output) -> Job:
+    """The job SPEC would be on the TPU S names (or this machine): runtime, launch model, every process's
+    argv and environment, the setup; nothing is started."""
+    with targets.resolve(s, local=local, announce=out.info) as target:
+        return prepare(spec, target, 0, dest=dest, local_dir=local_dir)
+
+
+def train(
+    s: Settings,
+    spec: TrainSpec,
+    *,
+    local: bool,
+    dest: str | None,
+    local_dir: Path,
+    out: Output,
+    cancel: threading.Event,
+) -> JobResult:
+    """SPEC on the TPU S names (or this machine, LOCAL), relaunched on a recreated TPU after each preemption,
+    up to spec.max_restarts times; reported through OUT, stopped by CANCEL."""
+    restarts = 0
+    while True:
+        try:
+            target = targets.resolve(s, local=local, announce=out.info)
+            try:
+                job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir)
+            except BaseException:
+                target.close()
+                raise
+        except Preempted as exc:  # preempted before the job started: recovered like one preempted under it
+            if restarts >= spec.max_restarts:
+                raise
+            restarts += 1
+            out.warn(exc.message)
+            out.info(f"restart {restarts}/{spec.max_restarts}: recreating {exc.tpu}")
+            _recreate(s, exc.tpu, out)
+            continue
+        try:
+            for kind, text in job.notes():
+                (out.warn if kind == "warn" else out.info)(text)
+            result = start(job, home=s.home_path, local_dir=local_dir, out=out, cancel=cancel)
+        finally:
+            target.close()
+        result.restarts = restarts
+        if result.state is not JobState.PREEMPTED or restarts >= spec.max_restarts:
+            return result
+        out.warn(f"{target.name} was preempted while job {job.job_id} ran")
+        restarts += 1
+        out.info(f"restart {restarts}/{spec.max_restarts}: recreating {target.name}")
+        _recreate(s, target.name, out)
+
+
+def _recreate(s: Settings, name: str, out: Output) -> None:
+    from tpurun.cloud import provision
+    from tpurun.cloud.client import Cloud
+
+    cloud = Cloud(s)
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)
+    with out.progress() as progress:
+        provision.recreate(cloud, s, name, progress)
+
+
+# ---------------------------------------------------------------------------- --down
+
+
+def arm_down(s: Settings, *, local: bool, out: Output) -> None:
+    """Before a `--down` job: the TPU S names carries what its watchdog needs to delete it, should tpurun be
+    gone when the job ends."""
+    from tpurun.cloud import autostop
+    from tpurun.cloud.client import Cloud
+
+    if local or not s.tpu.value:
+        raise UsageError("--down deletes the TPU the job runs on: give one with --tpu (not with --local)")
+    with out.progress() as progress:
+        autostop.arm_down(Cloud(s), s.tpu.value, progress)
+
+
+@dataclass
+class Down:
+    """What became of a `--down` job's TPU."""
+
+    name: str
+    job: str = ""  # the job's id ("" when its launch failed)
+    deleted: bool = False
+    to_watchdog: bool = False  # the job runs on detached: the TPU's watchdog deletes it when the job ends
+    busy: bool = False  # kept: another job runs there, this one never started
+    error: TpurunError | None = None  # the deletion failed
+
+
+def take_down(s: Settings, result: JobResult | None, out: Output) -> Down:
+    """After a `--down` job (RESULT None: its launch failed): delete its TPU, unless the job runs on
+    (detached: its watchdog deletes the TPU when it ends) or never started because another job holds it."""
+    from tpurun.cloud import provision
+    from tpurun.cloud.client import Cloud
+
+    name = s.tpu.value
+    assert name, "--down is refused without a TPU"
+    job = result.job.job_id if result is not None else ""
+    if result is not None and result.state is JobState.DETACHED:
+        return Down(name, job, to_watchdog=True)
+    if result is not None and result.state is JobState.BUSY:
+        return Down(name, job, busy=True)
+    cloud = Cloud(s)
+    try:
+        with out.progress() as progress:
+            provision.take_down(cloud, name, progress)
+    except TpurunError as exc:
+        return Down(name, job, error=exc)
+    by = f"`tpurun train --down` (job {job})" if job else "`tpurun train --down`"
+    identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
+    clear_project_setting("tpu", name)
+    return Down(name, job, deleted=True)
