@@ -183,19 +183,7 @@ def create_cmd(
     )
     provision.prepare_create(spec)  # every local check before settings or the API are touched
     cloud, s = cloud_for(project, zone)
-    identity.forget(s.home_path, cloud.project, cloud.zone, name)  # a new TPU: a new identity
-    try:
-        with progress_display() as progress:
-            result = provision.create(cloud, s, spec, progress)
-    except provision.StartupFailed as exc:
-        if not json_out:
-            _workers_table(exc.view)
-        if not delete_on_failure:
-            raise
-        with progress_display() as progress:
-            provision.take_down(cloud, name, progress)
-        identity.bury(s.home_path, cloud.project, cloud.zone, name, "`tpurun create --delete-on-failure`")
-        raise ProgramFailed(exc.message, hint=f"{name} was deleted (--delete-on-failure)") from None
+    result = _create(cloud, s, spec, delete_on_failure=delete_on_failure, json_out=json_out)
     view = result.view if isinstance(result, provision.CreateResult) else result
     if isinstance(result, provision.CreateResult) and not s.tpu.value:
         path = settings.write_project_setting("tpu", name)
@@ -204,6 +192,24 @@ def create_cmd(
         ui.print_json(view.to_dict(full=True))
         return
     _workers_table(view)
+
+
+def _create(
+    cloud: Cloud, s: settings.Settings, spec: provision.CreateSpec, *, delete_on_failure: bool, json_out: bool
+) -> provision.CreateResult | provision.NodeView:
+    """SPEC made; a failed startup shows the workers' table, and with DELETE_ON_FAILURE deletes the TPU."""
+    try:
+        with progress_display() as progress:
+            return provision.create(cloud, s, spec, progress)
+    except provision.StartupFailed as exc:
+        if not json_out:
+            _workers_table(exc.view)
+        if not delete_on_failure:
+            raise
+        with progress_display() as progress:
+            provision.take_down(cloud, spec.name, progress)
+        identity.bury(s.home_path, cloud.project, cloud.zone, spec.name, "`tpurun create --delete-on-failure`")
+        raise ProgramFailed(exc.message, hint=f"{spec.name} was deleted (--delete-on-failure)") from None
 
 
 def attach_cmd(

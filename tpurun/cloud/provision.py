@@ -208,6 +208,7 @@ def create(
     as the API has it)."""
     request = prepare_create(spec, cloud)
     home = s.home_path
+    identity.forget(home, cloud.project, cloud.zone, spec.name)  # a new TPU: a new identity
     _, public = keys.ensure_key(home)
     request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
     maker = backend.of_kind(cloud, request.backend)
