@@ -102,12 +102,13 @@ def pids_in(emulator, hosts_key: str, workers: list[int], needle: str) -> list[i
     return pids
 
 
-def popen(tp, *args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
+def popen(tp, *args: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`tpurun ARGS` in the background with TP's (the `cli` fixture's) cwd and env; text pipes."""
     env = {**os.environ, **tp.env}
     env.pop("TPURUN_TPU", None)
     return subprocess.Popen(
         [sys.executable, "-m", "tpurun", *args],
-        cwd=tp.cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        cwd=tp.cwd, env=env, stdout=stdout, stderr=stderr, text=True,
     )  # fmt: skip
 
 
@@ -122,6 +123,20 @@ def read_until(proc: subprocess.Popen, predicate, timeout: float = 60) -> list[s
         assert line, (lines, proc.stderr.read() if proc.stderr else "")
         lines.append(line.rstrip("\n"))
     return lines
+
+
+def python_up(code: str, *args: str) -> subprocess.Popen:
+    """`python -c CODE ARGS` in the background (not tpurun: a fake TPU holder, a stand-in emulator), returned
+    once its first line is `up`, CODE's sign that it is ready; killed if that line never comes."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        first = read_until(proc, lambda lines: len(lines) == 1)
+        assert first == ["up"], first
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:

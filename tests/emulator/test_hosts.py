@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import python_up
 from tpurun.emulator._metadata import parse_ssh_keys
 from tpurun.emulator.hosts import WorkerHosts, WorkerInfo
 from tpurun.emulator.tpu_vm import image_paths
@@ -339,12 +339,9 @@ def test_kill_orphans_after_emulator_crash(tmp_path: Path) -> None:
         "print('up', flush=True)\n"
         "time.sleep(100)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
-    finally:
-        proc.kill()  # the emulator dies without close(): its workers survive it
-        proc.wait()
+    proc = python_up(code)
+    proc.kill()  # the emulator dies without close(): its workers survive it
+    proc.wait()
     resolved = str(state.resolve())
     assert subprocess.run(["pgrep", "-f", resolved], capture_output=True).returncode == 0
     assert kill_orphans(state) == 2

@@ -4,17 +4,14 @@ pins that come back from the API, and arguments that arrive exactly."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import assert_clean_error, create_node, job_pids
+from tests.helpers import assert_clean_error, create_node, job_pids, popen, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -62,20 +59,8 @@ def test_fail_fast_stops_the_others(cli, emulator, pod8):
 
 def test_sigint_leaves_no_remote_process(cli, emulator):
     create_node(cli, "pod4", "v4-32")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "exec", "--", "sh", "-c", "echo started; sleep 1000"],
-        cwd=cli.cwd,
-        env={**os.environ, **cli.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    seen = 0
-    assert proc.stdout is not None
-    while seen < 4:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        seen += "started" in line
+    proc = popen(cli, "exec", "--", "sh", "-c", "echo started; sleep 1000")
+    read_until(proc, lambda lines: sum("started" in line for line in lines) >= 4)
     assert any(job_pids(emulator, "pod4", "sleep 1000", [w]) for w in range(4))
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
@@ -85,12 +70,9 @@ def test_sigint_leaves_no_remote_process(cli, emulator):
 
 def test_client_killed_remote_group_dies(cli, emulator):
     create_node(cli, "pod2", "v4-16")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "exec", "--", "sh", "-c", "echo started; sleep 2000"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    assert "started" in proc.stdout.readline() and "started" in proc.stdout.readline()
+    proc = popen(cli, "exec", "--", "sh", "-c", "echo started; sleep 2000", stderr=None)
+    first, second = read_until(proc, lambda lines: len(lines) == 2)
+    assert "started" in first and "started" in second
     proc.kill()  # SIGKILL: no cleanup code runs on the client; the connection drop must do it
     proc.wait()
     deadline = time.monotonic() + 20
@@ -137,10 +119,9 @@ def test_ssh_forwards_a_local_port_and_refuses_a_gone_tpu(cli, emulator):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     target = d["workerEndpoints"][1]["internalIp"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "ssh", "--worker", "1", "-L", f"127.0.0.1:{port}:{target}:22",
-         "--ssh-flag", "-o ExitOnForwardFailure=yes", "--", "sleep", "20"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = popen(
+        cli, "ssh", "--worker", "1", "-L", f"127.0.0.1:{port}:{target}:22",
+        "--ssh-flag", "-o ExitOnForwardFailure=yes", "--", "sleep", "20",
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 30

@@ -10,11 +10,9 @@ what it was given; everything before that is torch_xla's, Lightning's and the sc
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, job_pids
+from tests.helpers import create_node, job_pids, popen
 from tpurun.topology import parse_accelerator_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -44,10 +42,7 @@ class Run:
     """`tpurun train ...` in the background; its stdout lines as they come."""
 
     def __init__(self, cli, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tpurun", "train", *args],
-            cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        self.proc = popen(cli, "train", *args)
         self.lines: list[str] = []
         self.err = ""
         threading.Thread(target=self._read, daemon=True).start()

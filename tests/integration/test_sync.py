@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error
+from tests.helpers import assert_clean_error, popen
 
 pytestmark = pytest.mark.integration
 
@@ -149,13 +148,7 @@ def test_killed_sync_leaves_no_partial_file(cli, pod, emulator, sig):
     for i in range(3):
         (big / f"f{i}.bin").write_bytes(os.urandom(50 * 1024 * 1024))
     (cli.cwd / "small.txt").write_text("small\n")
-    env = dict(os.environ)
-    env.pop("TPURUN_TPU", None)
-    env.update(cli.env)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "sync", "--json"],
-        cwd=cli.cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = popen(cli, "sync", "--json", stdout=subprocess.DEVNULL)
     roots = [_worker_root(emulator, "n1", i) for i in range(WORKERS)]
     deadline = time.monotonic() + 60
     streaming = False

@@ -4,17 +4,15 @@ preemption recovery, and the dry-run env through the CLI."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
-from tests.helpers import assert_clean_error, create_node, job_pids, lines_by_core
+from tests.helpers import assert_clean_error, create_node, finish, job_pids, lines_by_core, popen, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -75,16 +73,8 @@ def test_fail_fast_names_first_failure_and_cleans_every_worker(cli, emulator):
 def test_sigint_stops_everything_then_exits_130(cli, emulator):
     create_node(cli, "sig")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    ups = 0
-    while ups < 4:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        ups += "up" in line
+    proc = popen(cli, "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3")
+    read_until(proc, lambda lines: sum("up" in line for line in lines) >= 4)
     assert job_pids(emulator, "sig", "sleepy.py")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
@@ -94,14 +84,10 @@ def test_sigint_stops_everything_then_exits_130(cli, emulator):
 def test_client_sigkill_stops_attached_job(cli, emulator):
     create_node(cli, "killc")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    ups = 0
-    while ups < 4:
-        ups += "up" in proc.stdout.readline()
+    proc = popen(
+        cli, "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3", stderr=subprocess.DEVNULL
+    )
+    read_until(proc, lambda lines: sum("up" in line for line in lines) >= 4)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 30
@@ -119,12 +105,8 @@ def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
     # a follower that is SIGKILLed half-way does not stop a detached job
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "logs", job, "--follow"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    proc.stdout.readline()
+    proc = popen(cli, "logs", job, "--follow", stderr=None)
+    read_until(proc, lambda lines: len(lines) == 1)
     proc.kill()
     proc.wait()
     r = cli("logs", job, "--follow", timeout=120)
@@ -164,16 +146,12 @@ def test_preemption_with_max_restarts_recreates_and_finishes(cli, emulator):
         "time.sleep(600 if n == '0' else 0.1)\n"
         "print('finished', flush=True)\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "train", "long.py", "--runtime", "cpu", "--launch", "host", "--python", "python3", "--max-restarts", "1"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    seen = 0
-    while seen < 2:
-        seen += "restart count 0" in proc.stdout.readline()
+    proc = popen(
+        cli, "train", "long.py", "--runtime", "cpu", "--launch", "host", "--python", "python3", "--max-restarts", "1"
+    )
+    read_until(proc, lambda lines: sum("restart count 0" in line for line in lines) >= 2)
     emulator.preempt(emulator.node_name("pre"))
-    out, err = proc.communicate(timeout=240)
+    out, err = finish(proc, 240)
     assert proc.returncode == 0, err
     assert "restart 1/1" in err
     assert out.count("restart count 1") == 2 and out.count("finished") == 2
@@ -270,12 +248,9 @@ def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, 
     r = cli("train", "slow.py", "--runtime", "cpu", "--cores", "1", "--python", "python3", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tpurun", "logs", job, "--follow"],
-        cwd=cli.cwd, env={**os.environ, **cli.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    assert "tick" in proc.stdout.readline()
+    proc = popen(cli, "logs", job, "--follow")
+    (first,) = read_until(proc, lambda lines: len(lines) == 1)
+    assert "tick" in first
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130

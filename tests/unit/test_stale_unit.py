@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
+from tests.helpers import python_up
 from tpurun import health
 from tpurun.cloud.startup import StartupReport
 from tpurun.worker import probe
@@ -85,10 +85,9 @@ def test_scan_and_kill_on_test_paths(tmp_path):
         "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "f = open(sys.argv[1]); print('up', flush=True); time.sleep(60)"
     )
-    holder = subprocess.Popen([sys.executable, "-c", code, str(dev)], stdout=subprocess.PIPE)
+    holder = python_up(code, str(dev))
     other = subprocess.Popen(["sleep", "60"])
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == b"up\n"
         cfg = {"device_globs": [str(dev)], "libtpu_glob": str(tmp_path / "libtpu*.so"), "lock_globs": [str(lock)]}
         dry = probe.kill_stale(dict(cfg, dry_run=True))
         assert [h["pid"] for h in dry["holders"]] == [holder.pid] and not dry["free"]
