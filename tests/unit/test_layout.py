@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,33 @@ def library_settings_resolved(package: Path) -> list[str]:
     return out
 
 
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 80
+
+
+def long_modules(package: Path) -> list[str]:
+    """A module over MAX_MODULE_LINES lines: it holds more than one thing, each of which can be a module."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            out.append(f"{path.relative_to(package.parent)}: {lines} lines")
+    return out
+
+
+def long_functions(package: Path) -> list[str]:
+    """A function over MAX_FUNCTION_LINES lines, from its `def` to its last line: sync or async, a method or
+    nested in another function, each counts on its own."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    out.append(f"{path.relative_to(package.parent)}:{node.lineno}: {node.name}, {lines} lines")
+    return out
+
+
 RULES = {
     "import circle": import_cycles,
     "private name": private_imports,
@@ -259,15 +287,21 @@ RULES = {
     "renamed import": renamed_imports,
     "cli imports transport": cli_transport_imports,
     "library resolves settings": library_settings_resolved,
+    "module size": long_modules,
+    "function size": long_functions,
 }
 
-PLANTED = {
+# where each rule's violation is planted, and what: the text itself, or made from the module's own text
+PLANTED: dict[str, tuple[str, str | Callable[[str], str]]] = {
     "import circle": ("transport/runner.py", "from tpurun.transport.ssh import SshRunner\n"),
     "private name": ("cli/train.py", "from tpurun.transport.ssh import _fast_transport\n"),
     "bundle beyond stdlib": ("worker/protocol.py", "import paramiko\n"),
     "renamed import": ("cli/health.py", "from tpurun.job import launcher as train\n"),
     "cli imports transport": ("cli/remote.py", "from tpurun.transport.fanout import fan_out\n"),
     "library resolves settings": ("job/launcher.py", "from tpurun.settings import resolve\n"),
+    # one line over each limit: a module of 701 lines, a function of 81 from its `def` to its last line
+    "module size": ("job/status.py", lambda text: "#\n" * (MAX_MODULE_LINES + 1 - len(text.splitlines()))),
+    "function size": ("job/status.py", "def planted():\n" + "    pass\n" * MAX_FUNCTION_LINES),
 }
 
 
@@ -280,13 +314,25 @@ def test_the_package_keeps_each_static_rule(rule: str) -> None:
 def test_each_static_rule_finds_a_planted_violation(rule: str, tmp_path: Path) -> None:
     copy = tmp_path / "tpurun"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    where, line = PLANTED[rule]
+    where, plant = PLANTED[rule]
     target = copy / where
     text = target.read_text()
+    line = plant(text) if callable(plant) else plant
     cut = text.index("\nfrom ") + 1  # among the module's imports
     target.write_text(text[:cut] + line + text[cut:])
     found = RULES[rule](copy)
     assert found and any(Path(where).stem in f for f in found), found
+
+
+def test_the_size_rules_allow_their_limits(tmp_path: Path) -> None:
+    """A module of exactly MAX_MODULE_LINES lines and a function of exactly MAX_FUNCTION_LINES pass (the
+    planted violations show one line more is found)."""
+    package = tmp_path / "tpurun"
+    package.mkdir()
+    function = "async def at_the_limit():\n" + "    pass\n" * (MAX_FUNCTION_LINES - 1)
+    (package / "whole.py").write_text(function + "#\n" * (MAX_MODULE_LINES - MAX_FUNCTION_LINES))
+    assert len((package / "whole.py").read_text().splitlines()) == MAX_MODULE_LINES
+    assert long_modules(package) == [] and long_functions(package) == []
 
 
 def test_every_name_the_scripts_import_from_tpurun_exists() -> None:

@@ -3,9 +3,9 @@ multi-host slice is a zonal managed instance group (MIG) whose workload policy (
 policy of type HIGH_THROUGHPUT) gives the slice's shape, its VMs made from a regional instance
 template. tpurun names all three after the TPU.
 
-Long-running calls use each method's `_unary` form and wait with the operations client of the
-operation's scope, on the same endpoint: the client's own `ExtendedOperation.result()` would poll
-Google's public host whatever endpoint it was given.
+The backend in three layers, one class each: compute_calls.py (the clients, their calls and long-running
+operations), compute_groups.py (the groups, workload policy and instance template of a TPU) and this module
+(`Compute`: TPUs as views, their VMs, and making, deleting and remaking whole TPUs).
 """
 
 from __future__ import annotations
@@ -13,33 +13,27 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
-from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
 from tpurun.cloud import keys
-from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
-from tpurun.cloud.client import COMPUTE_API, Cloud, compute_endpoint, credentials, short_name
+from tpurun.cloud.backend import CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
+from tpurun.cloud.client import compute_endpoint, short_name
+from tpurun.cloud.compute_groups import MADE_BY, ComputeGroups
 from tpurun.cloud.multislice import slice_ids
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
-from tpurun.topology import Topology, from_machine_type, vm_topology
+from tpurun.topology import Topology, vm_topology
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 IMAGE_PROJECT = "ubuntu-os-accelerator-images"
 BOOT_DISK_GB = 100
-# what tpurun writes in the description of the template and policy it makes for a TPU: delete takes only
-# those with it (a MIG made elsewhere may share its template or policy with other groups)
-MADE_BY = "made by tpurun for the TPU "
 # a slice's group of a TPU of several slices says which, in its description
 SLICE_RE = re.compile(r"^made by tpurun for the TPU (?P<tpu>[a-z][a-z0-9-]*), slice (?P<index>\d+) of (?P<count>\d+)$")
-DONE = compute_v1.Operation.Status.DONE
 # a VM status -> the state every command reads (views); a stopped spot VM was preempted
 _STATES = {
     "RUNNING": READY,
@@ -55,36 +49,8 @@ _STATES = {
 }
 
 
-def region_of(zone: str) -> str:
-    return zone.rsplit("-", 1)[0]
-
-
-class Compute(Backend):
+class Compute(ComputeGroups):
     kind = Kind.COMPUTE
-
-    def __init__(self, cloud: Cloud) -> None:
-        super().__init__(cloud)
-        self.project, self.zone, self.region = cloud.project, cloud.zone, region_of(cloud.zone)
-        options = {"api_endpoint": compute_endpoint(cloud.endpoint)}
-        creds = credentials(cloud.endpoint)
-
-        def client(cls: Callable[..., T]) -> T:
-            return cls(transport="rest", client_options=options, credentials=creds)
-
-        self.instances = client(compute_v1.InstancesClient)
-        self.groups = client(compute_v1.InstanceGroupManagersClient)
-        self.templates = client(compute_v1.RegionInstanceTemplatesClient)
-        self.global_templates = client(compute_v1.InstanceTemplatesClient)
-        self.policies = client(compute_v1.ResourcePoliciesClient)
-        self.zone_ops = client(compute_v1.ZoneOperationsClient)
-        self.region_ops = client(compute_v1.RegionOperationsClient)
-        self.global_ops = client(compute_v1.GlobalOperationsClient)
-
-    def _call(self, what: str, fn: Callable[[], T], *, tpu: str | None = None) -> T:
-        return self.cloud.call(what, fn, node=tpu, api=COMPUTE_API)
-
-    def _find(self, what: str, fn: Callable[[], T]) -> T | None:
-        return self.cloud.find(what, fn, api=COMPUTE_API)
 
     # ------------------------------------------------------------------ reading
 
@@ -149,20 +115,6 @@ class Compute(Backend):
         views = [v for g in groups if (v := self._group_view(g, [vm for vm in vms if _member(vm) == g.name], zone))]
         return views + [self._vm_view(vm, zone) for vm in vms if _tpu_vm(vm) and not _member(vm)]
 
-    def _group_vms(self, name: str) -> list[compute_v1.Instance]:
-        """The VMs of the group NAME that exist, through listManagedInstances."""
-        managed = self._call(
-            f"list the VMs of {name}",
-            lambda: list(
-                self.groups.list_managed_instances(project=self.project, zone=self.zone, instance_group_manager=name)
-            ),
-        )
-        names = {short_name(m.instance) for m in managed if m.instance}  # a placeholder has no VM yet
-        if not names:
-            return []
-        vms = self._call("list instances", lambda: list(self.instances.list(project=self.project, zone=self.zone)))
-        return [vm for vm in vms if vm.name in names]
-
     def _group_view(
         self, group: compute_v1.InstanceGroupManager, vms: list[compute_v1.Instance], zone: str = ""
     ) -> NodeView | None:
@@ -204,14 +156,6 @@ class Compute(Backend):
             slice_of=where[:2] if where else None,
         )
 
-    def _group_topology(self, group: compute_v1.InstanceGroupManager, machine_type: str) -> Topology:
-        policy_url = group.resource_policies.workload_policy
-        if not policy_url:
-            return vm_topology(machine_type)
-        policy = self._policy(policy_url)
-        shape = policy.workload_policy.accelerator_topology if policy else ""
-        return from_machine_type(machine_type, shape) if shape else vm_topology(machine_type)
-
     def _vm_view(self, vm: compute_v1.Instance, zone: str = "") -> NodeView:
         return NodeView(
             name=vm.name,
@@ -230,28 +174,6 @@ class Compute(Backend):
             queued_resource="",
             id=str(vm.id),
             slice_metadata=False,
-        )
-
-    def _template(self, url: str) -> compute_v1.InstanceTemplate | None:
-        parts = url.split("/")
-        name = parts[-1]
-        if "regions" in parts:
-            region = parts[parts.index("regions") + 1]
-            return self._find(
-                f"get instance template {name}",
-                lambda: self.templates.get(project=self.project, region=region, instance_template=name),
-            )
-        return self._find(
-            f"get instance template {name}",
-            lambda: self.global_templates.get(project=self.project, instance_template=name),
-        )
-
-    def _policy(self, url: str) -> compute_v1.ResourcePolicy | None:
-        parts = url.split("/")
-        region = parts[parts.index("regions") + 1] if "regions" in parts else self.region
-        return self._find(
-            f"get workload policy {parts[-1]}",
-            lambda: self.policies.get(project=self.project, region=region, resource_policy=parts[-1]),
         )
 
     def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
@@ -317,19 +239,6 @@ class Compute(Backend):
                 log.warning("%s: could not take back what was made: %s", name, message)
             raise
 
-    def _refuse_taken(self, name: str, groups: list[str], *, policy: bool) -> None:
-        """Refuse, before anything is made, a TPU whose group, template or policy name is taken."""
-        taken = [f"instance group {g}" for g in groups if self._get_group(g) is not None]
-        if self._template(self._template_path(name)) is not None:
-            taken.append(f"instance template {name}")
-        if policy and self._policy(self._policy_path(name)) is not None:
-            taken.append(f"workload policy {name}")
-        if taken:
-            raise UsageError(
-                f"{name}: Compute Engine already has {', '.join(taken)}, which tpurun would make for it",
-                hint=f"choose another name, or `tpurun delete {name}` first",
-            )
-
     def _insert_vm(
         self, vm: compute_v1.Instance, timeout: float, progress: Progress, *, wait: bool = True, state: str = "CREATING"
     ) -> None:
@@ -340,39 +249,6 @@ class Compute(Backend):
             timeout,
             functools.partial(progress, f"{vm.name}: {state}"),
             wait=wait,
-        )
-
-    def _insert_group(
-        self,
-        name: str,
-        template: str,
-        size: int,
-        policy: str,
-        about: str,
-        started: Callable[[], None] | None = None,
-        *,
-        bulk: bool = False,
-    ) -> None:
-        """The managed instance group NAME: SIZE VMs of TEMPLATE, shaped by the workload POLICY (if any); in
-        BULK mode (flex-start) it makes them all at once when capacity for all of them is free."""
-        group = compute_v1.InstanceGroupManager(
-            name=name,
-            description=about,
-            base_instance_name=name,
-            instance_template=template,
-            target_size=size,
-        )
-        if bulk:
-            group.target_size_policy = compute_v1.InstanceGroupManagerTargetSizePolicy(mode="BULK")
-        if policy:
-            group.resource_policies = compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy)
-        self._operate(
-            f"create instance group {name}",
-            lambda: self.groups.insert_unary(
-                project=self.project, zone=self.zone, instance_group_manager_resource=group
-            ),
-            600,
-            started=started,
         )
 
     def _properties(self, spec: CreateSpec, request: Request) -> compute_v1.InstanceProperties:
@@ -419,45 +295,6 @@ class Compute(Backend):
             labels=request.labels,
         )
 
-    def _make_policy(self, name: str, topo: Topology, started: Callable[[], None]) -> str:
-        """The workload policy NAME of TOPO's shape; "" for a single-host slice, which needs none."""
-        if not topo.multi_host:
-            return ""
-        policy = compute_v1.ResourcePolicy(
-            name=name,
-            description=MADE_BY + name,
-            workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(
-                type_="HIGH_THROUGHPUT", accelerator_topology=topo.topology
-            ),
-        )
-        self._operate(
-            f"create workload policy {name}",
-            lambda: self.policies.insert_unary(
-                project=self.project, region=self.region, resource_policy_resource=policy
-            ),
-            300,
-            started=started,
-        )
-        return self._policy_path(name)
-
-    def _policy_path(self, name: str) -> str:
-        return f"projects/{self.project}/regions/{self.region}/resourcePolicies/{name}"
-
-    def _template_path(self, name: str) -> str:
-        return f"projects/{self.project}/regions/{self.region}/instanceTemplates/{name}"
-
-    def _make_template(self, name: str, props: compute_v1.InstanceProperties, started: Callable[[], None]) -> str:
-        template = compute_v1.InstanceTemplate(name=name, description=MADE_BY + name, properties=props)
-        self._operate(
-            f"create instance template {name}",
-            lambda: self.templates.insert_unary(
-                project=self.project, region=self.region, instance_template_resource=template
-            ),
-            300,
-            started=started,
-        )
-        return self._template_path(name)
-
     # ------------------------------------------------------------------ deleting
 
     def delete(self, view: NodeView, progress: Progress) -> list[str]:
@@ -482,23 +319,6 @@ class Compute(Backend):
             also.append("its workload policy")
         return also
 
-    def _get_group(self, name: str) -> compute_v1.InstanceGroupManager | None:
-        return self._find(
-            f"get instance group {name}",
-            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
-        )
-
-    def _made_template(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
-        """The group's template is the one tpurun made for the TPU NAME (a group made elsewhere may share its
-        template with other groups)."""
-        template = self._template(group.instance_template)
-        return template is not None and template.description == MADE_BY + name
-
-    def _made_policy(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
-        url = group.resource_policies.workload_policy
-        policy = self._policy(url) if url else None
-        return policy is not None and policy.description == MADE_BY + name
-
     def _delete_vm(self, name: str, progress: Progress) -> None:
         self._operate(
             f"delete {name}",
@@ -506,28 +326,6 @@ class Compute(Backend):
             1800,
             lambda: progress(f"{name}: DELETING"),
             tpu=name,
-        )
-
-    def _delete_group(self, name: str, on_poll: Callable[[], None] | None = None) -> None:
-        self._operate(
-            f"delete instance group {name}",
-            lambda: self.groups.delete_unary(project=self.project, zone=self.zone, instance_group_manager=name),
-            1800,
-            on_poll,
-        )
-
-    def _delete_template(self, name: str) -> None:
-        self._operate(
-            f"delete instance template {name}",
-            lambda: self.templates.delete_unary(project=self.project, region=self.region, instance_template=name),
-            300,
-        )
-
-    def _delete_policy(self, name: str) -> None:
-        self._operate(
-            f"delete workload policy {name}",
-            lambda: self.policies.delete_unary(project=self.project, region=self.region, resource_policy=name),
-            300,
         )
 
     def recreate(self, view: NodeView, progress: Progress) -> None:
@@ -622,60 +420,6 @@ class Compute(Backend):
 
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(view.workers)))) as pool:
             list(pool.map(update, [w.vm for w in view.workers]))
-
-    # ------------------------------------------------------------------ operations
-
-    def _operate(
-        self,
-        what: str,
-        call: Callable[[], compute_v1.Operation],
-        timeout: float,
-        on_poll: Callable[[], None] | None = None,
-        *,
-        tpu: str | None = None,
-        wait: bool = True,
-        started: Callable[[], None] | None = None,
-    ) -> None:
-        """CALL, a long-running method's `_unary` form; unless WAIT is off, until its operation is done.
-        STARTED is told once the API took the call (what it makes may then need taking back)."""
-        op = self._call(what, call, tpu=tpu)
-        if started is not None:
-            started()
-        if wait:
-            self._wait(what, op, timeout, on_poll)
-
-    def _wait(
-        self, what: str, op: compute_v1.Operation, timeout: float, on_poll: Callable[[], None] | None = None
-    ) -> None:
-        """Until OP is DONE (the API's own `wait` holds each call until then or for a while), then raise
-        its error as the API would have answered it."""
-        deadline = time.monotonic() + timeout
-        while op.status != DONE:
-            if time.monotonic() > deadline:
-                raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`")
-            if on_poll is not None:
-                on_poll()
-            op = self._call(what, functools.partial(self._poll, op))
-        if op.http_error_status_code or op.error.errors:
-            first = op.error.errors[0] if op.error.errors else None
-            message = first.message if first else op.http_error_message
-            code = first.code if first else ""
-            # the error's own code first: Compute Engine answers a quota with 403, not a permission problem
-            if "RESOURCE_POOL_EXHAUSTED" in code or "QUOTA" in code:
-                raise ApiError(
-                    f"{what}: out of {'quota' if 'QUOTA' in code else 'capacity'} in project {self.project}, "
-                    f"zone {self.zone}: {message} ({code})",
-                    hint="retry with --spot, try another zone, or ask for quota",
-                )
-            exc = gexc.from_http_status(op.http_error_status_code or 400, message, errors=list(op.error.errors))
-            raise self.cloud.explain(what, exc, api=COMPUTE_API)
-
-    def _poll(self, op: compute_v1.Operation) -> compute_v1.Operation:
-        if op.zone:
-            return self.zone_ops.wait(project=self.project, zone=short_name(op.zone), operation=op.name)
-        if op.region:
-            return self.region_ops.wait(project=self.project, region=short_name(op.region), operation=op.name)
-        return self.global_ops.wait(project=self.project, operation=op.name)
 
 
 # ---------------------------------------------------------------------------- Compute Engine's records

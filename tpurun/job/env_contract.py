@@ -8,8 +8,9 @@ emulated workers (tests/integration/test_launch.py). Two launch models (docs/tra
   the script's own spawner (xmp.spawn, torch_xla.launch, Lightning, SPMD, JAX) makes the chip processes.
 * chip: one process per chip (per core on `cpu`), with torchrun's variables, for torchrun-style scripts.
 
-Sources of every variable are in docs/train.md: pytorch/xla `torch_xla/_internal/tpu.py` (xmp.spawn's
-`configure_topology`), `torch_xla/_internal/pjrt.py` and `torch_xla/distributed/xla_dist.py` (<= 2.0).
+Each runtime's own variables are made by runtimes.py. Sources of every variable are in docs/train.md: pytorch/xla
+`torch_xla/_internal/tpu.py` (xmp.spawn's `configure_topology`), `torch_xla/_internal/pjrt.py` and
+`torch_xla/distributed/xla_dist.py` (<= 2.0).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
+from tpurun.job.runtimes import XRT_SERVER_PORT, jax_cpu_env, runtime_env, torchtpu_env
 from tpurun.naming import worker_name
-from tpurun.topology import MEGASCALE_PORT, Topology, axes
+from tpurun.topology import MEGASCALE_PORT, Topology
 from tpurun.worker.protocol import HOST, Launch  # the agent's words for how processes are made and where filed
 
 
@@ -49,20 +51,8 @@ PRECISIONS = tuple(m.value for m in Precision)
 
 LAUNCHES = tuple(m.value for m in Launch)
 
-# xmp.spawn's base port for per-process TPU clients (tpu.configure_topology(base_port=8476)).
-PJRT_BASE_PORT = 8476
-# jax.distributed's coordinator port on Cloud TPU (jax/_src/clusters/cloud_tpu_cluster.py).
-JAX_COORDINATOR_PORT = 8482
-# xla_dist (torch_xla ≤ 2.0): XRT local service, mesh service, mesh controller, TPU Node port.
-XRT_SERVER_PORT = 51011
-XRT_MESH_SERVICE_PORT = 8477
-XRT_MESH_CONTROLLER_PORT = 8476
-XRT_TPU_NODE_PORT = 8470
 # XRT (torch_xla ≤ 2.0) predates v5e/v5p/v6e, which need torch_xla ≥ 2.1 (PJRT only).
 XRT_GENERATIONS = ("v2", "v3", "v4")
-# TorchTPU's slice-builder ports: one per device of a host from this one (set_tpu_launch_env's
-# TORCH_TPU_BASE_PORT default, torch_tpu/_internal/distributed/distributed.py).
-TORCH_TPU_BASE_PORT = 8070
 
 
 @dataclass(frozen=True)
@@ -159,17 +149,6 @@ def script_framework(source: str) -> str:
     return "jax" if "jax" in found and not found - {"jax"} else "torch"
 
 
-def _jax_cpu_env(coordinator: str, process_id: int, num_processes: int) -> dict[str, str]:
-    """Where there is no TPU, what `jax.distributed.initialize()` cannot find for itself: the coordinator
-    (jax reads JAX_COORDINATOR_ADDRESS), the process count and this process's id (read by the cluster
-    tpurun's hook adds to jax's auto-detection; scripts may pass them on themselves)."""
-    return {
-        "JAX_COORDINATOR_ADDRESS": f"{coordinator}:{JAX_COORDINATOR_PORT}",
-        "JAX_NUM_PROCESSES": str(num_processes),
-        "JAX_PROCESS_ID": str(process_id),
-    }
-
-
 def _torchrun_env(*, core: int, rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
     """torchrun's per-process variables (chip launch only: in a host launch the spawner numbers its children)."""
     return {
@@ -179,10 +158,6 @@ def _torchrun_env(*, core: int, rank: int, world_size: int, local_rank: int, loc
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(local_world_size),
     }
-
-
-def _mul_bounds(a: str, b: str) -> str:
-    return ",".join(str(int(x) * int(y)) for x, y in zip(a.split(","), b.split(","), strict=True))
 
 
 def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
@@ -236,51 +211,70 @@ def _slots(
     if cores is not None and cores < 1:
         raise UsageError(f"--cores {cores}: give a positive number")
     if runtime == "cpu":
-        if core is not None and core < 0:
-            raise UsageError(f"--core {core}: give a core index ≥ 0")
-        if launch == "host":
-            if core is not None or cores not in (None, 1):
-                raise UsageError(
-                    "--cores/--core with --launch host on the cpu runtime: torch_xla's spawner makes one process "
-                    "on CPU; use --launch chip to run N processes"
-                )
-            return [HOST]
-        limit = topology.pjrt_devices_per_host if topology else LOCAL_MAX_PROCESSES
-        wanted = (core + 1) if core is not None else cores
-        if wanted is not None and wanted > limit and not oversubscribe:
-            host = (
-                f"a {topology.name} host has {limit} PJRT devices"
-                if topology
-                else (f"a one-host pod stands for one TPU host, at most {limit} devices")
-            )
-            what = f"--core {core}" if core is not None else f"--cores {cores}"
-            raise UsageError(
-                f"{what}: {host}, and each CPU process stands for one; --oversubscribe starts more on purpose"
-            )
-        if core is not None:
-            return [core]
-        n = cores if cores is not None else (topology.pjrt_devices_per_host if topology else 1)
-        return list(range(n))
+        return _cpu_slots(launch, topology, cores, core, oversubscribe)
     assert topology is not None
     if runtime == "torchtpu":
-        devices = topology.pjrt_devices_per_host
-        if core is not None or cores not in (None, devices):
-            raise UsageError(
-                f"--cores/--core with --runtime torchtpu: TorchTPU runs every device of a host ({devices} on "
-                f"{topology.name}); drop the option"
-            )
-        return [HOST] if launch == "host" else list(range(devices))
+        return _torchtpu_slots(launch, topology, cores, core)
     if runtime == "xrt":
-        # xla_dist ran one process per host; the script's own xmp.spawn(nprocs=1|None) picks the cores.
-        if core is not None:
+        return _xrt_slots(topology, cores, core)
+    return _pjrt_slots(launch, topology, cores, core)
+
+
+def _cpu_slots(
+    launch: str, topology: Topology | None, cores: int | None, core: int | None, oversubscribe: bool
+) -> list[int]:
+    """The cpu runtime's slots: one process per core asked for, each standing for one PJRT device of a host."""
+    if core is not None and core < 0:
+        raise UsageError(f"--core {core}: give a core index ≥ 0")
+    if launch == "host":
+        if core is not None or cores not in (None, 1):
             raise UsageError(
-                "--core is not available with --runtime xrt: XRT runs one process per host and the script's "
-                "xmp.spawn picks the cores (nprocs=1 runs only the first)"
+                "--cores/--core with --launch host on the cpu runtime: torch_xla's spawner makes one process "
+                "on CPU; use --launch chip to run N processes"
             )
-        if cores not in (None, 1, topology.cores_per_host, topology.pjrt_devices_per_host):
-            raise UsageError(f"--cores {cores}: with --runtime xrt give 1 or all ({topology.cores_per_host})")
         return [HOST]
-    # pjrt: every chip (one process per chip, made by tpurun or by the script's spawner), or one chip.
+    limit = topology.pjrt_devices_per_host if topology else LOCAL_MAX_PROCESSES
+    wanted = (core + 1) if core is not None else cores
+    if wanted is not None and wanted > limit and not oversubscribe:
+        host = (
+            f"a {topology.name} host has {limit} PJRT devices"
+            if topology
+            else (f"a one-host pod stands for one TPU host, at most {limit} devices")
+        )
+        what = f"--core {core}" if core is not None else f"--cores {cores}"
+        raise UsageError(f"{what}: {host}, and each CPU process stands for one; --oversubscribe starts more on purpose")
+    if core is not None:
+        return [core]
+    n = cores if cores is not None else (topology.pjrt_devices_per_host if topology else 1)
+    return list(range(n))
+
+
+def _torchtpu_slots(launch: str, topology: Topology, cores: int | None, core: int | None) -> list[int]:
+    """TorchTPU's slots: every device of a host, made by the script's launcher (host) or by tpurun (chip)."""
+    devices = topology.pjrt_devices_per_host
+    if core is not None or cores not in (None, devices):
+        raise UsageError(
+            f"--cores/--core with --runtime torchtpu: TorchTPU runs every device of a host ({devices} on "
+            f"{topology.name}); drop the option"
+        )
+    return [HOST] if launch == "host" else list(range(devices))
+
+
+def _xrt_slots(topology: Topology, cores: int | None, core: int | None) -> list[int]:
+    """XRT's one slot: xla_dist ran one process per host; the script's own xmp.spawn(nprocs=1|None) picks the
+    cores."""
+    if core is not None:
+        raise UsageError(
+            "--core is not available with --runtime xrt: XRT runs one process per host and the script's "
+            "xmp.spawn picks the cores (nprocs=1 runs only the first)"
+        )
+    if cores not in (None, 1, topology.cores_per_host, topology.pjrt_devices_per_host):
+        raise UsageError(f"--cores {cores}: with --runtime xrt give 1 or all ({topology.cores_per_host})")
+    return [HOST]
+
+
+def _pjrt_slots(launch: str, topology: Topology, cores: int | None, core: int | None) -> list[int]:
+    """PJRT's slots: every chip (one process per chip, made by tpurun or by the script's spawner), or one chip."""
     all_values = {topology.cores_per_host, topology.pjrt_devices_per_host, topology.chips_per_host}
     single = core is not None or cores == 1
     if single and topology.multi_host:
@@ -341,77 +335,120 @@ def plan_job(
     (WORKER_ADDRESSES slice-major): each slice gets its own TPU variables, every process the MEGASCALE
     ones that join the slices. `slice_metadata`: whether the VMs' metadata server tells the runtimes their
     place in the slice (a Cloud TPU API node's does, a Compute Engine VM's does not: then every process is
-    given those values, see _slice_env).
+    given those values, see runtimes._slice_env).
     """
     num_workers = len(worker_addresses)
     _check_job(runtime, launch, precision, topology, num_workers, tpu_ip, slice_size)
-    size = slice_size or num_workers
     slots = _slots(
         runtime=runtime, launch=launch, topology=topology, cores=cores, core=core, oversubscribe=oversubscribe
     )
-    local_world = len(slots)
-    world_size = num_workers * local_world
+    job = _JobArgs(
+        job_id=job_id,
+        runtime=runtime,
+        launch=launch,
+        topology=topology,
+        worker_addresses=worker_addresses,
+        slice_size=slice_size,
+        local_world=len(slots),
+        single_chip=_single_chip(topology, cores, core) if runtime == "pjrt" and topology else None,
+        master_port=master_port,
+        restart_count=restart_count,
+        tpu_ip=tpu_ip,
+        slice_metadata=slice_metadata,
+        precision=precision,
+        extra_env=extra_env,
+    )
     argv = [python, script, *args]
-    single_chip = _single_chip(topology, cores, core) if runtime == "pjrt" and topology else None
     plan: list[list[CoreSpec]] = []
     for worker in range(num_workers):
         specs: list[CoreSpec] = []
-        slice_id, host = divmod(worker, size)
-        in_slice = worker_addresses[slice_id * size : (slice_id + 1) * size]
         for local_rank, slot in enumerate(slots):
-            rank = worker * local_world + local_rank
-            env = _job_env(
-                job_id=job_id,
-                worker=worker,
-                num_workers=num_workers,
-                launch=launch,
-                master_addr=worker_addresses[0],
-                master_port=master_port,
-                restart_count=restart_count,
-            )
-            if slice_size is not None:
-                env.update(_multislice_env(worker_addresses[0], slice_id, num_workers // size))
-            elif runtime == "pjrt" and not slice_metadata:
-                # one slice: jax looks these up in the environment, then in `tpu-env` (six tries, 3 s, each)
-                env.update({"MEGASCALE_NUM_SLICES": "1", "MEGASCALE_SLICE_ID": "0"})
-            if launch == "chip":
-                env.update(
-                    _torchrun_env(
-                        core=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
-                    )
-                )
-            if runtime == "cpu":
-                env.update(_jax_cpu_env(worker_addresses[0], rank, world_size))
-            if runtime == "torchtpu":
-                assert topology is not None
-                # one rendezvous over every host, of every slice: global worker numbers and addresses
-                env.update(
-                    _torchtpu_env(
-                        topology=topology, worker=worker, worker_addresses=worker_addresses, launch=launch,
-                        local_world=local_world, job_id=job_id,
-                    )
-                )  # fmt: skip
-            env.update(
-                _runtime_env(
-                    runtime=runtime,
-                    launch=launch,
-                    topology=topology,
-                    worker=host,
-                    worker_addresses=in_slice,
-                    local_rank=local_rank,
-                    local_world=local_world,
-                    single_chip=single_chip,
-                    job_id=job_id,
-                    tpu_ip=tpu_ip,
-                    slice_metadata=slice_metadata,
-                )
-            )
-            if precision == "bf16":
-                env["XLA_USE_BF16"] = "1"
-            env.update(extra_env or {})  # last: the user's values win, as with xmp.spawn's setdefault
+            rank = worker * len(slots) + local_rank
+            env = _process_env(job, worker=worker, slot=slot, local_rank=local_rank, rank=rank)
             specs.append(CoreSpec(worker=worker, core=slot, local_rank=local_rank, rank=rank, env=env, argv=list(argv)))
         plan.append(specs)
     return plan
+
+
+@dataclass(frozen=True)
+class _JobArgs:
+    """What plan_job was asked for, checked, as every process's environment is made from it."""
+
+    job_id: str
+    runtime: str
+    launch: str
+    topology: Topology | None
+    worker_addresses: list[str]
+    slice_size: int | None
+    local_world: int  # processes per worker
+    single_chip: int | None
+    master_port: int
+    restart_count: int
+    tpu_ip: str | None
+    slice_metadata: bool
+    precision: str
+    extra_env: dict[str, str] | None
+
+
+def _process_env(job: _JobArgs, *, worker: int, slot: int, local_rank: int, rank: int) -> dict[str, str]:
+    """Everything one process sees, in the order that decides which value wins: the job's variables, its
+    slice's, torchrun's (chip launch), jax's (cpu), TorchTPU's, its runtime's, bf16's, and the user's last."""
+    runtime, launch, topology, local_world = job.runtime, job.launch, job.topology, job.local_world
+    num_workers = len(job.worker_addresses)
+    world_size = num_workers * local_world
+    size = job.slice_size or num_workers
+    slice_id, host = divmod(worker, size)
+    in_slice = job.worker_addresses[slice_id * size : (slice_id + 1) * size]
+    env = _job_env(
+        job_id=job.job_id,
+        worker=worker,
+        num_workers=num_workers,
+        launch=launch,
+        master_addr=job.worker_addresses[0],
+        master_port=job.master_port,
+        restart_count=job.restart_count,
+    )
+    if job.slice_size is not None:
+        env.update(_multislice_env(job.worker_addresses[0], slice_id, num_workers // size))
+    elif runtime == "pjrt" and not job.slice_metadata:
+        # one slice: jax looks these up in the environment, then in `tpu-env` (six tries, 3 s, each)
+        env.update({"MEGASCALE_NUM_SLICES": "1", "MEGASCALE_SLICE_ID": "0"})
+    if launch == "chip":
+        env.update(
+            _torchrun_env(
+                core=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
+            )
+        )
+    if runtime == "cpu":
+        env.update(jax_cpu_env(job.worker_addresses[0], rank, world_size))
+    if runtime == "torchtpu":
+        assert topology is not None
+        # one rendezvous over every host, of every slice: global worker numbers and addresses
+        env.update(
+            torchtpu_env(
+                topology=topology, worker=worker, worker_addresses=job.worker_addresses, launch=launch,
+                local_world=local_world, job_id=job.job_id,
+            )
+        )  # fmt: skip
+    env.update(
+        runtime_env(
+            runtime=runtime,
+            launch=launch,
+            topology=topology,
+            worker=host,
+            worker_addresses=in_slice,
+            local_rank=local_rank,
+            local_world=local_world,
+            single_chip=job.single_chip,
+            job_id=job.job_id,
+            tpu_ip=job.tpu_ip,
+            slice_metadata=job.slice_metadata,
+        )
+    )
+    if job.precision == "bf16":
+        env["XLA_USE_BF16"] = "1"
+    env.update(job.extra_env or {})  # last: the user's values win, as with xmp.spawn's setdefault
+    return env
 
 
 def _check_job(
@@ -453,215 +490,6 @@ def _check_job(
         raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
     if tpu_ip is not None and (runtime != "xrt" or num_workers != 1):
         raise UsageError("--tpu-ip (the old TPU Node architecture) works only with --runtime xrt and one client VM")
-
-
-def _runtime_env(
-    *,
-    runtime: str,
-    launch: str,
-    topology: Topology | None,
-    worker: int,
-    worker_addresses: list[str],
-    local_rank: int,
-    local_world: int,
-    single_chip: int | None,
-    job_id: str,
-    tpu_ip: str | None,
-    slice_metadata: bool = True,
-) -> dict[str, str]:
-    """What one process needs of its runtime: PJRT's variables (per host or per chip), XRT's, or CPU's."""
-    env: dict[str, str] = {}
-    if runtime == "torchtpu":
-        return env  # plan_job: TorchTPU's variables span every slice (_torchtpu_env)
-    if runtime == "pjrt":
-        assert topology is not None
-        if launch == "host":
-            if not slice_metadata:
-                env.update(_slice_env(topology, worker, worker_addresses))
-            env.update(_pjrt_host_env(single_chip))
-        else:
-            env.update(
-                _pjrt_env(
-                    topology=topology,
-                    worker=worker,
-                    worker_addresses=worker_addresses,
-                    local_rank=local_rank,
-                    local_world=local_world,
-                    single_chip=single_chip,
-                )
-            )
-            # torch_xla.launch(fn) and the xla:// rendezvous then run fn(LOCAL_RANK) in this process
-            # (torchrun mode) instead of spawning one process per chip a second time.
-            env["TORCHELASTIC_RUN_ID"] = job_id
-    elif runtime == "xrt":
-        assert topology is not None
-        env.update(_xrt_env(topology=topology, worker=worker, worker_addresses=worker_addresses, tpu_ip=tpu_ip))
-    else:
-        env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
-        if launch == "chip":
-            env["TORCHELASTIC_RUN_ID"] = job_id
-    return env
-
-
-def _pjrt_host_env(single_chip: int | None) -> dict[str, str]:
-    """A host launch on a TPU: what the Cloud TPU pod recipe sets (PJRT_DEVICE=TPU), nothing that would
-    override what torch_xla reads from the VM itself (PCI chips, the `tpu-env` metadata); for one chip,
-    the variables of torch_xla's one-chip topology, so the script's spawner makes one process there."""
-    env = {"PJRT_DEVICE": "TPU"}
-    if single_chip is not None:
-        env.update(
-            {
-                "TPU_VISIBLE_CHIPS": str(single_chip),
-                "TPU_PROCESS_BOUNDS": "1,1,1",
-                "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
-            }
-        )
-    return env
-
-
-def _slice_env(topology: Topology, worker: int, worker_addresses: list[str]) -> dict[str, str]:
-    """A host launch on VMs whose metadata server does not describe their slice (Compute Engine's): what
-    the runtimes would have read from a Cloud TPU API node's `tpu-env`, `agent-worker-number` and
-    `worker-network-endpoints`, under the names they read from the environment instead (the ones GKE gives
-    a TPU container). Host-level names only: the script's spawner still derives each chip process's own
-    (xmp.spawn's configure_topology sets TPU_PROCESS_BOUNDS and the rest only where they are unset)."""
-    return {
-        # torch_xla reads the variables below instead of the metadata server (tpu.build_tpu_env_from_vars),
-        # and jax's cluster detection skips its metadata cluster (GceTpuCluster) for the env one (GkeTpuCluster)
-        "TPU_SKIP_MDS_QUERY": "1",
-        "TPU_ACCELERATOR_TYPE": topology.name,
-        "TPU_WORKER_ID": str(worker),
-        "TPU_WORKER_HOSTNAMES": ",".join(worker_addresses),
-        "TPU_HOST_BOUNDS": topology.host_bounds,
-        "TPU_CHIPS_PER_HOST_BOUNDS": topology.chips_per_host_bounds,
-        "TPU_TOPOLOGY": topology.topology,
-    }
-
-
-def _process_bounds(topology: Topology) -> str:
-    """TPU_PROCESS_BOUNDS at one process per chip, as torch_xla's configure_topology makes it: host bounds ×
-    chips-per-host bounds (v2/v3: chips per host 2,2,1), and on TPU7x a fourth bound of 2, its TensorCores
-    per chip (pytorch/xla #9586)."""
-    return _mul_bounds(topology.host_bounds, topology.chips_per_host_bounds) + _tensorcore_bound(topology)
-
-
-def _tensorcore_bound(topology: Topology) -> str:
-    """The fourth bound both torch_xla and TorchTPU add on TPU7x: its TensorCores per chip (",2"), else none."""
-    return f",{topology.cores_per_chip}" if topology.generation == "tpu7x" else ""
-
-
-def _pjrt_env(
-    *,
-    topology: Topology,
-    worker: int,
-    worker_addresses: list[str],
-    local_rank: int,
-    local_world: int,
-    single_chip: int | None,
-) -> dict[str, str]:
-    """What xmp.spawn's tpu.configure_topology / configure_one_chip_topology set, made explicit."""
-    env = {
-        "PJRT_DEVICE": "TPU",
-        # Topology from these variables rather than the metadata server (tpu.get_tpu_env): the same
-        # answer on a real TPU VM, and the only one where no metadata server answers.
-        "TPU_SKIP_MDS_QUERY": "1",
-        "TPU_ACCELERATOR_TYPE": topology.name,
-        "TPU_WORKER_ID": str(worker),
-        "TPU_WORKER_HOSTNAMES": ",".join(worker_addresses),
-    }
-    if single_chip is not None:
-        env.update(
-            {
-                "TPU_PROCESS_BOUNDS": "1,1,1",
-                "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
-                "TPU_VISIBLE_CHIPS": str(single_chip),
-                "PJRT_LOCAL_PROCESS_RANK": "0",
-                "PJRT_LOCAL_PROCESS_COUNT": "1",
-            }
-        )
-        return env
-    # tpu.get_worker_ips(): a single host is always 'localhost'.
-    ips = worker_addresses if len(worker_addresses) > 1 else ["localhost"]
-    ports = [PJRT_BASE_PORT + i for i in range(local_world)]
-    env.update(
-        {
-            "TPU_PROCESS_BOUNDS": _process_bounds(topology),
-            "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
-            "TPU_VISIBLE_CHIPS": str(local_rank),
-            "CLOUD_TPU_TASK_ID": str(worker * local_world + local_rank),
-            "TPU_PROCESS_ADDRESSES": ",".join(f"{ip}:{port}" for ip in ips for port in ports),
-            "TPU_PROCESS_PORT": str(ports[local_rank]),
-            "PJRT_LOCAL_PROCESS_RANK": str(local_rank),
-            "PJRT_LOCAL_PROCESS_COUNT": str(local_world),
-        }
-    )
-    return env
-
-
-def torchtpu_topology(topology: Topology) -> str:
-    """TORCH_TPU_TOPOLOGY of a slice: its chips along x,y,z, and on TPU7x a fourth bound of 2, its TensorCores
-    per chip, as TorchTPU's own table of one host's topologies writes them (torch_tpu/_internal/utils/hardware.py)."""
-    return ",".join(str(d) for d in axes(topology.topology)) + _tensorcore_bound(topology)
-
-
-def _torchtpu_env(
-    *, topology: Topology, worker: int, worker_addresses: list[str], launch: str, local_world: int, job_id: str
-) -> dict[str, str]:
-    """What TorchTPU's set_tpu_launch_env reads (host launch: the script calls it) or derives (chip launch:
-    every process gets what it would have derived in a parent), from tpurun's numbering of the hosts.
-
-    A host's NODE_RANK is its worker number: TorchTPU ranks a slice's hosts by their chips' coordinates,
-    Z-major, then Y, then X, which is the worker order when the runtime lays the hosts out X-fastest over
-    TPU_HOST_BOUNDS (docs/train.md). Set here, it spares set_tpu_launch_env the child process that would
-    start the TPU client to read the coordinates, and holds across slices, where coordinates repeat."""
-    hosts = len(worker_addresses)
-    env = {
-        "TPU_WORKER_HOSTNAMES": ",".join(worker_addresses),
-        # one profiling session for the whole job (each host's parent would otherwise take its own clock)
-        "TORCH_TPU_XPROF_SESSION_ID": job_id,
-    }
-    if hosts > 1 or launch == "chip":
-        env["TORCH_TPU_TOPOLOGY"] = torchtpu_topology(topology)
-    if hosts > 1:
-        env.update({"NNODES": str(hosts), "NODE_RANK": str(worker)})
-    if launch == "chip":
-        where = worker_addresses if hosts > 1 else ["localhost"]
-        env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] = ",".join(
-            f"{host}:{TORCH_TPU_BASE_PORT + i}" for host in where for i in range(local_world)
-        )
-        env["TORCHELASTIC_RUN_ID"] = job_id
-    return env
-
-
-def _xrt_env(*, topology: Topology, worker: int, worker_addresses: list[str], tpu_ip: str | None) -> dict[str, str]:
-    """What torch_xla.distributed.xla_dist (torch_xla 2.0) exported on each worker, or the one-VM configs."""
-    devices = str(topology.pjrt_devices_per_host)  # 8 on v2/v3, 4 on v4 (one per megacore)
-    if tpu_ip is not None:
-        # Old TPU Node architecture: a user VM drives the TPU's own host over gRPC.
-        return {"XRT_TPU_CONFIG": f"tpu_worker;0;{tpu_ip}:{XRT_TPU_NODE_PORT}", "TPU_NUM_DEVICES": devices}
-    if not topology.multi_host:
-        # One TPU VM: the client starts its own local XRT service; no mesh, no xrt_run_server.
-        return {"XRT_TPU_CONFIG": f"localservice;0;localhost:{XRT_SERVER_PORT}", "TPU_NUM_DEVICES": devices}
-    w0 = worker_addresses[0]
-    env = {
-        "XRT_LOCAL_WORKER": f"c_localservice:{worker}",
-        "XRT_MESH_SERVICE_ADDRESS": f"{w0}:{XRT_MESH_SERVICE_PORT}",
-        "XRT_SHARD_WORLD_SIZE": str(len(worker_addresses)),
-        "XRT_SHARD_ORDINAL": str(worker),
-        "TPU_NUM_DEVICES": devices,
-        "XLA_EMIT_STEPLOG": "1",
-        "TPU_CHIPS_PER_HOST_BOUNDS": topology.chips_per_host_bounds,
-        "TPUVM_MODE": "1",
-        "CLOUD_TPU_TASK_ID": str(worker),
-        "TPU_HOST_BOUNDS": topology.host_bounds,
-        "TPU_MESH_CONTROLLER_ADDRESS": f"{w0}:{XRT_MESH_CONTROLLER_PORT}",
-        "TPU_MESH_CONTROLLER_PORT": str(XRT_MESH_CONTROLLER_PORT),
-    }
-    if worker == 0:
-        env["XRT_TPU_CONFIG"] = "|".join(
-            f"c_localservice;{i};{ip}:{XRT_SERVER_PORT}" for i, ip in enumerate(worker_addresses)
-        )
-    return env
 
 
 def pre_commands(topology: Topology | None, runtime: str, worker: int, python: str = "python3") -> list[list[str]]:
