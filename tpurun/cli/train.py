@@ -18,6 +18,8 @@ from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, 
 from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
 from tpurun.errors import ExitCode, TpuBusy, UsageError
 from tpurun.job import control, env_contract, launcher, lifecycle, status
+from tpurun.job.runtimes import Precision, Runtime
+from tpurun.worker.protocol import Launch
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -50,20 +52,20 @@ OversubscribeOpt = Annotated[
 ]
 CoreOpt = Annotated[int | None, typer.Option(min=0, help="Run on one specific core index (like devices=[5]).")]
 RuntimeOpt = Annotated[
-    env_contract.Runtime,
+    Runtime,
     typer.Option(
         help="auto: pjrt on a TPU (xrt for torch_xla before 2.1; torchtpu where torch_tpu is installed and "
         "torch_xla is not), cpu where there is none."
     ),
 ]
 LaunchOpt = Annotated[
-    env_contract.Launch | None,
+    Launch | None,
     typer.Option(
         help="host: one process per worker, the script's spawner (xmp.spawn, Lightning, ...) makes one per chip "
         "(default on TPUs). chip: one process per chip with torchrun's variables (default on cpu)."
     ),
 ]
-PrecisionOpt = Annotated[env_contract.Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")]
+PrecisionOpt = Annotated[Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")]
 EnvOpt = Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")]
 DetachOpt = Annotated[bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")]
 MaxRestartsOpt = Annotated[int, typer.Option(min=0, help="Recreate a preempted TPU and relaunch, up to N times.")]
@@ -107,9 +109,9 @@ def train_cmd(
     cores: CoresOpt = None,
     oversubscribe: OversubscribeOpt = False,
     core: CoreOpt = None,
-    runtime: RuntimeOpt = env_contract.Runtime.auto,
+    runtime: RuntimeOpt = Runtime.auto,
     launch: LaunchOpt = None,
-    precision: PrecisionOpt = env_contract.Precision.fp32,
+    precision: PrecisionOpt = Precision.fp32,
     env: EnvOpt = None,
     detach: DetachOpt = False,
     max_restarts: MaxRestartsOpt = 0,
@@ -133,9 +135,9 @@ def train_cmd(
         args=list(args or []),
         cores=cores,
         core=core,
-        runtime=runtime.value,
-        launch=launch.value if launch else None,
-        precision=precision.value,
+        runtime=runtime,
+        launch=launch,
+        precision=precision,
         env=launcher.parse_env(env or []),
         detach=detach,
         max_restarts=max_restarts,

@@ -17,39 +17,26 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
+from typing import TypeVar
 
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
-from tpurun.job.runtimes import XRT_SERVER_PORT, jax_cpu_env, runtime_env, torchtpu_env
+from tpurun.job.runtimes import XRT_SERVER_PORT, Precision, Runtime, jax_cpu_env, runtime_env, torchtpu_env
 from tpurun.naming import worker_name
 from tpurun.topology import MEGASCALE_PORT, Topology
 from tpurun.worker.protocol import HOST, Launch  # the agent's words for how processes are made and where filed
 
-
-class Runtime(str, Enum):
-    """The runtime a job asks for (--runtime): `auto` picks from what a worker has."""
-
-    auto = "auto"
-    pjrt = "pjrt"
-    xrt = "xrt"
-    cpu = "cpu"
-    torchtpu = "torchtpu"  # TorchTPU (torch_tpu), PyTorch's native TPU backend
+W = TypeVar("W", Runtime, Launch, Precision)
 
 
-RUNTIMES = tuple(m.value for m in Runtime if m is not Runtime.auto)
+def choice(kind: type[W], value: W | str, option: str) -> W:
+    """VALUE as a member of KIND (one passes through): the one check of each of train's choices, and its one
+    message (the command line's own parser checks them first; this holds for every other caller)."""
+    try:
+        return kind(value)
+    except ValueError:
+        *others, last = [m.value for m in kind]
+        raise UsageError(f"{option} {value}: use {', '.join(others)} or {last}") from None
 
-
-class Precision(str, Enum):
-    """--precision: bf16 sets XLA_USE_BF16=1."""
-
-    fp32 = "32"
-    bf16 = "bf16"
-
-
-PRECISIONS = tuple(m.value for m in Precision)
-
-
-LAUNCHES = tuple(m.value for m in Launch)
 
 # XRT (torch_xla ≤ 2.0) predates v5e/v5p/v6e, which need torch_xla ≥ 2.1 (PJRT only).
 XRT_GENERATIONS = ("v2", "v3", "v4")
@@ -160,35 +147,37 @@ def _torchrun_env(*, core: int, rank: int, world_size: int, local_rank: int, loc
     }
 
 
-def pick_launch(requested: str | None, runtime: str) -> tuple[str, str]:
-    """(launch, reason): REQUESTED, or the default for RUNTIME."""
-    if requested is None:
-        if runtime == "torchtpu":
-            return "host", (
+def pick_launch(asked: Launch | str | None, runtime: Runtime | str) -> tuple[Launch, str]:
+    """(launch, reason): ASKED, or the default for RUNTIME."""
+    runtime = choice(Runtime, runtime, "--runtime")
+    if asked is None:
+        if runtime is Runtime.torchtpu:
+            return Launch.host, (
                 "launch host, the default on torchtpu: one process per worker; the script calls "
                 "set_tpu_launch_env and its launcher (torch.multiprocessing.spawn, torchrun) makes one process per device"
             )
-        if runtime == "cpu":
-            return "chip", (
+        if runtime is Runtime.cpu:
+            return Launch.chip, (
                 "launch chip, the default on the cpu runtime: with no chips for a script's spawner to find, "
                 "tpurun starts one process per core"
             )
-        return "host", (
+        return Launch.host, (
             f"launch host, the default on {runtime}: one process per worker; the script's spawner "
             "(xmp.spawn, torch_xla.launch, Lightning) makes one process per chip, SPMD and JAX drive the chips from it"
         )
-    if requested not in LAUNCHES:
-        raise UsageError(f"--launch {requested}: use host or chip")
-    if requested == "chip" and runtime == "xrt":
-        raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
-    if requested == "chip" and runtime == "torchtpu":
-        return "chip", (
+    requested = choice(Launch, asked, "--launch")
+    _refuse_chip_on_xrt(runtime, requested)
+    if requested is Launch.chip and runtime is Runtime.torchtpu:
+        return Launch.chip, (
             "launch chip, as requested: one process per device with torchrun's variables and what "
             "set_tpu_launch_env would derive"
         )
-    if requested == "chip":
-        return "chip", "launch chip, as requested: one process per chip with torchrun's variables"
-    return "host", "launch host, as requested: one process per worker; the script's spawner makes the chip processes"
+    if requested is Launch.chip:
+        return Launch.chip, "launch chip, as requested: one process per chip with torchrun's variables"
+    return (
+        Launch.host,
+        "launch host, as requested: one process per worker; the script's spawner makes the chip processes",
+    )
 
 
 # A one-host pod on this machine stands for one TPU host: at most as many CPU processes as the largest host
@@ -198,8 +187,8 @@ LOCAL_MAX_PROCESSES = 8
 
 def _slots(
     *,
-    runtime: str,
-    launch: str,
+    runtime: Runtime,
+    launch: Launch,
     topology: Topology | None,
     cores: int | None,
     core: int | None,
@@ -210,23 +199,23 @@ def _slots(
         raise UsageError("--cores and --core exclude each other: give one")
     if cores is not None and cores < 1:
         raise UsageError(f"--cores {cores}: give a positive number")
-    if runtime == "cpu":
+    if runtime is Runtime.cpu:
         return _cpu_slots(launch, topology, cores, core, oversubscribe)
     assert topology is not None
-    if runtime == "torchtpu":
+    if runtime is Runtime.torchtpu:
         return _torchtpu_slots(launch, topology, cores, core)
-    if runtime == "xrt":
+    if runtime is Runtime.xrt:
         return _xrt_slots(topology, cores, core)
     return _pjrt_slots(launch, topology, cores, core)
 
 
 def _cpu_slots(
-    launch: str, topology: Topology | None, cores: int | None, core: int | None, oversubscribe: bool
+    launch: Launch, topology: Topology | None, cores: int | None, core: int | None, oversubscribe: bool
 ) -> list[int]:
     """The cpu runtime's slots: one process per core asked for, each standing for one PJRT device of a host."""
     if core is not None and core < 0:
         raise UsageError(f"--core {core}: give a core index ≥ 0")
-    if launch == "host":
+    if launch is Launch.host:
         if core is not None or cores not in (None, 1):
             raise UsageError(
                 "--cores/--core with --launch host on the cpu runtime: torch_xla's spawner makes one process "
@@ -249,7 +238,7 @@ def _cpu_slots(
     return list(range(n))
 
 
-def _torchtpu_slots(launch: str, topology: Topology, cores: int | None, core: int | None) -> list[int]:
+def _torchtpu_slots(launch: Launch, topology: Topology, cores: int | None, core: int | None) -> list[int]:
     """TorchTPU's slots: every device of a host, made by the script's launcher (host) or by tpurun (chip)."""
     devices = topology.pjrt_devices_per_host
     if core is not None or cores not in (None, devices):
@@ -257,7 +246,7 @@ def _torchtpu_slots(launch: str, topology: Topology, cores: int | None, core: in
             f"--cores/--core with --runtime torchtpu: TorchTPU runs every device of a host ({devices} on "
             f"{topology.name}); drop the option"
         )
-    return [HOST] if launch == "host" else list(range(devices))
+    return [HOST] if launch is Launch.host else list(range(devices))
 
 
 def _xrt_slots(topology: Topology, cores: int | None, core: int | None) -> list[int]:
@@ -273,7 +262,7 @@ def _xrt_slots(topology: Topology, cores: int | None, core: int | None) -> list[
     return [HOST]
 
 
-def _pjrt_slots(launch: str, topology: Topology, cores: int | None, core: int | None) -> list[int]:
+def _pjrt_slots(launch: Launch, topology: Topology, cores: int | None, core: int | None) -> list[int]:
     """PJRT's slots: every chip (one process per chip, made by tpurun or by the script's spawner), or one chip."""
     all_values = {topology.cores_per_host, topology.pjrt_devices_per_host, topology.chips_per_host}
     single = core is not None or cores == 1
@@ -289,7 +278,7 @@ def _pjrt_slots(launch: str, topology: Topology, cores: int | None, core: int | 
             f"--cores {cores}: a {topology.name} host runs 1 or all of its cores "
             f"({topology.cores_per_host} cores = {topology.chips_per_host} chips, one process per chip)"
         )
-    if launch == "host":
+    if launch is Launch.host:
         return [HOST]
     if core is not None:
         return [core]
@@ -309,8 +298,8 @@ def plan_job(
     *,
     job_id: str,
     topology: Topology | None,
-    runtime: str,
-    launch: str,
+    runtime: Runtime | str,
+    launch: Launch | str,
     worker_addresses: list[str],
     cores: int | None,
     core: int | None,
@@ -320,7 +309,7 @@ def plan_job(
     python: str = "python3",
     master_port: int = 12355,
     extra_env: dict[str, str] | None = None,
-    precision: str = "32",
+    precision: Precision | str = Precision.fp32,
     restart_count: int = 0,
     tpu_ip: str | None = None,
     oversubscribe: bool = False,
@@ -328,7 +317,7 @@ def plan_job(
 ) -> list[list[CoreSpec]]:
     """Every process tpurun starts for the job: one list per worker, one CoreSpec per process on it.
 
-    `launch` is "host" (one process per worker, core HOST) or "chip" (one per chip, or per core on
+    `launch` is host (one process per worker, core HOST) or chip (one per chip, or per core on
     `cpu`). `cores`: None = every chip of a host; 1 = one. `core`: one specific core index (pjrt: a PJRT
     device index of the host, mapped to its chip, see explain_core). In a chip launch ranks are global
     process indices (torchrun's meaning), worker-major. `slice_size`: hosts per slice of a multislice TPU
@@ -338,7 +327,9 @@ def plan_job(
     given those values, see runtimes._slice_env).
     """
     num_workers = len(worker_addresses)
-    _check_job(runtime, launch, precision, topology, num_workers, tpu_ip, slice_size)
+    runtime, launch = choice(Runtime, runtime, "--runtime"), choice(Launch, launch, "--launch")
+    precision = choice(Precision, precision, "--precision")
+    _check_job(runtime, launch, topology, num_workers, tpu_ip, slice_size)
     slots = _slots(
         runtime=runtime, launch=launch, topology=topology, cores=cores, core=core, oversubscribe=oversubscribe
     )
@@ -350,7 +341,7 @@ def plan_job(
         worker_addresses=worker_addresses,
         slice_size=slice_size,
         local_world=len(slots),
-        single_chip=_single_chip(topology, cores, core) if runtime == "pjrt" and topology else None,
+        single_chip=_single_chip(topology, cores, core) if runtime is Runtime.pjrt and topology else None,
         master_port=master_port,
         restart_count=restart_count,
         tpu_ip=tpu_ip,
@@ -375,8 +366,8 @@ class _JobArgs:
     """What plan_job was asked for, checked, as every process's environment is made from it."""
 
     job_id: str
-    runtime: str
-    launch: str
+    runtime: Runtime
+    launch: Launch
     topology: Topology | None
     worker_addresses: list[str]
     slice_size: int | None
@@ -386,7 +377,7 @@ class _JobArgs:
     restart_count: int
     tpu_ip: str | None
     slice_metadata: bool
-    precision: str
+    precision: Precision
     extra_env: dict[str, str] | None
 
 
@@ -410,18 +401,18 @@ def _process_env(job: _JobArgs, *, worker: int, slot: int, local_rank: int, rank
     )
     if job.slice_size is not None:
         env.update(_multislice_env(job.worker_addresses[0], slice_id, num_workers // size))
-    elif runtime == "pjrt" and not job.slice_metadata:
+    elif runtime is Runtime.pjrt and not job.slice_metadata:
         # one slice: jax looks these up in the environment, then in `tpu-env` (six tries, 3 s, each)
         env.update({"MEGASCALE_NUM_SLICES": "1", "MEGASCALE_SLICE_ID": "0"})
-    if launch == "chip":
+    if launch is Launch.chip:
         env.update(
             _torchrun_env(
                 core=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
             )
         )
-    if runtime == "cpu":
+    if runtime is Runtime.cpu:
         env.update(jax_cpu_env(job.worker_addresses[0], rank, world_size))
-    if runtime == "torchtpu":
+    if runtime is Runtime.torchtpu:
         assert topology is not None
         # one rendezvous over every host, of every slice: global worker numbers and addresses
         env.update(
@@ -445,35 +436,30 @@ def _process_env(job: _JobArgs, *, worker: int, slot: int, local_rank: int, rank
             slice_metadata=job.slice_metadata,
         )
     )
-    if job.precision == "bf16":
+    if job.precision is Precision.bf16:
         env["XLA_USE_BF16"] = "1"
     env.update(job.extra_env or {})  # last: the user's values win, as with xmp.spawn's setdefault
     return env
 
 
 def _check_job(
-    runtime: str,
-    launch: str,
-    precision: str,
+    runtime: Runtime,
+    launch: Launch,
     topology: Topology | None,
     num_workers: int,
     tpu_ip: str | None,
     slice_size: int | None = None,
 ) -> None:
     """Refuse a combination that cannot run, with the reason."""
-    if slice_size is not None and runtime == "xrt":
+    if slice_size is not None and runtime is Runtime.xrt:
         raise UsageError("--runtime xrt: XRT predates multislice; use --runtime pjrt")
     if slice_size is not None and (slice_size < 1 or num_workers % slice_size):
         raise UsageError(f"{num_workers} workers cannot form slices of {slice_size}")
-    if runtime not in RUNTIMES:
-        raise UsageError(f"unknown runtime '{runtime}': use one of auto, {', '.join(RUNTIMES)}")
-    if launch not in LAUNCHES:
-        raise UsageError(f"--launch {launch}: use host or chip")
-    if precision not in PRECISIONS:
-        raise UsageError(f"--precision {precision}: use {' or '.join(PRECISIONS)}")
+    if runtime is Runtime.auto:
+        raise UsageError("--runtime auto: pick the runtime first (pick_runtime)")
     if not num_workers:
         raise UsageError("no workers to run on")
-    if runtime in ("pjrt", "xrt", "torchtpu"):
+    if runtime in (Runtime.pjrt, Runtime.xrt, Runtime.torchtpu):
         if topology is None:
             raise UsageError(f"--runtime {runtime} needs a TPU accelerator type; use --runtime cpu on this machine")
         if tpu_ip is None and topology.hosts != (slice_size or num_workers):
@@ -481,22 +467,29 @@ def _check_job(
                 f"{topology.name} has {topology.hosts} hosts but {slice_size or num_workers} worker addresses were "
                 "given" + (" per slice" if slice_size else "")
             )
-    if runtime == "xrt" and topology is not None and topology.generation not in XRT_GENERATIONS:
+    if runtime is Runtime.xrt and topology is not None and topology.generation not in XRT_GENERATIONS:
         raise UsageError(
             f"--runtime xrt: XRT was removed after torch_xla 2.0 and never ran on {topology.generation}; "
             "use --runtime pjrt"
         )
-    if runtime == "xrt" and launch == "chip":
-        raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
-    if tpu_ip is not None and (runtime != "xrt" or num_workers != 1):
+    _refuse_chip_on_xrt(runtime, launch)
+    if tpu_ip is not None and (runtime is not Runtime.xrt or num_workers != 1):
         raise UsageError("--tpu-ip (the old TPU Node architecture) works only with --runtime xrt and one client VM")
 
 
-def pre_commands(topology: Topology | None, runtime: str, worker: int, python: str = "python3") -> list[list[str]]:
+def _refuse_chip_on_xrt(runtime: Runtime, launch: Launch) -> None:
+    if runtime is Runtime.xrt and launch is Launch.chip:
+        raise UsageError("--launch chip: XRT runs one process per host, as xla_dist did; use --launch host")
+
+
+def pre_commands(
+    topology: Topology | None, runtime: Runtime | str, worker: int, python: str = "python3"
+) -> list[list[str]]:
     """Commands the agent runs on WORKER before the cores (xla_dist started the XRT server on each TPU VM
     of a pod; on one VM the client's localservice config starts its own)."""
     del worker  # every worker of a pod runs the same server
-    if runtime == "xrt" and topology is not None and topology.multi_host:
+    runtime = choice(Runtime, runtime, "--runtime")
+    if runtime is Runtime.xrt and topology is not None and topology.multi_host:
         return [[python, "-m", "torch_xla.core.xrt_run_server", "--port", str(XRT_SERVER_PORT)]]
     return []
 
@@ -509,29 +502,28 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def pick_runtime(requested: str, probe: dict[str, object]) -> tuple[str, str]:
-    """(runtime, reason): REQUESTED unless it is `auto`, which picks from what PROBE_SCRIPT saw on a worker."""
+def pick_runtime(asked: Runtime | str, probe: dict[str, object]) -> tuple[Runtime, str]:
+    """(runtime, reason): ASKED unless it is `auto`, which picks from what PROBE_SCRIPT saw on a worker."""
+    requested = choice(Runtime, asked, "--runtime")
     version = probe.get("torch_xla_version")
     tpu = bool(probe.get("libtpu_installed")) and bool(probe.get("device_files_present"))
-    if requested in RUNTIMES:
+    if requested is not Runtime.auto:
         return requested, f"--runtime {requested} was requested"
-    if requested != "auto":
-        raise UsageError(f"unknown runtime '{requested}': use auto, {', '.join(RUNTIMES)}")
     if not tpu:
         missing = []
         if not probe.get("libtpu_installed"):
             missing.append("libtpu is not installed")
         if not probe.get("device_files_present"):
             missing.append("no TPU device files (/dev/accel*, /dev/vfio/*)")
-        return "cpu", "auto picked cpu: " + " and ".join(missing)
+        return Runtime.cpu, "auto picked cpu: " + " and ".join(missing)
     torch_tpu = probe.get("torch_tpu_version")
     if (not isinstance(version, str) or not version) and isinstance(torch_tpu, str) and torch_tpu:
-        return "torchtpu", f"auto picked torchtpu: libtpu and TPU device files present, torch_tpu {torch_tpu}"
+        return Runtime.torchtpu, f"auto picked torchtpu: libtpu and TPU device files present, torch_tpu {torch_tpu}"
     if not isinstance(version, str) or not version:
-        return "cpu", "auto picked cpu: TPU present but neither torch_xla nor torch_tpu is installed"
+        return Runtime.cpu, "auto picked cpu: TPU present but neither torch_xla nor torch_tpu is installed"
     if _version_tuple(version) < (2, 1):
-        return "xrt", f"auto picked xrt: torch_xla {version} < 2.1 (XRT era) and a TPU is present"
-    return "pjrt", f"auto picked pjrt: libtpu and TPU device files present, torch_xla {version}"
+        return Runtime.xrt, f"auto picked xrt: torch_xla {version} < 2.1 (XRT era) and a TPU is present"
+    return Runtime.pjrt, f"auto picked pjrt: libtpu and TPU device files present, torch_xla {version}"
 
 
 # Runs on a worker with its own python3 (any 3.8+); prints one JSON object for pick_runtime and doctor.

@@ -26,6 +26,7 @@ from tpurun import config
 from tpurun.errors import ApiError, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job import env_contract
 from tpurun.job.records import JobRecord, RecordStream, new_job_id
+from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
 from tpurun.targets import Target
@@ -33,7 +34,7 @@ from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, Stream, open_stream, run_capture, worker_names
 from tpurun.worker import bundle_name, protocol
-from tpurun.worker.protocol import AgentExit, ProcessStatus
+from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
 
 # Runs on each worker: agent present (else exit AgentExit.MISSING)? start the job (spec from $2, base64),
 # then stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
@@ -90,9 +91,9 @@ class TrainSpec:
     args: list[str]
     cores: int | None = None
     core: int | None = None
-    runtime: str = "auto"
-    launch: str | None = None  # host | chip; None: the runtime's default (env_contract.pick_launch)
-    precision: str = "32"
+    runtime: Runtime = Runtime.auto
+    launch: Launch | None = None  # None: the runtime's default (env_contract.pick_launch)
+    precision: Precision = Precision.fp32
     env: dict[str, str] = field(default_factory=dict)
     detach: bool = False
     max_restarts: int = 0
@@ -149,9 +150,9 @@ def probe(target: Target, python: str) -> dict[str, Any]:
 class JobPlan:
     """What `train` decided: the runtime and launch model (each with why) and every process it starts."""
 
-    runtime: str
+    runtime: Runtime
     runtime_reason: str
-    launch: str
+    launch: Launch
     launch_reason: str
     specs: list[list[env_contract.CoreSpec]]
 
@@ -164,11 +165,11 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     python = target.python(spec.python)
     topo = target.topology
     runtime, why = spec.runtime, "asked for"
-    if runtime == "auto":
-        runtime, why = env_contract.pick_runtime("auto", probe(target, python))
+    if runtime is Runtime.auto:
+        runtime, why = env_contract.pick_runtime(Runtime.auto, probe(target, python))
     launch, launch_why = env_contract.pick_launch(spec.launch, runtime)
     cores = spec.cores
-    if target.local and cores is None and spec.core is None and runtime == "cpu" and launch == "chip":
+    if target.local and cores is None and spec.core is None and runtime is Runtime.cpu and launch is Launch.chip:
         cores = 1
     extra = dict(spec.env)
     if spec.metrics:
@@ -249,7 +250,7 @@ class JobRun:
         detach: bool,
         grace: float,
         pre: Callable[[int], list[list[str]]],
-        launch: str,
+        launch: Launch,
         cancel: threading.Event | None = None,
         down: bool = False,
     ) -> None:
@@ -280,7 +281,7 @@ class JobRun:
             job_id=self.job_id,
             worker=worker,
             cores=[protocol.ProcessSpec(c.core, c.argv, c.env, self.cwd) for c in self.specs[worker]],
-            launch=protocol.Launch(self.launch),
+            launch=self.launch,
             detach=self.detach,
             down=self.down,
             grace=self.grace,
@@ -476,7 +477,7 @@ class Job:
                 f"{p.processes} process(es) started by tpurun",
             )
         ]
-        if p.runtime == "cpu" and p.processes > 1 and self.framework == "jax":
+        if p.runtime is Runtime.cpu and p.processes > 1 and self.framework == "jax":
             out.append(
                 (
                     "info",
@@ -485,7 +486,7 @@ class Job:
                     "collectives go over gloo: docs/train.md)",
                 )
             )
-        elif p.runtime == "cpu" and p.processes > 1:
+        elif p.runtime is Runtime.cpu and p.processes > 1:
             out.append(
                 (
                     "info",
@@ -496,7 +497,7 @@ class Job:
             )
         if self.spec.core is not None and t.topology is not None:
             out.append(("info", env_contract.explain_core(t.topology, self.spec.core)))
-        if self.spec.precision == "bf16":
+        if self.spec.precision is Precision.bf16:
             out.append(
                 ("warn", "XLA_USE_BF16 is deprecated in recent torch_xla; prefer explicit bfloat16 dtypes in the model")
             )
@@ -516,7 +517,7 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
     """Decide the job: runtime, launch model, every process, the setup. Only --runtime auto (or a real
     start) needs the workers."""
     job_id = new_job_id()
-    if spec.runtime == "auto" or not spec.dry_run:
+    if spec.runtime is Runtime.auto or not spec.dry_run:
         connect(target)
     p = plan(target, spec, job_id, restart_count=restart)
     python = target.python(spec.python)

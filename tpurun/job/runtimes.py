@@ -6,6 +6,25 @@ variable are in docs/train.md."""
 from __future__ import annotations
 
 from tpurun.topology import Topology, axes
+from tpurun.worker.protocol import Launch, Word
+
+
+class Runtime(Word):
+    """The runtime a job asks for (--runtime): `auto` picks from what a worker has."""
+
+    auto = "auto"
+    pjrt = "pjrt"
+    xrt = "xrt"
+    cpu = "cpu"
+    torchtpu = "torchtpu"  # TorchTPU (torch_tpu), PyTorch's native TPU backend
+
+
+class Precision(Word):
+    """--precision: bf16 sets XLA_USE_BF16=1."""
+
+    fp32 = "32"
+    bf16 = "bf16"
+
 
 # xmp.spawn's base port for per-process TPU clients (tpu.configure_topology(base_port=8476)).
 PJRT_BASE_PORT = 8476
@@ -34,8 +53,8 @@ def jax_cpu_env(coordinator: str, process_id: int, num_processes: int) -> dict[s
 
 def runtime_env(
     *,
-    runtime: str,
-    launch: str,
+    runtime: Runtime,
+    launch: Launch,
     topology: Topology | None,
     worker: int,
     worker_addresses: list[str],
@@ -48,11 +67,11 @@ def runtime_env(
 ) -> dict[str, str]:
     """What one process needs of its runtime: PJRT's variables (per host or per chip), XRT's, or CPU's."""
     env: dict[str, str] = {}
-    if runtime == "torchtpu":
+    if runtime is Runtime.torchtpu:
         return env  # plan_job: TorchTPU's variables span every slice (torchtpu_env)
-    if runtime == "pjrt":
+    if runtime is Runtime.pjrt:
         assert topology is not None
-        if launch == "host":
+        if launch is Launch.host:
             if not slice_metadata:
                 env.update(_slice_env(topology, worker, worker_addresses))
             env.update(_pjrt_host_env(single_chip))
@@ -70,12 +89,12 @@ def runtime_env(
             # torch_xla.launch(fn) and the xla:// rendezvous then run fn(LOCAL_RANK) in this process
             # (torchrun mode) instead of spawning one process per chip a second time.
             env["TORCHELASTIC_RUN_ID"] = job_id
-    elif runtime == "xrt":
+    elif runtime is Runtime.xrt:
         assert topology is not None
         env.update(_xrt_env(topology=topology, worker=worker, worker_addresses=worker_addresses, tpu_ip=tpu_ip))
     else:
         env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
-        if launch == "chip":
+        if launch is Launch.chip:
             env["TORCHELASTIC_RUN_ID"] = job_id
     return env
 
@@ -186,7 +205,7 @@ def torchtpu_topology(topology: Topology) -> str:
 
 
 def torchtpu_env(
-    *, topology: Topology, worker: int, worker_addresses: list[str], launch: str, local_world: int, job_id: str
+    *, topology: Topology, worker: int, worker_addresses: list[str], launch: Launch, local_world: int, job_id: str
 ) -> dict[str, str]:
     """What TorchTPU's set_tpu_launch_env reads (host launch: the script calls it) or derives (chip launch:
     every process gets what it would have derived in a parent), from tpurun's numbering of the hosts.
@@ -201,11 +220,11 @@ def torchtpu_env(
         # one profiling session for the whole job (each host's parent would otherwise take its own clock)
         "TORCH_TPU_XPROF_SESSION_ID": job_id,
     }
-    if hosts > 1 or launch == "chip":
+    if hosts > 1 or launch is Launch.chip:
         env["TORCH_TPU_TOPOLOGY"] = torchtpu_topology(topology)
     if hosts > 1:
         env.update({"NNODES": str(hosts), "NODE_RANK": str(worker)})
-    if launch == "chip":
+    if launch is Launch.chip:
         where = worker_addresses if hosts > 1 else ["localhost"]
         env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] = ",".join(
             f"{host}:{TORCH_TPU_BASE_PORT + i}" for host in where for i in range(local_world)
