@@ -18,7 +18,7 @@ from tpurun.errors import TpurunError, UnreachableError
 from tpurun.job import env_contract
 from tpurun.targets import Target
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, run_capture, worker_names
+from tpurun.transport.runner import Runner, run_capture
 from tpurun.worker import probe
 
 Probes = dict[int, dict[str, Any]]  # worker index -> the probe's JSON
@@ -126,11 +126,9 @@ class KillStale:
 def kill_stale(target: Target, *, dry_run: bool, grace: float) -> KillStale:
     """Free TARGET's TPUs: stop what holds their devices or libtpu (SIGTERM, SIGKILL after GRACE), then remove
     stale lock files; with DRY_RUN only find them."""
-    cfg = scan_config(target) | {"dry_run": dry_run, "grace": grace}
-    try:
+    with target:
+        cfg = scan_config(target) | {"dry_run": dry_run, "grace": grace}
         run = run_probe(target, "kill-stale", cfg, target.python(), timeout=grace + 120)
-    finally:
-        target.close()
     workers = []
     for r in target.runners:
         i = r.worker.index
@@ -176,20 +174,17 @@ def doctor(
     """Every check of every selected worker of TARGET (its Python PYTHON, else the workers'); WARN is told
     when the startup reports cannot be read; HOME holds the pinned host keys."""
     py = target.python(python)
-    cfg = scan_config(target) | {"python": py, "probe": env_contract.PROBE_SCRIPT}
-    reports = _startup_reports(target, warn)
-    try:
+    with target:
+        cfg = scan_config(target) | {"python": py, "probe": env_contract.PROBE_SCRIPT}
+        reports = _startup_reports(target, warn)
         run = run_probe(target, "doctor", cfg, "python3" if not target.local else sys.executable, timeout=120)
-    finally:
-        target.close()
     checks: list[health.Check] = []
     for r in target.runners:
         checks += _worker_rows(target, r, run, reports, home, py, kill_stale_cmd)
     checks += health.check_same_versions(run.results)
     order = {r.worker.index: n for n, r in enumerate(target.runners)}
     checks.sort(key=lambda c: order.get(c.worker, 0))  # stable: each worker's rows stay in check order
-    names = worker_names(target.all_workers)
-    return Doctor(target.name, target.accelerator_type, py, checks, run.results, bool(run.errors), names)
+    return Doctor(target.name, target.accelerator_type, py, checks, run.results, bool(run.errors), target.worker_names)
 
 
 def _worker_rows(

@@ -1,8 +1,8 @@
 """`tpurun doctor`'s judgement: what one worker's probe (tpurun.worker.probe, mode `doctor`) means, as checks.
 
 Every check is pass, warn or fail; every fail (and most warns) carries one fix, a command where one
-exists. Pure functions over the probe's JSON, unit-tested in tests/unit/test_stale_unit.py; the CLI
-(tpurun.cli.health) runs the probes and renders the rows.
+exists. Pure functions over the probe's JSON, unit-tested in tests/unit/test_stale_unit.py; tpurun.diagnose
+runs the probes, and the CLI (tpurun.cli.health) renders the rows.
 
 Thresholds (docs/troubleshooting.md): free disk in home and /tmp warns below 10 GiB and fails below
 1 GiB; a worker's clock warns when it is more than 1 s off the client's (after correcting for half

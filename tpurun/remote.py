@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,15 +29,15 @@ def exec_everywhere(
     stop: threading.Event,
     fail_fast: bool,
     grace: float = DEFAULT_GRACE,
-    unreachable: LineSink | None = None,
+    unreachable: Callable[[str], None] | None = None,
 ) -> ExecResult:
     """COMMAND (argv, never through a shell) on every selected worker of TARGET at once, its lines to SINK;
-    a worker that cannot be reached is reported to UNREACHABLE (worker, "stderr", why) before the others run."""
+    why a worker cannot be reached goes to UNREACHABLE before the others run."""
     with target:
         errors = target.connect()
-        for index, error in sorted(errors.items()):
+        for _, error in sorted(errors.items()):
             if unreachable is not None:
-                unreachable(index, "stderr", error)
+                unreachable(error)
         reachable = [r for r in target.runners if r.worker.index not in errors]
         results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace)
     results += [RunResult(i, None, error=e) for i, e in errors.items()]

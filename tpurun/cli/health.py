@@ -20,8 +20,9 @@ def _short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def _tpu_flag(result: diagnose.KillStale) -> str:
-    return " --local" if result.local else f" --tpu {result.tpu}"
+def _kill_stale_command(local: bool, tpu: str) -> str:
+    """The kill-stale that frees the TPU a command acted on (this machine, with LOCAL)."""
+    return "tpurun kill-stale " + ("--local" if local else f"--tpu {tpu}")
 
 
 # ------------------------------------------------------------------ kill-stale
@@ -96,7 +97,7 @@ def _kill_stale_exit(result: diagnose.KillStale) -> int:
         return ExitCode.OK
     w, h = held[0]
     if result.dry_run:
-        ui.info(f"run `tpurun kill-stale{_tpu_flag(result)}` to stop them")
+        ui.info(f"run `{_kill_stale_command(result.local, result.tpu)}` to stop them")
         return ExitCode.PROGRAM_FAILED
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
     ui.err().print(
@@ -126,10 +127,8 @@ def doctor_cmd(
     """
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
     target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    flag = " --local" if target.local else f" --tpu {target.name}"
-    result = diagnose.doctor(
-        target, home=s.home_path, python=python, warn=ui.warn, kill_stale_cmd=f"tpurun kill-stale{flag}"
-    )
+    kill_stale = _kill_stale_command(target.local, target.name)
+    result = diagnose.doctor(target, home=s.home_path, python=python, warn=ui.warn, kill_stale_cmd=kill_stale)
     total = result.summary
     code = ExitCode.UNREACHABLE if result.unreachable else ExitCode.PROGRAM_FAILED if result.failed else ExitCode.OK
     if json_out:

@@ -344,8 +344,7 @@ def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) ->
     provision.validate_name(name)
     cloud, s = cloud_for(project, zone)
     with progress_display() as progress:
-        view = provision.stop(cloud, name, progress)
-    identity.forget(s.home_path, cloud.project, cloud.zone, name)
+        view = provision.stop(cloud, s, name, progress)
     ui.info(f"{name} is {view.state}")
 
 
@@ -353,7 +352,6 @@ def start_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None, j
     """Start a stopped single-host TPU VM and wait for its startup script."""
     provision.validate_name(name)
     cloud, s = cloud_for(project, zone)
-    identity.forget(s.home_path, cloud.project, cloud.zone, name)
     with progress_display() as progress:
         result = provision.start(cloud, s, name, progress)
     if json_out:

@@ -36,7 +36,7 @@ def exec_cmd(
     writer = LineWriter(colour=not ui.is_plain(), names=target.worker_names)
     stop = threading.Event()
 
-    def unreachable(_worker: int, _stream: str, why: str) -> None:
+    def unreachable(why: str) -> None:
         ui.err().print(f"error: {why}", markup=False)
 
     with stop_on_signals(stop) as seen:

@@ -462,14 +462,16 @@ def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[backend.Backend, Nod
     return maker, view
 
 
-def stop(cloud: Cloud, name: str, progress: Callable[[str], None]) -> NodeView:
+def stop(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> NodeView:
     maker, view = _stoppable(cloud, name, "stop")
     maker.stop(view, progress)
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs may come back elsewhere
     return tpu(cloud, name)
 
 
 def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> CreateResult:
     maker, view = _stoppable(cloud, name, "start")
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs come back, maybe elsewhere
     maker.start(view, progress)
     # guest attributes start empty at boot, so the startup report read now is this boot's
     return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
@@ -478,6 +480,7 @@ def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str
 def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> CreateResult:
     """Delete a preempted TPU and make it again with the same settings (for train --max-restarts)."""
     maker, view = whole(cloud, name, "delete")
+    identity.forget(s.home_path, cloud.project, cloud.zone, name)  # a new TPU: a new identity
     maker.recreate(view, progress)
     return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
 

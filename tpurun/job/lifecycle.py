@@ -70,10 +70,8 @@ def _recreate(s: Settings, name: str, out: Output) -> None:
     from tpurun.cloud import provision
     from tpurun.cloud.client import Cloud
 
-    cloud = Cloud(s)
-    identity.forget(s.home_path, cloud.project, cloud.zone, name)
     with out.progress() as progress:
-        provision.recreate(cloud, s, name, progress)
+        provision.recreate(Cloud(s), s, name, progress)
 
 
 # ---------------------------------------------------------------------------- --down
