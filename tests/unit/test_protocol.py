@@ -80,10 +80,21 @@ def test_every_record_kind_round_trips_through_the_agent_side(python: str | None
     assert [protocol.read_task_end(e) for e in ends] == [(protocol.TaskEnd.OK, 0), (protocol.TaskEnd.FAILED, 3)]
 
 
-def test_a_rec_line_framed_by_the_agent_is_the_line_it_was() -> None:
-    rec = protocol.encode_rec(protocol.Source.ERR, 12.5, "x\ny")[:-1]
-    assert protocol.rec_time(rec) == 12.5
-    assert protocol.decode(protocol.frame(4, 1, 99, rec)) == protocol.Line(4, 1, 99, protocol.Source.ERR, 12.5, "x\ny")
+def test_rec_lines_framed_by_the_agent_are_the_lines_they_were() -> None:
+    texts = ["x\ny", "", 'quote " and \u00e9', "\x00"]
+    recs = protocol.encode_recs(protocol.Source.ERR, 12.5, texts).split(b"\n")[:-1]
+    assert recs[0] + b"\n" == protocol.encode_rec(protocol.Source.ERR, 12.5, texts[0])
+    framed, end = protocol.frame_recs(4, 1, 100, recs)
+    assert end == 100 + sum(len(r) + 1 for r in recs)
+    assert [t for t, _ in framed] == [12.5] * len(texts)
+    offsets = [100 + sum(len(r) + 1 for r in recs[: i + 1]) for i in range(len(recs))]
+    lines = [protocol.Line(4, 1, o, protocol.Source.ERR, 12.5, t) for o, t in zip(offsets, texts, strict=True)]
+    assert [protocol.decode(f) for _, f in framed] == lines
+    assert [protocol.encode(line) for line in lines] == [f for _, f in framed]
+    # the client's batch reader: the same records, events among them, what is not a record skipped
+    raws = [f.rstrip(b"\n") for _, f in framed] + [b"", b"not json", b"[1]", b'{"w": 1}']
+    raws += [protocol.encode(r).rstrip(b"\n") for r in RECORDS]
+    assert list(protocol.decode_lines(raws)) == lines + RECORDS
 
 
 @pytest.mark.parametrize(

@@ -127,21 +127,43 @@ class Renderer:
         self.colour = colour
         self.quiet = quiet
         self.chatter = chatter
-        self.names: Mapping[int, str] = {}  # worker index -> name, when not wN (a multislice TPU: sS/wN)
+        self._names: Mapping[int, str] = {}  # worker index -> name, when not wN (a multislice TPU: sS/wN)
+        self.tags: dict[tuple[int, int], str] = {}  # (worker, core) -> its lines' [tag], made once
         self.lock = threading.Lock()
         self.buffer: list[str] = []
         self.last_flush = time.monotonic()
 
-    def line(self, worker: int, core: int, text: str) -> None:
-        if self.quiet or (not self.chatter and CHATTER.fullmatch(text)):
+    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None:
+        """WORKER's LINES, (core, text) each, in their order."""
+        if self.quiet:
             return
-        prefix = f"[{process_name(worker, core, self.names.get(worker))}]"
-        if self.colour:
-            prefix = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{prefix}\x1b[0m"
+        tags = self.tags
+        texts = []
+        for core, text in lines:
+            if not self.chatter and text.startswith("[Gloo]") and CHATTER.fullmatch(text):
+                continue
+            tag = tags.get((worker, core))
+            if tag is None:
+                tag = tags[worker, core] = self._tag(worker, core)
+            texts.append(f"{tag} {text}\n")
         with self.lock:
-            self.buffer.append(f"{prefix} {text}\n")
+            self.buffer += texts
             if len(self.buffer) > 512 or time.monotonic() - self.last_flush > 0.05:
                 self._flush()
+
+    def _tag(self, worker: int, core: int) -> str:
+        tag = f"[{process_name(worker, core, self.names.get(worker))}]"
+        if self.colour:
+            tag = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{tag}\x1b[0m"
+        return tag
+
+    @property
+    def names(self) -> Mapping[int, str]:
+        return self._names
+
+    @names.setter
+    def names(self, names: Mapping[int, str]) -> None:
+        self._names, self.tags = names, {}
 
     def _flush(self) -> None:
         if self.buffer:

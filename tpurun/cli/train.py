@@ -203,11 +203,11 @@ class TerminalOutput:
     """The launcher's reports on this terminal: core lines on stdout, status lines on stderr."""
 
     def __init__(self, *, colour: bool, quiet: bool, chatter: bool) -> None:
-        self.lines = Renderer(colour=colour, quiet=quiet, chatter=chatter)
+        self.renderer = Renderer(colour=colour, quiet=quiet, chatter=chatter)
         self.worker_line = LineWriter(colour=colour)
 
     def name_workers(self, names: dict[int, str]) -> None:
-        self.lines.names = self.worker_line.names = names
+        self.renderer.names = self.worker_line.names = names
 
     def info(self, text: str) -> None:
         ui.info(text)
@@ -215,11 +215,11 @@ class TerminalOutput:
     def warn(self, text: str) -> None:
         ui.warn(text)
 
-    def line(self, worker: int, core: int, text: str) -> None:
-        self.lines.line(worker, core, text)
+    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None:
+        self.renderer.lines(worker, lines)
 
     def flush(self) -> None:
-        self.lines.flush()
+        self.renderer.flush()
 
     def progress(self) -> AbstractContextManager[Callable[[str], None]]:
         return progress_display()

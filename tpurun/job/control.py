@@ -4,10 +4,12 @@ that reports lines through a `Lines` and returns what happened; the CLI renders 
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,7 +31,7 @@ class Lines(Protocol):
     """Where a job's lines go: each worker's name first, then every line as [wN/cM]."""
 
     def name_workers(self, names: dict[int, str]) -> None: ...
-    def line(self, worker: int, core: int, text: str) -> None: ...
+    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (core, text) each, in order
     def flush(self) -> None: ...
 
 
@@ -62,8 +64,9 @@ def logs(
         connect(target, record)
         each(target.runners, viewer.view, name="logs")
         replay = sorted(viewer.replay)
-        for _, w, c, _, text in replay if tail is None else _last_lines(replay, tail):
-            lines.line(w, c, text)
+        rows = replay if tail is None else _last_lines(replay, tail)
+        for w, run in itertools.groupby(rows, key=lambda row: row[1]):
+            lines.lines(w, [(c, text) for _, _, c, _, text in run])
         lines.flush()
         if follow and tail is not None and not stop.is_set():  # then on from where the tail ended
             viewer.follow = True
@@ -136,8 +139,7 @@ class _Viewer:
             if self.stop.is_set():
                 stream.kill()  # a viewer only ends its own stream: the job goes on
                 return False
-            for rec in recs:
-                self._take(w, rec)
+            self._take(w, recs)
         if stream.wait() == AgentExit.USAGE:
             self.missing.add(w)
             self.errors[w] = stream.stderr_text().strip() or (
@@ -146,16 +148,25 @@ class _Viewer:
             return False
         return self.follow
 
-    def _take(self, w: int, rec: protocol.Record) -> None:
-        if isinstance(rec, protocol.Done):
-            self.done.add(w)
-        elif isinstance(rec, protocol.Line):
-            if self.follow:
-                self.lines.line(w, rec.core, rec.text)
-            else:  # a replay: every worker's lines first, then in time order
-                with self.lock:
-                    self.replay.append((rec.time, w, rec.core, rec.offset, rec.text))
-            self.offsets[w][rec.core] = rec.offset
+    def _take(self, w: int, recs: Iterable[protocol.Record]) -> None:
+        """A read's worth of W's records: a follow's lines to LINES at once, a replay's kept (every worker's
+        lines first, then in time order)."""
+        batch: list[tuple[int, str]] = []
+        kept: list[tuple[float, int, int, int, str]] = []
+        for rec in recs:
+            if isinstance(rec, protocol.Done):
+                self.done.add(w)
+            elif isinstance(rec, protocol.Line):
+                if self.follow:
+                    batch.append((rec.core, rec.text))
+                else:
+                    kept.append((rec.time, w, rec.core, rec.offset, rec.text))
+                self.offsets[w][rec.core] = rec.offset
+        if batch:
+            self.lines.lines(w, batch)
+        if kept:
+            with self.lock:
+                self.replay += kept
 
 
 @dataclass

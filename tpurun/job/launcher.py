@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -229,7 +229,7 @@ class Output(Protocol):
     def name_workers(self, names: dict[int, str]) -> None: ...
     def info(self, text: str) -> None: ...
     def warn(self, text: str) -> None: ...
-    def line(self, worker: int, core: int, text: str) -> None: ...
+    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (core, text) each, in order
     def worker_line(self, worker: int, stream: str, text: str) -> None: ...
     def flush(self) -> None: ...
     def progress(self) -> AbstractContextManager[Callable[[str], None]]: ...
@@ -325,11 +325,9 @@ class JobRun:
             recs = reader.records(0.1)
             if recs is None:
                 break
-            idle = True
-            for rec in recs:
-                idle = False
-                done = self._record(w, rec) or done
-            if idle:
+            took, over = self._take(w, recs)
+            done = done or over
+            if not took:
                 self.out.flush()  # idle: show what is buffered now, not when the next line comes
         rc = stream.wait()
         if not done:
@@ -348,12 +346,35 @@ class JobRun:
                 self._lose(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
         return rc
 
-    def _record(self, w: int, rec: protocol.Record) -> bool:
-        """Take one of W's records; True once W's part of the job is over."""
-        if isinstance(rec, protocol.Line):
-            self.outcome(w, rec.core).last_lines.append(rec.text)
-            self.out.line(w, rec.core, rec.text)
-            return False
+    def _take(self, w: int, recs: Iterable[protocol.Record]) -> tuple[bool, bool]:
+        """A read's worth of W's records, each run of lines to the output at once: whether there were any,
+        and whether W's part of the job is over."""
+        took = over = False
+        batch: list[tuple[int, str]] = []
+        for rec in recs:
+            took = True
+            if isinstance(rec, protocol.Line):
+                batch.append((rec.core, rec.text))
+                continue
+            if batch:
+                self._lines(w, batch)
+                batch = []
+            over = self._event(w, rec) or over
+        if batch:
+            self._lines(w, batch)
+        return took, over
+
+    def _lines(self, w: int, batch: list[tuple[int, str]]) -> None:
+        kept: dict[int, deque[str]] = {}  # each core's last lines (an outcome's lookup takes the lock)
+        for core, text in batch:
+            last = kept.get(core)
+            if last is None:
+                last = kept[core] = self.outcome(w, core).last_lines
+            last.append(text)
+        self.out.lines(w, batch)
+
+    def _event(self, w: int, rec: protocol.Record) -> bool:
+        """Take one of W's records other than a line; True once W's part of the job is over."""
         if isinstance(rec, protocol.Exit):
             self._exited(w, rec)
             return False

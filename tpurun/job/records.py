@@ -106,11 +106,4 @@ class RecordStream:
             return None
         self.buf += data
         *lines, self.buf = self.buf.split(b"\n")
-        return _parse(lines)
-
-
-def _parse(lines: list[bytes]) -> Iterator[protocol.Record]:
-    for raw in lines:
-        rec = protocol.decode(raw)
-        if rec is not None:  # else not a record (an empty line)
-            yield rec
+        return protocol.decode_lines(lines)

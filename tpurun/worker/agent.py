@@ -18,7 +18,7 @@ Commands (exit codes: protocol.AgentExit):
 
 Files in ~/.tpurun/jobs/<JOB>/ (root overridable with $TPURUN_AGENT_ROOT): spec.json, state.json,
 supervisor.log, pre.log, w<W>-c<C>.log (the core's output bytes as printed, stdout and stderr lines in
-arrival order) and w<W>-c<C>.rec (one line per record, protocol.encode_rec).
+arrival order) and w<W>-c<C>.rec (one line per record, protocol.encode_recs).
 
 A host launch ("launch": "host" in the spec) starts one process per worker (core HOST, files w<W>.log
 and w<W>.rec) with hook/sitecustomize.py (shipped beside this file) first on its PYTHONPATH and the name
@@ -69,8 +69,7 @@ from protocol import (
     StartFailed,
     decode,
     encode,
-    frame,
-    rec_time,
+    frame_recs,
 )
 
 # ---------------------------------------------------------------- commands
@@ -296,13 +295,7 @@ class _RecReader:
         data = self.pending + chunk
         cut = data.rfind(b"\n") + 1
         self.pending = data[cut:]
-        out = []
-        off = self.offset
-        worker, core = self.worker, self.core
-        for line in data[:cut].split(b"\n")[:-1]:
-            off += len(line) + 1
-            out.append((rec_time(line), frame(worker, core, off, line)))
-        self.offset = off
+        out, self.offset = frame_recs(self.worker, self.core, self.offset, data[:cut].split(b"\n")[:-1])
         return out
 
 

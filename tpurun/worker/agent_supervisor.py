@@ -50,7 +50,7 @@ from protocol import (
     StartFailed,
     TaskEnd,
     encode,
-    encode_rec,
+    encode_recs,
     read_hook_header,
     read_task_end,
 )
@@ -156,21 +156,16 @@ class Core:
         self.write_lines(stream, [raw])
 
     def write_lines(self, stream: Source, lines: list[bytes]) -> None:
-        raws = []
-        recs = []
+        # a partial last line is terminated so it never merges with the other stream
+        raws = [raw if raw.endswith(b"\n") else raw + b"\n" for raw in lines]
+        texts = [raw[:-1].decode("utf-8", "backslashreplace") for raw in raws]
         with self.lock:
             if self.log.closed:
                 return  # the job's end is written; late bytes of a vanished process are dropped
             t = now()  # taken under the lock so a core's records are in time order
-            for raw in lines:
-                if not raw.endswith(b"\n"):
-                    raw += b"\n"  # a partial last line: terminated so it never merges with the other stream
-                text = raw[:-1].decode("utf-8", "backslashreplace")
-                raws.append(raw)
-                recs.append(encode_rec(stream, t, text))
             self.log.write(b"".join(raws))
             self.log.flush()
-            self.rec.write(b"".join(recs))
+            self.rec.write(encode_recs(stream, t, texts))
             self.rec.flush()
             for raw in reversed(raws):
                 if raw.strip():

@@ -24,9 +24,12 @@ Every record is one JSON object per line; `decode` reads any of them, `encode` w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Union
+
+TYPE_CHECKING = False  # typing is not imported on a worker (see the records below); type checkers read True
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+    from typing import Any, Union
 
 # ---------------------------------------------------------------- names
 
@@ -121,85 +124,136 @@ HOST = -1  # the core a host launch's one process per worker is filed under (its
 HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files under the process
 
 # ---------------------------------------------------------------- records
-# Plain (not frozen) dataclasses: a client decodes one per line a job prints, and a frozen one costs twice
-# as much to make.
+# Classes with __slots__ and their own __init__, not dataclasses: on every worker three processes import this
+# module at each job's start (`start`, the supervisor, `stream`), and so does the hook in every chip process;
+# `dataclasses` and `typing` would cost each of them 10 ms of a CPU the job's processes are starting on
+# (docs/benchmarks.md). A client makes a Line for every line a job prints: slots make that cheaper too.
 
 
-@dataclass
-class Line:
+class _Record:
+    """A record: its fields are its __slots__; equal to a record of its class with equal fields."""
+
+    __slots__: tuple[str, ...] = ()
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass is
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self.__slots__)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f)!r}' for f in self.__slots__)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}
+
+
+class Line(_Record):
     """One line a process printed: worker, process slot, byte offset after its record in the .rec file."""
 
-    worker: int
-    core: int
-    offset: int
-    source: Source
-    time: float
-    text: str
+    __slots__ = ("worker", "core", "offset", "source", "time", "text")
+
+    def __init__(self, worker: int, core: int, offset: int, source: Source, time: float, text: str) -> None:
+        self.worker = worker
+        self.core = core
+        self.offset = offset
+        self.source = source
+        self.time = time
+        self.text = text
 
 
-@dataclass
-class Exit:
-    worker: int
-    core: int
-    code: int | None
-    status: ProcessStatus
+class Exit(_Record):
+    """A process ended: how (its status) and its exit code (None where it died unreported)."""
+
+    __slots__ = ("worker", "core", "code", "status")
+
+    def __init__(self, worker: int, core: int, code: int | None, status: ProcessStatus) -> None:
+        self.worker = worker
+        self.core = core
+        self.code = code
+        self.status = status
 
 
-@dataclass
-class Done:
-    worker: int
-    state: dict[str, Any]  # the job's state.json (`process_states`, `first_failure` read it)
+class Done(_Record):
+    """The job is over on a worker: its state.json (`process_states`, `first_failure` read it)."""
+
+    __slots__ = ("worker", "state")
+
+    def __init__(self, worker: int, state: dict[str, Any]) -> None:
+        self.worker = worker
+        self.state = state
 
 
-@dataclass
-class Started:
-    job: str
-    worker: int
-    supervisor_pid: int
-    cores: list[dict[str, Any]]  # each process's entry of the state (`ProcessState`)
+class Started(_Record):
+    """`start`'s answer: the job runs, under its supervisor, with each process's entry of the state."""
+
+    __slots__ = ("job", "worker", "supervisor_pid", "cores")
+
+    def __init__(self, job: str, worker: int, supervisor_pid: int, cores: list[dict[str, Any]]) -> None:
+        self.job = job
+        self.worker = worker
+        self.supervisor_pid = supervisor_pid
+        self.cores = cores
 
 
-@dataclass
-class StartFailed:
-    job: str
-    reason: str
+class StartFailed(_Record):
+    """`start`'s answer when nothing of the job runs, and why."""
+
+    __slots__ = ("job", "reason")
+
+    def __init__(self, job: str, reason: str) -> None:
+        self.job = job
+        self.reason = reason
 
 
-Record = Union[Line, Exit, Done, Started, StartFailed]  # noqa: UP007 (evaluated: Python 3.8 has no X | Y)
+if TYPE_CHECKING:
+    Record = Union[Line, Exit, Done, Started, StartFailed]  # noqa: UP007 (Python 3.8 has no X | Y)
 
-# The .rec line's fixed start: `frame` splices the worker, process and offset in front of it without
+# The .rec line's fixed start: `stream` splices the worker, process and offset in front of it without
 # re-encoding, which is what keeps streaming fast; its time starts at _TIME_AT (every source's name has
-# three letters).
+# three letters). The supervisor and `stream` handle lines a read's worth at a time (encode_recs,
+# frame_recs), the client likewise (decode_lines): no call per line.
 _REC_HEAD = b'{"s":"'
 _TIME_AT = len(_REC_HEAD) + 3 + len(b'","t":')
 assert all(len(s.value) == 3 for s in Source)
 
 
+def encode_recs(source: Source, t: float, texts: Iterable[str]) -> bytes:
+    """Lines a process printed on SOURCE, read at T, as the supervisor writes them to the process's .rec
+    file: one record (a `Line` without its place) each."""
+    head = b'%s%s","t":%.6f,"l":' % (_REC_HEAD, source.value.encode(), t)
+    dumps = json.dumps
+    return b"".join([head + dumps(text).encode() + b"}\n" for text in texts])
+
+
 def encode_rec(source: Source, t: float, text: str) -> bytes:
-    """A line as the supervisor writes it to the process's .rec file (a `Line` without its place)."""
-    return b'%s%s","t":%.6f,"l":%s}\n' % (_REC_HEAD, source.value.encode(), t, json.dumps(text).encode())
+    """One line as the supervisor writes it to the process's .rec file."""
+    return encode_recs(source, t, (text,))
 
 
-def rec_time(rec: bytes) -> float:
-    """The time of an encoded .rec line (what `stream` merges processes' lines by)."""
-    end = rec.find(b",", _TIME_AT)
-    try:
-        return float(rec[_TIME_AT:end])
-    except ValueError:
-        return 0.0
-
-
-def frame(worker: int, core: int, offset: int, rec: bytes) -> bytes:
-    """A .rec line (without its newline) as `stream` sends it: worker, process and offset in front."""
-    return b'{"w":%d,"c":%d,"o":%d,%s\n' % (worker, core, offset, rec[1:])
+def frame_recs(worker: int, core: int, offset: int, recs: list[bytes]) -> tuple[list[tuple[float, bytes]], int]:
+    """.rec lines (without their newlines) that follow OFFSET in WORKER's process CORE's file as `stream`
+    sends them (worker, process and the offset after each in front), each with its time (what `stream`
+    merges processes' lines by); and the offset after the last."""
+    head = b'{"w":%d,"c":%d,"o":' % (worker, core)
+    out = []
+    for rec in recs:
+        offset += len(rec) + 1
+        try:
+            t = float(rec[_TIME_AT : rec.find(b",", _TIME_AT)])
+        except ValueError:
+            t = 0.0
+        out.append((t, b"%s%d,%s\n" % (head, offset, rec[1:])))
+    return out, offset
 
 
 def encode(record: Record) -> bytes:
     """Any record as one JSON line."""
     if isinstance(record, Line):
-        return frame(
-            record.worker, record.core, record.offset, encode_rec(record.source, record.time, record.text)[:-1]
-        )
+        rec = encode_rec(record.source, record.time, record.text)[:-1]
+        start = record.offset - len(rec) - 1  # a Line's offset is the one after its record
+        (_, framed), *_ = frame_recs(record.worker, record.core, start, [rec])[0]
+        return framed
     if isinstance(record, Exit):
         data: dict[str, Any] = {
             "event": Event.EXIT.value,
@@ -237,7 +291,9 @@ def decode(raw: bytes | str) -> Record | None:
     try:
         event = data.get("event")
         if event is None:  # a line: the hot path (a dict lookup, not an Enum call, for its source)
-            return Line(int(data["w"]), int(data["c"]), int(data["o"]), _SOURCES[data["s"]], float(data["t"]), data["l"])
+            return Line(
+                int(data["w"]), int(data["c"]), int(data["o"]), _SOURCES[data["s"]], float(data["t"]), data["l"]
+            )
         if event == Event.EXIT:
             code = data.get("code")
             return Exit(
@@ -254,38 +310,75 @@ def decode(raw: bytes | str) -> Record | None:
     return None
 
 
+def decode_lines(raws: Iterable[bytes]) -> Iterator[Record]:
+    """The records of RAWS, one per line; what is not one (an empty line) is skipped. A line record is
+    made here, without `decode`'s checks of each field's type: `stream` writes them as numbers."""
+    loads, sources, line = json.loads, _SOURCES, Line
+    for raw in raws:
+        try:
+            data = loads(raw)
+            if data.get("event") is None:
+                yield line(data["w"], data["c"], data["o"], sources[data["s"]], data["t"], data["l"])
+                continue
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+        rec = decode(raw)
+        if rec is not None:
+            yield rec
+
+
 # ---------------------------------------------------------------- the job spec (`start`'s stdin)
 
 
-@dataclass
-class ProcessSpec:
+class ProcessSpec(_Record):
     """One process tpurun starts on a worker, filed under CORE (a chip index, or `HOST`)."""
 
-    core: int
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: str = "~"
+    __slots__ = ("core", "argv", "env", "cwd")
+
+    def __init__(self, core: int, argv: list[str], env: dict[str, str] | None = None, cwd: str = "~") -> None:
+        self.core = core
+        self.argv = argv
+        self.env = {} if env is None else env
+        self.cwd = cwd
 
 
-@dataclass
-class JobSpec:
+class JobSpec(_Record):
     """What `agent.py start` reads on stdin: one worker's part of a job."""
 
-    job_id: str
-    worker: int
-    cores: list[ProcessSpec]
-    launch: Launch = Launch.chip
-    detach: bool = False
-    down: bool = False  # `train --down`: the TPU's watchdog deletes it once the job has ended
-    grace: float = DEFAULT_GRACE
-    pre_commands: list[Any] = field(default_factory=list)  # argv lists, or {"argv": [...], "wait": false}
-    pre_timeout: float = DEFAULT_PRE_TIMEOUT
-    lease_timeout: float | None = None  # attached: DEFAULT_LEASE unless given (0: none)
-    allow_concurrent: bool = False  # start even while another job runs on the worker
+    __slots__ = (
+        "job_id", "worker", "cores", "launch", "detach", "down", "grace", "pre_commands", "pre_timeout",
+        "lease_timeout", "allow_concurrent",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        job_id: str,
+        worker: int,
+        cores: list[ProcessSpec],
+        launch: Launch = Launch.chip,
+        detach: bool = False,
+        down: bool = False,  # `train --down`: the TPU's watchdog deletes it once the job has ended
+        grace: float = DEFAULT_GRACE,
+        pre_commands: list[Any] | None = None,  # argv lists, or {"argv": [...], "wait": false}
+        pre_timeout: float = DEFAULT_PRE_TIMEOUT,
+        lease_timeout: float | None = None,  # attached: DEFAULT_LEASE unless given (0: none)
+        allow_concurrent: bool = False,  # start even while another job runs on the worker
+    ) -> None:
+        self.job_id = job_id
+        self.worker = worker
+        self.cores = cores
+        self.launch = launch
+        self.detach = detach
+        self.down = down
+        self.grace = grace
+        self.pre_commands = [] if pre_commands is None else pre_commands
+        self.pre_timeout = pre_timeout
+        self.lease_timeout = lease_timeout
+        self.allow_concurrent = allow_concurrent
 
     def to_dict(self) -> dict[str, Any]:
-        data = dict(self.__dict__)
-        data["cores"] = [dict(p.__dict__) for p in self.cores]
+        data = super().to_dict()
+        data["cores"] = [p.to_dict() for p in self.cores]
         return data
 
     def to_json(self) -> str:
@@ -302,7 +395,7 @@ class JobSpec:
         data = dict(data) if isinstance(data, dict) else data
         if not isinstance(data, dict) or not data.get("job_id") or not data.get("cores"):
             raise ValueError("the job spec needs job_id and a non-empty cores list")
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        unknown = sorted(set(data) - set(cls.__slots__))
         if unknown:
             raise ValueError(f"the job spec has unknown fields {unknown}")
         try:
@@ -316,13 +409,15 @@ class JobSpec:
 # ---------------------------------------------------------------- the job's state (state.json)
 
 
-@dataclass(frozen=True)
-class ProcessState:
+class ProcessState(_Record):
     """One process's entry in the job's state."""
 
-    core: int
-    status: ProcessStatus
-    exit_code: int | None
+    __slots__ = ("core", "status", "exit_code")
+
+    def __init__(self, core: int, status: ProcessStatus, exit_code: int | None) -> None:
+        self.core = core
+        self.status = status
+        self.exit_code = exit_code
 
 
 def process_states(state: dict[str, Any]) -> list[ProcessState]:
@@ -332,12 +427,14 @@ def process_states(state: dict[str, Any]) -> list[ProcessState]:
     ]
 
 
-@dataclass(frozen=True)
-class FirstFailure:
+class FirstFailure(_Record):
     """The process whose failure stopped the job on a worker (its exit code: None where it died unreported)."""
 
-    core: int
-    exit_code: int | None
+    __slots__ = ("core", "exit_code")
+
+    def __init__(self, core: int, exit_code: int | None) -> None:
+        self.core = core
+        self.exit_code = exit_code
 
 
 def first_failure(state: dict[str, Any]) -> FirstFailure | None:
