@@ -158,10 +158,10 @@ class _Viewer:
                 self.done.add(w)
             elif isinstance(rec, protocol.Line):
                 if self.follow:
-                    batch.append((rec.core, rec.text))
+                    batch.append((rec.slot, rec.text))
                 else:
-                    kept.append((rec.time, w, rec.core, rec.offset, rec.text))
-                self.offsets[w][rec.core] = rec.offset
+                    kept.append((rec.time, w, rec.slot, rec.offset, rec.text))
+                self.offsets[w][rec.slot] = rec.offset
         if batch:
             self.lines.lines(w, batch)
         if kept:

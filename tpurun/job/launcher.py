@@ -354,7 +354,7 @@ class JobRun:
         for rec in recs:
             took = True
             if isinstance(rec, protocol.Line):
-                batch.append((rec.core, rec.text))
+                batch.append((rec.slot, rec.text))
                 continue
             if batch:
                 self._lines(w, batch)
@@ -383,9 +383,9 @@ class JobRun:
             if origin is not None and self.first_failure is None:
                 with self.lock:
                     if self.first_failure is None:
-                        self.first_failure = self.outcome(w, origin.core)
+                        self.first_failure = self.outcome(w, origin.slot)
             for ps in protocol.process_states(rec.state):
-                o = self.outcome(w, ps.core)
+                o = self.outcome(w, ps.slot)
                 if o.exit_code is None:
                     o.exit_code, o.status = ps.exit_code, ps.status
             return True
@@ -395,7 +395,7 @@ class JobRun:
         return False  # Started
 
     def _exited(self, w: int, rec: protocol.Exit) -> None:
-        o = self.outcome(w, rec.core)
+        o = self.outcome(w, rec.slot)
         o.exit_code, o.status = rec.code, rec.status
         o.ended = time.monotonic() - self.started_at
         if o.failed and not self.stop.is_set():
@@ -404,7 +404,7 @@ class JobRun:
                 with self.lock:
                     if self.first_failure is None:
                         self.first_failure = o
-            name = env_contract.process_name(w, rec.core, self.target.all_workers[w].name)
+            name = env_contract.process_name(w, rec.slot, self.target.all_workers[w].name)
             self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
             self.stop.set()
         elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:

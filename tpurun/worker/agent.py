@@ -315,7 +315,7 @@ def cmd_stream(args) -> int:
 
     def follow_cores(state: dict) -> None:
         # a host launch's chip cores appear while it runs
-        for c in [p.core for p in spec.cores] + [int(c["core"]) for c in state.get("cores", [])]:
+        for c in [p.slot for p in spec.cores] + [int(c["core"]) for c in state.get("cores", [])]:
             if c not in readers:
                 cores.append(c)
                 readers[c] = _RecReader(worker, c, log_base(jdir, worker, c) + ".rec", offsets.get(c, 0))

@@ -63,7 +63,7 @@ class Core:
 
     def __init__(self, worker: int, spec: ProcessSpec, jdir: str) -> None:
         self.worker = worker
-        self.index = int(spec.core)
+        self.index = int(spec.slot)
         self.argv = [str(a) for a in spec.argv]
         self.env = {str(k): str(v) for k, v in spec.env.items()}
         self.cwd = os.path.expanduser(spec.cwd or "~")
