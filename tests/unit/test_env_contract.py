@@ -9,13 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpurun.errors import UsageError
-from tpurun.job.env_contract import HOST, CoreSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
+from tpurun.job.env_contract import HOST, SlotSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
 from tpurun.topology import parse_accelerator_type
 
 ADDRESSES = [f"10.130.{i // 200}.{2 + i % 200}" for i in range(64)]
 
 
-def plan(name: str | None, runtime: str, **kw) -> list[list[CoreSpec]]:
+def plan(name: str | None, runtime: str, **kw) -> list[list[SlotSpec]]:
     topo = parse_accelerator_type(name) if name else None
     workers = kw.pop("worker_addresses", ADDRESSES[: topo.hosts] if topo else ["127.0.0.1"])
     defaults = {
@@ -307,7 +307,7 @@ def test_pjrt_runs_one_process_per_chip(name: str, hosts: int, per_host: int) ->
 @pytest.mark.parametrize("name", ["v2-8", "v3-32", "v4-32"])
 def test_xrt_runs_one_process_per_host(name: str) -> None:
     p = plan(name, "xrt")
-    assert all(len(w) == 1 and w[0].core == HOST for w in p)
+    assert all(len(w) == 1 and w[0].slot == HOST for w in p)
     assert [w[0].env["TPURUN_WORKER_ID"] for w in p] == [str(i) for i in range(len(p))]
     assert not any("RANK" in w[0].env for w in p)
 
@@ -342,7 +342,7 @@ def test_xrt_pod_workers_start_the_xrt_server_first() -> None:
 
 def test_cpu_runtime_one_device_per_process() -> None:
     p = plan(None, "cpu", cores=4)
-    assert len(p) == 1 and [s.core for s in p[0]] == [0, 1, 2, 3]
+    assert len(p) == 1 and [s.slot for s in p[0]] == [0, 1, 2, 3]
     assert p[0][2].env == {
         "TPURUN_JOB_ID": "job-1",
         "TPURUN_WORKER_ID": "0",
@@ -445,7 +445,7 @@ def test_core_5_on_v3_8_runs_chip_2() -> None:
     p = plan("v3-8", "pjrt", core=5)
     assert len(p[0]) == 1
     spec = p[0][0]
-    assert spec.core == 5 and spec.env["TPURUN_CORE"] == "5"
+    assert spec.slot == 5 and spec.env["TPURUN_CORE"] == "5"
     assert spec.env["TPU_VISIBLE_CHIPS"] == "2"
     assert spec.env["TPU_PROCESS_BOUNDS"] == "1,1,1"
     assert spec.env["RANK"] == "0" and spec.env["WORLD_SIZE"] == "1"
@@ -628,7 +628,7 @@ def test_host_launch_is_one_process_per_worker_without_torchrun_variables(name: 
             plan(name, runtime, launch="host")
         return
     p = plan(name, runtime, launch="host")
-    assert [[s.core for s in w] for w in p] == [[HOST]] * topo.hosts
+    assert [[s.slot for s in w] for w in p] == [[HOST]] * topo.hosts
     for w, (s,) in enumerate(p):
         assert s.env["TPURUN_WORKER_ID"] == str(w) and s.env["TPURUN_LAUNCH"] == "host"
         assert s.env["MASTER_ADDR"] == ADDRESSES[0]
@@ -686,7 +686,7 @@ def test_tpu7x_chip_launch_bounds_count_its_two_tensorcores() -> None:
 )
 def test_pjrt_host_launch_one_chip_uses_torch_xlas_one_chip_topology(name: str, kw: dict, chip: str) -> None:
     (s,) = plan(name, "pjrt", launch="host", **kw)[0]
-    assert s.core == HOST
+    assert s.slot == HOST
     assert {k: v for k, v in s.env.items() if k.startswith("TPU_")} == {
         "TPU_VISIBLE_CHIPS": chip,
         "TPU_PROCESS_BOUNDS": "1,1,1",
@@ -710,7 +710,7 @@ def test_cpu_host_launch_refuses_several_cores() -> None:
     with pytest.raises(UsageError, match="--launch chip"):
         plan(None, "cpu", launch="host", cores=2)
     (s,) = plan(None, "cpu", launch="host", cores=1)[0]
-    assert s.env["PJRT_DEVICE"] == "CPU" and s.core == HOST
+    assert s.env["PJRT_DEVICE"] == "CPU" and s.slot == HOST
 
 
 # ---------------------------------------------------------------- TorchTPU (docs/train.md, "TorchTPU")
@@ -722,7 +722,7 @@ TORCHTPU_JOB = {"TPURUN_JOB_ID", "TPURUN_WORKER_ID", "TPURUN_NUM_WORKERS", "TPUR
 def test_torchtpu_host_launch_gives_each_host_what_set_tpu_launch_env_reads() -> None:
     """The script's own set_tpu_launch_env derives the rest (slice-builder addresses for its nproc_per_node)."""
     for w, (s,) in enumerate(plan("v5p-16", "torchtpu", launch="host")):
-        assert s.core == HOST
+        assert s.slot == HOST
         assert {k: v for k, v in s.env.items() if k not in TORCHTPU_JOB} == {
             "TPU_WORKER_HOSTNAMES": "10.130.0.2,10.130.0.3",
             "TORCH_TPU_TOPOLOGY": "2,2,2",

@@ -39,8 +39,8 @@ for raw in sys.stdin.buffer:
     elif kind == b"spec":
         sys.stdout.buffer.write(protocol.JobSpec.from_json(body.decode()).to_json().encode() + b"\\n")
     elif kind == b"hook":
-        core, stream, pool = protocol.read_hook_header(body)
-        sys.stdout.buffer.write(protocol.hook_header(core, stream, pool))
+        slot, stream, pool = protocol.read_hook_header(body)
+        sys.stdout.buffer.write(protocol.hook_header(slot, stream, pool))
     elif kind == b"end":
         end, code = protocol.read_task_end(body)
         sys.stdout.buffer.write(protocol.task_end(end, code))
@@ -74,6 +74,10 @@ def test_every_record_kind_round_trips_through_the_agent_side(python: str | None
     assert len(back) == len(lines)
     assert [protocol.decode(b) for b in back[: len(RECORDS)]] == RECORDS
     assert protocol.JobSpec.from_json(back[len(RECORDS)].decode()) == SPEC
+    # each process's slot goes on the wire as "core", on the way there and back
+    sent, echoed = json.loads(SPEC.to_json()), json.loads(back[len(RECORDS)])
+    assert [p["core"] for p in sent["cores"]] == [p["core"] for p in echoed["cores"]] == [protocol.HOST]
+    assert sent == echoed and all(sorted(p) == ["argv", "core", "cwd", "env"] for p in sent["cores"])
     hooks = back[len(RECORDS) + 1 : len(RECORDS) + 4]
     assert [protocol.read_hook_header(h) for h in hooks] == [(7, s, True) for s in protocol.HookStream]
     ends = back[len(RECORDS) + 4 :]
@@ -112,6 +116,9 @@ def test_what_is_not_a_record_decodes_to_none(raw: bytes) -> None:
         ({"job_id": "j", "worker": 0, "cores": []}, "cores"),
         ({"job_id": "j", "worker": 0, "cores": [{"core": 0, "argv": ["x"]}], "colour": "blue"}, "unknown fields"),
         ({"job_id": "j", "worker": 0, "cores": [{"core": 0}]}, "malformed"),
+        ({"job_id": "j", "worker": 0, "cores": [{"core": 0, "argv": ["x"], "colour": "blue"}]}, "malformed"),
+        ({"job_id": "j", "worker": 0, "cores": [{"slot": 0, "argv": ["x"]}]}, "malformed"),
+        ({"job_id": "j", "worker": 0, "cores": [[0, ["x"]]]}, "malformed"),
         ({"job_id": "j", "worker": 0, "cores": [{"core": 0, "argv": ["x"]}], "launch": "sideways"}, "sideways"),
     ],
 )

@@ -128,31 +128,31 @@ class Renderer:
         self.quiet = quiet
         self.chatter = chatter
         self._names: Mapping[int, str] = {}  # worker index -> name, when not wN (a multislice TPU: sS/wN)
-        self.tags: dict[tuple[int, int], str] = {}  # (worker, core) -> its lines' [tag], made once
+        self.tags: dict[tuple[int, int], str] = {}  # (worker, slot) -> its lines' [tag], made once
         self.lock = threading.Lock()
         self.buffer: list[str] = []
         self.last_flush = time.monotonic()
 
     def lines(self, worker: int, lines: list[tuple[int, str]]) -> None:
-        """WORKER's LINES, (core, text) each, in their order."""
+        """WORKER's LINES, (slot, text) each, in their order."""
         if self.quiet:
             return
         tags = self.tags
         texts = []
-        for core, text in lines:
+        for slot, text in lines:
             if not self.chatter and text.startswith("[Gloo]") and CHATTER.fullmatch(text):
                 continue
-            tag = tags.get((worker, core))
+            tag = tags.get((worker, slot))
             if tag is None:
-                tag = tags[worker, core] = self._tag(worker, core)
+                tag = tags[worker, slot] = self._tag(worker, slot)
             texts.append(f"{tag} {text}\n")
         with self.lock:
             self.buffer += texts
             if len(self.buffer) > 512 or time.monotonic() - self.last_flush > 0.05:
                 self._flush()
 
-    def _tag(self, worker: int, core: int) -> str:
-        tag = f"[{process_name(worker, core, self.names.get(worker))}]"
+    def _tag(self, worker: int, slot: int) -> str:
+        tag = f"[{process_name(worker, slot, self.names.get(worker))}]"
         if self.colour:
             tag = f"\x1b[{self.COLOURS[worker % len(self.COLOURS)]}m{tag}\x1b[0m"
         return tag

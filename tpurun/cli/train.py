@@ -200,7 +200,7 @@ def _render_down(down: lifecycle.Down, code: int) -> int:
 
 
 class TerminalOutput:
-    """The launcher's reports on this terminal: core lines on stdout, status lines on stderr."""
+    """The launcher's reports on this terminal: the processes' lines on stdout, status lines on stderr."""
 
     def __init__(self, *, colour: bool, quiet: bool, chatter: bool) -> None:
         self.renderer = Renderer(colour=colour, quiet=quiet, chatter=chatter)
@@ -309,8 +309,8 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
             {
                 "job_id": job.job_id,
                 "cores": [
-                    {"worker": o.worker, "core": o.core, "status": o.status, "exit_code": o.exit_code}
-                    for o in sorted(run.outcomes.values(), key=lambda o: (o.worker, o.core))
+                    {"worker": o.worker, "core": o.slot, "status": o.status, "exit_code": o.exit_code}
+                    for o in sorted(run.outcomes.values(), key=lambda o: (o.worker, o.slot))
                 ],
             }
         )
@@ -322,7 +322,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         f = run.first_failure
         tail = "\n".join("    " + line for line in list(f.last_lines))
         _error(
-            f"error: {env_contract.process_name(f.worker, f.core, job.target.all_workers[f.worker].name)} "
+            f"error: {env_contract.process_name(f.worker, f.slot, job.target.all_workers[f.worker].name)} "
             f"({job.target.all_workers[f.worker].address}) failed first "
             f"({f.ending}); its last lines:\n{tail}"
         )
@@ -339,10 +339,10 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
 
 def _summary(run: launcher.JobRun) -> None:
     rows = []
-    for (w, c), o in sorted(run.outcomes.items()):
+    for (w, slot), o in sorted(run.outcomes.items()):
         code = "-" if o.exit_code is None else str(o.exit_code)
         last = (o.last_lines[-1] if o.last_lines else "")[:60]
-        name = env_contract.process_name(w, c, run.target.all_workers[w].name)
+        name = env_contract.process_name(w, slot, run.target.all_workers[w].name)
         rows.append((name, o.status, code, f"{o.ended:.1f} s" if o.ended else "-", last))
     with contextlib.redirect_stdout(sys.stderr):
         ui.table(f"job {run.job_id}", ["core", "status", "exit", "time", "last line"], rows)

@@ -31,7 +31,7 @@ class Lines(Protocol):
     """Where a job's lines go: each worker's name first, then every line as [wN/cM]."""
 
     def name_workers(self, names: dict[int, str]) -> None: ...
-    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (core, text) each, in order
+    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (slot, text) each, in order
     def flush(self) -> None: ...
 
 
@@ -66,7 +66,7 @@ def logs(
         replay = sorted(viewer.replay)
         rows = replay if tail is None else _last_lines(replay, tail)
         for w, run in itertools.groupby(rows, key=lambda row: row[1]):
-            lines.lines(w, [(c, text) for _, _, c, _, text in run])
+            lines.lines(w, [(slot, text) for _, _, slot, _, text in run])
         lines.flush()
         if follow and tail is not None and not stop.is_set():  # then on from where the tail ended
             viewer.follow = True
@@ -82,8 +82,8 @@ def logs(
 
 
 def _last_lines(rows: list[tuple[float, int, int, int, str]], n: int) -> list[tuple[float, int, int, int, str]]:
-    """ROWS (in time order: time, worker, core, offset, line) keeping the last N lines of each process."""
-    total = Counter((w, c) for _, w, c, _, _ in rows)
+    """ROWS (in time order: time, worker, slot, offset, line) keeping the last N lines of each process."""
+    total = Counter((w, slot) for _, w, slot, _, _ in rows)
     seen: Counter[tuple[int, int]] = Counter()
     out = []
     for row in rows:
@@ -101,11 +101,11 @@ class _Viewer:
         self, record: JobRecord, target: targets.Target, lines: Lines, stop: threading.Event, follow: bool
     ) -> None:
         self.record, self.target, self.lines, self.stop, self.follow = record, target, lines, stop, follow
-        self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}
+        self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}  # worker -> slot -> offset
         self.done: set[int] = set()
         self.errors: dict[int, str] = {}
         self.missing: set[int] = set()  # workers without the job
-        self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, core, offset, line)
+        self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
         self.lock = threading.Lock()
 
     def view(self, runner: Runner) -> None:
@@ -158,10 +158,10 @@ class _Viewer:
                 self.done.add(w)
             elif isinstance(rec, protocol.Line):
                 if self.follow:
-                    batch.append((rec.core, rec.text))
+                    batch.append((rec.slot, rec.text))
                 else:
-                    kept.append((rec.time, w, rec.core, rec.offset, rec.text))
-                self.offsets[w][rec.core] = rec.offset
+                    kept.append((rec.time, w, rec.slot, rec.offset, rec.text))
+                self.offsets[w][rec.slot] = rec.offset
         if batch:
             self.lines.lines(w, batch)
         if kept:

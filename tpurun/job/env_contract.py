@@ -43,11 +43,12 @@ XRT_GENERATIONS = ("v2", "v3", "v4")
 
 
 @dataclass(frozen=True)
-class CoreSpec:
-    """One process tpurun starts on one worker: its place in the job, its environment and command."""
+class SlotSpec:
+    """One process tpurun starts on one worker, filed under its slot: its place in the job, its environment
+    and command."""
 
     worker: int
-    core: int  # index on its worker (log file w<worker>-c<core>.log, TPURUN_CORE), or HOST (w<worker>.log)
+    slot: int  # index on its worker (log file w<worker>-c<slot>.log, TPURUN_CORE), or HOST (w<worker>.log)
     local_rank: int
     rank: int
     env: dict[str, str]
@@ -136,10 +137,10 @@ def script_framework(source: str) -> str:
     return "jax" if "jax" in found and not found - {"jax"} else "torch"
 
 
-def _torchrun_env(*, core: int, rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
+def _torchrun_env(*, slot: int, rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
     """torchrun's per-process variables (chip launch only: in a host launch the spawner numbers its children)."""
     return {
-        "TPURUN_CORE": str(core),
+        "TPURUN_CORE": str(slot),
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(local_rank),
@@ -194,7 +195,7 @@ def _slots(
     core: int | None,
     oversubscribe: bool = False,
 ) -> list[int]:
-    """The core indices (process slots) to start on every worker: [HOST] for a host launch."""
+    """The slots to start on every worker: [HOST] for a host launch."""
     if cores is not None and core is not None:
         raise UsageError("--cores and --core exclude each other: give one")
     if cores is not None and cores < 1:
@@ -314,10 +315,10 @@ def plan_job(
     tpu_ip: str | None = None,
     oversubscribe: bool = False,
     slice_metadata: bool = True,
-) -> list[list[CoreSpec]]:
-    """Every process tpurun starts for the job: one list per worker, one CoreSpec per process on it.
+) -> list[list[SlotSpec]]:
+    """Every process tpurun starts for the job: one list per worker, one SlotSpec per process on it.
 
-    `launch` is host (one process per worker, core HOST) or chip (one per chip, or per core on
+    `launch` is host (one process per worker, slot HOST) or chip (one per chip, or per core on
     `cpu`). `cores`: None = every chip of a host; 1 = one. `core`: one specific core index (pjrt: a PJRT
     device index of the host, mapped to its chip, see explain_core). In a chip launch ranks are global
     process indices (torchrun's meaning), worker-major. `slice_size`: hosts per slice of a multislice TPU
@@ -350,13 +351,13 @@ def plan_job(
         extra_env=extra_env,
     )
     argv = [python, script, *args]
-    plan: list[list[CoreSpec]] = []
+    plan: list[list[SlotSpec]] = []
     for worker in range(num_workers):
-        specs: list[CoreSpec] = []
+        specs: list[SlotSpec] = []
         for local_rank, slot in enumerate(slots):
             rank = worker * len(slots) + local_rank
             env = _process_env(job, worker=worker, slot=slot, local_rank=local_rank, rank=rank)
-            specs.append(CoreSpec(worker=worker, core=slot, local_rank=local_rank, rank=rank, env=env, argv=list(argv)))
+            specs.append(SlotSpec(worker=worker, slot=slot, local_rank=local_rank, rank=rank, env=env, argv=list(argv)))
         plan.append(specs)
     return plan
 
@@ -407,7 +408,7 @@ def _process_env(job: _JobArgs, *, worker: int, slot: int, local_rank: int, rank
     if launch is Launch.chip:
         env.update(
             _torchrun_env(
-                core=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
+                slot=slot, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world
             )
         )
     if runtime is Runtime.cpu:
@@ -573,8 +574,8 @@ print(json.dumps({
 """
 
 
-def process_name(worker: int, core: int, name: str | None = None) -> str:
-    """wN/cM for a chip (or core) process, wN for a host launch's own process: its lines are tagged [name].
-    NAME replaces wN (sS/wN in a multislice TPU)."""
+def process_name(worker: int, slot: int, name: str | None = None) -> str:
+    """wN/cM for the process in slot M, wN for a host launch's own process (slot HOST): its lines are tagged
+    [name]. NAME replaces wN (sS/wN in a multislice TPU)."""
     name = name or worker_name(worker)
-    return name if core == HOST else f"{name}/c{core}"
+    return name if slot == HOST else f"{name}/c{slot}"

@@ -4,7 +4,7 @@ The agent (worker/agent.py) owns the processes on each worker and writes every l
 this module only decides and renders (as in torchelastic, the agent is separate from the launcher). Each
 worker gets one SSH channel running `agent start` then `agent stream --attached`: the channel's stdin
 is the job's lifeline, so closing it (fail-fast, Ctrl-C) or losing it (tpurun killed, laptop gone)
-stops the cores of an attached job on that worker.
+stops the processes of an attached job on that worker.
 """
 
 from __future__ import annotations
@@ -109,9 +109,11 @@ class TrainSpec:
 
 
 @dataclass
-class CoreOutcome:
+class SlotOutcome:
+    """How the process in one slot of a worker stands or ended, as the launcher follows it."""
+
     worker: int
-    core: int
+    slot: int
     exit_code: int | None = None
     status: ProcessStatus = ProcessStatus.RUNNING
     started: float = 0.0
@@ -154,7 +156,7 @@ class JobPlan:
     runtime_reason: str
     launch: Launch
     launch_reason: str
-    specs: list[list[env_contract.CoreSpec]]
+    specs: list[list[env_contract.SlotSpec]]
 
     @property
     def processes(self) -> int:
@@ -201,16 +203,17 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     return JobPlan(runtime, why, launch, launch_why, specs)
 
 
-def dry_run_rows(target: Target, specs: list[list[env_contract.CoreSpec]]) -> list[dict[str, Any]]:
-    """Per process tpurun starts: worker, core, address, exact argv and environment (what --dry-run prints)."""
+def dry_run_rows(target: Target, specs: list[list[env_contract.SlotSpec]]) -> list[dict[str, Any]]:
+    """Per process tpurun starts: worker, slot (as "core"), address, exact argv and environment (what
+    --dry-run prints)."""
     rows = []
     for per_worker in specs:
         for c in per_worker:
             rows.append(
                 {
                     "worker": c.worker,
-                    "name": env_contract.process_name(c.worker, c.core, target.all_workers[c.worker].name),
-                    "core": None if c.core == env_contract.HOST else c.core,  # a host launch's one process per worker
+                    "name": env_contract.process_name(c.worker, c.slot, target.all_workers[c.worker].name),
+                    "core": None if c.slot == env_contract.HOST else c.slot,  # a host launch's one process per worker
                     "address": target.all_workers[c.worker].address,
                     "command": c.argv,
                     "env": c.env,
@@ -223,13 +226,13 @@ def dry_run_rows(target: Target, specs: list[list[env_contract.CoreSpec]]) -> li
 
 
 class Output(Protocol):
-    """How the launcher reports (it prints nothing itself): status lines, every core's lines, and the
+    """How the launcher reports (it prints nothing itself): status lines, every process's lines, and the
     lines a worker's setup prints."""
 
     def name_workers(self, names: dict[int, str]) -> None: ...
     def info(self, text: str) -> None: ...
     def warn(self, text: str) -> None: ...
-    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (core, text) each, in order
+    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (slot, text) each, in order
     def worker_line(self, worker: int, stream: str, text: str) -> None: ...
     def flush(self) -> None: ...
     def progress(self) -> AbstractContextManager[Callable[[str], None]]: ...
@@ -242,7 +245,7 @@ class JobRun:
         self,
         target: Target,
         job_id: str,
-        specs: list[list[env_contract.CoreSpec]],
+        specs: list[list[env_contract.SlotSpec]],
         out: Output,
         *,
         cwd: str,
@@ -266,10 +269,10 @@ class JobRun:
         self.launch = launch
         self.down = down
         self.cancel = cancel or threading.Event()  # set by the caller (Ctrl-C): stop the job everywhere
-        self.outcomes: dict[tuple[int, int], CoreOutcome] = {
-            (c.worker, c.core): CoreOutcome(c.worker, c.core) for per in specs for c in per
+        self.outcomes: dict[tuple[int, int], SlotOutcome] = {
+            (c.worker, c.slot): SlotOutcome(c.worker, c.slot) for per in specs for c in per
         }
-        self.first_failure: CoreOutcome | None = None
+        self.first_failure: SlotOutcome | None = None
         self.lost: dict[int, str] = {}
         self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
         self.stop = threading.Event()
@@ -280,7 +283,7 @@ class JobRun:
         return protocol.JobSpec(
             job_id=self.job_id,
             worker=worker,
-            cores=[protocol.ProcessSpec(c.core, c.argv, c.env, self.cwd) for c in self.specs[worker]],
+            cores=[protocol.ProcessSpec(c.slot, c.argv, c.env, self.cwd) for c in self.specs[worker]],
             launch=self.launch,
             detach=self.detach,
             down=self.down,
@@ -320,7 +323,7 @@ class JobRun:
             if self.cancel.is_set():
                 self.stop.set()
             if self.stop.is_set() and not closed and not self.detach:
-                stream.close_stdin()  # the agent stops this worker's cores and keeps streaming to the end
+                stream.close_stdin()  # the agent stops this worker's processes and keeps streaming to the end
                 closed = True
             recs = reader.records(0.1)
             if recs is None:
@@ -354,7 +357,7 @@ class JobRun:
         for rec in recs:
             took = True
             if isinstance(rec, protocol.Line):
-                batch.append((rec.core, rec.text))
+                batch.append((rec.slot, rec.text))
                 continue
             if batch:
                 self._lines(w, batch)
@@ -365,11 +368,11 @@ class JobRun:
         return took, over
 
     def _lines(self, w: int, batch: list[tuple[int, str]]) -> None:
-        kept: dict[int, deque[str]] = {}  # each core's last lines (an outcome's lookup takes the lock)
-        for core, text in batch:
-            last = kept.get(core)
+        kept: dict[int, deque[str]] = {}  # each slot's last lines (an outcome's lookup takes the lock)
+        for slot, text in batch:
+            last = kept.get(slot)
             if last is None:
-                last = kept[core] = self.outcome(w, core).last_lines
+                last = kept[slot] = self.outcome(w, slot).last_lines
             last.append(text)
         self.out.lines(w, batch)
 
@@ -383,9 +386,9 @@ class JobRun:
             if origin is not None and self.first_failure is None:
                 with self.lock:
                     if self.first_failure is None:
-                        self.first_failure = self.outcome(w, origin.core)
+                        self.first_failure = self.outcome(w, origin.slot)
             for ps in protocol.process_states(rec.state):
-                o = self.outcome(w, ps.core)
+                o = self.outcome(w, ps.slot)
                 if o.exit_code is None:
                     o.exit_code, o.status = ps.exit_code, ps.status
             return True
@@ -395,28 +398,28 @@ class JobRun:
         return False  # Started
 
     def _exited(self, w: int, rec: protocol.Exit) -> None:
-        o = self.outcome(w, rec.core)
+        o = self.outcome(w, rec.slot)
         o.exit_code, o.status = rec.code, rec.status
         o.ended = time.monotonic() - self.started_at
         if o.failed and not self.stop.is_set():
-            # a core the agent killed because a sibling failed is not the origin: wait for the sibling's record
+            # a process the agent killed because a sibling failed is not the origin: wait for the sibling's record
             if o.status is not ProcessStatus.KILLED:
                 with self.lock:
                     if self.first_failure is None:
                         self.first_failure = o
-            name = env_contract.process_name(w, rec.core, self.target.all_workers[w].name)
+            name = env_contract.process_name(w, rec.slot, self.target.all_workers[w].name)
             self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
             self.stop.set()
         elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
             with self.lock:
                 self.first_failure = o  # its worker's agent reported the killed sibling first
 
-    def outcome(self, w: int, c: int) -> CoreOutcome:
-        """W's core C, also one the script's spawner made after the start (a host launch's chips)."""
+    def outcome(self, w: int, slot: int) -> SlotOutcome:
+        """W's SLOT, also one the script's spawner made after the start (a host launch's chips)."""
         with self.lock:
-            if (w, c) not in self.outcomes:
-                self.outcomes[(w, c)] = CoreOutcome(w, c)
-            return self.outcomes[(w, c)]
+            if (w, slot) not in self.outcomes:
+                self.outcomes[(w, slot)] = SlotOutcome(w, slot)
+            return self.outcomes[(w, slot)]
 
     def run(self) -> None:
         each(self.target.runners, self._worker, name="job")
@@ -464,7 +467,7 @@ def connect(target: Target, record: JobRecord | None = None) -> None:
 
 class JobState(str, Enum):
     SUCCEEDED = "succeeded"
-    FAILED = "failed"  # a core failed (first_failure names the first)
+    FAILED = "failed"  # a process failed (first_failure names the first)
     SETUP_FAILED = "setup failed"  # the job did not start
     INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM: stopped everywhere
     LOST = "lost"  # a worker could not be reached or vanished
@@ -586,7 +589,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         job_id=job.job_id,
         tpu=target.name,
         workers=[r.worker.index for r in target.runners],
-        cores={w: [c.core for c in per] for w, per in enumerate(specs)},
+        cores={w: [c.slot for c in per] for w, per in enumerate(specs)},
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
         detached=spec.detach,
         command=[spec.script, *spec.args],

@@ -30,7 +30,7 @@ class JobRecord:
     job_id: str
     tpu: str  # "local" for this machine
     workers: list[int]
-    cores: dict[int, list[int]]  # worker -> core indexes
+    cores: dict[int, list[int]]  # worker -> the slots tpurun started there (the record's key kept)
     created: str
     detached: bool
     command: list[str]

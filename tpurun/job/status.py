@@ -47,7 +47,7 @@ def combine(states: Mapping[str, dict | None]) -> JobSummary:
     for name, st in states.items():
         if st is not None and st.get("status") == JobStatus.FAILED:
             first = protocol.first_failure(st)
-            where = f"{name}/c{first.core}" if first is not None and first.core != protocol.HOST else name
+            where = f"{name}/c{first.slot}" if first is not None and first.slot != protocol.HOST else name
             code = first.exit_code if first is not None else None
             return JobSummary("failed", where + (f": exit code {code}" if code is not None else ""))
     lost = [name for name, st in states.items() if st is not None and st.get("status") == JobStatus.LOST]

@@ -1,4 +1,4 @@
-"""tpurun's worker agent: starts a job's core processes on this host, logs them, stops them, streams logs.
+"""tpurun's worker agent: starts a job's processes on this host, logs them, stops them, streams logs.
 
 Shipped to every worker as a bundle (this file, agent_files.py, agent_supervisor.py and hook/) and run
 there as `python3 agent.py COMMAND ...`, so it uses the standard library only (Python >= 3.8) and imports
@@ -10,20 +10,20 @@ What it reads and writes (the job spec, records, events, statuses, exit codes) i
 
 Commands (exit codes: protocol.AgentExit):
   start                      a JobSpec (JSON) on stdin; prints a started (or start-failed) event; returns at once
-  stop JOB [--grace S]       stops every core; returns when no process of the job is left; prints state
+  stop JOB [--grace S]       stops every process; returns when none of the job's is left; prints state
   stream JOB [--offsets JSON] [--follow] [--attached]
-                             framed records (JSON lines) from the per-core .rec files
+                             framed records (JSON lines) from the per-slot .rec files
   jobs                       JSON list of this worker's jobs with their states
   state JOB                  the job's state.json
 
 Files in ~/.tpurun/jobs/<JOB>/ (root overridable with $TPURUN_AGENT_ROOT): spec.json, state.json,
-supervisor.log, pre.log, w<W>-c<C>.log (the core's output bytes as printed, stdout and stderr lines in
+supervisor.log, pre.log, w<W>-c<C>.log (slot C's output bytes as printed, stdout and stderr lines in
 arrival order) and w<W>-c<C>.rec (one line per record, protocol.encode_recs).
 
-A host launch ("launch": "host" in the spec) starts one process per worker (core HOST, files w<W>.log
+A host launch ("launch": "host" in the spec) starts one process per worker (slot HOST, files w<W>.log
 and w<W>.rec) with hook/sitecustomize.py (shipped beside this file) first on its PYTHONPATH and the name
 of a log socket this supervisor listens on. Each chip process the script's spawner makes connects to it
-and becomes a core of the job with its own files, found at run time; the supervisor watches it by pid.
+and takes its chip's slot, with its own files, found at run time; the supervisor watches it by pid.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def _with_liveness(st: dict) -> dict:
     alive = pid_alive(st.get("supervisor_pid"))
     st["supervisor_alive"] = alive
     if st.get("status") == JobStatus.RUNNING and not alive:
-        st["status"] = JobStatus.LOST  # the supervisor was killed: nobody watches the cores any more
+        st["status"] = JobStatus.LOST  # the supervisor was killed: nobody watches the processes any more
     return st
 
 
@@ -273,10 +273,10 @@ def cmd_stop(args) -> int:
 
 
 class _RecReader:
-    """Tails one core's .rec file from a byte offset; yields complete records only."""
+    """Tails one slot's .rec file from a byte offset; yields complete records only."""
 
-    def __init__(self, worker: int, core: int, path: str, offset: int) -> None:
-        self.worker, self.core = worker, core
+    def __init__(self, worker: int, slot: int, path: str, offset: int) -> None:
+        self.worker, self.slot = worker, slot
         self.path = path
         self.offset = offset  # bytes of the file consumed (complete records only)
         self.f: io.BufferedReader | None = None
@@ -295,7 +295,7 @@ class _RecReader:
         data = self.pending + chunk
         cut = data.rfind(b"\n") + 1
         self.pending = data[cut:]
-        out, self.offset = frame_recs(self.worker, self.core, self.offset, data[:cut].split(b"\n")[:-1])
+        out, self.offset = frame_recs(self.worker, self.slot, self.offset, data[:cut].split(b"\n")[:-1])
         return out
 
 
@@ -309,18 +309,18 @@ def cmd_stream(args) -> int:
         try:
             offsets = {int(k): int(v) for k, v in json.loads(args.offsets).items()}
         except (ValueError, AttributeError) as e:
-            raise AgentError(f"--offsets must be a JSON object {{core: byte offset}}: {e}") from e
-    cores: list[int] = []
+            raise AgentError(f"--offsets must be a JSON object {{slot: byte offset}}: {e}") from e
+    slots: list[int] = []
     readers: dict[int, _RecReader] = {}
 
-    def follow_cores(state: dict) -> None:
-        # a host launch's chip cores appear while it runs
-        for c in [p.core for p in spec.cores] + [int(c["core"]) for c in state.get("cores", [])]:
+    def follow_slots(state: dict) -> None:
+        # a host launch's chip slots appear while it runs
+        for c in [p.slot for p in spec.cores] + [int(c["core"]) for c in state.get("cores", [])]:
             if c not in readers:
-                cores.append(c)
+                slots.append(c)
                 readers[c] = _RecReader(worker, c, log_base(jdir, worker, c) + ".rec", offsets.get(c, 0))
 
-    follow_cores(st)
+    follow_slots(st)
     out = sys.stdout.buffer
     stdin_closed = threading.Event()
     if args.attached:
@@ -330,21 +330,21 @@ def cmd_stream(args) -> int:
         signal.signal(signal.SIGTERM, lambda s, f: stdin_closed.set())
     else:
         signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
-    reported: dict[int, float] = {}  # core -> the end sent (a chip may run again: the spawner's next round)
+    reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
     last_touch = 0.0
     try:
         while True:
-            st = _load_state(args.job)  # read before draining: lines precede the state that ends a core
-            follow_cores(st)
+            st = _load_state(args.job)  # read before draining: lines precede the state that ends a slot
+            follow_slots(st)
             got = _drain(readers, out, until_empty=False)
             ended = {int(c["core"]): c for c in st.get("cores", []) if c.get("ended_at") is not None}
-            for c in cores:
+            for c in slots:
                 if c in ended and reported.get(c) != ended[c]["ended_at"]:
                     _drain(readers, out, only=c)
                     out.write(encode(Exit(worker, c, ended[c].get("exit_code"), ProcessStatus(ended[c]["status"]))))
                     reported[c] = ended[c]["ended_at"]
-            over = st.get("status") in TERMINAL and all(c in reported for c in cores)
+            over = st.get("status") in TERMINAL and all(c in reported for c in slots)
             if over:
                 _drain(readers, out)
                 out.write(encode(Done(worker, st)))
@@ -371,8 +371,8 @@ def cmd_stream(args) -> int:
 
 
 def _drain(readers: dict, out, only: int | None = None, until_empty: bool = True) -> bool:
-    """Write the complete records now readable (one chunk per core, or until none is left), merged
-    across cores by time. True if there were any."""
+    """Write the complete records now readable (one chunk per slot, or until none is left), merged
+    across slots by time. True if there were any."""
     any_data = False
     while True:
         batches = [r.read() for c, r in readers.items() if only is None or c == only]

@@ -134,9 +134,9 @@ def signal_group(pgid: int | None, sig: int) -> None:
         pass
 
 
-def log_base(jdir: str, worker: int, core: int) -> str:
-    """Path of a core's files without extension: w<W>-c<C>, or w<W> for a host launch's own process."""
-    return os.path.join(jdir, f"w{worker}" if core == HOST else f"w{worker}-c{core}")
+def log_base(jdir: str, worker: int, slot: int) -> str:
+    """Path of a slot's files without extension: w<W>-c<C>, or w<W> for a host launch's own process."""
+    return os.path.join(jdir, f"w{worker}" if slot == HOST else f"w{worker}-c{slot}")
 
 
 def of_job(pid: int, job: str) -> bool:

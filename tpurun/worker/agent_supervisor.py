@@ -1,4 +1,4 @@
-"""The job agent's supervisor: starts a job's processes, writes every line they print to per-core files,
+"""The job agent's supervisor: starts a job's processes, writes every line they print to per-slot files,
 follows the chip processes a host launch's spawner makes (through the hook's log socket), and stops them
 all. Part of the agent bundle (stdlib only, Python >= 3.8)."""
 
@@ -58,12 +58,13 @@ from protocol import (
 # ---------------------------------------------------------------- the supervisor
 
 
-class Core:
-    """One core process of the job, its log files and the threads that fill them."""
+class Slot:
+    """One process slot of the job (`protocol`'s slot: HOST, a chip launch's process, a spawned chip): its
+    process, log files and the threads that fill them. `index` is the slot."""
 
     def __init__(self, worker: int, spec: ProcessSpec, jdir: str) -> None:
         self.worker = worker
-        self.index = int(spec.core)
+        self.index = int(spec.slot)
         self.argv = [str(a) for a in spec.argv]
         self.env = {str(k): str(v) for k, v in spec.env.items()}
         self.cwd = os.path.expanduser(spec.cwd or "~")
@@ -162,7 +163,7 @@ class Core:
         with self.lock:
             if self.log.closed:
                 return  # the job's end is written; late bytes of a vanished process are dropped
-            t = now()  # taken under the lock so a core's records are in time order
+            t = now()  # taken under the lock so a slot's records are in time order
             self.log.write(b"".join(raws))
             self.log.flush()
             self.rec.write(encode_recs(stream, t, texts))
@@ -182,7 +183,7 @@ class Core:
 
     def to_dict(self) -> dict:
         return {
-            "core": self.index,
+            "core": self.index,  # state.json's key for the slot
             "pid": self.pid,
             "pgid": self.pgid,
             "status": self.status,
@@ -196,7 +197,7 @@ class Core:
 
 
 class Supervisor:
-    """Owns one job on this worker: pre-commands, one process per core, fail-fast, stop, state.json."""
+    """Owns one job on this worker: pre-commands, one process per slot, fail-fast, stop, state.json."""
 
     def __init__(self, spec: JobSpec, jdir: str) -> None:
         self.spec = spec
@@ -207,12 +208,12 @@ class Supervisor:
         self.detach = spec.detach
         lease = spec.lease_timeout if spec.lease_timeout is not None else (None if self.detach else DEFAULT_LEASE)
         self.lease = float(lease) if lease else None
-        self.cores = [Core(self.worker, c, jdir) for c in spec.cores]
+        self.slots = [Slot(self.worker, c, jdir) for c in spec.cores]
         self.launch = spec.launch
-        self.cores_lock = threading.Lock()  # the log server adds chip cores while the loop runs
+        self.slots_lock = threading.Lock()  # the log server adds chip slots while the loop runs
         self.listener: socket.socket | None = None
-        self.dirty = False  # a chip core appeared: state.json must show it (readers find its files there)
-        self.closed = False  # finish() ran: no new chip cores
+        self.dirty = False  # a chip's slot appeared: state.json must show it (readers find its files there)
+        self.closed = False  # finish() ran: no new chip slots
         self.pre_groups: list[int] = []
         self.status = JobStatus.RUNNING  # until every process is gone: readers trust an end status
         self.outcome: JobStatus | None = None  # the end status decided by a stop (stopped/failed), applied at the end
@@ -224,17 +225,17 @@ class Supervisor:
         self.stop_deadline: float | None = None
         self.killed = False
 
-    def snapshot(self) -> list[Core]:
-        with self.cores_lock:
-            return list(self.cores)
+    def snapshot(self) -> list[Slot]:
+        with self.slots_lock:
+            return list(self.slots)
 
-    def host_core(self) -> Core | None:
+    def host_slot(self) -> Slot | None:
         return next((c for c in self.snapshot() if c.index == HOST), None)
 
     # --- host launch: the chip processes' log socket
 
     def use_hook(self) -> None:
-        """Put the hook first on every core's PYTHONPATH (it only acts when the job asks it to)."""
+        """Put the hook first on every slot's PYTHONPATH (it only acts when the job asks it to)."""
         if not os.path.isfile(os.path.join(HOOK_DIR, "sitecustomize.py")):
             self.log(f"no hook in {HOOK_DIR}: chip processes will log as the host process, no --metrics")
             return
@@ -269,7 +270,7 @@ class Supervisor:
         threading.Thread(target=accept_loop, daemon=True).start()
 
     def _attach(self, conn: socket.socket) -> None:
-        """One stream (out, err or ctl) of a chip process: check who it is, then file it under its core."""
+        """One stream (out, err or ctl) of a chip process: check who it is, then file it under its slot."""
         try:
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid != os.getuid() or not of_job(pid, self.job):
@@ -277,7 +278,7 @@ class Supervisor:
             conn.settimeout(10)
             f = conn.makefile("rb")
             try:
-                core, stream, pool = read_hook_header(f.readline(4096))
+                slot, stream, pool = read_hook_header(f.readline(4096))
             except ValueError as e:
                 raise ValueError(f"refused a log connection from pid {pid}: {e}") from None
             conn.settimeout(None)
@@ -285,7 +286,7 @@ class Supervisor:
             self.log(f"log socket: {e}")
             conn.close()
             return
-        c = self.chip(core, pid, pool)
+        c = self.chip(slot, pid, pool)
         if c is None:  # the job is over
             conn.close()
             return
@@ -302,17 +303,17 @@ class Supervisor:
         else:
             c.add_reader(Source(stream.value), f)
 
-    def chip(self, index: int, pid: int, pool: bool) -> Core | None:
-        """The core of chip INDEX, made the first time one of its processes connects (None once the job
+    def chip(self, index: int, pid: int, pool: bool) -> Slot | None:
+        """The slot of chip INDEX, made the first time one of its processes connects (None once the job
         is over). A new process on a known chip is the spawner's next round (Lightning: fit, then test)."""
-        with self.cores_lock:
+        with self.slots_lock:
             if self.closed:
                 return None
-            c = next((x for x in self.cores if x.index == index), None)
+            c = next((x for x in self.slots if x.index == index), None)
             if c is None:
-                c = Core(self.worker, ProcessSpec(index, []), self.jdir)
+                c = Slot(self.worker, ProcessSpec(index, []), self.jdir)
                 c.spawned = True
-                self.cores.append(c)
+                self.slots.append(c)
             if pid not in c.pids:
                 c.pids.append(pid)
                 c.pid = pid
@@ -328,7 +329,7 @@ class Supervisor:
                 self.log(f"chip {index}: process {pid} (group {c.pgid}) of the script's spawner")
         return c
 
-    def _read_ctl(self, c: Core, pid: int, f) -> None:
+    def _read_ctl(self, c: Slot, pid: int, f) -> None:
         # EOF here is the process's exit (or its last forked child's): a witness of when it ended even
         # where it ended before a pidfd could be opened for it
         try:
@@ -353,7 +354,7 @@ class Supervisor:
             c.ctl_done = True
             f.close()
 
-    def watch_chip(self, c: Core) -> bool:
+    def watch_chip(self, c: Slot) -> bool:
         """Follow a chip process of a host launch (not our child: by pid and by what the hook reports).
         True when its end was recorded."""
         if c.reported not in (None, 0) and self.stop_deadline is None:
@@ -368,7 +369,7 @@ class Supervisor:
             c.exited_at = now()
             for p in c.pids:
                 c.note_end(p)
-        host = self.host_core()
+        host = self.host_slot()
         if c.reported is None and c.ctl_done and c.pool and host is not None and host.status == ProcessStatus.RUNNING:
             self.blame_died("while its spawner ran")
         if not (c.readers_done() or now() - c.exited_at > self.grace + 2):
@@ -394,7 +395,7 @@ class Supervisor:
         parent's to read): blame the one that ended first, as a pool then kills the others. True if any."""
         if self.stop_deadline is not None:
             return False
-        host = self.host_core()
+        host = self.host_slot()
         gone = [
             x
             for x in self.snapshot()
@@ -484,12 +485,12 @@ class Supervisor:
                     return False
         return True
 
-    def start_cores(self) -> None:
+    def start_slots(self) -> None:
         preexec = pdeathsig_preexec()
         # Every process first, then the reader threads: preexec_fn is only safe while we have no threads.
         for c in self.snapshot():
             c.start(preexec, self.job)
-            self.log(f"core {c.index} started: pid {c.pid} argv {c.argv}")
+            self.log(f"slot {c.index} started: pid {c.pid} argv {c.argv}")
         for c in self.snapshot():
             c.start_readers()
         for c in self.snapshot():
@@ -508,26 +509,26 @@ class Supervisor:
         self.outcome = self.outcome or status
         self.reason = self.reason or reason
         self.stop_deadline = now() + grace
-        self.log(f"stopping ({reason}): SIGTERM to every core, SIGKILL after {grace:.1f} s")
+        self.log(f"stopping ({reason}): SIGTERM to every process, SIGKILL after {grace:.1f} s")
         for c in self.snapshot():
             if c.status == ProcessStatus.RUNNING:
                 c.signalled = True
             signal_group(c.pgid, signal.SIGTERM)
         signal_pids(job_processes(self.job), signal.SIGTERM)  # those that left their group
 
-    def on_exit(self, c: Core, rc: int) -> None:
+    def on_exit(self, c: Slot, rc: int) -> None:
         c.exited_at = now()
         c.exit_code = rc
         c.status = ProcessStatus.KILLED if c.signalled else ProcessStatus.EXITED
-        self.log(f"core {c.index} exited with {rc}")
-        # Whatever the core left behind in its group (children, data loaders) would hold the TPU.
+        self.log(f"slot {c.index} exited with {rc}")
+        # Whatever the process left behind in its group (children, data loaders) would hold the TPU.
         if group_members(c.pgid):
             signal_group(c.pgid, signal.SIGTERM)
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return
             self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc}
-            self.request_stop(f"core {c.index} exited with {rc}", JobStatus.FAILED)
+            self.request_stop(f"slot {c.index} exited with {rc}", JobStatus.FAILED)
 
     def loop(self) -> None:
         while True:
@@ -566,8 +567,8 @@ class Supervisor:
                 leftovers = [c.pgid for c in self.snapshot() if group_members(c.pgid)] or job_processes(self.job)
                 if not leftovers:
                     break
-                if self.stop_deadline is None:  # every core ended but children linger: clean them up
-                    self.request_stop("processes left behind by exited cores", None)
+                if self.stop_deadline is None:  # every slot ended but children linger: clean them up
+                    self.request_stop("processes left behind by exited slots", None)
             time.sleep(POLL)
 
     def _lease_expired(self) -> bool:
@@ -578,7 +579,7 @@ class Supervisor:
         return now() - last > self.lease  # type: ignore[operator]
 
     def finish(self) -> None:
-        with self.cores_lock:
+        with self.slots_lock:
             self.closed = True
         if self.listener is not None:
             try:
@@ -593,7 +594,7 @@ class Supervisor:
             time.sleep(POLL)
         for pgid in self.pre_groups:
             signal_group(pgid, signal.SIGKILL)
-        host = self.host_core()
+        host = self.host_slot()
         for c in self.snapshot():
             if c.spawned and c.status == ProcessStatus.EXITED and c.exit_code is None and host is not None:
                 c.exit_code = host.exit_code  # ended unreported before its spawner: the spawner's verdict
@@ -627,8 +628,8 @@ class Supervisor:
         self.use_hook()
         if self.launch is Launch.host:
             self.open_log_socket()
-        self.start_cores()
-        self.serve_log_socket()  # threads only now: start_cores forks with a preexec_fn
+        self.start_slots()
+        self.serve_log_socket()  # threads only now: start_slots forks with a preexec_fn
         self.save()
         self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.to_dict() for c in self.snapshot()]))
         self.loop()

@@ -9,8 +9,8 @@ The conversation, for one job on one worker:
 * the client runs `agent.py start` with a `JobSpec` (JSON) on stdin; the agent answers one line, a
   `started` event (with the job's processes) or a `start-failed` event (with the reason), and exits
   `AgentExit.OK`, or `AgentExit.BUSY` when another job holds the worker (nothing of this job started);
-* the supervisor writes each line a process prints to its .rec file as a `Line` without worker, process
-  and offset (`encode_rec`); `agent.py stream` adds them in front (`frame`) and sends, after a process's
+* the supervisor writes each line a process prints to its .rec file as a `Line` without worker, slot
+  and offset (`encode_rec`); `agent.py stream` adds them in front (`frame_recs`) and sends, after a process's
   last line, an `exit` event (how it ended: a `ProcessStatus` and its exit code), and once the job is over
   a `done` event carrying the job's state (state.json: a `JobStatus`, its processes, the first failure);
 * the hook in each process a script's spawner makes opens three connections to the supervisor's log
@@ -19,6 +19,12 @@ The conversation, for one job on one worker:
 * `agent.py stop`, `state` and `jobs` answer with the job's state (or a list of them) as JSON.
 
 Every record is one JSON object per line; `decode` reads any of them, `encode` writes them.
+
+Words: a *slot* is the number a process is filed under on its worker (its `[wN/cM]` tag's M, its files
+w<W>-c<C>.log, its TPURUN_CORE): a chip launch's process k, `HOST` for a host launch's one process per
+worker, and for each chip process a script's spawner makes, the index of the chip it is bound to. A *chip*
+is a physical chip (TPU_VISIBLE_CHIPS), a *core* a TensorCore or what the user's `--cores`/`--core` count
+(PJRT devices), a *device* a PJRT device. On the wire a slot keeps its old key: "core" ("c" in a line).
 """
 
 from __future__ import annotations
@@ -120,7 +126,7 @@ class TaskEnd(Word):
 DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a job stops
 DEFAULT_PRE_TIMEOUT = 300.0  # seconds a pre-command may take
 DEFAULT_LEASE = 60.0  # an attached job whose client has had no stream for this long is stopped
-HOST = -1  # the core a host launch's one process per worker is filed under (its files: w<W>.log, .rec)
+HOST = -1  # the slot a host launch's one process per worker is filed under (its files: w<W>.log, .rec)
 HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files under the process
 
 # ---------------------------------------------------------------- records
@@ -149,13 +155,13 @@ class _Record:
 
 
 class Line(_Record):
-    """One line a process printed: worker, process slot, byte offset after its record in the .rec file."""
+    """One line a process printed: worker, slot, byte offset after its record in the .rec file."""
 
-    __slots__ = ("worker", "core", "offset", "source", "time", "text")
+    __slots__ = ("worker", "slot", "offset", "source", "time", "text")
 
-    def __init__(self, worker: int, core: int, offset: int, source: Source, time: float, text: str) -> None:
+    def __init__(self, worker: int, slot: int, offset: int, source: Source, time: float, text: str) -> None:
         self.worker = worker
-        self.core = core
+        self.slot = slot
         self.offset = offset
         self.source = source
         self.time = time
@@ -165,11 +171,11 @@ class Line(_Record):
 class Exit(_Record):
     """A process ended: how (its status) and its exit code (None where it died unreported)."""
 
-    __slots__ = ("worker", "core", "code", "status")
+    __slots__ = ("worker", "slot", "code", "status")
 
-    def __init__(self, worker: int, core: int, code: int | None, status: ProcessStatus) -> None:
+    def __init__(self, worker: int, slot: int, code: int | None, status: ProcessStatus) -> None:
         self.worker = worker
-        self.core = core
+        self.slot = slot
         self.code = code
         self.status = status
 
@@ -209,7 +215,7 @@ class StartFailed(_Record):
 if TYPE_CHECKING:
     Record = Union[Line, Exit, Done, Started, StartFailed]  # noqa: UP007 (Python 3.8 has no X | Y)
 
-# The .rec line's fixed start: `stream` splices the worker, process and offset in front of it without
+# The .rec line's fixed start: `stream` splices the worker, slot and offset in front of it without
 # re-encoding, which is what keeps streaming fast; its time starts at _TIME_AT (every source's name has
 # three letters). The supervisor and `stream` handle lines a read's worth at a time (encode_recs,
 # frame_recs), the client likewise (decode_lines): no call per line.
@@ -231,11 +237,11 @@ def encode_rec(source: Source, t: float, text: str) -> bytes:
     return encode_recs(source, t, (text,))
 
 
-def frame_recs(worker: int, core: int, offset: int, recs: list[bytes]) -> tuple[list[tuple[float, bytes]], int]:
-    """.rec lines (without their newlines) that follow OFFSET in WORKER's process CORE's file as `stream`
-    sends them (worker, process and the offset after each in front), each with its time (what `stream`
+def frame_recs(worker: int, slot: int, offset: int, recs: list[bytes]) -> tuple[list[tuple[float, bytes]], int]:
+    """.rec lines (without their newlines) that follow OFFSET in the file of WORKER's process in SLOT as
+    `stream` sends them (worker, slot and the offset after each in front), each with its time (what `stream`
     merges processes' lines by); and the offset after the last."""
-    head = b'{"w":%d,"c":%d,"o":' % (worker, core)
+    head = b'{"w":%d,"c":%d,"o":' % (worker, slot)
     out = []
     for rec in recs:
         offset += len(rec) + 1
@@ -252,13 +258,13 @@ def encode(record: Record) -> bytes:
     if isinstance(record, Line):
         rec = encode_rec(record.source, record.time, record.text)[:-1]
         start = record.offset - len(rec) - 1  # a Line's offset is the one after its record
-        (_, framed), *_ = frame_recs(record.worker, record.core, start, [rec])[0]
+        (_, framed), *_ = frame_recs(record.worker, record.slot, start, [rec])[0]
         return framed
     if isinstance(record, Exit):
         data: dict[str, Any] = {
             "event": Event.EXIT.value,
             "w": record.worker,
-            "c": record.core,
+            "c": record.slot,
             "code": record.code,
             "status": record.status.value,
         }
@@ -331,19 +337,38 @@ def decode_lines(raws: Iterable[bytes]) -> Iterator[Record]:
 
 
 class ProcessSpec(_Record):
-    """One process tpurun starts on a worker, filed under CORE (a chip index, or `HOST`)."""
+    """One process tpurun starts on a worker, filed under SLOT (a chip launch's process index, or `HOST`).
+    On the wire its slot is "core"."""
 
-    __slots__ = ("core", "argv", "env", "cwd")
+    __slots__ = ("slot", "argv", "env", "cwd")
 
-    def __init__(self, core: int, argv: list[str], env: dict[str, str] | None = None, cwd: str = "~") -> None:
-        self.core = core
+    def __init__(self, slot: int, argv: list[str], env: dict[str, str] | None = None, cwd: str = "~") -> None:
+        self.slot = slot
         self.argv = argv
         self.env = {} if env is None else env
         self.cwd = cwd
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"core": self.slot, "argv": self.argv, "env": self.env, "cwd": self.cwd}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ProcessSpec:
+        """A process of a job spec as the wire has it (its slot under "core"), or TypeError naming what is
+        wrong: a missing or unknown field (as a call with them would raise)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a process is an object, not {data!r}")
+        unknown = sorted(set(data) - {"core", "argv", "env", "cwd"})
+        if unknown:
+            raise TypeError(f"a process has unknown fields {unknown}")
+        missing = [k for k in ("core", "argv") if k not in data]
+        if missing:
+            raise TypeError(f"a process needs {missing}")
+        return cls(data["core"], data["argv"], data.get("env"), data.get("cwd", "~"))
+
 
 class JobSpec(_Record):
-    """What `agent.py start` reads on stdin: one worker's part of a job."""
+    """What `agent.py start` reads on stdin: one worker's part of a job (CORES: one ProcessSpec per slot,
+    under the wire's name)."""
 
     __slots__ = (
         "job_id", "worker", "cores", "launch", "detach", "down", "grace", "pre_commands", "pre_timeout",
@@ -399,7 +424,7 @@ class JobSpec(_Record):
         if unknown:
             raise ValueError(f"the job spec has unknown fields {unknown}")
         try:
-            cores = [ProcessSpec(**p) for p in data.pop("cores")]
+            cores = [ProcessSpec.from_dict(p) for p in data.pop("cores")]
             launch = Launch(data.pop("launch", Launch.chip))
             return cls(cores=cores, launch=launch, **data)
         except TypeError as e:
@@ -412,10 +437,10 @@ class JobSpec(_Record):
 class ProcessState(_Record):
     """One process's entry in the job's state."""
 
-    __slots__ = ("core", "status", "exit_code")
+    __slots__ = ("slot", "status", "exit_code")
 
-    def __init__(self, core: int, status: ProcessStatus, exit_code: int | None) -> None:
-        self.core = core
+    def __init__(self, slot: int, status: ProcessStatus, exit_code: int | None) -> None:
+        self.slot = slot
         self.status = status
         self.exit_code = exit_code
 
@@ -430,10 +455,10 @@ def process_states(state: dict[str, Any]) -> list[ProcessState]:
 class FirstFailure(_Record):
     """The process whose failure stopped the job on a worker (its exit code: None where it died unreported)."""
 
-    __slots__ = ("core", "exit_code")
+    __slots__ = ("slot", "exit_code")
 
-    def __init__(self, core: int, exit_code: int | None) -> None:
-        self.core = core
+    def __init__(self, slot: int, exit_code: int | None) -> None:
+        self.slot = slot
         self.exit_code = exit_code
 
 
@@ -448,23 +473,23 @@ def first_failure(state: dict[str, Any]) -> FirstFailure | None:
 # ---------------------------------------------------------------- the hook's connections
 
 
-def hook_header(core: int, stream: HookStream, pool: bool) -> bytes:
-    """The first line of a hook connection: which chip process slot and which stream it carries."""
-    return (json.dumps({"core": core, "stream": stream.value, "pool": pool}) + "\n").encode()
+def hook_header(slot: int, stream: HookStream, pool: bool) -> bytes:
+    """The first line of a hook connection: which chip process's slot (its chip) and which stream it carries."""
+    return (json.dumps({"core": slot, "stream": stream.value, "pool": pool}) + "\n").encode()
 
 
 def read_hook_header(raw: bytes) -> tuple:
-    """(core, HookStream, pool) of a hook connection's first line, or ValueError."""
+    """(slot, HookStream, pool) of a hook connection's first line, or ValueError."""
     data = json.loads(raw or b"null")
     if not isinstance(data, dict):
         raise ValueError(f"not a hook header: {raw[:100]!r}")
     try:
-        core, stream = int(data["core"]), HookStream(data["stream"])
+        slot, stream = int(data["core"]), HookStream(data["stream"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a hook header: {raw[:100]!r}") from e
-    if core < 0:
-        raise ValueError(f"a hook header with core {core}")
-    return core, stream, bool(data.get("pool"))
+    if slot < 0:
+        raise ValueError(f"a hook header with slot {slot}")
+    return slot, stream, bool(data.get("pool"))
 
 
 def task_end(end: TaskEnd, code: int = 0) -> bytes:

@@ -151,8 +151,8 @@ def _metrics_report():
 def _write_metrics():
     import torch_xla.debug.metrics as met
 
-    core = os.environ.get("TPURUN_CORE")
-    name = f"w{os.environ.get('TPURUN_WORKER_ID', '0')}" + (f"-c{core}" if core is not None else "")
+    slot = os.environ.get("TPURUN_CORE")
+    name = f"w{os.environ.get('TPURUN_WORKER_ID', '0')}" + (f"-c{slot}" if slot is not None else "")
     path = os.path.join(os.environ["TPURUN_JOB_DIR"], name + ".metrics.txt")
     with open(path, "w") as f:
         f.write(met.metrics_report())
