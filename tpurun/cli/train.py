@@ -43,14 +43,17 @@ CoresOpt = Annotated[
     int | None,
     typer.Option(
         min=1,
-        help="Processes per worker: 1, or all (default) per the runtime; on the cpu runtime up to the host's "
-        "devices (8 on this machine).",
+        help="Cores (PJRT devices) per worker to run on: 1, or all (default); on the cpu runtime up to the "
+        "host's devices (8 on this machine).",
     ),
 ]
 OversubscribeOpt = Annotated[
     bool, typer.Option("--oversubscribe", help="The cpu runtime: allow more --cores than the host has devices.")
 ]
-CoreOpt = Annotated[int | None, typer.Option(min=0, help="Run on one specific core index (like devices=[5]).")]
+CoreOpt = Annotated[
+    int | None,
+    typer.Option(min=0, help="Run on one core (PJRT device) K of each worker, like devices=[5]."),
+]
 RuntimeOpt = Annotated[
     Runtime,
     typer.Option(
