@@ -13,7 +13,7 @@ from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.targets import Target
 from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import DEFAULT_GRACE, LineSink
+from tpurun.transport.runner import RUN_GRACE, LineSink
 
 
 @dataclass
@@ -28,7 +28,7 @@ def exec_everywhere(
     *,
     stop: threading.Event,
     fail_fast: bool,
-    grace: float = DEFAULT_GRACE,
+    grace: float = RUN_GRACE,
     unreachable: Callable[[str], None] | None = None,
 ) -> ExecResult:
     """COMMAND (argv, never through a shell) on every selected worker of TARGET at once, its lines to SINK;

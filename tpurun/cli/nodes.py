@@ -11,7 +11,7 @@ import typer
 from tpurun import settings, ui
 from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
-from tpurun.cloud import autostop, identity, provision, startup
+from tpurun.cloud import autostop, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import ProgramFailed, UsageError
 
@@ -207,8 +207,7 @@ def _create(
         if not delete_on_failure:
             raise
         with progress_display() as progress:
-            provision.take_down(cloud, spec.name, progress)
-        identity.bury(s.home_path, cloud.project, cloud.zone, spec.name, "`tpurun create --delete-on-failure`")
+            provision.take_down(cloud, s, spec.name, progress, "`tpurun create --delete-on-failure`")
         raise ProgramFailed(exc.message, hint=f"{spec.name} was deleted (--delete-on-failure)") from None
 
 
@@ -331,8 +330,7 @@ def delete_cmd(
         if not typer.confirm(f"Delete {name} in {cloud.project}/{cloud.zone}?", default=False):
             raise typer.Exit(1)
     with progress_display() as progress:
-        also = provision.delete(cloud, name, progress)
-    identity.bury(s.home_path, cloud.project, cloud.zone, name, "`tpurun delete`")
+        also = provision.delete(cloud, s, name, progress)
     ui.info(" and ".join([f"deleted {name}", *also]))
     cleared = settings.clear_project_setting("tpu", name)
     if cleared:

@@ -26,7 +26,7 @@ def exec_cmd(
     zone: ZoneOpt = None,
     worker: WorkerOpt = "all",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
-    grace: GraceOpt = remote.DEFAULT_GRACE,
+    grace: GraceOpt = remote.RUN_GRACE,
 ) -> None:
     """Run a command on every selected worker at once, lines prefixed \\[wN]."""
     if not command:

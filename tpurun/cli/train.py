@@ -19,7 +19,7 @@ from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_si
 from tpurun.errors import ExitCode, TpuBusy, UsageError
 from tpurun.job import control, env_contract, launcher, lifecycle, status
 from tpurun.job.runtimes import Precision, Runtime
-from tpurun.worker.protocol import Launch
+from tpurun.worker.protocol import JOB_GRACE, Launch
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -122,7 +122,7 @@ def train_cmd(
     dry_run: DryRunOpt = False,
     python: PythonOpt = None,
     setup: SetupOpt = None,
-    grace: GraceOpt = 5.0,
+    grace: GraceOpt = JOB_GRACE,
     dest: DestOpt = None,
     tpu_ip: TpuIpOpt = None,
     down: DownOpt = False,
@@ -428,7 +428,7 @@ def logs_cmd(
 
 def cancel_cmd(
     job: JobArg,
-    grace: GraceOpt = 5.0,
+    grace: GraceOpt = JOB_GRACE,
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
     result = control.cancel(settings.resolve({}), job, grace)

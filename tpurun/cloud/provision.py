@@ -427,18 +427,23 @@ def read_startup_reports(cloud: Cloud, name: str) -> list[startup.StartupReport]
     return [startup.parse_report(a) for a in maker.guest_attributes(view, startup.NAMESPACE + "/")]
 
 
-def delete(cloud: Cloud, name: str, progress: Callable[[str], None]) -> list[str]:
-    """Delete NAME and what was made with it (its queued resource; every slice of a multislice TPU).
-    Returns what else went, for the user."""
+def delete(
+    cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None], by: str = "`tpurun delete`"
+) -> list[str]:
+    """Delete NAME and what was made with it (its queued resource; every slice of a multislice TPU), and
+    remember that BY (the command, for a later one naming NAME) deleted it. Returns what else went, for the
+    user."""
     maker, view = whole(cloud, name, "delete")
-    return maker.delete(view, progress)
+    also = maker.delete(view, progress)
+    identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
+    return also
 
 
-def take_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
-    """`train --down` after its job: delete NAME as `delete` does. The TPU's watchdog may have begun that
-    already (a client that came back late); then wait until NAME is gone."""
+def take_down(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None], by: str) -> None:
+    """`train --down` after its job, or `create --delete-on-failure`: delete NAME as `delete` does. The TPU's
+    watchdog may have begun that already (a client that came back late); then wait until NAME is gone."""
     try:
-        delete(cloud, name, progress)
+        delete(cloud, s, name, progress, by)
         return
     except ApiError:
         found = backend.locate(cloud, name)
@@ -448,6 +453,7 @@ def take_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
     deadline = time.monotonic() + 1800
     for _ in cloud.iter_poll():
         if backend.locate(cloud, name) is None:
+            identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
             return
         progress(f"{name}: DELETING (by its watchdog)")
         if time.monotonic() > deadline:

@@ -34,7 +34,7 @@ from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, Stream, open_stream, run_capture, worker_names
 from tpurun.worker import bundle_name, protocol
-from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
+from tpurun.worker.protocol import JOB_GRACE, AgentExit, Launch, ProcessStatus
 
 # Runs on each worker: agent present (else exit AgentExit.MISSING)? start the job (spec from $2, base64),
 # then stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
@@ -101,7 +101,7 @@ class TrainSpec:
     dry_run: bool = False
     python: str | None = None
     setup: list[str] = field(default_factory=list)  # shell commands run once per content on every worker
-    grace: float = 5.0
+    grace: float = JOB_GRACE
     master_port: int = 12355
     tpu_ip: str | None = None
     down: bool = False  # delete the TPU when the job ends (the TPU's watchdog does, if tpurun is gone)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpurun import targets
-from tpurun.cloud import identity
 from tpurun.errors import Preempted, TpurunError, UsageError
 from tpurun.job.launcher import Job, JobResult, JobState, Output, TrainSpec, prepare, start
 from tpurun.settings import Settings, clear_project_setting
@@ -115,12 +114,11 @@ def take_down(s: Settings, result: JobResult | None, out: Output) -> Down:
     if result is not None and result.state is JobState.BUSY:
         return Down(name, job, busy=True)
     cloud = Cloud(s)
+    by = f"`tpurun train --down` (job {job})" if job else "`tpurun train --down`"
     try:
         with out.progress() as progress:
-            provision.take_down(cloud, name, progress)
+            provision.take_down(cloud, s, name, progress, by)
     except TpurunError as exc:
         return Down(name, job, error=exc)
-    by = f"`tpurun train --down` (job {job})" if job else "`tpurun train --down`"
-    identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
     clear_project_setting("tpu", name)
     return Down(name, job, deleted=True)

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from tpurun.errors import UnreachableError
 from tpurun.transport._paramiko import paramiko
-from tpurun.transport.runner import DEFAULT_GRACE, LineSink, Runner
+from tpurun.transport.runner import RUN_GRACE, LineSink, Runner
 from tpurun.transport.ssh import SshRunner
 
 
@@ -79,7 +79,7 @@ def fan_out(
     *,
     stop: threading.Event,
     fail_fast: bool = False,
-    grace: float = DEFAULT_GRACE,
+    grace: float = RUN_GRACE,
     on_exit: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
     """Run ARGV on every runner at once; with FAIL_FAST the first non-zero exit stops the others."""

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tpurun.transport.runner import DEFAULT_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
+from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
 
 
 class LocalRunner(Runner):
@@ -32,7 +32,7 @@ class LocalRunner(Runner):
     def pipe(self, argv: Sequence[str]) -> Pipe:
         return LocalPipe(argv)
 
-    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = RUN_GRACE) -> int:
         try:
             proc = subprocess.Popen(
                 list(argv),

@@ -25,7 +25,7 @@ from tpurun.naming import worker_name
 
 LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line without newline)
 
-DEFAULT_GRACE = 3.0
+RUN_GRACE = 3.0  # seconds between SIGTERM and SIGKILL for a command a Runner runs (exec); a job's: protocol.JOB_GRACE
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Runner:
     python = "python3"  # the worker's Python when none is named
     refused_key = False  # the last connect failed because the worker could not prove it is that worker
 
-    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = RUN_GRACE) -> int:
         """ARGV to completion in its own process group, its lines to SINK; STOP ends it (after GRACE)."""
         raise NotImplementedError
 
@@ -130,7 +130,6 @@ class Runner:
 
     def close(self) -> None:
         pass
-
 
 
 class Stream:

@@ -24,7 +24,7 @@ from typing import Any
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport._paramiko import paramiko
-from tpurun.transport.runner import DEFAULT_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
+from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
 
 # A worker that stops answering (network partition, hung VM) leaves TCP silent rather than closed.
 # Every connection sends an SSH keepalive that asks for a reply every KEEPALIVE_INTERVAL seconds;
@@ -105,7 +105,7 @@ _WRAPPER = (
 )
 
 
-def wrap_command(argv: Sequence[str], grace: float = DEFAULT_GRACE) -> str:
+def wrap_command(argv: Sequence[str], grace: float = RUN_GRACE) -> str:
     """The one shell line sshd runs: the watchdog with ARGV quoted so it arrives exactly."""
     for arg in argv:
         if "\0" in arg:
@@ -266,7 +266,7 @@ class SshRunner(Runner):
         self.liveness = Liveness(transport, w)
         self.client = client
 
-    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = DEFAULT_GRACE) -> int:
+    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = RUN_GRACE) -> int:
         assert self.client is not None, "connect() first"
         transport = self.client.get_transport()
         assert transport is not None

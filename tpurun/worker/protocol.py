@@ -123,7 +123,7 @@ class TaskEnd(Word):
     FAILED = "failed"
 
 
-DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a job stops
+JOB_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a job stops
 DEFAULT_PRE_TIMEOUT = 300.0  # seconds a pre-command may take
 DEFAULT_LEASE = 60.0  # an attached job whose client has had no stream for this long is stopped
 HOST = -1  # the slot a host launch's one process per worker is filed under (its files: w<W>.log, .rec)
@@ -383,7 +383,7 @@ class JobSpec(_Record):
         launch: Launch = Launch.chip,
         detach: bool = False,
         down: bool = False,  # `train --down`: the TPU's watchdog deletes it once the job has ended
-        grace: float = DEFAULT_GRACE,
+        grace: float = JOB_GRACE,
         pre_commands: list[Any] | None = None,  # argv lists, or {"argv": [...], "wait": false}
         pre_timeout: float = DEFAULT_PRE_TIMEOUT,
         lease_timeout: float | None = None,  # attached: DEFAULT_LEASE unless given (0: none)
