@@ -15,7 +15,7 @@ from typing import Any
 from tpurun import config, health
 from tpurun.cloud import keys, startup
 from tpurun.errors import TpurunError, UnreachableError
-from tpurun.job import env_contract
+from tpurun.job import env_contract, preflight
 from tpurun.targets import Target
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, run_capture
@@ -153,6 +153,7 @@ class Doctor:
     probes: Probes
     unreachable: bool  # a worker could not be reached
     names: dict[int, str]  # worker index -> its name
+    skew: preflight.Skew  # who differs from whom in Python and decisive packages (as `train` refuses it)
 
     @property
     def summary(self) -> dict[str, int]:
@@ -181,10 +182,15 @@ def doctor(
     checks: list[health.Check] = []
     for r in target.runners:
         checks += _worker_rows(target, r, run, reports, home, py, kill_stale_cmd)
-    checks += health.check_same_versions(run.results)
+    answers = {w: a for w, a in ((w, preflight.from_probe(p)) for w, p in run.results.items()) if a is not None}
+    skew = preflight.compare(target, answers)
+    if len(answers) > 1:
+        checks += health.check_same_versions(skew, {w: target.all_workers[w].name for w in sorted(answers)})
     order = {r.worker.index: n for n, r in enumerate(target.runners)}
     checks.sort(key=lambda c: order.get(c.worker, 0))  # stable: each worker's rows stay in check order
-    return Doctor(target.name, target.accelerator_type, py, checks, run.results, bool(run.errors), target.worker_names)
+    return Doctor(
+        target.name, target.accelerator_type, py, checks, run.results, bool(run.errors), target.worker_names, skew
+    )
 
 
 def _worker_rows(

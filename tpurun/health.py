@@ -14,7 +14,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpurun.job.preflight import Skew
 
 GIB = 1 << 30
 DISK_WARN = 10 * GIB
@@ -102,39 +105,30 @@ def check_versions(worker: int, probe: dict[str, Any], python: str) -> Check:
     return Check(worker, "torch_xla", "pass", f"{head}, torch {torch}, torch_xla {xla}")
 
 
-def versions_key(probe: dict[str, Any]) -> tuple[str, str, str] | None:
-    p = probe.get("python_probe") or {}
-    if p.get("error"):
-        return None
-    return (str(p.get("python_version")), str(p.get("torch_version")), str(p.get("torch_xla_version")))
-
-
-def check_same_versions(probes: dict[int, dict[str, Any]]) -> list[Check]:
-    """Every worker has the versions most workers have (a pod runs one program everywhere)."""
-    keys = {w: versions_key(p) for w, p in probes.items()}
-    counts = Counter(k for k in keys.values() if k is not None)
-    if len(probes) < 2 or not counts:
-        return []
-    common, _ = counts.most_common(1)[0]
+def check_same_versions(skew: Skew, names: dict[int, str]) -> list[Check]:
+    """Every worker (index -> name) has what the most workers have: the same Python and decisive packages
+    (a pod runs one program everywhere). SKEW says who differs (preflight.compare, as `train` refuses it)."""
+    if not skew:
+        return [Check(w, "same versions", "pass", "same python and packages as the other workers") for w in names]
+    odd = set(skew.odd_workers())
     out = []
-    for w, k in sorted(keys.items()):
-        if k is None:
+    for w, name in names.items():
+        if name not in odd:
+            out.append(Check(w, "same versions", "pass", "the most common versions of every package"))
             continue
-        if k == common:
-            out.append(Check(w, "same versions", "pass", "same python/torch/torch_xla as the other workers"))
-            continue
-        diffs = [
-            f"{name} {mine} (others: {theirs})"
-            for name, mine, theirs in zip(("python", "torch", "torch_xla"), k, common, strict=True)
-            if mine != theirs
-        ]
+        common: dict[str, str] = {}
+        diffs = []
+        for what, version, holders in skew.rows:
+            common.setdefault(what, version)
+            if name in holders and version != common[what]:
+                diffs.append(f"{what} {version} (most: {common[what]})")
         out.append(
             Check(
                 w,
                 "same versions",
                 "fail",
                 "differs from the other workers: " + ", ".join(diffs),
-                f"install torch=={common[1]} and torch_xla=={common[2]} on this worker like on the others",
+                "install the versions the other workers have (the table below lists who has what)",
             )
         )
     return out

@@ -317,3 +317,33 @@ def test_processes_meet_at_internal_addresses_whatever_tpurun_connects_to(cli):
     assert [p["address"] for p in rows] == ["127.0.0.1", "127.0.0.1"]  # where tpurun connects
     assert {p["env"]["MASTER_ADDR"] for p in rows} == {internal[0]}
     assert {p["env"]["JAX_COORDINATOR_ADDRESS"] for p in rows} == {f"{internal[0]}:8482"}
+
+
+def test_a_package_differing_on_one_worker_is_refused_with_its_table(cli):
+    """jax 0.0.1 planted in worker 1's user site (its Python imports from there first): the start is refused
+    with the table of who differs, nothing started or recorded; --allow-skew starts it with a warning."""
+    d = create_node(cli, "skew")
+    w1 = d["workerEndpoints"][1]["internalIp"]
+    plant = "d=$(python3 -m site --user-site) && mkdir -p $d/jax-0.0.1.dist-info && echo $d"
+    r = subprocess.run(cli.ssh(w1, plant), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (cli.cwd / "printer.py").write_text(PRINTER)
+    train = ("--plain", "train", "printer.py", "1", "--runtime", "cpu", "--cores", "1", "--python", "python3")
+    r = cli(*train)
+    assert r.code == 2, (r.out, r.err)
+    assert_clean_error(r)
+    assert "the workers of skew differ: jax 0.0.1 on w1 (" in r.err and "nothing was started" in r.err
+    rows = [line.split() for line in r.out.splitlines()]
+    assert ["WHAT", "VERSION", "WORKERS"] in rows
+    jax_at = next(i for i, row in enumerate(rows) if row and row[0] == "jax")
+    assert rows[jax_at + 1] == ["0.0.1", "w1"] and rows[jax_at][2:] == ["w0"]
+    assert not lines_by_core(r.out) and json.loads(cli("jobs", "--tpu", "skew", "--json").out) == []
+    for ep in d["workerEndpoints"]:
+        listed = subprocess.run(
+            cli.ssh(ep["internalIp"], "ls ~/.tpurun/jobs 2>/dev/null | wc -l"), capture_output=True, text=True
+        )
+        assert listed.stdout.strip() == "0", listed
+    r = cli(*train, "--allow-skew")
+    assert r.code == 0, r.err
+    assert "starting anyway (--allow-skew): the workers differ: jax 0.0.1 on w1" in r.err
+    assert sorted(lines_by_core(r.out)) == [(0, 0), (1, 0)]

@@ -163,11 +163,26 @@ def test_versions():
 
 
 def test_same_versions_across_workers():
-    probes = {0: _probe(), 1: _probe(), 2: _probe(torch_xla_version="2.8.0"), 3: {"python_probe": {"error": "x"}}}
-    checks = health.check_same_versions(probes)
+    """doctor's rows come from the same comparison as train's refusal (preflight.compare)."""
+    from types import SimpleNamespace
+
+    from tpurun.job import preflight
+
+    def probe(**packages):
+        p = _probe()
+        p["python_probe"]["packages"] = {"torch": "2.9.0+cpu", "torch_xla": "2.9.0", "jax": None, **packages}
+        return p
+
+    probes = {0: probe(), 1: probe(), 2: probe(torch_xla="2.8.0"), 3: {"python_probe": {"error": "x"}}}
+    answers = {w: a for w, a in ((w, preflight.from_probe(p)) for w, p in probes.items()) if a is not None}
+    assert sorted(answers) == [0, 1, 2]
+    target = SimpleNamespace(name="t", all_workers=[SimpleNamespace(name=f"w{i}") for i in range(4)])
+    skew = preflight.compare(target, answers)
+    checks = health.check_same_versions(skew, {w: f"w{w}" for w in answers})
     assert [(c.worker, c.status) for c in checks] == [(0, "pass"), (1, "pass"), (2, "fail")]
-    assert "torch_xla 2.8.0 (others: 2.9.0)" in checks[2].detail
-    assert health.check_same_versions({0: _probe()}) == []
+    assert "torch_xla 2.8.0 (most: 2.9.0)" in checks[2].detail
+    same = preflight.compare(target, {0: answers[0], 1: answers[1]})
+    assert [c.status for c in health.check_same_versions(same, {0: "w0", 1: "w1"})] == ["pass", "pass"]
 
 
 def test_libtpu_and_devices():
@@ -233,4 +248,8 @@ def test_disk_clock_startup_ssh():
     assert failed.status == "fail" and "boom" in failed.detail and "cat log" in failed.fix
     assert health.check_startup(0, StartupReport("running"), "x").status == "warn"
     assert health.check_ssh(1, "cannot reach worker w1").status == "fail"
-    assert health.summary([health.Check(0, "a", "pass", ""), health.Check(0, "b", "fail", "")]) == {"pass": 1, "warn": 0, "fail": 1}
+    assert health.summary([health.Check(0, "a", "pass", ""), health.Check(0, "b", "fail", "")]) == {
+        "pass": 1,
+        "warn": 0,
+        "fail": 1,
+    }

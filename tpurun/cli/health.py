@@ -13,6 +13,7 @@ import typer
 
 from tpurun import diagnose, settings, targets, ui
 from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
+from tpurun.cli.output import skew_table
 from tpurun.errors import ExitCode
 
 
@@ -141,6 +142,7 @@ def doctor_cmd(
                 "exit_code": code,
                 "checks": [c.to_dict() for c in result.checks],
                 "workers": {str(i): result.probes[i] for i in sorted(result.probes)},
+                "skew": result.skew.to_json(),
             }
         )
     else:
@@ -149,5 +151,7 @@ def doctor_cmd(
             ["worker", "check", "status", "detail", "fix"],
             [(result.names[c.worker], c.name, c.status.upper(), c.detail, c.fix) for c in result.checks],
         )
+        if result.skew:
+            skew_table(result.skew)
         ui.info(f"{total['pass']} passed, {total['warn']} warnings, {total['fail']} failed")
     raise typer.Exit(code)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from tpurun import ui
 from tpurun.errors import ExitCode
 from tpurun.job.env_contract import process_name
+from tpurun.job.preflight import Skew
 from tpurun.naming import worker_name
 from tpurun.remote import ExecResult
 
@@ -178,3 +179,15 @@ class Renderer:
     def flush(self) -> None:
         with self.lock:
             self._flush()
+
+
+def skew_table(skew: Skew) -> None:
+    """Who differs from whom (train's refusal, doctor): each thing that differs, each version and its workers,
+    the most common first."""
+    rows: list[list[str]] = []
+    last = None
+    for what, version, names in skew.rows:
+        shown = ", ".join(names) if len(names) <= 8 else f"{len(names)} workers: {names[0]} … {names[-1]}"
+        rows.append(["" if what == last else what, version, shown])
+        last = what
+    ui.table("the workers differ", ["what", "version", "workers"], rows)

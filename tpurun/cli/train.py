@@ -15,9 +15,9 @@ import typer
 
 from tpurun import settings, ui
 from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
-from tpurun.cli.output import LineWriter, Renderer, progress_display, stop_on_signals
+from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stop_on_signals
 from tpurun.errors import ExitCode, TpuBusy, UsageError
-from tpurun.job import control, env_contract, launcher, lifecycle, status
+from tpurun.job import control, env_contract, launcher, lifecycle, preflight, status
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.worker.protocol import JOB_GRACE, Launch
 
@@ -100,6 +100,15 @@ DownOpt = Annotated[
     ),
 ]
 
+AllowSkewOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-skew",
+        help="Start even where the workers' Python, jax, jaxlib, libtpu, torch, torch_xla or the packages the "
+        "script's requirements.txt names differ (refused by default, with a table of who differs).",
+    ),
+]
+
 
 @parsing(context_settings={"ignore_unknown_options": True})
 def train_cmd(
@@ -126,6 +135,7 @@ def train_cmd(
     dest: DestOpt = None,
     tpu_ip: TpuIpOpt = None,
     down: DownOpt = False,
+    allow_skew: AllowSkewOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
@@ -152,6 +162,7 @@ def train_cmd(
         tpu_ip=tpu_ip,
         down=down,
         oversubscribe=oversubscribe,
+        allow_skew=allow_skew,
     )
     flags = {"tpu": tpu, "project": project, "zone": zone}
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
@@ -178,7 +189,9 @@ def _run(
         if spec.down:
             ui.warn(f"--down: {s.tpu.value} is kept, another job runs on it")
         raise
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, preflight.VersionSkew):
+            skew_table(exc.skew)
         if spec.down and s.tpu.value:  # the launch itself failed (a worker unreachable, ...): --down holds
             _render_down(lifecycle.take_down(s, None, out), ExitCode.OK)
         raise

@@ -23,6 +23,7 @@ from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit c
 from tpurun.job.runtimes import XRT_SERVER_PORT, Precision, Runtime, jax_cpu_env, runtime_env, torchtpu_env
 from tpurun.naming import worker_name
 from tpurun.topology import MEGASCALE_PORT, Topology
+from tpurun.worker import WORKER_DIR
 from tpurun.worker.protocol import HOST, Launch  # the agent's words for how processes are made and where filed
 
 W = TypeVar("W", Runtime, Launch, Precision)
@@ -527,8 +528,11 @@ def pick_runtime(asked: Runtime | str, probe: dict[str, object]) -> tuple[Runtim
     return Runtime.pjrt, f"auto picked pjrt: libtpu and TPU device files present, torch_xla {version}"
 
 
-# Runs on a worker with its own python3 (any 3.8+); prints one JSON object for pick_runtime and doctor.
-PROBE_SCRIPT = r"""
+# Runs on a worker with its own python3 (any 3.8+); prints one JSON object for pick_runtime and doctor
+# (with the versions of what decides a job, read as the agent's preflight reads them: versions.py first).
+PROBE_SCRIPT = (
+    (WORKER_DIR / "versions.py").read_text()
+    + r"""
 import glob, json, os, sys
 try:
     import importlib.util as iu
@@ -570,8 +574,10 @@ print(json.dumps({
     "torch_version": version("torch"),
     "python": sys.executable,
     "python_version": "%d.%d.%d" % sys.version_info[:3],
+    "packages": installed(DECISIVE),
 }))
 """
+)
 
 
 def process_name(worker: int, slot: int, name: str | None = None) -> str:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tpurun import config
-from tpurun.errors import ApiError, TpuBusy, TpurunError, UnreachableError, UsageError
-from tpurun.job import env_contract
+from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
+from tpurun.job import env_contract, preflight
 from tpurun.job.records import JobRecord, RecordStream, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
@@ -106,6 +106,7 @@ class TrainSpec:
     tpu_ip: str | None = None
     down: bool = False  # delete the TPU when the job ends (the TPU's watchdog does, if tpurun is gone)
     oversubscribe: bool = False  # the cpu runtime: more processes per worker than the host has devices
+    allow_skew: bool = False  # start even where the workers' Python or decisive packages differ
 
 
 @dataclass
@@ -488,6 +489,7 @@ class Job:
     cwd: str
     setup: Setup | None
     framework: str = "torch"  # what the script imports: "jax" or "torch" (env_contract.script_framework)
+    skew: preflight.Skew = field(default_factory=lambda: preflight.Skew(()))  # where the workers differ
 
     def notes(self) -> list[tuple[str, str]]:
         """(info|warn, text): what the user is told before the job starts."""
@@ -539,14 +541,13 @@ class JobResult:
 
 def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, local_dir: Path) -> Job:
     """Decide the job: runtime, launch model, every process, the setup. Only --runtime auto (or a real
-    start) needs the workers."""
+    start) needs the workers. A real start is refused on a busy TPU, and on skewed workers unless allowed
+    (after the setup, when there is one: it may install what differs)."""
     job_id = new_job_id()
     if spec.runtime is Runtime.auto or not spec.dry_run:
         connect(target)
     p = plan(target, spec, job_id, restart_count=restart)
     python = target.python(spec.python)
-    if not spec.dry_run:
-        refuse_if_busy(target, python)
     cwd = str(local_dir) if target.local else (dest or sender.default_dest(local_dir))
     setup = plan_setup(
         spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=local_dir, on_tpu=not target.local
@@ -555,21 +556,14 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
         framework = env_contract.script_framework((local_dir / spec.script).read_text(errors="replace"))
     except OSError:
         framework = "torch"
-    return Job(job_id, spec, target, p, python, cwd, setup, framework)
-
-
-def refuse_if_busy(target: Target, python: str) -> None:
-    """Raise TpuBusy when a job runs on any of TARGET's workers: before a job id is shown, code synced or
-    a record written. (The agents refuse a second job on their own too, should one slip in meanwhile.)"""
-    from tpurun.job import status
-
-    busy = status.running(target, python)
-    if busy:
-        job, where = sorted(busy.items())[0]
-        raise TpuBusy(
-            f"{target.name} is busy: job {job} runs on {', '.join(where)}; nothing was started",
-            hint=f"`tpurun cancel {job}` first, or wait: `tpurun logs {job} --follow`",
-        )
+    job = Job(job_id, spec, target, p, python, cwd, setup, framework)
+    if not spec.dry_run:
+        answers = preflight.ask(target, python, preflight.requirement_names(spec.script, local_dir))
+        preflight.refuse_if_busy(target, answers)
+        if setup is None:
+            job.skew = preflight.compare(target, answers)
+            preflight.refuse_skew(target, job.skew, spec.allow_skew)
+    return job
 
 
 def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event) -> JobResult:
@@ -584,6 +578,12 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
             return JobResult(job, JobState.SETUP_FAILED, setup=res)
         if cancel.is_set():
             return JobResult(job, JobState.INTERRUPTED, setup=res)
+        job.skew = preflight.compare(
+            target, preflight.ask(target, job.python, preflight.requirement_names(spec.script, local_dir))
+        )
+        preflight.refuse_skew(target, job.skew, spec.allow_skew)
+    if job.skew:
+        out.warn(f"starting anyway (--allow-skew): the workers differ: {job.skew.summary()}")
     specs = job.plan.specs
     JobRecord(
         job_id=job.job_id,

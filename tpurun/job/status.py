@@ -128,17 +128,6 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
     return out
 
 
-def running(target: Target, python: str) -> dict[str, list[str]]:
-    """{job id: the names of the workers it runs on} of the jobs running on TARGET's (connected) workers."""
-    found: dict[str, list[str]] = {}
-    listed = each(target.runners, lambda runner: _agent_jobs(runner, python), name="jobs")
-    for r in target.runners:
-        for job, st in listed.get(r.worker.index, {}).items():
-            if st.get("status") in ACTIVE and st.get("supervisor_alive", True):
-                found.setdefault(job, []).append(r.worker.name)
-    return found
-
-
 def _agent_jobs(runner: Runner, python: str) -> dict[str, dict]:
     """{job id: its state} of every job the agent on RUNNER's worker knows ({} without an agent there, or
     when the worker stopped answering meanwhile)."""

@@ -24,6 +24,7 @@ BUNDLE = (
     "protocol.py",
     "hook/sitecustomize.py",
     "probe.py",
+    "versions.py",
     "watchdog.py",
 )
 

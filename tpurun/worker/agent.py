@@ -38,6 +38,8 @@ import sys
 import threading
 import time
 
+import versions
+
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
 from agent_files import (
     CHUNK,
@@ -64,6 +66,7 @@ from protocol import (
     Exit,
     JobSpec,
     JobStatus,
+    Preflight,
     ProcessStatus,
     Started,
     StartFailed,
@@ -198,14 +201,25 @@ def cmd_state(args) -> int:
     return AgentExit.OK
 
 
-def cmd_jobs(args) -> int:
+def _jobs() -> list:
     root = agent_root()
     out = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         st = read_json(os.path.join(root, name, "state.json"))
         if st is not None:
             out.append(_with_liveness(st))
-    print(json.dumps(out, sort_keys=True))
+    return out
+
+
+def cmd_jobs(args) -> int:
+    print(json.dumps(_jobs(), sort_keys=True))
+    return AgentExit.OK
+
+
+def cmd_preflight(args) -> int:
+    names = list(versions.DECISIVE) + [n for n in args.packages.split(",") if n]
+    answer = Preflight(_jobs(), versions.python(), sys.executable, versions.installed(names))
+    print(answer.to_json())
     return AgentExit.OK
 
 
@@ -448,10 +462,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--follow", action="store_true")
     p.add_argument("--attached", action="store_true", help="stop the job when stdin reaches EOF")
     sub.add_parser("jobs", help="every job on this worker")
+    p = sub.add_parser("preflight", help="before a job: the jobs here, this Python and its packages' versions")
+    p.add_argument("--packages", default="", help="comma-separated names to report besides versions.DECISIVE")
     p = sub.add_parser("state", help="a job's state")
     p.add_argument("job")
     args = parser.parse_args(argv)
-    commands = {"start": cmd_start, "stop": cmd_stop, "stream": cmd_stream, "jobs": cmd_jobs, "state": cmd_state}
+    commands = {
+        "start": cmd_start,
+        "stop": cmd_stop,
+        "stream": cmd_stream,
+        "jobs": cmd_jobs,
+        "preflight": cmd_preflight,
+        "state": cmd_state,
+    }
     if args.command not in commands:
         parser.print_usage(sys.stderr)
         return AgentExit.USAGE

@@ -470,6 +470,37 @@ def first_failure(state: dict[str, Any]) -> FirstFailure | None:
     return FirstFailure(int(origin["core"]), origin.get("exit_code"))
 
 
+# ---------------------------------------------------------------- preflight (before a job starts)
+
+
+class Preflight(_Record):
+    """`agent.py preflight`'s answer, in the one round trip `train` makes to every worker before it starts a
+    job: the jobs there (the state of each) and what decides a job there (the job's Python, the versions of
+    the packages asked about: None where not installed)."""
+
+    __slots__ = ("jobs", "python", "executable", "packages")
+
+    def __init__(
+        self, jobs: list[dict[str, Any]], python: str, executable: str, packages: dict[str, str | None]
+    ) -> None:
+        self.jobs = jobs
+        self.python = python
+        self.executable = executable
+        self.packages = packages
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Preflight:
+        """The answer, or ValueError."""
+        data = json.loads(text)
+        try:
+            return cls(list(data["jobs"]), str(data["python"]), str(data["executable"]), dict(data["packages"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a preflight answer: {text[:100]!r}") from e
+
+
 # ---------------------------------------------------------------- the hook's connections
 
 
