@@ -320,11 +320,13 @@ def test_processes_meet_at_internal_addresses_whatever_tpurun_connects_to(cli):
 
 
 def test_a_package_differing_on_one_worker_is_refused_with_its_table(cli):
-    """jax 0.0.1 planted in worker 1's user site (its Python imports from there first): the start is refused
-    with the table of who differs, nothing started or recorded; --allow-skew starts it with a warning."""
+    """Worker 1's jax metadata says 0.0.1 (renamed in that worker's own copy of the image's Python, as a
+    different install would leave it): the start is refused with the table of who differs, nothing started
+    or recorded; --allow-skew starts it with a warning."""
     d = create_node(cli, "skew")
     w1 = d["workerEndpoints"][1]["internalIp"]
-    plant = "d=$(python3 -m site --user-site) && mkdir -p $d/jax-0.0.1.dist-info && echo $d"
+    purelib = "python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'"
+    plant = f'cd "$({purelib})" && mv jax-*.dist-info jax-0.0.1.dist-info'
     r = subprocess.run(cli.ssh(w1, plant), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     (cli.cwd / "printer.py").write_text(PRINTER)
