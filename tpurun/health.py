@@ -121,7 +121,7 @@ def check_same_versions(skew: Skew, names: dict[int, str]) -> list[Check]:
         for what, version, holders in skew.rows:
             common.setdefault(what, version)
             if name in holders and version != common[what]:
-                diffs.append(f"{what} {version} (most: {common[what]})")
+                diffs.append(f"{what} {version} (others: {common[what]})")
         out.append(
             Check(
                 w,

@@ -180,7 +180,7 @@ def test_same_versions_across_workers():
     skew = preflight.compare(target, answers)
     checks = health.check_same_versions(skew, {w: f"w{w}" for w in answers})
     assert [(c.worker, c.status) for c in checks] == [(0, "pass"), (1, "pass"), (2, "fail")]
-    assert "torch_xla 2.8.0 (most: 2.9.0)" in checks[2].detail
+    assert "torch_xla 2.8.0 (others: 2.9.0)" in checks[2].detail
     same = preflight.compare(target, {0: answers[0], 1: answers[1]})
     assert [c.status for c in health.check_same_versions(same, {0: "w0", 1: "w1"})] == ["pass", "pass"]
 
