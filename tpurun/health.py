@@ -110,18 +110,16 @@ def check_same_versions(skew: Skew, names: dict[int, str]) -> list[Check]:
     (a pod runs one program everywhere). SKEW says who differs (preflight.compare, as `train` refuses it)."""
     if not skew:
         return [Check(w, "same versions", "pass", "same python and packages as the other workers") for w in names]
-    odd = set(skew.odd_workers())
     out = []
     for w, name in names.items():
-        if name not in odd:
+        diffs = [
+            f"{what} {version} (others: {common})"
+            for what, version, holders, common in skew.odd_ones()
+            if name in holders
+        ]
+        if not diffs:
             out.append(Check(w, "same versions", "pass", "the most common versions of every package"))
             continue
-        common: dict[str, str] = {}
-        diffs = []
-        for what, version, holders in skew.rows:
-            common.setdefault(what, version)
-            if name in holders and version != common[what]:
-                diffs.append(f"{what} {version} (others: {common[what]})")
         out.append(
             Check(
                 w,

@@ -107,26 +107,19 @@ class Skew:
     def to_json(self) -> list[dict[str, object]]:
         return [{"what": what, "version": v, "workers": list(names)} for what, v, names in self.rows]
 
-    def odd_workers(self) -> list[str]:
-        """The workers that differ from the most common version of something."""
-        odd: list[str] = []
-        seen = set()
-        for what, _, names in self.rows:
-            if what in seen:
-                odd += [n for n in names if n not in odd]
-            seen.add(what)
-        return odd
+    def odd_ones(self) -> list[tuple[str, str, tuple[str, ...], str]]:
+        """Each version that is not the most common of its thing: (what, version, its workers, the most
+        common version)."""
+        common: dict[str, str] = {}
+        out = []
+        for what, version, names in self.rows:
+            if common.setdefault(what, version) != version:
+                out.append((what, version, names, common[what]))
+        return out
 
     def summary(self) -> str:
         """One line: what differs, and where (the odd ones out)."""
-        parts = []
-        majority: dict[str, str] = {}
-        for what, version, names in self.rows:
-            if what not in majority:
-                majority[what] = version
-                continue
-            parts.append(f"{what} {version} on {', '.join(names)} ({majority[what]} elsewhere)")
-        return "; ".join(parts)
+        return "; ".join(f"{w} {v} on {', '.join(names)} ({c} elsewhere)" for w, v, names, c in self.odd_ones())
 
 
 def compare(target: Target, answers: dict[int, Preflight]) -> Skew:
