@@ -17,7 +17,7 @@ from tpurun import settings, ui
 from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stop_on_signals
 from tpurun.errors import ExitCode, TpuBusy, UsageError
-from tpurun.job import control, env_contract, launcher, lifecycle, preflight, status
+from tpurun.job import attempt, control, env_contract, launcher, lifecycle, preflight, status
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.worker.protocol import JOB_GRACE, Launch
 
@@ -353,7 +353,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
     return ExitCode.PROGRAM_FAILED if state is launcher.JobState.FAILED else ExitCode.OK
 
 
-def _summary(run: launcher.JobRun) -> None:
+def _summary(run: attempt.JobRun) -> None:
     rows = []
     for (w, slot), o in sorted(run.outcomes.items()):
         code = "-" if o.exit_code is None else str(o.exit_code)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tpurun import targets
 from tpurun.errors import Preempted, TpurunError, UsageError
-from tpurun.job.launcher import Job, JobResult, JobState, Output, TrainSpec, prepare, start
+from tpurun.job.attempt import Output
+from tpurun.job.launcher import Job, JobResult, JobState, TrainSpec, prepare, start
 from tpurun.settings import Settings, clear_project_setting
 
 

@@ -1,0 +1,263 @@
+"""One attempt of a job across all workers: each worker's agent starts its part, and its records stream back.
+
+Each worker gets one SSH channel running `agent start` then `agent stream --attached`: the channel's stdin is
+the job's lifeline, so closing it (fail-fast, Ctrl-C) or losing it (tpurun killed, laptop gone) stops the
+processes of an attached job on that worker. `JobRun` renders every line through an `Output`, follows how
+each process ends, and stops the job everywhere on the first failure; `launcher` decides the job and
+makes the attempts.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tpurun.errors import TpurunError
+from tpurun.job import env_contract
+from tpurun.job.records import RecordStream
+from tpurun.targets import Target
+from tpurun.transport import bundle
+from tpurun.transport.fanout import each
+from tpurun.transport.runner import Runner, Stream, open_stream
+from tpurun.worker import bundle_name, protocol
+from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
+
+# Runs on each worker: agent present (else exit AgentExit.MISSING)? start the job (spec from $2, base64),
+# then stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
+_START_AND_STREAM = (
+    f'f="{bundle.BIN}/$1/agent.py"; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
+    'printf %s "$2" | base64 -d | "$3" "$f" start || exit $?; '
+    '[ "$5" = detach ] && exit 0; '
+    'exec "$3" "$f" stream "$4" --follow --attached'
+)
+
+
+@dataclass
+class SlotOutcome:
+    """How the process in one slot of a worker stands or ended, as the launcher follows it."""
+
+    worker: int
+    slot: int
+    exit_code: int | None = None
+    status: ProcessStatus = ProcessStatus.RUNNING
+    started: float = 0.0
+    ended: float = 0.0
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def failed(self) -> bool:
+        # died: a chip process of a host launch that vanished unreported (its exit status is its parent's)
+        return self.exit_code not in (0, None) or self.status is ProcessStatus.DIED
+
+    @property
+    def ending(self) -> str:
+        if self.status is ProcessStatus.DIED:
+            return "no exit status: it died, killed by a signal or crashed"
+        return f"exit code {self.exit_code}"
+
+
+class Output(Protocol):
+    """How the launcher reports (it prints nothing itself): status lines, every process's lines, and the
+    lines a worker's setup prints."""
+
+    def name_workers(self, names: dict[int, str]) -> None: ...
+    def info(self, text: str) -> None: ...
+    def warn(self, text: str) -> None: ...
+    def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (slot, text) each, in order
+    def worker_line(self, worker: int, stream: str, text: str) -> None: ...
+    def flush(self) -> None: ...
+    def progress(self) -> AbstractContextManager[Callable[[str], None]]: ...
+
+
+class JobRun:
+    """One attempt of a job across all workers."""
+
+    def __init__(
+        self,
+        target: Target,
+        job_id: str,
+        specs: list[list[env_contract.SlotSpec]],
+        out: Output,
+        *,
+        cwd: str,
+        python: str,
+        detach: bool,
+        grace: float,
+        pre: Callable[[int], list[list[str]]],
+        launch: Launch,
+        cancel: threading.Event | None = None,
+        down: bool = False,
+    ) -> None:
+        self.target = target
+        self.job_id = job_id
+        self.specs = specs
+        self.out = out
+        self.cwd = cwd
+        self.python = python
+        self.detach = detach
+        self.grace = grace
+        self.pre = pre
+        self.launch = launch
+        self.down = down
+        self.cancel = cancel or threading.Event()  # set by the caller (Ctrl-C): stop the job everywhere
+        self.outcomes: dict[tuple[int, int], SlotOutcome] = {
+            (c.worker, c.slot): SlotOutcome(c.worker, c.slot) for per in specs for c in per
+        }
+        self.first_failure: SlotOutcome | None = None
+        self.lost: dict[int, str] = {}
+        self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
+        self.stop = threading.Event()
+        self.started_at = time.monotonic()
+        self.lock = threading.Lock()
+
+    def job_spec(self, worker: int) -> protocol.JobSpec:
+        return protocol.JobSpec(
+            job_id=self.job_id,
+            worker=worker,
+            cores=[protocol.ProcessSpec(c.slot, c.argv, c.env, self.cwd) for c in self.specs[worker]],
+            launch=self.launch,
+            detach=self.detach,
+            down=self.down,
+            grace=self.grace,
+            pre_commands=self.pre(worker),
+        )
+
+    def _command(self, worker: int) -> list[str]:
+        spec = base64.b64encode(self.job_spec(worker).to_json().encode()).decode()
+        mode = "detach" if self.detach else "attach"
+        return ["sh", "-c", _START_AND_STREAM, "tpurun", bundle_name(), spec, self.python, self.job_id, mode]
+
+    def _worker(self, runner: Runner) -> None:
+        w = runner.worker.index
+        try:
+            stream = open_stream(runner, self._command(w))
+            if self._pump(w, stream) == AgentExit.MISSING:
+                # first job on this worker (or a new tpurun version): ship the agent, then start again
+                bundle.install(runner)
+                self._pump(w, open_stream(runner, self._command(w)))
+        except TpurunError as exc:
+            self._lose(w, str(exc))
+        except (OSError, EOFError) as exc:
+            self._lose(w, f"worker {runner.worker.label()}: {exc}")
+
+    def _lose(self, w: int, why: str) -> None:
+        with self.lock:
+            self.lost[w] = why
+        self.stop.set()
+
+    def _pump(self, w: int, stream: Stream) -> int:
+        """Render W's records until its job is done; the stream's exit code."""
+        reader = RecordStream(stream)
+        closed = False
+        done = False
+        while not done:
+            if self.cancel.is_set():
+                self.stop.set()
+            if self.stop.is_set() and not closed and not self.detach:
+                stream.close_stdin()  # the agent stops this worker's processes and keeps streaming to the end
+                closed = True
+            recs = reader.records(0.1)
+            if recs is None:
+                break
+            took, over = self._take(w, recs)
+            done = done or over
+            if not took:
+                self.out.flush()  # idle: show what is buffered now, not when the next line comes
+        rc = stream.wait()
+        if not done:
+            err = stream.stderr_text().strip()
+            if rc == AgentExit.MISSING:
+                return rc
+            if rc == AgentExit.BUSY:
+                # another job holds this worker: a refusal (nothing of ours started), not a lost worker
+                with self.lock:
+                    self.busy[w] = err.splitlines()[-1]
+                self.stop.set()
+            elif self.detach and rc == 0:
+                return rc
+            else:
+                detail = err.splitlines()[-1] if err else f"connection closed (exit {rc})"
+                self._lose(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
+        return rc
+
+    def _take(self, w: int, recs: Iterable[protocol.Record]) -> tuple[bool, bool]:
+        """A read's worth of W's records, each run of lines to the output at once: whether there were any,
+        and whether W's part of the job is over."""
+        took = over = False
+        batch: list[tuple[int, str]] = []
+        for rec in recs:
+            took = True
+            if isinstance(rec, protocol.Line):
+                batch.append((rec.slot, rec.text))
+                continue
+            if batch:
+                self._lines(w, batch)
+                batch = []
+            over = self._event(w, rec) or over
+        if batch:
+            self._lines(w, batch)
+        return took, over
+
+    def _lines(self, w: int, batch: list[tuple[int, str]]) -> None:
+        kept: dict[int, deque[str]] = {}  # each slot's last lines (an outcome's lookup takes the lock)
+        for slot, text in batch:
+            last = kept.get(slot)
+            if last is None:
+                last = kept[slot] = self.outcome(w, slot).last_lines
+            last.append(text)
+        self.out.lines(w, batch)
+
+    def _event(self, w: int, rec: protocol.Record) -> bool:
+        """Take one of W's records other than a line; True once W's part of the job is over."""
+        if isinstance(rec, protocol.Exit):
+            self._exited(w, rec)
+            return False
+        if isinstance(rec, protocol.Done):
+            origin = protocol.first_failure(rec.state)
+            if origin is not None and self.first_failure is None:
+                with self.lock:
+                    if self.first_failure is None:
+                        self.first_failure = self.outcome(w, origin.slot)
+            for ps in protocol.process_states(rec.state):
+                o = self.outcome(w, ps.slot)
+                if o.exit_code is None:
+                    o.exit_code, o.status = ps.exit_code, ps.status
+            return True
+        if isinstance(rec, protocol.StartFailed):
+            self._lose(w, f"{self.target.all_workers[w].name}: the agent could not start the job: {rec.reason}")
+            return True
+        return False  # Started
+
+    def _exited(self, w: int, rec: protocol.Exit) -> None:
+        o = self.outcome(w, rec.slot)
+        o.exit_code, o.status = rec.code, rec.status
+        o.ended = time.monotonic() - self.started_at
+        if o.failed and not self.stop.is_set():
+            # a process the agent killed because a sibling failed is not the origin: wait for the sibling's record
+            if o.status is not ProcessStatus.KILLED:
+                with self.lock:
+                    if self.first_failure is None:
+                        self.first_failure = o
+            name = env_contract.process_name(w, rec.slot, self.target.all_workers[w].name)
+            self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
+            self.stop.set()
+        elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
+            with self.lock:
+                self.first_failure = o  # its worker's agent reported the killed sibling first
+
+    def outcome(self, w: int, slot: int) -> SlotOutcome:
+        """W's SLOT, also one the script's spawner made after the start (a host launch's chips)."""
+        with self.lock:
+            if (w, slot) not in self.outcomes:
+                self.outcomes[(w, slot)] = SlotOutcome(w, slot)
+            return self.outcomes[(w, slot)]
+
+    def run(self) -> None:
+        each(self.target.runners, self._worker, name="job")
+        self.out.flush()
