@@ -9,6 +9,7 @@ class ExitCode:
     USAGE = 2
     API = 3
     UNREACHABLE = 4
+    HUNG = 124  # `train --on-hang stop`: stopped after --hang-timeout without progress (as timeout(1) exits)
     INTERRUPTED = 130
 
 

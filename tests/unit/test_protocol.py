@@ -22,6 +22,12 @@ RECORDS: list[protocol.Record] = [
     protocol.Done(2, {"status": "failed", "first_failure": {"worker": 2, "core": 1, "exit_code": 4}, "cores": []}),
     protocol.Started("20261125-000000-abcd", 1, 4242, [{"core": 0, "status": "running", "exit_code": None}]),
     protocol.StartFailed("20261125-000000-abcd", "pre-command ['x'] exited 1 (see pre.log)"),
+    protocol.Passages(
+        3,
+        protocol.HOST,
+        [protocol.Passage("jax.distributed.initialize", 1764000000.5, 1764000003.25), protocol.Passage("x", 1.0)],
+    ),
+    protocol.Passages(0, 2, []),
 ]
 
 # The agent's side: the bundle's protocol.py imported the way the agent imports it (its directory first on
@@ -44,6 +50,9 @@ for raw in sys.stdin.buffer:
     elif kind == b"end":
         end, code = protocol.read_task_end(body)
         sys.stdout.buffer.write(protocol.task_end(end, code))
+    elif kind == b"passage":
+        import json
+        sys.stdout.buffer.write(protocol.passage_line(protocol.Passage.from_dict(json.loads(body))))
 """
 
 SPEC = protocol.JobSpec(
@@ -66,6 +75,9 @@ def test_every_record_kind_round_trips_through_the_agent_side(python: str | None
     lines.append(b"spec " + SPEC.to_json().encode() + b"\n")
     lines += [b"hook " + protocol.hook_header(7, s, True) for s in protocol.HookStream]
     lines += [b"end " + protocol.task_end(e, c) for e, c in [(protocol.TaskEnd.OK, 0), (protocol.TaskEnd.FAILED, 3)]]
+    lines.append(b"hook " + protocol.hook_header(protocol.HOST, protocol.HookStream.WAIT, False))
+    passages = [protocol.Passage("xm.rendezvous('init')", 5.5), protocol.Passage("torch", 1764000000.0, 1764000009.5)]
+    lines += [b"passage " + protocol.passage_line(p) for p in passages]
     r = subprocess.run(
         [python, "-c", AGENT_SIDE, str(WORKER_DIR)], input=b"".join(lines), capture_output=True, timeout=60
     )
@@ -78,10 +90,17 @@ def test_every_record_kind_round_trips_through_the_agent_side(python: str | None
     sent, echoed = json.loads(SPEC.to_json()), json.loads(back[len(RECORDS)])
     assert [p["core"] for p in sent["cores"]] == [p["core"] for p in echoed["cores"]] == [protocol.HOST]
     assert sent == echoed and all(sorted(p) == ["argv", "core", "cwd", "env"] for p in sent["cores"])
-    hooks = back[len(RECORDS) + 1 : len(RECORDS) + 4]
+    n = len(protocol.HookStream)
+    hooks = back[len(RECORDS) + 1 : len(RECORDS) + 1 + n]
     assert [protocol.read_hook_header(h) for h in hooks] == [(7, s, True) for s in protocol.HookStream]
-    ends = back[len(RECORDS) + 4 :]
+    ends = back[len(RECORDS) + 1 + n : len(RECORDS) + 3 + n]
     assert [protocol.read_task_end(e) for e in ends] == [(protocol.TaskEnd.OK, 0), (protocol.TaskEnd.FAILED, 3)]
+    # a process tpurun started (slot HOST) reports its passages on a wait connection, and only there
+    waits = back[len(RECORDS) + 3 + n :]
+    assert protocol.read_hook_header(waits[0]) == (protocol.HOST, protocol.HookStream.WAIT, False)
+    with pytest.raises(ValueError):
+        protocol.read_hook_header(protocol.hook_header(protocol.HOST, protocol.HookStream.OUT, False))
+    assert [protocol.Passage.from_dict(json.loads(w)) for w in waits[1:]] == passages
 
 
 def test_rec_lines_framed_by_the_agent_are_the_lines_they_were() -> None:

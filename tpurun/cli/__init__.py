@@ -74,6 +74,7 @@ COMMANDS: dict[str, str] = {
     "jobs": "train:jobs_cmd",
     "logs": "train:logs_cmd",
     "cancel": "train:cancel_cmd",
+    "stacks": "train:stacks_cmd",
     "kill-stale": "health:kill_stale_cmd",
     "doctor": "health:doctor_cmd",
     "emulator": "basic:emulator_cmd",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -15,6 +16,7 @@ from tpurun import ui
 from tpurun.errors import ExitCode
 from tpurun.job.env_contract import process_name
 from tpurun.job.preflight import Skew
+from tpurun.job.stacks import Stacks
 from tpurun.naming import worker_name
 from tpurun.remote import ExecResult
 
@@ -124,10 +126,12 @@ class Renderer:
 
     COLOURS = [36, 35, 32, 33, 34, 31]
 
-    def __init__(self, colour: bool, quiet: bool = False, chatter: bool = False) -> None:
+    def __init__(self, colour: bool, quiet: bool = False, chatter: bool = False, live: bool = False) -> None:
         self.colour = colour
         self.quiet = quiet
         self.chatter = chatter
+        self.live = live  # a status line stays under the lines, redrawn (stderr is a terminal)
+        self.status = ""
         self._names: Mapping[int, str] = {}  # worker index -> name, when not wN (a multislice TPU: sS/wN)
         self.tags: dict[tuple[int, int], str] = {}  # (worker, slot) -> its lines' [tag], made once
         self.lock = threading.Lock()
@@ -168,17 +172,46 @@ class Renderer:
 
     def _flush(self) -> None:
         if self.buffer:
+            self._erase()
             try:
                 sys.stdout.write("".join(self.buffer))
                 sys.stdout.flush()
             except BrokenPipeError:
                 pass
             self.buffer.clear()
+            self._draw()
         self.last_flush = time.monotonic()
 
     def flush(self) -> None:
         with self.lock:
             self._flush()
+
+    def set_status(self, text: str) -> None:
+        """The live line under the lines ("" removes it)."""
+        with self.lock:
+            self._flush()
+            self._erase()
+            self.status = text
+            self._draw()
+
+    def above(self, write: Callable[[], None]) -> None:
+        """WRITE (a status line of tpurun's) between the lines and the live line."""
+        with self.lock:
+            self._flush()
+            self._erase()
+            write()
+            self._draw()
+
+    def _erase(self) -> None:
+        if self.live and self.status:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+    def _draw(self) -> None:
+        if self.live and self.status:
+            width = shutil.get_terminal_size().columns
+            sys.stderr.write(self.status if len(self.status) < width else self.status[: width - 2] + "…")
+            sys.stderr.flush()
 
 
 def skew_table(skew: Skew) -> None:
@@ -191,3 +224,26 @@ def skew_table(skew: Skew) -> None:
         rows.append(["" if what == last else what, version, shown])
         last = what
     ui.table("the workers differ", ["what", "version", "workers"], rows)
+
+
+SHOWN_FRAMES = 12  # frames of a group's stack printed (innermost first); the dump on disk has them all
+
+
+def stacks_report(stacks: Stacks) -> None:
+    """A job's stacks on stdout: the one-line summary, then each group (odd ones out first) with its members
+    and its main thread's frames, innermost first; then the processes without stacks and the dump's file."""
+    print(stacks.summary())
+    for g in stacks.groups:
+        names = [p.name for p in g.members]
+        shown = ", ".join(names) if len(names) <= 8 else f"{', '.join(names[:8])} and {len(names) - 8} more"
+        print(f"\n{len(names)} process{'es' if len(names) > 1 else ''} {g.where(stacks.cwd)}: {shown}")
+        for f in g.frames[:SHOWN_FRAMES]:
+            place = f"{f.file}:{f.line}" if f.python else f.file
+            print(f"    {place} in {f.function}" + (f": {f.source}" if f.source else ""))
+        if len(g.frames) > SHOWN_FRAMES:
+            print(f"    ... {len(g.frames) - SHOWN_FRAMES} more frames in the dump")
+    if stacks.unread:
+        print()
+        for p in stacks.unread:
+            print(f"no stacks from {p.name} (pid {p.stack.pid}, {p.stack.argv[:60]}): {p.stack.why}")
+    sys.stdout.flush()

@@ -6,6 +6,7 @@ import contextlib
 import shlex
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -13,12 +14,15 @@ from typing import Annotated
 
 import typer
 
-from tpurun import settings, ui
+from tpurun import naming, settings, ui
 from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
-from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stop_on_signals
+from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stacks_report, stop_on_signals
 from tpurun.errors import ExitCode, TpuBusy, UsageError
-from tpurun.job import attempt, control, env_contract, launcher, lifecycle, preflight, status
+from tpurun.job import attempt, control, env_contract, launcher, lifecycle, preflight, stacks, status
+from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
+from tpurun.job.stacks import Stacks
+from tpurun.job.watch import Waiting
 from tpurun.worker.protocol import JOB_GRACE, Launch
 
 
@@ -100,6 +104,22 @@ DownOpt = Annotated[
     ),
 ]
 
+HangTimeoutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--hang-timeout",
+        help="When no process has printed a line or changed state for this long (90s, 10m, 1h; 0: never), read "
+        "every process's stacks and report them, grouped (then --on-hang). Default 30m; attached jobs only "
+        "(`tpurun stacks JOB` for a detached one).",
+    ),
+]
+OnHangOpt = Annotated[
+    OnHang,
+    typer.Option(
+        "--on-hang",
+        help="After the report: keep waiting (report), or stop the job and exit 124 (stop).",
+    ),
+]
 AllowSkewOpt = Annotated[
     bool,
     typer.Option(
@@ -136,6 +156,8 @@ def train_cmd(
     tpu_ip: TpuIpOpt = None,
     down: DownOpt = False,
     allow_skew: AllowSkewOpt = False,
+    hang_timeout: HangTimeoutOpt = None,
+    on_hang: OnHangOpt = OnHang.report,
     json_out: JsonOpt = False,
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
@@ -163,6 +185,8 @@ def train_cmd(
         down=down,
         oversubscribe=oversubscribe,
         allow_skew=allow_skew,
+        hang_timeout=_hang_timeout(hang_timeout, detach),
+        on_hang=on_hang,
     )
     flags = {"tpu": tpu, "project": project, "zone": zone}
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
@@ -201,6 +225,17 @@ def _run(
     return code
 
 
+def _hang_timeout(text: str | None, detach: bool) -> float:
+    """--hang-timeout in seconds: the default for an attached job; refused for a detached one (no one watches)."""
+    if text is None:
+        return 0.0 if detach else attempt.DEFAULT_HANG_TIMEOUT
+    if detach:
+        raise UsageError(
+            "--hang-timeout watches an attached job; for a detached one, `tpurun stacks JOB` shows where it stands"
+        )
+    return float(naming.parse_duration(text))
+
+
 def _render_down(down: lifecycle.Down, code: int) -> int:
     """What became of a `--down` job's TPU; the exit code CODE, or the deletion's when the job succeeded."""
     if down.to_watchdog:
@@ -215,21 +250,59 @@ def _render_down(down: lifecycle.Down, code: int) -> int:
     return code
 
 
+WAIT_REPEAT = 30.0  # seconds between repeats of an unchanged "waiting at" line, where it cannot stay live
+
+
 class TerminalOutput:
     """The launcher's reports on this terminal: the processes' lines on stdout, status lines on stderr."""
 
     def __init__(self, *, colour: bool, quiet: bool, chatter: bool) -> None:
-        self.renderer = Renderer(colour=colour, quiet=quiet, chatter=chatter)
+        live = colour and not quiet and sys.stderr.isatty()
+        self.renderer = Renderer(colour=colour, quiet=quiet, chatter=chatter, live=live)
         self.worker_line = LineWriter(colour=colour)
+        self.waited: tuple[str, tuple[str, ...]] | None = None  # (point, missing) last said, when not live
+        self.waited_said = 0.0
 
     def name_workers(self, names: dict[int, str]) -> None:
         self.renderer.names = self.worker_line.names = names
 
     def info(self, text: str) -> None:
-        ui.info(text)
+        self.renderer.above(lambda: ui.info(text))
 
     def warn(self, text: str) -> None:
-        ui.warn(text)
+        self.renderer.above(lambda: ui.warn(text))
+
+    def hung(self, found: Stacks | None, why: str, quiet: float, stopping: bool) -> None:
+        """The job made no progress for QUIET seconds: every process's stacks (FOUND; WHY none), on stderr."""
+        then = "stopping the job (--on-hang stop)" if stopping else "still waiting (--on-hang report)"
+        head = f"no process has printed a line or changed state for {ui.age(quiet)}: {then}"
+        if found is None:
+            self.warn(f"{head}; no stacks: {why}")
+            return
+
+        def report() -> None:
+            ui.warn(f"{head}; where every process stands:")
+            with contextlib.redirect_stdout(sys.stderr):
+                stacks_report(found)
+            ui.info(f"the whole dump: {found.path}")
+
+        self.renderer.above(report)
+
+    def waiting(self, waiting: Waiting | None) -> None:
+        """Who the job's processes wait for: the live line on a terminal; else a status line when it changes,
+        and every WAIT_REPEAT seconds while it lasts."""
+        if self.renderer.live:
+            self.renderer.set_status("" if waiting is None else f"tpurun: {waiting.text()}")
+            return
+        key = None if waiting is None else (waiting.at, tuple(m.name for m in waiting.missing))
+        again = waiting is not None and time.monotonic() - self.waited_said > WAIT_REPEAT
+        if key == self.waited and not again:
+            return
+        if waiting is not None:
+            self.info(waiting.text())
+        elif self.waited is not None:
+            self.info(f"no longer waiting at {self.waited[0]}")
+        self.waited, self.waited_said = key, time.monotonic()
 
     def lines(self, worker: int, lines: list[tuple[int, str]]) -> None:
         self.renderer.lines(worker, lines)
@@ -307,15 +380,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
         return ExitCode.OK
     if state is launcher.JobState.PREEMPTED:
-        if spec.max_restarts:
-            _error(f"error: {name} was preempted and --max-restarts {spec.max_restarts} is used up")
-        else:
-            _error(
-                f"error: {name} was preempted while job {job.job_id} ran: its processes are gone on every worker "
-                "(--max-restarts 0)"
-            )
-            _error("hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job")
-        return ExitCode.UNREACHABLE
+        return _preempted(name, job.job_id, spec.max_restarts)
     if state is launcher.JobState.LOST and spec.detach:
         for why in run.lost.values():
             _error(f"error: {why}")
@@ -334,6 +399,12 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         _summary(run)
     if state is launcher.JobState.INTERRUPTED:
         return ExitCode.INTERRUPTED
+    if state is launcher.JobState.HUNG:
+        _error(
+            f"error: job {job.job_id} made no progress for {ui.age(spec.hang_timeout)} and was "
+            "stopped (--on-hang stop); its stacks are above"
+        )
+        return ExitCode.HUNG
     if run.first_failure is not None:
         f = run.first_failure
         tail = "\n".join("    " + line for line in list(f.last_lines))
@@ -351,6 +422,18 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
             _error(f"error: {why}")
         return ExitCode.UNREACHABLE
     return ExitCode.PROGRAM_FAILED if state is launcher.JobState.FAILED else ExitCode.OK
+
+
+def _preempted(name: str, job_id: str, max_restarts: int) -> int:
+    if max_restarts:
+        _error(f"error: {name} was preempted and --max-restarts {max_restarts} is used up")
+    else:
+        _error(
+            f"error: {name} was preempted while job {job_id} ran: its processes are gone on every worker "
+            "(--max-restarts 0)"
+        )
+        _error("hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job")
+    return ExitCode.UNREACHABLE
 
 
 def _summary(run: attempt.JobRun) -> None:
@@ -385,6 +468,7 @@ def jobs_cmd(
             "tpu": row.record.tpu,
             "status": row.state.status,
             "detail": row.state.detail,
+            "waiting": row.state.waiting.to_dict() if row.state.waiting else None,
             "created": row.record.created,
             "detached": row.record.detached,
             "command": " ".join(row.record.command),
@@ -452,3 +536,28 @@ def cancel_cmd(
         ui.info(f"job {job} stopped on {result.stopped} worker(s); it had already ended on {len(result.ended)}")
     else:
         ui.info(f"job {job} stopped on {result.stopped} worker(s)")
+
+
+def stacks_cmd(
+    job: Annotated[
+        str | None, typer.Argument(help="The job (default: the newest started from here on the TPU).")
+    ] = None,
+    worker: WorkerOpt = "all",
+    json_out: JsonOpt = False,
+) -> None:
+    """The stack of every thread of every process of a job on every worker, at once: grouped by where each
+    process's main thread stands, the odd ones out first; the whole dump kept on disk."""
+    s = settings.resolve({})
+    found = stacks.collect(s, job or stacks.latest_job(s), worker=worker)
+    if json_out:
+        ui.print_json(found.to_json())
+    else:
+        stacks_report(found)
+    for name, why in found.errors.items():
+        _error(f"error: {name}: {why}")
+    if not found.groups and not found.unread:
+        _error(f"error: job {found.job_id} has no process left on the workers asked: nothing to show")
+        raise typer.Exit(ExitCode.USAGE)
+    ui.info(f"the whole dump: {found.path}")
+    if found.errors:
+        raise typer.Exit(ExitCode.UNREACHABLE)

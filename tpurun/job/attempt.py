@@ -16,11 +16,15 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
 from typing import Protocol
 
 from tpurun.errors import TpurunError
-from tpurun.job import env_contract
+from tpurun.job import env_contract, stacks, watch
 from tpurun.job.records import RecordStream
+from tpurun.job.stacks import Stacks
+from tpurun.job.watch import Waiting, Watch
 from tpurun.targets import Target
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
@@ -73,6 +77,29 @@ class Output(Protocol):
     def worker_line(self, worker: int, stream: str, text: str) -> None: ...
     def flush(self) -> None: ...
     def progress(self) -> AbstractContextManager[Callable[[str], None]]: ...
+    def waiting(self, waiting: Waiting | None) -> None: ...  # who the processes wait for, now (None: nobody)
+    def hung(self, found: Stacks | None, why: str, quiet: float, stopping: bool) -> None: ...  # see HangWatch
+
+
+class OnHang(str, Enum):
+    """What `train` does when the job stops making progress (`--on-hang`)."""
+
+    report = "report"  # print every process's stacks, grouped, and keep waiting
+    stop = "stop"  # the same, then stop the job: it ends hung (ExitCode.HUNG)
+
+
+DEFAULT_HANG_TIMEOUT = 1800.0  # seconds: a long compile prints nothing for minutes; half an hour of nothing is not that
+
+
+@dataclass(frozen=True)
+class HangWatch:
+    """`train --hang-timeout`: when no process of the job has printed a line or changed state (started, ended,
+    entered or left a rendezvous) for TIMEOUT seconds, every process's stacks are read, reported, and then
+    ON_HANG; once more after each further TIMEOUT of silence. The dump goes under HOME."""
+
+    timeout: float
+    on_hang: OnHang
+    home: Path
 
 
 class JobRun:
@@ -93,6 +120,7 @@ class JobRun:
         launch: Launch,
         cancel: threading.Event | None = None,
         down: bool = False,
+        hang: HangWatch | None = None,
     ) -> None:
         self.target = target
         self.job_id = job_id
@@ -115,6 +143,10 @@ class JobRun:
         self.stop = threading.Event()
         self.started_at = time.monotonic()
         self.lock = threading.Lock()
+        self.watch = Watch([r.worker for r in target.runners])  # what each process last did, who waits for whom
+        self.hang = hang
+        self.last_activity = time.monotonic()  # a record from any worker: a line, an end, a passage
+        self.hung = False  # stopped by --on-hang stop
 
     def job_spec(self, worker: int) -> protocol.JobSpec:
         return protocol.JobSpec(
@@ -191,32 +223,42 @@ class JobRun:
         and whether W's part of the job is over."""
         took = over = False
         batch: list[tuple[int, str]] = []
+        t = 0.0
         for rec in recs:
+            if not took:
+                self.last_activity = time.monotonic()
             took = True
             if isinstance(rec, protocol.Line):
                 batch.append((rec.slot, rec.text))
+                t = rec.time
                 continue
             if batch:
-                self._lines(w, batch)
+                self._lines(w, batch, t)
                 batch = []
             over = self._event(w, rec) or over
         if batch:
-            self._lines(w, batch)
+            self._lines(w, batch, t)
         return took, over
 
-    def _lines(self, w: int, batch: list[tuple[int, str]]) -> None:
+    def _lines(self, w: int, batch: list[tuple[int, str]], t: float) -> None:
+        """W's BATCH of lines, the last printed at T."""
         kept: dict[int, deque[str]] = {}  # each slot's last lines (an outcome's lookup takes the lock)
         for slot, text in batch:
             last = kept.get(slot)
             if last is None:
                 last = kept[slot] = self.outcome(w, slot).last_lines
             last.append(text)
+        for slot, last in kept.items():
+            self.watch.lines(w, slot, last[-1], t)
         self.out.lines(w, batch)
 
     def _event(self, w: int, rec: protocol.Record) -> bool:
         """Take one of W's records other than a line; True once W's part of the job is over."""
         if isinstance(rec, protocol.Exit):
             self._exited(w, rec)
+            return False
+        if isinstance(rec, protocol.Passages):
+            self.watch.take(rec)
             return False
         if isinstance(rec, protocol.Done):
             origin = protocol.first_failure(rec.state)
@@ -259,5 +301,27 @@ class JobRun:
             return self.outcomes[(w, slot)]
 
     def run(self) -> None:
-        each(self.target.runners, self._worker, name="job")
+        with watch.reporting(self.watch, self._tick):
+            each(self.target.runners, self._worker, name="job")
         self.out.flush()
+
+    def _tick(self, waiting: Waiting | None) -> None:
+        """Each second while the job runs: who waits for whom, and whether the job has gone quiet."""
+        self.out.waiting(waiting)
+        h = self.hang
+        if h is None or h.timeout <= 0 or self.detach or self.stop.is_set():
+            return
+        quiet = time.monotonic() - self.last_activity
+        if quiet < h.timeout:
+            return
+        found, why = None, ""
+        try:
+            found = stacks.gather(self.target, self.python, self.job_id, h.home)
+        except TpurunError as exc:
+            why = exc.message
+        stopping = h.on_hang is OnHang.stop and not self.stop.is_set()
+        self.out.hung(found, why, quiet, stopping)
+        self.last_activity = time.monotonic()  # the next report after another whole quiet period
+        if stopping:
+            self.hung = True
+            self.stop.set()

@@ -4,6 +4,7 @@ that reports lines through a `Lines` and returns what happened; the CLI renders 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -15,12 +16,13 @@ from typing import Protocol
 
 from tpurun import targets
 from tpurun.errors import TpurunError, UnreachableError
-from tpurun.job.launcher import connect
-from tpurun.job.records import JobRecord, RecordStream
+from tpurun.job import watch
+from tpurun.job.records import JobRecord, RecordStream, connect
+from tpurun.job.watch import Waiting, Watch
 from tpurun.settings import Settings
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, open_stream, run_capture, worker_names
+from tpurun.transport.runner import Runner, open_stream, worker_names
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit
 
@@ -33,6 +35,7 @@ class Lines(Protocol):
     def name_workers(self, names: dict[int, str]) -> None: ...
     def lines(self, worker: int, lines: list[tuple[int, str]]) -> None: ...  # (slot, text) each, in order
     def flush(self) -> None: ...
+    def waiting(self, waiting: Waiting | None) -> None: ...  # while following: who the processes wait for
 
 
 @dataclass
@@ -62,7 +65,8 @@ def logs(
     viewer = _Viewer(record, target, lines, stop, follow and tail is None)
     try:
         connect(target, record)
-        each(target.runners, viewer.view, name="logs")
+        with watch.reporting(viewer.watch, lines.waiting) if viewer.follow else contextlib.nullcontext():
+            each(target.runners, viewer.view, name="logs")
         replay = sorted(viewer.replay)
         rows = replay if tail is None else _last_lines(replay, tail)
         for w, run in itertools.groupby(rows, key=lambda row: row[1]):
@@ -70,7 +74,8 @@ def logs(
         lines.flush()
         if follow and tail is not None and not stop.is_set():  # then on from where the tail ended
             viewer.follow = True
-            each(target.runners, viewer.view, name="logs")
+            with watch.reporting(viewer.watch, lines.waiting):
+                each(target.runners, viewer.view, name="logs")
         lines.flush()
     finally:
         target.close()
@@ -107,6 +112,7 @@ class _Viewer:
         self.missing: set[int] = set()  # workers without the job
         self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
         self.lock = threading.Lock()
+        self.watch = Watch([w for w in target.all_workers if w.index in record.workers])  # who waits for whom
 
     def view(self, runner: Runner) -> None:
         w = runner.worker.index
@@ -140,7 +146,11 @@ class _Viewer:
                 stream.kill()  # a viewer only ends its own stream: the job goes on
                 return False
             self._take(w, recs)
-        if stream.wait() == AgentExit.USAGE:
+        rc = stream.wait()
+        if rc == AgentExit.MISSING:  # this version of tpurun's agent is new to the worker: install, read again
+            bundle.install(runner)
+            return True
+        if rc == AgentExit.USAGE:
             self.missing.add(w)
             self.errors[w] = stream.stderr_text().strip() or (
                 f"job {self.record.job_id} is not on {self.target.all_workers[w].name}"
@@ -156,9 +166,12 @@ class _Viewer:
         for rec in recs:
             if isinstance(rec, protocol.Done):
                 self.done.add(w)
+            elif isinstance(rec, protocol.Passages):
+                self.watch.take(rec)
             elif isinstance(rec, protocol.Line):
                 if self.follow:
                     batch.append((rec.slot, rec.text))
+                    self.watch.lines(w, rec.slot, rec.text, rec.time)
                 else:
                     kept.append((rec.time, w, rec.slot, rec.offset, rec.text))
                 self.offsets[w][rec.slot] = rec.offset
@@ -186,8 +199,8 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
         connect(target, record)
 
         def one(runner: Runner) -> None:
-            argv = bundle.program_argv(record.python, "agent.py", "stop", job_id, "--grace", str(grace))
-            rc, out, err = run_capture(runner, argv, timeout=grace + 120)
+            args = ("stop", job_id, "--grace", str(grace))
+            rc, out, err = bundle.run_program(runner, record.python, "agent.py", *args, timeout=grace + 120)
             try:
                 before[runner.worker.index] = str(json.loads(out.decode()).get("status_before_stop", ""))
             except ValueError:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import config
-from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
+from tpurun.errors import TpurunError, UnreachableError, UsageError
 from tpurun.job import env_contract, preflight
-from tpurun.job.attempt import JobRun, Output
-from tpurun.job.records import JobRecord, new_job_id
+from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
+from tpurun.job.records import JobRecord, connect, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
@@ -90,6 +90,8 @@ class TrainSpec:
     down: bool = False  # delete the TPU when the job ends (the TPU's watchdog does, if tpurun is gone)
     oversubscribe: bool = False  # the cpu runtime: more processes per worker than the host has devices
     allow_skew: bool = False  # start even where the workers' Python or decisive packages differ
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT  # seconds without progress before --on-hang (0: never)
+    on_hang: OnHang = OnHang.report
 
 
 # ---------------------------------------------------------------------------- planning
@@ -205,19 +207,6 @@ def hint_for(lines: list[str], *, python: str = "python3", local: bool = False) 
     return None
 
 
-def connect(target: Target, record: JobRecord | None = None) -> None:
-    """Connect every worker of TARGET, or raise; with RECORD, also that TARGET is the TPU that job ran on."""
-    errors = target.connect()
-    if errors:
-        raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
-    if record is not None and target.other_than(record.ids):
-        raise ApiError(
-            f"job {record.job_id} ran on the TPU {record.tpu} with node id {', '.join(record.ids)}, which no longer "
-            f"exists: the TPU named {record.tpu} now is another one (node id {', '.join(target.ids)}), without "
-            "that job or its logs"
-        )
-
-
 # ---------------------------------------------------------------------------- a whole job
 
 
@@ -230,6 +219,7 @@ class JobState(str, Enum):
     PREEMPTED = "preempted"  # the node was preempted (and --max-restarts is used up)
     BUSY = "busy"  # another job runs there: nothing started
     DETACHED = "detached"  # started and left running
+    HUNG = "hung"  # no progress for --hang-timeout: stopped (--on-hang stop)
 
 
 @dataclass
@@ -367,6 +357,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         launch=job.plan.launch,
         cancel=cancel,
         down=spec.down,
+        hang=HangWatch(spec.hang_timeout, spec.on_hang, home) if spec.hang_timeout > 0 else None,
     )
     run.run()
     return JobResult(job, _state(run, job, cancel), run=run)
@@ -379,6 +370,8 @@ def _state(run: JobRun, job: Job, cancel: threading.Event) -> JobState:
         return JobState.LOST if run.lost else JobState.DETACHED
     if cancel.is_set():
         return JobState.INTERRUPTED
+    if run.hung:
+        return JobState.HUNG
     if run.first_failure is not None:
         return JobState.FAILED
     if run.lost:

@@ -17,8 +17,8 @@ from tpurun.job.status import ACTIVE
 from tpurun.targets import Target
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, run_capture
-from tpurun.worker.protocol import AgentExit, Preflight
+from tpurun.transport.runner import Runner
+from tpurun.worker.protocol import Preflight
 
 NOT_INSTALLED = "not installed"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -46,15 +46,12 @@ def requirement_names(script: str, local_dir: Path) -> list[str]:
 def ask(target: Target, python: str, packages: list[str]) -> dict[int, Preflight]:
     """Every connected worker's answer (worker index -> answer); the agent bundle is installed where it is
     missing. Raises UnreachableError naming the workers that did not answer."""
-    argv = bundle.program_argv(python, "agent.py", "preflight", "--packages", ",".join(packages))
+    args = ("preflight", "--packages", ",".join(packages))
     failed: dict[int, str] = {}
 
     def one(runner: Runner) -> Preflight | None:
         try:
-            rc, out, err = run_capture(runner, argv, timeout=60)
-            if rc == AgentExit.MISSING:
-                bundle.install(runner)
-                rc, out, err = run_capture(runner, argv, timeout=60)
+            rc, out, err = bundle.run_program(runner, python, "agent.py", *args)
             if rc == 0:
                 return Preflight.from_json(out.decode().strip().splitlines()[-1])
             why = err.strip().splitlines()[-1:] or [f"exit {rc}"]

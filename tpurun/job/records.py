@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun import targets
-from tpurun.errors import UsageError
+from tpurun.errors import ApiError, UnreachableError, UsageError
 from tpurun.settings import Settings
 from tpurun.targets import Target
 from tpurun.transport.runner import Stream
@@ -107,3 +107,16 @@ class RecordStream:
         self.buf += data
         *lines, self.buf = self.buf.split(b"\n")
         return protocol.decode_lines(lines)
+
+
+def connect(target: Target, record: JobRecord | None = None) -> None:
+    """Connect every worker of TARGET, or raise; with RECORD, also that TARGET is the TPU that job ran on."""
+    errors = target.connect()
+    if errors:
+        raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
+    if record is not None and target.other_than(record.ids):
+        raise ApiError(
+            f"job {record.job_id} ran on the TPU {record.tpu} with node id {', '.join(record.ids)}, which no longer "
+            f"exists: the TPU named {record.tpu} now is another one (node id {', '.join(target.ids)}), without "
+            "that job or its logs"
+        )

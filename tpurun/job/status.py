@@ -8,16 +8,18 @@ agent call per worker, all at once, per TPU, however many jobs it ran.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from tpurun.errors import NoSuchTpu, TpurunError
 from tpurun.job.records import JobRecord, forget, list_records
+from tpurun.job.watch import Waiting, Watch
 from tpurun.settings import Settings
 from tpurun.targets import Target
-from tpurun.transport.bundle import program_argv
+from tpurun.transport.bundle import run_program
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, run_capture
+from tpurun.transport.runner import Runner
 from tpurun.worker import protocol
 from tpurun.worker.protocol import JobStatus
 
@@ -30,9 +32,11 @@ class JobSummary:
 
     status: str  # running | failed | lost | stopped | finished | gone | unknown
     detail: str = ""  # which worker failed and how; why the state is not known; what became of the TPU
+    waiting: Waiting | None = None  # running: the processes that wait at a rendezvous for others (watch)
 
     def label(self) -> str:
-        return f"{self.status} ({self.detail})" if self.detail else self.status
+        detail = "; ".join(d for d in (self.detail, self.waiting.text() if self.waiting else "") if d)
+        return f"{self.status} ({detail})" if detail else self.status
 
 
 @dataclass(frozen=True)
@@ -124,15 +128,28 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
         if unreachable:
             out[r.job_id] = JobSummary("unknown", f"{', '.join(unreachable)} unreachable")
             continue
-        out[r.job_id] = combine({names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers})
+        summary = combine({names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers})
+        if summary.status == "running":
+            summary = replace(summary, waiting=_waiting(target, r, listed))
+        out[r.job_id] = summary
     return out
+
+
+def _waiting(target: Target, record: JobRecord, listed: Mapping[int, Mapping[str, dict]]) -> Waiting | None:
+    """Who RECORD's processes wait for, from each worker's state of it (its processes' passages, last lines)."""
+    watch = Watch([w for w in target.all_workers if w.index in record.workers])
+    for w in record.workers:
+        st = listed.get(w, {}).get(record.job_id)
+        if st is not None:
+            watch.take_state(w, st)
+    return watch.waiting(time.time())
 
 
 def _agent_jobs(runner: Runner, python: str) -> dict[str, dict]:
     """{job id: its state} of every job the agent on RUNNER's worker knows ({} without an agent there, or
     when the worker stopped answering meanwhile)."""
     try:
-        rc, out, _ = run_capture(runner, program_argv(python, "agent.py", "jobs"), timeout=30)
+        rc, out, _ = run_program(runner, python, "agent.py", "jobs", timeout=30)
     except (TpurunError, OSError, EOFError):
         return {}
     if rc != 0:

@@ -37,6 +37,17 @@ def program_argv(python: str, program: str, *args: str) -> list[str]:
     return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, *args]
 
 
+def run_program(runner: Runner, python: str, program: str, *args: str, timeout: float = 60) -> tuple[int, bytes, str]:
+    """PROGRAM of the bundle with ARGS run to completion on RUNNER's worker, the bundle installed first where it
+    is missing (a worker new to tpurun, or to this version of it); (exit code, stdout, stderr)."""
+    argv = program_argv(python, program, *args)
+    rc, out, err = run_capture(runner, argv, timeout=timeout)
+    if rc == AgentExit.MISSING:
+        install(runner)
+        rc, out, err = run_capture(runner, argv, timeout=timeout)
+    return rc, out, err
+
+
 def start_watchdogs(target: Target) -> dict[int, str]:
     """Make sure the TPU's watchdog runs on every worker of TARGET (each one checked to be that TPU's, the
     bundle installed where it is missing); {worker index: why not} for the workers where it could not be
@@ -44,12 +55,8 @@ def start_watchdogs(target: Target) -> dict[int, str]:
     python = target.python()
 
     def one(runner: Runner) -> str:
-        argv = program_argv(python, "watchdog.py", "ensure")
         try:
-            rc, _, err = run_capture(runner, argv, timeout=60)
-            if rc == AgentExit.MISSING:
-                install(runner)
-                rc, _, err = run_capture(runner, argv, timeout=60)
+            rc, _, err = run_program(runner, python, "watchdog.py", "ensure")
         except UnreachableError as exc:
             return str(exc)
         return "" if rc == 0 else f"watchdog.py ensure exited {rc}: {err.strip()[-200:]}"

@@ -15,6 +15,7 @@ Commands (exit codes: protocol.AgentExit):
                              framed records (JSON lines) from the per-slot .rec files
   jobs                       JSON list of this worker's jobs with their states
   state JOB                  the job's state.json
+  stacks JOB [--timeout S]   JSON list of the job's processes here with their threads' stacks (agent_stacks.py)
 
 Files in ~/.tpurun/jobs/<JOB>/ (root overridable with $TPURUN_AGENT_ROOT): spec.json, state.json,
 supervisor.log, pre.log, w<W>-c<C>.log (slot C's output bytes as printed, stdout and stderr lines in
@@ -38,6 +39,7 @@ import sys
 import threading
 import time
 
+import agent_stacks
 import versions
 
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
@@ -66,6 +68,7 @@ from protocol import (
     Exit,
     JobSpec,
     JobStatus,
+    Passages,
     Preflight,
     ProcessStatus,
     Started,
@@ -73,6 +76,7 @@ from protocol import (
     decode,
     encode,
     frame_recs,
+    slot_passages,
 )
 
 # ---------------------------------------------------------------- commands
@@ -223,6 +227,14 @@ def cmd_preflight(args) -> int:
     return AgentExit.OK
 
 
+def cmd_stacks(args) -> int:
+    """Every process of the job here with its threads' stacks (JSON: a list of `ProcessStack`s)."""
+    st = _load_state(args.job)
+    found = agent_stacks.collect(args.job, job_dir(args.job), st, args.timeout)
+    print(json.dumps([ps.to_dict() for ps in found]))
+    return AgentExit.OK
+
+
 def stop_job(job: str, grace: float | None) -> dict:
     """Stop JOB and return once none of its processes is left (the supervisor's own escalation first,
     ours if it is gone or hangs)."""
@@ -344,6 +356,7 @@ def cmd_stream(args) -> int:
         signal.signal(signal.SIGTERM, lambda s, f: stdin_closed.set())
     else:
         signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
+    sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points, as last sent
     reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
     last_touch = 0.0
@@ -352,6 +365,10 @@ def cmd_stream(args) -> int:
             st = _load_state(args.job)  # read before draining: lines precede the state that ends a slot
             follow_slots(st)
             got = _drain(readers, out, until_empty=False)
+            for c, passages in slot_passages(st).items():
+                if passages and sent_passages.get(c) != passages:
+                    out.write(encode(Passages(worker, c, passages)))
+                    sent_passages[c] = passages
             ended = {int(c["core"]): c for c in st.get("cores", []) if c.get("ended_at") is not None}
             for c in slots:
                 if c in ended and reported.get(c) != ended[c]["ended_at"]:
@@ -466,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packages", default="", help="comma-separated names to report besides versions.DECISIVE")
     p = sub.add_parser("state", help="a job's state")
     p.add_argument("job")
+    p = sub.add_parser("stacks", help="the stacks of every thread of every process of a job here")
+    p.add_argument("job")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every process's answer")
     args = parser.parse_args(argv)
     commands = {
         "start": cmd_start,
@@ -474,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": cmd_jobs,
         "preflight": cmd_preflight,
         "state": cmd_state,
+        "stacks": cmd_stacks,
     }
     if args.command not in commands:
         parser.print_usage(sys.stderr)

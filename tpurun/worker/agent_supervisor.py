@@ -4,6 +4,7 @@ all. Part of the agent bundle (stdlib only, Python >= 3.8)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -39,10 +40,11 @@ from protocol import (
     DEFAULT_LEASE,
     HOOK_ACCEPTED,
     HOST,
+    STACKS_SIGNAL,
     HookStream,
     JobSpec,
     JobStatus,
-    Launch,
+    Passage,
     ProcessSpec,
     ProcessStatus,
     Source,
@@ -89,6 +91,8 @@ class Slot:
         self.died_at: dict[int, float] = {}  # pid -> when it was seen to end (pidfd: at once)
         self.ctl_done = False  # its report stream is closed: `reported` is final
         self.pool = False  # its replica runs as a process-pool task, whose end the hook reports
+        self.passages: dict[str, Passage] = {}  # rendezvous point -> its process's latest passage there
+        self.last_line_at: float | None = None
 
     def start(self, preexec, job: str) -> None:
         env = dict(os.environ)
@@ -171,6 +175,7 @@ class Slot:
             for raw in reversed(raws):
                 if raw.strip():
                     self.last_line = raw[:-1].decode("utf-8", "backslashreplace")[-500:]
+                    self.last_line_at = t
                     break
 
     def note_end(self, pid: int) -> None:
@@ -191,6 +196,8 @@ class Slot:
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "last_line": self.last_line,
+            "last_line_at": self.last_line_at,
+            "passages": [p.to_dict() for p in self.passages.values()],
             "argv": self.argv,
             "spawned": self.spawned,
         }
@@ -224,6 +231,7 @@ class Supervisor:
         self.stop_requested = False
         self.stop_deadline: float | None = None
         self.killed = False
+        self.saved_at = 0.0
 
     def snapshot(self) -> list[Slot]:
         with self.slots_lock:
@@ -243,10 +251,13 @@ class Supervisor:
             path = c.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
             c.env["PYTHONPATH"] = HOOK_DIR + (os.pathsep + path if path else "")
             c.env["TPURUN_SUPERVISOR_PID"] = str(os.getpid())  # the hook's test for "started by the agent"
-            c.env["TPURUN_JOB_DIR"] = self.jdir  # where the hook writes --metrics reports
+            c.env["TPURUN_JOB_DIR"] = self.jdir  # where the hook writes --metrics reports, and stacks
+            c.env["TPURUN_STACKS_SIGNAL"] = str(STACKS_SIGNAL)
+        os.makedirs(os.path.join(self.jdir, "stacks"), exist_ok=True)
 
     def open_log_socket(self) -> None:
-        """Listen for the chip processes of a host launch; the host process learns the name from its env."""
+        """Listen for the hook: a host launch's chip processes, and every process's passages through
+        rendezvous points; the processes tpurun starts learn the name from their env."""
         name = f"tpurun-{self.job}-{secrets.token_hex(8)}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + name)  # abstract: nothing on disk; peers are checked on accept
@@ -286,8 +297,8 @@ class Supervisor:
             self.log(f"log socket: {e}")
             conn.close()
             return
-        c = self.chip(slot, pid, pool)
-        if c is None:  # the job is over
+        c = self.slot_of(pid) if stream is HookStream.WAIT else self.chip(slot, pid, pool)
+        if c is None:  # the job is over, or a passage from a process that is not that slot's
             conn.close()
             return
         try:
@@ -300,6 +311,8 @@ class Supervisor:
             t = threading.Thread(target=self._read_ctl, args=(c, pid, f), daemon=True)
             t.start()
             c.readers.append(t)
+        elif stream is HookStream.WAIT:
+            threading.Thread(target=self._read_passages, args=(c, f), daemon=True).start()
         else:
             c.add_reader(Source(stream.value), f)
 
@@ -328,6 +341,31 @@ class Supervisor:
                 self.dirty = True
                 self.log(f"chip {index}: process {pid} (group {c.pgid}) of the script's spawner")
         return c
+
+    def slot_of(self, pid: int) -> Slot | None:
+        """The slot whose process PID is (one we started, or a chip's), else None: a process's passages are
+        filed by who it is, not by what its header says."""
+        with self.slots_lock:
+            return next((c for c in self.slots if pid == c.pid or pid in c.pids), None)
+
+    def _read_passages(self, c: Slot, f) -> None:
+        """A process's passages through rendezvous points, into the state (the latest per point, 16 points)."""
+        try:
+            for line in f:
+                try:
+                    passage = Passage.from_dict(json.loads(line))
+                except ValueError:
+                    continue
+                with self.slots_lock:
+                    c.passages.pop(passage.at, None)
+                    c.passages[passage.at] = passage
+                    while len(c.passages) > 16:
+                        c.passages.pop(next(iter(c.passages)))
+                    self.dirty = True
+        except OSError:
+            pass
+        finally:
+            f.close()
 
     def _read_ctl(self, c: Slot, pid: int, f) -> None:
         # EOF here is the process's exit (or its last forked child's): a witness of when it ended even
@@ -438,6 +476,7 @@ class Supervisor:
         }
 
     def save(self) -> None:
+        self.saved_at = now()
         write_json_atomic(os.path.join(self.jdir, "state.json"), self.state())
 
     def log(self, message: str) -> None:
@@ -560,7 +599,8 @@ class Supervisor:
                 signal_pids(job_processes(self.job), signal.SIGKILL)
             if self.lease and self.stop_deadline is None and self._lease_expired():
                 self.request_stop(f"the attached client is gone (no stream for {self.lease:.0f} s)", JobStatus.STOPPED)
-            if changed or self.dirty:
+            fresh = any((c.last_line_at or 0.0) > self.saved_at for c in self.snapshot())
+            if changed or self.dirty or (fresh and now() - self.saved_at > 1.0):  # last lines: once a second
                 self.dirty = False
                 self.save()
             if all(c.ended_at is not None for c in self.snapshot()):
@@ -626,8 +666,7 @@ class Supervisor:
             self._notify(notify_fd, StartFailed(self.job, self.reason))
             return
         self.use_hook()
-        if self.launch is Launch.host:
-            self.open_log_socket()
+        self.open_log_socket()  # a host launch's chip processes, and every process's passages
         self.start_slots()
         self.serve_log_socket()  # threads only now: start_slots forks with a preexec_fn
         self.save()

@@ -16,6 +16,12 @@ The conversation, for one job on one worker:
 * the hook in each process a script's spawner makes opens three connections to the supervisor's log
   socket (`HookStream`), each starting with a `hook_header` line, and reports on the `ctl` one how the
   spawner's task ended (`TaskEnd`);
+* the hook in any process of the job reports on a `wait` connection each time the process enters and
+  leaves a runtime's rendezvous point (`Passage`); the supervisor keeps each process's latest passage per
+  point in state.json ("passages") and `stream` sends a `passages` event when they change;
+* `agent.py stacks` answers with a `ProcessStack` for each process of the job: the hook registered
+  faulthandler for `STACKS_SIGNAL` in every Python process of it, and the agent asks those (py-spy, where
+  installed, any Python process);
 * `agent.py stop`, `state` and `jobs` answer with the job's state (or a list of them) as JSON.
 
 Every record is one JSON object per line; `decode` reads any of them, `encode` writes them.
@@ -99,6 +105,7 @@ class Event(Word):
     START_FAILED = "start-failed"  # `start`: the job could not start (a pre-command failed, ...)
     EXIT = "exit"  # `stream`: a process ended, after its last line
     DONE = "done"  # `stream`: the job is over on this worker; its state follows
+    PASSAGES = "passages"  # `stream`: a process entered or left a rendezvous point (`Passages`)
 
 
 class Source(Word):
@@ -114,6 +121,15 @@ class HookStream(Word):
     OUT = "out"
     ERR = "err"
     CTL = "ctl"  # reports: how the spawner's task ended (`TaskEnd`), faulthandler's crash report
+    WAIT = "wait"  # any process of the job, the host's too: its passages through rendezvous points (`Passage`)
+
+
+class StackSource(Word):
+    """How a process's stacks were read (`ProcessStack.source`)."""
+
+    FAULTHANDLER = "faulthandler"  # its own faulthandler, on STACKS_SIGNAL (the hook registered it): Python frames
+    PY_SPY = "py-spy"  # py-spy from outside (installed on the worker): Python frames, native ones too
+    NONE = "none"  # not read: not Python, a handler of its own on the signal, or it did not answer in time
 
 
 class TaskEnd(Word):
@@ -128,6 +144,9 @@ DEFAULT_PRE_TIMEOUT = 300.0  # seconds a pre-command may take
 DEFAULT_LEASE = 60.0  # an attached job whose client has had no stream for this long is stopped
 HOST = -1  # the slot a host launch's one process per worker is filed under (its files: w<W>.log, .rec)
 HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files under the process
+# `tpurun stacks`: the signal on which faulthandler writes a process's stacks (SIGRTMIN + 6 under glibc; its
+# default action ends a process, so only one whose kernel record says it catches it is sent it)
+STACKS_SIGNAL = 40
 
 # ---------------------------------------------------------------- records
 # Classes with __slots__ and their own __init__, not dataclasses: on every worker three processes import this
@@ -190,6 +209,38 @@ class Done(_Record):
         self.state = state
 
 
+class Passage(_Record):
+    """A process's way through a rendezvous point (jax.distributed.initialize, init_process_group, ...): AT
+    names it; ENTERED and LEFT are the worker's clock, LEFT None while the process is still inside."""
+
+    __slots__ = ("at", "entered", "left")
+
+    def __init__(self, at: str, entered: float, left: float | None = None) -> None:
+        self.at = at
+        self.entered = entered
+        self.left = left
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Passage:
+        """A passage as state.json or the hook writes it, or ValueError."""
+        try:
+            left = data.get("left")
+            return cls(str(data["at"]), float(data["entered"]), None if left is None else float(left))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a passage: {data!r}") from e
+
+
+class Passages(_Record):
+    """`stream`: the latest passage of a process through each rendezvous point it reached, oldest first."""
+
+    __slots__ = ("worker", "slot", "passages")
+
+    def __init__(self, worker: int, slot: int, passages: list[Passage]) -> None:
+        self.worker = worker
+        self.slot = slot
+        self.passages = passages
+
+
 class Started(_Record):
     """`start`'s answer: the job runs, under its supervisor, with each process's entry of the state."""
 
@@ -213,7 +264,7 @@ class StartFailed(_Record):
 
 
 if TYPE_CHECKING:
-    Record = Union[Line, Exit, Done, Started, StartFailed]  # noqa: UP007 (Python 3.8 has no X | Y)
+    Record = Union[Line, Exit, Done, Passages, Started, StartFailed]  # noqa: UP007 (Python 3.8 has no X | Y)
 
 # The .rec line's fixed start: `stream` splices the worker, slot and offset in front of it without
 # re-encoding, which is what keeps streaming fast; its time starts at _TIME_AT (every source's name has
@@ -270,6 +321,13 @@ def encode(record: Record) -> bytes:
         }
     elif isinstance(record, Done):
         data = {"event": Event.DONE.value, "w": record.worker, "state": record.state}
+    elif isinstance(record, Passages):
+        data = {
+            "event": Event.PASSAGES.value,
+            "w": record.worker,
+            "c": record.slot,
+            "passages": [p.to_dict() for p in record.passages],
+        }
     elif isinstance(record, Started):
         data = {
             "event": Event.STARTED.value,
@@ -307,6 +365,8 @@ def decode(raw: bytes | str) -> Record | None:
             )
         if event == Event.DONE:
             return Done(int(data["w"]), dict(data["state"]))
+        if event == Event.PASSAGES:
+            return Passages(int(data["w"]), int(data["c"]), [Passage.from_dict(p) for p in data["passages"]])
         if event == Event.STARTED:
             return Started(str(data["job"]), int(data["worker"]), int(data["supervisor_pid"]), list(data["cores"]))
         if event == Event.START_FAILED:
@@ -452,6 +512,17 @@ def process_states(state: dict[str, Any]) -> list[ProcessState]:
     ]
 
 
+def slot_passages(state: dict[str, Any]) -> dict[int, list[Passage]]:
+    """Each process's passages through rendezvous points in a job's state (slot -> oldest first)."""
+    out = {}
+    for c in state.get("cores", []):
+        try:
+            out[int(c["core"])] = [Passage.from_dict(p) for p in c.get("passages") or []]
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 class FirstFailure(_Record):
     """The process whose failure stopped the job on a worker (its exit code: None where it died unreported)."""
 
@@ -501,6 +572,86 @@ class Preflight(_Record):
             raise ValueError(f"not a preflight answer: {text[:100]!r}") from e
 
 
+# ---------------------------------------------------------------- stacks (`agent.py stacks`)
+
+
+class ThreadStack(_Record):
+    """One thread's stack, innermost frame first: each frame [file, line, function, its source line] (a native
+    frame of py-spy's: [library, 0, function, ""]). MAIN: the process's main thread."""
+
+    __slots__ = ("name", "main", "frames")
+
+    def __init__(self, name: str, main: bool, frames: list[list[Any]]) -> None:
+        self.name = name
+        self.main = main
+        self.frames = frames
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ThreadStack:
+        return cls(
+            str(data["name"]),
+            bool(data["main"]),
+            [[str(f), int(n), str(fn), str(src)] for f, n, fn, src in data["frames"]],
+        )
+
+
+class ProcessStack(_Record):
+    """One process of a job on a worker and its threads' stacks: its SLOT (HOST, a chip's; for a process one of
+    them started, CHILD), its command line and working directory, how its stacks were read, its THREADS and
+    DUMP, the text the reader wrote (faulthandler's or py-spy's), WHY none where none."""
+
+    __slots__ = ("pid", "ppid", "slot", "child", "argv", "cwd", "source", "threads", "dump", "why")
+
+    def __init__(
+        self,
+        pid: int,
+        ppid: int,
+        slot: int | None,
+        child: bool,
+        argv: str,
+        cwd: str,
+        source: StackSource,
+        threads: list[ThreadStack] | None = None,
+        dump: str = "",
+        why: str = "",
+    ) -> None:
+        self.pid = pid
+        self.ppid = ppid
+        self.slot = slot
+        self.child = child
+        self.argv = argv
+        self.cwd = cwd
+        self.source = source
+        self.threads = [] if threads is None else threads
+        self.dump = dump
+        self.why = why
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["threads"] = [t.to_dict() for t in self.threads]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ProcessStack:
+        """A process as `agent.py stacks` writes it, or ValueError."""
+        try:
+            slot = data.get("slot")
+            return cls(
+                int(data["pid"]),
+                int(data["ppid"]),
+                None if slot is None else int(slot),
+                bool(data["child"]),
+                str(data["argv"]),
+                str(data["cwd"]),
+                StackSource(data["source"]),
+                [ThreadStack.from_dict(t) for t in data.get("threads") or []],
+                str(data.get("dump") or ""),
+                str(data.get("why") or ""),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a process's stacks: {str(data)[:100]!r}") from e
+
+
 # ---------------------------------------------------------------- the hook's connections
 
 
@@ -510,7 +661,8 @@ def hook_header(slot: int, stream: HookStream, pool: bool) -> bytes:
 
 
 def read_hook_header(raw: bytes) -> tuple:
-    """(slot, HookStream, pool) of a hook connection's first line, or ValueError."""
+    """(slot, HookStream, pool) of a hook connection's first line, or ValueError. Only a `wait` connection
+    comes from a process tpurun started itself, which may be slot HOST."""
     data = json.loads(raw or b"null")
     if not isinstance(data, dict):
         raise ValueError(f"not a hook header: {raw[:100]!r}")
@@ -518,7 +670,7 @@ def read_hook_header(raw: bytes) -> tuple:
         slot, stream = int(data["core"]), HookStream(data["stream"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a hook header: {raw[:100]!r}") from e
-    if slot < 0:
+    if slot < 0 and not (slot == HOST and stream is HookStream.WAIT):
         raise ValueError(f"a hook header with slot {slot}")
     return slot, stream, bool(data.get("pool"))
 
@@ -535,3 +687,8 @@ def read_task_end(raw: bytes) -> tuple | None:
         return TaskEnd(data["event"]), int(data.get("code") or 0)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def passage_line(passage: Passage) -> bytes:
+    """The hook's report, on a `wait` connection, of a passage as it stands (on entering, then on leaving)."""
+    return (json.dumps(passage.to_dict()) + "\n").encode()

@@ -14,6 +14,14 @@ same way: each becomes the device its index names (see _follow_torch_spawn).
 Where tpurun gives JAX its coordinator, process count and id (no TPU to detect them from), it adds a
 cluster to jax.distributed's auto-detection (see _add_jax_cluster_to).
 
+It reports each time a process of the job enters and leaves a runtime's rendezvous point
+(jax.distributed.initialize, torch.distributed.init_process_group and the first torch.distributed
+collective, torch_xla's xm.rendezvous), so tpurun can say who the others wait for (see _RENDEZVOUS).
+
+It lets `tpurun stacks` ask any of the job's Python processes for the stacks of all its threads, even one
+blocked in C: faulthandler writes them to the job's stacks/<pid>.txt on the signal the agent names
+(TPURUN_STACKS_SIGNAL), registered only where the process has no handler of its own (see _register_stacks).
+
 With `tpurun train --metrics` it also writes torch_xla's metrics report of each process that did the
 work: a process the agent started, at its exit, and a chip process of a host launch, when its task ends
 (a forked pool process never runs exit handlers).
@@ -30,7 +38,7 @@ _SOCKET = os.environ.get("TPURUN_LOG_SOCKET", "")
 _CHIP_VARS = (b"PJRT_LOCAL_PROCESS_RANK", b"TPU_VISIBLE_CHIPS")
 # "owner": the pid that became a chip; its forked children (a user's own fork pool, a DataLoader worker)
 # inherit this module's state and patches, but report nothing on its behalf.
-_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None}
+_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": False}
 
 
 def _mine():
@@ -227,23 +235,24 @@ def _audit(event, args):
 
 
 class _AfterImport:
-    """Runs CHANGE on module NAME once it has loaded, before anyone uses it: a finder that steps aside for
-    the import system, then wraps the loader it found. Nothing of the module is replaced when CHANGE fails."""
+    """Runs CHANGES[name] on module NAME once it has loaded, before anyone uses it: a finder that steps aside
+    for the import system, then wraps the loader it found; it leaves sys.meta_path once every change ran.
+    Nothing of a module is replaced when its change fails."""
 
-    def __init__(self, name, change):
-        self.name, self.change = name, change
+    def __init__(self, changes):
+        self.changes, self.finding = dict(changes), set()
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.name:
+        if name not in self.changes or name in self.finding:
             return None
+        self.finding.add(name)
         try:
-            sys.meta_path.remove(self)
             import importlib.util
 
             spec = importlib.util.find_spec(name)
             loader = spec.loader  # type: ignore[union-attr]
             run = loader.exec_module  # type: ignore[union-attr]
-            change = self.change
+            change = self.changes.pop(name)
 
             def exec_module(module):
                 run(module)
@@ -256,6 +265,10 @@ class _AfterImport:
             return spec
         except Exception:
             return None  # the import system goes on as if we were not here
+        finally:
+            self.finding.discard(name)
+            if not self.changes and self in sys.meta_path:
+                sys.meta_path.remove(self)
 
 
 def _follow_torch_spawn(module):
@@ -342,6 +355,138 @@ def _add_jax_cluster(base):
     return TpurunCluster
 
 
+def _reporter():
+    """Whether this process reports its passages: a process the agent started, or a chip's own process (not
+    a child either forked), as the supervisor checks by pid."""
+    return _mine() or str(os.getppid()) == os.environ.get("TPURUN_SUPERVISOR_PID")
+
+
+def _send_passage(passage):
+    """PASSAGE (as it stands) to the agent, on this process's wait connection, opened the first time."""
+    conn = _state["wait"]
+    if conn is None:
+        if not _reporter():
+            return
+        import socket
+        import threading
+
+        protocol = _protocol()
+        slot = int(os.environ.get("TPURUN_CORE", protocol.HOST))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        try:
+            sock.connect("\0" + _SOCKET)
+            sock.sendall(protocol.hook_header(slot, protocol.HookStream.WAIT, False))
+            if sock.recv(len(protocol.HOOK_ACCEPTED)) != protocol.HOOK_ACCEPTED:
+                raise OSError("refused")
+        except OSError:
+            sock.close()
+            _state["wait"] = conn = (None, None, None)  # no agent to tell: never try again
+            return
+        _state["wait"] = conn = (os.getpid(), sock, threading.Lock())
+    pid, sock, lock = conn
+    if pid != os.getpid():
+        return  # a forked child's passages are not its parent's
+    with lock:
+        try:
+            sock.sendall(_protocol().passage_line(passage))
+        except OSError:
+            pass
+
+
+def _passing(at, fn, first=False):
+    """FN, each call reported as a passage through the rendezvous point AT (with FIRST: only the first call
+    of any such FN in this process: the first collective)."""
+
+    def passing(*args, **kwargs):
+        report = _reporter() if not first else (_reporter() and not _state["first"])
+        if not report:
+            return fn(*args, **kwargs)
+        if first:
+            _state["first"] = True
+        import time
+
+        try:
+            passage = _protocol().Passage(at(*args, **kwargs) if callable(at) else at, time.time())
+            _send_passage(passage)
+        except Exception:
+            passage = None  # never break the user's process
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if passage is not None:
+                passage.left = time.time()
+                try:
+                    _send_passage(passage)
+                except Exception:
+                    pass
+
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(passing, attr, getattr(fn, attr, None))
+    passing.__wrapped__ = fn  # type: ignore[attr-defined]  # inspect.signature sees the original's
+    return passing
+
+
+# The collectives whose first call in a process is reported (what a training loop's first step waits in).
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "barrier", "broadcast", "broadcast_object_list", "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "scatter",
+)  # fmt: skip
+
+
+def _watch_jax(module):
+    module.initialize = _passing("jax.distributed.initialize", module.initialize)
+
+
+def _watch_torch_distributed(module):
+    module.init_process_group = _passing("torch.distributed.init_process_group", module.init_process_group)
+    for name in _COLLECTIVES:
+        fn = getattr(module, name, None)
+        if callable(fn):
+            setattr(module, name, _passing(f"first collective: torch.distributed.{name}", fn, first=True))
+
+
+def _watch_torch_xla(module):
+    rendezvous = module.rendezvous
+    module.rendezvous = _passing(lambda tag, *a, **k: f"xm.rendezvous({tag!r})", rendezvous)
+
+
+# where each runtime's processes wait for one another: module -> what wraps its rendezvous points (each
+# wrapper only reports and calls the original)
+_RENDEZVOUS = {
+    "jax._src.distributed": _watch_jax,
+    "torch.distributed.distributed_c10d": _watch_torch_distributed,
+    "torch_xla.core.xla_model": _watch_torch_xla,
+}
+
+
+def _register_stacks():
+    """faulthandler dumps every thread's Python stack into <job dir>/stacks/<pid>.txt when this process gets
+    TPURUN_STACKS_SIGNAL (from `tpurun stacks`): its default action would end the process, so the agent sends
+    it only to a process whose kernel record says it catches it. A process with a handler of its own for
+    that signal keeps it (and gives no stacks). A forked child registers its own file."""
+    try:
+        sig = int(os.environ.get("TPURUN_STACKS_SIGNAL") or 0)
+        where = os.environ.get("TPURUN_JOB_DIR")
+        if not sig or not where:
+            return
+        import faulthandler
+        import signal
+
+        if signal.getsignal(sig) not in (signal.SIG_DFL, None):
+            return
+        dump = open(os.path.join(where, "stacks", f"{os.getpid()}.txt"), "w")
+        faulthandler.register(sig, file=dump, all_threads=True, chain=False)
+        old, _state["stacks"] = _state.get("stacks"), dump
+        if old is None:
+            os.register_at_fork(after_in_child=_register_stacks)
+        else:
+            old.close()  # the parent's file, inherited by this forked child
+    except Exception:
+        pass  # no stacks from this process: never break it
+
+
 def _chain():
     """Run the next `sitecustomize` on the path, as the interpreter would have without us."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -362,8 +507,15 @@ if os.environ.get("TPURUN_METRICS") == "1" and str(os.getppid()) == os.environ.g
     import atexit
 
     atexit.register(_metrics_report)  # a process the agent started (not its children)
+if "TPURUN_STACKS_SIGNAL" in os.environ and "TPURUN_JOB_ID" in os.environ:
+    _register_stacks()
+_changes: dict = {}
 if "JAX_PROCESS_ID" in os.environ and "TPURUN_JOB_ID" in os.environ and "jax" not in sys.modules:
-    sys.meta_path.insert(0, _AfterImport("jax._src.clusters", _add_jax_cluster_to))
+    _changes["jax._src.clusters"] = _add_jax_cluster_to
 if _SOCKET and "TPURUN_CORE" not in os.environ:
-    sys.meta_path.insert(0, _AfterImport("torch.multiprocessing.spawn", _follow_torch_spawn))
+    _changes["torch.multiprocessing.spawn"] = _follow_torch_spawn
+if _SOCKET and "TPURUN_JOB_ID" in os.environ:
+    _changes.update((name, change) for name, change in _RENDEZVOUS.items() if name not in sys.modules)
+if _changes:
+    sys.meta_path.insert(0, _AfterImport(_changes))
 _chain()
