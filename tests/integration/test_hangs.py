@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, finish, popen, read_until
+from tests.helpers import create_node, finish, job_pids, popen, read_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -66,5 +67,80 @@ def test_a_host_late_at_jax_distributed_initialize_is_named_while_the_others_wai
             train.kill()
     lines += out.splitlines()
     assert train.returncode == 0, lines[-30:]
-    assert sum("joined as process" in x for x in lines) == 4
+    assert sorted(x.split()[0] for x in lines if "] joined as process" in x) == ["[w0]", "[w1]", "[w2]", "[w3]"]
     assert any("no longer waiting at jax.distributed.initialize" in x for x in lines)
+
+
+# One rank never reaches all_reduce: the others wait in it (gloo, blocked in C++). Run once per chip
+# (--launch chip: torchrun's variables), or once per host with torch.multiprocessing.spawn making 2 ranks
+# per host (the processes a script's spawner makes, which the hook follows).
+STUCK_RANK = """\
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+
+def rank_main(rank, world):
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    print("rank", rank, "joined", flush=True)
+    if rank == world - 1:
+        time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def spawned(i, w, n):
+    rank_main(2 * w + i, 2 * n)
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    else:
+        import torch.multiprocessing as mp
+
+        w, n = int(os.environ["TPURUN_WORKER_ID"]), int(os.environ["TPURUN_NUM_WORKERS"])
+        mp.spawn(spawned, args=(w, n), nprocs=2)
+"""
+
+
+SLEEP_AT = next(i for i, x in enumerate(STUCK_RANK.splitlines(), 1) if "time.sleep(3600)" in x)
+REDUCE_AT = next(i for i, x in enumerate(STUCK_RANK.splitlines(), 1) if "dist.all_reduce(t)" in x)
+ODD = f"w1/c1 at stuck.py:{SLEEP_AT} (time.sleep(3600))"
+IN_REDUCE = f"3 processes in all_reduce at stuck.py:{REDUCE_AT}"
+
+
+def test_a_rank_that_never_reaches_all_reduce_is_caught_and_its_stacks_say_where(cli, emulator):
+    create_node(cli, "stuck", "v4-16")
+    (cli.cwd / "stuck.py").write_text(STUCK_RANK)
+    # attached, --on-hang stop: the stacks summary, exit 124, nothing left running
+    r = cli(
+        "--plain", "train", "stuck.py", "--runtime", "cpu", "--launch", "chip", "--cores", "2",
+        "--hang-timeout", "15s", "--on-hang", "stop", timeout=300,
+    )  # fmt: skip
+    assert r.code == 124, (r.out[-2000:], r.err[-3000:])
+    assert f"{ODD} · {IN_REDUCE}" in r.err.splitlines(), r.err[-3000:]
+    assert "made no progress for 15s and was stopped (--on-hang stop)" in r.err
+    assert job_pids(emulator, "stuck", "stuck.py") == []
+
+    # detached, the ranks made by the script's spawner (torch.multiprocessing.spawn): `tpurun stacks` shows
+    # the same, and each host process waiting for its two
+    r = cli("train", "stuck.py", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = cli("--plain", "stacks", job)
+        if r.code == 0 and IN_REDUCE in r.out:
+            break
+        time.sleep(2)
+    summary = r.out.splitlines()[0]
+    assert summary.startswith(f"{ODD} · 2 processes in ") and summary.endswith(f" · {IN_REDUCE}"), r.out
+    data = json.loads(cli("stacks", job, "--json").out)
+    groups = [sorted(g["processes"]) for g in data["groups"]]
+    assert groups[0] == ["w1/c1"] and groups[-1] == ["w0/c0", "w0/c1", "w1/c0"], groups
+    assert ["w0", "w1"] in groups  # each host process, waiting in torch.multiprocessing.spawn for its two
+    dump = Path(data["dump"]).read_text()
+    assert dump.count("== w") >= 6 and dump.count("thread 0x") >= 6  # every process, every thread, as read
+    assert cli("cancel", job).code == 0
+    assert job_pids(emulator, "stuck", "stuck.py") == []

@@ -540,7 +540,8 @@ def cancel_cmd(
 
 def stacks_cmd(
     job: Annotated[
-        str | None, typer.Argument(help="The job (default: the newest started from here on the TPU).")
+        str | None,
+        typer.Argument(metavar="[JOB]", help="The job (default: the newest started from here on the TPU)."),
     ] = None,
     worker: WorkerOpt = "all",
     json_out: JsonOpt = False,
