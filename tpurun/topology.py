@@ -385,6 +385,21 @@ def from_machine_type(machine_type: str, topology: str) -> Topology:
     return _build(gen, size)
 
 
+def one_host(topology: Topology) -> Topology:
+    """The single-host slice one host of TOPOLOGY is on its own: the same generation's one-host type with that
+    host's chips (v4-16: v4-8; v5litepod-16, 4 chips a host: v5litepod-4; a single-host type: itself)."""
+    if not topology.multi_host:
+        return topology
+    gen = GENERATIONS[topology.generation]
+    built = (_build(gen, size) for size in sorted(gen.shapes))
+    found = next((t for t in built if t.hosts == 1 and t.chips_per_host == topology.chips_per_host), None)
+    if found is None:
+        raise UsageError(
+            f"{topology.name} has no single-host type of {topology.chips_per_host} chips to run one host as"
+        )
+    return found
+
+
 def vm_topology(machine_type: str) -> Topology:
     """The single-host slice that one VM of MACHINE_TYPE is on its own (tpu7x-standard-4t: tpu7x-8, 2x2x1), or
     UsageError."""

@@ -5,7 +5,8 @@
   processes (a process pool setting PJRT_LOCAL_PROCESS_RANK, as xmp.spawn does) that then sleep, so 160
   Python processes of the job (and each pool's helper processes). Timed: `tpurun stacks JOB` (every
   process of every worker read through its own faulthandler, parsed, grouped, the dump written) against
-  `tpurun exec -- true` on the same workers (the fan-out floor: one SSH command per worker), interleaved.
+  `tpurun exec -- true` on the same workers (the fan-out floor: one SSH command per worker) and `tpurun exec --
+  python3 -c pass` (a Python started on every worker, as the agent is), interleaved.
 * hook: a Python process's start with the hook as a job's process has it (the job's variables set, the
   hook first on PYTHONPATH) against the same start without the hook, and against the hook before hang
   forensics (its file at a given git revision, default 3dc8c03), interleaved: `python3 -c pass`, and
@@ -69,13 +70,19 @@ def bench_stacks(bench: common.Bench, workers: int, reps: int) -> dict[str, Any]
         if up >= want:
             break
         time.sleep(2)
-    data = json.loads(run("stacks", job, "--json").stdout)
+    asked = run("stacks", job, "--json")
+    if asked.returncode != 0:
+        raise SystemExit(f"error: tpurun stacks failed ({asked.returncode}): {asked.stderr[-2000:]}")
+    data = json.loads(asked.stdout)
     read = sum(len(g["processes"]) for g in data["groups"])
     print(f"  stacks: {read} processes read, {len(data['unread'])} without stacks; {data['summary'][:120]}")
     res = common.interleave(
         {
             "stacks": lambda: common.timed([*common.tpurun_bin(), "stacks", job, "--json"], env, work),
             "exec floor": lambda: common.timed([*common.tpurun_bin(), "exec", "--", "true"], env, work),
+            "exec python": lambda: common.timed(
+                [*common.tpurun_bin(), "exec", "--", "python3", "-c", "pass"], env, work
+            ),
         },
         reps,
         label=f"{workers}w ",
@@ -133,7 +140,7 @@ def table(res: dict[str, Any]) -> str:
     lines = [common.machine_line(m), ""]
     s = res.get("stacks")
     if s:
-        st, fl = s["stacks"], s["exec floor"]
+        st, fl, py = s["stacks"], s["exec floor"], s["exec python"]
         lines += [
             f"`tpurun stacks JOB` on {s['workers']} emulated workers, {s['processes_read']} Python processes of the job "
             f"read ({s['unread']} without stacks), against `tpurun exec -- true` on the same workers, "
@@ -143,8 +150,11 @@ def table(res: dict[str, Any]) -> str:
             "| --- | --- | --- | --- |",
             f"| `tpurun stacks` | {st['median'] * 1000:.0f} ms | {st['min'] * 1000:.0f}-{st['max'] * 1000:.0f} ms | {st['cpu_median'] * 1000:.0f} ms |",
             f"| `tpurun exec -- true` (floor) | {fl['median'] * 1000:.0f} ms | {fl['min'] * 1000:.0f}-{fl['max'] * 1000:.0f} ms | {fl['cpu_median'] * 1000:.0f} ms |",
+            f"| `tpurun exec -- python3 -c pass` (a Python on every worker) | {py['median'] * 1000:.0f} ms | {py['min'] * 1000:.0f}-{py['max'] * 1000:.0f} ms | {py['cpu_median'] * 1000:.0f} ms |",
             "",
-            f"stacks / floor: {st['median'] / fl['median']:.2f}×.",
+            f"stacks / exec floor: {st['median'] / fl['median']:.2f}×; stacks / a Python on every worker: "
+            f"{st['median'] / py['median']:.2f}× (the emulated workers share this machine's 2 cores: 32 agents "
+            "starting at once are most of the difference; each real TPU host has its own).",
             "",
         ]
     h = res.get("hook")

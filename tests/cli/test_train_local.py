@@ -211,3 +211,30 @@ def test_gloo_connection_chatter_stays_off_the_terminal_unless_asked(tmp_path):
     assert len(re.findall(r"^\[w0/c\d\] \[Gloo\] Rank \d is connected to 1 peer ranks", shown.out, re.M)) == 2
     r = tpurun("--debug", "train", "g.py", "--cores", "2", "--runtime", "cpu", cwd=tmp_path, env=env, timeout=300)
     assert r.code == 0 and r.out.count("[Gloo] Rank") == 2, r.out
+
+
+STUCK = """\
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+if os.environ["RANK"] == "1":
+    time.sleep(600)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_job_that_makes_no_progress_is_reported_and_stopped_with_124(tmp_path):
+    (tmp_path / "stuck.py").write_text(STUCK)
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    train = ("train", "stuck.py", "--runtime", "cpu", "--launch", "chip", "--cores", "2")
+    r = tpurun(*train, "--detach", "--hang-timeout", "5s", cwd=tmp_path, env=env)
+    assert r.code == 2 and "--hang-timeout watches an attached job" in r.err and "Traceback" not in r.err
+    r = tpurun("--plain", *train, "--hang-timeout", "6s", "--on-hang", "stop", cwd=tmp_path, env=env, timeout=180)
+    assert r.code == 124, r.err[-3000:]
+    summary = next(x for x in r.err.splitlines() if " · " in x)  # two groups of one: in the order of their names
+    assert summary.split(" · ") == ["w0/c0 in all_reduce at stuck.py:8", "w0/c1 at stuck.py:7 (time.sleep(600))"]
+    assert "made no progress for 6s and was stopped (--on-hang stop)" in r.err
+    dump = next(x for x in r.err.splitlines() if x.startswith("the whole dump: ")).split(": ", 1)[1]
+    assert "stuck.py" in open(dump).read()

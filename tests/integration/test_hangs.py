@@ -1,5 +1,6 @@
-"""When a pod job hangs, tpurun says which host and where: on an emulated 4-host pod, with the runtimes' own
-rendezvous (jax.distributed over gloo on CPU), one host made late on purpose."""
+"""When a pod job hangs, tpurun says which host and where, on emulated pods with the runtimes' own code: the
+rendezvous watch (jax.distributed with one host late on purpose), `--hang-timeout` and `tpurun stacks` (torch
+gloo with one rank that never reaches all_reduce), and one host of a pod run alone (`--worker`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, finish, job_pids, popen, read_until
+from tests.helpers import by_tag, create_node, finish, job_pids, popen, read_until
+from tests.integration.test_compute import PROBE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -144,3 +146,45 @@ def test_a_rank_that_never_reaches_all_reduce_is_caught_and_its_stacks_say_where
     assert dump.count("== w") >= 6 and dump.count("thread 0x") >= 6  # every process, every thread, as read
     assert cli("cancel", job).code == 0
     assert job_pids(emulator, "stuck", "stuck.py") == []
+
+
+def _probe_of(r_out: str, tag: str) -> dict:
+    """The JSON line a PROBE run printed on the worker tagged TAG (any of its processes)."""
+    lines = [t for k, v in by_tag(r_out).items() if k.split("/")[0] == tag for t in v]
+    return json.loads(next(t for t in lines if t.startswith("{")))
+
+
+def test_one_host_of_a_pod_runs_as_the_single_host_slice_it_is(cli):
+    """pytorch/xla #7714, jax #22436: a pod's host started alone waits for the others its metadata lists.
+    `--worker 1` gives its runtimes one host's bounds, address and worker count, as torch_xla's own
+    configure_topology and jax's own cluster detection read them on the emulated VM."""
+    d = create_node(cli, "alone", "v4-16")
+    addresses = [ep["internalIp"] for ep in d["workerEndpoints"]]
+    (cli.cwd / "probe.py").write_text(
+        PROBE.replace('os.environ["TPURUN_WORKER_ID"]', 'os.environ.get("TPURUN_WORKER_ID")')
+    )
+
+    r = cli("train", "probe.py", "--runtime", "pjrt", "--worker", "1", timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    assert sorted({k.split("/")[0] for k in by_tag(r.out)}) == ["w1"]  # that host only, named as itself
+    assert "w1 alone, as a v4-8 single-host slice (--worker)" in r.err
+    seen = _probe_of(r.out, "w1")
+    assert (seen["cluster"], seen["id"], seen["count"]) == ("gketpu", 0, 1), seen
+    assert seen["coordinator"] == f"{addresses[1]}:8482"
+    # (torch_xla names the one host of a single-host slice localhost, whatever the variable says)
+    assert (seen["chips"], seen["local"], seen["worker_id"], seen["worker_ips"]) == (4, 4, 0, ["localhost"])
+    assert seen["last"] == {"TPU_PROCESS_BOUNDS": "2,2,1", "CLOUD_TPU_TASK_ID": "3", "TPU_VISIBLE_CHIPS": "3"}
+
+    # the same host as part of the pod: what its metadata says (2 hosts), which a host alone would wait on
+    r = cli("train", "probe.py", "--runtime", "pjrt", timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    whole = _probe_of(r.out, "w1")
+    assert (whole["id"], whole["count"], whole["last"]["TPU_PROCESS_BOUNDS"]) == (1, 2, "2,2,2"), whole
+    assert whole["last"]["CLOUD_TPU_TASK_ID"] == "7"
+
+    # exec on that worker alone: the same single-host slice
+    r = cli("exec", "--worker", "1", "--", "python3", f"{cli.cwd.name}/probe.py", timeout=300)  # train synced it
+    assert r.code == 0, r.err[-3000:]
+    assert "w1 alone: its runtime sees the v4-8 single-host slice it is on its own" in r.err
+    got = json.loads(next(x.split(" ", 1)[1] for x in r.out.splitlines() if x.startswith("[w1] {")))
+    assert (got["id"], got["count"], got["coordinator"], got["last"]) == (0, 1, seen["coordinator"], seen["last"]), got

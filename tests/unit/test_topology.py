@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tpurun.errors import UsageError
-from tpurun.topology import GENERATIONS, all_accelerator_types, from_machine_type, parse_accelerator_type
+from tpurun.topology import GENERATIONS, all_accelerator_types, from_machine_type, one_host, parse_accelerator_type
 
 # type, hosts, chips/host, cores/host, pjrt devices/host, host bounds, device file prefix
 GOLDEN = [
@@ -173,3 +173,27 @@ def test_who_makes_what():
         "v2": "0x0027", "v3": "0x0027", "v4": "0x005e", "v5litepod": "0x0063", "v5p": "0x0062", "v6e": "0x006f",
         "tpu7x": "0x0076",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pod", "alone"),
+    [
+        ("v2-32", "v2-8"),
+        ("v3-32", "v3-8"),
+        ("v4-16", "v4-8"),
+        ("v4-32", "v4-8"),
+        ("v5litepod-16", "v5litepod-4"),  # 4 chips a host in a multi-host slice, though v5litepod-8 is one host
+        ("v5p-16", "v5p-8"),
+        ("v6e-16", "v6e-4"),
+        ("tpu7x-16", "tpu7x-8"),
+        ("v4-8", "v4-8"),  # a single-host type is itself
+    ],
+)
+def test_one_host_of_a_slice_is_its_generations_single_host_type_with_its_chips(pod: str, alone: str) -> None:
+    whole, one = parse_accelerator_type(pod), one_host(parse_accelerator_type(pod))
+    assert one.name == alone
+    assert (one.hosts, one.chips_per_host, one.chips_per_host_bounds) == (
+        1,
+        whole.chips_per_host,
+        whole.chips_per_host_bounds,
+    )

@@ -33,6 +33,10 @@ def exec_cmd(
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
     target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
+    one = remote.alone(target)
+    if one is not None:
+        name = target.runners[0].worker.name
+        ui.info(f"{name} alone: its runtime sees the {one.name} single-host slice it is on its own (docs/remote.md)")
     writer = LineWriter(colour=not ui.is_plain(), names=target.worker_names)
     stop = threading.Event()
 

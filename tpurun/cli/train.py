@@ -104,6 +104,15 @@ DownOpt = Annotated[
     ),
 ]
 
+AloneOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--worker",
+        min=0,
+        help="Run on this worker alone, as the single-host slice one host is on its own (its runtime given one "
+        "host's bounds, address and worker count: v4-16's worker 1 runs as a v4-8).",
+    ),
+]
 HangTimeoutOpt = Annotated[
     str | None,
     typer.Option(
@@ -158,6 +167,7 @@ def train_cmd(
     allow_skew: AllowSkewOpt = False,
     hang_timeout: HangTimeoutOpt = None,
     on_hang: OnHangOpt = OnHang.report,
+    worker: AloneOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
@@ -187,6 +197,7 @@ def train_cmd(
         allow_skew=allow_skew,
         hang_timeout=_hang_timeout(hang_timeout, detach),
         on_hang=on_hang,
+        worker=worker,
     )
     flags = {"tpu": tpu, "project": project, "zone": zone}
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))

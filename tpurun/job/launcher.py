@@ -10,7 +10,7 @@ import json
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
 from tpurun.targets import Target
+from tpurun.topology import one_host
 from tpurun.transport.runner import run_capture, worker_names
 from tpurun.worker.protocol import JOB_GRACE, Launch
 
@@ -92,6 +93,7 @@ class TrainSpec:
     allow_skew: bool = False  # start even where the workers' Python or decisive packages differ
     hang_timeout: float = DEFAULT_HANG_TIMEOUT  # seconds without progress before --on-hang (0: never)
     on_hang: OnHang = OnHang.report
+    worker: int | None = None  # --worker N: that host alone, as the single-host slice it is on its own
 
 
 # ---------------------------------------------------------------------------- planning
@@ -127,7 +129,12 @@ class JobPlan:
 
 def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -> JobPlan:
     python = target.python(spec.python)
-    topo = target.topology
+    topo, alone = target.topology, spec.worker is not None and len(target.all_workers) > 1
+    if alone:
+        if target.slices > 1:
+            raise UsageError("--worker runs one host of one slice; this TPU has several slices")
+        assert topo is not None
+        topo = one_host(topo)
     runtime, why = spec.runtime, "asked for"
     if runtime is Runtime.auto:
         runtime, why = env_contract.pick_runtime(Runtime.auto, probe(target, python))
@@ -140,7 +147,8 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
         extra.setdefault("TPURUN_METRICS", "1")
     # the workers reach each other inside the VPC: internal addresses (external ones take SSH only, by the
     # default firewall rules), whatever address tpurun itself connects to
-    addresses = [w.internal or w.address for w in target.all_workers]
+    workers = [target.runners[0].worker] if alone else target.all_workers
+    addresses = [w.internal or w.address for w in workers]
     slice_size = sum(1 for w in target.all_workers if w.slice == 0) if target.slices > 1 else None
     specs = env_contract.plan_job(
         job_id=job_id,
@@ -160,8 +168,13 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
         restart_count=restart_count,
         tpu_ip=spec.tpu_ip,
         oversubscribe=spec.oversubscribe,
-        slice_metadata=target.slice_metadata,
+        # one host alone: its metadata describes the whole slice, so the runtimes are given one host's values
+        slice_metadata=target.slice_metadata and not alone,
     )
+    if alone:  # planned as worker 0 of a one-host slice; started on, and named after, the host it is
+        w = workers[0].index
+        specs = [[replace(c, worker=w) for c in specs[0]] if i == w else [] for i in range(len(target.all_workers))]
+        launch_why += f"; {target.all_workers[w].name} alone, as a {topo.name if topo else 'one-host'} single-host slice (--worker)"
     return JobPlan(runtime, why, launch, launch_why, specs)
 
 

@@ -18,7 +18,7 @@ from tpurun.settings import Settings, clear_project_setting
 def dry_run(s: Settings, spec: TrainSpec, *, local: bool, dest: str | None, local_dir: Path, out: Output) -> Job:
     """The job SPEC would be on the TPU S names (or this machine): runtime, launch model, every process's
     argv and environment, the setup; nothing is started."""
-    with targets.resolve(s, local=local, announce=out.info) as target:
+    with targets.resolve(s, local=local, worker_spec=_workers(spec), announce=out.info) as target:
         return prepare(spec, target, 0, dest=dest, local_dir=local_dir)
 
 
@@ -37,7 +37,7 @@ def train(
     restarts = 0
     while True:
         try:
-            target = targets.resolve(s, local=local, announce=out.info)
+            target = targets.resolve(s, local=local, worker_spec=_workers(spec), announce=out.info)
             try:
                 job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir)
             except BaseException:
@@ -64,6 +64,11 @@ def train(
         restarts += 1
         out.info(f"restart {restarts}/{spec.max_restarts}: recreating {target.name}")
         _recreate(s, target.name, out)
+
+
+def _workers(spec: TrainSpec) -> str:
+    """The workers a job runs on: every one, or the one `--worker` names."""
+    return "all" if spec.worker is None else str(spec.worker)
 
 
 def _recreate(s: Settings, name: str, out: Output) -> None:

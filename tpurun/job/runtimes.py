@@ -5,7 +5,7 @@ variable are in docs/train.md."""
 
 from __future__ import annotations
 
-from tpurun.topology import Topology, axes
+from tpurun.topology import Topology, axes, one_host
 from tpurun.worker.protocol import Launch, Word
 
 
@@ -132,6 +132,13 @@ def _slice_env(topology: Topology, worker: int, worker_addresses: list[str]) -> 
         "TPU_CHIPS_PER_HOST_BOUNDS": topology.chips_per_host_bounds,
         "TPU_TOPOLOGY": topology.topology,
     }
+
+
+def single_host_env(topology: Topology, address: str) -> dict[str, str]:
+    """One host of TOPOLOGY (a multi-host slice) on its own, at ADDRESS: the variables of the single-host slice
+    it is alone (`topology.one_host`), so neither torch_xla nor jax waits for the other hosts the VM's
+    metadata lists (pytorch/xla #7714, jax #22436)."""
+    return _slice_env(one_host(topology), 0, [address])
 
 
 def _mul_bounds(a: str, b: str) -> str:

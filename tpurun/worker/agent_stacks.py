@@ -20,7 +20,7 @@ import time
 from agent_files import HOOK_DIR, POLL, _proc_stat, job_processes
 from protocol import HOST, STACKS_SIGNAL, ProcessStack, StackSource, ThreadStack
 
-SETTLED = 0.1  # seconds a dump file must stay the same size to be whole (faulthandler writes in one go)
+SETTLED = 0.05  # seconds a dump file must stay the same size to be whole (faulthandler writes in one go)
 
 
 def catches(pid: int, sig: int) -> bool:

@@ -471,10 +471,10 @@ def _register_stacks():
         where = os.environ.get("TPURUN_JOB_DIR")
         if not sig or not where:
             return
+        import _signal  # signal's C half: `signal` itself would import enum into every process
         import faulthandler
-        import signal
 
-        if signal.getsignal(sig) not in (signal.SIG_DFL, None):
+        if _signal.getsignal(sig) not in (_signal.SIG_DFL, None):
             return
         dump = open(os.path.join(where, "stacks", f"{os.getpid()}.txt"), "w")
         faulthandler.register(sig, file=dump, all_threads=True, chain=False)
