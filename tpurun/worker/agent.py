@@ -19,7 +19,8 @@ Commands (exit codes: protocol.AgentExit):
 
 Files in ~/.tpurun/jobs/<JOB>/ (root overridable with $TPURUN_AGENT_ROOT): spec.json, state.json,
 supervisor.log, pre.log, w<W>-c<C>.log (slot C's output bytes as printed, stdout and stderr lines in
-arrival order) and w<W>-c<C>.rec (one line per record, protocol.encode_recs).
+arrival order), w<W>-c<C>.rec (one line per record, protocol.encode_recs) and stacks/<PID>.txt (where a
+process's faulthandler writes its stacks for `stacks`; the hook makes it).
 
 A host launch ("launch": "host" in the spec) starts one process per worker (slot HOST, files w<W>.log
 and w<W>.rec) with hook/sitecustomize.py (shipped beside this file) first on its PYTHONPATH and the name
