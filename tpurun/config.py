@@ -100,6 +100,7 @@ REQUIRE_EMULATOR = Tunable("TPURUN_REQUIRE_EMULATOR", "", "1: a machine that can
 TORCHTPU_PYTHON = Tunable(
     "TPURUN_TORCHTPU_PYTHON", "", "the Python of the TorchTPU environment (scripts/test makes it)"
 )
+TEST_PY_SPY = Tunable("TPURUN_TEST_PY_SPY", "", "py-spy for the test of `stacks` (scripts/test installs it off PATH)")
 
 ALL = [
     *SETTINGS.values(),
@@ -122,4 +123,5 @@ ALL = [
     IMAGE_VENVS,
     REQUIRE_EMULATOR,
     TORCHTPU_PYTHON,
+    TEST_PY_SPY,
 ]
