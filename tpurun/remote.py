@@ -50,12 +50,12 @@ def exec_everywhere(
             if unreachable is not None:
                 unreachable(error)
         reachable = [r for r in target.runners if r.worker.index not in errors]
+        env = None
         if alone(target) is not None and reachable:
             assert target.topology is not None
             w = reachable[0].worker
             env = single_host_env(target.topology, w.internal or w.address)
-            command = ["env", *(f"{k}={v}" for k, v in env.items()), *command]  # env(1): no shell, argv exact
-        results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace)
+        results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=env)
     results += [RunResult(i, None, error=e) for i, e in errors.items()]
     results.sort(key=lambda r: r.worker)
     return ExecResult(results)

@@ -164,5 +164,6 @@ def test_a_stack_outside_the_script_names_the_library_file() -> None:
     assert stacks.Group([]).where("/home/u/proj") == "in no Python frame"
 
 
-def test_signal_numbers_agree() -> None:
-    assert protocol.STACKS_SIGNAL == signal.SIGRTMIN + 6
+def test_the_stacks_signal_is_one_a_process_ignores_by_default() -> None:
+    # SIGURG: should a process exec between the agent's check and its signal, nothing happens to it
+    assert protocol.STACKS_SIGNAL == signal.SIGURG

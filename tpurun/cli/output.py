@@ -209,8 +209,11 @@ class Renderer:
 
     def _draw(self) -> None:
         if self.live and self.status:
-            width = shutil.get_terminal_size().columns
-            sys.stderr.write(self.status if len(self.status) < width else self.status[: width - 2] + "…")
+            from rich.cells import cell_len, set_cell_size
+
+            width = shutil.get_terminal_size().columns - 1  # one row: never wrapped, so one erase removes it
+            text = self.status if cell_len(self.status) <= width else set_cell_size(self.status, width - 1) + "…"
+            sys.stderr.write(text)
             sys.stderr.flush()
 
 

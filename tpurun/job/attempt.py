@@ -319,6 +319,8 @@ class JobRun:
             found = stacks.gather(self.target, self.python, self.job_id, h.home)
         except TpurunError as exc:
             why = exc.message
+        except Exception as exc:  # a transport's own error: the report says so, the watch goes on
+            why = f"{type(exc).__name__}: {exc}"
         stopping = h.on_hang is OnHang.stop and not self.stop.is_set()
         self.out.hung(found, why, quiet, stopping)
         self.last_activity = time.monotonic()  # the next report after another whole quiet period

@@ -112,7 +112,7 @@ class _Viewer:
         self.missing: set[int] = set()  # workers without the job
         self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
         self.lock = threading.Lock()
-        self.watch = Watch([w for w in target.all_workers if w.index in record.workers])  # who waits for whom
+        self.watch = Watch([r.worker for r in target.runners])  # who waits for whom, among the workers shown
 
     def view(self, runner: Runner) -> None:
         w = runner.worker.index

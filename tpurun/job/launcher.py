@@ -24,7 +24,7 @@ from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
 from tpurun.targets import Target
-from tpurun.topology import one_host
+from tpurun.topology import Topology, one_host
 from tpurun.transport.runner import run_capture, worker_names
 from tpurun.worker.protocol import JOB_GRACE, Launch
 
@@ -121,6 +121,7 @@ class JobPlan:
     launch: Launch
     launch_reason: str
     specs: list[list[env_contract.SlotSpec]]
+    topology: Topology | None = None  # what the processes are told they run on (one host's, with --worker)
 
     @property
     def processes(self) -> int:
@@ -175,7 +176,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
         w = workers[0].index
         specs = [[replace(c, worker=w) for c in specs[0]] if i == w else [] for i in range(len(target.all_workers))]
         launch_why += f"; {target.all_workers[w].name} alone, as a {topo.name if topo else 'one-host'} single-host slice (--worker)"
-    return JobPlan(runtime, why, launch, launch_why, specs)
+    return JobPlan(runtime, why, launch, launch_why, specs, topo)
 
 
 def dry_run_rows(target: Target, specs: list[list[env_contract.SlotSpec]]) -> list[dict[str, Any]]:
@@ -356,7 +357,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         project=target.project,
         zone=target.zone,
     ).save(home)
-    topo = target.topology
+    topo = job.plan.topology
     run = JobRun(
         target,
         job.job_id,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -81,13 +81,15 @@ def fan_out(
     fail_fast: bool = False,
     grace: float = RUN_GRACE,
     on_exit: Callable[[RunResult], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[RunResult]:
-    """Run ARGV on every runner at once; with FAIL_FAST the first non-zero exit stops the others."""
+    """Run ARGV (with ENV's variables added) on every runner at once; with FAIL_FAST the first non-zero exit
+    stops the others."""
 
     def one(r: Runner) -> RunResult:
         started = time.monotonic()
         try:
-            rc: int | None = r.run(argv, sink, stop, grace)
+            rc: int | None = r.run(argv, sink, stop, grace, env)
             res = RunResult(r.worker.index, rc, stopped=stop.is_set(), duration=time.monotonic() - started)
         except UnreachableError as exc:
             res = RunResult(r.worker.index, None, error=str(exc), duration=time.monotonic() - started)

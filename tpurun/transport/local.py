@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
 
@@ -32,10 +32,18 @@ class LocalRunner(Runner):
     def pipe(self, argv: Sequence[str]) -> Pipe:
         return LocalPipe(argv)
 
-    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = RUN_GRACE) -> int:
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        stop: threading.Event,
+        grace: float = RUN_GRACE,
+        env: Mapping[str, str] | None = None,
+    ) -> int:
         try:
             proc = subprocess.Popen(
                 list(argv),
+                env={**os.environ, **env} if env else None,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -126,7 +134,6 @@ class LocalStream(Stream):
 
     def kill(self) -> None:
         self.proc.kill()
-
 
 
 class LocalPipe:

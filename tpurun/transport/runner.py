@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,8 +115,16 @@ class Runner:
     python = "python3"  # the worker's Python when none is named
     refused_key = False  # the last connect failed because the worker could not prove it is that worker
 
-    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = RUN_GRACE) -> int:
-        """ARGV to completion in its own process group, its lines to SINK; STOP ends it (after GRACE)."""
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        stop: threading.Event,
+        grace: float = RUN_GRACE,
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        """ARGV to completion in its own process group, its lines to SINK; STOP ends it (after GRACE). ENV:
+        variables added to its environment."""
         raise NotImplementedError
 
     def stream(self, argv: Sequence[str]) -> Stream:

@@ -12,12 +12,13 @@ sync's helper end, or stop their job, when their stdin closes).
 
 from __future__ import annotations
 
+import re
 import select
 import shlex
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +106,19 @@ _WRAPPER = (
 )
 
 
-def wrap_command(argv: Sequence[str], grace: float = RUN_GRACE) -> str:
-    """The one shell line sshd runs: the watchdog with ARGV quoted so it arrives exactly."""
-    for arg in argv:
+def wrap_command(argv: Sequence[str], grace: float = RUN_GRACE, env: Mapping[str, str] | None = None) -> str:
+    """The one shell line sshd runs: the watchdog with ARGV quoted so it arrives exactly, ENV's variables
+    assigned in front of it (each value quoted; each name checked to be one)."""
+    for arg in [*argv, *(env or {}).values()]:
         if "\0" in arg:
             raise UsageError("arguments cannot contain NUL bytes (no program can receive them)")
-    return shlex.join(["sh", "-c", _WRAPPER, "tpurun", str(max(1, int(round(grace)))), *argv])
+    assigned = []
+    for name, value in (env or {}).items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise UsageError(f"not a variable name: {name!r}")
+        assigned.append(f"{name}={shlex.quote(value)}")
+    watchdog = shlex.join(["sh", "-c", _WRAPPER, "tpurun", str(max(1, int(round(grace)))), *argv])
+    return " ".join([*assigned, watchdog])
 
 
 def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
@@ -237,8 +245,7 @@ class SshRunner(Runner):
                 if "not found in known_hosts" in str(exc):
                     self.refused_key = True
                     raise UnreachableError(
-                        f"no pinned host key for worker {w.label()}{self._of_tpu()}: refusing to trust an unknown "
-                        "host",
+                        f"no pinned host key for worker {w.label()}{self._of_tpu()}: refusing to trust an unknown host",
                         hint=f"{self._attach_hint()} pins the keys the TPU published",
                     ) from None
                 auth = isinstance(exc, paramiko.AuthenticationException)
@@ -266,12 +273,19 @@ class SshRunner(Runner):
         self.liveness = Liveness(transport, w)
         self.client = client
 
-    def run(self, argv: Sequence[str], sink: LineSink, stop: threading.Event, grace: float = RUN_GRACE) -> int:
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        stop: threading.Event,
+        grace: float = RUN_GRACE,
+        env: Mapping[str, str] | None = None,
+    ) -> int:
         assert self.client is not None, "connect() first"
         transport = self.client.get_transport()
         assert transport is not None
         chan = transport.open_session()
-        chan.exec_command(wrap_command(argv, grace))
+        chan.exec_command(wrap_command(argv, grace, env))
         i = self.worker.index
         out = LineSplitter(lambda line: sink(i, "out", line))
         err = LineSplitter(lambda line: sink(i, "err", line))
@@ -446,5 +460,3 @@ class SshPipe:
         if rc in (None, -1) and not err.strip() and (transport is None or not transport.is_active()):
             return None, b""  # paramiko reports -1 when the connection, not the program, ended
         return rc, err
-
-

@@ -1,11 +1,13 @@
 """`agent.py stacks JOB`: the stacks of every thread of every process of a job on this worker, all asked at
 once. Part of the agent bundle (stdlib only, Python >= 3.8).
 
-Two readers. py-spy, where the worker has it, reads any Python process from outside, native frames too.
-Otherwise each process's own faulthandler answers: the hook registered it for `STACKS_SIGNAL` in every
-Python process of the job, writing to the job's stacks/<pid>.txt. That signal's default action ends a
-process, so it is sent only to a process whose kernel record (/proc/PID/status, SigCgt) says it catches
-it and whose file the hook made: never to one that exec'd another program, or was never hooked.
+Two readers. py-spy, where the worker has it (on PATH, beside the job's Python, or in ~/.local/bin), reads
+any Python process from outside, native frames too, where ptrace is allowed. Otherwise, and for each process
+py-spy could not read, the process's own faulthandler answers: the hook registered it for `STACKS_SIGNAL`
+in every Python process of the job, writing to the job's stacks/<pid>.txt. The signal goes only to a
+process whose kernel record (/proc/PID/status, SigCgt) says it catches it, checked again just before, and
+whose file the hook made: never to one that exec'd another program, or was never hooked (and that signal's
+default action is to ignore it, should one exec in between).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 from agent_files import HOOK_DIR, POLL, _proc_stat, job_processes
@@ -69,12 +72,28 @@ def collect(job: str, jdir: str, state: dict, timeout: float = 10.0) -> list[Pro
         except OSError:
             cwd = ""
         out[pid] = ProcessStack(pid, _ppid(pid), slot, child, _cmdline(pid), cwd, StackSource.NONE)
-    spy = shutil.which("py-spy")
+    spy = _find_py_spy()
     if spy:
         _py_spy(spy, out, timeout)
-    else:
-        _faulthandler(jdir, out, timeout)
+    unread = {pid: ps for pid, ps in out.items() if ps.source is StackSource.NONE}
+    if unread:
+        spied = {pid: ps.why for pid, ps in unread.items()}  # why py-spy could not, where it was asked
+        for ps in unread.values():
+            ps.why = ""
+        _faulthandler(jdir, unread, timeout)
+        for pid, ps in unread.items():
+            if ps.source is StackSource.NONE and spied[pid]:
+                ps.why = f"{spied[pid]}; {ps.why}"
     return [out[p] for p in sorted(out, key=lambda p: (_order(out[p].slot), out[p].child, p))]
+
+
+def _find_py_spy() -> str | None:
+    """py-spy on PATH, beside this (the job's) Python, or where `pip install --user` puts it."""
+    for where in (None, os.path.dirname(sys.executable), os.path.expanduser("~/.local/bin")):
+        found = shutil.which("py-spy", path=where)
+        if found:
+            return found
+    return None
 
 
 def _order(slot: int | None) -> int:
@@ -92,6 +111,9 @@ def _faulthandler(jdir: str, procs: dict[int, ProcessStack], timeout: float) -> 
         else:
             files[pid] = (path, os.path.getsize(path))
     for pid in files:
+        if not catches(pid, STACKS_SIGNAL):  # again, at once before: it may have exec'd since
+            procs[pid].why = "no stacks handler: it no longer runs the Python that registered one (exec)"
+            continue
         try:
             os.kill(pid, STACKS_SIGNAL)
         except OSError:
@@ -146,7 +168,7 @@ def _py_spy(spy: str, procs: dict[int, ProcessStack], timeout: float) -> None:
 _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)\b.*:$")
 _FH_FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
 # py-spy: 'Thread 463 (idle): "MainThread"', then '    function (file:line)' or a native '    function (library)'
-_SPY_THREAD = re.compile(r'^Thread (\S+) \((\w+)\)(?:: "(.*)")?$')
+_SPY_THREAD = re.compile(r'^Thread (\S+) \(([\w+]+)\)(?:: "(.*)")?$')  # (idle), (active), (active+gil)
 _SPY_FRAME = re.compile(r"^    (.*) \((.*?)(?::(\d+))?\)$")
 
 

@@ -333,6 +333,7 @@ class Supervisor:
                 c.started_at = now()
                 c.exited_at = c.ended_at = c.exit_code = c.reported = None
                 c.ctl_done, c.pool = False, pool
+                c.passages = {}  # the spawner's next round: its passages are the new process's
                 c.died_at.clear()
                 stat = _proc_stat(pid)
                 c.pgid = int(stat[2]) if stat and len(stat) > 2 else c.pgid
@@ -356,11 +357,10 @@ class Supervisor:
                     passage = Passage.from_dict(json.loads(line))
                 except ValueError:
                     continue
-                with self.slots_lock:
-                    c.passages.pop(passage.at, None)
-                    c.passages[passage.at] = passage
-                    while len(c.passages) > 16:
-                        c.passages.pop(next(iter(c.passages)))
+                with self.slots_lock:  # a new dict each time: state() reads the one it finds, unlocked
+                    kept = {at: p for at, p in c.passages.items() if at != passage.at}
+                    kept[passage.at] = passage
+                    c.passages = dict(list(kept.items())[-16:])
                     self.dirty = True
         except OSError:
             pass

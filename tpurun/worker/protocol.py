@@ -144,9 +144,10 @@ DEFAULT_PRE_TIMEOUT = 300.0  # seconds a pre-command may take
 DEFAULT_LEASE = 60.0  # an attached job whose client has had no stream for this long is stopped
 HOST = -1  # the slot a host launch's one process per worker is filed under (its files: w<W>.log, .rec)
 HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files under the process
-# `tpurun stacks`: the signal on which faulthandler writes a process's stacks (SIGRTMIN + 6 under glibc; its
-# default action ends a process, so only one whose kernel record says it catches it is sent it)
-STACKS_SIGNAL = 40
+# `tpurun stacks`: the signal on which faulthandler writes a process's stacks. SIGURG (23 on Linux): its default
+# action is to ignore it, so a process that cannot answer (it exec'd another program since) is not harmed; and
+# the agent sends it only to a process whose kernel record says it catches it
+STACKS_SIGNAL = 23
 
 # ---------------------------------------------------------------- records
 # Classes with __slots__ and their own __init__, not dataclasses: on every worker three processes import this

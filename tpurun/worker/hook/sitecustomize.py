@@ -38,7 +38,7 @@ _SOCKET = os.environ.get("TPURUN_LOG_SOCKET", "")
 _CHIP_VARS = (b"PJRT_LOCAL_PROCESS_RANK", b"TPU_VISIBLE_CHIPS")
 # "owner": the pid that became a chip; its forked children (a user's own fork pool, a DataLoader worker)
 # inherit this module's state and patches, but report nothing on its behalf.
-_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": False}
+_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": None}
 
 
 def _mine():
@@ -364,7 +364,7 @@ def _reporter():
 def _send_passage(passage):
     """PASSAGE (as it stands) to the agent, on this process's wait connection, opened the first time."""
     conn = _state["wait"]
-    if conn is None:
+    if conn is None or (conn[0] is not None and conn[0] != os.getpid()):  # none yet, or its parent's (forked)
         if not _reporter():
             return
         import socket
@@ -381,12 +381,12 @@ def _send_passage(passage):
                 raise OSError("refused")
         except OSError:
             sock.close()
-            _state["wait"] = conn = (None, None, None)  # no agent to tell: never try again
+            _state["wait"] = (None, None, None)  # no agent to tell: never try again
             return
         _state["wait"] = conn = (os.getpid(), sock, threading.Lock())
     pid, sock, lock = conn
     if pid != os.getpid():
-        return  # a forked child's passages are not its parent's
+        return  # no agent to tell
     with lock:
         try:
             sock.sendall(_protocol().passage_line(passage))
@@ -399,11 +399,10 @@ def _passing(at, fn, first=False):
     of any such FN in this process: the first collective)."""
 
     def passing(*args, **kwargs):
-        report = _reporter() if not first else (_reporter() and not _state["first"])
-        if not report:
-            return fn(*args, **kwargs)
+        if (first and _state["first"] == os.getpid()) or not _reporter():
+            return fn(*args, **kwargs)  # (a later collective: one dict lookup and one getpid more)
         if first:
-            _state["first"] = True
+            _state["first"] = os.getpid()
         import time
 
         try:
