@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,7 @@ def bench_stacks(bench: common.Bench, workers: int, reps: int) -> dict[str, Any]
 def hook_env(hook_dir: Path | None, job_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPURUN_")}
     env.pop("PYTHONPATH", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as on a worker: the hook's compiled file is kept after its first run
     if hook_dir is None:
         return env
     env.update(
@@ -127,7 +129,17 @@ def bench_hook(reps: int, before_rev: str) -> dict[str, Any]:
         f"hook at {before_rev}": hook_env(before, tmp),
         "hook now": hook_env(HOOK_DIR, tmp),
     }
-    out: dict[str, Any] = {"before": before_rev}
+    out: dict[str, Any] = {"before": before_rev, "import_ms": {}}
+    for name, env in envs.items():  # the hook's own import, as the interpreter times it (no process noise)
+        samples = []
+        for _ in range(reps):
+            r = subprocess.run(
+                [sys.executable, "-X", "importtime", "-c", "pass"], env=env, capture_output=True, text=True
+            )
+            top = [ln for ln in r.stderr.splitlines() if ln.endswith("|   sitecustomize")]
+            samples.append(int(top[0].split("|")[1]) / 1000 if top else 0.0)
+        out["import_ms"][name] = statistics.median(samples)
+        print(f"  import of sitecustomize, {name}: median {out['import_ms'][name]:.2f} ms", flush=True)
     for what, code in (("start", "pass"), ("import torch.distributed", "import torch.distributed")):
         argv = [sys.executable, "-c", code]
         contenders = {name: (lambda e=e, a=argv: common.timed(a, e)) for name, e in envs.items()}
@@ -179,6 +191,16 @@ def table(res: dict[str, Any]) -> str:
                 + " | ".join(cells)
                 + f" | {delta:+.1f} ms |"
             )
+        imp = h.get("import_ms")
+        if imp:
+            lines += [
+                "",
+                "The hook's own import, as `python3 -X importtime -c pass` times it (median; no hook: the "
+                "interpreter's own `sitecustomize`, if any): "
+                + ", ".join(f"{k} {v:.2f} ms" for k, v in imp.items())
+                + ". The whole-process numbers above move by a few ms from run to run on this 2-core machine; "
+                "this one is the hook's share.",
+            ]
     return "\n".join(lines)
 
 
@@ -192,6 +214,9 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     res: dict[str, Any] = {"machine": common.machine()}
+    kept = common.BENCH_DOCS / "hangs.json"
+    if args.only and kept.exists():  # one part again: the other part's last results stay
+        res = {**json.loads(kept.read_text()), **res}
     if args.only in (None, "hook"):
         res["hook"] = bench_hook(args.hook_reps, args.before)
     if args.only in (None, "stacks"):
