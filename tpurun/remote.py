@@ -13,18 +13,8 @@ from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.job.runtimes import single_host_env
 from tpurun.targets import Target
-from tpurun.topology import Topology, one_host
 from tpurun.transport.fanout import RunResult, fan_out
 from tpurun.transport.runner import RUN_GRACE, LineSink
-
-
-def alone(target: Target) -> Topology | None:
-    """The single-host slice TARGET's one selected worker runs as, where it is one host of a multi-host slice
-    (`exec --worker N`): its command is given that slice's runtime variables. None otherwise."""
-    topo = target.topology
-    if topo is None or not topo.multi_host or len(target.runners) != 1 or target.slices > 1:
-        return None
-    return one_host(topo)
 
 
 @dataclass
@@ -51,10 +41,9 @@ def exec_everywhere(
                 unreachable(error)
         reachable = [r for r in target.runners if r.worker.index not in errors]
         env = None
-        if alone(target) is not None and reachable:
-            assert target.topology is not None
+        if target.alone is not None and reachable:  # one worker of a pod: as the single-host slice it is
             w = reachable[0].worker
-            env = single_host_env(target.topology, w.internal or w.address)
+            env = single_host_env(target.alone, w.internal or w.address)
         results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=env)
     results += [RunResult(i, None, error=e) for i, e in errors.items()]
     results.sort(key=lambda r: r.worker)

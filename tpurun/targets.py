@@ -14,7 +14,7 @@ from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED
 from tpurun.errors import ApiError, NoSuchTpu, Preempted, UnreachableError, UsageError
-from tpurun.topology import Topology, parse_accelerator_type
+from tpurun.topology import Topology, one_host, parse_accelerator_type
 from tpurun.transport.fanout import connect_all
 from tpurun.transport.local import LocalRunner
 from tpurun.transport.runner import Runner, Worker, parse_worker_spec, worker_names
@@ -41,6 +41,16 @@ class Target:
     slice_metadata: bool = True  # NodeView.slice_metadata: its VMs tell the runtimes their place themselves
     topology: Topology | None = None  # the accelerator type, parsed once (None on this machine)
     connected: bool = False  # connect() was called
+
+    @property
+    def alone(self) -> Topology | None:
+        """The single-host slice this target's one selected worker is on its own, where it is one host of a
+        one-slice multi-host TPU (`train --worker N`, `exec` on one worker): its runtimes are given that
+        slice's values instead of what the VM's metadata says of the whole slice. None otherwise."""
+        topo = self.topology
+        if topo is None or not topo.multi_host or len(self.runners) != 1 or self.slices > 1:
+            return None
+        return one_host(topo)
 
     @property
     def worker_names(self) -> dict[int, str]:

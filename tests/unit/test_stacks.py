@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -164,6 +163,14 @@ def test_a_stack_outside_the_script_names_the_library_file() -> None:
     assert stacks.Group([]).where("/home/u/proj") == "in no Python frame"
 
 
-def test_the_stacks_signal_is_one_a_process_ignores_by_default() -> None:
-    # SIGURG: should a process exec between the agent's check and its signal, nothing happens to it
-    assert protocol.STACKS_SIGNAL == signal.SIGURG
+def test_the_stacks_signal_does_nothing_to_a_process_without_a_handler() -> None:
+    # should a process exec between the agent's check and its signal, nothing happens to it
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.2)
+        os.kill(sleeper.pid, protocol.STACKS_SIGNAL)
+        time.sleep(0.2)
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -33,7 +33,7 @@ def exec_cmd(
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
     target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    one = remote.alone(target)
+    one = target.alone
     if one is not None:
         name = target.runners[0].worker.name
         ui.info(f"{name} alone: its runtime sees the {one.name} single-host slice it is on its own (docs/remote.md)")

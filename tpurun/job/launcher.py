@@ -24,7 +24,7 @@ from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
 from tpurun.targets import Target
-from tpurun.topology import Topology, one_host
+from tpurun.topology import Topology
 from tpurun.transport.runner import run_capture, worker_names
 from tpurun.worker.protocol import JOB_GRACE, Launch
 
@@ -130,12 +130,10 @@ class JobPlan:
 
 def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -> JobPlan:
     python = target.python(spec.python)
-    topo, alone = target.topology, spec.worker is not None and len(target.all_workers) > 1
-    if alone:
-        if target.slices > 1:
-            raise UsageError("--worker runs one host of one slice; this TPU has several slices")
-        assert topo is not None
-        topo = one_host(topo)
+    if spec.worker is not None and target.slices > 1:
+        raise UsageError("--worker runs one host of one slice; this TPU has several slices")
+    alone = target.alone  # --worker N of a pod: that host as the single-host slice it is
+    topo = alone or target.topology
     runtime, why = spec.runtime, "asked for"
     if runtime is Runtime.auto:
         runtime, why = env_contract.pick_runtime(Runtime.auto, probe(target, python))
@@ -175,7 +173,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     if alone:  # planned as worker 0 of a one-host slice; started on, and named after, the host it is
         w = workers[0].index
         specs = [[replace(c, worker=w) for c in specs[0]] if i == w else [] for i in range(len(target.all_workers))]
-        launch_why += f"; {target.all_workers[w].name} alone, as a {topo.name if topo else 'one-host'} single-host slice (--worker)"
+        launch_why += f"; {target.all_workers[w].name} alone, as a {alone.name} single-host slice (--worker)"
     return JobPlan(runtime, why, launch, launch_why, specs, topo)
 
 

@@ -5,7 +5,7 @@ variable are in docs/train.md."""
 
 from __future__ import annotations
 
-from tpurun.topology import Topology, axes, one_host
+from tpurun.topology import Topology, axes
 from tpurun.worker.protocol import Launch, Word
 
 
@@ -134,11 +134,11 @@ def _slice_env(topology: Topology, worker: int, worker_addresses: list[str]) -> 
     }
 
 
-def single_host_env(topology: Topology, address: str) -> dict[str, str]:
-    """One host of TOPOLOGY (a multi-host slice) on its own, at ADDRESS: the variables of the single-host slice
-    it is alone (`topology.one_host`), so neither torch_xla nor jax waits for the other hosts the VM's
-    metadata lists (pytorch/xla #7714, jax #22436)."""
-    return _slice_env(one_host(topology), 0, [address])
+def single_host_env(alone: Topology, address: str) -> dict[str, str]:
+    """One host of a pod on its own, at ADDRESS: the variables of ALONE, the single-host slice it is
+    (`Target.alone`), so neither torch_xla nor jax waits for the other hosts the VM's metadata lists
+    (pytorch/xla #7714, jax #22436)."""
+    return _slice_env(alone, 0, [address])
 
 
 def _mul_bounds(a: str, b: str) -> str:

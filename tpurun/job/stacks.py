@@ -186,8 +186,9 @@ def group(job_id: str, processes: list[Process], where: Path) -> Stacks:
         if not p.stack.threads:
             unread.append(p)
             continue
-        key = tuple((f.file, f.line, f.function) for f in p.main if f.python)
-        groups.setdefault(key, Group(p.main)).members.append(p)
+        main = p.main
+        key = tuple((f.file, f.line, f.function) for f in main if f.python)
+        groups.setdefault(key, Group(main)).members.append(p)
     ordered = sorted(groups.values(), key=lambda g: (len(g.members), g.members[0].worker, g.members[0].name))
     path = _write(job_id, processes, where)
     cwd = next((p.stack.cwd for p in processes if p.stack.slot is not None and not p.stack.child), "")

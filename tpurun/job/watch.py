@@ -23,10 +23,8 @@ SHOWN_MISSING = 4  # missing processes named in the line; the rest are counted
 
 @dataclass
 class Missing:
-    """A process (or a whole worker: SLOT None) that has not reached the point the others wait at."""
+    """A process (or a whole worker, named as the worker) that has not reached the point the others wait at."""
 
-    worker: int
-    slot: int | None
     name: str  # w17, w17/c2 (sS/wN on a multislice TPU)
     address: str
     last_line: str | None  # its last line (of any of its processes, for a whole worker), None: none yet
@@ -108,7 +106,7 @@ class Watch:
     def take_state(self, worker: int, state: Mapping[str, Any]) -> None:
         """What a worker's job state (state.json) says: passages and last lines (`jobs`, no stream)."""
         with self.lock:
-            for slot, passages in protocol.slot_passages(dict(state)).items():
+            for slot, passages in protocol.slot_passages(state).items():
                 self.passages[worker, slot] = passages
             for c in state.get("cores", []):
                 if c.get("last_line_at") is not None:
@@ -122,6 +120,7 @@ class Watch:
         with self.lock:
             passages = {k: list(v) for k, v in self.passages.items()}
             last = dict(self.last)
+        slots = sorted({slot for (_, slot), ps in passages.items() if ps})  # the job's shape (see above)
         best: Waiting | None = None
         for at in {p.at for ps in passages.values() for p in ps if p.left is None}:
             here = {k: next(p for p in ps if p.at == at) for k, ps in passages.items() if any(p.at == at for p in ps)}
@@ -131,7 +130,6 @@ class Watch:
                 continue
             # in: inside now, or through it since this round began (an earlier round's passage does not count)
             arrived = {k for k, p in here.items() if p.left is None or p.left >= open_since}
-            slots = sorted({slot for (_, slot), ps in passages.items() if ps})
             expected = [(w, slot) for w in sorted(self.workers) for slot in slots]
             absent = [k for k in expected if k not in arrived]
             if absent:
@@ -152,18 +150,19 @@ class Watch:
             mine = [slot for ww, slot in absent if ww == w]
             if len(mine) == len(slots) and (len(slots) > 1 or slots == [HOST]):
                 latest = max((v for (ww, _), v in last.items() if ww == w), key=lambda v: v[1], default=None)
-                out.append(self._one(worker, None, worker.name, latest, now))
+                out.append(_missing(worker, worker.name, latest, now))
                 continue
             for slot in mine:
                 name = process_name(w, slot, worker.name)
-                out.append(self._one(worker, slot, name, last.get((w, slot)), now))
+                out.append(_missing(worker, name, last.get((w, slot)), now))
         return out
 
-    @staticmethod
-    def _one(worker: Worker, slot: int | None, name: str, last: tuple[str, float] | None, now: float) -> Missing:
-        if last is None:
-            return Missing(worker.index, slot, name, worker.address, None, None)
-        return Missing(worker.index, slot, name, worker.address, last[0], now - last[1])
+
+def _missing(worker: Worker, name: str, last: tuple[str, float] | None, now: float) -> Missing:
+    """NAME (on WORKER) missing, with its LAST line and its time, if any."""
+    if last is None:
+        return Missing(name, worker.address, None, None)
+    return Missing(name, worker.address, last[0], now - last[1])
 
 
 @contextmanager

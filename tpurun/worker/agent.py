@@ -69,6 +69,7 @@ from protocol import (
     Exit,
     JobSpec,
     JobStatus,
+    Passage,
     Passages,
     Preflight,
     ProcessStatus,
@@ -77,7 +78,6 @@ from protocol import (
     decode,
     encode,
     frame_recs,
-    slot_passages,
 )
 
 # ---------------------------------------------------------------- commands
@@ -357,7 +357,7 @@ def cmd_stream(args) -> int:
         signal.signal(signal.SIGTERM, lambda s, f: stdin_closed.set())
     else:
         signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
-    sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points, as last sent
+    sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points (state.json's), as last sent
     reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
     last_touch = 0.0
@@ -366,10 +366,11 @@ def cmd_stream(args) -> int:
             st = _load_state(args.job)  # read before draining: lines precede the state that ends a slot
             follow_slots(st)
             got = _drain(readers, out, until_empty=False)
-            for c, passages in slot_passages(st).items():
-                if passages and sent_passages.get(c) != passages:
-                    out.write(encode(Passages(worker, c, passages)))
-                    sent_passages[c] = passages
+            for c in st.get("cores", []):  # compared as read each poll; a record only when they changed
+                raw = c.get("passages")
+                if raw and sent_passages.get(c["core"]) != raw:
+                    sent_passages[c["core"]] = raw
+                    out.write(encode(Passages(worker, int(c["core"]), [Passage.from_dict(p) for p in raw])))
             ended = {int(c["core"]): c for c in st.get("cores", []) if c.get("ended_at") is not None}
             for c in slots:
                 if c in ended and reported.get(c) != ended[c]["ended_at"]:

@@ -5,8 +5,8 @@ Two readers. py-spy, where the worker has it (on PATH, beside the job's Python, 
 any Python process from outside, native frames too, where ptrace is allowed. Otherwise, and for each process
 py-spy could not read, the process's own faulthandler answers: the hook registered it for `STACKS_SIGNAL`
 in every Python process of the job, writing to the job's stacks/<pid>.txt. The signal goes only to a
-process whose kernel record (/proc/PID/status, SigCgt) says it catches it, checked again just before, and
-whose file the hook made: never to one that exec'd another program, or was never hooked (and that signal's
+process whose kernel record (/proc/PID/status, SigCgt), read just before, says it catches it, and whose
+file the hook made: never to one that exec'd another program, or was never hooked (and that signal's
 default action is to ignore it, should one exec in between).
 """
 
@@ -106,21 +106,19 @@ def _faulthandler(jdir: str, procs: dict[int, ProcessStack], timeout: float) -> 
         path = os.path.join(jdir, "stacks", f"{pid}.txt")
         if not os.path.exists(path):
             ps.why = "no stacks handler: not a Python process of the job's (or it started without tpurun's hook)"
-        elif not catches(pid, STACKS_SIGNAL):
+            continue
+        size = os.path.getsize(path)
+        if not catches(pid, STACKS_SIGNAL):  # read at once before the signal: it may have exec'd since
             ps.why = "no stacks handler: it no longer runs the Python that registered one (exec)"
-        else:
-            files[pid] = (path, os.path.getsize(path))
-    for pid in files:
-        if not catches(pid, STACKS_SIGNAL):  # again, at once before: it may have exec'd since
-            procs[pid].why = "no stacks handler: it no longer runs the Python that registered one (exec)"
             continue
         try:
             os.kill(pid, STACKS_SIGNAL)
+            files[pid] = (path, size)
         except OSError:
-            procs[pid].why = "it ended before it was asked"
+            ps.why = "it ended before it was asked"
     sizes: dict[int, tuple[int, float]] = {}  # pid -> (size, since when it is that size)
     deadline = time.monotonic() + timeout
-    waiting = {p for p in files if not procs[p].why}
+    waiting = set(files)
     while waiting and time.monotonic() < deadline:
         time.sleep(POLL)
         t = time.monotonic()

@@ -40,7 +40,7 @@ from enum import Enum, IntEnum
 
 TYPE_CHECKING = False  # typing is not imported on a worker (see the records below); type checkers read True
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Iterable, Iterator, Mapping
     from typing import Any, Union
 
 # ---------------------------------------------------------------- names
@@ -513,7 +513,7 @@ def process_states(state: dict[str, Any]) -> list[ProcessState]:
     ]
 
 
-def slot_passages(state: dict[str, Any]) -> dict[int, list[Passage]]:
+def slot_passages(state: Mapping[str, Any]) -> dict[int, list[Passage]]:
     """Each process's passages through rendezvous points in a job's state (slot -> oldest first)."""
     out = {}
     for c in state.get("cores", []):

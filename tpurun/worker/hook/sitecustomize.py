@@ -38,7 +38,7 @@ _SOCKET = os.environ.get("TPURUN_LOG_SOCKET", "")
 _CHIP_VARS = (b"PJRT_LOCAL_PROCESS_RANK", b"TPU_VISIBLE_CHIPS")
 # "owner": the pid that became a chip; its forked children (a user's own fork pool, a DataLoader worker)
 # inherit this module's state and patches, but report nothing on its behalf.
-_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": None}
+_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": None, "stacks": None}
 
 
 def _mine():
@@ -462,9 +462,9 @@ _RENDEZVOUS = {
 
 def _register_stacks():
     """faulthandler dumps every thread's Python stack into <job dir>/stacks/<pid>.txt when this process gets
-    TPURUN_STACKS_SIGNAL (from `tpurun stacks`): its default action would end the process, so the agent sends
-    it only to a process whose kernel record says it catches it. A process with a handler of its own for
-    that signal keeps it (and gives no stacks). A forked child registers its own file."""
+    TPURUN_STACKS_SIGNAL (from `tpurun stacks`; the agent sends it only to a process whose kernel record says
+    it catches it). A process with a handler of its own for that signal keeps it (and gives no stacks). A
+    forked child registers its own file."""
     try:
         sig = int(os.environ.get("TPURUN_STACKS_SIGNAL") or 0)
         where = os.environ.get("TPURUN_JOB_DIR")
@@ -477,7 +477,7 @@ def _register_stacks():
             return
         dump = open(os.path.join(where, "stacks", f"{os.getpid()}.txt"), "w")
         faulthandler.register(sig, file=dump, all_threads=True, chain=False)
-        old, _state["stacks"] = _state.get("stacks"), dump
+        old, _state["stacks"] = _state["stacks"], dump
         if old is None:
             os.register_at_fork(after_in_child=_register_stacks)
         else:
