@@ -52,11 +52,12 @@ class ProbeRun:
 def run_probe(target: Target, mode: str, cfg: dict[str, Any], python: str, timeout: float) -> ProbeRun:
     """The probe in MODE on every reachable worker of TARGET at once, run by PYTHON."""
     run = ProbeRun(errors=target.connect())
-    argv = probe.program_argv(python, mode, cfg)
     reachable = [r for r in target.runners if r.worker.index not in run.errors]
 
     def one(r: Runner) -> tuple[dict[str, Any] | None, str]:
         label = r.worker.label()
+        # what tpurun gives every process it starts there of the worker's place (doctor checks it)
+        argv = probe.program_argv(python, mode, cfg | {"vm_env": target.vm_env(r.worker)})
         t0 = time.time()
         try:
             rc, out, err = run_capture(r, argv, timeout=timeout)

@@ -164,6 +164,31 @@ def check_libtpu(worker: int, probe: dict[str, Any], python: str) -> Check:
     )
 
 
+def check_runtime_place(worker: int, probe: dict[str, Any]) -> Check:
+    """Whether torch_xla and jax will find the slice this worker is in: on a VM with TPU devices, `import
+    torch_xla` reads it from the metadata's `tpu-env` unless the process is given TPU_SKIP_MDS_QUERY and the
+    variables it reads instead (tpurun gives them where the VM's metadata lacks it: Compute Engine's)."""
+    place = probe.get("runtime_place") or {}
+    given = place.get("given") or {}
+    if not probe.get("devices_present"):
+        return Check(worker, "slice place", "pass", "not needed: no TPU device files here")
+    if given.get("TPU_SKIP_MDS_QUERY"):
+        where = f"worker {given.get('TPU_WORKER_ID')} of {given.get('TPU_ACCELERATOR_TYPE')}"
+        return Check(worker, "slice place", "pass", f"given by tpurun to every process it starts: {where}")
+    status = place.get("tpu_env")
+    if status == 200:
+        return Check(worker, "slice place", "pass", "the VM's metadata describes its slice (tpu-env)")
+    answer = "no metadata server answered" if status is None else f"its metadata has no tpu-env (HTTP {status})"
+    return Check(
+        worker,
+        "slice place",
+        "fail",
+        f"torch_xla and jax cannot learn this VM's slice: {answer}",
+        "run through tpurun (train, exec), which gives the runtimes the slice; by hand export TPU_SKIP_MDS_QUERY=1, "
+        "TPU_ACCELERATOR_TYPE, TPU_WORKER_ID and TPU_WORKER_HOSTNAMES",
+    )
+
+
 def _emulated(probe: dict[str, Any]) -> bool:
     present = probe.get("devices_present") or []
     return bool(present) and set(probe.get("devices_plain") or []) == set(present)
@@ -410,6 +435,7 @@ def worker_checks(
     return [
         check_versions(worker, probe, python),
         check_libtpu(worker, probe, python),
+        check_runtime_place(worker, probe),
         *check_devices(worker, probe, named_tpu=named_tpu, kill_stale_cmd=kill_stale_cmd),
         *check_xla_config(worker, probe),
         *check_disk(worker, probe),

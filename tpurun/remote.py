@@ -11,7 +11,6 @@ from pathlib import Path
 
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
-from tpurun.job.runtimes import single_host_env
 from tpurun.targets import Target
 from tpurun.transport.fanout import RunResult, fan_out
 from tpurun.transport.runner import RUN_GRACE, LineSink
@@ -40,11 +39,8 @@ def exec_everywhere(
             if unreachable is not None:
                 unreachable(error)
         reachable = [r for r in target.runners if r.worker.index not in errors]
-        env = None
-        if target.alone is not None and reachable:  # one worker of a pod: as the single-host slice it is
-            w = reachable[0].worker
-            env = single_host_env(target.alone, w.internal or w.address)
-        results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=env)
+        # what each VM's metadata does not tell the runtimes (or one worker of a pod, as the single-host slice it is)
+        results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
     results += [RunResult(i, None, error=e) for i, e in errors.items()]
     results.sort(key=lambda r: r.worker)
     return ExecResult(results)

@@ -14,6 +14,7 @@ from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED
 from tpurun.errors import ApiError, NoSuchTpu, Preempted, UnreachableError, UsageError
+from tpurun.job.runtimes import single_host_env, vm_env
 from tpurun.topology import Topology, one_host, parse_accelerator_type
 from tpurun.transport.fanout import connect_all
 from tpurun.transport.local import LocalRunner
@@ -51,6 +52,23 @@ class Target:
         if topo is None or not topo.multi_host or len(self.runners) != 1 or self.slices > 1:
             return None
         return one_host(topo)
+
+    def vm_env(self, worker: Worker) -> dict[str, str]:
+        """What the runtimes on WORKER must be told of its place because its VM's metadata does not say it
+        (a Compute Engine VM), or says the whole slice's where the worker runs alone (`alone`); {} where the
+        metadata is right. Every process tpurun starts on a worker gets it (runtimes.vm_env)."""
+        if self.alone is not None:
+            return single_host_env(self.alone, worker.internal or worker.address)
+        if self.topology is None or self.slice_metadata:
+            return {}
+        mates = [w for w in self.all_workers if w.slice == worker.slice]
+        return vm_env(
+            self.topology,
+            mates.index(worker),
+            [w.internal or w.address for w in mates],
+            slices=self.slices,
+            slice_id=worker.slice or 0,
+        )
 
     @property
     def worker_names(self) -> dict[int, str]:

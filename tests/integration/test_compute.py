@@ -66,6 +66,75 @@ print(json.dumps(seen))
 """
 
 
+# Run on every worker of a Compute Engine TPU with no flags: torch_xla's own `import` (which asks for the
+# slice where the VM has chips), its topology code and one computation on its device.
+XLA_SEEN = r"""
+import json, os
+import torch, torch_xla
+from torch_xla._internal import tpu
+total = torch.ones(3, device=torch_xla.device()).sum().item()
+print(json.dumps({
+    "version": tpu.version(), "worker_id": tpu.worker_id(), "worker_ips": tpu.get_worker_ips(), "sum": total,
+    "worker": os.environ.get("TPURUN_WORKER_ID"),
+}))
+"""
+
+
+def _xla_seen(out: str) -> dict[str, dict]:
+    """{tag: what XLA_SEEN printed there}."""
+    return {tag: json.loads(lines[-1]) for tag, lines in by_tag(out).items() if lines[-1].startswith("{")}
+
+
+def test_torch_xla_and_jax_work_by_default_on_compute_engine_vms(cli, emulator, clean):
+    """A Compute Engine VM's metadata has no `tpu-env`, which `import torch_xla` reads where the VM has chips:
+    every process tpurun starts there (train's chip and host launches, exec, --setup) is given the slice,
+    one host or two; doctor says where the runtimes learn it; a JAX script runs once per host by default."""
+    assert cli("create", "pair", "-t", "tpu7x-16").code == 0
+    addresses = [w["internalIp"] for w in json.loads(cli("describe", "pair", "--json").out)["workerEndpoints"]]
+    (cli.cwd / "seen.py").write_text(XLA_SEEN)
+    expected = {"version": 7, "worker_ips": addresses, "sum": 3.0}
+    for args, tags in (
+        (["--cores", "2"], ["w0/c0", "w0/c1", "w1/c0", "w1/c1"]),  # the default: the cpu runtime's chip launch
+        (["--launch", "host"], ["w0", "w1"]),
+    ):
+        r = cli("train", "seen.py", *args, timeout=300)
+        assert r.code == 0, r.err[-3000:]
+        seen = _xla_seen(r.out)
+        assert sorted(seen) == tags, r.out[-2000:]
+        for tag, got in seen.items():
+            w = int(tag[1])
+            assert got == {**expected, "worker_id": w, "worker": str(w)}, (tag, got)
+
+    r = cli("exec", "--", "python3", "-c", XLA_SEEN, timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    assert {t: (g["worker_id"], g["worker_ips"]) for t, g in _xla_seen(r.out).items()} == {
+        "w0": (0, addresses),
+        "w1": (1, addresses),
+    }
+
+    doc = json.loads(cli("doctor", "--json").out)
+    rows = [c for c in doc["checks"] if c["name"] == "slice place"]
+    assert [(c["worker"], c["status"]) for c in rows] == [(0, "pass"), (1, "pass")], rows
+    assert all("given by tpurun" in c["detail"] for c in rows), rows
+
+    # JAX's model is one process per host, whatever the runtime: two processes, not one per TensorCore
+    shutil.copy(EXAMPLES / "digits_jax.py", cli.cwd / "digits_jax.py")
+    r = cli("train", "digits_jax.py", "--", "--steps", "5", timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    assert sorted(by_tag(r.out)) == ["w0", "w1"], r.out[-1000:]
+    assert "default for a JAX script" in r.err and "spawner" not in r.err and "XLA worlds" not in r.err, r.err
+    assert cli("delete", "pair", "--yes").code == 0
+
+    # one VM: the single-host slice, through the default path
+    assert cli("create", "single", "-t", "tpu7x-8").code == 0
+    r = cli("train", "seen.py", "--cores", "1", timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    (got,) = _xla_seen(r.out).values()
+    assert (got["version"], got["worker_id"], got["sum"]) == (7, 0, 3.0), got
+    assert cli("delete", "single", "--yes").code == 0
+    assert not _left(emulator)
+
+
 def _names(entries: list) -> list[str]:
     return [(e["name"] if isinstance(e, dict) else e).rsplit("/", 1)[-1] for e in entries]
 

@@ -9,7 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpurun.errors import UsageError
-from tpurun.job.env_contract import HOST, SlotSpec, explain_core, pick_launch, pick_runtime, plan_job, pre_commands
+from tpurun.job.env_contract import (
+    HOST,
+    Framework,
+    SlotSpec,
+    explain_core,
+    pick_launch,
+    pick_runtime,
+    plan_job,
+    pre_commands,
+    script_framework,
+)
 from tpurun.topology import parse_accelerator_type
 
 ADDRESSES = [f"10.130.{i // 200}.{2 + i % 200}" for i in range(64)]
@@ -663,8 +673,12 @@ def test_pjrt_host_launch_on_vms_that_do_not_describe_their_slice(name: str, bou
             "MEGASCALE_NUM_SLICES": "1",
             "MEGASCALE_SLICE_ID": "0",
         }
-    # on the cpu runtime there is no TPU to describe
-    (s,) = plan(name, "cpu", launch="host", slice_metadata=False)[0]
+        # whatever the runtime and launch: `import torch_xla` reads the slice where the VM has chips
+        for runtime, launch in (("cpu", "host"), ("cpu", "chip")):
+            for c in plan(name, runtime, launch=launch, slice_metadata=False)[w]:
+                assert {k: c.env[k] for k in tpu} == tpu, (runtime, launch)
+    # where the metadata describes the slice, nothing of it is given on the cpu runtime
+    (s,) = plan(name, "cpu", launch="host")[0]
     assert not [k for k in s.env if k.startswith(("TPU_", "MEGASCALE_"))]
 
 
@@ -704,6 +718,30 @@ def test_pick_launch() -> None:
         pick_launch("chip", "xrt")
     with pytest.raises(UsageError, match="use host or chip"):
         pick_launch("rank", "pjrt")
+
+
+@pytest.mark.parametrize(
+    ("source", "framework"),
+    [
+        ("import jax\nimport jax.numpy as jnp\n", "jax"),
+        ("import jax\nimport torch\n", "torch"),
+        ("from torch_xla import runtime as xr\n", "torch"),
+        ("import lightning as L\n", "torch"),
+        ("import numpy as np\nprint('hi')\n", "other"),
+    ],
+)
+def test_a_scripts_framework_decides_its_default_launch_and_words(source: str, framework: str) -> None:
+    """JAX's own model is one process per host, on every runtime: a JAX script's default launch is host, and
+    its reason speaks of JAX, never of a spawner; a torch script keeps the runtime's default."""
+    found = script_framework(source)
+    assert found == framework
+    for runtime in ("cpu", "pjrt"):
+        launch, why = pick_launch(None, runtime, found)
+        if found is Framework.jax:
+            assert launch == "host" and "JAX" in why and "spawner" not in why, why
+        else:
+            assert launch == pick_launch(None, runtime)[0]
+    assert ("spawner" in pick_launch("host", "pjrt", found)[1]) == (found is not Framework.jax)
 
 
 def test_cpu_host_launch_refuses_several_cores() -> None:

@@ -20,11 +20,19 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tpurun.errors import UsageError  # a stdlib-only leaf; gives the CLI exit code 2 for bad --cores/--core
-from tpurun.job.runtimes import XRT_SERVER_PORT, Precision, Runtime, jax_cpu_env, runtime_env, torchtpu_env
+from tpurun.job.runtimes import (
+    XRT_SERVER_PORT,
+    Precision,
+    Runtime,
+    jax_cpu_env,
+    runtime_env,
+    torchtpu_env,
+    vm_env,
+)
 from tpurun.naming import worker_name
 from tpurun.topology import MEGASCALE_PORT, Topology
 from tpurun.worker import WORKER_DIR
-from tpurun.worker.protocol import HOST, Launch  # the agent's words for how processes are made and where filed
+from tpurun.worker.protocol import HOST, Launch, Word  # the agent's words for how processes are made and where filed
 
 W = TypeVar("W", Runtime, Launch, Precision)
 
@@ -132,10 +140,20 @@ def _multislice_env(coordinator: str, slice_id: int, num_slices: int) -> dict[st
 _IMPORT_RE = re.compile(r"^\s*(?:import|from)\s+(jax|torch_xla|torch|lightning|pytorch_lightning)\b", re.MULTILINE)
 
 
-def script_framework(source: str) -> str:
-    """ "jax" for a script that imports JAX and no torch, else "torch" (what its notes talk about)."""
+class Framework(Word):
+    """What a script imports, which decides its default launch and what its notes speak of."""
+
+    jax = "jax"  # JAX and no torch: one process per host drives that host's chips
+    torch = "torch"  # torch_xla, Lightning or plain torch: a spawner makes the chip processes
+    other = "other"  # neither
+
+
+def script_framework(source: str) -> Framework:
+    """The framework a script's SOURCE imports (a module it imports through another is not seen)."""
     found = set(_IMPORT_RE.findall(source))
-    return "jax" if "jax" in found and not found - {"jax"} else "torch"
+    if not found:
+        return Framework.other
+    return Framework.jax if found == {"jax"} else Framework.torch
 
 
 def _torchrun_env(*, slot: int, rank: int, world_size: int, local_rank: int, local_world_size: int) -> dict[str, str]:
@@ -149,10 +167,22 @@ def _torchrun_env(*, slot: int, rank: int, world_size: int, local_rank: int, loc
     }
 
 
-def pick_launch(asked: Launch | str | None, runtime: Runtime | str) -> tuple[Launch, str]:
-    """(launch, reason): ASKED, or the default for RUNTIME."""
+def pick_launch(
+    asked: Launch | str | None, runtime: Runtime | str, framework: Framework = Framework.torch
+) -> tuple[Launch, str]:
+    """(launch, reason): ASKED, or the default for RUNTIME and the script's FRAMEWORK."""
     runtime = choice(Runtime, runtime, "--runtime")
+    jax = framework is Framework.jax
     if asked is None:
+        if jax and runtime is not Runtime.torchtpu:
+            return Launch.host, (
+                "launch host, the default for a JAX script: one process per worker (JAX's own model), which "
+                + (
+                    "drives every chip of its host"
+                    if runtime is not Runtime.cpu
+                    else "joins the others through jax.distributed"
+                )
+            )
         if runtime is Runtime.torchtpu:
             return Launch.host, (
                 "launch host, the default on torchtpu: one process per worker; the script calls "
@@ -165,7 +195,7 @@ def pick_launch(asked: Launch | str | None, runtime: Runtime | str) -> tuple[Lau
             )
         return Launch.host, (
             f"launch host, the default on {runtime}: one process per worker; the script's spawner "
-            "(xmp.spawn, torch_xla.launch, Lightning) makes one process per chip, SPMD and JAX drive the chips from it"
+            "(xmp.spawn, torch_xla.launch, Lightning) makes one process per chip, SPMD drives the chips from it"
         )
     requested = choice(Launch, asked, "--launch")
     _refuse_chip_on_xrt(runtime, requested)
@@ -176,6 +206,8 @@ def pick_launch(asked: Launch | str | None, runtime: Runtime | str) -> tuple[Lau
         )
     if requested is Launch.chip:
         return Launch.chip, "launch chip, as requested: one process per chip with torchrun's variables"
+    if jax:
+        return Launch.host, "launch host, as requested: one JAX process per worker"
     return (
         Launch.host,
         "launch host, as requested: one process per worker; the script's spawner makes the chip processes",
@@ -326,7 +358,7 @@ def plan_job(
     (WORKER_ADDRESSES slice-major): each slice gets its own TPU variables, every process the MEGASCALE
     ones that join the slices. `slice_metadata`: whether the VMs' metadata server tells the runtimes their
     place in the slice (a Cloud TPU API node's does, a Compute Engine VM's does not: then every process is
-    given those values, see runtimes._slice_env).
+    given those values, see runtimes.vm_env).
     """
     num_workers = len(worker_addresses)
     runtime, launch = choice(Runtime, runtime, "--runtime"), choice(Launch, launch, "--launch")
@@ -401,11 +433,11 @@ def _process_env(job: _JobArgs, *, worker: int, slot: int, local_rank: int, rank
         master_port=job.master_port,
         restart_count=job.restart_count,
     )
+    if topology is not None and not job.slice_metadata:
+        # whatever the runtime: `import torch_xla` reads the slice from the metadata where there are chips
+        env.update(vm_env(topology, host, in_slice, slices=num_workers // size, slice_id=slice_id))
     if job.slice_size is not None:
         env.update(_multislice_env(job.worker_addresses[0], slice_id, num_workers // size))
-    elif runtime is Runtime.pjrt and not job.slice_metadata:
-        # one slice: jax looks these up in the environment, then in `tpu-env` (six tries, 3 s, each)
-        env.update({"MEGASCALE_NUM_SLICES": "1", "MEGASCALE_SLICE_ID": "0"})
     if launch is Launch.chip:
         env.update(
             _torchrun_env(
@@ -435,7 +467,6 @@ def _process_env(job: _JobArgs, *, worker: int, slot: int, local_rank: int, rank
             single_chip=job.single_chip,
             job_id=job.job_id,
             tpu_ip=job.tpu_ip,
-            slice_metadata=job.slice_metadata,
         )
     )
     if job.precision is Precision.bf16:

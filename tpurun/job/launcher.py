@@ -128,7 +128,13 @@ class JobPlan:
         return sum(len(per) for per in self.specs)
 
 
-def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -> JobPlan:
+def plan(
+    target: Target,
+    spec: TrainSpec,
+    job_id: str,
+    restart_count: int = 0,
+    framework: env_contract.Framework = env_contract.Framework.torch,
+) -> JobPlan:
     python = target.python(spec.python)
     if spec.worker is not None and target.slices > 1:
         raise UsageError("--worker runs one host of one slice; this TPU has several slices")
@@ -137,7 +143,7 @@ def plan(target: Target, spec: TrainSpec, job_id: str, restart_count: int = 0) -
     runtime, why = spec.runtime, "asked for"
     if runtime is Runtime.auto:
         runtime, why = env_contract.pick_runtime(Runtime.auto, probe(target, python))
-    launch, launch_why = env_contract.pick_launch(spec.launch, runtime)
+    launch, launch_why = env_contract.pick_launch(spec.launch, runtime, framework)
     cores = spec.cores
     if target.local and cores is None and spec.core is None and runtime is Runtime.cpu and launch is Launch.chip:
         cores = 1
@@ -245,7 +251,7 @@ class Job:
     python: str
     cwd: str
     setup: Setup | None
-    framework: str = "torch"  # what the script imports: "jax" or "torch" (env_contract.script_framework)
+    framework: env_contract.Framework = env_contract.Framework.torch  # what the script imports
     skew: preflight.Skew = field(default_factory=lambda: preflight.Skew(()))  # where the workers differ
 
     def notes(self) -> list[tuple[str, str]]:
@@ -260,7 +266,7 @@ class Job:
                 f"{p.processes} process(es) started by tpurun",
             )
         ]
-        if p.runtime is Runtime.cpu and p.processes > 1 and self.framework == "jax":
+        if p.runtime is Runtime.cpu and p.processes > 1 and self.framework is env_contract.Framework.jax:
             out.append(
                 (
                     "info",
@@ -269,7 +275,7 @@ class Job:
                     "collectives go over gloo: docs/train.md)",
                 )
             )
-        elif p.runtime is Runtime.cpu and p.processes > 1:
+        elif p.runtime is Runtime.cpu and p.processes > 1 and self.framework is env_contract.Framework.torch:
             out.append(
                 (
                     "info",
@@ -303,16 +309,16 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
     job_id = new_job_id()
     if spec.runtime is Runtime.auto or not spec.dry_run:
         connect(target)
-    p = plan(target, spec, job_id, restart_count=restart)
+    try:
+        framework = env_contract.script_framework((local_dir / spec.script).read_text(errors="replace"))
+    except OSError:
+        framework = env_contract.Framework.torch
+    p = plan(target, spec, job_id, restart_count=restart, framework=framework)
     python = target.python(spec.python)
     cwd = str(local_dir) if target.local else (dest or sender.default_dest(local_dir))
     setup = plan_setup(
         spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=local_dir, on_tpu=not target.local
     )
-    try:
-        framework = env_contract.script_framework((local_dir / spec.script).read_text(errors="replace"))
-    except OSError:
-        framework = "torch"
     job = Job(job_id, spec, target, p, python, cwd, setup, framework)
     if not spec.dry_run:
         answers = preflight.ask(target, python, preflight.requirement_names(spec.script, local_dir))
@@ -454,6 +460,7 @@ def run_setup(job: Job, out: Output, cancel: threading.Event) -> SetupResult:
         stop=cancel,
         grace=job.spec.grace,
         on_start=announce,
+        env=job.target.vm_env,
     )
     if res.ran and res.failed is None and not cancel.is_set():
         out.info(f"setup done on {len(res.ran)} worker(s) in {time.monotonic() - started:.1f} s")

@@ -17,12 +17,12 @@ import hashlib
 import shlex
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import LineSink, Runner
+from tpurun.transport.runner import LineSink, Runner, Worker
 
 REQUIREMENTS = "requirements.txt"
 MARKERS = ".tpurun/setup"
@@ -108,8 +108,10 @@ def run_everywhere(
     stop: threading.Event,
     grace: float,
     on_start: Callable[[list[int], list[int]], None] | None = None,
+    env: Callable[[Worker], Mapping[str, str]] | None = None,
 ) -> SetupResult:
-    """Run SETUP on every runner that has not finished its key before; fail-fast across workers."""
+    """Run SETUP (with the variables ENV gives each worker) on every runner that has not finished its key before;
+    fail-fast across workers."""
     state: dict[int, str] = {}
     fan_out(runners, ["sh", "-c", _DONE, "tpurun", setup.key], lambda w, _s, line: state.update({w: line}), stop=stop)
     todo = [r for r in runners if state.get(r.worker.index) != "done"]
@@ -123,5 +125,5 @@ def run_everywhere(
         sink(worker, stream, line)
 
     argv = ["sh", "-c", _SCRIPT, "tpurun", setup.key, cwd, python, "\n".join(setup.commands)]
-    results = fan_out(todo, argv, keep, stop=stop, fail_fast=True, grace=grace) if todo else []
+    results = fan_out(todo, argv, keep, stop=stop, fail_fast=True, grace=grace, env=env) if todo else []
     return SetupResult([r.worker.index for r in todo], skipped, results, {w: list(t) for w, t in tails.items()})

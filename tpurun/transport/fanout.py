@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from tpurun.errors import UnreachableError
 from tpurun.transport._paramiko import paramiko
-from tpurun.transport.runner import RUN_GRACE, LineSink, Runner
+from tpurun.transport.runner import RUN_GRACE, LineSink, Runner, Worker
 from tpurun.transport.ssh import SshRunner
 
 
@@ -81,15 +81,15 @@ def fan_out(
     fail_fast: bool = False,
     grace: float = RUN_GRACE,
     on_exit: Callable[[RunResult], None] | None = None,
-    env: Mapping[str, str] | None = None,
+    env: Callable[[Worker], Mapping[str, str]] | None = None,
 ) -> list[RunResult]:
-    """Run ARGV (with ENV's variables added) on every runner at once; with FAIL_FAST the first non-zero exit
-    stops the others."""
+    """Run ARGV (with the variables ENV gives each worker added) on every runner at once; with FAIL_FAST the
+    first non-zero exit stops the others."""
 
     def one(r: Runner) -> RunResult:
         started = time.monotonic()
         try:
-            rc: int | None = r.run(argv, sink, stop, grace, env)
+            rc: int | None = r.run(argv, sink, stop, grace, env(r.worker) if env else None)
             res = RunResult(r.worker.index, rc, stopped=stop.is_set(), duration=time.monotonic() - started)
         except UnreachableError as exc:
             res = RunResult(r.worker.index, None, error=str(exc), duration=time.monotonic() - started)

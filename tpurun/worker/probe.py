@@ -425,10 +425,40 @@ def env_file_exports(home: str) -> list[dict]:
     return found
 
 
-def run_python_probe(python: str, probe: str) -> dict:
-    """The versions PYTHON sees (tpurun.job.env_contract.PROBE_SCRIPT run with it)."""
+def metadata_status(key: str) -> int | None:
+    """The HTTP status of this VM's metadata server for instance attribute KEY, as the runtimes ask it
+    (GCE_METADATA_IP, else metadata.google.internal); None when no metadata server answers."""
+    import urllib.error
+    import urllib.request
+
+    host = os.environ.get("GCE_METADATA_IP") or "metadata.google.internal"
+    url = f"http://{host}/computeMetadata/v1/instance/attributes/{key}"
     try:
-        proc = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"}), timeout=3) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+def runtime_place(given: dict, devices: list[str]) -> dict:
+    """Where the runtimes of a process tpurun starts here read the slice from: the variables tpurun GIVEN it
+    (TPU_SKIP_MDS_QUERY and the rest), else, where there are TPU devices, the metadata's `tpu-env`."""
+    asked = bool(devices) and not given.get("TPU_SKIP_MDS_QUERY")
+    return {"given": given, "tpu_env": metadata_status("tpu-env") if asked else None}
+
+
+def run_python_probe(python: str, probe: str, env: dict | None = None) -> dict:
+    """The versions PYTHON sees (tpurun.job.env_contract.PROBE_SCRIPT run with it, ENV's variables added)."""
+    try:
+        proc = subprocess.run(
+            [python, "-c", probe],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=60,
+            env={**os.environ, **(env or {})},
+        )
     except FileNotFoundError:
         return {"error": f"{python}: not found"}
     except PermissionError:
@@ -469,7 +499,8 @@ def doctor(cfg: dict) -> dict:
         "hostname": os.uname().nodename,
         "user": _user(os.geteuid()),
         "root": os.geteuid() == 0,
-        "python_probe": run_python_probe(python, cfg.get("probe", "")),
+        "python_probe": run_python_probe(python, cfg.get("probe", ""), cfg.get("vm_env")),
+        "runtime_place": runtime_place(cfg.get("vm_env") or {}, present),
         "devices_present": present,
         "devices_missing": [p for p in expected if not os.path.exists(p)],
         # a TPU's device files are character devices; plain files are an emulated worker's (no chip behind them)
