@@ -259,6 +259,55 @@ def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, 
     assert cli("cancel", job).code == 0
 
 
+LATE = """\
+import os, sys, time
+w = os.environ["TPURUN_WORKER_ID"]
+print("up", flush=True)
+time.sleep(0.5 if w == "1" else 2.5)  # worker 1 fails first; worker 0 on its own a little later
+sys.exit(3 if w == "1" else 5)
+"""
+
+
+def test_logs_follow_ends_as_the_job_did_naming_the_first_failure_as_jobs_and_train_do(cli):
+    """The documented reattach (`train --detach`, then `logs --follow`) exits with the job's result, as train
+    would have; logs, jobs and train name the same process as the first failure, the one that failed first
+    whichever worker comes first in order."""
+    create_node(cli, "lf")
+    (cli.cwd / "late.py").write_text(LATE)
+    (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+
+    def detached(script: str) -> str:
+        r = cli("train", script, "--runtime", "cpu", "--launch", "host", "--detach")
+        assert r.code == 0, r.err
+        return r.out.strip().splitlines()[-1]
+
+    def detail(job: str) -> str:
+        return next(j["detail"] for j in json.loads(cli("jobs", "--json").out) if j["job_id"] == job)
+
+    job = detached("late.py")
+    r = cli("logs", job, "--follow")
+    assert r.code == 1, (r.out[-500:], r.err[-500:])
+    assert f"job {job} failed: w1: exit code 3 failed first" in r.err, r.err
+    assert detail(job) == "w1: exit code 3"
+    # replayed without --follow: the lines, and nothing said of the end
+    assert cli("logs", job).code == 0
+
+    r = cli("train", "late.py", "--runtime", "cpu", "--launch", "host")
+    assert r.code == 1 and "w1 (" in r.err and "failed first (exit code 3)" in r.err, r.err[-800:]
+    attached = re.search(r"job (\S+):", r.err).group(1)
+    assert detail(attached) == "w1: exit code 3"
+
+    job = detached("sleepy.py")
+    assert cli("cancel", job).code == 0
+    r = cli("logs", job, "--follow")
+    assert r.code == 130 and f"job {job} was stopped before it finished" in r.err, r.err
+
+    (cli.cwd / "fine.py").write_text("print('fine', flush=True)\n")
+    job = detached("fine.py")
+    r = cli("logs", job, "--follow")
+    assert r.code == 0 and "[w1] fine" in r.out, (r.out, r.err)
+
+
 def test_logs_replays_every_worker_in_time_order(cli):
     create_node(cli, "order")
     # the workers take turns over a socket (w0 listens at MASTER_ADDR), 0.1 s apart: the true order of their

@@ -16,6 +16,20 @@ def test_a_failure_anywhere_is_failed_naming_the_worker_chip_and_code():
     assert host.label() == "failed (s1/w0: exit code 1)"
 
 
+def test_the_first_failure_is_the_earliest_any_agent_saw_not_the_first_worker():
+    """A failure on w3 brings down w0's processes a moment later (a collective with a dead peer): both workers'
+    agents record a failure, and the job's first is w3's, by the time each agent saw its own."""
+    states = {
+        "w0": _st("failed", first_failure={"core": 0, "exit_code": 1, "time": 1000.5}),
+        "w3": _st("failed", first_failure={"core": 0, "exit_code": 3, "time": 1000.1}),
+    }
+    assert combine(states) == JobSummary("failed", "w3/c0: exit code 3")
+    # a state written before failures were timed: the first failed worker in order
+    untimed = {"w0": _st("failed", first_failure={"core": 1, "exit_code": 1}), "w3": states["w3"]}
+    assert combine(untimed).detail == "w3/c0: exit code 3"
+    assert combine({"w0": untimed["w0"], "w1": _st("failed")}).detail == "w0/c1: exit code 1"
+
+
 def test_lost_running_unknown_finished_stopped():
     assert combine({"w0": _st("running"), "w1": _st("lost")}) == JobSummary("lost", "w1: its supervisor is gone")
     assert combine({"w0": _st("running"), "w1": _st("finished")}) == JobSummary("running")

@@ -532,6 +532,25 @@ def logs_cmd(
         _error(f"error: {name}: {why}")
     if result.errors:
         raise typer.Exit(ExitCode.USAGE if result.missing else ExitCode.UNREACHABLE)
+    if result.ended is not None:  # followed to the end: exit as `train` would have
+        code = _ended_code(job, result.ended)
+        if code:
+            raise typer.Exit(code)
+
+
+def _ended_code(job: str, ended: status.JobSummary) -> int:
+    """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish; the
+    exit code `train` gives that end (0, 1 failed, 4 lost, 130 stopped)."""
+    if ended.status == "finished":
+        return ExitCode.OK
+    if ended.status == "failed":
+        _error(f"error: job {job} failed: {ended.detail} failed first")
+        return ExitCode.PROGRAM_FAILED
+    if ended.status == "lost":
+        _error(f"error: job {job} was lost: {ended.detail}")
+        return ExitCode.UNREACHABLE
+    _error(f"error: job {job} was stopped before it finished ({ended.label()})")
+    return ExitCode.INTERRUPTED
 
 
 def cancel_cmd(

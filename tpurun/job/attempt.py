@@ -18,10 +18,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from tpurun.errors import TpurunError
-from tpurun.job import env_contract, stacks, watch
+from tpurun.job import env_contract, stacks, status, watch
 from tpurun.job.records import RecordStream
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting, Watch
@@ -138,6 +138,7 @@ class JobRun:
             (c.worker, c.slot): SlotOutcome(c.worker, c.slot) for per in specs for c in per
         }
         self.first_failure: SlotOutcome | None = None
+        self.ended: dict[int, dict[str, Any]] = {}  # worker -> the job's state there when it ended (Done)
         self.lost: dict[int, str] = {}
         self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
         self.stop = threading.Event()
@@ -262,10 +263,10 @@ class JobRun:
             return False
         if isinstance(rec, protocol.Done):
             origin = protocol.first_failure(rec.state)
-            if origin is not None and self.first_failure is None:
-                with self.lock:
-                    if self.first_failure is None:
-                        self.first_failure = self.outcome(w, origin.slot)
+            with self.lock:
+                self.ended[w] = rec.state
+                if origin is not None and self.first_failure is None:
+                    self.first_failure = self.outcome(w, origin.slot)
             for ps in protocol.process_states(rec.state):
                 o = self.outcome(w, ps.slot)
                 if o.exit_code is None:
@@ -304,6 +305,11 @@ class JobRun:
         with watch.reporting(self.watch, self._tick):
             each(self.target.runners, self._worker, name="job")
         self.out.flush()
+        # the first failure by the agents' own account, as `jobs` and `logs` name it (records came in the
+        # order the workers' streams delivered them, not always the order the processes failed in)
+        found = status.earliest_failure(self.ended)
+        if found is not None and found[1] is not None:
+            self.first_failure = self.outcome(found[0], found[1].slot)
 
     def _tick(self, waiting: Waiting | None) -> None:
         """Each second while the job runs: who waits for whom, and whether the job has gone quiet."""

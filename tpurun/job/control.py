@@ -18,6 +18,7 @@ from tpurun import targets
 from tpurun.errors import TpurunError, UnreachableError
 from tpurun.job import watch
 from tpurun.job.records import JobRecord, RecordStream, connect
+from tpurun.job.status import JobSummary, combine
 from tpurun.job.watch import Waiting, Watch
 from tpurun.settings import Settings
 from tpurun.transport import bundle
@@ -43,6 +44,7 @@ class LogsResult:
     interrupted: bool = False  # the caller's stop was set
     errors: dict[str, str] = field(default_factory=dict)  # worker name -> why its lines could not all be read
     missing: bool = False  # the job is not on some worker it ran on (its files are gone)
+    ended: JobSummary | None = None  # followed to its end on every worker shown: how it ended there
 
 
 def logs(
@@ -79,10 +81,13 @@ def logs(
         lines.flush()
     finally:
         target.close()
+    shown = [r.worker.index for r in target.runners]
+    over = follow and not stop.is_set() and all(w in viewer.ended for w in shown)
     return LogsResult(
         interrupted=stop.is_set(),
         errors={names[w]: why for w, why in sorted(viewer.errors.items())},
         missing=bool(viewer.missing),
+        ended=combine({names[w]: viewer.ended[w] for w in shown}) if over else None,
     )
 
 
@@ -108,6 +113,7 @@ class _Viewer:
         self.record, self.target, self.lines, self.stop, self.follow = record, target, lines, stop, follow
         self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}  # worker -> slot -> offset
         self.done: set[int] = set()
+        self.ended: dict[int, dict] = {}  # worker -> the job's state there at its end (its Done record)
         self.errors: dict[int, str] = {}
         self.missing: set[int] = set()  # workers without the job
         self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
@@ -166,6 +172,7 @@ class _Viewer:
         for rec in recs:
             if isinstance(rec, protocol.Done):
                 self.done.add(w)
+                self.ended[w] = rec.state
             elif isinstance(rec, protocol.Passages):
                 self.watch.take(rec)
             elif isinstance(rec, protocol.Line):

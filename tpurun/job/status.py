@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from tpurun.errors import NoSuchTpu, TpurunError
 from tpurun.job.records import JobRecord, forget, list_records
@@ -22,6 +23,8 @@ from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
 from tpurun.worker import protocol
 from tpurun.worker.protocol import JobStatus
+
+K = TypeVar("K")
 
 ACTIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 
@@ -45,15 +48,31 @@ class JobRow:
     state: JobSummary
 
 
+def earliest_failure(states: Mapping[K, Mapping[str, Any] | None]) -> tuple[K, protocol.FirstFailure | None] | None:
+    """The job's first failure over every worker's state (STATES: worker -> its state, in worker order; None
+    where unknown): the failed worker whose failure its agent saw first, by time, else the first failed worker
+    in order; (its key, its FirstFailure), or None where no worker failed. train's summary, `jobs` and `logs`
+    name it, so all three name the same process."""
+    failed = [
+        (key, protocol.first_failure(st))
+        for key, st in states.items()
+        if st is not None and st.get("status") == JobStatus.FAILED
+    ]
+    if not failed:
+        return None
+    timed = [(f.time, n) for n, (_, f) in enumerate(failed) if f is not None and f.time is not None]
+    return failed[min(timed)[1]] if timed else failed[0]
+
+
 def combine(states: Mapping[str, dict | None]) -> JobSummary:
     """One job's state from every worker's: STATES is {worker name: its agent's state, None where the
     job is unknown there}, in worker order."""
-    for name, st in states.items():
-        if st is not None and st.get("status") == JobStatus.FAILED:
-            first = protocol.first_failure(st)
-            where = f"{name}/c{first.slot}" if first is not None and first.slot != protocol.HOST else name
-            code = first.exit_code if first is not None else None
-            return JobSummary("failed", where + (f": exit code {code}" if code is not None else ""))
+    found = earliest_failure(states)
+    if found is not None:
+        name, first = found
+        where = f"{name}/c{first.slot}" if first is not None and first.slot != protocol.HOST else name
+        code = first.exit_code if first is not None else None
+        return JobSummary("failed", where + (f": exit code {code}" if code is not None else ""))
     lost = [name for name, st in states.items() if st is not None and st.get("status") == JobStatus.LOST]
     if lost:
         return JobSummary("lost", f"{', '.join(lost)}: its supervisor is gone")

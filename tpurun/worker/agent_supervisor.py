@@ -397,7 +397,7 @@ class Supervisor:
         True when its end was recorded."""
         if c.reported not in (None, 0) and self.stop_deadline is None:
             # its spawner task failed: stop now, the spawner would wait for every sibling first
-            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": c.reported}
+            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": c.reported, "time": now()}
             self.request_stop(f"chip {c.index} failed", JobStatus.FAILED)
         if c.ended_at is not None:
             return False
@@ -453,7 +453,7 @@ class Supervisor:
             for p in x.pids:
                 x.note_end(p)
         first = min(gone, key=lambda x: min(x.died_at.values(), default=now()))
-        self.first_failure = {"worker": self.worker, "core": first.index, "exit_code": first.reported}
+        self.first_failure = {"worker": self.worker, "core": first.index, "exit_code": first.reported, "time": min(first.died_at.values(), default=now())}
         self.request_stop(f"chip {first.index} died {why}", JobStatus.FAILED)
         return True
 
@@ -566,7 +566,7 @@ class Supervisor:
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return
-            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc}
+            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc, "time": now()}
             self.request_stop(f"slot {c.index} exited with {rc}", JobStatus.FAILED)
 
     def loop(self) -> None:

@@ -525,21 +525,23 @@ def slot_passages(state: Mapping[str, Any]) -> dict[int, list[Passage]]:
 
 
 class FirstFailure(_Record):
-    """The process whose failure stopped the job on a worker (its exit code: None where it died unreported)."""
+    """The process whose failure stopped the job on a worker (its exit code: None where it died unreported),
+    and when its agent saw it fail (the worker's clock; None in a state written before it was kept)."""
 
-    __slots__ = ("slot", "exit_code")
+    __slots__ = ("slot", "exit_code", "time")
 
-    def __init__(self, slot: int, exit_code: int | None) -> None:
+    def __init__(self, slot: int, exit_code: int | None, time: float | None = None) -> None:
         self.slot = slot
         self.exit_code = exit_code
+        self.time = time
 
 
-def first_failure(state: dict[str, Any]) -> FirstFailure | None:
+def first_failure(state: Mapping[str, Any]) -> FirstFailure | None:
     """The process whose failure stopped the job on this worker, if one did."""
     origin = state.get("first_failure") or {}
     if "core" not in origin:
         return None
-    return FirstFailure(int(origin["core"]), origin.get("exit_code"))
+    return FirstFailure(int(origin["core"]), origin.get("exit_code"), origin.get("time"))
 
 
 # ---------------------------------------------------------------- preflight (before a job starts)
