@@ -38,6 +38,14 @@ def test_a_missing_command_is_named_without_tpuruns_wrapper(cli, pod8):
     r = cli("exec", "--worker", "0", "--", "nosuchcommand", "x")
     assert r.code == 1 and "[w0] cannot start nosuchcommand: command not found" in r.err, r.err
     assert "setsid" not in r.err and "sh:" not in r.err
+    # a shell's command line given as one argument: every worker fails alike, said once, with the form that works
+    r = cli("exec", "--worker", "0-2", "--", "ps -eo pid,args | grep x")
+    assert r.code == 1
+    assert "error: the command failed on every worker (w0, w1, w2) with exit code 127" in r.err, r.err
+    assert "runs its command without a shell" in r.err and "tpurun exec -- bash -c 'ps -eo pid,args | grep x'" in r.err
+    r = cli("exec", "--worker", "0-2", "--", "sh", "-c", 'case "$(hostname)" in *-w-0) exit 0;; esac; exit 3')
+    assert "error: the command failed on 2 of 3 workers (w1, w2) with exit code 3" in r.err, r.err
+    assert "hint" not in r.err
 
 
 def test_worker_selection(cli, pod8):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shlex
 import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from tpurun import ui
 from tpurun.errors import ExitCode
@@ -72,8 +73,11 @@ def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
             signal.signal(sig, h)
 
 
-def summarize(done: ExecResult, interrupted: bool, names: Mapping[int, str] | None = None) -> int:
-    """Print the per-worker summary of an exec on stderr and return the exit code (README: 0, 1, 4, 130)."""
+def summarize(
+    done: ExecResult, interrupted: bool, names: Mapping[int, str] | None = None, command: Sequence[str] = ()
+) -> int:
+    """Print the per-worker summary of an exec of COMMAND on stderr and return the exit code (README: 0, 1, 4,
+    130)."""
     results = done.results
     names = names or {}
     unreachable = [r for r in results if r.exit_code is None]
@@ -95,11 +99,33 @@ def summarize(done: ExecResult, interrupted: bool, names: Mapping[int, str] | No
     if unreachable:
         return ExitCode.UNREACHABLE
     if failed:
-        first = min(failed, key=lambda r: r.duration)
-        where = names.get(first.worker) or worker_name(first.worker)
-        ui.err().print(f"error: the command failed on {where} with exit code {first.exit_code}", markup=False)
+        codes = sorted({r.exit_code for r in failed if r.exit_code is not None})
+        where = _some([names.get(r.worker) or worker_name(r.worker) for r in sorted(failed, key=lambda r: r.worker)])
+        if len(results) == 1:
+            scope = where
+        elif len(failed) == len(results):
+            scope = f"every worker ({where})"
+        else:
+            scope = f"{len(failed)} of {len(results)} workers ({where})"
+        said = f"exit code {codes[0]}" if len(codes) == 1 else "exit codes " + ", ".join(map(str, codes))
+        ui.err().print(f"error: the command failed on {scope} with {said}", markup=False)
+        if 127 in codes and len(command) == 1 and SHELL_WORDS.search(command[0]):
+            ui.err().print(
+                "hint: exec runs its command without a shell, so the whole string was taken as one program's name; "
+                f"for pipes, redirections or variables: tpurun exec -- bash -c {shlex.quote(command[0])}",
+                markup=False,
+            )
         return ExitCode.PROGRAM_FAILED
     return ExitCode.OK
+
+
+# what only a shell understands: a one-argument command holding any of it was meant for one
+SHELL_WORDS = re.compile(r"[\s|&;<>$`*?]")
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    """NAMES joined, the first SHOWN of them where there are more (a line fits a screen at 2,048 workers)."""
+    return ", ".join(names) if len(names) <= shown else ", ".join(names[:shown]) + f", … ({len(names)} in all)"
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ def exec_cmd(
         done = remote.exec_everywhere(
             target, command, writer, stop=stop, fail_fast=fail_fast, grace=grace, unreachable=unreachable
         )
-        code = summarize(done, seen["interrupted"], target.worker_names)
+        code = summarize(done, seen["interrupted"], target.worker_names, command)
     raise typer.Exit(code)
 
 
