@@ -54,6 +54,16 @@ def test_worker_selection(cli, pod8):
     assert sorted(line.split()[0] for line in r.out.splitlines()) == ["[w1]", "[w2]", "[w5]"]
     assert_clean_error(cli("exec", "--worker", "9", "--", "true"), 2)
     assert_clean_error(cli("exec", "--worker", "x-", "--", "true"), 2)
+    # train takes the same specs: one worker alone, or every worker; a part of the pod is refused in one line
+    (cli.cwd / "x.py").write_text("print(1)\n")
+    for spec, tags in (("5", ["w5"]), ("0-7", [f"w{i}" for i in range(8)]), ("all", [f"w{i}" for i in range(8)])):
+        r = cli("train", "x.py", "--runtime", "cpu", "--launch", "host", "--worker", spec, "--dry-run", "--json")
+        assert r.code == 0, r.err
+        assert [p["name"] for p in json.loads(r.out)["processes"]] == tags
+    r = cli("train", "x.py", "--runtime", "cpu", "--worker", "1-2", "--dry-run")
+    assert_clean_error(r, 2)
+    assert "--worker 1-2 selects 2 of 8 workers" in r.err
+    assert_clean_error(cli("train", "x.py", "--runtime", "cpu", "--worker", "9", "--dry-run"), 2)
 
 
 def test_fail_fast_stops_the_others(cli, emulator, pod8):

@@ -105,12 +105,14 @@ DownOpt = Annotated[
 ]
 
 AloneOpt = Annotated[
-    int | None,
+    str | None,
     typer.Option(
         "--worker",
-        min=0,
-        help="Run on this worker alone, as the single-host slice one host is on its own (its runtime given one "
-        "host's bounds, address and worker count: v4-16's worker 1 runs as a v4-8).",
+        "-w",
+        metavar="SPEC",
+        help="Run on one worker alone, as the single-host slice one host is on its own (its runtime given one "
+        "host's bounds, address and worker count: v4-16's worker 1 runs as a v4-8); a SPEC that selects every "
+        "worker (all, 0-3 of 4) is the whole TPU.",
     ),
 ]
 HangTimeoutOpt = Annotated[

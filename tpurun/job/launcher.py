@@ -93,7 +93,7 @@ class TrainSpec:
     allow_skew: bool = False  # start even where the workers' Python or decisive packages differ
     hang_timeout: float = DEFAULT_HANG_TIMEOUT  # seconds without progress before --on-hang (0: never)
     on_hang: OnHang = OnHang.report
-    worker: int | None = None  # --worker N: that host alone, as the single-host slice it is on its own
+    worker: str | None = None  # --worker SPEC: one host alone, as the single-host slice it is on its own (or all)
 
 
 # ---------------------------------------------------------------------------- planning
@@ -136,7 +136,13 @@ def plan(
     framework: env_contract.Framework = env_contract.Framework.torch,
 ) -> JobPlan:
     python = target.python(spec.python)
-    if spec.worker is not None and target.slices > 1:
+    selected, every = len(target.runners), len(target.all_workers)
+    if spec.worker is not None and selected not in (1, every):
+        raise UsageError(
+            f"--worker {spec.worker} selects {selected} of {every} workers: a job runs on every worker of the TPU "
+            "(the runtime joins every host of a slice) or on one alone (--worker N)"
+        )
+    if spec.worker is not None and selected == 1 < every and target.slices > 1:
         raise UsageError("--worker runs one host of one slice; this TPU has several slices")
     alone = target.alone  # --worker N of a pod: that host as the single-host slice it is
     topo = alone or target.topology

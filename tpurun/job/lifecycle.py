@@ -67,8 +67,8 @@ def train(
 
 
 def _workers(spec: TrainSpec) -> str:
-    """The workers a job runs on: every one, or the one `--worker` names."""
-    return "all" if spec.worker is None else str(spec.worker)
+    """The workers a job runs on: every one, or those `--worker` selects (one, or all: launcher.plan)."""
+    return spec.worker or "all"
 
 
 def _recreate(s: Settings, name: str, out: Output) -> None:
