@@ -216,7 +216,9 @@ def test_a_core_exiting_3_stops_the_other(home: Path, tmp_path: Path) -> None:
     st = wait_over(home, "j3")
     print(json.dumps(st, indent=1))  # shown when an assertion below fails
     assert st["status"] == "failed"
+    failed_at = st["first_failure"].pop("time")  # when the agent saw it fail: how jobs orders the workers' failures
     assert st["first_failure"] == {"worker": 0, "core": 1, "exit_code": 3}
+    assert t0 < failed_at < time.time()
     by_core = {c["core"]: c for c in st["cores"]}
     assert by_core[1]["exit_code"] == 3 and by_core[1]["status"] == "exited"
     assert by_core[1]["last_line"] == "failing"

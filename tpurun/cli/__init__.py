@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import traceback
@@ -97,9 +98,20 @@ def _register(name: str) -> None:
     module, _, attr = COMMANDS[name].partition(":")
     fn = getattr(importlib.import_module(f"tpurun.cli.{module}"), attr)
     if isinstance(fn, typer.Typer):
+        for info in fn.registered_commands:
+            if info.help is None and info.callback is not None:
+                info.help = flowing(info.callback.__doc__)
         app.add_typer(fn, name=name)
     else:
-        app.command(name, **getattr(fn, "typer_kwargs", {}))(fn)
+        app.command(name, **({"help": flowing(fn.__doc__)} | getattr(fn, "typer_kwargs", {})))(fn)
+
+
+def flowing(doc: str | None) -> str | None:
+    """A docstring as help text: each paragraph one line, which the help then wraps to the terminal's width
+    (rich keeps a docstring's own line breaks, which cut its sentences where the source was wrapped)."""
+    if not doc:
+        return doc
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
 
 
 def _debug_requested(argv: list[str]) -> bool:
