@@ -107,6 +107,29 @@ def test_not_deleted_while_a_detached_job_runs_then_after_it_plus_the_period(tp,
     _nothing_left(emulator)
 
 
+def test_list_shows_a_jobs_start_and_end_at_once_not_a_tick_later(tp, emulator):
+    """The watchdog looks for a job's start or end between its ticks (each second, from the agents' state
+    alone), so `list` and `describe` do not show an ended job as running until the next tick: here ten
+    minutes away."""
+    tp.env["TPURUN_WATCHDOG_TICK"] = "600"
+    assert tp("create", "slow", "-t", "v4-8", "--autostop", "1h").code == 0
+    time.sleep(2)  # the watchdog's first look is done, the next whole one ten minutes away
+
+    def jobs_listed(want: list[str], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while (got := json.loads(tp("list", "--json").out)[0]["jobs"]) != want:
+            assert time.monotonic() < deadline, (got, want)
+            time.sleep(1)
+
+    r = tp("train", "job.py", "8", "0", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip()
+    jobs_listed([job])
+    jobs_listed([])
+    assert _describe(tp, "slow")["jobs"] == []
+    assert tp("delete", "slow", "--yes").code == 0
+
+
 def test_not_deleted_while_a_process_holds_a_tpu_device(tp, emulator):
     assert tp("create", "held", "-t", "v4-16").code == 0
     holder = popen(tp, "exec", "--worker", "1", "--", "python3", "-c", HOLD, "6")

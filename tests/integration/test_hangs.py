@@ -146,6 +146,12 @@ def test_a_rank_that_never_reaches_all_reduce_is_caught_and_its_stacks_say_where
     assert dump.count("== w") >= 6 and dump.count("thread 0x") >= 6  # every process, every thread, as read
     assert cli("cancel", job).code == 0
     assert job_pids(emulator, "stuck", "stuck.py") == []
+    # the job has ended: said in one line on stderr, nothing on stdout but --json's document, not an error
+    r = cli("stacks", job)
+    assert (r.code, r.out) == (0, ""), (r.out, r.err)
+    assert f"job {job} has no process left on the workers asked: it has ended" in r.err
+    r = cli("stacks", job, "--json")
+    assert r.code == 0 and json.loads(r.out)["groups"] == [], r.out
 
 
 def _probe_of(r_out: str, tag: str) -> dict:

@@ -582,15 +582,19 @@ def stacks_cmd(
     process's main thread stands, the odd ones out first; the whole dump kept on disk."""
     s = settings.resolve({})
     found = stacks.collect(s, job or stacks.latest_job(s), worker=worker)
+    over = not found.groups and not found.unread
     if json_out:
         ui.print_json(found.to_json())
-    else:
+    elif not over:
         stacks_report(found)
     for name, why in found.errors.items():
         _error(f"error: {name}: {why}")
-    if not found.groups and not found.unread:
-        _error(f"error: job {found.job_id} has no process left on the workers asked: nothing to show")
-        raise typer.Exit(ExitCode.USAGE)
+    if over and not found.errors:  # not a mistake: the answer is that nothing of the job runs
+        ui.info(
+            f"job {found.job_id} has no process left on the workers asked: it has ended (`tpurun jobs` says how, "
+            f"`tpurun logs {found.job_id}` what it printed)"
+        )
+        return
     ui.info(f"the whole dump: {found.path}")
     if found.errors:
         raise typer.Exit(ExitCode.UNREACHABLE)

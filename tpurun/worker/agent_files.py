@@ -239,3 +239,15 @@ def pdeathsig_preexec():
             os._exit(137)
 
     return preexec
+
+
+def duration(seconds: float) -> str:
+    """90 -> 1m30s, 5400 -> 1h30m, 86400 -> 1d: the two largest units, the smaller left out when 0."""
+    s = int(seconds)
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if s >= size or (unit == "s" and not parts):
+            parts.append(f"{s // size}{unit}")
+            s %= size
+    head = parts[:2]
+    return head[0] + (head[1] if len(head) > 1 and not head[1].startswith("0") else "")

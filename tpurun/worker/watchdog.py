@@ -29,8 +29,7 @@ to delete, it leaves its group, deletes the groups and what was made with them, 
 (`compute_delete` says why in that order).
 A worker that has not reported for SILENT_TICKS ticks, and a node that is not READY, count as busy:
 work it cannot see is never deleted. Every decision is a line in LOG on the deciding worker and in
-guest attribute tpurun/watchdog. Nothing a user can write (guest attributes, job files) can stop it:
-every look's failure is logged and the next look comes.
+guest attribute tpurun/watchdog. Nothing a user can write can stop it: every look's failure is logged.
 """
 
 from __future__ import annotations
@@ -47,11 +46,11 @@ from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import probe
-    from tpurun.worker.agent_files import read_json, running_jobs
+    from tpurun.worker.agent_files import duration, read_json, running_jobs
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import probe  # type: ignore[no-redef]
-    from agent_files import read_json, running_jobs  # type: ignore[no-redef]
+    from agent_files import duration, read_json, running_jobs  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
 CONFIG_KEY = "tpurun-autostop"
@@ -69,6 +68,7 @@ WORK_MARKERS = (b"TPURUN_JOB_ID=", b"TPURUN_ACTIVITY=")  # in a process's enviro
 DEFAULT_TICK = 30.0
 UNSET_TICK = 5.0  # no setting yet (started by `tpurun autostop` just before it writes one): look again soon
 SILENT_TICKS = 3
+QUICK_LOOK = 1.0  # seconds between the cheap looks for a job's start or end between two whole looks
 SETTLE_TICKS = 2  # a `--down` job's end: how long the watchdog leaves the deletion to an attached client
 MAX_USER_FILE = 1 << 20
 MD_ROOT = "/computeMetadata/v1/"
@@ -92,20 +92,21 @@ def request(method: str, url: str, body: bytes | None = None, headers: dict | No
 NET_ERRORS = (OSError, http.client.HTTPException, ValueError)
 
 
+def _md(path: str) -> str:
+    return f"http://{os.environ.get('GCE_METADATA_HOST') or 'metadata.google.internal'}{MD_ROOT}{path}"
+
+
 def metadata(path: str) -> str | None:
-    host = os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
     try:
-        status, data = request("GET", f"http://{host}{MD_ROOT}{path}", headers={"Metadata-Flavor": "Google"})
+        status, data = request("GET", _md(path), headers={"Metadata-Flavor": "Google"})
     except NET_ERRORS:
         return None
     return data.decode("utf-8", "replace") if status == 200 else None
 
 
 def publish(key: str, value: str) -> None:
-    host = os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
-    url = f"http://{host}{MD_ROOT}instance/guest-attributes/{NAMESPACE}/{key}"
     try:
-        request("PUT", url, value.encode(), {"Metadata-Flavor": "Google"})
+        request("PUT", _md(f"instance/guest-attributes/{NAMESPACE}/{key}"), value.encode(), {"Metadata-Flavor": "Google"})
     except NET_ERRORS:
         pass  # the next tick publishes again
 
@@ -120,23 +121,8 @@ def endpoint_ok(endpoint: str) -> bool:
 
 def tpu_env_value(text: str, key: str) -> str:
     """One value of the `tpu-env` attribute (YAML lines `KEY: 'value'`)."""
-    for line in text.splitlines():
-        k, sep, v = line.partition(":")
-        if sep and k.strip() == key:
-            return v.strip().strip("'\"")
-    return ""
-
-
-def duration(seconds: float) -> str:
-    """90 -> 1m30s, 5400 -> 1h30m, 86400 -> 1d: the two largest units, the smaller left out when 0."""
-    s = int(seconds)
-    parts: list[str] = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if s >= size or (unit == "s" and not parts):
-            parts.append(f"{s // size}{unit}")
-            s %= size
-    head = parts[:2]
-    return head[0] + (head[1] if len(head) > 1 and not head[1].startswith("0") else "")
+    found = [v for k, sep, v in (line.partition(":") for line in text.splitlines()) if sep and k.strip() == key]
+    return found[0].strip().strip("'\"") if found else ""
 
 
 def summarize(states: list[tuple[str, dict | None]], now: float, tick: float) -> tuple[list[str], list[str], float]:
@@ -255,6 +241,7 @@ class Watchdog:
         self.idle_since: float | None = time.time()
         self.roots: list[str] = []
         self.jobs: list[str] = []
+        self._agent_jobs: set = set()  # the jobs the last look found by their agent state
         self._token = ""
         self._token_until = 0.0
         self._said = ""
@@ -271,10 +258,22 @@ class Watchdog:
             cfg = {}
         return cfg if isinstance(cfg, dict) else {}
 
+    def wait(self, seconds: float) -> None:
+        """Sleep SECONDS, or less once a job starts or ends here: published at once, not a tick later."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(max(0.0, min(QUICK_LOOK, end - time.monotonic())))
+            try:
+                if {j for r in job_roots() for j in running_jobs(r)} != self._agent_jobs:
+                    return
+            except Exception:  # noqa: BLE001 - the next whole look says what is wrong
+                return
+
     def look(self) -> None:
         self.roots = job_roots()
+        self._agent_jobs = {j for r in self.roots for j in running_jobs(r)}
         by_env, work = tpurun_work()
-        self.jobs = sorted({j for r in self.roots for j in running_jobs(r)} | set(by_env))
+        self.jobs = sorted(self._agent_jobs | set(by_env))
         held = holders()
         now = time.time()
         if self.jobs or work or held:
@@ -640,7 +639,7 @@ def run() -> int:
     wd = Watchdog()
     print(f"tpurun watchdog: pid {os.getpid()}, worker {wd.worker}, slice {wd.slice}", flush=True)
     while True:
-        time.sleep(wd.tick())
+        wd.wait(wd.tick())
 
 
 def ensure() -> int:
