@@ -37,8 +37,15 @@ def topology_cmd(
             None,
             ["type", "hosts", "chips/host", "cores/host", "pjrt devices/host", "topology", "machine type"],
             [
-                (t.name, t.hosts, t.chips_per_host, t.cores_per_host, t.pjrt_devices_per_host, t.topology,
-                 t.machine_type or "-")
+                (
+                    t.name,
+                    t.hosts,
+                    t.chips_per_host,
+                    t.cores_per_host,
+                    t.pjrt_devices_per_host,
+                    t.topology,
+                    t.machine_type or "-",
+                )
                 for t in tops
             ],  # fmt: skip
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -13,7 +13,7 @@ from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, provision, startup
 from tpurun.cloud.client import Cloud
-from tpurun.errors import ProgramFailed, UsageError
+from tpurun.errors import ExitCode, ProgramFailed, TpurunError, UsageError
 
 
 def cloud_for(project: str | None, zone: str | None, *, every_zone: bool = False) -> tuple[Cloud, settings.Settings]:
@@ -197,10 +197,26 @@ def create_cmd(
 def _create(
     cloud: Cloud, s: settings.Settings, spec: provision.CreateSpec, *, delete_on_failure: bool, json_out: bool
 ) -> provision.CreateResult | provision.NodeView:
-    """SPEC made; a failed startup shows the workers' table, and with DELETE_ON_FAILURE deletes the TPU."""
+    """SPEC made; a failed startup shows the workers' table, and with DELETE_ON_FAILURE deletes the TPU. Ctrl-C
+    once it was asked for deletes what was asked for; a second Ctrl-C (caught here: wherever it came, it came
+    while the first one's CreateInterrupted was on its way or handled) stops at once, naming what deletes it."""
     try:
-        with progress_display() as progress:
-            return provision.create(cloud, s, spec, progress)
+        try:
+            with progress_display() as progress:
+                return provision.create(cloud, s, spec, progress)
+        except provision.CreateInterrupted as stopped:
+            _take_back(cloud, s, stopped)
+    except KeyboardInterrupt as again:
+        first = again.__context__
+        while first is not None and not isinstance(first, provision.CreateInterrupted):
+            first = first.__context__
+        if first is None:
+            raise
+        raise TpurunError(
+            f"interrupted again: stopped before {spec.name} was deleted",
+            hint=f"{_delete_command(cloud, spec.name)} deletes what is left of it",
+            exit_code=ExitCode.INTERRUPTED,
+        ) from None
     except provision.StartupFailed as exc:
         if not json_out:
             _workers_table(exc.view)
@@ -209,6 +225,31 @@ def _create(
         with progress_display() as progress:
             provision.take_down(cloud, s, spec.name, progress, "`tpurun create --delete-on-failure`")
         raise ProgramFailed(exc.message, hint=f"{spec.name} was deleted (--delete-on-failure)") from None
+
+
+def _delete_command(cloud: Cloud, name: str) -> str:
+    """The command that deletes NAME (what is left of it), wherever it is run."""
+    return f"`tpurun delete {name} --yes --project {cloud.project} --zone {cloud.zone}`"
+
+
+def _take_back(cloud: Cloud, s: settings.Settings, stopped: provision.CreateInterrupted) -> NoReturn:
+    """Ctrl-C once create asked for the TPU: delete what it asked for and wait until it is gone, exit 130."""
+    name = stopped.name
+    ui.info(
+        f"interrupted: deleting what this create asked for ({stopped.what}) and waiting until it is gone; "
+        "Ctrl-C again stops at once"
+    )
+    try:
+        with progress_display() as progress:
+            also = provision.take_back(cloud, s, stopped, progress)
+    except TpurunError as exc:
+        raise TpurunError(
+            f"interrupted, and {name} could not be deleted: {exc.message}",
+            hint=f"{_delete_command(cloud, name)} deletes what is left of it",
+            exit_code=exc.exit_code,
+        ) from None
+    ui.info(" and ".join([f"deleted {name}", *also]) if also is not None else f"nothing of {name} had been made yet")
+    raise typer.Exit(ExitCode.INTERRUPTED)
 
 
 def attach_cmd(

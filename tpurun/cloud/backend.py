@@ -109,8 +109,20 @@ class Backend(ABC):
         """Ask for the TPU; unless `spec.wait` is off, return once the API made every VM (or raise)."""
 
     @abstractmethod
+    def asked_for(self, spec: CreateSpec, topology: Topology) -> str:
+        """What `create` asks this API for to make SPEC, in the user's words ("the node demo")."""
+
+    @abstractmethod
     def delete(self, view: NodeView, progress: Progress) -> list[str]:
-        """Delete the TPU and everything made with it; what else went, for the user ("its queued resource")."""
+        """Delete the TPU and everything made with it, waiting until it is gone (a part already being deleted
+        is waited for); what else went, for the user ("its queued resource")."""
+
+    def take_back(self, name: str, progress: Progress) -> list[str] | None:
+        """Delete whatever of the TPU NAME this API holds, made whole or not (what an interrupted `create` or
+        `delete` left), and wait until it is gone: what else went, as `delete` says it; None when it holds
+        nothing of NAME."""
+        view = self.find(name)
+        return None if view is None else self.delete(view, progress)
 
     @abstractmethod
     def recreate(self, view: NodeView, progress: Progress) -> None:

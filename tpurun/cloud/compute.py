@@ -225,10 +225,10 @@ class Compute(ComputeGroups):
                     topo.hosts,
                     policy,
                     about,
-                    functools.partial(made.append, functools.partial(self._delete_group, group)),
+                    functools.partial(made.append, functools.partial(self._delete_groups, [group])),
                     bulk=bool(request.max_run),
                 )
-        except BaseException:
+        except Exception:  # on Ctrl-C, `take_back` deletes what was asked for, saying so
             left = []
             for undo in reversed(made):
                 try:
@@ -297,6 +297,14 @@ class Compute(ComputeGroups):
 
     # ------------------------------------------------------------------ deleting
 
+    def asked_for(self, spec: CreateSpec, topology: Topology) -> str:
+        name = spec.name
+        if not topology.multi_host and spec.slices == 1:
+            return f"the VM {name}"
+        groups = f"group {name}" if spec.slices == 1 else f"groups {name}-0 to {name}-{spec.slices - 1}"
+        policy = f" and the workload policy {name}" if topology.multi_host else ""
+        return f"the instance {groups}, the instance template {name}{policy}"
+
     def delete(self, view: NodeView, progress: Progress) -> list[str]:
         name = view.name
         several = bool(view.slices or view.gone)
@@ -306,27 +314,51 @@ class Compute(ComputeGroups):
             self._delete_vm(name, progress)
             return []
         made_template, made_policy = self._made_template(groups[0], name), self._made_policy(groups[0], name)
-        for group in groups:
-            self._delete_group(group.name, functools.partial(progress, f"{group.name}: DELETING its VMs"))
+        self._delete_groups([g.name for g in groups], progress)
         also = [f"its {len(names)} slices' instance groups"] if several else []
-        if made_template:
+        return also + self._delete_made(name, made_template, made_policy, progress)
+
+    def _delete_made(self, name: str, template: bool, policy: bool, progress: Progress) -> list[str]:
+        """The instance TEMPLATE and workload POLICY tpurun made for the TPU NAME deleted, once no group uses them."""
+        also = []
+        if template:
             progress(f"{name}: deleting its instance template")
             self._delete_template(name)
             also.append("its instance template")
-        if made_policy:
+        if policy:
             progress(f"{name}: deleting its workload policy")
             self._delete_policy(name)
             also.append("its workload policy")
         return also
 
-    def _delete_vm(self, name: str, progress: Progress) -> None:
-        self._operate(
-            f"delete {name}",
-            lambda: self.instances.delete_unary(project=self.project, zone=self.zone, instance=name),
-            1800,
-            lambda: progress(f"{name}: DELETING"),
-            tpu=name,
+    def take_back(self, name: str, progress: Progress) -> list[str] | None:
+        """Also what is not a TPU (yet, or any more) of what tpurun made for NAME: the groups of its slices, its
+        template and policy, each known by its description."""
+        view = self.find(name)
+        if view is not None:
+            return self.delete(view, progress)
+        groups = self._call(
+            "list instance groups", lambda: list(self.groups.list(project=self.project, zone=self.zone))
         )
+        ours = [g.name for g in groups if g.description == MADE_BY + name or (_slice_of(g) or ("",))[0] == name]
+        template = self._template(self._template_path(name))
+        policy = self._policy(self._policy_path(name))
+        made_template, made_policy = (x is not None and x.description == MADE_BY + name for x in (template, policy))
+        if not (ours or made_template or made_policy):
+            return None
+        self._delete_groups(ours, progress)
+        also = [f"its instance group{'s' if len(ours) > 1 else ''} {', '.join(ours)}"] if ours else []
+        return also + self._delete_made(name, made_template, made_policy, progress)
+
+    def _delete_vm(self, name: str, progress: Progress) -> None:
+        what = f"delete {name}"
+        call = functools.partial(self.instances.delete_unary, project=self.project, zone=self.zone, instance=name)
+        get = functools.partial(
+            self._find,
+            f"get instance {name}",
+            lambda: self.instances.get(project=self.project, zone=self.zone, instance=name),
+        )
+        self._deleted(what, self._ask_delete(what, call, tpu=name), get, lambda: progress(f"{name}: DELETING"))
 
     def recreate(self, view: NodeView, progress: Progress) -> None:
         """Delete the preempted VMs and make them again as they were: Google's way back for a spot TPU
@@ -336,8 +368,7 @@ class Compute(ComputeGroups):
         name = view.name
         groups = [g for p in view.parts if (g := self._get_group(p.name)) is not None]
         if groups:
-            for group in groups:
-                self._delete_group(group.name, functools.partial(progress, f"{group.name}: DELETING its VMs"))
+            self._delete_groups([g.name for g in groups], progress)
             progress(f"{name}: CREATING")
             for group in groups:
                 self._insert_group(

@@ -23,6 +23,8 @@ from tpurun.errors import ApiError
 
 T = TypeVar("T")
 DONE = compute_v1.Operation.Status.DONE
+# how Compute Engine refuses to delete what it is deleting already
+BEING_DELETED = ("being deleted", "not ready")
 
 
 def region_of(zone: str) -> str:
@@ -102,6 +104,38 @@ class ComputeCalls(Backend):
                 )
             exc = gexc.from_http_status(op.http_error_status_code or 400, message, errors=list(op.error.errors))
             raise self.cloud.explain(what, exc, api=COMPUTE_API)
+
+    def _ask_delete(
+        self, what: str, call: Callable[[], compute_v1.Operation], *, tpu: str | None = None
+    ) -> compute_v1.Operation | None:
+        """CALL, a deletion's `_unary` form: its operation; None when the API refuses because it is deleting that
+        resource already (a deletion that was interrupted, which the API goes on with: `_deleted` waits for it)."""
+        try:
+            return self._call(what, call, tpu=tpu)
+        except ApiError as exc:
+            if any(words in exc.message for words in BEING_DELETED):
+                return None
+            raise
+
+    def _deleted(
+        self,
+        what: str,
+        op: compute_v1.Operation | None,
+        get: Callable[[], object | None],
+        on_poll: Callable[[], None] | None = None,
+    ) -> None:
+        """Until the deletion `_ask_delete` asked for is done: OP, else until GET finds nothing."""
+        if op is not None:
+            self._wait(what, op, 1800, on_poll)
+            return
+        deadline = time.monotonic() + 1800
+        for _ in self.cloud.iter_poll():
+            if get() is None:
+                return
+            if on_poll is not None:
+                on_poll()
+            if time.monotonic() > deadline:
+                raise ApiError(f"{what}: still being deleted after 1800 s", hint="check `tpurun list`")
 
     def _poll(self, op: compute_v1.Operation) -> compute_v1.Operation:
         if op.zone:

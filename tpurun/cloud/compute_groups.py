@@ -5,10 +5,12 @@ regional instance template their VMs are made from, all named after the TPU; fin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from google.cloud import compute_v1
 
+from tpurun.cloud.backend import Progress
 from tpurun.cloud.client import short_name
 from tpurun.cloud.compute_calls import ComputeCalls
 from tpurun.errors import UsageError
@@ -174,13 +176,19 @@ class ComputeGroups(ComputeCalls):
 
     # ------------------------------------------------------------------ deleting
 
-    def _delete_group(self, name: str, on_poll: Callable[[], None] | None = None) -> None:
-        self._operate(
-            f"delete instance group {name}",
-            lambda: self.groups.delete_unary(project=self.project, zone=self.zone, instance_group_manager=name),
-            1800,
-            on_poll,
-        )
+    def _delete_groups(self, names: list[str], progress: Progress | None = None) -> None:
+        """The groups NAMES deleted with their VMs: every deletion asked for first, then each waited for (a
+        second Ctrl-C while waiting leaves none that was not asked for); one being deleted already is waited for."""
+        asked = []
+        for name in names:
+            what = f"delete instance group {name}"
+            call = functools.partial(
+                self.groups.delete_unary, project=self.project, zone=self.zone, instance_group_manager=name
+            )
+            asked.append((name, what, self._ask_delete(what, call)))
+        for name, what, op in asked:
+            on_poll = functools.partial(progress, f"{name}: DELETING its VMs") if progress else None
+            self._deleted(what, op, functools.partial(self._get_group, name), on_poll)
 
     def _delete_template(self, name: str) -> None:
         self._operate(

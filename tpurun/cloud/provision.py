@@ -19,7 +19,7 @@ from tpurun.cloud import autostop, backend, identity, keys, multislice, startup
 from tpurun.cloud.backend import CreateSpec, Request
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import GONE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
-from tpurun.errors import ApiError, ProgramFailed, TpurunError, UsageError
+from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
 from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
 
@@ -201,29 +201,56 @@ def _check_compute(spec: CreateSpec, topo: Topology) -> None:
             raise UsageError(f"{option}: {topo.name} is made by Compute Engine here, and {why}")
 
 
+class CreateInterrupted(TpurunError):
+    """Ctrl-C after `create` asked for the TPU NAME, which KIND's API may be making: WHAT it was asked for, in
+    the user's words. The command deletes it (`take_back`) before it exits."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, name: str, kind: backend.Kind, what: str) -> None:
+        super().__init__(f"interrupted while {what} was being made")
+        self.name, self.kind, self.what = name, kind, what
+
+
 def create(
     cloud: Cloud, s: settings.Settings, spec: CreateSpec, progress: Callable[[str], None]
 ) -> CreateResult | NodeView:
     """Make the TPU; with `spec.wait`, return once every worker finished its startup script (else its view
-    as the API has it)."""
+    as the API has it). Ctrl-C once the name is known to be free (whatever exists of it then is what this
+    create asked for) raises CreateInterrupted."""
     request = prepare_create(spec, cloud)
     home = s.home_path
     identity.forget(home, cloud.project, cloud.zone, spec.name)  # a new TPU: a new identity
     _, public = keys.ensure_key(home)
     request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
     maker = backend.of_kind(cloud, request.backend)
-    for other in backend.backends(cloud):
-        taken = other.find(spec.name) if other is not maker else None
+    for each in backend.backends(cloud):
+        taken = each.find(spec.name)
         if taken is not None:  # one name, one TPU: every command finds a TPU by its name in either API
             raise UsageError(
-                f"{spec.name}: the {other.kind.api_name} already has a TPU of that name ({taken.accelerator_type}, "
+                f"{spec.name}: the {each.kind.api_name} already has a TPU of that name ({taken.accelerator_type}, "
                 f"{taken.state})",
                 hint=f"choose another name, or `tpurun delete {spec.name}` first",
             )
-    maker.create(spec, request, progress)
-    if not spec.wait:
-        return tpu(cloud, spec.name)
-    return until_started(cloud, maker, home, spec.name, progress, timeout=spec.timeout)
+    asked = CreateInterrupted(spec.name, maker.kind, maker.asked_for(spec, request.topology))
+    try:
+        maker.create(spec, request, progress)
+        if not spec.wait:
+            return tpu(cloud, spec.name)
+        return until_started(cloud, maker, home, spec.name, progress, timeout=spec.timeout)
+    except KeyboardInterrupt:
+        raise asked from None
+
+
+def take_back(
+    cloud: Cloud, s: settings.Settings, stopped: CreateInterrupted, progress: Callable[[str], None]
+) -> list[str] | None:
+    """Delete whatever exists of what the interrupted create STOPPED asked for, and wait until it is gone: what
+    went besides the TPU, as `delete` says it; None when nothing of it had been made."""
+    also = backend.of_kind(cloud, stopped.kind).take_back(stopped.name, progress)
+    if also is not None:
+        identity.bury(s.home_path, cloud.project, cloud.zone, stopped.name, "Ctrl-C during `tpurun create`")
+    return also
 
 
 # ---------------------------------------------------------------------------- finding
@@ -432,9 +459,15 @@ def delete(
 ) -> list[str]:
     """Delete NAME and what was made with it (its queued resource; every slice of a multislice TPU), and
     remember that BY (the command, for a later one naming NAME) deleted it. Returns what else went, for the
-    user."""
-    maker, view = whole(cloud, name, "delete")
-    also = maker.delete(view, progress)
+    user. Where no TPU NAME exists, what an interrupted create or delete left of it goes."""
+    try:
+        maker, view = whole(cloud, name, "delete")
+    except NoSuchTpu:
+        also = next((a for b in backend.backends(cloud) if (a := b.take_back(name, progress)) is not None), None)
+        if also is None:
+            raise
+    else:
+        also = maker.delete(view, progress)
     identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
     return also
 

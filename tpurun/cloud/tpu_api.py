@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Callable
 from typing import Any
 
 from google.cloud import tpu_v2
@@ -15,7 +16,7 @@ from tpurun.cloud.client import short_name
 from tpurun.cloud.multislice import qr_state
 from tpurun.cloud.views import NodeView, WorkerView
 from tpurun.errors import ApiError
-from tpurun.topology import parse_accelerator_type
+from tpurun.topology import Topology, parse_accelerator_type
 
 STATE = tpu_v2.Node.State
 
@@ -125,19 +126,58 @@ class TpuApi(Backend):
                     hint="it stays queued; check later with `tpurun list`, or `tpurun delete` it",
                 )
 
+    def asked_for(self, spec: CreateSpec, topology: Topology) -> str:
+        if spec.slices > 1:
+            return f"the queued resource {spec.name} and its {spec.slices} slices"
+        if spec.queued:
+            return f"the queued resource {spec.name} and its node"
+        return f"the node {spec.name}"
+
     def delete(self, view: NodeView, progress: Progress) -> list[str]:
         cloud, name = self.cloud, view.name
         node_made = bool(view.id)  # a node (else: a queued resource waiting, or a multislice TPU)
         if node_made:
-            op = cloud.delete_node(name)
-            cloud.wait(f"delete {name}", op, timeout=1800, on_poll=lambda: progress(f"{name}: DELETING"))
+            self._remove(
+                f"delete {name}",
+                lambda: cloud.delete_node(name),
+                lambda: _state(cloud.find_node(name)),
+                lambda: progress(f"{name}: DELETING"),
+            )
         if not view.queued_resource:
             return []
         short = short_name(view.queued_resource)
         progress(f"{name}: deleting queued resource {short}" + ("" if node_made else " and its slices"))
-        op = cloud.delete_queued_resource(view.queued_resource)
-        cloud.wait(f"delete queued resource {view.queued_resource}", op, timeout=1800)
+        self._remove(
+            f"delete queued resource {view.queued_resource}",
+            lambda: cloud.delete_queued_resource(view.queued_resource),
+            lambda: _state(cloud.find_queued_resource(short)),
+        )
         return ["its queued resource"]
+
+    def _remove(
+        self,
+        what: str,
+        ask: Callable[[], Any],
+        state: Callable[[], str | None],
+        on_poll: Callable[[], None] | None = None,
+    ) -> None:
+        """ASK for a deletion and wait for its operation. Refused because it is being deleted already (a deletion
+        that was interrupted, which the API goes on with, or the TPU's watchdog's), it is waited for until STATE
+        (its state now; None once it is gone) says it is gone."""
+        try:
+            op = ask()
+        except ApiError:
+            if state() not in ("DELETING", None):
+                raise
+            deadline = time.monotonic() + 1800
+            for _ in self.cloud.iter_poll():
+                if state() is None:
+                    return
+                if on_poll is not None:
+                    on_poll()
+                if time.monotonic() > deadline:
+                    raise ApiError(f"{what}: still being deleted after 1800 s", hint="`tpurun list` shows it") from None
+        self.cloud.wait(what, op, timeout=1800, on_poll=on_poll)
 
     def recreate(self, view: NodeView, progress: Progress) -> None:
         """A multislice TPU is asked for again whole: Cloud TPU gives a queued resource's slices back only
@@ -208,6 +248,13 @@ class TpuApi(Backend):
             startup.check_limits(metadata)
             op = self.cloud.update_metadata(part.name, metadata)
             self.cloud.wait(f"update {part.name}", op, timeout=300)
+
+
+def _state(found: tpu_v2.Node | tpu_v2.QueuedResource | None) -> str | None:
+    """A node's or a queued resource's state; None when there is none."""
+    if found is None:
+        return None
+    return STATE(found.state).name if isinstance(found, tpu_v2.Node) else qr_state(found)
 
 
 def _zone_of(name: str) -> str:

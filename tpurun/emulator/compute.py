@@ -401,7 +401,7 @@ class ComputeResources(Queued):
         if not self._sleep(self.config.delays.create):
             return
         group = rec.group
-        flex = rec.inst.scheduling.provisioning_model == compute_v1.Scheduling.ProvisioningModel.FLEX_START
+        flex = rec.inst.scheduling.provisioning_model == "FLEX_START"
         deadline = time.time() + (rec.inst.params.request_valid_for_duration.seconds if flex else 0)
         while True:
             with self.lock:
