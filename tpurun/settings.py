@@ -8,6 +8,7 @@ configuration (read as files; gcloud itself is not needed).
 from __future__ import annotations
 
 import configparser
+import enum
 import json
 import os
 import sys
@@ -29,11 +30,33 @@ PROJECT_FILE = "tpurun.toml"
 DEFAULT_ENDPOINT = "https://tpu.googleapis.com"
 
 
+class Layer(enum.Enum):
+    """How a setting was given: on the command line, in the environment, in a file (tpurun.toml, the user's
+    config, gcloud's configuration), by a record (a job's, or tpurun's of where a TPU is), or not at all."""
+
+    FLAG = "flag"
+    ENV = "env"
+    FILE = "file"
+    RECORD = "record"
+    UNSET = "unset"
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str
     value: str | None
     source: str  # where it came from, e.g. "flag --zone", "env TPURUN_ZONE", "/p/tpurun.toml"
+    layer: Layer = Layer.RECORD
+
+    @property
+    def chosen(self) -> bool:
+        """Chosen for this command (a flag, the environment, a record), not only this place's default (a file)."""
+        return self.layer in (Layer.FLAG, Layer.ENV, Layer.RECORD)
+
+    @property
+    def default(self) -> bool:
+        """The default of this place (the environment, a file), neither named on the command line nor by a record."""
+        return self.layer in (Layer.ENV, Layer.FILE)
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,14 @@ class Settings:
             project=Setting("project", project, source) if project else self.project,
             zone=Setting("zone", zone, source) if zone else self.zone,
         )
+
+    def with_tpu(self, name: str, source: str) -> Settings:
+        """These settings for the TPU NAME, named on the command line as SOURCE says (`tpurun ssh NAME`)."""
+        return replace(self, tpu=Setting("tpu", name, source, Layer.FLAG))
+
+    def in_zone(self, zone: str, source: str) -> Settings:
+        """These settings with ZONE instead, from SOURCE (a record of where a TPU is)."""
+        return replace(self, zone=Setting("zone", zone, source))
 
 
 def xdg_config_home(env: Mapping[str, str]) -> Path:
@@ -180,14 +211,15 @@ def resolve(
                     label = f"flag --{key.replace('_', '-')}"
                 elif source == "env":
                     label = f"env {ENV[key]}"
-                return Setting(key, values[key], label)
-        return Setting(key, None, "not set")
+                layer = Layer.FLAG if source == "flag" else Layer.ENV if source == "env" else Layer.FILE
+                return Setting(key, values[key], label, layer)
+        return Setting(key, None, "not set", Layer.UNSET)
 
     home_env = config.HOME.raw(env)
     home = (
-        Setting("home", home_env, f"env {config.HOME.name}")
+        Setting("home", home_env, f"env {config.HOME.name}", Layer.ENV)
         if home_env
-        else Setting("home", str(xdg_config_home(env) / "tpurun"), "default")
+        else Setting("home", str(xdg_config_home(env) / "tpurun"), "default", Layer.UNSET)
     )
     return Settings(
         project=pick("project"),

@@ -13,8 +13,9 @@ from tpurun import config, settings
 from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED
-from tpurun.errors import ApiError, NoSuchTpu, Preempted, UnreachableError, UsageError
+from tpurun.errors import Preempted, TpurunError, UnreachableError, UsageError
 from tpurun.job.runtimes import single_host_env, vm_env
+from tpurun.naming import NAME_RE
 from tpurun.topology import Topology, one_host, parse_accelerator_type
 from tpurun.transport.fanout import connect_all
 from tpurun.transport.local import LocalRunner
@@ -169,8 +170,10 @@ def resolve(
     announce: Callable[[str], None] | None = None,
 ) -> Target:
     """The workers of the TPU S names that WORKER_SPEC selects, or with LOCAL (or no TPU named) this machine,
-    which ANNOUNCE is told of (a one-host pod)."""
-    if local and s.tpu.value and s.tpu.source.startswith("flag"):
+    which ANNOUNCE is told of (a one-host pod): a command that can run on this machine (it has --local) gives
+    ANNOUNCE. The TPU is looked for in S's zone, or where tpurun made it when S's zone is only a default
+    (`identity.where`)."""
+    if local and s.tpu.value and s.tpu.layer is settings.Layer.FLAG:
         raise UsageError("choose one of --tpu and --local")
     name = None if local else s.tpu.value
     if not name:
@@ -184,6 +187,7 @@ def resolve(
     from tpurun.naming import validate_name
 
     validate_name(name)
+    s = identity.where(s, name)
     try:
         project, zone = s.require_location()
     except UsageError as exc:
@@ -194,7 +198,7 @@ def resolve(
     remembered = identity.read(file)
 
     def from_api() -> Target:
-        endpoints = _fetch(s, name, remembered)
+        endpoints = _fetch(s, name, local=announce is not None)
         identity.remember(file, endpoints)
         return _build(s, name, endpoints, worker_spec, cached=False)
 
@@ -207,16 +211,17 @@ def resolve(
     return target
 
 
-def _fetch(s: settings.Settings, name: str, remembered: identity.Remembered | None) -> Endpoints:
+def _fetch(s: settings.Settings, name: str, *, local: bool) -> Endpoints:
     """Where NAME's workers are (every slice's, for a multislice TPU), if each of its slices is READY, with
-    their host keys pinned again from the API under their identities."""
+    their host keys pinned again from the API under their identities (LOCAL: the command has --local, which
+    the error for a TPU that does not exist then suggests)."""
     from tpurun.cloud import backend, provision
     from tpurun.cloud.client import Cloud
 
     cloud = Cloud(s)
     found = backend.locate(cloud, name)
     if found is None:
-        raise _missing(cloud.no_such_tpu(name), s, remembered)
+        raise cloud.no_such_tpu(name, s.tpu, local=local)
     view = found[1]
     if view.gone:
         raise UnreachableError(
@@ -229,34 +234,11 @@ def _fetch(s: settings.Settings, name: str, remembered: identity.Remembered | No
     return Endpoints.of(view)
 
 
-def _missing(error: ApiError, s: settings.Settings, remembered: identity.Remembered | None) -> NoSuchTpu:
-    """ERROR (no TPU of that name) with what tpurun knows of how it went, and what to do instead."""
-    message, hint = error.message, error.hint
-    if remembered is not None and remembered.deleted_by:
-        message += f": it was deleted by {remembered.deleted_by} {remembered.age()}"
-    elif remembered is not None:
-        message += (
-            f": it existed {remembered.age()} (node id {', '.join(remembered.ids)}) and was deleted since, by "
-            "something other than this tpurun (its autostop, the console, gcloud, another user)"
-        )
-    if _is_default(s):
-        hint = (
-            f"it is the default TPU here ({s.tpu.source}): `tpurun create {s.tpu.value} -t TYPE` makes it again, "
-            "`tpurun attach NAME` makes another the default, or pass --local"
-        )
-    return NoSuchTpu(message, hint=hint)
-
-
-def _is_default(s: settings.Settings) -> bool:
-    """Whether the TPU was not named on the command line but came from the environment or a file."""
-    return not s.tpu.source.startswith("flag")
-
-
 def _check_ready(s: settings.Settings, name: str, state: str, what: str = "") -> None:
     """Refuse a TPU whose slice (WHAT says which, of the TPU NAME) is in STATE, unless READY."""
     if state == READY:
         return
-    default = f" (the default TPU here, from {s.tpu.source})" if _is_default(s) else ""
+    default = f" (the default TPU here, from {s.tpu.source})" if s.tpu.default else ""
     if state == PREEMPTED:
         raise Preempted(
             f"{name}{what}{default} was preempted: its VMs are gone",
@@ -265,6 +247,25 @@ def _check_ready(s: settings.Settings, name: str, state: str, what: str = "") ->
         )
     hint = f"`tpurun describe {name}`" + (f"; `tpurun start {name}`" if state == STOPPED else "")
     raise UnreachableError(f"{name}{what}{default} is {state}, so its workers cannot be reached", hint=hint)
+
+
+def names_a_tpu(s: settings.Settings, word: str, *, ask: bool = False) -> bool:
+    """Whether WORD is the name of a TPU tpurun remembers in S's project (in any zone, deleted or not), or, with
+    ASK, of one the API has where S (or tpurun's record) puts it. Nothing that cannot be asked is one."""
+    project = s.project.value
+    if not NAME_RE.match(word) or not project:
+        return False
+    if identity.records(s.home_path, project, word):
+        return True
+    if not ask:
+        return False
+    from tpurun.cloud import backend
+    from tpurun.cloud.client import Cloud
+
+    try:
+        return backend.locate(Cloud(identity.where(s, word)), word) is not None
+    except TpurunError:
+        return False
 
 
 def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: str, *, cached: bool) -> Target:

@@ -11,13 +11,19 @@ import typer
 from tpurun import settings, ui
 from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
-from tpurun.cloud import autostop, provision, startup
+from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.errors import ExitCode, ProgramFailed, TpurunError, UsageError
 
 
-def cloud_for(project: str | None, zone: str | None, *, every_zone: bool = False) -> tuple[Cloud, settings.Settings]:
+def cloud_for(
+    project: str | None, zone: str | None, *, every_zone: bool = False, tpu: str | None = None
+) -> tuple[Cloud, settings.Settings]:
+    """The APIs where the settings say, or, for the existing TPU named TPU, where tpurun made it unless a zone is
+    chosen (`identity.where`)."""
     s = settings.resolve({"project": project, "zone": zone})
+    if tpu is not None:
+        s = identity.where(s, tpu)
     return Cloud(s, every_zone=every_zone), s
 
 
@@ -281,11 +287,19 @@ def list_cmd(
     """List the TPUs in the zone (or in every zone), with their state, idleness and jobs."""
     if all_zones and zone:
         raise UsageError("choose one of --zone and --all-zones")
-    cloud, _ = cloud_for(project, zone, every_zone=all_zones)
+    cloud, s = cloud_for(project, zone, every_zone=all_zones)
     views = provision.list_tpus(cloud)
+    others = [] if all_zones else identity.elsewhere(s.home_path, cloud.project, cloud.zone)
     if json_out:
         ui.print_json([v.to_dict() for v in views])
-        return
+    else:
+        _list_table(views, all_zones)
+    if others:  # after the table, on stderr
+        known = ", ".join(f"{name} ({there})" for name, there in others)
+        ui.info(f"tpurun knows TPUs in other zones too: {known}; `tpurun list --all-zones` lists every zone")
+
+
+def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
     ui.table(
         None,
         [
@@ -332,7 +346,7 @@ def describe_cmd(
 ) -> None:
     """Everything about one TPU: workers, IPs, startup status, labels (ssh keys shortened)."""
     provision.validate_name(name)
-    cloud, _ = cloud_for(project, zone)
+    cloud, _ = cloud_for(project, zone, tpu=name)
     view = provision.describe(cloud, name)
     if json_out:
         ui.print_json(view.to_dict(full=True))
@@ -364,7 +378,7 @@ def delete_cmd(
 ) -> None:
     """Delete a TPU (and the queued resource it came from); asks unless --yes."""
     provision.validate_name(name)
-    cloud, s = cloud_for(project, zone)
+    cloud, s = cloud_for(project, zone, tpu=name)
     if not yes:
         if not sys.stdin.isatty():
             raise UsageError(f"refusing to delete {name} without confirmation: pass --yes")
@@ -381,7 +395,7 @@ def delete_cmd(
 def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) -> None:
     """Stop a single-host TPU VM (pod slices can only be deleted)."""
     provision.validate_name(name)
-    cloud, s = cloud_for(project, zone)
+    cloud, s = cloud_for(project, zone, tpu=name)
     with progress_display() as progress:
         view = provision.stop(cloud, s, name, progress)
     ui.info(f"{name} is {view.state}")
@@ -390,7 +404,7 @@ def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) ->
 def start_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None, json_out: JsonOpt = False) -> None:
     """Start a stopped single-host TPU VM and wait for its startup script."""
     provision.validate_name(name)
-    cloud, s = cloud_for(project, zone)
+    cloud, s = cloud_for(project, zone, tpu=name)
     with progress_display() as progress:
         result = provision.start(cloud, s, name, progress)
     if json_out:

@@ -5,18 +5,59 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from tpurun import remote, settings, targets, ui
 from tpurun.cli.options import GraceOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.errors import TpurunError, UsageError
+from tpurun.naming import NAME_RE
+
+TYPED = "tpurun.typed"  # the key of the command line as typed, in the parser's context
 
 
-@parsing(context_settings={"allow_interspersed_args": False})
+class AsTyped(TyperCommand):
+    """A command that keeps its command line as typed (`ctx.meta[TYPED]`): the words the parser gives it
+    cannot tell `exec NAME -- CMD` from `exec -- NAME -- CMD`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # the parser's context (typer's own click)
+        ctx.meta[TYPED] = list(args)
+        return super().parse_args(ctx, args)
+
+
+def name_first(
+    ctx: typer.Context, verb: str, words: list[str], s: settings.Settings, *, local: bool = False, ask: bool = False
+) -> tuple[settings.Settings, list[str]]:
+    """gcloud's order, `tpurun VERB NAME -- CMD`: the settings for the TPU and the command. A word typed before
+    `--` is the TPU's name: one word, and neither with --tpu nor with --local. With no `--` typed, the first
+    word is the TPU when it names one tpurun knows (ASK, for a word alone: or the API has), else the command."""
+    typed = ctx.meta.get(TYPED, [])
+    flagged = s.tpu.layer is settings.Layer.FLAG
+    if "--" not in typed:
+        if local or flagged or not words or not targets.names_a_tpu(s, words[0], ask=ask and len(words) == 1):
+            return s, words
+        return s.with_tpu(words[0], f"`tpurun {verb} {words[0]}`"), words[1:]
+    after = len(typed) - typed.index("--") - 1
+    before = words[: max(len(words) - after - 1, 0)]
+    if not before:
+        return s, words
+    said = " ".join(before)
+    form = f"`tpurun {verb} NAME -- CMD` or `tpurun {verb} --tpu NAME -- CMD`"
+    if local:
+        raise UsageError(f"`{said}` before -- names a TPU, and --local this machine: choose one", hint=form)
+    if flagged:
+        raise UsageError(f"`{said}` before -- and --tpu {s.tpu.value}: name the TPU once", hint=form)
+    if len(before) > 1 or not NAME_RE.match(before[0]):
+        raise UsageError(f"`{said}` before --: only the TPU's name goes there, the command after --", hint=form)
+    return s.with_tpu(before[0], f"`tpurun {verb} {before[0]} --`"), words[len(before) + 1 :]
+
+
+@parsing(cls=AsTyped, context_settings={"allow_interspersed_args": False})
 def exec_cmd(
+    ctx: typer.Context,
     command: Annotated[
         list[str], typer.Argument(metavar="-- CMD [ARGS]...", help="Passed exactly, never through a shell.")
     ],
@@ -28,10 +69,13 @@ def exec_cmd(
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
     grace: GraceOpt = remote.RUN_GRACE,
 ) -> None:
-    """Run a command on every selected worker at once, lines prefixed \\[wN]."""
+    """Run a command on every selected worker at once, lines prefixed \\[wN]. The TPU's name may come first:
+    `tpurun exec NAME -- CMD`."""
+    s, command = name_first(
+        ctx, "exec", command, settings.resolve({"tpu": tpu, "project": project, "zone": zone}), local=local
+    )
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
     target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
     one = target.alone
     if one is not None:
@@ -51,8 +95,9 @@ def exec_cmd(
     raise typer.Exit(code)
 
 
-@parsing(context_settings={"allow_interspersed_args": False})
+@parsing(cls=AsTyped, context_settings={"allow_interspersed_args": False})
 def ssh_cmd(
+    ctx: typer.Context,
     command: Annotated[
         list[str] | None, typer.Argument(metavar="[-- CMD [ARGS]...]", help="A command to run instead of a shell.")
     ] = None,
@@ -71,8 +116,11 @@ def ssh_cmd(
         typer.Option("--ssh-flag", help="One more option for the system ssh, e.g. '-D 1080' (repeatable)."),
     ] = None,
 ) -> None:
-    """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys."""
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
+    """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys. The
+    TPU's name may come first: `tpurun ssh NAME`."""
+    s, command = name_first(
+        ctx, "ssh", command or [], settings.resolve({"tpu": tpu, "project": project, "zone": zone}), ask=True
+    )
     if not s.tpu.value:
         raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
     argv = remote.ssh_argv(

@@ -179,11 +179,16 @@ def of_kind(cloud: Cloud, kind: Kind) -> Backend:
 def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
     """The TPU NAME and the API that made it; None when neither has one. An API that cannot be asked (not
     enabled in the project, no permission) is passed over with a warning when the other says it has no
-    such TPU; its failure is raised only when no API could answer."""
+    such TPU; its failure is raised only when no API could answer. Compute Engine's client is imported (a
+    second) only when Compute Engine has something NAME could be: a name it does not know is answered fast."""
     failures: list[ApiError] = []
     answered = False
-    for backend in backends(cloud):
+    for kind in Kind:
         try:
+            if kind is Kind.COMPUTE and kind not in cloud.backends and not _compute_may_have(cloud, name):
+                answered = True
+                continue
+            backend = of_kind(cloud, kind)
             view = backend.find(name)
         except ApiError as exc:
             failures.append(exc)
@@ -196,6 +201,18 @@ def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
     for failure in failures:
         log.warning("%s (looking for %s there too)", failure.message, name)
     return None
+
+
+def _compute_may_have(cloud: Cloud, name: str) -> bool:
+    """Whether Compute Engine has what `Compute.find` would take for the TPU NAME: the instance group NAME, the
+    VM NAME or the group of a first slice, NAME-0; asked by plain REST, without its client."""
+    from tpurun.cloud.client import EVERY_ZONE
+
+    if cloud.zone == EVERY_ZONE:
+        return False  # Compute.find finds none there either
+    where = f"zones/{cloud.zone}"
+    looks = (f"instanceGroupManagers/{name}", f"instances/{name}", f"instanceGroupManagers/{name}-0")
+    return any(cloud.compute_has(f"{where}/{look}") for look in looks)
 
 
 def list_all(cloud: Cloud) -> list[NodeView]:

@@ -26,9 +26,10 @@ from google.api_core.future import polling as gpolling
 from google.cloud import tpu_v2
 
 from tpurun import config
+from tpurun.cloud import identity
 from tpurun.errors import ApiError, NoSuchTpu, UsageError
 from tpurun.naming import validate_zone
-from tpurun.settings import Settings
+from tpurun.settings import Layer, Setting, Settings
 
 T = TypeVar("T")
 
@@ -139,16 +140,16 @@ class Cloud:
         else:
             validate_zone(self.zone)  # every command judges a zone the same way, before the API sees it
         self.endpoint = s.endpoint
+        self.settings = s
         self.backends: dict[Any, Any] = {}  # tpurun.cloud.backend's, made once each per Cloud
         self.parent = f"projects/{self.project}/locations/{self.zone}"
         self.retry = retry or Backoff(
             first_delay=config.RETRY_DELAY.number(),
             attempts=config.RETRY_ATTEMPTS.integer(),
         )
+        self.credentials = credentials(self.endpoint)
         self.client = tpu_v2.TpuClient(
-            transport="rest",
-            client_options={"api_endpoint": self.endpoint},
-            credentials=credentials(self.endpoint),
+            transport="rest", client_options={"api_endpoint": self.endpoint}, credentials=self.credentials
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -249,13 +250,53 @@ class Cloud:
             return ApiError(f"{what}: not authenticated: {msg}", hint="run `gcloud auth application-default login`")
         return ApiError(f"{what}: {api.title} error {exc.code}: {msg}")
 
-    def no_such_tpu(self, name: str) -> ApiError:
-        """The one error every command gives for a TPU NAME that does not exist (exit code 3)."""
-        similar = self.similar_names(name)
-        return NoSuchTpu(
-            f"no TPU named '{name}' in project {self.project}, zone {self.zone}",
-            hint=f"did you mean {', '.join(similar)}?" if similar else "`tpurun list` shows the TPUs that exist",
+    def no_such_tpu(self, name: str, named: Setting | None = None, *, local: bool = False) -> NoSuchTpu:
+        """The one error every command gives for a TPU NAME that does not exist (exit code 3): with what tpurun
+        remembers of it (deleted by tpurun, or since it last reached it), and what to do: the zone tpurun made it
+        in, else what fits how NAME was given (NAMED: the TPU setting it came from, None for a command's
+        argument; LOCAL: the command can run on this machine instead, with --local)."""
+        known = identity.records(self.settings.home_path, self.project, name)
+        message = f"no TPU named '{name}' in project {self.project}, zone {self.zone}" + identity.history(
+            known, self.zone
         )
+        others = [zone for zone, r in known.items() if zone != self.zone and r.endpoints is not None]
+        if others:
+            given = self.settings.zone
+            hint = f"tpurun made {name} in zone {' and '.join(others)}: pass " + " or ".join(
+                f"`--zone {z}`" for z in others
+            )
+            hint += f"; the zone here comes from {given.source}" if given.layer is Layer.ENV else ""
+        elif named is not None and named.default:
+            hint = (
+                f"it is the default TPU here ({named.source}): `tpurun create {name} -t TYPE` makes it"
+                f"{' again' if known else ''}, `tpurun attach NAME` makes another the default"
+                + (", or pass --local" if local else "")
+            )
+        elif named is not None and named.layer is Layer.RECORD:
+            hint = f"{named.source} names it; `tpurun jobs --prune` forgets the jobs whose TPU is gone"
+        else:
+            similar = self.similar_names(name)
+            hint = f"did you mean {', '.join(similar)}?" if similar else "`tpurun list` shows the TPUs that exist"
+        return NoSuchTpu(message, hint=hint)
+
+    def compute_has(self, path: str) -> bool:
+        """Whether Compute Engine has the resource PATH of the project (`zones/Z/instances/N`): one plain REST GET,
+        retried and explained as `call` does, without Compute Engine's client (a second to import)."""
+        from google.auth.transport.requests import AuthorizedSession
+
+        url = f"{compute_endpoint(self.endpoint)}/compute/v1/projects/{self.project}/{path}"
+        session = AuthorizedSession(self.credentials)
+
+        def get() -> bool:
+            response = session.get(url, timeout=60)
+            if response.status_code >= 400:
+                raise gexc.from_http_response(response)
+            return True
+
+        try:
+            return bool(self.find(f"get {path}", get, api=COMPUTE_API))
+        finally:
+            session.close()
 
     def similar_names(self, name: str) -> list[str]:
         try:

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpurun import config
+from tpurun.naming import NAME_RE, ZONE_RE
+from tpurun.settings import Settings
 
 if TYPE_CHECKING:
     from tpurun.cloud.views import NodeView
@@ -117,6 +119,58 @@ def read(file: Path) -> Remembered | None:
         return Remembered(endpoints, saved, tuple(endpoints.ids))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def records(home: Path, project: str, name: str) -> dict[str, Remembered]:
+    """Every zone of PROJECT where tpurun remembers a TPU NAME (one it made, reached or deleted): {zone: record}."""
+    prefix, suffix = f"{project}--", f"--{name}.json"
+    out = {}
+    for file in sorted((home / "nodes").glob(f"{project}--*--{name}.json")):
+        zone = file.name[len(prefix) : -len(suffix)]
+        if ZONE_RE.match(zone) and (record := read(file)) is not None:
+            out[zone] = record
+    return out
+
+
+def where(s: Settings, name: str) -> Settings:
+    """S for the TPU NAME: in the zone where tpurun made or last reached it, when S's zone is only this place's
+    default (a file's, or none: not chosen by a flag, the environment or a record) and tpurun remembers NAME in
+    one zone of S's project, another than S's, as not deleted. Else S (its workers still prove who they are)."""
+    if s.zone.chosen or not s.project.value:
+        return s
+    alive = [zone for zone, r in records(s.home_path, s.project.value, name).items() if r.endpoints is not None]
+    if len(alive) != 1 or alive[0] == s.zone.value:
+        return s
+    return s.in_zone(alive[0], f"tpurun's record of {name}")
+
+
+def elsewhere(home: Path, project: str, zone: str) -> list[tuple[str, str]]:
+    """(name, zone) of every TPU tpurun remembers, as not deleted, in PROJECT outside ZONE."""
+    out = []
+    for file in sorted((home / "nodes").glob(f"{project}--*.json")):
+        there, _, name = file.name[len(project) + 2 : -len(".json")].partition("--")
+        record = read(file) if there != zone and ZONE_RE.match(there) and NAME_RE.match(name) else None
+        if record is not None and record.endpoints is not None:
+            out.append((name, there))
+    return out
+
+
+def history(known: dict[str, Remembered], zone: str) -> str:
+    """How the TPU whose records are KNOWN ({zone: record}) went from ZONE, as tpurun remembers it (else where
+    tpurun deleted one of that name in another zone), for the message that it does not exist; "" if unknown."""
+    here = known.get(zone)
+    if here is not None and here.deleted_by:
+        return f": it was deleted by {here.deleted_by} {here.age()}"
+    if here is not None:
+        return (
+            f": it existed {here.age()} (node id {', '.join(here.ids)}) and was deleted since, by something other "
+            "than this tpurun (its autostop, the console, gcloud, another user)"
+        )
+    buried = sorted((r.saved, z, r) for z, r in known.items() if r.deleted_by)
+    if buried:
+        _, there, r = buried[-1]
+        return f": tpurun deleted the one of zone {there} ({r.deleted_by}, {r.age()})"
+    return ""
 
 
 def remember(file: Path, endpoints: Endpoints) -> None:
