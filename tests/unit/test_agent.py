@@ -578,10 +578,16 @@ def test_host_launch_other_spawners_chips_may_end_before_their_parent(home: Path
     assert lines(home, f"hp-{RUN}", "w0-c1") == ["replica 1"]
 
 
-def claim(home: Path, job: str) -> tuple[subprocess.Popen, dict]:
-    """`agent.py preflight --claim JOB` running, with its answer; its stdin is the claim's lifeline."""
+def claim(home: Path, job: str, claiming: bool = True) -> tuple[subprocess.Popen, dict]:
+    """`agent.py preflight --claim JOB` running, told to claim (a line on stdin) or not (stdin closed), with its
+    answer; its stdin is the claim's lifeline."""
     proc = agent_popen(home, "preflight", "--claim", job, stdin=subprocess.PIPE)
-    assert proc.stdout is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    if claiming:
+        proc.stdin.write(b"\n")
+        proc.stdin.flush()
+    else:
+        proc.stdin.close()
     return proc, json.loads(proc.stdout.readline())
 
 
@@ -591,8 +597,12 @@ def ended(proc: subprocess.Popen, timeout: float = 10) -> int:
 
 def test_a_claim_holds_the_worker_for_its_job_until_the_job_starts(home: Path, tmp_path: Path) -> None:
     p = script(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
+    asked, answer = claim(home, "a", claiming=False)
+    assert answer["held_by"] == "" and ended(asked) == 0  # only asked: answers, holds nothing
     held, answer = claim(home, "a")
     assert answer["held_by"] == "" and held.poll() is None  # granted: held while its stdin is open
+    asked, answer = claim(home, "b", claiming=False)
+    assert answer["held_by"] == "a" and ended(asked) == 0
     other, refused = claim(home, "b")
     assert refused["held_by"] == "a" and ended(other) == 0  # refused: answers, holds nothing
     spec = {"job_id": "b", "worker": 0, "cores": [core(0, p)]}

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,6 @@ def requirement_names(script: str, local_dir: Path) -> list[str]:
 def ask(target: Target, python: str, packages: list[str]) -> dict[int, Preflight]:
     """Every connected worker's answer (worker index -> answer); the agent bundle is installed where it is
     missing. Raises UnreachableError naming the workers that did not answer."""
-    return _ask(target.runners, python, packages)
-
-
-def _ask(runners: list[Runner], python: str, packages: list[str]) -> dict[int, Preflight]:
     args = ("preflight", "--packages", ",".join(packages))
     failed: dict[int, str] = {}
 
@@ -70,7 +67,7 @@ def _ask(runners: list[Runner], python: str, packages: list[str]) -> dict[int, P
             failed[runner.worker.index] = f"{runner.worker.name}: {exc}"
         return None
 
-    answers = each(runners, one, name="preflight")
+    answers = each(target.runners, one, name="preflight")
     if failed:
         raise UnreachableError("; ".join(failed[w] for w in sorted(failed)))
     return {w: a for w, a in answers.items() if a is not None}
@@ -116,34 +113,44 @@ RELEASE_WAIT = 5.0  # seconds a release waits for the holds to end
 
 
 def claim(target: Target, python: str, packages: list[str], job_id: str) -> tuple[dict[int, Preflight], Claim]:
-    """Every worker's answer, every worker held for JOB_ID: the first worker first, then every other at once, so
-    that of two jobs started at once on one TPU only the one that holds the first worker can hold the others.
-    Raises TpuBusy when another job holds any worker (runs there, or holds it for its own start), and
-    UnreachableError naming the workers that did not answer; then nothing stays held."""
+    """Every worker's answer, every worker held for JOB_ID: the agents are started on every worker at once and
+    told to claim their worker in turn, the first worker first, then every other at once, so that of two jobs
+    started at once on one TPU only the one that holds the first worker can hold the others (refused on the
+    first, the others only answer). Raises TpuBusy when another job holds any worker (runs there, or holds it for
+    its own start), and UnreachableError naming the workers that did not answer; then nothing stays held."""
     held = Claim(job_id)
-    args = ("preflight", "--packages", ",".join(packages), "--claim", job_id)
+    argv = bundle.program_argv(python, "agent.py", "preflight", "--packages", ",".join(packages), "--claim", job_id)
     failed: dict[int, str] = {}
+    asks: dict[int, _Ask] = {}
 
-    def one(runner: Runner) -> Preflight | None:
+    def start(runner: Runner) -> None:
         try:
-            answer, stream = _hold(runner, python, args)
-        except (TpurunError, OSError, EOFError, ValueError) as exc:
+            asks[runner.worker.index] = _Ask(runner, argv)
+        except (TpurunError, OSError, EOFError) as exc:
             failed[runner.worker.index] = f"{runner.worker.name}: {exc}"
-            return None
-        if not answer.held_by:
-            held.keep(runner.worker.index, stream)
-        return answer
+
+    def turn(claiming: bool) -> Callable[[Runner], Preflight | None]:
+        def one(runner: Runner) -> Preflight | None:
+            w = runner.worker.index
+            try:
+                answer = asks[w].answer(claiming) if w in asks else None
+            except (TpurunError, OSError, EOFError, ValueError) as exc:
+                failed[w] = f"{runner.worker.name}: {python}: {exc}"
+                return None
+            if answer is not None and claiming and not answer.held_by:
+                held.keep(w, asks[w].stream)
+            return answer
+
+        return one
 
     answers: dict[int, Preflight] = {}
     try:
+        each(target.runners, start, name="preflight")
         for group in (target.runners[:1], target.runners[1:]):
-            answers.update((w, a) for w, a in each(group, one, name="claim").items() if a is not None)
-            if failed or any(a.held_by for a in answers.values()):
-                break
+            claiming = not failed and not any(a.held_by for a in answers.values())
+            answers.update((w, a) for w, a in each(group, turn(claiming), name="claim").items() if a is not None)
         if failed:
             raise UnreachableError("; ".join(failed[w] for w in sorted(failed)))
-        if len(answers) < len(target.runners):  # refused on the first: ask the others, to name where it runs
-            answers.update(_ask(target.runners[1:], python, packages))
         refuse_if_busy(target, answers)
     except BaseException:
         held.release()
@@ -151,31 +158,51 @@ def claim(target: Target, python: str, packages: list[str], job_id: str) -> tupl
     return answers, held
 
 
-def _hold(runner: Runner, python: str, args: tuple[str, ...]) -> tuple[Preflight, Stream]:
-    """The agent's answer to ARGS on RUNNER's worker, and the stream it holds the worker with while granted
-    (the bundle installed where it is missing)."""
-    argv = bundle.program_argv(python, "agent.py", *args)
-    for installed in (False, True):
-        stream = open_stream(runner, argv)
+class _Ask:
+    """One worker's `preflight --claim`, started at once: it answers when told whether to claim the worker (a
+    line on its stdin) or not (its stdin closed). The bundle is installed where it is missing."""
+
+    def __init__(self, runner: Runner, argv: list[str]) -> None:
+        self.runner, self.argv = runner, argv
+        self.stream = open_stream(runner, argv)
+
+    def answer(self, claiming: bool) -> Preflight:
+        for installed in (False, True):
+            try:
+                if claiming:
+                    self.stream.write(b"\n")
+                else:
+                    self.stream.close_stdin()
+            except (OSError, EOFError):
+                pass  # it has ended: reading says why
+            line = self._line()
+            if line is not None:
+                answer = Preflight.from_json(line)
+                if not claiming or answer.held_by:
+                    self.stream.wait()  # it holds nothing: it has ended, or is ending
+                return answer
+            rc = self.stream.wait()
+            if rc == AgentExit.MISSING and not installed:
+                bundle.install(self.runner)
+                self.stream = open_stream(self.runner, self.argv)
+                continue
+            why = self.stream.stderr_text().strip().splitlines()[-1:] or [f"exit {rc}"]
+            raise UnreachableError(why[0])
+        raise AssertionError("the bundle was installed")
+
+    def _line(self) -> str | None:
+        """The answer's line, or None when the agent ended without one."""
         buf = b""
         deadline = time.monotonic() + ANSWER_WAIT
         while b"\n" not in buf:
-            data = stream.read(0.2)
+            data = self.stream.read(0.2)
             if data is None:
-                break
+                return None
             buf += data
             if time.monotonic() > deadline:
-                stream.kill()
+                self.stream.kill()
                 raise UnreachableError(f"its agent did not answer within {ANSWER_WAIT:.0f} s")
-        if b"\n" in buf:
-            return Preflight.from_json(buf.split(b"\n", 1)[0].decode()), stream
-        rc = stream.wait()
-        if rc == AgentExit.MISSING and not installed:
-            bundle.install(runner)
-            continue
-        why = stream.stderr_text().strip().splitlines()[-1:] or [f"exit {rc}"]
-        raise UnreachableError(f"{python}: {why[0]}")
-    raise AssertionError("unreachable")
+        return buf.split(b"\n", 1)[0].decode()
 
 
 def from_probe(probe: dict[str, Any]) -> Preflight | None:

@@ -14,6 +14,9 @@ Commands (exit codes: protocol.AgentExit):
   stream JOB [--offsets JSON] [--follow] [--attached]
                              framed records (JSON lines) from the per-slot .rec files
   jobs                       JSON list of this worker's jobs with their states
+  preflight [--packages P] [--claim JOB]
+                             a Preflight answer; with --claim, once a line on stdin says to claim this
+                             worker for JOB (its end: only answer), held until stdin ends or JOB starts
   state JOB                  the job's state.json
   stacks JOB [--timeout S]   JSON list of the job's processes here with their threads' stacks (agent_stacks.py)
 
@@ -232,19 +235,22 @@ def cmd_jobs(args) -> int:
 
 
 def cmd_preflight(args) -> int:
-    """The answer (a `Preflight`); with --claim JOB, this worker held for JOB unless another job holds it, until
-    stdin ends (the client's lifeline: it releases the claim, or is gone) or JOB's start ends this process."""
+    """The answer (a `Preflight`). With --claim JOB it comes once stdin says whether to claim this worker for JOB
+    (a line) or not (its end), and the worker stays held, unless another job holds it, until stdin ends (the
+    client's lifeline: it lets the worker go, or is gone) or JOB's start ends this process."""
     names = list(versions.DECISIVE) + [n for n in args.packages.split(",") if n]
+    found = versions.installed(names)  # read while the client waits for its turn to claim
     root = agent_root()
     held = None
+    claiming = bool(args.claim) and bool(os.read(0, 1))
     with root_lock(root):
         holder = claim_holder(root)
-        busy = running_jobs(root, exclude=args.claim or "")
+        busy = running_jobs(root, exclude=args.claim)
         held_by = str(holder.get("job_id") or "?") if holder is not None else (busy[0] if busy else "")
-        if args.claim and not held_by:
+        if claiming and not held_by:
             job_dir(args.claim)  # a valid id
             held = claim(root, args.claim)
-    answer = Preflight(_jobs(), versions.python(), sys.executable, versions.installed(names), held_by)
+    answer = Preflight(_jobs(), versions.python(), sys.executable, found, held_by)
     sys.stdout.write(answer.to_json() + "\n")
     sys.stdout.flush()
     if held is not None:
@@ -509,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("jobs", help="every job on this worker")
     p = sub.add_parser("preflight", help="before a job: the jobs here, this Python and its packages' versions")
     p.add_argument("--packages", default="", help="comma-separated names to report besides versions.DECISIVE")
-    p.add_argument("--claim", default="", metavar="JOB", help="hold this worker for JOB until stdin ends")
+    p.add_argument("--claim", default="", metavar="JOB", help="hold this worker for JOB (a line on stdin: claim it)")
     p = sub.add_parser("state", help="a job's state")
     p.add_argument("job")
     p = sub.add_parser("stacks", help="the stacks of every thread of every process of a job here")
