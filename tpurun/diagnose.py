@@ -19,7 +19,7 @@ from tpurun.job import env_contract, preflight
 from tpurun.targets import Target
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, run_capture
-from tpurun.worker import probe
+from tpurun.worker import agent_files, probe
 
 Probes = dict[int, dict[str, Any]]  # worker index -> the probe's JSON
 
@@ -128,7 +128,9 @@ def kill_stale(target: Target, *, dry_run: bool, grace: float) -> KillStale:
     """Free TARGET's TPUs: stop what holds their devices or libtpu (SIGTERM, SIGKILL after GRACE), then remove
     stale lock files; with DRY_RUN only find them."""
     with target:
-        cfg = scan_config(target) | {"dry_run": dry_run, "grace": grace}
+        # a worker held for a `train` about to start is held by the process that has its claim file open
+        claim = os.path.join(agent_files.agent_root("~"), agent_files.CLAIM)
+        cfg = scan_config(target) | {"dry_run": dry_run, "grace": grace, "claim_files": [claim]}
         run = run_probe(target, "kill-stale", cfg, target.python(), timeout=grace + 120)
     workers = []
     for r in target.runners:

@@ -4,11 +4,14 @@ every line printed before the fault is in the per-core log files and (attached) 
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import time
 
 import pytest
 
+from tests.helpers import assert_clean_error
 from tests.reliability.conftest import (
     core_log,
     create,
@@ -20,6 +23,7 @@ from tests.reliability.conftest import (
     read_until,
     timing,
     wait_no_pids,
+    worker_home,
 )
 
 pytestmark = pytest.mark.integration
@@ -215,3 +219,55 @@ def test_second_train_on_same_node_refuses(cli, emulator, node):
     first.send_signal(signal.SIGINT)
     assert first.wait(timeout=60) == 130
     assert job_pids(emulator, node, "ticker.py") == []
+
+
+# Each process of the job leaves a marker on its worker as its first act: which jobs' code ran where.
+RACER = """\
+import os, sys, time
+job, w, c = os.environ["TPURUN_JOB_ID"], os.environ["TPURUN_WORKER_ID"], os.environ["TPURUN_CORE"]
+os.makedirs(os.path.expanduser("~/race"), exist_ok=True)
+open(os.path.expanduser(f"~/race/{job}-w{w}-c{c}"), "w").close()
+time.sleep(float(sys.argv[1]))
+print(f"done w{w} c{c}", flush=True)
+"""
+
+
+def _markers(emulator, node: str, workers: int = 2) -> dict[int, set[str]]:
+    return {w: {p.name for p in (worker_home(emulator, node, w) / "race").glob("*")} for w in range(workers)}
+
+
+def test_two_trains_at_once_one_runs_the_other_starts_nowhere(cli, emulator, node):
+    """Two `train`s started at the same moment on one TPU: one runs, the other exits 2 with one line and
+    nothing of it started on any worker, recorded here or there; `cancel` of a job that is nowhere says so (2)."""
+    (cli.cwd / "racer.py").write_text(RACER)
+    winners = []
+    for _ in range(3):
+        procs = [popen(cli, "train", "racer.py", "2", "--runtime", "cpu", "--cores", "1", "--python", "python3")]
+        procs.append(popen(cli, "train", "racer.py", "2", "--runtime", "cpu", "--cores", "1", "--python", "python3"))
+        ends = [finish(p, 180) for p in procs]
+        codes = sorted(p.returncode for p in procs)
+        assert codes == [0, 2], [(p.returncode, e) for p, (_, e) in zip(procs, ends, strict=True)]
+        (_, won_err), (_, lost_err) = sorted((p.returncode, err) for p, (_, err) in zip(procs, ends, strict=True))
+        winner = job_id(won_err)
+        winners.append(winner)
+        lines = [line for line in lost_err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "rel is busy: job " + winner in lines[0], lost_err
+        assert "nothing was started" in lines[0] and "Traceback" not in lost_err, lost_err
+        # the refused job's own id is never shown (nor recorded: below)
+        assert re.findall(r"\d{8}-\d{6}-[0-9a-f]{4}", lost_err) == [winner] * lines[0].count(winner), lost_err
+        for w, found in _markers(emulator, node).items():  # only the winners' code ever ran, on every worker
+            assert found == {f"{j}-w{w}-c0" for j in winners}, (w, found)
+    listed = json.loads(cli("jobs", "--json").out)
+    assert sorted(row["job_id"] for row in listed) == sorted(winners)
+    for home in (worker_home(emulator, node, w) for w in range(2)):
+        assert sorted(p.name for p in (home / ".tpurun" / "jobs").iterdir() if not p.name.startswith(".")) == sorted(
+            winners
+        )
+    assert_clean_error(cli("cancel", "20990101-000000-dead"), 2)  # an id no train made: unknown here
+    # a record here of a job that is on no worker (what a refused job used to leave): cancel says so, exit 2
+    record = json.loads((cli.tpurun_home / "jobs" / f"{winners[0]}.json").read_text())
+    record["job_id"] = "20990101-000000-beef"
+    (cli.tpurun_home / "jobs" / "20990101-000000-beef.json").write_text(json.dumps(record))
+    r = cli("cancel", "20990101-000000-beef")
+    assert_clean_error(r, 2)
+    assert "job 20990101-000000-beef is on none of its workers (w0, w1)" in r.err, r.err

@@ -578,3 +578,89 @@ def test_host_launch_other_spawners_chips_may_end_before_their_parent(home: Path
     assert {c["core"]: c["exit_code"] for c in st["cores"]} == {-1: 0, 0: 0, 1: 0}
     assert st["status"] == "finished", st
     assert lines(home, f"hp-{RUN}", "w0-c1") == ["replica 1"]
+
+
+def claim(home: Path, job: str, claiming: bool = True) -> tuple[subprocess.Popen, dict]:
+    """`agent.py preflight --claim JOB` running, told to claim (a line on stdin) or not (stdin closed), with its
+    answer; its stdin is the claim's lifeline."""
+    proc = agent_popen(home, "preflight", "--claim", job, stdin=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    if claiming:
+        proc.stdin.write(b"\n")
+        proc.stdin.flush()
+    else:
+        proc.stdin.close()
+    return proc, json.loads(proc.stdout.readline())
+
+
+def ended(proc: subprocess.Popen, timeout: float = 10) -> int:
+    return proc.wait(timeout=timeout)
+
+
+def test_a_claim_holds_the_worker_for_its_job_until_the_job_starts(home: Path, tmp_path: Path) -> None:
+    p = script(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
+    asked, answer = claim(home, "a", claiming=False)
+    assert answer["held_by"] == "" and ended(asked) == 0  # only asked: answers, holds nothing
+    held, answer = claim(home, "a")
+    assert answer["held_by"] == "" and held.poll() is None  # granted: held while its stdin is open
+    asked, answer = claim(home, "b", claiming=False)
+    assert answer["held_by"] == "a" and ended(asked) == 0
+    other, refused = claim(home, "b")
+    assert refused["held_by"] == "a" and ended(other) == 0  # refused: answers, holds nothing
+    spec = {"job_id": "b", "worker": 0, "cores": [core(0, p)]}
+    r = agent(home, "start", input=json.dumps(spec))
+    assert r.returncode == 3 and r.stderr.strip().splitlines() == [
+        "job a is starting on this worker: wait for it, or `tpurun kill-stale` if its train is gone"
+    ]
+    assert not (home / ".tpurun" / "jobs" / "b").exists()  # nothing of b written, nothing started
+    start(home, "a", [core(0, p)])  # the job its claim was for starts, and ends the claim's process
+    assert ended(held) != 0
+    r = agent(home, "preflight")
+    assert json.loads(r.stdout)["held_by"] == "a"  # now the job itself holds the worker
+    late, answer = claim(home, "c")
+    assert answer["held_by"] == "a" and ended(late) == 0
+    agent(home, "stop", "a")
+    again, answer = claim(home, "c")
+    assert answer["held_by"] == ""
+    again.stdin.close()
+    assert ended(again) == 0
+
+
+@pytest.mark.parametrize("how", ["stdin closed", "SIGKILL"])
+def test_a_claim_ends_with_its_client(home: Path, how: str) -> None:
+    """The client gone (its channel's stdin ends) or the holder killed: the worker is free at once."""
+    held, answer = claim(home, "a")
+    assert answer["held_by"] == ""
+    if how == "SIGKILL":
+        held.kill()
+    else:
+        held.stdin.close()
+    ended(held)
+    nxt, answer = claim(home, "b")
+    assert answer["held_by"] == ""
+    nxt.kill()
+    nxt.wait()
+
+
+def test_kill_stale_ends_a_claim(home: Path) -> None:
+    """`tpurun kill-stale`'s probe treats the process holding a claim file open as a holder of the TPU."""
+    from tpurun.worker import agent_files, probe
+
+    held, answer = claim(home, "a")
+    assert answer["held_by"] == ""
+    cfg = {
+        "home": str(home),
+        "claim_files": [f"{agent_files.agent_root('~')}/{agent_files.CLAIM}"],
+        "device_globs": ["/nonexistent/accel*"],  # nothing else on this machine is a holder
+        "libtpu_glob": "no-such-libtpu*.so",
+        "lock_globs": ["/nonexistent/lock"],
+        "grace": 5,
+    }
+    r = subprocess.run(probe.program_argv(sys.executable, "kill-stale", cfg), capture_output=True, text=True)
+    out = json.loads(r.stdout)
+    assert [(h["pid"], h["result"]) for h in out["holders"]] == [(held.pid, "terminated (SIGTERM)")], out
+    assert out["free"] and ended(held) == -signal.SIGTERM
+    nxt, answer = claim(home, "b")
+    assert answer["held_by"] == ""
+    nxt.kill()
+    nxt.wait()

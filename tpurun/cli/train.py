@@ -561,9 +561,12 @@ def cancel_cmd(
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
     result = control.cancel(settings.resolve({}), job, grace)
+    if result.missing:
+        ui.warn(f"job {job} is not on {', '.join(result.missing)}: it never started there, or its files were removed")
     if not result.stopped:
         states = ", ".join(sorted({st.value for st in result.ended.values()}))
-        ui.info(f"job {job} had already ended ({states}) on every worker: nothing to stop")
+        where = "every other worker" if result.missing else "every worker"
+        ui.info(f"job {job} had already ended ({states}) on {where}: nothing to stop")
     elif result.ended:
         ui.info(f"job {job} stopped on {result.stopped} worker(s); it had already ended on {len(result.ended)}")
     else:

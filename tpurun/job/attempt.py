@@ -141,6 +141,7 @@ class JobRun:
         self.ended: dict[int, dict[str, Any]] = {}  # worker -> the job's state there when it ended (Done)
         self.lost: dict[int, str] = {}
         self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
+        self.started: set[int] = set()  # the workers whose agent started the job
         self.stop = threading.Event()
         self.started_at = time.monotonic()
         self.lock = threading.Lock()
@@ -275,7 +276,10 @@ class JobRun:
         if isinstance(rec, protocol.StartFailed):
             self._lose(w, f"{self.target.all_workers[w].name}: the agent could not start the job: {rec.reason}")
             return True
-        return False  # Started
+        if isinstance(rec, protocol.Started):
+            with self.lock:
+                self.started.add(w)
+        return False
 
     def _exited(self, w: int, rec: protocol.Exit) -> None:
         o = self.outcome(w, rec.slot)

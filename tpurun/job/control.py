@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import TpurunError, UnreachableError
+from tpurun.errors import TpurunError, UnreachableError, UsageError
 from tpurun.job import watch
 from tpurun.job.records import JobRecord, RecordStream, connect
 from tpurun.job.status import JobSummary, combine
@@ -193,11 +193,13 @@ class _Viewer:
 class CancelResult:
     stopped: int  # workers where the job still ran when the stop came
     ended: dict[str, protocol.JobStatus]  # worker name -> how the job had already ended there
+    missing: list[str] = field(default_factory=list)  # workers it was to run on that have no trace of it
 
 
 def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
     """Stop JOB_ID on every worker it ran on (SIGTERM, SIGKILL after GRACE seconds); returns when none of its
-    processes is left anywhere, or raises UnreachableError naming the workers where that is not known."""
+    processes is left anywhere, or raises UnreachableError naming the workers where that is not known, and
+    UsageError when no worker has the job (it never started)."""
     record = JobRecord.load(s.home_path, job_id)
     target = record.target(s)
     results: dict[int, tuple[int, str]] = {}
@@ -218,8 +220,19 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
     finally:
         target.close()
     names = worker_names(target.all_workers)
-    failures = [f"{names[w]}: {err.strip() or rc}" for w, (rc, err) in sorted(results.items()) if rc != AgentExit.OK]
+    missing = [names[w] for w, (rc, _) in sorted(results.items()) if rc == AgentExit.USAGE]  # "no job J here"
+    failures = [
+        f"{names[w]}: {err.strip() or rc}"
+        for w, (rc, err) in sorted(results.items())
+        if rc not in (AgentExit.OK, AgentExit.USAGE)
+    ]
     if failures:
         raise UnreachableError("could not stop the job everywhere: " + "; ".join(failures))
+    if len(missing) == len(target.runners):
+        raise UsageError(
+            f"job {job_id} is on none of its workers ({', '.join(missing)}): it never started, or its files there "
+            "were removed; nothing to stop",
+            hint="`tpurun jobs` lists the jobs",
+        )
     ended = {names[w]: protocol.JobStatus(st) for w, st in before.items() if st in protocol.ENDED}
-    return CancelResult(stopped=len(target.runners) - len(ended), ended=ended)
+    return CancelResult(stopped=len(target.runners) - len(ended) - len(missing), ended=ended, missing=missing)

@@ -19,7 +19,7 @@ from tpurun import config
 from tpurun.errors import TpurunError, UnreachableError, UsageError
 from tpurun.job import env_contract, preflight
 from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
-from tpurun.job.records import JobRecord, connect, new_job_id
+from tpurun.job.records import JobRecord, connect, forget, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import sender
@@ -259,6 +259,12 @@ class Job:
     setup: Setup | None
     framework: env_contract.Framework = env_contract.Framework.torch  # what the script imports
     skew: preflight.Skew = field(default_factory=lambda: preflight.Skew(()))  # where the workers differ
+    claim: preflight.Claim | None = None  # every worker held for this job until it starts (none for --dry-run)
+
+    def release(self) -> None:
+        """Let the workers go that are still held for this job (it started, or never will)."""
+        if self.claim is not None:
+            self.claim.release()
 
     def notes(self) -> list[tuple[str, str]]:
         """(info|warn, text): what the user is told before the job starts."""
@@ -327,11 +333,15 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
     )
     job = Job(job_id, spec, target, p, python, cwd, setup, framework)
     if not spec.dry_run:
-        answers = preflight.ask(target, python, preflight.requirement_names(spec.script, local_dir))
-        preflight.refuse_if_busy(target, answers)
+        packages = preflight.requirement_names(spec.script, local_dir)
+        answers, job.claim = preflight.claim(target, python, packages, job_id)  # refused when another job holds it
         if setup is None:
             job.skew = preflight.compare(target, answers)
-            preflight.refuse_skew(target, job.skew, spec.allow_skew)
+            try:
+                preflight.refuse_skew(target, job.skew, spec.allow_skew)
+            except BaseException:
+                job.release()
+                raise
     return job
 
 
@@ -353,6 +363,14 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         preflight.refuse_skew(target, job.skew, spec.allow_skew)
     if job.skew:
         out.warn(f"starting anyway (--allow-skew): the workers differ: {job.skew.summary()}")
+    lost = job.claim.lost() if job.claim is not None else []
+    if lost:
+        names = ", ".join(target.all_workers[w].name for w in lost)
+        raise UsageError(
+            f"{names} stopped being held for job {job.job_id} before it started (`tpurun kill-stale` ends a hold); "
+            "nothing was started",
+            hint="run the train again",
+        )
     specs = job.plan.specs
     JobRecord(
         job_id=job.job_id,
@@ -384,7 +402,10 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         hang=HangWatch(spec.hang_timeout, spec.on_hang, home) if spec.hang_timeout > 0 else None,
     )
     run.run()
-    return JobResult(job, _state(run, job, cancel), run=run)
+    state = _state(run, job, cancel)
+    if state is JobState.BUSY and not run.started:
+        forget(home, job.job_id)  # refused everywhere it was asked: it started nowhere, so it leaves no record
+    return JobResult(job, state, run=run)
 
 
 def _state(run: JobRun, job: Job, cancel: threading.Event) -> JobState:

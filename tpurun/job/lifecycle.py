@@ -56,6 +56,7 @@ def train(
                 (out.warn if kind == "warn" else out.info)(text)
             result = start(job, home=s.home_path, local_dir=local_dir, out=out, cancel=cancel)
         finally:
+            job.release()
             target.close()
         result.restarts = restarts
         if result.state is not JobState.PREEMPTED or restarts >= spec.max_restarts:

@@ -1,12 +1,19 @@
-"""Before a job starts: one round trip to every worker (the agent's `preflight`) says which jobs run there
-and what decides a job there: the job's Python and the versions of the packages that must match across a
-pod (the agent's `versions.DECISIVE`, and what the script's requirements.txt names). A job is refused on a
-busy TPU, and on workers that differ (version skew) unless the user allows it."""
+"""Before a job starts: the agent's `preflight` on every worker says which jobs run there and what decides a
+job there: the job's Python and the versions of the packages that must match across a pod (the agent's
+`versions.DECISIVE`, and what the script's requirements.txt names). A job is refused on a busy TPU, and on
+workers that differ (version skew) unless the user allows it.
+
+The same answer holds every worker for the job (`claim`) until it starts or is given up: the first worker
+first, then every other at once, so that of two jobs started at once on one TPU only one holds it; the
+other is refused before anything of it is synced, recorded or started."""
 
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +24,8 @@ from tpurun.job.status import ACTIVE
 from tpurun.targets import Target
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
-from tpurun.worker.protocol import Preflight
+from tpurun.transport.runner import Runner, Stream, open_stream
+from tpurun.worker.protocol import AgentExit, Preflight
 
 NOT_INSTALLED = "not installed"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -66,6 +73,138 @@ def ask(target: Target, python: str, packages: list[str]) -> dict[int, Preflight
     return {w: a for w, a in answers.items() if a is not None}
 
 
+class Claim:
+    """The workers held for one job about to start: on each, the agent's `preflight --claim JOB` holds the
+    worker while its stdin stays open. Closing it (`release`), or this process ending however it ends, lets the
+    worker go; the job's start on a worker ends that worker's hold (the job holds the worker from then on)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.streams: dict[int, Stream] = {}
+        self.lock = threading.Lock()
+
+    def keep(self, worker: int, stream: Stream) -> None:
+        with self.lock:
+            self.streams[worker] = stream
+
+    def lost(self) -> list[int]:
+        """The workers whose hold has ended (its process was killed: `tpurun kill-stale` ends holds)."""
+        return sorted(w for w, stream in self.streams.items() if stream.read(0) is None)
+
+    def release(self) -> None:
+        """Let every worker go, and wait (a few seconds at most) until each has."""
+        with self.lock:
+            streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            stream.close_stdin()
+        deadline = time.monotonic() + RELEASE_WAIT
+        for stream in streams:
+            try:
+                while time.monotonic() < deadline:
+                    if stream.read(0.1) is None:
+                        stream.wait()
+                        break
+            except (TpurunError, OSError, EOFError):
+                pass
+
+
+ANSWER_WAIT = 60.0  # seconds a worker's agent has to answer a preflight
+RELEASE_WAIT = 5.0  # seconds a release waits for the holds to end
+
+
+def claim(target: Target, python: str, packages: list[str], job_id: str) -> tuple[dict[int, Preflight], Claim]:
+    """Every worker's answer, every worker held for JOB_ID: the agents are started on every worker at once and
+    told to claim their worker in turn, the first worker first, then every other at once, so that of two jobs
+    started at once on one TPU only the one that holds the first worker can hold the others (refused on the
+    first, the others only answer). Raises TpuBusy when another job holds any worker (runs there, or holds it for
+    its own start), and UnreachableError naming the workers that did not answer; then nothing stays held."""
+    held = Claim(job_id)
+    argv = bundle.program_argv(python, "agent.py", "preflight", "--packages", ",".join(packages), "--claim", job_id)
+    failed: dict[int, str] = {}
+    asks: dict[int, _Ask] = {}
+
+    def start(runner: Runner) -> None:
+        try:
+            asks[runner.worker.index] = _Ask(runner, argv)
+        except (TpurunError, OSError, EOFError) as exc:
+            failed[runner.worker.index] = f"{runner.worker.name}: {exc}"
+
+    def turn(claiming: bool) -> Callable[[Runner], Preflight | None]:
+        def one(runner: Runner) -> Preflight | None:
+            w = runner.worker.index
+            try:
+                answer = asks[w].answer(claiming) if w in asks else None
+            except (TpurunError, OSError, EOFError, ValueError) as exc:
+                failed[w] = f"{runner.worker.name}: {python}: {exc}"
+                return None
+            if answer is not None and claiming and not answer.held_by:
+                held.keep(w, asks[w].stream)
+            return answer
+
+        return one
+
+    answers: dict[int, Preflight] = {}
+    try:
+        each(target.runners, start, name="preflight")
+        for group in (target.runners[:1], target.runners[1:]):
+            claiming = not failed and not any(a.held_by for a in answers.values())
+            answers.update((w, a) for w, a in each(group, turn(claiming), name="claim").items() if a is not None)
+        if failed:
+            raise UnreachableError("; ".join(failed[w] for w in sorted(failed)))
+        refuse_if_busy(target, answers)
+    except BaseException:
+        held.release()
+        raise
+    return answers, held
+
+
+class _Ask:
+    """One worker's `preflight --claim`, started at once: it answers when told whether to claim the worker (a
+    line on its stdin) or not (its stdin closed). The bundle is installed where it is missing."""
+
+    def __init__(self, runner: Runner, argv: list[str]) -> None:
+        self.runner, self.argv = runner, argv
+        self.stream = open_stream(runner, argv)
+
+    def answer(self, claiming: bool) -> Preflight:
+        for installed in (False, True):
+            try:
+                if claiming:
+                    self.stream.write(b"\n")
+                else:
+                    self.stream.close_stdin()
+            except (OSError, EOFError):
+                pass  # it has ended: reading says why
+            line = self._line()
+            if line is not None:
+                answer = Preflight.from_json(line)
+                if not claiming or answer.held_by:
+                    self.stream.wait()  # it holds nothing: it has ended, or is ending
+                return answer
+            rc = self.stream.wait()
+            if rc == AgentExit.MISSING and not installed:
+                bundle.install(self.runner)
+                self.stream = open_stream(self.runner, self.argv)
+                continue
+            why = self.stream.stderr_text().strip().splitlines()[-1:] or [f"exit {rc}"]
+            raise UnreachableError(why[0])
+        raise AssertionError("the bundle was installed")
+
+    def _line(self) -> str | None:
+        """The answer's line, or None when the agent ended without one."""
+        buf = b""
+        deadline = time.monotonic() + ANSWER_WAIT
+        while b"\n" not in buf:
+            data = self.stream.read(0.2)
+            if data is None:
+                return None
+            buf += data
+            if time.monotonic() > deadline:
+                self.stream.kill()
+                raise UnreachableError(f"its agent did not answer within {ANSWER_WAIT:.0f} s")
+        return buf.split(b"\n", 1)[0].decode()
+
+
 def from_probe(probe: dict[str, Any]) -> Preflight | None:
     """A doctor probe's answer (env_contract.PROBE_SCRIPT's, under "python_probe") as a preflight's, to
     compare the same way; None where the probe failed."""
@@ -76,19 +215,25 @@ def from_probe(probe: dict[str, Any]) -> Preflight | None:
 
 
 def refuse_if_busy(target: Target, answers: dict[int, Preflight]) -> None:
-    """Raise TpuBusy when a job runs on any worker: before a job id is shown, code synced or a record written.
-    (The agents refuse a second job on their own too, should one slip in meanwhile.)"""
+    """Raise TpuBusy when another job holds any worker (it runs there, or holds it for its start): before a job id
+    is shown, code synced or a record written. (The agents refuse a second job on their own too.)"""
     busy: dict[str, list[str]] = {}
     for w, answer in sorted(answers.items()):
-        for st in answer.jobs:
-            if st.get("status") in ACTIVE and st.get("supervisor_alive", True):
-                busy.setdefault(str(st.get("job_id")), []).append(target.all_workers[w].name)
-    if busy:
-        job, where = sorted(busy.items())[0]
+        if answer.held_by:
+            busy.setdefault(answer.held_by, []).append(target.all_workers[w].name)
+    if not busy:
+        return
+    job, where = sorted(busy.items())[0]
+    on = ", ".join(where)
+    if any(st.get("job_id") == job and st.get("status") in ACTIVE for a in answers.values() for st in a.jobs):
         raise TpuBusy(
-            f"{target.name} is busy: job {job} runs on {', '.join(where)}; nothing was started",
+            f"{target.name} is busy: job {job} runs on {on}; nothing was started",
             hint=f"`tpurun cancel {job}` first, or wait: `tpurun logs {job} --follow`",
         )
+    raise TpuBusy(
+        f"{target.name} is busy: job {job} is starting on {on} (another `tpurun train`); nothing was started",
+        hint=f"wait, or stop that train; once it runs, `tpurun cancel {job}` where it was started stops it",
+    )
 
 
 @dataclass(frozen=True)

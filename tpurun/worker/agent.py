@@ -14,6 +14,9 @@ Commands (exit codes: protocol.AgentExit):
   stream JOB [--offsets JSON] [--follow] [--attached]
                              framed records (JSON lines) from the per-slot .rec files
   jobs                       JSON list of this worker's jobs with their states
+  preflight [--packages P] [--claim JOB]
+                             a Preflight answer; with --claim, once a line on stdin says to claim this
+                             worker for JOB (its end: only answer), held until stdin ends or JOB starts
   state JOB                  the job's state.json
   stacks JOB [--timeout S]   JSON list of the job's processes here with their threads' stacks (agent_stacks.py)
 
@@ -49,6 +52,9 @@ from agent_files import (
     POLL,
     AgentError,
     agent_root,
+    claim,
+    claim_holder,
+    end_claim,
     group_members,
     job_dir,
     job_processes,
@@ -56,6 +62,7 @@ from agent_files import (
     now,
     pid_alive,
     read_json,
+    root_lock,
     running_jobs,
     signal_group,
     signal_pids,
@@ -89,18 +96,12 @@ def cmd_start(args) -> int:
     except ValueError as e:
         raise AgentError(f"the job spec on stdin is not one: {e}") from e
     jdir = job_dir(spec.job_id)
-    os.makedirs(agent_root(), exist_ok=True)
-    import fcntl  # Unix only, like the rest of the supervisor
-
-    with open(os.path.join(agent_root(), ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two concurrent starts must not both see "nothing running"
-        if not spec.allow_concurrent:
-            busy = running_jobs(agent_root(), exclude=spec.job_id)
-            if busy:
-                sys.stderr.write(
-                    f"job {busy[0]} is still running on this worker: `tpurun cancel {busy[0]}` first, or wait\n"
-                )
-                return AgentExit.BUSY
+    with root_lock(agent_root()):
+        holder = claim_holder(agent_root())
+        refusal = "" if spec.allow_concurrent else _refusal(spec.job_id, holder)
+        if refusal:
+            sys.stderr.write(refusal + "\n")
+            return AgentExit.BUSY
         if os.path.exists(os.path.join(jdir, "state.json")):
             raise AgentError(f"job {spec.job_id} already exists on this worker")
         os.makedirs(jdir, exist_ok=True)
@@ -116,6 +117,8 @@ def cmd_start(args) -> int:
                 "cores": [],
             },
         )
+        if holder is not None and holder.get("job_id") == spec.job_id:
+            end_claim(holder, spec.job_id)  # the job holds the worker now (its state says it starts)
         rfd, wfd = os.pipe()
         pid = os.fork()
         if pid == 0:  # intermediate child: new session, then fork the supervisor and leave
@@ -148,6 +151,16 @@ def cmd_start(args) -> int:
     sys.stdout.buffer.write(encode(msg))
     sys.stdout.flush()
     return AgentExit.OK if isinstance(msg, Started) else AgentExit.INTERNAL
+
+
+def _refusal(job: str, holder: dict | None) -> str:
+    """Why JOB cannot start on this worker (HOLDER: who holds its claim), or ""."""
+    if holder is not None and holder.get("job_id") != job:
+        return f"job {holder.get('job_id')} is starting on this worker: wait for it, or `tpurun kill-stale` if its train is gone"
+    busy = running_jobs(agent_root(), exclude=job)
+    if busy:
+        return f"job {busy[0]} is still running on this worker: `tpurun cancel {busy[0]}` first, or wait"
+    return ""
 
 
 def _tail(path: str, n: int = 5) -> str:
@@ -222,9 +235,26 @@ def cmd_jobs(args) -> int:
 
 
 def cmd_preflight(args) -> int:
+    """The answer (a `Preflight`). With --claim JOB it comes once stdin says whether to claim this worker for JOB
+    (a line) or not (its end), and the worker stays held, unless another job holds it, until stdin ends (the
+    client's lifeline: it lets the worker go, or is gone) or JOB's start ends this process."""
     names = list(versions.DECISIVE) + [n for n in args.packages.split(",") if n]
-    answer = Preflight(_jobs(), versions.python(), sys.executable, versions.installed(names))
-    print(answer.to_json())
+    found = versions.installed(names)  # read while the client waits for its turn to claim
+    root = agent_root()
+    held = None
+    claiming = bool(args.claim) and bool(os.read(0, 1))
+    with root_lock(root):
+        holder = claim_holder(root)
+        busy = running_jobs(root, exclude=args.claim)
+        held_by = str(holder.get("job_id") or "?") if holder is not None else (busy[0] if busy else "")
+        if claiming and not held_by:
+            job_dir(args.claim)  # a valid id
+            held = claim(root, args.claim)
+    answer = Preflight(_jobs(), versions.python(), sys.executable, found, held_by)
+    sys.stdout.write(answer.to_json() + "\n")
+    sys.stdout.flush()
+    if held is not None:
+        _watch_stdin(threading.Event()).join()  # the claim's lock goes with this process
     return AgentExit.OK
 
 
@@ -423,7 +453,7 @@ def _drain(readers: dict, out, only: int | None = None, until_empty: bool = True
             return True
 
 
-def _watch_stdin(closed: threading.Event) -> None:
+def _watch_stdin(closed: threading.Event) -> threading.Thread:
     def watch() -> None:
         # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader
         # would hold its lock and abort the interpreter at exit.
@@ -434,7 +464,9 @@ def _watch_stdin(closed: threading.Event) -> None:
             pass
         closed.set()
 
-    threading.Thread(target=watch, daemon=True).start()
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def _stop_async(job: str) -> None:
@@ -483,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("jobs", help="every job on this worker")
     p = sub.add_parser("preflight", help="before a job: the jobs here, this Python and its packages' versions")
     p.add_argument("--packages", default="", help="comma-separated names to report besides versions.DECISIVE")
+    p.add_argument("--claim", default="", metavar="JOB", help="hold this worker for JOB (a line on stdin: claim it)")
     p = sub.add_parser("state", help="a job's state")
     p.add_argument("job")
     p = sub.add_parser("stacks", help="the stacks of every thread of every process of a job here")

@@ -3,6 +3,7 @@ processes are found and signalled. Part of the agent bundle (stdlib only, Python
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,7 +11,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 if __package__:  # imported by tpurun (the emulator, the watchdog's tests) by its package name
     from tpurun.worker.protocol import HOST, TERMINAL, AgentExit, JobStatus
@@ -29,6 +30,9 @@ FATAL_SIGNALS = {
     "Floating point exception": int(signal.SIGFPE),
     "Illegal instruction": int(signal.SIGILL),
 }
+# In the agent root: the worker's claim, locked (flock) by the `preflight --claim` process that holds this worker
+# for a job about to start, and naming it; the kernel drops the lock when that process ends, however it ends.
+CLAIM = ".claim"
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 
 
@@ -41,7 +45,10 @@ class AgentError(Exception):
 # ---------------------------------------------------------------- files and processes
 
 
-def agent_root() -> str:
+def agent_root(home: str | None = None) -> str:
+    """Where jobs' files live: HOME's .tpurun/jobs (without HOME: $TPURUN_AGENT_ROOT/jobs, else this user's)."""
+    if home is not None:
+        return os.path.join(home, ".tpurun", "jobs")
     root = os.environ.get("TPURUN_AGENT_ROOT") or os.path.join(os.path.expanduser("~"), ".tpurun")
     return os.path.join(root, "jobs")
 
@@ -189,6 +196,64 @@ def running_jobs(root: str, exclude: str = "") -> list[str]:
         if starting or (isinstance(pid, int) and pid_alive(pid)):
             found.append(name)
     return found
+
+
+@contextlib.contextmanager
+def root_lock(root: str) -> Iterator[None]:
+    """The agent root's lock: starts and claims on this worker, one at a time (two concurrent starts must not
+    both see "nothing running")."""
+    import fcntl  # Unix only, like the rest of the agent
+
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def claim(root: str, job: str) -> int | None:
+    """Claim this worker for JOB (under `root_lock`): the descriptor that holds the claim until it is closed or
+    this process ends; None when another process holds it."""
+    import fcntl
+
+    fd = os.open(os.path.join(root, CLAIM), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"job_id": job, "pid": os.getpid()}).encode())
+    return fd
+
+
+def claim_holder(root: str) -> dict | None:
+    """Who holds this worker's claim (under `root_lock`): {"job_id", "pid"} as its holder wrote them, or None."""
+    import fcntl
+
+    path = os.path.join(root, CLAIM)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: nobody holds it (closing the file drops it)
+        return None
+    except OSError:
+        return read_json(path) or {"job_id": "", "pid": None}
+    finally:
+        os.close(fd)
+
+
+def end_claim(holder: dict, job: str) -> None:
+    """Ends the process that holds the claim for JOB (HOLDER: `claim_holder`'s): the job has taken the worker over."""
+    pid = holder.get("pid")
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            ours = b"\0--claim\0" + job.encode() + b"\0" in f.read()
+        if ours and isinstance(pid, int):
+            os.kill(pid, signal.SIGTERM)
+    except OSError:
+        pass  # gone already
 
 
 def boot_time() -> float:

@@ -5,8 +5,9 @@ tpurun ships this file's source on the command line (`python3 -c SOURCE MODE CON
 
 Modes:
 - `kill-stale`: find the processes that hold the TPU -- an open fd on a device file (`/dev/accel*`,
-  `/dev/vfio/*`, read with readlink from /proc/PID/fd, so no lsof is needed) or a mapping of a
-  `libtpu*.so` (from /proc/PID/maps) -- never this program or its ancestors, never pid 1. Unless
+  `/dev/vfio/*`, read with readlink from /proc/PID/fd, so no lsof is needed), a mapping of a
+  `libtpu*.so` (from /proc/PID/maps), or an open fd on a claim file (`claim_files`: where a `train` about
+  to start holds the worker) -- never this program or its ancestors, never pid 1. Unless
   dry-run: SIGTERM, wait up to the grace, SIGKILL the rest, verify; then remove stale libtpu lock files
   if no holder is left.
 - `doctor`: everything `tpurun doctor` judges on a worker: the same holder scan, device files, the
@@ -358,6 +359,7 @@ def kill_stale(cfg: dict) -> dict:
     # the login user's home, fixed before any sudo re-run (sudo may change HOME)
     cfg = dict(cfg, home=cfg.get("home") or os.path.expanduser("~"))
     device_globs, libtpu_glob, locks = _scan_cfg(cfg)
+    device_globs = device_globs + lock_files(cfg.get("claim_files") or [], cfg["home"])
     found = scan(device_globs, libtpu_glob, locks)
     errors: list[str] = []
     result: dict[str, Any] = {"root": os.geteuid() == 0, "sudo": bool(cfg.get("elevated")), "errors": errors}

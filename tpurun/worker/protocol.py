@@ -6,7 +6,8 @@ record key, an event, a status or an exit code.
 
 The conversation, for one job on one worker:
 
-* the client runs `agent.py start` with a `JobSpec` (JSON) on stdin; the agent answers one line, a
+* `agent.py preflight --claim JOB` holds the worker for the job (`Preflight`) until the job's start ends it;
+  the client runs `agent.py start` with a `JobSpec` (JSON) on stdin; the agent answers one line, a
   `started` event (with the job's processes) or a `start-failed` event (with the reason), and exits
   `AgentExit.OK`, or `AgentExit.BUSY` when another job holds the worker (nothing of this job started);
 * the supervisor writes each line a process prints to its .rec file as a `Line` without worker, slot
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
     from typing import Any, Union
 
+    Versions = dict[str, Union[str, None]]  # noqa: UP007 (Python 3.8 has no X | Y)
+
 # ---------------------------------------------------------------- names
 
 
@@ -59,7 +62,7 @@ class AgentExit(IntEnum):
     OK = 0
     INTERNAL = 1  # the agent failed (its message on stderr)
     USAGE = 2  # bad usage, or no such job on this worker
-    BUSY = 3  # `start`: another job runs on this worker; nothing of this job started
+    BUSY = 3  # `start`: another job runs on this worker or claims it; nothing of this job started
     MISSING = 93  # the bundle is not installed on the worker (yet): install it and run the command again
 
 
@@ -548,19 +551,20 @@ def first_failure(state: Mapping[str, Any]) -> FirstFailure | None:
 
 
 class Preflight(_Record):
-    """`agent.py preflight`'s answer, in the one round trip `train` makes to every worker before it starts a
-    job: the jobs there (the state of each) and what decides a job there (the job's Python, the versions of
-    the packages asked about: None where not installed)."""
+    """`agent.py preflight`'s answer before `train` starts a job: the jobs there (the state of each), what decides
+    a job there (the job's Python, the versions of the packages asked about: None where not installed), HELD_BY:
+    the job that runs there or claims it for its start ("" if none; with `--claim JOB`: it is JOB's now)."""
 
-    __slots__ = ("jobs", "python", "executable", "packages")
+    __slots__ = ("jobs", "python", "executable", "packages", "held_by")
 
     def __init__(
-        self, jobs: list[dict[str, Any]], python: str, executable: str, packages: dict[str, str | None]
+        self, jobs: list[dict[str, Any]], python: str, executable: str, packages: Versions, held_by: str = ""
     ) -> None:
         self.jobs = jobs
         self.python = python
         self.executable = executable
         self.packages = packages
+        self.held_by = held_by
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -570,7 +574,8 @@ class Preflight(_Record):
         """The answer, or ValueError."""
         data = json.loads(text)
         try:
-            return cls(list(data["jobs"]), str(data["python"]), str(data["executable"]), dict(data["packages"]))
+            jobs, packages, held_by = list(data["jobs"]), dict(data["packages"]), str(data["held_by"])
+            return cls(jobs, str(data["python"]), str(data["executable"]), packages, held_by)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a preflight answer: {text[:100]!r}") from e
 
