@@ -80,6 +80,14 @@ ADDRESS_MAP = Tunable(
     "TPURUN_ADDRESS_MAP", "", 'testing: JSON {"worker ip": "other ip[:port]"} to reach workers through a proxy'
 )
 
+# sync
+SYNC_WARN_MB = Tunable(
+    "TPURUN_SYNC_WARN_MB",
+    "100",
+    "a sync (`tpurun sync`, and `train`'s before a job) that sends more than this many megabytes to a worker "
+    "warns before it sends, naming the largest files and the line that leaves them out; 0: never",
+)
+
 # output
 DEBUG = Tunable("TPURUN_DEBUG", "", "1: tracebacks and runtime chatter, as --debug")
 
@@ -116,6 +124,7 @@ ALL = [
     KEEPALIVE_INTERVAL,
     KEEPALIVE_TIMEOUT,
     ADDRESS_MAP,
+    SYNC_WARN_MB,
     DEBUG,
     DEVICE_GLOBS,
     LIBTPU_GLOB,

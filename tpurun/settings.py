@@ -232,11 +232,14 @@ def resolve(
 
 
 def write_project_setting(key: str, value: str, directory: Path | None = None) -> Path:
-    """Set KEY in the nearest tpurun.toml (or create one in DIRECTORY), keeping other lines."""
+    """Set KEY in the nearest tpurun.toml (or create one in DIRECTORY), keeping other lines. One this makes in a
+    git repository is left out of git (a line in the repository's info/exclude): `create` and `attach` add
+    nothing to `git status`; sync never sends it to the workers (tpurun.sync.ignore)."""
     directory = directory or Path.cwd()
     path = find_project_file(directory) or directory / PROJECT_FILE
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    if path.exists():
+    existed = path.exists()
+    lines = path.read_text(encoding="utf-8").splitlines() if existed else []
+    if existed:
         read_toml(path)  # refuse to rewrite a malformed file
     new_line = f"{key} = {json.dumps(value)}"
     for i, line in enumerate(lines):
@@ -248,6 +251,10 @@ def write_project_setting(key: str, value: str, directory: Path | None = None) -
         insert_at = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
         lines.insert(insert_at, new_line)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if not existed:
+        from tpurun.sync import ignore  # (it names this file: imported here, not at the top, to avoid a circle)
+
+        ignore.keep_out_of_git(path)
     return path
 
 

@@ -70,6 +70,15 @@ def age(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def size(n: float) -> str:
+    """812 B, 4.1 kB, 400.0 MB, 1.2 GB (powers of 1000)."""
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
 def warn(message: str) -> None:
     err().print(f"warning: {message}", markup=False, style="yellow")
 

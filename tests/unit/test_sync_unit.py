@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import stat as stat_mod
 import struct
 import subprocess
@@ -17,8 +18,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpurun.sync import ignore
-from tpurun.sync.sender import FrameReader, build_manifest, deletions, frame, helper_command, is_ignored
+from tpurun import config
+from tpurun.errors import UsageError
+from tpurun.sync import ignore, report, sender
+from tpurun.sync.sender import FrameReader, build_manifest, deletions, frame, helper_command
 from tpurun.transport.local import LocalRunner
 from tpurun.worker import sync_helper
 
@@ -77,10 +80,45 @@ def test_manifest_respects_ignores_and_caches_hashes(tmp_path):
 
 def test_delete_keeps_ignored_paths(tmp_path):
     (tmp_path / ".gitignore").write_text("data/\n*.ckpt\n")
-    spec = ignore.load_spec(tmp_path, ["logs/"])
-    extra = ["old.py", "data/x.bin", "a/b/model.ckpt", "logs/run.txt", "src/gone.py", ".git/HEAD"]
-    assert deletions(extra, spec) == ["old.py", "src/gone.py"]
-    assert is_ignored(spec, "data/deep/file") and not is_ignored(spec, "database.py")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / ".gitignore").write_text("*\n")  # a directory `tpurun download` made
+    rules = ignore.Rules(tmp_path, ["logs/"])
+    extra = ["old.py", "data/x.bin", "a/b/model.ckpt", "logs/run.txt", "src/gone.py", ".git/HEAD", "runs/w0/x.log"]
+    assert deletions(extra, rules) == ["old.py", "src/gone.py"]
+    assert rules.ignored("data/deep/file") and not rules.ignored("database.py")
+
+
+def test_nested_ignore_files_decide_as_git_does(tmp_path):
+    """Each directory's ignore file rules the paths under it, the deepest matching rule deciding: what tpurun
+    walks is what `git ls-files --others --exclude-standard` lists for the same tree."""
+    files = ["a.txt", "keep.txt", "sub/a.txt", "sub/keep.txt", "sub/b.log", "sub/deep/c.txt", "sub/deep/d.log",
+             "other/b.log", "sub/tpurun.toml", "dl/w0/run/x.bin", "dl/.gitignore", "odd *[x]? "]  # fmt: skip
+    for f in files:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x")
+    (tmp_path / ".gitignore").write_text("*.txt\n!keep.txt\ntpurun.toml\n")  # (tpurun leaves tpurun.toml out itself)
+    (tmp_path / "sub" / ".gitignore").write_text("!a.txt\n*.log\n/deep/c.txt\n")
+    (tmp_path / "sub" / "deep" / ".gitignore").write_text("!*.log\n")
+    assert ignore.mark_download(tmp_path / "dl") is False  # a .gitignore is there already: left alone
+    (tmp_path / "dl" / ".gitignore").unlink()
+    assert ignore.mark_download(tmp_path / "dl") is True
+    walked = [p for p, _ in ignore.walk_stat(tmp_path)]
+    assert sorted(walked) == sorted([".gitignore", "keep.txt", "sub/.gitignore", "sub/a.txt", "sub/keep.txt",
+                                     "sub/deep/.gitignore", "sub/deep/d.log", "other/b.log", "odd *[x]? "])  # fmt: skip
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".git" / "info" / "exclude").write_text("")
+    git = subprocess.run(["git", "-C", str(tmp_path), "-c", "core.quotePath=false", "ls-files", "--others",
+                          "--exclude-standard", "-z"], capture_output=True, text=True, check=True)  # fmt: skip
+    assert sorted(git.stdout.split("\0")[:-1]) == sorted(walked)
+    rules = ignore.Rules(tmp_path)
+    assert [f for f in files if not rules.ignored(f)] == [f for f in files if f in walked]
+    assert not rules.ignored("dl", directory=True) and rules.ignored("dl/w0", directory=True)
+    assert [p for p, _ in ignore.walk_stat(tmp_path, under="sub/deep/")] == ["sub/deep/.gitignore", "sub/deep/d.log"]
+    assert list(ignore.walk_stat(tmp_path, under="dl/")) == []
+    # an exact rule for a path: it leaves out that file and nothing else, whatever its characters
+    exact = ignore.Rules(tmp_path, [ignore.pattern("odd *[x]? "), ignore.pattern("sub/keep.txt")])
+    assert exact.ignored("odd *[x]? ") and exact.ignored("sub/keep.txt") and not exact.ignored("keep.txt")
+    assert not exact.ignored("odd x[x]? ") and not exact.ignored("odd *[x]?")
 
 
 def test_helper_command_is_self_contained():
@@ -102,7 +140,13 @@ class Helper:
     def __init__(self, dest: Path, files: list, links=(), delete: bool = False) -> None:
         self.s = LocalRunner().pipe(helper_command(sys.executable))
         self.r = FrameReader(self.s.recv)
-        manifest = {"v": sync_helper.PROTOCOL, "dest": str(dest), "delete": delete, "files": files, "links": list(links)}
+        manifest = {
+            "v": sync_helper.PROTOCOL,
+            "dest": str(dest),
+            "delete": delete,
+            "files": files,
+            "links": list(links),
+        }
         self.s.send(frame(b"M", sync_helper.pack_json(manifest)))
         kind, payload = self.r.read_frame()
         assert kind == b"N", payload
@@ -368,3 +412,55 @@ def test_send_all_refuses_to_spin_on_a_closed_channel():
 
     with pytest.raises(OSError):
         send_all(_Chan(100, closed_after=300), b"x" * 1000)  # type: ignore[arg-type]
+
+
+def test_size_warning_names_the_largest_files_and_its_command_leaves_them_out(tmp_path, monkeypatch):
+    src = tmp_path / "p r'oj"
+    (src / "data dir").mkdir(parents=True)
+    (src / "data dir" / "big [1].bin").write_bytes(b"\0" * 3_000_000)
+    (src / "mid*.bin").write_bytes(b"\0" * 1_200_000)
+    (src / "code.py").write_text("print(1)\n")
+    m = build_manifest(src)
+    everything = [tuple(range(len(m.files)))]
+    monkeypatch.setenv(config.SYNC_WARN_MB.name, "4.5")
+    assert report.size_warning(m, everything, src, report.warn_limit()) is None  # 4.2 MB: below
+    monkeypatch.setenv(config.SYNC_WARN_MB.name, "0")
+    assert report.warn_limit() == 0 and report.size_warning(m, everything, src, 0) is None  # 0: never
+    monkeypatch.setenv(config.SYNC_WARN_MB.name, "2")
+    monkeypatch.chdir(src)
+    text = report.size_warning(m, everything, src, report.warn_limit())
+    assert text is not None and text.startswith(
+        "this sync sends 4.2 MB in 3 files to each worker, more than TPURUN_SYNC_WARN_MB=2 MB; "
+        "the largest: data dir/big [1].bin (3.0 MB), mid*.bin (1.2 MB). To leave them out of the next syncs"
+    ), text
+    command = text.split(": ")[-1]
+    subprocess.run(["sh", "-c", command], check=True)  # the command as printed, run from the project
+    assert [f.path for f in build_manifest(src).files] == [".tpurunignore", "code.py"]
+    (src / "mid-x.bin").write_text("a file the rules must not take with them")
+    assert "mid-x.bin" in [f.path for f in build_manifest(src).files]
+    # workers that need different files: what the worker sent the most gets; no file stands out: the largest
+    monkeypatch.chdir(tmp_path)
+    for i in range(25):
+        (src / f"shard{i:02}.npy").write_bytes(b"\0" * (100_000 + i))
+    m = build_manifest(src)
+    text = report.size_warning(m, [(0,), tuple(range(len(m.files)))], src, 2e6)
+    assert text is not None and text.startswith("this sync sends 2.5 MB in 28 files to a worker, "), text
+    assert "the largest: shard24.npy (100.0 kB). To leave it out" in text, text
+    assert text.endswith(" >> " + shlex.quote("p r'oj/.tpurunignore")), text
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv(config.SYNC_WARN_MB.name, bad)
+        with pytest.raises(UsageError, match=f"TPURUN_SYNC_WARN_MB='{bad}' is not a size"):
+            report.warn_limit()
+
+
+def test_totals_speak_of_the_worker_sent_the_most():
+    def st(worker: int, sent: int, nbytes: int, total: int = 10, error: str = "") -> sender.WorkerStats:
+        return sender.WorkerStats(worker, "10.0.0.1", f"w{worker}", files_total=total, files_sent=sent,
+                                  bytes_sent=nbytes, error=error)  # fmt: skip
+
+    assert report.totals([st(0, 3, 4_200_000), st(1, 3, 4_200_000)]).line() == (
+        "3 files (4.2 MB) sent to each of 2 workers, 7 unchanged"
+    )
+    assert report.totals([st(0, 1, 10), st(1, 0, 0), st(2, 9, 9, error="lost")]).line() == (
+        "up to 1 file (10 B) sent to each of 2 workers, at least 9 unchanged"
+    )

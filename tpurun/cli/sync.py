@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import threading
 import time
 from collections.abc import Callable
@@ -16,18 +18,10 @@ from tpurun import settings, targets, ui
 from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
-from tpurun.sync import download
+from tpurun.sync import download, ignore, report
 from tpurun.sync.sender import Counters, Interrupted, WorkerStats, check_local_dest, default_dest, push
 
 T = TypeVar("T")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 class _Bar:
@@ -97,7 +91,7 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
                 (
                     s.name,
                     f"{s.files_sent}/{s.files_total}",
-                    _size(s.bytes_sent),
+                    ui.size(s.bytes_sent),
                     s.deleted,
                     f"{s.seconds:.1f} s",
                     status,
@@ -111,6 +105,8 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
                 )
         else:
             ui.table(f"synced to {dest}", ["worker", "files sent", "bytes", "deleted", "time", "result"], rows)
+        if any(not s.error for s in stats):
+            ui.info(f"synced {manifest_info['src']} to {dest} in {elapsed:.1f} s: {report.totals(stats).line()}")
     unreachable = failed = False
     for s in stats:
         label = f"{s.name} ({s.address})"
@@ -174,6 +170,7 @@ def sync_cmd(
     source = source.resolve()
     destination = dest or default_dest(source)
     s = _named_tpu_or_local(tpu, project, zone, local, "sync copies a directory to a TPU's workers")
+    on_needs = report.size_check(source, ui.warn)
     target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
     if target.local:
         destination = str(check_local_dest(source, destination))
@@ -184,7 +181,7 @@ def sync_cmd(
         pushed = _transfer(
             lambda: push(
                 target, source, destination, cache_dir=s.home_path / "sync-cache", excludes=exclude or [],
-                delete=delete, progress=progress, stop=stop,
+                delete=delete, progress=progress, stop=stop, on_needs=on_needs,
             ),
             progress, "sync", json_out, seen, "nothing half-written is left on the workers",
         )  # fmt: skip
@@ -249,7 +246,35 @@ def download_cmd(
             ),
             progress, "download", json_out, seen, "no half-written file is left here",
         )  # fmt: skip
-    raise typer.Exit(_report_download(got, json_out, time.monotonic() - started))
+    code = _report_download(got, json_out, time.monotonic() - started)
+    _say_where(got)
+    raise typer.Exit(code)
+
+
+def _shown(path: str | Path) -> str:
+    """PATH relative to the current directory when it is under it, else as it is."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def _say_where(got: list[download.Fetched]) -> None:
+    """One line on what the download means for git and the next sync: the directory it made and left out of
+    both, or what it put here that the next `train` from here would send."""
+    marked = sorted({g.marked for g in got if g.marked})
+    if marked:
+        where = ", ".join(_shown(m) + "/" for m in marked)
+        it, its = ("it", "its") if len(marked) == 1 else ("them", "each one's")
+        ui.info(
+            f"{where}: made by this download, so git and `tpurun sync`/`train` leave {it} out "
+            f"({its} .gitignore says so; delete that file to include {it})"
+        )
+    sent = download.sent_from(got, Path.cwd())
+    if sent:
+        rules = " ".join(shlex.quote(ignore.pattern(p)) for p in sent)
+        ui.warn(
+            f"{', '.join(sent)}: in this directory, so the next `tpurun train` or `tpurun sync` from here sends it "
+            f"to every worker; to keep it here: printf '%s\\n' {rules} >> .tpurunignore"
+        )
 
 
 def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float) -> int:
@@ -259,7 +284,7 @@ def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float
         for g in got:
             if not g.error:
                 print(
-                    f"[{g.name}] {g.files_fetched} of {g.files_total} files changed, {_size(g.bytes_fetched)}, "
+                    f"[{g.name}] {g.files_fetched} of {g.files_total} files changed, {ui.size(g.bytes_fetched)}, "
                     f"{g.seconds:.1f} s: {g.remote} -> {g.local}",
                     flush=True,
                 )

@@ -22,7 +22,7 @@ from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, 
 from tpurun.job.records import JobRecord, connect, forget, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
-from tpurun.sync import sender
+from tpurun.sync import report, sender
 from tpurun.targets import Target
 from tpurun.topology import Topology
 from tpurun.transport.runner import run_capture, worker_names
@@ -447,23 +447,18 @@ def preempted(target: Target) -> bool:
 
 
 def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> None:
-    """SRC to DEST on every worker (incremental: unchanged files cost nothing)."""
+    """SRC to DEST on every worker (incremental: unchanged files cost nothing); a large one warns first."""
     started = time.monotonic()
-    pushed = sender.push(target, src, dest, cache_dir=home / "sync-cache")
-    manifest, stats = pushed.manifest, pushed.stats
+    stats = sender.push(
+        target, src, dest, cache_dir=home / "sync-cache", on_needs=report.size_check(src, out.warn)
+    ).stats
     failed = [st for st in stats if st.error or st.errors]
     if failed:
         raise UnreachableError(
             "could not sync the code: "
             + "; ".join(f"{st.name} ({st.address}): {st.error or st.errors[0]}" for st in failed)
         )
-    # files, not files x workers: what changed here, sent to each worker that lacked it
-    sent = sorted({st.files_sent for st in stats})
-    some = " (to some workers only)" if len(sent) > 1 else ""
-    out.info(
-        f"synced {src} to {dest} on {len(stats)} worker(s): {sent[-1] if sent else 0} of "
-        f"{len(manifest.files) + len(manifest.links)} file(s) sent{some} in {time.monotonic() - started:.1f} s"
-    )
+    out.info(f"synced {src} to {dest} in {time.monotonic() - started:.1f} s: {report.totals(stats).line()}")
 
 
 def run_setup(job: Job, out: Output, cancel: threading.Event) -> SetupResult:

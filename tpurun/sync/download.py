@@ -11,6 +11,10 @@ no half file under a real name, and the next one sees what arrived as unchanged.
 The worker refuses a PATH outside its login user's home (after following symlinks) unless asked; this side
 refuses any name from the worker that would land outside the local destination, and recreates a symlink
 only when it points inside the tree downloaded.
+
+The topmost directory a download makes gets a .gitignore that ignores everything (ignore.mark_download):
+what it brings into a project is neither sent back to the workers by the next sync or train nor shown by
+git; `sent_from` names what a sync from here would still send (a download into a directory of the user's).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun.sync import ignore
 from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
 from tpurun.targets import Target
 from tpurun.transport.fanout import each
@@ -52,6 +57,8 @@ class Fetched:
     unreachable: bool = False
     errors: list[list[str]] = field(default_factory=list)  # [path, message] per file not written
     skipped: list[list[str]] = field(default_factory=list)  # [path, why]: symlinks leading out of the tree
+    marked: str = ""  # the directory this download made and left out of git and sync (its .gitignore)
+    tree: bool = False  # LOCAL is a directory (else a file)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -252,9 +259,17 @@ def _listing(reply: dict) -> tuple[str, list, list, list]:
 
 
 def download_stream(
-    stream: Pipe, got: Fetched, path: str, root: Path, *, outside_home: bool, progress: Counters
+    stream: Pipe,
+    got: Fetched,
+    path: str,
+    root: Path,
+    *,
+    outside_home: bool,
+    progress: Counters,
+    fresh: Path | None = None,
 ) -> None:
-    """The whole protocol with one worker's helper; fills GOT (errors included)."""
+    """The whole protocol with one worker's helper; fills GOT (errors included). FRESH: the destination,
+    when it did not exist before this download (ROOT is it or under it)."""
     reader = FrameReader(stream.recv)
     stream.send(
         frame(b"L", sync_helper.pack_json({"v": sync_helper.PROTOCOL, "path": path, "outside_home": outside_home}))
@@ -270,9 +285,13 @@ def download_stream(
     name, files, links, dirs = _listing(reply)
     got.errors += [[rel, f"not readable on the worker: {why}"] for rel, why in reply.get("unreadable", [])]
     base = root if reply.get("file") else root / name  # a file lands in ROOT, a tree as ROOT/<its name>
-    got.local = str(root / name)
+    got.local, got.tree = str(root / name), not reply.get("file")
     got.files_total = len(files)
+    new = next((p for p in (root, base) if not os.path.lexists(p)), None)  # the topmost one this makes
     _Tree(root, got).directory("" if reply.get("file") else name)
+    top = fresh or new
+    if top is not None and ignore.mark_download(top):
+        got.marked = str(top)
     tree = _Tree(base, got, made=True)  # every name from here on is relative to the tree
     wanted = [i for i, (rel, size, mtime_ns, *_) in enumerate(files) if not _unchanged(base / rel, size, mtime_ns)]
     progress.plan(len(wanted), sum(files[i][1] for i in wanted))
@@ -316,6 +335,7 @@ def download(
     progress = progress or Counters()
     stop = stop or threading.Event()
     many = len(runners) > 1
+    fresh = None if os.path.lexists(dest) else dest  # made by this download: left out of git and sync
     got = {r.worker.index: Fetched(r.worker.index, r.worker.name, r.worker.address) for r in runners}
     for index, error in (connect_errors or {}).items():
         got[index].error, got[index].unreachable = error, True
@@ -327,7 +347,7 @@ def download(
         try:
             stream = streams[r.worker.index] = r.pipe(helper_command(r.python))
             root = local_root(dest, r.worker.name, many)
-            download_stream(stream, g, path, root, outside_home=outside_home, progress=progress)
+            download_stream(stream, g, path, root, outside_home=outside_home, progress=progress, fresh=fresh)
         except (Protocol, KeyError, TypeError, ValueError, struct.error) as exc:
             g.error = f"the worker's download helper answered what this side refuses: {exc}"
         except (sync_helper.Eof, OSError, EOFError) as exc:
@@ -362,3 +382,24 @@ def download_from(
         return download(
             target.runners, path, dest, outside_home=outside_home, progress=progress, stop=stop, connect_errors=errors
         )
+
+
+def sent_from(got: Sequence[Fetched], here: Path) -> list[str]:
+    """What GOT put under HERE that a sync of HERE (the next `train` from here) would send, relative to it:
+    the landings no ignore rule (a download's own .gitignore included) leaves out."""
+    rules = ignore.Rules(here)
+    found = []
+    for g in got:
+        if g.error or not g.local:
+            continue
+        try:
+            rel = Path(g.local).resolve().relative_to(here.resolve()).as_posix()
+        except (OSError, ValueError):
+            continue  # not under HERE
+        if rel == ".":
+            continue
+        if g.tree and next(ignore.walk_stat(here, under=rel + "/"), None) is not None:
+            found.append(rel)  # a file in it would travel (the walk stops at the first)
+        elif not g.tree and not rules.ignored(rel):
+            found.append(rel)
+    return found

@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from tpurun.errors import UsageError
@@ -187,19 +187,10 @@ def build_manifest(src: Path, excludes: Sequence[str] = (), cache_dir: Path | No
     return m
 
 
-def is_ignored(spec: Any, path: str) -> bool:
-    """Whether SPEC (ignore.load_spec) matches PATH or one of its directories."""
-    parts = PurePosixPath(path).parts
-    for i in range(1, len(parts)):
-        if spec.match_file("/".join(parts[:i]) + "/"):
-            return True
-    return bool(spec.match_file(path))
-
-
-def deletions(extra: Sequence[str], spec: Any) -> list[str]:
-    """The worker's extra paths that --delete removes: ignored ones are kept (like rsync without
-    --delete-excluded), so data/ or checkpoints/ on the worker survive a sync of the code."""
-    return [p for p in extra if not is_ignored(spec, p)]
+def deletions(extra: Sequence[str], rules: ignore.Rules) -> list[str]:
+    """The worker's extra paths that --delete removes: those the source's RULES ignore are kept (like rsync
+    without --delete-excluded), so data/ or checkpoints/ on the worker survive a sync of the code."""
+    return [p for p in extra if not rules.ignored(p)]
 
 
 # ------------------------------------------------------------------ one worker
@@ -386,13 +377,20 @@ class Fanout:
             yield seg
 
 
+Needs = Callable[[Manifest, list[tuple[int, ...]]], None]  # the manifest, what each worker that answered needs
+
+
 class Plan:
     """Puts workers with the same needs into one Fanout. Every worker thread calls arrive() once (with
     None when it dropped out before its reply); feed() waits until all have arrived or GROUP_WAIT has
-    passed since the first did, so one slow worker does not hold the others back for long."""
+    passed since the first did, so one slow worker does not hold the others back for long. ON_NEEDS hears
+    what the workers that answered need, once, before any data goes."""
 
-    def __init__(self, manifest: Manifest, src: Path, expected: int, stop: threading.Event) -> None:
+    def __init__(
+        self, manifest: Manifest, src: Path, expected: int, stop: threading.Event, on_needs: Needs | None = None
+    ) -> None:
         self.manifest, self.src, self.expected, self.stop = manifest, src, expected, stop
+        self.on_needs = on_needs
         self.cond = threading.Condition()
         self.arrived: dict[int, tuple[int, ...] | None] = {}
         self.first = 0.0
@@ -428,15 +426,20 @@ class Plan:
             self.fanouts.update((m, fan) for m in members)
 
     def feed(self, worker: int) -> tuple[Fanout, Iterator[Segment]]:
+        needs: list[tuple[int, ...]] | None = None
         with self.cond:
             while worker not in self.fanouts:
                 if self.stop.is_set():
                     raise Interrupted()
                 if len(self.arrived) >= self.expected or time.monotonic() - self.first > GROUP_WAIT:
+                    if not self.fanouts and self.on_needs is not None:  # the first data to go: say what goes
+                        needs = [n for n in self.arrived.values() if n is not None]
                     self._assign()
                 else:
                     self.cond.wait(0.05)
             fan = self.fanouts[worker]
+        if needs is not None and self.on_needs is not None:
+            self.on_needs(self.manifest, needs)
         return fan, fan.feed(worker)
 
 
@@ -446,7 +449,7 @@ def sync_stream(
     dest: str,
     *,
     delete: bool,
-    spec: Any,
+    rules: ignore.Rules,
     progress: Counters,
     stop: threading.Event,
     plan: Plan,
@@ -479,7 +482,7 @@ def sync_stream(
             progress.sent(seg.files, seg.nbytes)
         tail = b""
         if delete:
-            doomed = deletions(reply.get("extra", []), spec)
+            doomed = deletions(reply.get("extra", []), rules)
             if doomed:
                 tail += frame(b"X", sync_helper.pack_json(doomed))
         stream.send(tail + frame(b"E"))
@@ -515,12 +518,14 @@ def sync(
     stop: threading.Event | None = None,
     connect_errors: dict[int, str] | None = None,
     opened: dict[Runner, Pipe | BaseException] | None = None,
+    on_needs: Needs | None = None,
 ) -> list[WorkerStats]:
     """Sync MANIFEST of SRC to DEST on every runner at once (connected SshRunners or LocalRunners).
-    OPENED: helpers already started (early_streams), by runner; the others are started here."""
+    OPENED: helpers already started (early_streams), by runner; the others are started here. ON_NEEDS:
+    see Plan."""
     progress = progress or Counters()
     stop = stop or threading.Event()
-    spec = ignore.load_spec(src, excludes)
+    rules = ignore.Rules(src, excludes)
     stats = {r.worker.index: WorkerStats(r.worker.index, r.worker.address, r.worker.name) for r in runners}
     for index, error in (connect_errors or {}).items():
         stats[index].error = error
@@ -528,7 +533,7 @@ def sync(
     interrupted = threading.Event()
     streams: dict[int, Pipe] = {}
     todo = [r for r in runners if not stats[r.worker.index].error]
-    plan = Plan(manifest, src, len(todo), stop)
+    plan = Plan(manifest, src, len(todo), stop, on_needs)
 
     def one(r: Runner) -> None:
         st = stats[r.worker.index]
@@ -540,7 +545,7 @@ def sync(
                 raise early
             stream = early or r.pipe(helper_command(r.python))
             streams[r.worker.index] = stream
-            sync_stream(stream, st, dest, delete=delete, spec=spec, progress=progress, stop=stop, plan=plan)
+            sync_stream(stream, st, dest, delete=delete, rules=rules, progress=progress, stop=stop, plan=plan)
         except Interrupted:
             interrupted.set()
         except Exception as exc:  # paramiko errors, a dropped connection: this worker fails, not the others
@@ -600,11 +605,12 @@ def push(
     delete: bool = False,
     progress: Counters | None = None,
     stop: threading.Event | None = None,
+    on_needs: Needs | None = None,
 ) -> Pushed:
     """SRC to DEST on every selected worker of TARGET: `tpurun sync`'s and `train`'s one way in. The workers
     connect (unless TARGET is connected already) and their helpers start while this thread builds the
     manifest (walking, statting, hashing what CACHE_DIR does not know): a no-op sync of 5,000 files saves
-    the overlap."""
+    the overlap. ON_NEEDS hears what the workers need before any data goes (tpurun.sync.report words it)."""
     opened, start_helper = early_streams()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="connect") as pool:
 
@@ -619,7 +625,7 @@ def push(
             errors = connecting.result()  # raises what connect raised
     stats = sync(
         target.runners, src, dest, manifest=manifest, excludes=excludes, delete=delete, progress=progress,
-        stop=stop, connect_errors=errors, opened=opened,
+        stop=stop, connect_errors=errors, opened=opened, on_needs=on_needs,
     )  # fmt: skip
     return Pushed(manifest, stats)
 
