@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +98,106 @@ def test_start_fault_commands_stop(tmp_path):
     st = tpurun("emulator", "status", "--state-dir", str(sd))
     assert st.code == 0 and "not running" in st.out
     assert tpurun("emulator", "stop", "--state-dir", str(sd)).code == 0  # stopping twice is fine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _status_rows(out: str) -> dict[str, list[str]]:
+    """`tpurun emulator status`'s table by TPU name: its zone, how it was made, type, state, workers, addresses."""
+    rows = {}
+    for line in out.splitlines()[1:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 7 and cells[0] != "TPU":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """`tpurun ARGS` through the CLI's own entry point in this process (no interpreter start)."""
+    import tpurun.cli
+
+    code = tpurun.cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.integration
+def test_found_by_the_endpoint_setting(tmp_path, monkeypatch, capsys):
+    """An emulator started with its own --state-dir is the one every command finds when only TPURUN_API_ENDPOINT
+    names it; status lists its Compute Engine TPUs (a VM and a group) with their workers; stop leaves nothing."""
+    if host_problem():
+        pytest.skip(host_problem())
+    sd, port = tmp_path / "elsewhere", _free_port()
+    monkeypatch.setenv("TPURUN_HOME", str(tmp_path / "home"))  # the default state dir is not SD
+    monkeypatch.delenv("TPURUN_API_ENDPOINT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    r = tpurun("emulator", "start", "--state-dir", str(sd), "--port", str(port))
+    assert r.code == 0, r.err
+    endpoint = f"http://127.0.0.1:{port}"
+    assert r.out.strip().splitlines()[-1] == f"export TPURUN_API_ENDPOINT={endpoint}"
+    server_pid = json.loads((sd / "server.json").read_text())["pid"]
+    env = {"TPURUN_API_ENDPOINT": endpoint, "TPURUN_PROJECT": "p"}
+    monkeypatch.setenv("TPURUN_API_ENDPOINT", endpoint)
+    try:
+        st = tpurun("emulator", "status", env=env)
+        assert st.code == 0, st.err
+        assert f"running: {endpoint} (pid {server_pid}, state dir {sd})" in st.out and "no TPUs" in st.out
+        assert tpurun("emulator", "set", "--delay", "create=0.01", env=env).code == 0
+        # --state-dir given still wins over the endpoint
+        code, out, _ = _main(capsys, "emulator", "status", "--state-dir", str(tmp_path / "none"))
+        assert code == 0 and f"not running (state dir {tmp_path / 'none'})" in out
+
+        # a single-host Compute Engine TPU (a VM) and a multi-host one (a managed instance group), made at once
+        made = {}
+        for name, accel in (("one", "tpu7x-8"), ("pod", "tpu7x-16")):
+            (tmp_path / name).mkdir()
+            made[name] = subprocess.Popen(
+                [sys.executable, "-m", "tpurun", "create", name, "-t", accel, "--zone", "us-central1-c"],
+                cwd=tmp_path / name, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        for name, proc in made.items():
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, (name, err)
+        st = tpurun("emulator", "status", env=env)
+        rows = _status_rows(st.out)
+        assert rows["one"][:5] == ["us-central1-c", "Compute Engine VM", "tpu7x-8", "RUNNING", "1"], st.out
+        assert rows["pod"][:5] == ["us-central1-c", "Compute Engine group", "tpu7x-16", "RUNNING", "2"], st.out
+        assert len(set(rows["pod"][5].split(",")) - {"-"}) == 2, st.out
+        code, out, _ = _main(capsys, "emulator", "status", "--json")
+        doc = json.loads(out)
+        assert doc["stateDir"] == str(sd) and doc["pid"] == server_pid and doc["delays"]["create"] == 0.01
+        kinds = {t["name"].rsplit("/", 1)[-1]: (t["kind"], t["workers"]) for t in doc["computeTpus"]}
+        assert kinds == {"one": ("instance", 1), "pod": ("group", 2)}
+        assert _unshare_procs(sd)
+    finally:
+        stopped = tpurun("emulator", "stop", env=env)
+    assert stopped.code == 0, stopped.err
+    assert "nothing of it is left" in stopped.err
+    assert not Path(f"/proc/{server_pid}").exists()
+    assert _unshare_procs(sd) == []
+    assert str(sd) not in Path("/proc/self/mountinfo").read_text()
+    # nothing answers there any more: one line naming what was looked for and how to name it
+    for args in (["stop"], ["status"], ["set", "--delay", "create=1"]):
+        code, _, err = _main(capsys, "emulator", *args)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert f"no tpurun emulator answers at {endpoint}" in err and "--state-dir" in err, err
+
+
+@pytest.mark.integration
+def test_stop_refuses_an_emulator_it_did_not_start(emulator):
+    """The test session's emulator (a thread of this process, no server.json) is found through the endpoint for
+    status, but `stop` will not wait on, or kill, a process `tpurun emulator start` did not make."""
+    st = tpurun("emulator", "status", "--json", env={"TPURUN_API_ENDPOINT": emulator.endpoint})
+    assert st.code == 0 and json.loads(st.out)["stateDir"] == str(emulator.state_dir)
+    r = tpurun("emulator", "stop", env={"TPURUN_API_ENDPOINT": emulator.endpoint})
+    assert_clean_error(r, 2)
+    assert "was not started by `tpurun emulator start`" in r.err
+    assert emulator.admin.status()["pid"] == os.getpid()  # still answering
 
 
 def test_fault_command_without_emulator(tmp_path):

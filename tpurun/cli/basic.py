@@ -106,7 +106,6 @@ def emulator_cmd(ctx: typer.Context) -> None:
     """A local Cloud TPU API whose nodes are real sshd hosts (start, stop, status, faults)."""
     from tpurun.emulator import cli
 
-    command = typer.main.get_command(cli.app)
-    rc = command.main(args=list(ctx.args), prog_name="tpurun emulator", standalone_mode=False)
-    if isinstance(rc, int) and rc:
+    rc = cli.run(list(ctx.args), endpoint=lambda: settings.resolve().api_endpoint)
+    if rc:
         raise typer.Exit(rc)

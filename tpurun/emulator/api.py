@@ -183,7 +183,11 @@ def _location_routes(r: Router, emu: Emulator) -> None:
 def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
     r = Router()
     A = ADMIN_PREFIX
-    r.add("GET", f"{A}/status", lambda q: {"pid": _pid(), "port": server.port, **emu.status()})
+    r.add(
+        "GET",
+        f"{A}/status",
+        lambda q: {"pid": _pid(), "port": server.port, "stateDir": str(emu.config.state_dir), **emu.status()},
+    )
 
     def log(q: Request) -> Any:
         with emu.lock:

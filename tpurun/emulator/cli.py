@@ -5,6 +5,10 @@ not take the workers with it) and prints, as its last line on stdout, the `expor
 TPURUN_API_ENDPOINT=...` line that points tpurun at it: `eval "$(tpurun emulator start)"`.
 Everything the server started is recorded in the state dir, so `stop` can verify (and if need be
 force) that no process or mount is left.
+
+The other commands act on the emulator `--state-dir` names; without it, on the one tpurun's API endpoint
+setting names (a local `http://` endpoint), which its admin route tells the state dir and pid of; else on
+the default state dir's.
 """
 
 from __future__ import annotations
@@ -15,15 +19,20 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlparse
 
 import typer
 
 from tpurun import config, errors, ui
+from tpurun.cloud.client import is_emulator
 from tpurun.emulator.api import AdminClient
 from tpurun.emulator.model import ApiError, Delays
 from tpurun.errors import ExitCode, TpurunError, UsageError
+from tpurun.settings import Setting
 from tpurun.worker.agent_files import pid_alive
 
 SSHD = Path("/usr/sbin/sshd")
@@ -37,9 +46,17 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-StateDirOpt = Annotated[
+StartDirOpt = Annotated[
     Path | None,
     typer.Option("--state-dir", help="Where the emulator keeps its state [default: $TPURUN_HOME/emulator]."),
+]
+StateDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--state-dir",
+        help="The state dir of the emulator to act on [default: the emulator TPURUN_API_ENDPOINT (or the"
+        " api_endpoint setting) names, else the one of $TPURUN_HOME/emulator].",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
@@ -76,11 +93,59 @@ def _server_info(state_dir: Path) -> dict[str, Any] | None:
     return info
 
 
-def _admin(state_dir: Path) -> AdminClient:
-    info = _server_info(state_dir)
-    if info is None:
-        raise UsageError(f"no emulator is running with state dir {state_dir}: start one with `tpurun emulator start`")
-    return AdminClient(str(info["endpoint"]))
+def run(args: list[str], endpoint: Callable[[], Setting]) -> int:
+    """`tpurun emulator ARGS`. ENDPOINT resolves tpurun's API endpoint setting; only the commands that look for a
+    running emulator without `--state-dir` call it."""
+    command = typer.main.get_command(app)
+    rc = command.main(args=args, prog_name="tpurun emulator", standalone_mode=False, obj=endpoint)
+    return rc if isinstance(rc, int) else 0
+
+
+@dataclass(frozen=True)
+class Found:
+    """A running emulator: where it answers, its server's pid and its state dir."""
+
+    endpoint: str
+    pid: int
+    state_dir: Path
+
+
+def _lookup(ctx: typer.Context, state_dir: Path | None) -> tuple[Path, Found | None]:
+    """`locate` for a command: the endpoint setting resolved (by what `run` was given) only without --state-dir."""
+    setting = ctx.obj() if state_dir is None and callable(ctx.obj) else None
+    return locate(state_dir, setting)
+
+
+def locate(state_dir: Path | None, setting: Setting | None) -> tuple[Path, Found | None]:
+    """The emulator a command acts on and what runs there (None: nothing): STATE_DIR's where given; else the one
+    the API endpoint SETTING names when it is a local http:// endpoint, asked over its admin route (nothing
+    answering there is a usage error naming what was looked for); else the default state dir's."""
+    if state_dir is None and setting is not None and setting.value and is_emulator(setting.value):
+        endpoint = setting.value.rstrip("/")
+        try:
+            st = AdminClient(endpoint, timeout=5).status()
+            found = Found(endpoint, int(st["pid"]), Path(st["stateDir"]))
+        except (ApiError, OSError, ValueError, KeyError, TypeError):
+            port = urlparse(endpoint).port
+            raise UsageError(
+                f"no tpurun emulator answers at {endpoint} (the API endpoint, from {setting.source}): start one"
+                f" with `tpurun emulator start{f' --port {port}' if port else ''}`, or name a running one with"
+                " --state-dir DIR"
+            ) from None
+        return found.state_dir, found
+    sd = _state_dir(state_dir)
+    info = _server_info(sd)
+    return sd, None if info is None else Found(str(info["endpoint"]), int(info["pid"]), sd)
+
+
+def _admin(ctx: typer.Context, state_dir: Path | None) -> AdminClient:
+    sd, found = _lookup(ctx, state_dir)
+    if found is None:
+        raise UsageError(
+            f"no emulator is running with state dir {sd}: start one with `tpurun emulator start`, or name a running"
+            " one with --state-dir DIR or TPURUN_API_ENDPOINT"
+        )
+    return AdminClient(found.endpoint)
 
 
 def _api_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -98,7 +163,7 @@ def _api_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 @app.command()
 def start(
-    state_dir: StateDirOpt = None,
+    state_dir: StartDirOpt = None,
     port: Annotated[int, typer.Option("--port", help="API port on 127.0.0.1 (0: any free port).")] = 0,
     ssh_port: Annotated[int, typer.Option("--ssh-port", help="Port every worker's sshd listens on.")] = 22,
     delay_create: Annotated[float, typer.Option("--delay-create", help="Seconds a node stays CREATING.")] = 2.0,
@@ -230,28 +295,15 @@ def _force_cleanup(sd: Path) -> None:
 
 @app.command()
 def stop(
+    ctx: typer.Context,
     state_dir: StateDirOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for a clean shutdown.")] = 60.0,
 ) -> None:
     """Stop the emulator and everything it started (sshd hosts, namespaces, mounts), and check."""
     _require_host()
-    sd = _state_dir(state_dir)
-    info = _server_info(sd)
-    if info is not None:
-        pid = int(info["pid"])
-        try:
-            AdminClient(str(info["endpoint"]), timeout=10).shutdown()
-        except (ApiError, OSError):
-            os.kill(pid, signal.SIGTERM)  # the server tears down on SIGTERM too
-        deadline = time.time() + timeout
-        while pid_alive(pid) and time.time() < deadline:
-            time.sleep(0.1)
-        if pid_alive(pid):
-            ui.warn(f"the emulator (pid {pid}) did not stop within {timeout:.0f}s: killing it and its workers")
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    sd, found = _lookup(ctx, state_dir)
+    if found is not None:
+        _shut_down(found, timeout)
     if leftovers(sd):
         _force_cleanup(sd)
         time.sleep(0.2)
@@ -260,36 +312,72 @@ def stop(
         raise TpurunError(f"the emulator left {len(left)} things behind: {'; '.join(left[:5])}", exit_code=1)
     (sd / "server.json").unlink(missing_ok=True)
     (sd / "workers.json").unlink(missing_ok=True)
-    ui.info("emulator stopped; nothing of it is left running" if info else "the emulator was not running")
+    ui.info("emulator stopped; nothing of it is left running" if found else f"the emulator was not running ({sd})")
+
+
+def _shut_down(found: Found, timeout: float) -> None:
+    """Ask FOUND's server to stop (SIGTERM if it does not answer), and wait for it; SIGKILL after TIMEOUT. Only
+    a server `start` made on this machine: its state dir's server.json names its pid."""
+    info = _server_info(found.state_dir)
+    if info is None or int(info["pid"]) != found.pid:
+        raise UsageError(
+            f"the emulator at {found.endpoint} (pid {found.pid}, state dir {found.state_dir}) was not started by"
+            " `tpurun emulator start` on this machine: stop it where it was started"
+        )
+    try:
+        AdminClient(found.endpoint, timeout=10).shutdown()
+    except (ApiError, OSError):
+        os.kill(found.pid, signal.SIGTERM)  # the server tears down on SIGTERM too
+    deadline = time.time() + timeout
+    while pid_alive(found.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    if pid_alive(found.pid):
+        ui.warn(f"the emulator (pid {found.pid}) did not stop within {timeout:.0f}s: killing it and its workers")
+        try:
+            os.kill(found.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @app.command()
-def status(state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> None:
-    """Say whether the emulator runs, where, and what nodes it has."""
-    sd = _state_dir(state_dir)
-    info = _server_info(sd)
-    if info is None:
+def status(ctx: typer.Context, state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> None:
+    """Say whether the emulator runs, where, and what TPUs it has (Cloud TPU nodes, Compute Engine VMs)."""
+    sd, found = _lookup(ctx, state_dir)
+    if found is None:
         if json_out:
             ui.print_json({"running": False, "stateDir": str(sd)})
         else:
-            print(f"the emulator is not running (state dir {sd})")
+            named = "" if state_dir else "; name another with --state-dir DIR or TPURUN_API_ENDPOINT"
+            print(f"the emulator is not running (state dir {sd}{named})")
         return
-    st = _api_call(AdminClient(str(info["endpoint"]), timeout=10).status)
+    st = _api_call(AdminClient(found.endpoint, timeout=10).status)
     if json_out:
-        ui.print_json({"running": True, "stateDir": str(sd), "endpoint": info["endpoint"], **st})
+        ui.print_json({"running": True, "endpoint": found.endpoint, **st, "stateDir": str(sd)})
         return
-    print(f"the emulator is running: {info['endpoint']} (pid {info['pid']}, state dir {sd})")
-    if st["nodes"]:
-        ui.table(
-            None,
-            ["node", "type", "state", "workers", "addresses"],
-            [
-                (n["name"].rsplit("/", 1)[-1], n["acceleratorType"], n["state"], n["workers"], ",".join(n["addresses"]))
-                for n in st["nodes"]
-            ],
-        )
+    print(f"the emulator is running: {found.endpoint} (pid {found.pid}, state dir {sd})")
+    rows = tpu_rows(st)
+    if rows:
+        ui.table(None, ["tpu", "zone", "made as", "type", "state", "workers", "addresses"], rows)
     else:
-        print("no nodes")
+        print("no TPUs")
+
+
+def tpu_rows(st: dict[str, Any]) -> list[tuple[str, str, str, str, str, int, str]]:
+    """A row per TPU of the admin status ST: its Cloud TPU nodes, then its Compute Engine groups and VMs."""
+    made_as = {"node": "Cloud TPU node", "group": "Compute Engine group", "instance": "Compute Engine VM"}
+    tpus = [{**n, "kind": "node"} for n in st["nodes"]] + list(st.get("computeTpus", []))
+    return [
+        (
+            t["name"].rsplit("/", 1)[-1],
+            t["name"].split("/")[3],
+            made_as[t["kind"]],
+            t["acceleratorType"],
+            t["state"],
+            t["workers"],
+            ",".join(a or "-" for a in t["addresses"]) or "-",
+        )
+        for t in tpus
+    ]
 
 
 # ------------------------------------------------------------------ faults
@@ -297,39 +385,43 @@ def status(state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> None:
 
 @app.command()
 def preempt(
+    ctx: typer.Context,
     node: Annotated[str, typer.Argument(help="Node id or full name.")],
     force: Annotated[bool, typer.Option("--force", help="Preempt even an on-demand (non-spot) node.")] = False,
     state_dir: StateDirOpt = None,
 ) -> None:
     """Preempt a spot/preemptible node: its workers die and it reads PREEMPTED."""
-    _api_call(_admin(_state_dir(state_dir)).preempt, node, force)
+    _api_call(_admin(ctx, state_dir).preempt, node, force)
     ui.info(f"{node} preempted")
 
 
 @app.command("kill-worker")
 def kill_worker(
+    ctx: typer.Context,
     node: Annotated[str, typer.Argument(help="Node id or full name.")],
     worker: Annotated[int, typer.Argument(help="Worker index.")],
     state_dir: StateDirOpt = None,
 ) -> None:
     """Kill one worker's whole host (every process on it), as if the VM crashed."""
-    _api_call(_admin(_state_dir(state_dir)).kill_worker, node, worker)
+    _api_call(_admin(ctx, state_dir).kill_worker, node, worker)
     ui.info(f"worker {worker} of {node} killed")
 
 
 @app.command("kill-sshd")
 def kill_sshd(
+    ctx: typer.Context,
     node: Annotated[str, typer.Argument(help="Node id or full name.")],
     worker: Annotated[int, typer.Argument(help="Worker index.")],
     state_dir: StateDirOpt = None,
 ) -> None:
     """Kill one worker's sshd (its other processes keep running): new ssh connections fail."""
-    _api_call(_admin(_state_dir(state_dir)).kill_sshd, node, worker)
+    _api_call(_admin(ctx, state_dir).kill_sshd, node, worker)
     ui.info(f"sshd of worker {worker} of {node} killed")
 
 
 @app.command("fail-api")
 def fail_api(
+    ctx: typer.Context,
     count: Annotated[int, typer.Option("--count", help="How many API calls fail.")] = 1,
     code: Annotated[int, typer.Option("--code", help="HTTP status they fail with: 429, 503, 500, 403, ...")] = 503,
     match: Annotated[str, typer.Option("--match", help="Only calls whose 'METHOD /path' contains this text.")] = "",
@@ -338,12 +430,13 @@ def fail_api(
     """Make the next COUNT Cloud TPU API calls fail with HTTP status CODE."""
     if count < 1:
         raise UsageError("--count must be at least 1")
-    _api_call(_admin(_state_dir(state_dir)).fail_api, count, code, match)
+    _api_call(_admin(ctx, state_dir).fail_api, count, code, match)
     ui.info(f"the next {count} API call(s){f' matching {match!r}' if match else ''} fail with HTTP {code}")
 
 
 @app.command("set")
 def set_cmd(
+    ctx: typer.Context,
     state_dir: StateDirOpt = None,
     delay: Annotated[
         list[str] | None,
@@ -354,7 +447,7 @@ def set_cmd(
     max_workers: Annotated[int | None, typer.Option("--max-workers", help="Most workers one node may have.")] = None,
 ) -> None:
     """Change delays and capacity of the running emulator."""
-    admin = _admin(_state_dir(state_dir))
+    admin = _admin(ctx, state_dir)
     delays: dict[str, float] = {}
     for d in delay or []:
         name, _, value = d.partition("=")
@@ -369,9 +462,9 @@ def set_cmd(
 
 
 @app.command("requests")
-def requests_cmd(state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> None:
+def requests_cmd(ctx: typer.Context, state_dir: StateDirOpt = None, json_out: JsonOpt = False) -> None:
     """The log of Cloud TPU API calls the emulator answered."""
-    log = _api_call(_admin(_state_dir(state_dir)).requests)
+    log = _api_call(_admin(ctx, state_dir).requests)
     if json_out:
         ui.print_json(log)
         return

@@ -522,11 +522,27 @@ class ManagedGroups(ComputeResources):
                 }
                 for p, r in sorted(self.instances.items())
             ],
+            "computeTpus": self._compute_tpus(),
             "instanceGroupManagers": sorted(self.migs),
             "instanceTemplates": sorted(self.templates),
             "resourcePolicies": sorted(self.policies),
             "resizeRequests": sorted(self.resize_requests),
         }
+
+    def _compute_tpus(self) -> list[dict[str, Any]]:
+        """Every TPU Compute Engine holds, as the admin status shows it beside the nodes: each managed instance
+        group and each VM no group manages, with its accelerator type, state and workers (caller holds self.lock)."""
+        out = []
+        for path, mig in sorted(self.migs.items()):
+            members = self._managed(mig)
+            made = [self.instances[p] for p in members if p in self.instances]
+            out.append(_tpu_json(path, "group", mig.group.topo.name, _mig_state(mig, members, made), members, made))
+        for path, rec in sorted(self.instances.items()):
+            if not rec.mig:
+                alone = rec.group.key == path  # else a VM a group abandoned: one VM of its slice
+                accel = rec.group.topo.name if alone else vm_topology(rec.group.machine_type).name
+                out.append(_tpu_json(path, "instance", accel, rec.inst.status, [path], [rec]))
+        return out
 
     def compute_teardown(self) -> None:
         """Every VM down and every Compute Engine resource forgotten (reset and close)."""
@@ -571,3 +587,34 @@ def _counts(made: list[InstanceRecord]) -> compute_v1.InstanceGroupManagerStatus
 
 
 __all__ = ["ManagedGroups", "ComputeOperation"]
+
+
+def _mig_state(mig: MigRecord, members: list[str], made: list[InstanceRecord]) -> str:
+    """One word (or a count per state) for what a group and its VMs are doing."""
+    if mig.deleting:
+        return "DELETING"
+    if mig.emptying:
+        return "EMPTYING"
+    if not members:
+        return "EMPTY"
+    if not made:
+        return "WAITING_FOR_CAPACITY" if mig.last_failure is not None else "CREATING"
+    states = [r.inst.status for r in made] + ["CREATING"] * (len(members) - len(made))
+    if len(set(states)) == 1:
+        return states[0]
+    return ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states)))
+
+
+def _tpu_json(
+    path: str, kind: str, accel: str, state: str, members: list[str], made: list[InstanceRecord]
+) -> dict[str, Any]:
+    address = {r.path: r.inst.network_interfaces[0].network_i_p if r.inst.network_interfaces else "" for r in made}
+    return {
+        "name": path,
+        "kind": kind,
+        "acceleratorType": accel,
+        "state": state,
+        "workers": len(members),
+        "instances": [p.rsplit("/", 1)[-1] for p in members],
+        "addresses": [address.get(p, "") for p in members],
+    }
