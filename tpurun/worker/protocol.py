@@ -528,8 +528,7 @@ def slot_passages(state: Mapping[str, Any]) -> dict[int, list[Passage]]:
 
 
 class FirstFailure(_Record):
-    """The process whose failure stopped the job on a worker (its exit code: None where it died unreported),
-    and when its agent saw it fail (the worker's clock; None in a state written before it was kept)."""
+    """The process whose failure stopped the job on a worker (exit code None: died unreported), and when."""
 
     __slots__ = ("slot", "exit_code", "time")
 
@@ -542,9 +541,7 @@ class FirstFailure(_Record):
 def first_failure(state: Mapping[str, Any]) -> FirstFailure | None:
     """The process whose failure stopped the job on this worker, if one did."""
     origin = state.get("first_failure") or {}
-    if "core" not in origin:
-        return None
-    return FirstFailure(int(origin["core"]), origin.get("exit_code"), origin.get("time"))
+    return FirstFailure(int(origin["core"]), origin.get("exit_code"), origin.get("time")) if "core" in origin else None
 
 
 # ---------------------------------------------------------------- preflight (before a job starts)
