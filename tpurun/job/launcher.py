@@ -149,7 +149,9 @@ def plan(
     runtime, why = spec.runtime, "asked for"
     if runtime is Runtime.auto:
         runtime, why = env_contract.pick_runtime(Runtime.auto, probe(target, python))
-    launch, launch_why = env_contract.pick_launch(spec.launch, runtime, framework)
+    # --cores/--core ask for that many processes per worker: tpurun's to make, whatever the framework
+    counted = spec.cores is not None or spec.core is not None
+    launch, launch_why = env_contract.pick_launch(spec.launch, runtime, env_contract.Framework.torch if counted else framework)
     cores = spec.cores
     if target.local and cores is None and spec.core is None and runtime is Runtime.cpu and launch is Launch.chip:
         cores = 1
