@@ -104,7 +104,7 @@ def test_slices_with_a_name_that_exists_creates_nothing(cli, emulator):
     before = _leftovers(emulator)
     r = cli("create", "taken", "-t", "v4-16", "--slices", "2")
     assert_clean_error(r, 2)
-    assert "taken" in r.err and "already exist" in r.err
+    assert "taken: the Cloud TPU API already has a TPU of that name" in r.err
     assert _leftovers(emulator) == before
     # a slice's name taken by a plain node: refused the same way, before anything is asked for
     assert cli("delete", "taken", "--yes").code == 0

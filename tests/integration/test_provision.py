@@ -101,7 +101,7 @@ def test_attach_keeps_other_users_keys(cli, emulator, tpu_node):
     ],
 )
 def test_api_errors_are_explained(cli, emulator, code, needle):
-    emulator.fail_api(1, code, match="nodes")
+    emulator.fail_api(1, code, match="POST /v2/")  # the create call itself
     r = cli("create", "errs", "-t", "v4-8")
     assert_clean_error(r, 3)
     assert needle in r.err
