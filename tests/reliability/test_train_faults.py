@@ -271,3 +271,27 @@ def test_two_trains_at_once_one_runs_the_other_starts_nowhere(cli, emulator, nod
     r = cli("cancel", "20990101-000000-beef")
     assert_clean_error(r, 2)
     assert "job 20990101-000000-beef is on none of its workers (w0, w1)" in r.err, r.err
+
+
+def test_kill_stale_ends_a_train_hold_and_that_train_starts_nothing(cli, emulator, node):
+    """A `train` holds every worker from its preflight to its start (here through a 6 s setup); `kill-stale`
+    ends that hold, and the train then refuses to start, in one line, with nothing of it started or recorded."""
+    (cli.cwd / "racer.py").write_text(RACER)
+    proc = popen(cli, "train", "racer.py", "0", "--runtime", "cpu", "--cores", "1", "--python", "python3",
+                 "--setup", "sleep 6")  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:  # until the hold is there on every worker, as kill-stale sees it
+        found = json.loads(cli("kill-stale", "--dry-run", "--json").out)
+        holds = [h["holds"] for w in found["workers"] for h in w["holders"]]
+        if len(holds) == 2:
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, found
+        time.sleep(0.2)
+    assert all(h[0].endswith("/.tpurun/jobs/.claim") for h in holds), holds
+    r = cli("kill-stale")
+    assert r.code == 0, r.err
+    out, err = finish(proc)
+    assert proc.returncode == 2, err
+    assert "stopped being held for job" in err and "nothing was started" in err and "Traceback" not in err, err
+    assert _markers(emulator, node) == {0: set(), 1: set()}  # its code ran nowhere
+    assert json.loads(cli("jobs", "--json").out) == []

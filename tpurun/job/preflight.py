@@ -78,8 +78,7 @@ class Claim:
     worker while its stdin stays open. Closing it (`release`), or this process ending however it ends, lets the
     worker go; the job's start on a worker ends that worker's hold (the job holds the worker from then on)."""
 
-    def __init__(self, job_id: str) -> None:
-        self.job_id = job_id
+    def __init__(self) -> None:
         self.streams: dict[int, Stream] = {}
         self.lock = threading.Lock()
 
@@ -118,7 +117,7 @@ def claim(target: Target, python: str, packages: list[str], job_id: str) -> tupl
     started at once on one TPU only the one that holds the first worker can hold the others (refused on the
     first, the others only answer). Raises TpuBusy when another job holds any worker (runs there, or holds it for
     its own start), and UnreachableError naming the workers that did not answer; then nothing stays held."""
-    held = Claim(job_id)
+    held = Claim()
     argv = bundle.program_argv(python, "agent.py", "preflight", "--packages", ",".join(packages), "--claim", job_id)
     failed: dict[int, str] = {}
     asks: dict[int, _Ask] = {}

@@ -156,7 +156,8 @@ def cmd_start(args) -> int:
 def _refusal(job: str, holder: dict | None) -> str:
     """Why JOB cannot start on this worker (HOLDER: who holds its claim), or ""."""
     if holder is not None and holder.get("job_id") != job:
-        return f"job {holder.get('job_id')} is starting on this worker: wait for it, or `tpurun kill-stale` if its train is gone"
+        other = holder.get("job_id")
+        return f"job {other} is starting on this worker: wait for it, or `tpurun kill-stale` if its train is gone"
     busy = running_jobs(agent_root(), exclude=job)
     if busy:
         return f"job {busy[0]} is still running on this worker: `tpurun cancel {busy[0]}` first, or wait"
@@ -239,6 +240,8 @@ def cmd_preflight(args) -> int:
     (a line) or not (its end), and the worker stays held, unless another job holds it, until stdin ends (the
     client's lifeline: it lets the worker go, or is gone) or JOB's start ends this process."""
     names = list(versions.DECISIVE) + [n for n in args.packages.split(",") if n]
+    if args.claim:
+        job_dir(args.claim)  # a valid id
     found = versions.installed(names)  # read while the client waits for its turn to claim
     root = agent_root()
     held = None
@@ -248,14 +251,16 @@ def cmd_preflight(args) -> int:
         busy = running_jobs(root, exclude=args.claim)
         held_by = str(holder.get("job_id") or "?") if holder is not None else (busy[0] if busy else "")
         if claiming and not held_by:
-            job_dir(args.claim)  # a valid id
             held = claim(root, args.claim)
     answer = Preflight(_jobs(), versions.python(), sys.executable, found, held_by)
     sys.stdout.write(answer.to_json() + "\n")
     sys.stdout.flush()
-    if held is not None:
-        _watch_stdin(threading.Event()).join()  # the claim's lock goes with this process
-    return AgentExit.OK
+    try:
+        while held is not None and os.read(0, 65536):  # until the client lets the worker go, or is gone
+            pass
+    except OSError:
+        pass
+    return AgentExit.OK  # the claim's lock goes with this process
 
 
 def cmd_stacks(args) -> int:
@@ -453,7 +458,7 @@ def _drain(readers: dict, out, only: int | None = None, until_empty: bool = True
             return True
 
 
-def _watch_stdin(closed: threading.Event) -> threading.Thread:
+def _watch_stdin(closed: threading.Event) -> None:
     def watch() -> None:
         # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader
         # would hold its lock and abort the interpreter at exit.
@@ -464,9 +469,7 @@ def _watch_stdin(closed: threading.Event) -> threading.Thread:
             pass
         closed.set()
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _stop_async(job: str) -> None:
