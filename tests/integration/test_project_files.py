@@ -197,3 +197,12 @@ def test_downloaded_logs_stay_out_of_the_next_train_and_of_git(made):
     assert "runs/w0/, runs/w1/: made by this download" in r.err, r.err
     assert sorted(p.name for p in (cli.cwd / "runs").iterdir()) == ["w0", "w1"]
     assert _git(cli.cwd, "status", "--porcelain") == "?? .tpurunignore\n?? w0-c0.log\n"
+    # a tree that brings its own .gitignore keeps it (no mark over it), and is said to travel
+    make = "mkdir -p own && echo '*.tmp' > own/.gitignore && echo x > own/a.txt"
+    assert cli("exec", "--worker", "0", "--", "sh", "-c", make).code == 0
+    r = cli("download", "--worker", "0", "own", ".")
+    assert r.code == 0 and "made by this download" not in r.err, r.err
+    (warning,) = _warnings(r.err)
+    assert warning.startswith("warning: own: in this directory, so the next `tpurun train`"), r.err
+    assert warning.endswith("printf '%s\\n' /own >> .tpurunignore"), r.err
+    assert (cli.cwd / "own" / ".gitignore").read_text() == "*.tmp\n"

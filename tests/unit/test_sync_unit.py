@@ -464,3 +464,24 @@ def test_totals_speak_of_the_worker_sent_the_most():
     assert report.totals([st(0, 1, 10), st(1, 0, 0), st(2, 9, 9, error="lost")]).line() == (
         "up to 1 file (10 B) sent to each of 2 workers, at least 9 unchanged"
     )
+
+
+def test_a_new_tpurun_toml_is_kept_out_of_git_wherever_the_repository_keeps_its_files(tmp_path):
+    """A repository whose .git is a file (`git init --separate-git-dir`, as submodules have): the rule goes to
+    the git directory it names; outside a repository, and for a tpurun.toml already there, nothing changes."""
+    from tpurun import settings
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", "--separate-git-dir", str(tmp_path / "gitdir"), str(repo)], check=True)
+    (repo / "deep" / "er").mkdir(parents=True)
+    path = settings.write_project_setting("tpu", "t1", repo / "deep" / "er")
+    assert path == repo / "deep" / "er" / "tpurun.toml"
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)
+    assert status.returncode == 0 and status.stdout == "", status
+    assert (tmp_path / "gitdir" / "info" / "exclude").read_text().splitlines()[-1] == "/deep/er/tpurun.toml"
+    settings.write_project_setting("zone", "z", repo / "deep" / "er")  # edited, not made: no second rule
+    assert (tmp_path / "gitdir" / "info" / "exclude").read_text().count("tpurun.toml") == 1
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    assert ignore.keep_out_of_git(settings.write_project_setting("tpu", "t2", alone)) is None
+    assert sorted(p.name for p in alone.iterdir()) == ["tpurun.toml"]

@@ -290,6 +290,8 @@ def download_stream(
     new = next((p for p in (root, base) if not os.path.lexists(p)), None)  # the topmost one this makes
     _Tree(root, got).directory("" if reply.get("file") else name)
     top = fresh or new
+    if top == base and any(f[0] == ".gitignore" for f in files):
+        top = None  # the tree brings its own .gitignore, which would replace the mark (sent_from tells)
     if top is not None and ignore.mark_download(top):
         got.marked = str(top)
     tree = _Tree(base, got, made=True)  # every name from here on is relative to the tree

@@ -165,15 +165,16 @@ def pattern(path: str) -> str:
 
 def mark_download(directory: Path) -> bool:
     """Leave DIRECTORY (one `tpurun download` made) out of git and sync: a .gitignore in it that ignores
-    everything (itself included). False when it has one already (a download's, or the worker's own)."""
+    everything (itself included). False when it has one already, or it cannot be written (the download goes
+    on; what it brings is then reported as what a sync would send)."""
     try:
         fd = os.open(
             directory / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666
         )
-    except FileExistsError:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(DOWNLOAD_IGNORE)
+    except OSError:
         return False
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(DOWNLOAD_IGNORE)
     return True
 
 
