@@ -231,6 +231,19 @@ def test_a_missing_tpu_is_answered_without_importing_compute_engines_client(plac
         assert r.code == 3 and "no TPU named 'nosuch'" in r.err, r.err[-2000:]
         assert "google.cloud.tpu_v2" in modules  # the Cloud TPU API was asked
         assert not {m for m in modules if m.startswith("google.cloud.compute_v1")}, command
+    # what Compute Engine answers counts as before: a refusal (its API not enabled, no permission) is passed
+    # over with a warning, as the Cloud TPU API has answered; a transient failure is retried
+    try:
+        emulator.fail_api(1, 403, match="GET /compute/v1/")
+        r = cli("exec", "--tpu", "nosuch", "--", "true")
+        assert_clean_error(r, 3)
+        assert "permission denied" in r.err and "(looking for nosuch there too)" in r.err, r.err
+        emulator.fail_api(2, 503, match="GET /compute/v1/")
+        r = cli("exec", "--tpu", "nosuch", "--", "true")
+        assert_clean_error(r, 3)
+        assert r.err.count("retrying") == 2 and "no TPU named 'nosuch'" in r.err, r.err
+    finally:
+        emulator.restore()
     # a Compute Engine TPU is found through its client: the check above can tell
     r, modules = imported("describe", "one", "--zone", FAR, "--json")
     assert r.code == 0 and json.loads(r.out)["backend"] == "compute", r.err[-2000:]

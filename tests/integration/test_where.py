@@ -1,6 +1,7 @@
 """--project and --zone on every command that reaches a TPU, and `list --all-zones`: a TPU outside the
-configured zone is reached when named with its zone, refused (exit 3, naming the zone looked in) when not,
-and a job started there is followed by `logs`, `jobs` and `cancel` from its record, whatever the settings."""
+zone TPURUN_ZONE chooses is reached when named with its zone, refused when not (exit 3, naming the zone looked
+in, the zone tpurun made it in and the flag to use), and a job started there is followed by `logs`, `jobs` and
+`cancel` from its record, whatever the settings."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_a_tpu_in_another_zone_is_reached_by_every_command_given_its_zone(cli, e
     missed = cli("exec", "--tpu", "far", "--", "hostname")
     assert_clean_error(missed, 3)
     assert f"no TPU named 'far' in project {emulator.project}, zone {emulator.zone}" in missed.err, missed.err
+    # the zone came from TPURUN_ZONE, so it is where far is looked for; the error names where tpurun made it
+    assert f"tpurun made far in zone {FAR}: pass `--zone {FAR}`; the zone here comes from env TPURUN_ZONE" in missed.err
 
     r = cli("exec", "--tpu", "far", "--zone", FAR, "--", "hostname")
     assert r.code == 0 and r.out.count("[w") == 2, (r.out, r.err)

@@ -433,7 +433,7 @@ def autostop_cmd(
     seconds = autostop.parse_idle(idle, "autostop")
     if action is not None:
         autostop.check_action(action)
-    cloud, s = cloud_for(project, zone)
+    cloud, s = cloud_for(project, zone, tpu=name)
     with progress_display() as progress:
         setting = autostop.configure(cloud, name, seconds, action, progress, s)
     ui.info(f"{name}: autostop {setting.label()}")
