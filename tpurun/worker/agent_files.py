@@ -204,7 +204,8 @@ def root_lock(root: str) -> Iterator[None]:
     both see "nothing running")."""
     import fcntl  # Unix only, like the rest of the agent
 
-    os.makedirs(root, exist_ok=True)
+    for d in (os.path.dirname(root), root):  # the user's job files are theirs alone (makedirs' mode is the leaf's)
+        os.makedirs(d, mode=0o700, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
