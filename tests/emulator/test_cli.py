@@ -18,6 +18,7 @@ from google.cloud import tpu_v2
 
 from tests.helpers import assert_clean_error, tpurun
 from tpurun.emulator.pytest_plugin import fast_polling, host_problem
+from tpurun.worker.agent_files import pid_alive
 
 PARENT = "projects/p/locations/us-central2-b"
 
@@ -178,7 +179,7 @@ def test_found_by_the_endpoint_setting(tmp_path, monkeypatch, capsys):
         stopped = tpurun("emulator", "stop", env=env)
     assert stopped.code == 0, stopped.err
     assert "nothing of it is left" in stopped.err
-    assert not Path(f"/proc/{server_pid}").exists()
+    assert not pid_alive(server_pid)  # gone (a zombie waits only for whichever process reaps it here)
     assert _unshare_procs(sd) == []
     assert str(sd) not in Path("/proc/self/mountinfo").read_text()
     # nothing answers there any more: one line naming what was looked for and how to name it
