@@ -167,3 +167,28 @@ def by_tag(out: str) -> dict[str, list[str]]:
         if m:
             found.setdefault(m.group(1), []).append(m.group(2))
     return found
+
+
+def delete_every_tpu(emulator) -> None:
+    """A test's clean-up: every queued resource and node in every zone of the emulator deleted, waited for
+    (one already being deleted is left to finish)."""
+    from tpurun.emulator.pytest_plugin import fast_polling
+
+    client = emulator.client()
+    ops = []
+    for qr in list(client.list_queued_resources(parent=emulator.parent)):
+        try:
+            ops.append(client.delete_queued_resource(request={"name": qr.name, "force": True}))
+        except Exception:
+            pass  # already being deleted
+    every_zone = emulator.parent.rsplit("/", 1)[0] + "/-"  # tests make TPUs in other zones too
+    for node in list(client.list_nodes(parent=every_zone)):
+        try:
+            ops.append(client.delete_node(name=node.name))
+        except Exception:
+            pass  # already being deleted
+    for op in ops:
+        try:
+            op.result(polling=fast_polling())
+        except Exception:
+            pass

@@ -26,6 +26,24 @@ if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud  # not at run time: exec and train load the API clients only when asked
 
 
+@dataclass(frozen=True)
+class _Places:
+    """Each worker's place in its slice, and each slice's addresses inside the VPC: what `Target.vm_env` tells
+    every worker, worked out in one pass (not once per worker: a slice reaches thousands of hosts)."""
+
+    workers: list[Worker]
+    host: dict[int, int]  # worker index -> its index in its slice
+    addresses: dict[int, list[str]]  # slice -> its workers' addresses, in order
+
+    @classmethod
+    def of(cls, workers: list[Worker]) -> _Places:
+        by_slice: dict[int, list[Worker]] = {}
+        for w in workers:
+            by_slice.setdefault(w.slice or 0, []).append(w)
+        host = {w.index: n for mates in by_slice.values() for n, w in enumerate(mates)}
+        return cls(workers, host, {s: [w.internal or w.address for w in mates] for s, mates in by_slice.items()})
+
+
 @dataclass
 class Target:
     """The selected workers of one TPU (or of this machine), with a runner each."""
@@ -43,6 +61,7 @@ class Target:
     slice_metadata: bool = True  # NodeView.slice_metadata: its VMs tell the runtimes their place themselves
     topology: Topology | None = None  # the accelerator type, parsed once (None on this machine)
     connected: bool = False  # connect() was called
+    _places: _Places | None = field(default=None, init=False, repr=False, compare=False)  # vm_env's, of all_workers
 
     @property
     def alone(self) -> Topology | None:
@@ -62,13 +81,16 @@ class Target:
             return single_host_env(self.alone, worker.internal or worker.address)
         if self.topology is None or self.slice_metadata:
             return {}
-        mates = [w for w in self.all_workers if w.slice == worker.slice]
+        places = self._places
+        if places is None or places.workers is not self.all_workers:  # worked out once per set of workers
+            places = self._places = _Places.of(self.all_workers)
+        slice_id = worker.slice or 0
         return vm_env(
             self.topology,
-            mates.index(worker),
-            [w.internal or w.address for w in mates],
-            slices=self.slices,
-            slice_id=worker.slice or 0,
+            places.host[worker.index],
+            places.addresses[slice_id],
+            slices=len(places.addresses),
+            slice_id=slice_id,
         )
 
     @property

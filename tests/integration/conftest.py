@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Result, tpurun
+from tests.helpers import Result, delete_every_tpu, tpurun
 
 
 @dataclass
@@ -89,23 +89,4 @@ def cli(emulator, tmp_path) -> Cli:
         yield Cli(work, home, env, emulator)
     finally:
         emulator.restore()
-        from tpurun.emulator.pytest_plugin import fast_polling
-
-        client = emulator.client()
-        ops = []
-        for qr in list(client.list_queued_resources(parent=emulator.parent)):
-            try:
-                ops.append(client.delete_queued_resource(request={"name": qr.name, "force": True}))
-            except Exception:
-                pass  # already being deleted
-        every_zone = emulator.parent.rsplit("/", 1)[0] + "/-"  # tests make TPUs in other zones too
-        for node in list(client.list_nodes(parent=every_zone)):
-            try:
-                ops.append(client.delete_node(name=node.name))
-            except Exception:
-                pass  # already being deleted
-        for op in ops:
-            try:
-                op.result(polling=fast_polling())
-            except Exception:
-                pass
+        delete_every_tpu(emulator)

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.helpers import Result, assert_clean_error, create_node, tpurun
+from tests.helpers import Result, assert_clean_error, create_node, delete_every_tpu, tpurun
 from tests.integration.conftest import Cli, cli_env
 from tpurun.emulator.pytest_plugin import fast_polling
 
@@ -48,9 +48,7 @@ def place(emulator, tmp_path_factory) -> Iterator[Cli]:
         yield cli
     finally:
         emulator.emu.compute_teardown()
-        client = emulator.client()
-        for node in list(client.list_nodes(parent=emulator.parent.rsplit("/", 1)[0] + "/-")):
-            client.delete_node(name=node.name).result(polling=fast_polling())
+        delete_every_tpu(emulator)
 
 
 def _hostname(r: Result) -> str:

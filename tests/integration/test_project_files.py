@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error
+from tests.helpers import assert_clean_error, delete_every_tpu
 from tests.integration.conftest import Cli, cli_env
 
 pytestmark = pytest.mark.integration
@@ -55,12 +55,7 @@ def made(emulator, tmp_path_factory):
         assert r.code == 0, r.err
         yield cli, repo
     finally:
-        client = emulator.client()
-        for node in list(client.list_nodes(parent=emulator.parent)):
-            try:
-                client.delete_node(name=node.name)
-            except Exception:
-                pass
+        delete_every_tpu(emulator)
 
 
 def _project(made, name: str, *, warn_mb: str | None = None) -> Cli:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.helpers import delete_every_tpu
 from tests.reliability.conftest import create, no_mutations
 
 pytestmark = pytest.mark.integration
@@ -162,12 +163,7 @@ def results(emulator, tmp_path_factory):
         mutations = no_mutations(emulator, since)
         yield out, mutations
     finally:
-        client = emulator.client()
-        for node in list(client.list_nodes(parent=emulator.parent)):
-            try:
-                client.delete_node(name=node.name)
-            except Exception:
-                pass
+        delete_every_tpu(emulator)
 
 
 def test_corpus_size():

@@ -421,6 +421,21 @@ class Cloud:
         except gexc.GoogleAPICallError as exc:
             raise self.explain(what, exc) from None
 
+    def wait_gone(
+        self, what: str, gone: Callable[[], bool], *, on_poll: Callable[[], None] | None = None, timeout: float = 1800
+    ) -> None:
+        """Until GONE says a resource that is being deleted (by an operation tpurun does not hold: another
+        command's, the TPU's watchdog's) is gone, looking every TPURUN_POLL_INTERVAL seconds (ON_POLL after
+        each look that finds it still there); ApiError after TIMEOUT."""
+        deadline = time.monotonic() + timeout
+        for _ in self.iter_poll():
+            if gone():
+                return
+            if on_poll is not None:
+                on_poll()
+            if time.monotonic() > deadline:
+                raise ApiError(f"{what} is still being deleted after {timeout:.0f} s", hint="`tpurun list` shows it")
+
     def iter_poll(self, interval: float | None = None) -> Iterator[None]:
         interval = interval if interval is not None else config.POLL_INTERVAL.number()
         while True:

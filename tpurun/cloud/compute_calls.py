@@ -128,14 +128,7 @@ class ComputeCalls(Backend):
         if op is not None:
             self._wait(what, op, 1800, on_poll)
             return
-        deadline = time.monotonic() + 1800
-        for _ in self.cloud.iter_poll():
-            if get() is None:
-                return
-            if on_poll is not None:
-                on_poll()
-            if time.monotonic() > deadline:
-                raise ApiError(f"{what}: still being deleted after 1800 s", hint="check `tpurun list`")
+        self.cloud.wait_gone(what, lambda: get() is None, on_poll=on_poll)
 
     def _poll(self, op: compute_v1.Operation) -> compute_v1.Operation:
         if op.zone:

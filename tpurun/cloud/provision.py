@@ -483,14 +483,10 @@ def take_down(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[
         states = found[1].states + [found[1].state] if found else []
         if found and "DELETING" not in states:
             raise
-    deadline = time.monotonic() + 1800
-    for _ in cloud.iter_poll():
-        if backend.locate(cloud, name) is None:
-            identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
-            return
-        progress(f"{name}: DELETING (by its watchdog)")
-        if time.monotonic() > deadline:
-            raise ApiError(f"{name} is still being deleted after 1800 s", hint="`tpurun list` shows its state")
+    cloud.wait_gone(
+        name, lambda: backend.locate(cloud, name) is None, on_poll=lambda: progress(f"{name}: DELETING (by its watchdog)")
+    )
+    identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
 
 
 def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[backend.Backend, NodeView]:

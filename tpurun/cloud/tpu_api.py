@@ -169,14 +169,8 @@ class TpuApi(Backend):
         except ApiError:
             if state() not in ("DELETING", None):
                 raise
-            deadline = time.monotonic() + 1800
-            for _ in self.cloud.iter_poll():
-                if state() is None:
-                    return
-                if on_poll is not None:
-                    on_poll()
-                if time.monotonic() > deadline:
-                    raise ApiError(f"{what}: still being deleted after 1800 s", hint="`tpurun list` shows it") from None
+            self.cloud.wait_gone(what, lambda: state() is None, on_poll=on_poll)
+            return
         self.cloud.wait(what, op, timeout=1800, on_poll=on_poll)
 
     def recreate(self, view: NodeView, progress: Progress) -> None:

@@ -181,21 +181,21 @@ def now() -> float:
 
 def running_jobs(root: str, exclude: str = "") -> list[str]:
     """Jobs under ROOT (an agent root's jobs directory) that are starting or whose supervisor lives."""
-    found = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if name == exclude:
-            continue
-        st = read_json(os.path.join(root, name, "state.json"))
-        if not st or st.get("status") in TERMINAL:
-            continue
-        started, pid = st.get("started_at"), st.get("supervisor_pid")
-        started = float(started) if isinstance(started, (int, float)) else 0.0
-        if started < boot_time():
-            continue  # from before this boot: its pid may be another process's now
-        starting = st.get("status") == JobStatus.STARTING and now() - started < 120
-        if starting or (isinstance(pid, int) and pid_alive(pid)):
-            found.append(name)
-    return found
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [name for name in names if name != exclude and job_running(root, name)]
+
+
+def job_running(root: str, name: str) -> bool:
+    """Whether job NAME under ROOT is starting or its supervisor lives (this boot's: an older pid may be reused)."""
+    st = read_json(os.path.join(root, name, "state.json"))
+    if not st or st.get("status") in TERMINAL:
+        return False
+    started, pid = st.get("started_at"), st.get("supervisor_pid")
+    started = float(started) if isinstance(started, (int, float)) else 0.0
+    if started < boot_time():
+        return False
+    starting = st.get("status") == JobStatus.STARTING and now() - started < 120
+    return starting or (isinstance(pid, int) and pid_alive(pid))
 
 
 @contextlib.contextmanager
@@ -317,3 +317,8 @@ def duration(seconds: float) -> str:
             s %= size
     head = parts[:2]
     return head[0] + (head[1] if len(head) > 1 and not head[1].startswith("0") else "")
+
+
+def mtimes(paths: list[str]) -> dict:
+    """{path: its modification time}: a directory's changes when an entry is made or removed in it."""
+    return {p: os.stat(p).st_mtime_ns for p in paths}

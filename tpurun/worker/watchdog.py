@@ -46,11 +46,11 @@ from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import probe
-    from tpurun.worker.agent_files import duration, read_json, running_jobs
+    from tpurun.worker.agent_files import duration, job_running, mtimes, read_json, running_jobs
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import probe  # type: ignore[no-redef]
-    from agent_files import duration, read_json, running_jobs  # type: ignore[no-redef]
+    from agent_files import duration, job_running, mtimes, read_json, running_jobs  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
 CONFIG_KEY = "tpurun-autostop"
@@ -241,7 +241,8 @@ class Watchdog:
         self.idle_since: float | None = time.time()
         self.roots: list[str] = []
         self.jobs: list[str] = []
-        self._agent_jobs: set = set()  # the jobs the last look found by their agent state
+        self._marks: dict = {}  # each jobs directory's mtime at the last look
+        self._running: set = set()  # (jobs directory, job) the last look found running by its agent state
         self._token = ""
         self._token_until = 0.0
         self._said = ""
@@ -259,21 +260,22 @@ class Watchdog:
         return cfg if isinstance(cfg, dict) else {}
 
     def wait(self, seconds: float) -> None:
-        """Sleep SECONDS, or less once a job starts or ends here: published at once, not a tick later."""
+        """Sleep SECONDS, or less once a job starts (a jobs directory changes) or one that ran ends (its state
+        read alone, not every old job's): published at once, not a tick later."""
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             time.sleep(max(0.0, min(QUICK_LOOK, end - time.monotonic())))
             try:
-                if {j for r in job_roots() for j in running_jobs(r)} != self._agent_jobs:
+                if mtimes(job_roots()) != self._marks or not all(job_running(r, j) for r, j in self._running):
                     return
             except Exception:  # noqa: BLE001 - the next whole look says what is wrong
                 return
 
     def look(self) -> None:
         self.roots = job_roots()
-        self._agent_jobs = {j for r in self.roots for j in running_jobs(r)}
+        self._marks, self._running = mtimes(self.roots), {(r, j) for r in self.roots for j in running_jobs(r)}
         by_env, work = tpurun_work()
-        self.jobs = sorted(self._agent_jobs | set(by_env))
+        self.jobs = sorted({j for _, j in self._running} | set(by_env))
         held = holders()
         now = time.time()
         if self.jobs or work or held:
