@@ -332,6 +332,25 @@ def test_cores_die_with_their_supervisor(home: Path, tmp_path: Path) -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["status"] == "stopped"
 
 
+def test_a_supervisor_that_wrote_its_last_state_and_exited_is_not_lost(tmp_path: Path, monkeypatch) -> None:
+    """The race behind a finished job reported lost: state.json read while the job runs, then the supervisor
+    writes its last state and exits before its liveness is checked. The state is read again first."""
+    from tpurun.worker import agent_files
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"status": "finished", "supervisor_pid": dead.pid}))
+    stale = {"status": "running", "supervisor_pid": dead.pid}
+    reads = iter([stale])  # the first read sees the state before the supervisor's last write; the rest the file
+    monkeypatch.setattr(agent_files, "read_json", lambda p: next(reads, None) or json.loads(Path(p).read_text()))
+    st = agent_files.state_with_liveness(str(path))
+    assert (st["status"], st["supervisor_alive"]) == ("finished", False)
+    # killed while running: nothing newer to read, so lost
+    path.write_text(json.dumps(stale))
+    assert agent_files.state_with_liveness(str(path))["status"] == "lost"
+
+
 def test_unstartable_core_fails_the_job_fast(home: Path, tmp_path: Path) -> None:
     p = script(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
     cores = [core(0, p), {"core": 1, "argv": ["/nonexistent/python"], "env": {}}]

@@ -66,6 +66,7 @@ from agent_files import (
     running_jobs,
     signal_group,
     signal_pids,
+    state_with_liveness,
     write_json_atomic,
 )
 from agent_supervisor import Supervisor
@@ -194,10 +195,10 @@ def _become_daemon(jdir: str, keep: int) -> None:
 
 def _load_state(job: str) -> dict:
     jdir = job_dir(job)
-    st = read_json(os.path.join(jdir, "state.json"))
+    st = state_with_liveness(os.path.join(jdir, "state.json"))
     if st is None:
         raise AgentError(f"no job {job} on this worker")
-    return _with_liveness(st)
+    return st
 
 
 def _load_spec(jdir: str) -> JobSpec:
@@ -205,14 +206,6 @@ def _load_spec(jdir: str) -> JobSpec:
         return JobSpec.from_dict(read_json(os.path.join(jdir, "spec.json")))
     except ValueError as e:
         raise AgentError(f"{jdir}/spec.json: {e}", code=AgentExit.INTERNAL) from e
-
-
-def _with_liveness(st: dict) -> dict:
-    alive = pid_alive(st.get("supervisor_pid"))
-    st["supervisor_alive"] = alive
-    if st.get("status") == JobStatus.RUNNING and not alive:
-        st["status"] = JobStatus.LOST  # the supervisor was killed: nobody watches the processes any more
-    return st
 
 
 def cmd_state(args) -> int:
@@ -224,9 +217,9 @@ def _jobs() -> list:
     root = agent_root()
     out = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        st = read_json(os.path.join(root, name, "state.json"))
+        st = state_with_liveness(os.path.join(root, name, "state.json"))
         if st is not None:
-            out.append(_with_liveness(st))
+            out.append(st)
     return out
 
 

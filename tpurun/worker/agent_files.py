@@ -322,3 +322,18 @@ def duration(seconds: float) -> str:
 def mtimes(paths: list[str]) -> dict:
     """{path: its modification time}: a directory's changes when an entry is made or removed in it."""
     return {p: os.stat(p).st_mtime_ns for p in paths}
+
+
+def state_with_liveness(path: str) -> dict | None:
+    """A job's state.json, LOST where it says RUNNING and its supervisor is gone. A supervisor writes its last
+    state and then exits: a state read before that write, with the death seen after it, is read again first."""
+    st = read_json(path)
+    if st is None:
+        return None
+    alive = pid_alive(st.get("supervisor_pid"))
+    if st.get("status") == JobStatus.RUNNING and not alive:
+        st = read_json(path) or st
+        if st.get("status") == JobStatus.RUNNING:
+            st["status"] = JobStatus.LOST  # the supervisor was killed: nobody watches the processes any more
+    st["supervisor_alive"] = alive
+    return st
