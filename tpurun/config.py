@@ -68,6 +68,12 @@ WATCHDOG_TICK = Tunable(
     "seconds between two looks of a TPU's watchdog (autostop, train --down), written into the setting at create "
     "or `tpurun autostop`; the shortest --autostop is two of them. Testing: 0.5 lets tests use --autostop 2s",
 )
+EMULATOR_SLOTS = Tunable(
+    "TPURUN_EMULATOR_SLOTS",
+    "",
+    "FIRST-LAST: the address slots (127.77.SLOT.*) the nodes of an emulator `tpurun emulator start` makes may take "
+    "(default: all). Testing: emulators running at once each get their own, so no two have a worker's address",
+)
 NODE_CACHE = Tunable("TPURUN_NODE_CACHE", "1", "0: ask the API for a node's workers every time instead of remembering")
 
 # SSH

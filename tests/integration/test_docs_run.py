@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tpurun.emulator.pytest_plugin import standalone_slots_env
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).parents[2]
@@ -35,6 +37,7 @@ def _workspace(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     shutil.copytree(ROOT / "examples", work / "examples")
     (work / ".venv").symlink_to(Path(sys.prefix))  # the venv of README command 1 (scripts/test runs in it)
     env = {"HOME": str(home), "PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "TERM": "dumb", "USER": "root"}
+    env |= standalone_slots_env()  # its emulator's addresses are none of the session emulators'
     return work, env
 
 

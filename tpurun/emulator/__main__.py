@@ -14,8 +14,9 @@ import sys
 import threading
 from pathlib import Path
 
+from tpurun.config import EMULATOR_SLOTS
 from tpurun.emulator.api import EmulatorServer
-from tpurun.emulator.model import ApiError, Capacity, Delays, EmulatorConfig
+from tpurun.emulator.model import ApiError, Capacity, Delays, EmulatorConfig, parse_slots
 from tpurun.emulator.state import Emulator
 
 
@@ -49,7 +50,13 @@ def build(args: argparse.Namespace) -> EmulatorServer:
     for spec in args.capacity:
         k, v = Capacity.parse(spec)
         cap.limits[k] = v
-    config = EmulatorConfig(state_dir=state_dir, delays=delays, capacity=cap, max_workers_per_node=args.max_workers)
+    config = EmulatorConfig(
+        state_dir=state_dir,
+        delays=delays,
+        capacity=cap,
+        max_workers_per_node=args.max_workers,
+        slots=parse_slots(EMULATOR_SLOTS.raw()),
+    )
     hosts = WorkerHosts(state_dir, ssh_port=args.ssh_port, key_propagation_delay=args.key_propagation_delay)
     try:
         return EmulatorServer(Emulator(hosts, config), port=args.port)
@@ -61,7 +68,7 @@ def build(args: argparse.Namespace) -> EmulatorServer:
 def serve(args: argparse.Namespace) -> int:
     try:
         server = build(args)
-    except (OSError, ApiError) as e:
+    except (OSError, ValueError, ApiError) as e:
         print(f"emulator: cannot start: {e}", file=sys.stderr)
         return 1
     info = args.state_dir.resolve() / "server.json"

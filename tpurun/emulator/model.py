@@ -205,6 +205,20 @@ class Capacity:
 
 # The address slots a node's workers can have: worker I of the node in slot S is 127.77.S.(I+1) (hosts.py).
 SLOTS = range(1, 251)
+# Under a parallel test run, the emulators that tests start themselves (`tpurun emulator start`) take these,
+# the session's own emulators the rest (pytest_plugin)
+STANDALONE_SLOTS = range(201, 251)
+
+
+def parse_slots(text: str) -> range:
+    """TPURUN_EMULATOR_SLOTS's FIRST-LAST (inside SLOTS) as a range; all of SLOTS when empty."""
+    if not text:
+        return SLOTS
+    first, _, last = text.partition("-")
+    chosen = range(int(first), int(last or first) + 1)
+    if not chosen or chosen.start < SLOTS.start or chosen.stop > SLOTS.stop:
+        raise ValueError(f"TPURUN_EMULATOR_SLOTS={text!r}: give FIRST-LAST within {SLOTS.start}-{SLOTS.stop - 1}")
+    return chosen
 
 
 @dataclass

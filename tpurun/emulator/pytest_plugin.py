@@ -57,14 +57,36 @@ def host_problem() -> str | None:
 
 def _slots() -> range:
     """The address slots of this session's emulator: under pytest-xdist each worker process has its own
-    share, so the emulators of a parallel run never reach for the same addresses."""
-    from tpurun.emulator.model import SLOTS
+    share, so the emulators of a parallel run never reach for the same addresses (nor those a test's own
+    `tpurun emulator start` takes: standalone_slots_env)."""
+    from tpurun.emulator.model import SLOTS, STANDALONE_SLOTS
 
+    slots = range(SLOTS.start, STANDALONE_SLOTS.start)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if not worker.startswith("gw") or count <= 1:
-        return SLOTS
-    return SLOTS[int(worker[2:]) :: count]
+        return slots
+    return slots[int(worker[2:]) :: count]
+
+
+def pytest_configure(config: Any) -> None:
+    """Every emulator a test starts itself (`tpurun emulator start`, inheriting this environment) takes this
+    process's standalone slots."""
+    for key, value in standalone_slots_env().items():
+        os.environ.setdefault(key, value)
+
+
+def standalone_slots_env() -> dict[str, str]:
+    """TPURUN_EMULATOR_SLOTS for an emulator a test starts itself (`tpurun emulator start`): this worker
+    process's share of the slots no session emulator takes, so the two never share an address."""
+    from tpurun.emulator.model import STANDALONE_SLOTS
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index, count = (int(worker[2:]), count) if worker.startswith("gw") and count > 1 else (0, 1)
+    size = len(STANDALONE_SLOTS) // count  # a block each (the variable names one FIRST-LAST range)
+    first = STANDALONE_SLOTS.start + index * size
+    return {"TPURUN_EMULATOR_SLOTS": f"{first}-{first + size - 1}"}
 
 
 @dataclass
