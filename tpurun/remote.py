@@ -12,7 +12,7 @@ from pathlib import Path
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.targets import Target
-from tpurun.transport.fanout import RunResult, fan_out
+from tpurun.transport.fleet import RunResult
 from tpurun.transport.runner import RUN_GRACE, LineSink
 
 
@@ -34,13 +34,12 @@ def exec_everywhere(
     """COMMAND (argv, never through a shell) on every selected worker of TARGET at once, its lines to SINK;
     why a worker cannot be reached goes to UNREACHABLE before the others run."""
     with target:
-        errors = target.connect()
+        errors = target.fleet.connect()
         for _, error in sorted(errors.items()):
             if unreachable is not None:
                 unreachable(error)
-        reachable = [r for r in target.runners if r.worker.index not in errors]
         # what each VM's metadata does not tell the runtimes (or one worker of a pod, as the single-host slice it is)
-        results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
+        results = target.fleet.run(command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
     results += [RunResult(i, None, error=e) for i, e in errors.items()]
     results.sort(key=lambda r: r.worker)
     return ExecResult(results)
