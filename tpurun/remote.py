@@ -53,7 +53,7 @@ def ssh_argv(
     with target:
         if len(target.runners) != 1:
             raise UsageError(f"--worker {worker}: name one worker")
-        errors = target.connect()  # a gone TPU is reported, and the worker proves who it is, before ssh runs
+        errors = target.fleet.connect()  # a gone TPU is reported, and the worker proves who it is, before ssh runs
         if errors:
             raise UnreachableError(next(iter(errors.values())))
     w = target.runners[0].worker
