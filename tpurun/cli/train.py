@@ -23,7 +23,7 @@ from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting
-from tpurun.worker.protocol import JOB_GRACE, Launch
+from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -365,7 +365,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
     """What the job's end means for the user: messages on stderr, the summary, the exit code."""
     job, run, state = result.job, result.run, result.state
     name, spec = job.target.name, job.spec
-    if state is launcher.JobState.SETUP_FAILED:
+    if state is JobStatus.FAILED and run is None:  # its setup failed: the job did not start
         assert result.setup is not None and result.setup.failed is not None
         bad = result.setup.failed
         w = job.target.all_workers[bad.worker]
@@ -377,25 +377,25 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
             f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
         )
         return ExitCode.PROGRAM_FAILED
-    if state is launcher.JobState.INTERRUPTED and run is None:
+    if state is JobStatus.STOPPED and run is None:
         _error("error: interrupted during setup; the job did not start")
         return ExitCode.INTERRUPTED
     assert run is not None
-    if state is launcher.JobState.BUSY:
+    if state is JobStatus.BUSY:
         workers = ",".join(job.target.all_workers[w].name for w in sorted(run.busy))
         _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
         return ExitCode.USAGE
-    if state is launcher.JobState.DETACHED:
+    if state is JobStatus.RUNNING:  # --detach
         if json_out:
             ui.print_json({"job_id": job.job_id, "detached": True})
         else:
             print(job.job_id)
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
         return ExitCode.OK
-    if state is launcher.JobState.PREEMPTED:
+    if state is JobStatus.PREEMPTED:
         return _preempted(name, job.job_id, spec.max_restarts)
-    if state is launcher.JobState.LOST and spec.detach:
-        for why in run.lost.values():
+    if state is JobStatus.UNREACHABLE and spec.detach:
+        for why in run.unreachable.values():
             _error(f"error: {why}")
         return ExitCode.UNREACHABLE
     if json_out:
@@ -410,9 +410,9 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         )
     else:
         _summary(run)
-    if state is launcher.JobState.INTERRUPTED:
+    if state is JobStatus.STOPPED:
         return ExitCode.INTERRUPTED
-    if state is launcher.JobState.HUNG:
+    if state is JobStatus.HUNG:
         _error(
             f"error: job {job.job_id} made no progress for {ui.age(spec.hang_timeout)} and was "
             "stopped (--on-hang stop); its stacks are above"
@@ -430,11 +430,11 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         if hint:
             _error(f"hint: {hint}")
         return ExitCode.PROGRAM_FAILED
-    if state is launcher.JobState.LOST:
-        for why in run.lost.values():
+    if state is JobStatus.UNREACHABLE:
+        for why in run.unreachable.values():
             _error(f"error: {why}")
         return ExitCode.UNREACHABLE
-    return ExitCode.PROGRAM_FAILED if state is launcher.JobState.FAILED else ExitCode.OK
+    return ExitCode.PROGRAM_FAILED if state is JobStatus.FAILED else ExitCode.OK
 
 
 def _preempted(name: str, job_id: str, max_restarts: int) -> int:
@@ -506,7 +506,7 @@ def jobs_cmd(
             for row in rows
         ],  # fmt: skip
     )
-    gone = sum(1 for row in rows if row.state.status == "gone")
+    gone = sum(1 for row in rows if row.state.status is JobStatus.GONE)
     if prune and gone:
         ui.info(f"forgot {gone} job(s) of TPUs that no longer exist")
     elif gone:
@@ -543,12 +543,12 @@ def logs_cmd(
 def _ended_code(job: str, ended: status.JobSummary) -> int:
     """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish; the
     exit code `train` gives that end (0, 1 failed, 4 lost, 130 stopped)."""
-    if ended.status == "finished":
+    if ended.status is JobStatus.FINISHED:
         return ExitCode.OK
-    if ended.status == "failed":
+    if ended.status is JobStatus.FAILED:
         _error(f"error: job {job} failed: {ended.detail} failed first")
         return ExitCode.PROGRAM_FAILED
-    if ended.status == "lost":
+    if ended.status is JobStatus.LOST:
         _error(f"error: job {job} was lost: {ended.detail}")
         return ExitCode.UNREACHABLE
     _error(f"error: job {job} was stopped before it finished ({ended.label()})")
