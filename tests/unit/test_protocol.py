@@ -25,6 +25,19 @@ STATE = protocol.JobState(
 )  # fmt: skip
 STARTING = protocol.JobState("20261125-000000-abcd", 0, protocol.JobStatus.STARTING, started_at=1764000000.0)
 
+# the watchdog's configuration: a Cloud TPU API TPU's (autostop off, and set), a Compute Engine VM's and groups'
+TPU_NODES = protocol_calls.WatchdogConfig("https://tpu.googleapis.com", ["projects/p/locations/z/nodes/t"])
+WATCHDOG = [
+    TPU_NODES,
+    TPU_NODES.set(1800, "stop", 7.5),
+    protocol_calls.WatchdogConfig("http://127.0.0.1:1", compute=protocol_calls.ComputeTpu("p", "z", "t", "t")),
+    protocol_calls.WatchdogConfig(
+        "https://compute.googleapis.com",
+        compute=protocol_calls.ComputeTpu("p", "z", "t", "", ["t-0", "t-1"], ["projects/p/global/instanceTemplates/t"]),
+        idle=600,
+    ),
+]
+
 RECORDS: list[protocol.Record] = [
     protocol.Line(3, 5, 120, protocol.Source.OUT, 1764000000.25, 'step 1 "loss" 0.5 \u00e9 \\ tab\there'),
     protocol.Line(0, protocol.HOST, 7, protocol.Source.ERR, 1764000001.0, ""),
@@ -63,6 +76,8 @@ for raw in sys.stdin.buffer:
         sys.stdout.buffer.write(protocol.JobState.from_json(body).to_json().encode() + b"\\n")
     elif kind == b"jobs":
         sys.stdout.buffer.write(json.dumps([s.to_dict() for s in protocol.job_states(body)]).encode() + b"\\n")
+    elif kind == b"watchdog":
+        sys.stdout.buffer.write(protocol_calls.WatchdogConfig.from_json(body.decode()).to_json().encode() + b"\\n")
     elif kind == b"preflight":
         sys.stdout.buffer.write(protocol_calls.Preflight.from_json(body.decode()).to_json().encode() + b"\\n")
     elif kind == b"hook":
@@ -131,6 +146,7 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
     jobs = json.dumps([STATE.to_dict(), STARTING.to_dict()]).encode()
     lines = [b"state " + STATE.to_json().encode(), b"state " + STARTING.to_json().encode(), b"jobs " + jobs]
     lines.append(b"preflight " + pre.to_json().encode())
+    lines += [b"watchdog " + c.to_json().encode() for c in WATCHDOG]
     r = subprocess.run(
         [python, "-c", AGENT_SIDE, str(WORKER_DIR)], input=b"\n".join(lines) + b"\n", capture_output=True, timeout=60
     )
@@ -139,6 +155,10 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
     assert [protocol.JobState.from_json(b) for b in back[:2]] == [STATE, STARTING]
     assert protocol.job_states(back[2]) == [STATE, STARTING]
     assert protocol_calls.Preflight.from_json(back[3].decode()) == pre
+    assert [protocol_calls.WatchdogConfig.from_json(b.decode()) for b in back[4:]] == WATCHDOG
+    # the Cloud TPU API's resources are its nodes; a Compute Engine TPU's, its VM or its groups and what goes with them
+    assert [sorted(json.loads(b)) for b in back[4:6]] == [["action", "endpoint", "idle", "nodes", "tick"]] * 2
+    assert json.loads(back[6])["compute"] == {"project": "p", "zone": "z", "name": "t", "instance": "t"}
     # state.json's keys as docs/train.md names them: each process under "cores", its slot under "core"
     wire = json.loads(back[0])
     assert sorted(wire) == sorted(

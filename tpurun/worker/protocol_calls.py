@@ -1,6 +1,7 @@
 """The agent's protocol, its commands' documents: what `agent.py start` reads on stdin (a `JobSpec`: one
 `ProcessSpec` per process), what `preflight` answers before a job (`Preflight`: the jobs there, each a `JobState`)
-and what `stacks` answers (a `ProcessStack` per process). The words, the job's state, the records `stream` sends
+and what `stacks` answers (a `ProcessStack` per process); and what tpurun tells the TPU's watchdog (its
+`WatchdogConfig`, in node metadata). The words, the job's state, the records `stream` sends
 and the hook's connections are protocol.py's; this module imports it (the bundle's files sit side by side on a
 worker; tpurun imports both as `tpurun.worker.protocol_calls` and `tpurun.worker.protocol`).
 
@@ -242,3 +243,90 @@ class ProcessStack(RecordBase):
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a process's stacks: {str(data)[:100]!r}") from e
+
+
+# ---------------------------------------------------------------- the watchdog's configuration (node metadata)
+
+DEFAULT_TICK = 30.0  # seconds between the watchdog's looks, where its configuration names none
+
+
+class ComputeTpu(RecordBase):
+    """A TPU Compute Engine made, as its watchdog finds and deletes it: in PROJECT and ZONE, named NAME; its lone VM
+    (INSTANCE), or its slices' managed instance GROUPS and what was made with them that goes with them (ALSO: the
+    instance template and workload policy, by path)."""
+
+    __slots__ = ("project", "zone", "name", "instance", "groups", "also")
+
+    def __init__(
+        self,
+        project: str,
+        zone: str,
+        name: str,
+        instance: str = "",
+        groups: list[str] | None = None,
+        also: list[str] | None = None,
+    ) -> None:
+        self.project = project
+        self.zone = zone
+        self.name = name
+        self.instance = instance
+        self.groups = [] if groups is None else groups
+        self.also = [] if also is None else also
+
+
+class WatchdogConfig(RecordBase):
+    """What tpurun tells the TPU's watchdog (node metadata `tpurun-autostop`, JSON; read again at every look): its
+    *resources*, what it calls and deletes (the API's ENDPOINT, and the Cloud TPU API's NODES by full name, or the
+    Compute Engine TPU, COMPUTE), and its setting: IDLE seconds (0: autostop off), the ACTION then ("delete" or
+    "stop"), TICK seconds between looks."""
+
+    __slots__ = ("endpoint", "nodes", "compute", "idle", "action", "tick")
+
+    def __init__(
+        self,
+        endpoint: str,
+        nodes: list[str] | None = None,
+        compute: ComputeTpu | None = None,
+        idle: int = 0,
+        action: str = "delete",
+        tick: float = DEFAULT_TICK,
+    ) -> None:
+        self.endpoint = endpoint
+        self.nodes = [] if nodes is None else nodes
+        self.compute = compute
+        self.idle = idle
+        self.action = action
+        self.tick = tick
+
+    def set(self, idle: int, action: str, tick: float) -> WatchdogConfig:
+        """These resources with this setting."""
+        return WatchdogConfig(self.endpoint, self.nodes, self.compute, idle, action, tick)
+
+    def to_json(self) -> str:
+        data = self.to_dict()
+        if self.compute is None:
+            del data["compute"]
+        else:
+            del data["nodes"]
+            data["compute"] = {k: v for k, v in self.compute.to_dict().items() if v}
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> WatchdogConfig:
+        """The configuration (its tick kept between 0.2 s and an hour), or ValueError."""
+        data = json.loads(text)
+        try:
+            c = data.get("compute")
+            compute = None
+            if isinstance(c, dict):
+                groups, also = [str(g) for g in c.get("groups") or []], [str(p) for p in c.get("also") or []]
+                instance = str(c.get("instance") or "")
+                compute = ComputeTpu(
+                    str(c["project"]), str(c["zone"]), str(c.get("name") or ""), instance, groups, also
+                )
+            tick = min(3600.0, max(0.2, float(data.get("tick") or DEFAULT_TICK)))
+            nodes = [str(n) for n in data.get("nodes") or []]
+            idle, action = int(data.get("idle") or 0), str(data.get("action") or "delete")
+            return cls(str(data.get("endpoint") or ""), nodes, compute, idle, action, tick)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a watchdog configuration: {text[:100]!r}") from e
