@@ -44,12 +44,12 @@ from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import probe
-    from tpurun.worker.agent_files import duration, job_running, mtimes, read_json, running_jobs
+    from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs
     from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import probe  # type: ignore[no-redef]
-    from agent_files import duration, job_running, mtimes, read_json, running_jobs  # type: ignore[no-redef]
+    from agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs  # type: ignore[no-redef]
     from protocol_calls import ComputeTpu, WatchdogConfig  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
@@ -189,7 +189,7 @@ def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str
             if not spec or spec.get("down") is not True or name in running or jdir in done:
                 continue
             try:
-                ended = os.lstat(os.path.join(jdir, "state.json")).st_mtime
+                ended = os.lstat(os.path.join(jdir, STATE)).st_mtime
             except OSError:
                 continue
             if time.time() - ended >= settle:
