@@ -13,7 +13,7 @@ from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.targets import Target
 from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import RUN_GRACE, LineSink
+from tpurun.transport.runner import RUN_GRACE, LineSink, Runner
 
 
 @dataclass
@@ -32,18 +32,44 @@ def exec_everywhere(
     unreachable: Callable[[str], None] | None = None,
 ) -> ExecResult:
     """COMMAND (argv, never through a shell) on every selected worker of TARGET at once, its lines to SINK;
-    why a worker cannot be reached goes to UNREACHABLE before the others run."""
+    why a worker cannot be reached goes to UNREACHABLE once every connection was tried.
+
+    Each worker's command starts the moment that worker has proved who it is, not once every worker has:
+    waiting for the slowest handshake cost every command about half a round trip (docs/benchmarks.md)."""
+    results: dict[int, RunResult] = {}
+    running: dict[int, threading.Thread] = {}
+    raised: list[BaseException] = []
+
+    def start(r: Runner) -> None:
+        if r.worker.index in running:  # a worker's command runs once, whatever its connection
+            return
+
+        def run() -> None:
+            try:  # what each VM's metadata does not tell the runtimes (or one worker of a pod, as its own slice)
+                done = fan_out([r], command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
+                results[r.worker.index] = done[0]
+            except BaseException as exc:  # raised below, in the caller's thread
+                raised.append(exc)
+
+        running[r.worker.index] = thread = threading.Thread(target=run, daemon=True, name=f"exec-w{r.worker.index}")
+        thread.start()
+
     with target:
-        errors = target.connect()
+        errors = target.connect(then=start)
         for _, error in sorted(errors.items()):
             if unreachable is not None:
                 unreachable(error)
-        reachable = [r for r in target.runners if r.worker.index not in errors]
-        # what each VM's metadata does not tell the runtimes (or one worker of a pod, as the single-host slice it is)
-        results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
-    results += [RunResult(i, None, error=e) for i, e in errors.items()]
-    results.sort(key=lambda r: r.worker)
-    return ExecResult(results)
+        for r in target.runners:  # what needs no connection (this machine)
+            if r.worker.index not in errors:
+                start(r)
+        for thread in running.values():
+            while thread.is_alive():
+                thread.join(0.1)  # short waits: Ctrl-C stays live
+    if raised:
+        raise raised[0]
+    done = [*results.values(), *(RunResult(i, None, error=e) for i, e in errors.items() if i not in results)]
+    done.sort(key=lambda r: r.worker)
+    return ExecResult(done)
 
 
 def ssh_argv(
