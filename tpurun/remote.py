@@ -13,7 +13,7 @@ from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.targets import Target
 from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import RUN_GRACE, LineSink, Runner
+from tpurun.transport.runner import RUN_GRACE, LineSink, Runner, refuse_nul
 
 
 @dataclass
@@ -101,7 +101,6 @@ def ssh_argv(
         argv += shlex.split(flag)
     if not command:
         return [*argv, "-t", f"{w.user}@{w.address}"]
-    if any("\0" in arg for arg in command):
-        raise UsageError("arguments cannot contain NUL bytes")
+    refuse_nul(command)
     # ssh joins its arguments into one line for the remote shell: quote so they arrive exactly
     return [*argv, f"{w.user}@{w.address}", "--", shlex.join(command)]

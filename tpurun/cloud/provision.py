@@ -45,8 +45,9 @@ def parse_labels(items: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------------------- progress
 
 
-class Progress:
-    """Status lines while waiting: a spinner on a terminal, one line per change when piped."""
+class StatusLines:
+    """Status lines while waiting, each shown once (a `backend.Progress`): a spinner on a terminal, one line per
+    change when piped."""
 
     def __init__(self, show: Callable[[str], None]) -> None:
         self.show = show
