@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.job import watch
 from tpurun.job.records import JobRecord, RecordStream, connect
 from tpurun.job.status import JobSummary, combine
@@ -45,6 +45,21 @@ class LogsResult:
     errors: dict[str, str] = field(default_factory=dict)  # worker name -> why its lines could not all be read
     missing: bool = False  # the job is not on some worker it ran on (its files are gone)
     ended: JobSummary | None = None  # followed to its end on every worker shown: how it ended there
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """`logs`' exit code: 130 stopped; 2 where the job is not on a worker, 4 where one could not be read;
+        followed to its end, the code `train` gives that end (0, 1 failed, 4 lost, 130 stopped before the end)."""
+        if self.interrupted:
+            return ExitCode.INTERRUPTED
+        if self.errors:
+            return ExitCode.USAGE if self.missing else ExitCode.UNREACHABLE
+        if self.ended is None or self.ended.status is protocol.JobStatus.FINISHED:
+            return ExitCode.OK
+        return _ENDED_EXIT.get(self.ended.status, ExitCode.INTERRUPTED)
+
+
+_ENDED_EXIT = {protocol.JobStatus.FAILED: ExitCode.PROGRAM_FAILED, protocol.JobStatus.LOST: ExitCode.UNREACHABLE}
 
 
 def logs(

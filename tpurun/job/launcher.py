@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import config
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.job import env_contract, preflight
 from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
 from tpurun.job.records import JobRecord, connect, forget, new_job_id
@@ -150,7 +150,9 @@ def plan(
         runtime, why = env_contract.pick_runtime(Runtime.auto, probe(target, python))
     # --cores/--core ask for that many processes per worker: tpurun's to make, whatever the framework
     counted = spec.cores is not None or spec.core is not None
-    launch, launch_why = env_contract.pick_launch(spec.launch, runtime, env_contract.Framework.torch if counted else framework)
+    launch, launch_why = env_contract.pick_launch(
+        spec.launch, runtime, env_contract.Framework.torch if counted else framework
+    )
     cores = spec.cores
     if target.local and cores is None and spec.core is None and runtime is Runtime.cpu and launch is Launch.chip:
         cores = 1
@@ -306,6 +308,32 @@ class JobResult:
     run: JobRun | None = None
     setup: SetupResult | None = None
     restarts: int = 0
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """The exit code this end of the job gives `train` (docs/contract.md): a setup that could not run on a
+        worker is 4 and one that failed 1; a stop (Ctrl-C, --on-hang stop), a busy TPU, a detached start and a
+        preemption have one code each; an unreachable worker is 4 unless a process had failed first (1)."""
+        if self.state is JobStatus.FAILED and self.run is None:  # its setup failed: the job did not start
+            failed = self.setup.failed if self.setup is not None else None
+            return ExitCode.UNREACHABLE if failed is not None and failed.error else ExitCode.PROGRAM_FAILED
+        if self.state in _EXIT_OF:
+            return _EXIT_OF[self.state]
+        failure = self.run.first_failure if self.run is not None else None
+        if self.state is JobStatus.UNREACHABLE and (self.job.spec.detach or failure is None):
+            return ExitCode.UNREACHABLE
+        if failure is not None or self.state is JobStatus.FAILED:
+            return ExitCode.PROGRAM_FAILED
+        return ExitCode.OK
+
+
+_EXIT_OF = {  # the states whose exit code is theirs alone, whatever else the run says
+    JobStatus.STOPPED: ExitCode.INTERRUPTED,
+    JobStatus.BUSY: ExitCode.USAGE,
+    JobStatus.RUNNING: ExitCode.OK,  # --detach: started and left running
+    JobStatus.PREEMPTED: ExitCode.UNREACHABLE,
+    JobStatus.HUNG: ExitCode.HUNG,
+}
 
 
 def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, local_dir: Path) -> Job:

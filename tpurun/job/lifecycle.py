@@ -12,7 +12,7 @@ from tpurun import targets
 from tpurun.errors import Preempted, TpurunError, UsageError
 from tpurun.job.attempt import Output
 from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start
-from tpurun.settings import Settings, clear_project_setting
+from tpurun.settings import Settings
 from tpurun.worker.protocol import JobStatus
 
 
@@ -128,5 +128,4 @@ def take_down(s: Settings, result: JobResult | None, out: Output) -> Down:
             provision.take_down(cloud, s, name, progress, by)
     except TpurunError as exc:
         return Down(name, job, error=exc)
-    clear_project_setting("tpu", name)
-    return Down(name, job, deleted=True)
+    return Down(name, job, deleted=True)  # and no longer the default TPU: provision.take_down forgot it

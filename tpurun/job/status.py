@@ -37,6 +37,9 @@ class JobSummary:
     detail: str = ""  # which worker failed and how; why the state is not known; what became of the TPU
     waiting: Waiting | None = None  # running: the processes that wait at a rendezvous for others (watch)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", JobStatus(self.status))  # its word, however it was given
+
     def label(self) -> str:
         detail = "; ".join(d for d in (self.detail, self.waiting.text() if self.waiting else "") if d)
         return f"{self.status} ({detail})" if detail else self.status

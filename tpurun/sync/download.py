@@ -25,14 +25,15 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun import targets
+from tpurun.settings import Settings
 from tpurun.sync import ignore
 from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
-from tpurun.targets import Target
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Pipe, Runner
 from tpurun.worker import sync_helper
@@ -379,9 +380,20 @@ def download(
 
 
 def download_from(
-    target: Target, path: str, dest: Path, *, outside_home: bool, progress: Counters, stop: threading.Event
+    s: Settings,
+    path: str,
+    dest: Path,
+    *,
+    local: bool,
+    worker_spec: str,
+    announce: Callable[[str], None] | None = None,
+    outside_home: bool,
+    progress: Counters,
+    stop: threading.Event,
 ) -> list[Fetched]:
-    """PATH from every selected worker of TARGET (connected here, closed after) to DEST, as download()."""
+    """PATH to DEST from every worker of the TPU S names (or this machine, LOCAL) that WORKER_SPEC selects, as
+    download(); ANNOUNCE hears that it is this machine."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     with target:
         errors = target.connect()
         return download(

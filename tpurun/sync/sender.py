@@ -34,7 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun import targets
 from tpurun.errors import UsageError
+from tpurun.settings import Settings
 from tpurun.sync import ignore
 from tpurun.targets import Target
 from tpurun.transport.fanout import each
@@ -595,6 +597,7 @@ def early_streams() -> tuple[dict[Runner, Pipe | BaseException], Callable[[Runne
 class Pushed:
     manifest: Manifest
     stats: list[WorkerStats]  # one per selected worker, in worker order
+    dest: str = ""  # where it went on every worker (`sync_dir`: on this machine, for --local, as a path)
 
 
 def push(
@@ -630,6 +633,34 @@ def push(
         stop=stop, connect_errors=errors, opened=opened, on_needs=on_needs,
     )  # fmt: skip
     return Pushed(manifest, stats)
+
+
+def sync_dir(
+    s: Settings,
+    src: Path,
+    dest: str,
+    *,
+    local: bool,
+    worker_spec: str,
+    announce: Callable[[str], None] | None = None,
+    excludes: Sequence[str] = (),
+    delete: bool = False,
+    progress: Counters | None = None,
+    stop: threading.Event | None = None,
+    on_needs: Needs | None = None,
+) -> Pushed:
+    """`tpurun sync`: SRC to DEST on every worker of the TPU S names (or this machine, LOCAL: DEST checked not
+    to be SRC or in it) that WORKER_SPEC selects, as `push`; ANNOUNCE hears that it is this machine."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
+    if target.local:
+        dest = str(check_local_dest(src, dest))
+    with target:
+        pushed = push(
+            target, src, dest, cache_dir=s.home_path / "sync-cache", excludes=excludes, delete=delete,
+            progress=progress, stop=stop, on_needs=on_needs,
+        )  # fmt: skip
+    pushed.dest = dest
+    return pushed
 
 
 def default_dest(src: Path) -> str:
