@@ -22,8 +22,10 @@ class Pod:
 
     def __init__(self, n: int) -> None:
         self.runners: list[Runner] = [LocalRunner(Worker(i, "127.0.0.1")) for i in range(n)]
+        self.connected = False
 
     def connect(self, then=None) -> dict[int, str]:
+        self.connected = True
         return connect_all(self.runners, then)
 
 
@@ -85,7 +87,7 @@ def test_open_holds_until_released_and_answer_reads_each_first_line():
 
 def _records(worker: int) -> str:
     line = protocol.encode(protocol.Line(worker, 0, 7, protocol.Source.OUT, 1.0, f"hello from {worker}"))
-    done = protocol.encode(protocol.Done(worker, {"status": "finished"}))
+    done = protocol.encode(protocol.Done(worker, protocol.JobState("j", worker, protocol.JobStatus.FINISHED)))
     return (line + b"\n" + done + b"\n").decode()
 
 

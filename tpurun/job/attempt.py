@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from tpurun.errors import TpurunError
 from tpurun.job import env_contract, stacks, status, watch
@@ -28,6 +28,7 @@ from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Worker
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
+from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
 
 
 @dataclass
@@ -126,8 +127,8 @@ class JobRun:
             (c.worker, c.slot): SlotOutcome(c.worker, c.slot) for per in specs for c in per
         }
         self.first_failure: SlotOutcome | None = None
-        self.ended: dict[int, dict[str, Any]] = {}  # worker -> the job's state there when it ended (Done)
-        self.lost: dict[int, str] = {}
+        self.ended: dict[int, protocol.JobState] = {}  # worker -> the job's state there when it ended (Done)
+        self.unreachable: dict[int, str] = {}  # worker -> why it could not be reached, or vanished
         self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
         self.started: set[int] = set()  # the workers whose agent started the job
         self.stop = threading.Event()
@@ -138,11 +139,11 @@ class JobRun:
         self.last_activity = time.monotonic()  # a record from any worker: a line, an end, a passage
         self.hung = False  # stopped by --on-hang stop
 
-    def job_spec(self, worker: int) -> protocol.JobSpec:
-        return protocol.JobSpec(
+    def job_spec(self, worker: int) -> JobSpec:
+        return JobSpec(
             job_id=self.job_id,
             worker=worker,
-            cores=[protocol.ProcessSpec(c.slot, c.argv, c.env, self.cwd) for c in self.specs[worker]],
+            cores=[ProcessSpec(c.slot, c.argv, c.env, self.cwd) for c in self.specs[worker]],
             launch=self.launch,
             detach=self.detach,
             down=self.down,
@@ -159,7 +160,7 @@ class JobRun:
 
     def _lose(self, w: int, why: str) -> None:
         with self.lock:
-            self.lost[w] = why
+            self.unreachable[w] = why
         self.stop.set()
 
     def _read(self, source: int, recs: Iterable[protocol.Record]) -> None:
@@ -235,12 +236,12 @@ class JobRun:
             return
         if isinstance(rec, protocol.Done):
             w = rec.worker
-            origin = protocol.first_failure(rec.state)
+            origin = rec.state.first_failure
             with self.lock:
                 self.ended[w] = rec.state
                 if origin is not None and self.first_failure is None:
                     self.first_failure = self.outcome(w, origin.slot)
-            for ps in protocol.process_states(rec.state):
+            for ps in rec.state.slots:
                 o = self.outcome(w, ps.slot)
                 if o.exit_code is None:
                     o.exit_code, o.status = ps.exit_code, ps.status

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import UnreachableError, UsageError
+from tpurun.errors import ExitCode, UnreachableError, UsageError
 from tpurun.job import watch
 from tpurun.job.records import JobRecord, connect
 from tpurun.job.status import JobSummary, combine
@@ -43,6 +43,21 @@ class LogsResult:
     errors: dict[str, str] = field(default_factory=dict)  # worker name -> why its lines could not all be read
     missing: bool = False  # the job is not on some worker it ran on (its files are gone)
     ended: JobSummary | None = None  # followed to its end on every worker shown: how it ended there
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """`logs`' exit code: 130 stopped; 2 where the job is not on a worker, 4 where one could not be read;
+        followed to its end, the code `train` gives that end (0, 1 failed, 4 lost, 130 stopped before the end)."""
+        if self.interrupted:
+            return ExitCode.INTERRUPTED
+        if self.errors:
+            return ExitCode.USAGE if self.missing else ExitCode.UNREACHABLE
+        if self.ended is None or self.ended.status is protocol.JobStatus.FINISHED:
+            return ExitCode.OK
+        return _ENDED_EXIT.get(self.ended.status, ExitCode.INTERRUPTED)
+
+
+_ENDED_EXIT = {protocol.JobStatus.FAILED: ExitCode.PROGRAM_FAILED, protocol.JobStatus.LOST: ExitCode.UNREACHABLE}
 
 
 def logs(
@@ -111,7 +126,7 @@ class _Viewer:
         self.record, self.target, self.lines, self.stop, self.follow = record, target, lines, stop, follow
         self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}  # worker -> slot -> offset
         self.done: set[int] = set()
-        self.ended: dict[int, dict] = {}  # worker -> the job's state there at its end (its Done record)
+        self.ended: dict[int, protocol.JobState] = {}  # worker -> the job's state there at its end (its Done record)
         self.errors: dict[int, str] = {}
         self.missing: set[int] = set()  # workers without the job
         self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
@@ -187,7 +202,7 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
     record = JobRecord.load(s.home_path, job_id)
     target = record.target(s)
     results: dict[int, tuple[int, str]] = {}
-    before: dict[int, str] = {}  # worker -> the job's status there when the stop came
+    before: dict[int, protocol.JobStatus | None] = {}  # worker -> the job's status there when the stop came
     try:
         connect(target, record)
 
@@ -196,7 +211,7 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
             if a.rc is None:
                 raise UnreachableError(a.error)
             try:
-                before[w] = str(json.loads(a.out.decode()).get("status_before_stop", ""))
+                before[w] = protocol.JobState.from_json(a.out).status_before_stop
             except ValueError:
                 pass
             results[w] = (a.rc, a.err)
@@ -217,5 +232,5 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
             "were removed; nothing to stop",
             hint="`tpurun jobs` lists the jobs",
         )
-    ended = {names[w]: protocol.JobStatus(st) for w, st in before.items() if st in protocol.ENDED}
+    ended = {names[w]: st for w, st in before.items() if st is not None and st in protocol.ENDED}
     return CancelResult(stopped=len(target.runners) - len(ended) - len(missing), ended=ended, missing=missing)

@@ -3,7 +3,8 @@ to the workers. A `Fleet` offers a few declarative operations, and every answer 
 names its worker:
 
 * `connect`: reach every worker, at most `connect_window()` connection attempts in flight at once;
-* `run`: an argv on every worker to completion (exec, a job's setup), each with its own variables;
+* `run`: an argv on every worker to completion (exec, a job's setup), each with its own variables, each
+  worker's starting the moment it is reached where the fleet is not connected yet;
 * `call`: a program (a bundle program, installed where missing, or any argv) with each worker's own input,
   each worker's `Answer` back (preflight, jobs, stacks, stop, the probe, the watchdog's start);
 * `open` and `answer`: a program left running on every worker with its stdin open (a job's claim holds
@@ -164,10 +165,13 @@ class Fleet:
         env: Callable[[Worker], Mapping[str, str]] | None = None,
         on_exit: Callable[[RunResult], None] | None = None,
         only: Collection[int] | None = None,
+        unreached: Callable[[str], None] | None = None,
     ) -> list[RunResult]:
-        """ARGV (with the variables ENV gives each worker added) on every reached worker (of ONLY), to its end,
-        its lines to SINK; STOP ends it (after GRACE); with FAIL_FAST the first failure sets STOP. One result
-        per worker, in order; ON_EXIT hears each as it comes."""
+        """ARGV (with the variables ENV gives each worker added) on every worker (of ONLY), to its end, its lines
+        to SINK; STOP ends it (after GRACE); with FAIL_FAST the first failure sets STOP. A fleet not connected yet
+        is connected here, each worker's command starting the moment that worker is reached (not once every
+        worker is); UNREACHED hears why for each worker that cannot be, once every connection was tried. One
+        result per worker, in order (an unreached one's with its error); ON_EXIT hears each as it comes."""
         raise NotImplementedError
 
     def call(

@@ -33,6 +33,7 @@ class Reach(Protocol):
     """What a `Threads` fleet stands on (a `targets.Target`): the runners, and how they are connected."""
 
     runners: list[Runner]
+    connected: bool  # connect was called
 
     def connect(self, then: Callable[[Runner], None] | None = None) -> dict[int, str]: ...
 
@@ -99,8 +100,12 @@ class Threads(Fleet):
         env: Callable[[Worker], Mapping[str, str]] | None = None,
         on_exit: Callable[[RunResult], None] | None = None,
         only: Collection[int] | None = None,
+        unreached: Callable[[str], None] | None = None,
     ) -> list[RunResult]:
         results: dict[int, RunResult] = {}
+        running: dict[int, threading.Thread] = {}
+        raised: list[BaseException] = []
+        lock = threading.Lock()
 
         def one(r: Runner) -> None:
             started = time.monotonic()
@@ -109,15 +114,39 @@ class Threads(Fleet):
                 res = RunResult(r.worker.index, rc, stopped=stop.is_set(), duration=time.monotonic() - started)
             except UnreachableError as exc:
                 res = RunResult(r.worker.index, None, error=str(exc), duration=time.monotonic() - started)
+            except BaseException as exc:  # raised below, in the caller's thread
+                raised.append(exc)
+                return
             if fail_fast and (res.exit_code not in (0, None) or res.error) and not stop.is_set():
                 stop.set()
             results[r.worker.index] = res
             if on_exit:
                 on_exit(res)
 
-        runners = self._reached(only)
-        each(runners, one, name="run")
-        return [results[r.worker.index] for r in runners]
+        def start(r: Runner) -> None:
+            w = r.worker.index
+            with lock:
+                if w in running or (only is not None and w not in only):  # once, whatever its connection
+                    return
+                running[w] = thread = threading.Thread(target=one, args=(r,), daemon=True, name=f"run-w{w}")
+            thread.start()
+
+        if not self.reach.connected:
+            self._unreached = self.reach.connect(start)
+            for _, why in sorted(self._unreached.items()):
+                if unreached is not None:
+                    unreached(why)
+        for r in self._reached(only):  # connected before, or needing no connection (this machine)
+            start(r)
+        for thread in list(running.values()):
+            while thread.is_alive():
+                thread.join(0.1)  # short waits: Ctrl-C stays live
+        if raised:
+            raise raised[0]
+        for w, why in self._unreached.items():
+            if only is None or w in only:
+                results.setdefault(w, RunResult(w, None, error=why))
+        return [results[w.index] for w in self.workers if w.index in results]
 
     def call(
         self, call: Call | Callable[[Worker], Call], *, timeout: float = 60, only: Collection[int] | None = None
