@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tpurun.errors import TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.setup import REQUIREMENTS
@@ -26,6 +26,9 @@ from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, Stream, open_stream
 from tpurun.worker.protocol import AgentExit, Preflight
+
+if TYPE_CHECKING:
+    from tpurun.worker.probe import DoctorAnswer
 
 NOT_INSTALLED = "not installed"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -204,10 +207,10 @@ class _Ask:
         return buf.split(b"\n", 1)[0].decode()
 
 
-def from_probe(probe: dict[str, Any]) -> Preflight | None:
-    """A doctor probe's answer (env_contract.PROBE_SCRIPT's, under "python_probe") as a preflight's, to
+def from_probe(answer: DoctorAnswer) -> Preflight | None:
+    """A doctor probe's answer (env_contract.PROBE_SCRIPT's, its `python_probe`) as a preflight's, to
     compare the same way; None where the probe failed."""
-    p = probe.get("python_probe") or {}
+    p = answer.python_probe
     if p.get("error") or "python_version" not in p:
         return None
     return Preflight([], str(p["python_version"]), str(p.get("python")), dict(p.get("packages") or {}))
