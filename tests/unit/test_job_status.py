@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from tpurun.job.status import JobSummary, combine
+from tpurun.worker.protocol import JobState
 
 
-def _st(status: str, **extra) -> dict:
-    return {"status": status, **extra}
+def _st(status: str, **extra) -> JobState:
+    return JobState.from_dict({"status": status, **extra})
 
 
 def test_a_failure_anywhere_is_failed_naming_the_worker_chip_and_code():

@@ -20,6 +20,7 @@ from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.sync import download, ignore, report
 from tpurun.sync.sender import Counters, Interrupted, WorkerStats, default_dest, sync_dir
+from tpurun.worker.sync_helper import ErrorKind
 
 T = TypeVar("T")
 
@@ -117,9 +118,8 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
         if s.errors:
             path, kind, message = s.errors[0]
             where = f"{s.dest}/{path}" if s.dest else path
-            verb = {"write": "cannot write", "verify": "verification failed for", "delete": "cannot delete"}.get(
-                kind, "cannot sync"
-            )
+            verbs = {ErrorKind.WRITE: "cannot write", ErrorKind.VERIFY: "verification failed for"}
+            verb = {**verbs, ErrorKind.DELETE: "cannot delete"}.get(kind, "cannot sync")
             more = f" (and {len(s.errors) - 1} more files)" if len(s.errors) > 1 else ""
             ui.err().print(f"error: {label}: {verb} {where}: {message}{more}", markup=False)
             failed = True

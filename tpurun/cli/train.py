@@ -23,7 +23,7 @@ from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting
-from tpurun.worker.protocol import JOB_GRACE, Launch
+from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -365,7 +365,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
     """What the job's end means for the user: messages on stderr, the summary; its exit code is the library's."""
     job, run, state = result.job, result.run, result.state
     name, spec = job.target.name, job.spec
-    if state is launcher.JobState.SETUP_FAILED:
+    if state is JobStatus.FAILED and run is None:  # its setup failed: the job did not start
         assert result.setup is not None and result.setup.failed is not None
         bad = result.setup.failed
         w = job.target.all_workers[bad.worker]
@@ -377,23 +377,23 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
             f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
         )
         return result.exit_code
-    if state is launcher.JobState.INTERRUPTED and run is None:
+    if state is JobStatus.STOPPED and run is None:
         _error("error: interrupted during setup; the job did not start")
         return result.exit_code
     assert run is not None
-    if state is launcher.JobState.BUSY:
+    if state is JobStatus.BUSY:
         workers = ",".join(job.target.all_workers[w].name for w in sorted(run.busy))
         _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
-    elif state is launcher.JobState.DETACHED:
+    elif state is JobStatus.RUNNING:  # --detach
         if json_out:
             ui.print_json({"job_id": job.job_id, "detached": True})
         else:
             print(job.job_id)
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
-    elif state is launcher.JobState.PREEMPTED:
+    elif state is JobStatus.PREEMPTED:
         _preempted(name, job.job_id, spec.max_restarts)
-    elif state is launcher.JobState.LOST and spec.detach:
-        for why in run.lost.values():
+    elif state is JobStatus.UNREACHABLE and spec.detach:
+        for why in run.unreachable.values():
             _error(f"error: {why}")
     else:
         _render_ended(result, json_out)
@@ -416,9 +416,9 @@ def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
         )
     else:
         _summary(run)
-    if state is launcher.JobState.INTERRUPTED:
+    if state is JobStatus.STOPPED:
         return
-    if state is launcher.JobState.HUNG:
+    if state is JobStatus.HUNG:
         _error(
             f"error: job {job.job_id} made no progress for {ui.age(job.spec.hang_timeout)} and was "
             "stopped (--on-hang stop); its stacks are above"
@@ -436,8 +436,8 @@ def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
         if hint:
             _error(f"hint: {hint}")
         return
-    if state is launcher.JobState.LOST:
-        for why in run.lost.values():
+    if state is JobStatus.UNREACHABLE:
+        for why in run.unreachable.values():
             _error(f"error: {why}")
 
 
@@ -509,7 +509,7 @@ def jobs_cmd(
             for row in rows
         ],  # fmt: skip
     )
-    gone = sum(1 for row in rows if row.state.status == "gone")
+    gone = sum(1 for row in rows if row.state.status is JobStatus.GONE)
     if prune and gone:
         ui.info(f"forgot {gone} job(s) of TPUs that no longer exist")
     elif gone:
@@ -541,11 +541,11 @@ def logs_cmd(
 
 def _say_ended(job: str, ended: status.JobSummary) -> None:
     """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish."""
-    if ended.status == "finished":
+    if ended.status is JobStatus.FINISHED:
         return
-    if ended.status == "failed":
+    if ended.status is JobStatus.FAILED:
         _error(f"error: job {job} failed: {ended.detail} failed first")
-    elif ended.status == "lost":
+    elif ended.status is JobStatus.LOST:
         _error(f"error: job {job} was lost: {ended.detail}")
     else:
         _error(f"error: job {job} was stopped before it finished ({ended.label()})")

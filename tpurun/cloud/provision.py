@@ -109,12 +109,12 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     action = spec.autostop_action or "delete"
     autostop.check_action(action, _cannot_stop(spec, topo, kind))
     nodes = multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
-    target = (
-        backend.of_kind(cloud, kind).watch_target(spec.name, nodes, topo.multi_host, None)
+    resources = (
+        backend.of_kind(cloud, kind).watchdog_resources(spec.name, nodes, topo.multi_host, None)
         if cloud
         else autostop.stand_in(nodes)
     )
-    watch = autostop.metadata(target, idle, action)
+    watch = autostop.metadata(resources, idle, action)
     metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
     return Request(topo, kind, metadata, labels, valid_until, max_run)
 
@@ -504,7 +504,9 @@ def take_down(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[
         if found and "DELETING" not in states:
             raise
     cloud.wait_gone(
-        name, lambda: backend.locate(cloud, name) is None, on_poll=lambda: progress(f"{name}: DELETING (by its watchdog)")
+        name,
+        lambda: backend.locate(cloud, name) is None,
+        on_poll=lambda: progress(f"{name}: DELETING (by its watchdog)"),
     )
     _gone(cloud, s, name, by)
 

@@ -286,13 +286,13 @@ def data_segments(manifest: Manifest, src: Path, need: Sequence[int], stop: thre
         if stop.is_set():
             raise Interrupted()
         entry = manifest.files[i]
-        buf += frame(b"F", struct.pack(">I", i))
+        buf += frame(sync_helper.Frame.FILE, struct.pack(">I", i))
         h = hashlib.sha256()
         try:
             with open(src / entry.path, "rb") as f:
                 while chunk := f.read(CHUNK):
                     h.update(chunk)
-                    buf += sync_helper.HEADER.pack(b"D", len(chunk))
+                    buf += sync_helper.HEADER.pack(sync_helper.Frame.DATA, len(chunk))
                     if len(chunk) >= SEND_BUFFER // 4:
                         yield Segment(bytes(buf), files, nbytes)
                         yield Segment(chunk, 0, len(chunk))
@@ -307,9 +307,9 @@ def data_segments(manifest: Manifest, src: Path, need: Sequence[int], stop: thre
                             files = nbytes = 0
                     if stop.is_set():
                         raise Interrupted()
-            buf += frame(b"Z", h.hexdigest().encode("ascii"))
+            buf += frame(sync_helper.Frame.SUM, h.hexdigest().encode("ascii"))
         except OSError as exc:
-            buf += frame(b"A", (exc.strerror or str(exc)).encode("utf-8", "replace"))
+            buf += frame(sync_helper.Frame.ABORTED, (exc.strerror or str(exc)).encode("utf-8", "replace"))
         files += 1
     if buf:
         yield Segment(bytes(buf), files, nbytes)
@@ -403,7 +403,9 @@ class Plan:
         """The M frame, encoded and compressed once for every worker (18 ms for 5,000 files)."""
         with self.cond:
             if self._manifest_frame is None:
-                self._manifest_frame = frame(b"M", sync_helper.pack_json(self.manifest.to_wire(dest, delete)))
+                self._manifest_frame = frame(
+                    sync_helper.Frame.MANIFEST, sync_helper.pack_json(self.manifest.to_wire(dest, delete))
+                )
             return self._manifest_frame
 
     def arrive(self, worker: int, need: Sequence[int] | None) -> None:
@@ -466,10 +468,10 @@ def sync_stream(
         stream.send(plan.manifest_frame(dest, delete))
         kind, payload = reader.read_frame()
         reply = sync_helper.unpack_json(payload)
-        if kind == b"Q":
+        if kind == sync_helper.Frame.REFUSED:
             stats.error = str(reply.get("error"))
             return
-        if kind != b"N":
+        if kind != sync_helper.Frame.NEED:
             raise sync_helper.Eof()
         stats.dest = reply.get("dest", "")
         need: list[int] = reply["need"]
@@ -486,10 +488,10 @@ def sync_stream(
         if delete:
             doomed = deletions(reply.get("extra", []), rules)
             if doomed:
-                tail += frame(b"X", sync_helper.pack_json(doomed))
-        stream.send(tail + frame(b"E"))
+                tail += frame(sync_helper.Frame.DELETE, sync_helper.pack_json(doomed))
+        stream.send(tail + frame(sync_helper.Frame.END))
         kind, payload = reader.read_frame()
-        if kind != b"R":
+        if kind != sync_helper.Frame.RESULT:
             raise sync_helper.Eof()
         result = sync_helper.unpack_json(payload)
         stats.files_sent = result["written"]
