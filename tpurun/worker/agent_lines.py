@@ -19,7 +19,9 @@ import threading
 
 from agent_files import MAX_LINE, now
 
-HOLD = 30.0  # seconds a spawner's child's line waits for its chip (importing torch_xla takes seconds)
+# seconds a spawner's child's line waits for its chip: a child imports torch (and torch_xla or torch_tpu)
+# before it learns its rank, which 8 children at once on 2 busy cores took 40 s to do
+HOLD = 120.0
 HOLD_BYTES = 4 << 20  # what a child may print before its chip is known before its lines go out untagged
 STDIO = "TPURUN_STDIO"  # the job's channels (dev:ino, comma-separated) a Python process replaces with its own
 

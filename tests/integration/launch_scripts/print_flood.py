@@ -1,12 +1,11 @@
 """Long lines from every process of a spawner, at import (the spawned children too: they import this module
 before they know their rank) and in each child's task, on stdout and stderr: each line names its process and
 its number, so a test can tell a lost, doubled, mangled or misattributed line. FLOOD_SPAWNER names the
-spawner: torch (torch.multiprocessing.spawn, FLOOD_PROCS children), xmp (torch_xla's xmp.spawn, which then
-starts its device) or torchtpu (TorchTPU's launch: set_tpu_launch_env, then torch.multiprocessing.spawn)."""
+spawner: torch (torch.multiprocessing.spawn, FLOOD_PROCS children), xmp (torch_xla's xmp.spawn, which starts
+each child's device before its task) or torchtpu (TorchTPU's launch: set_tpu_launch_env, then torch.multiprocessing.spawn)."""
 
 import os
 import sys
-import threading
 
 LINES = int(os.environ.get("FLOOD_LINES", "300"))
 PAD = "x" * 160
@@ -15,8 +14,6 @@ for i in range(LINES):
     print(f"IMPORT {ROLE} pid={os.getpid()} line={i} {PAD}")
     if i % 10 == 0:
         print(f"IMPORT-ERR {ROLE} pid={os.getpid()} line={i} {PAD}", file=sys.stderr)
-
-_once = threading.Lock()  # xmp.spawn may run the task on one thread per TensorCore: one child prints once
 
 
 def task(rank):
@@ -30,11 +27,9 @@ def task(rank):
 
 
 def xmp_task(index):
-    if _once.acquire(blocking=False):
-        task(int(os.environ["TPU_VISIBLE_CHIPS"]))
     import torch_xla
 
-    torch_xla.device()  # the device starts (where tpu_stop holds it)
+    torch_xla.device()
 
 
 if __name__ == "__main__":
