@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpurun import config, health
+from tpurun import config, health, targets
 from tpurun.cloud import keys, startup
 from tpurun.errors import TpurunError, UnreachableError
 from tpurun.job import env_contract, preflight
+from tpurun.settings import Settings
 from tpurun.targets import Target
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, run_capture
@@ -124,9 +125,24 @@ class KillStale:
         }
 
 
-def kill_stale(target: Target, *, dry_run: bool, grace: float) -> KillStale:
-    """Free TARGET's TPUs: stop what holds their devices or libtpu (SIGTERM, SIGKILL after GRACE), then remove
-    stale lock files; with DRY_RUN only find them."""
+def kill_stale_command(local: bool, tpu: str) -> str:
+    """The kill-stale that frees the TPU a command acted on (this machine, with LOCAL)."""
+    return "tpurun kill-stale " + ("--local" if local else f"--tpu {tpu}")
+
+
+def kill_stale(
+    s: Settings,
+    *,
+    local: bool,
+    worker_spec: str,
+    dry_run: bool,
+    grace: float,
+    announce: Callable[[str], None] | None = None,
+) -> KillStale:
+    """Free the TPU S names (or this machine, LOCAL) on the workers WORKER_SPEC selects: stop what holds their
+    devices or libtpu (SIGTERM, SIGKILL after GRACE), then remove stale lock files; with DRY_RUN only find them.
+    ANNOUNCE hears that it is this machine."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     with target:
         # a worker held for a `train` about to start is held by the process that has its claim file open
         claim = os.path.join(agent_files.agent_root("~"), agent_files.CLAIM)
@@ -168,15 +184,19 @@ class Doctor:
 
 
 def doctor(
-    target: Target,
+    s: Settings,
     *,
-    home: Path,
+    local: bool,
+    worker_spec: str,
     python: str | None,
+    announce: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
-    kill_stale_cmd: str = "tpurun kill-stale",
 ) -> Doctor:
-    """Every check of every selected worker of TARGET (its Python PYTHON, else the workers'); WARN is told
-    when the startup reports cannot be read; HOME holds the pinned host keys."""
+    """Every check of every worker WORKER_SPEC selects of the TPU S names (or this machine, LOCAL), its Python
+    PYTHON, else the workers'; ANNOUNCE hears that it is this machine, WARN that the startup reports cannot be
+    read."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
+    home, kill_stale_cmd = s.home_path, kill_stale_command(target.local, target.name)
     py = target.python(python)
     with target:
         cfg = scan_config(target) | {"python": py, "probe": env_contract.PROBE_SCRIPT}

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tpurun import diagnose, settings, targets, ui
+from tpurun import diagnose, settings, ui
 from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import skew_table
 from tpurun.errors import ExitCode
@@ -19,11 +19,6 @@ from tpurun.errors import ExitCode
 
 def _short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _kill_stale_command(local: bool, tpu: str) -> str:
-    """The kill-stale that frees the TPU a command acted on (this machine, with LOCAL)."""
-    return "tpurun kill-stale " + ("--local" if local else f"--tpu {tpu}")
 
 
 # ------------------------------------------------------------------ kill-stale
@@ -45,8 +40,7 @@ def kill_stale_cmd(
     is touched. Exit 0 when every selected worker's TPU is free, 1 when a holder is left (--dry-run: found).
     """
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
-    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    result = diagnose.kill_stale(target, dry_run=dry_run, grace=grace)
+    result = diagnose.kill_stale(s, local=local, worker_spec=worker, dry_run=dry_run, grace=grace, announce=ui.info)
     if json_out:
         ui.print_json(result.to_json())
     else:
@@ -98,7 +92,7 @@ def _kill_stale_exit(result: diagnose.KillStale) -> int:
         return ExitCode.OK
     w, h = held[0]
     if result.dry_run:
-        ui.info(f"run `{_kill_stale_command(result.local, result.tpu)}` to stop them")
+        ui.info(f"run `{diagnose.kill_stale_command(result.local, result.tpu)}` to stop them")
         return ExitCode.PROGRAM_FAILED
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
     ui.err().print(
@@ -127,9 +121,7 @@ def doctor_cmd(
     Exit 0 when no check failed, 1 when one did, 4 when a worker could not be reached.
     """
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
-    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    kill_stale = _kill_stale_command(target.local, target.name)
-    result = diagnose.doctor(target, home=s.home_path, python=python, warn=ui.warn, kill_stale_cmd=kill_stale)
+    result = diagnose.doctor(s, local=local, worker_spec=worker, python=python, announce=ui.info, warn=ui.warn)
     total = result.summary
     code = ExitCode.UNREACHABLE if result.unreachable else ExitCode.PROGRAM_FAILED if result.failed else ExitCode.OK
     if json_out:

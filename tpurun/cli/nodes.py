@@ -191,9 +191,8 @@ def create_cmd(
     cloud, s = cloud_for(project, zone)
     result = _create(cloud, s, spec, delete_on_failure=delete_on_failure, json_out=json_out)
     view = result.view if isinstance(result, provision.CreateResult) else result
-    if isinstance(result, provision.CreateResult) and not s.tpu.value:
-        path = settings.write_project_setting("tpu", name)
-        ui.info(f"{name} is now the default TPU here (recorded in {path})")
+    if isinstance(result, provision.CreateResult) and result.default_in is not None:
+        ui.info(f"{name} is now the default TPU here (recorded in {result.default_in})")
     if json_out:
         ui.print_json(view.to_dict(full=True))
         return
@@ -385,11 +384,10 @@ def delete_cmd(
         if not typer.confirm(f"Delete {name} in {cloud.project}/{cloud.zone}?", default=False):
             raise typer.Exit(1)
     with progress_display() as progress:
-        also = provision.delete(cloud, s, name, progress)
-    ui.info(" and ".join([f"deleted {name}", *also]))
-    cleared = settings.clear_project_setting("tpu", name)
-    if cleared:
-        ui.info(f"{name} is no longer the default TPU in {cleared}")
+        deleted = provision.delete(cloud, s, name, progress)
+    ui.info(" and ".join([f"deleted {name}", *deleted.also]))
+    if deleted.default_in is not None:
+        ui.info(f"{name} is no longer the default TPU in {deleted.default_in}")
 
 
 def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) -> None:

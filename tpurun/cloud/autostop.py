@@ -10,7 +10,6 @@ read back here for `list` and `describe`.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from tpurun.cloud import startup
 from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.worker import bundle_metadata, watchdog
+from tpurun.worker.protocol_calls import DEFAULT_TICK, WatchdogConfig
 
 if TYPE_CHECKING:
     from tpurun.cloud.backend import Backend
@@ -69,27 +69,27 @@ def check_action(action: str, cannot_stop: str = "") -> None:
         raise UsageError(f"--autostop-action stop: {cannot_stop}", hint="use --autostop-action delete")
 
 
-def setting(target: dict[str, Any], idle: int, action: str = "delete") -> str:
-    """The `tpurun-autostop` metadata value: TARGET (the API and the TPU's resources, from the backend's
-    `watch_target`), the idle period, the action and the watchdog's tick."""
-    return json.dumps({**target, "idle": idle, "action": action, "tick": tick()}, sort_keys=True)
+def setting(resources: WatchdogConfig, idle: int, action: str = "delete") -> str:
+    """The `tpurun-autostop` metadata value: the watchdog's RESOURCES (the API and the TPU's resources, from the
+    backend's `watchdog_resources`), the idle period, the action and the watchdog's tick."""
+    return resources.set(idle, action, tick()).to_json()
 
 
-def stand_in(nodes: list[str]) -> dict[str, Any]:
-    """A target of the same size and shape as a Cloud TPU API one, for checks made before settings."""
-    return {"nodes": [f"projects/-/locations/-/nodes/{n}" for n in nodes], "endpoint": "https://tpu.googleapis.com"}
+def stand_in(nodes: list[str]) -> WatchdogConfig:
+    """Resources of the same size and shape as a Cloud TPU API TPU's, for checks made before settings."""
+    return WatchdogConfig("https://tpu.googleapis.com", [f"projects/-/locations/-/nodes/{n}" for n in nodes])
 
 
-def metadata(target: dict[str, Any], idle: int, action: str = "delete") -> dict[str, str]:
+def metadata(resources: WatchdogConfig, idle: int, action: str = "delete") -> dict[str, str]:
     """The metadata entries that install the watchdog (the startup wrapper starts it) and set it."""
-    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(target, idle, action)}
+    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(resources, idle, action)}
 
 
 @dataclass(frozen=True)
 class Setting:
     idle: int  # seconds; 0: off
     action: str
-    tick: float = watchdog.DEFAULT_TICK
+    tick: float = DEFAULT_TICK
 
     def label(self) -> str:
         return f"{self.action} after {watchdog.duration(self.idle)} idle" if self.idle else "off"
@@ -98,15 +98,10 @@ class Setting:
 def read(md: dict[str, str]) -> Setting | None:
     """The autostop setting in a node's metadata; None where tpurun set none."""
     try:
-        value = json.loads(md.get(KEY, ""))
+        cfg = WatchdogConfig.from_json(md.get(KEY, ""))
     except ValueError:
         return None
-    if not isinstance(value, dict):
-        return None
-    try:
-        return Setting(int(value.get("idle") or 0), str(value.get("action") or "delete"), watchdog.tick_of(value))
-    except (TypeError, ValueError):
-        return None
+    return Setting(cfg.idle, cfg.action, cfg.tick)
 
 
 def configure(
@@ -137,7 +132,7 @@ def configure(
                 hint=f"`tpurun attach {name}` installs tpurun's ssh key; `tpurun doctor` shows what is wrong",
             )
     progress(f"{name}: setting autostop")
-    entries = metadata(_target(maker, view), idle, action)
+    entries = metadata(_resources(maker, view), idle, action)
     maker.update_metadata(view, lambda _md: entries)
     return Setting(idle, action)
 
@@ -155,7 +150,7 @@ def arm_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
     """Before a `train --down` job: every slice of NAME carries a watchdog setting (autostop off where none
     was set), so the watchdog the job's agent starts knows the TPU's slices and the API."""
     maker, view = _ready(cloud, name)
-    entries = metadata(_target(maker, view), 0, "delete")
+    entries = metadata(_resources(maker, view), 0, "delete")
     if any(read(part.metadata) is None for part in view.parts):
         progress(f"{name}: setting up its watchdog for --down")
     maker.update_metadata(view, lambda md: None if read(md) is not None else entries)
@@ -171,8 +166,9 @@ def _ready(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
     return maker, view
 
 
-def _target(maker: Backend, view: NodeView) -> dict[str, Any]:
-    return maker.watch_target(view.name, [p.name for p in view.parts], len(view.workers) > len(view.parts), view)
+def _resources(maker: Backend, view: NodeView) -> WatchdogConfig:
+    many_hosts = len(view.workers) > len(view.parts)
+    return maker.watchdog_resources(view.name, [p.name for p in view.parts], many_hosts, view)
 
 
 # ---------------------------------------------------------------------------- what the watchdogs report

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tpurun.errors import ApiError
 from tpurun.topology import Topology
@@ -22,6 +22,7 @@ from tpurun.topology import Topology
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
+    from tpurun.worker.protocol_calls import WatchdogConfig
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +144,11 @@ class Backend(ABC):
         """What every worker published under QUERY_PATH ("hostkeys/", "tpurun/"), in worker order."""
 
     @abstractmethod
-    def watch_target(self, name: str, parts: list[str], multi_host: bool, view: NodeView | None) -> dict[str, Any]:
-        """What the TPU's watchdog calls and deletes: the part of its `tpurun-autostop` setting that names
-        the API's root and the TPU's resources (tpurun/worker/watchdog.py reads it). VIEW: the TPU as it is;
+    def watchdog_resources(
+        self, name: str, parts: list[str], multi_host: bool, view: NodeView | None
+    ) -> WatchdogConfig:
+        """What the TPU's watchdog calls and deletes (its resources: the API's root and the TPU's resources), as a
+        `WatchdogConfig` with autostop off (tpurun/worker/watchdog.py reads it). VIEW: the TPU as it is;
         None: about to be made by tpurun, as the slices PARTS (multi-host ones if MULTI_HOST)."""
 
     @abstractmethod

@@ -25,7 +25,8 @@ from tpurun.targets import Target
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, Stream, open_stream
-from tpurun.worker.protocol import AgentExit, Preflight
+from tpurun.worker.protocol import AgentExit
+from tpurun.worker.protocol_calls import Preflight
 
 NOT_INSTALLED = "not installed"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -224,7 +225,7 @@ def refuse_if_busy(target: Target, answers: dict[int, Preflight]) -> None:
         return
     job, where = sorted(busy.items())[0]
     on = ", ".join(where)
-    if any(st.get("job_id") == job and st.get("status") in ACTIVE for a in answers.values() for st in a.jobs):
+    if any(st.job_id == job and st.status in ACTIVE for a in answers.values() for st in a.jobs):
         raise TpuBusy(
             f"{target.name} is busy: job {job} runs on {on}; nothing was started",
             hint=f"`tpurun cancel {job}` first, or wait: `tpurun logs {job} --follow`",

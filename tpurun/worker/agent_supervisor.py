@@ -33,7 +33,7 @@ from agent_files import (
     signal_group,
     signal_pids,
     watch_exit,
-    write_json_atomic,
+    write_state,
 )
 from agent_lines import STDIO, Channel, Channels, pump, spawned_child, stdio_id
 from protocol import (
@@ -41,12 +41,13 @@ from protocol import (
     HOOK_ACCEPTED,
     HOST,
     STACKS_SIGNAL,
+    FirstFailure,
     HookStream,
-    JobSpec,
+    JobState,
     JobStatus,
     Passage,
-    ProcessSpec,
     ProcessStatus,
+    SlotState,
     Source,
     Started,
     StartFailed,
@@ -56,6 +57,7 @@ from protocol import (
     read_hook_header,
     read_task_end,
 )
+from protocol_calls import JobSpec, ProcessSpec
 
 # ---------------------------------------------------------------- the supervisor
 
@@ -166,21 +168,11 @@ class Slot:
     def readers_done(self) -> bool:
         return not any(t.is_alive() for t in self.readers)
 
-    def to_dict(self) -> dict:
-        return {
-            "core": self.index,  # state.json's key for the slot
-            "pid": self.pid,
-            "pgid": self.pgid,
-            "status": self.status,
-            "exit_code": self.exit_code,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "last_line": self.last_line,
-            "last_line_at": self.last_line_at,
-            "passages": [p.to_dict() for p in self.passages.values()],
-            "argv": self.argv,
-            "spawned": self.spawned,
-        }
+    def state(self) -> SlotState:
+        return SlotState(
+            self.index, self.status, self.exit_code, self.pid, self.pgid, self.started_at, self.ended_at,
+            self.last_line, self.last_line_at, list(self.passages.values()), self.argv, self.spawned,
+        )  # fmt: skip
 
 
 class Supervisor:
@@ -206,7 +198,7 @@ class Supervisor:
         self.status = JobStatus.RUNNING  # until every process is gone: readers trust an end status
         self.outcome: JobStatus | None = None  # the end status decided by a stop (stopped/failed), applied at the end
         self.reason = ""
-        self.first_failure: dict | None = None
+        self.first_failure: FirstFailure | None = None
         self.started_at = now()
         self.ended_at: float | None = None
         self.stop_requested = False
@@ -402,7 +394,7 @@ class Supervisor:
         True when its end was recorded."""
         if c.reported not in (None, 0) and self.stop_deadline is None:
             # its spawner task failed: stop now, the spawner would wait for every sibling first
-            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": c.reported, "time": now()}
+            self.first_failure = FirstFailure(c.index, c.reported, now(), self.worker)
             self.request_stop(f"chip {c.index} failed", JobStatus.FAILED)
         if c.ended_at is not None:
             return False
@@ -423,7 +415,7 @@ class Supervisor:
             if host.exit_code is None and host.status == ProcessStatus.RUNNING:
                 return False  # the host process was the chip (nprocs=1): its exit code decides
             c.exit_code, c.status = host.exit_code, host.status
-        elif (self.first_failure or {}).get("core") == c.index:
+        elif self.first_failure is not None and self.first_failure.slot == c.index:
             c.status = ProcessStatus.DIED
         elif self.stop_deadline is not None:
             c.status = ProcessStatus.KILLED
@@ -458,31 +450,24 @@ class Supervisor:
             for p in x.pids:
                 x.note_end(p)
         first = min(gone, key=lambda x: min(x.died_at.values(), default=now()))
-        self.first_failure = {"worker": self.worker, "core": first.index, "exit_code": first.reported, "time": min(first.died_at.values(), default=now())}
+        self.first_failure = FirstFailure(
+            first.index, first.reported, min(first.died_at.values(), default=now()), self.worker
+        )
         self.request_stop(f"chip {first.index} died {why}", JobStatus.FAILED)
         return True
 
     # --- state
 
-    def state(self) -> dict:
-        return {
-            "job_id": self.job,
-            "worker": self.worker,
-            "supervisor_pid": os.getpid(),
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "status": self.status,
-            "stopping": self.stop_deadline is not None and self.status == JobStatus.RUNNING,
-            "detach": self.detach,
-            "launch": self.launch,
-            "reason": self.reason,
-            "first_failure": self.first_failure,
-            "cores": [c.to_dict() for c in self.snapshot()],
-        }
+    def state(self) -> JobState:
+        stopping = self.stop_deadline is not None and self.status == JobStatus.RUNNING
+        return JobState(
+            self.job, self.worker, self.status, os.getpid(), self.started_at, self.ended_at, stopping, self.detach,
+            self.launch, self.reason, self.first_failure, [c.state() for c in self.snapshot()],
+        )  # fmt: skip
 
     def save(self) -> None:
         self.saved_at = now()
-        write_json_atomic(os.path.join(self.jdir, "state.json"), self.state())
+        write_state(self.jdir, self.state())
 
     def log(self, message: str) -> None:
         sys.stderr.write(time.strftime("%Y-%m-%dT%H:%M:%S ") + message + "\n")
@@ -571,7 +556,7 @@ class Supervisor:
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return
-            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc, "time": now()}
+            self.first_failure = FirstFailure(c.index, rc, now(), self.worker)
             self.request_stop(f"slot {c.index} exited with {rc}", JobStatus.FAILED)
 
     def loop(self) -> None:
@@ -677,7 +662,7 @@ class Supervisor:
         self.start_slots()
         self.serve_log_socket()  # threads only now: start_slots forks with a preexec_fn
         self.save()
-        self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.to_dict() for c in self.snapshot()]))
+        self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.state() for c in self.snapshot()]))
         self.loop()
         self.finish()
 
