@@ -7,7 +7,7 @@ when a worker could not be reached (doctor still prints every other worker's row
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -48,43 +48,34 @@ def kill_stale_cmd(
     raise typer.Exit(_kill_stale_exit(result))
 
 
-def _render_kill_stale(workers: list[dict[str, Any]], dry_run: bool) -> None:
+def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -> None:
     rows = [
-        (
-            w["name"],
-            h["pid"],
-            h["user"],
-            ui.age(h["age"]),
-            _short(h["command"]),
-            " ".join(h["holds"]),
-            h.get("result", ""),
-        )
+        (w.name, h.pid, h.user, ui.age(h.age), _short(h.command), " ".join(h.holds), h.result or "")
         for w in workers
-        for h in w.get("holders", [])
+        for h in w.holders
     ]
     if rows:
         ui.table(None, ["worker", "pid", "user", "age", "command", "holds", "result"], rows)
-    lock_rows = [(w["name"], lk["path"], lk["result"]) for w in workers for lk in w.get("locks", [])]
+    lock_rows = [(w.name, lk.path, lk.result or "") for w in workers for lk in w.locks]
     if lock_rows:
         ui.table(None, ["worker", "lock file", "result"], lock_rows)
     for w in workers:
-        label = w["name"]
-        for e in w.get("errors", []):
-            ui.warn(f"{label}: {e}")
-        if not w["reachable"]:
+        for e in w.errors:
+            ui.warn(f"{w.name}: {e}")
+        if not w.reachable:
             continue
-        n = len(w.get("holders", []))
+        n = len(w.holders)
         if n == 0:
-            ui.info(f"{label}: nothing holds the TPU")
+            ui.info(f"{w.name}: nothing holds the TPU")
         elif dry_run:
-            ui.info(f"{label}: {n} process(es) hold the TPU (dry run: nothing was stopped)")
-        elif w.get("free"):
-            ui.info(f"{label}: TPU free ({n} process(es) stopped)")
+            ui.info(f"{w.name}: {n} process(es) hold the TPU (dry run: nothing was stopped)")
+        elif w.free:
+            ui.info(f"{w.name}: TPU free ({n} process(es) stopped)")
 
 
 def _kill_stale_exit(result: diagnose.KillStale) -> int:
     for w in result.unreachable:
-        ui.err().print(f"error: {w['error']}", markup=False)
+        ui.err().print(f"error: {w.error}", markup=False)
     if result.unreachable:
         return ExitCode.UNREACHABLE
     held = result.held()
@@ -96,7 +87,7 @@ def _kill_stale_exit(result: diagnose.KillStale) -> int:
         return ExitCode.PROGRAM_FAILED
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
     ui.err().print(
-        f"error: the TPU is still held on {w['name']} by pid {h['pid']} ({_short(h['command'])}){more}",
+        f"error: the TPU is still held on {w.name} by pid {h.pid} ({_short(h.command)}){more}",
         markup=False,
     )
     return ExitCode.PROGRAM_FAILED
@@ -133,7 +124,7 @@ def doctor_cmd(
                 "summary": total,
                 "exit_code": code,
                 "checks": [c.to_dict() for c in result.checks],
-                "workers": {str(i): result.probes[i] for i in sorted(result.probes)},
+                "workers": {str(i): result.probes[i].to_dict() for i in sorted(result.probes)},
                 "skew": result.skew.to_json(),
             }
         )

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tpurun.errors import TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.setup import REQUIREMENTS
@@ -23,6 +23,9 @@ from tpurun.job.status import ACTIVE
 from tpurun.targets import Target
 from tpurun.transport.fleet import Call, Session
 from tpurun.worker.protocol_calls import Preflight
+
+if TYPE_CHECKING:
+    from tpurun.worker.probe import DoctorAnswer
 
 NOT_INSTALLED = "not installed"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -146,10 +149,10 @@ def claim(target: Target, python: str, packages: list[str], job_id: str) -> tupl
     return answers, held
 
 
-def from_probe(probe: dict[str, Any]) -> Preflight | None:
-    """A doctor probe's answer (env_contract.PROBE_SCRIPT's, under "python_probe") as a preflight's, to
+def from_probe(answer: DoctorAnswer) -> Preflight | None:
+    """A doctor probe's answer (env_contract.PROBE_SCRIPT's, its `python_probe`) as a preflight's, to
     compare the same way; None where the probe failed."""
-    p = probe.get("python_probe") or {}
+    p = answer.python_probe
     if p.get("error") or "python_version" not in p:
         return None
     return Preflight([], str(p["python_version"]), str(p.get("python")), dict(p.get("packages") or {}))

@@ -20,6 +20,7 @@ AGENT_PATH = WORKER_DIR / "agent.py"
 BUNDLE = (
     "agent.py",
     "agent_files.py",
+    "agent_lines.py",
     "agent_stacks.py",
     "agent_supervisor.py",
     "protocol.py",

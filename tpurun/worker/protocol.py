@@ -19,9 +19,9 @@ The conversation, for one job on one worker:
   last line, an `exit` event (how it ended: a `ProcessStatus` and its exit code), and once the job is over
   a `done` event carrying the job's state (state.json, a `JobState`: a `JobStatus`, its processes' `SlotState`s,
   the `FirstFailure`);
-* the hook in each process a script's spawner makes opens three connections to the supervisor's log
-  socket (`HookStream`), each starting with a `hook_header` line, and reports on the `ctl` one how the
-  spawner's task ended (`TaskEnd`);
+* the hook in each Python process of the job but those tpurun starts connects its stdout and stderr to the
+  supervisor's log socket at its start (`HookStream.OWN_*`, each connection starting with a `hook_header`
+  line); one a script's spawner makes opens a `ctl` one at its chip, to report how its task ended (`TaskEnd`);
 * the hook in any process of the job reports on a `wait` connection each time the process enters and
   leaves a runtime's rendezvous point (`Passage`); the supervisor keeps each process's latest passage per
   point in state.json ("passages") and `stream` sends a `passages` event when they change;
@@ -137,6 +137,7 @@ class HookStream(Word):
     ERR = "err"
     CTL = "ctl"  # reports: how the spawner's task ended (`TaskEnd`), faulthandler's crash report
     WAIT = "wait"  # any process of the job, the host's too: its passages through rendezvous points (`Passage`)
+    OWN_OUT, OWN_ERR = "own-out", "own-err"  # a Python process's own stdout/stderr from its start (HOST: no chip yet)
 
 
 class TaskEnd(Word):
@@ -617,7 +618,7 @@ def hook_header(slot: int, stream: HookStream, pool: bool) -> bytes:
 
 def read_hook_header(raw: bytes) -> tuple:
     """(slot, HookStream, pool) of a hook connection's first line, or ValueError. Only a `wait` connection
-    comes from a process tpurun started itself, which may be slot HOST."""
+    or a process's own stream (not yet a chip's: `OWN_OUT`, `OWN_ERR`) may be slot HOST."""
     data = json.loads(raw or b"null")
     if not isinstance(data, dict):
         raise ValueError(f"not a hook header: {raw[:100]!r}")
@@ -625,7 +626,7 @@ def read_hook_header(raw: bytes) -> tuple:
         slot, stream = int(data["core"]), HookStream(data["stream"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a hook header: {raw[:100]!r}") from e
-    if slot < 0 and not (slot == HOST and stream is HookStream.WAIT):
+    if slot < 0 and not (slot == HOST and stream in (HookStream.WAIT, HookStream.OWN_OUT, HookStream.OWN_ERR)):
         raise ValueError(f"a hook header with slot {slot}")
     return slot, stream, bool(data.get("pool"))
 
