@@ -119,11 +119,12 @@ def test_torch_xla_and_jax_work_by_default_on_compute_engine_vms(cli, emulator, 
     assert [(c["worker"], c["status"]) for c in rows] == [(0, "pass"), (1, "pass")], rows
     assert all("given by tpurun" in c["detail"] for c in rows), rows
     # and what it would say of a process told nothing: the VM's own metadata server, asked from the VM
-    ask = Path(probe.__file__).read_text() + "\nprint(json.dumps(runtime_place({}, ['/dev/vfio/0'])))\n"
+    ask = Path(probe.__file__).read_text() + "\nprint(json.dumps(runtime_place({}, ['/dev/vfio/0']).to_dict()))\n"
     r = cli("exec", "--", "python3", "-c", ask)
     assert r.code == 0, r.err
     for tag, lines in by_tag(r.out).items():
-        row = health.check_runtime_place(0, {"devices_present": ["/dev/vfio/0"], "runtime_place": json.loads(lines[-1])})
+        answer = probe.DoctorAnswer.from_dict({"devices_present": ["/dev/vfio/0"], "runtime_place": json.loads(lines[-1])})
+        row = health.check_runtime_place(0, answer)
         assert (row.status, "HTTP 404" in row.detail) == ("fail", True), (tag, row)
 
     # JAX's model is one process per host, whatever the runtime: two processes, not one per TensorCore
