@@ -15,7 +15,7 @@ from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, Met
 from tpurun.cloud.client import short_name
 from tpurun.cloud.multislice import qr_state
 from tpurun.cloud.views import NodeView, WorkerView
-from tpurun.errors import ApiError
+from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, parse_accelerator_type
 
 STATE = tpu_v2.Node.State
@@ -222,6 +222,27 @@ class TpuApi(Backend):
                 "single-host TPU VMs"
             )
         return ""
+
+    @classmethod
+    def cannot_stop_asked(cls, spec: CreateSpec, topo: Topology) -> str:
+        # a node asked for through a queued resource is not stopped either: Cloud TPU deletes it
+        if topo.multi_host or spec.queued or spec.slices > 1:
+            return f"Cloud TPU can stop only single-host TPU VMs, and {spec.name} ({topo.name}) is not one"
+        return ""
+
+    @classmethod
+    def check_create(cls, spec: CreateSpec, topo: Topology) -> None:
+        pass  # every option of `create` is the Cloud TPU API's
+
+    @classmethod
+    def run_limit(cls, spec: CreateSpec) -> int | None:
+        if spec.flex_start:
+            raise UsageError(
+                "--flex-start: tpurun asks Compute Engine for flex-start capacity, and this TPU is made by the Cloud "
+                "TPU API",
+                hint="add --backend compute (v5p, v6e), or wait for capacity there with --queued",
+            )
+        return None
 
     def stop(self, view: NodeView, progress: Progress) -> None:
         op = self.cloud.stop_node(view.name)
