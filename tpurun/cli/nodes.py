@@ -385,8 +385,10 @@ def delete_cmd(
         if not typer.confirm(f"Delete {name} in {cloud.project}/{cloud.zone}?", default=False):
             raise typer.Exit(1)
     with progress_display() as progress:
-        also = provision.delete(cloud, s, name, progress)
-    ui.info(" and ".join([f"deleted {name}", *also]))
+        deleted = provision.delete(cloud, s, name, progress)
+    ui.info(" and ".join([f"deleted {name}", *deleted.also]))
+    if deleted.left:
+        ui.info(f"left {' and '.join(deleted.left)}: {deleted.why_left}")
     cleared = settings.clear_project_setting("tpu", name)
     if cleared:
         ui.info(f"{name} is no longer the default TPU in {cleared}")

@@ -84,6 +84,15 @@ class Request:
     max_run: int | None = None  # seconds a flex-start VM runs
 
 
+@dataclass
+class Deleted:
+    """What went with a deleted TPU besides it, and what it used that was left, in the user's words."""
+
+    also: list[str] = field(default_factory=list)  # "its queued resource"
+    left: list[str] = field(default_factory=list)  # "the instance template T"
+    why_left: str = ""  # why LEFT stayed: tpurun deletes only what it made, and how it knows
+
+
 class Backend(ABC):
     """A TPU's life through one API. Every method takes the name the user gave the TPU; a backend that
     has no TPU of that name answers None from `find` and nothing else is asked of it."""
@@ -110,11 +119,11 @@ class Backend(ABC):
         """What `create` asks this API for to make SPEC, in the user's words ("the node demo")."""
 
     @abstractmethod
-    def delete(self, view: NodeView, progress: Progress) -> list[str]:
-        """Delete the TPU and everything made with it, waiting until it is gone (a part already being deleted
-        is waited for); what else went, for the user ("its queued resource")."""
+    def delete(self, view: NodeView, progress: Progress) -> Deleted:
+        """Delete the TPU and everything tpurun made with it, waiting until it is gone (a part already being
+        deleted is waited for): what else went, and what the TPU used that tpurun did not make and left."""
 
-    def take_back(self, name: str, progress: Progress) -> list[str] | None:
+    def take_back(self, name: str, progress: Progress) -> Deleted | None:
         """Delete whatever of the TPU NAME this API holds, made whole or not (what an interrupted `create` or
         `delete` left), and wait until it is gone: what else went, as `delete` says it; None when it holds
         nothing of NAME."""

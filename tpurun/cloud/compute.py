@@ -21,7 +21,7 @@ from typing import Any
 from google.cloud import compute_v1
 
 from tpurun.cloud import keys
-from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
+from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, MetadataChange, Progress, Request
 from tpurun.cloud.client import Cloud, compute_endpoint, short_name
 from tpurun.cloud.compute_calls import ComputeCalls
 from tpurun.cloud.compute_groups import MADE_BY, ComputeGroups
@@ -320,21 +320,34 @@ class Compute(Backend):
         policy = f" and the workload policy {name}" if topology.multi_host else ""
         return f"the instance {groups}, the instance template {name}{policy}"
 
-    def delete(self, view: NodeView, progress: Progress) -> list[str]:
+    def delete(self, view: NodeView, progress: Progress) -> Deleted:
+        """A group's instance template and workload policy go with it only where tpurun made them for the TPU
+        (their description says so): those of a group made elsewhere, then attached, are left, named."""
         name = view.name
         several = bool(view.slices or view.gone)
         names = slice_ids(name, len(view.parts) + len(view.gone)) if several else [name]
         groups = [g for n in names if (g := self.groups.get_group(n)) is not None]
         if not groups:
             self._delete_vm(name, progress)
-            return []
+            return Deleted()
         made_template, made_policy = (
             self.groups.made_template(groups[0], name),
             self.groups.made_policy(groups[0], name),
         )
         self.groups.delete_groups([g.name for g in groups], progress)
         also = [f"its {len(names)} slices' instance groups"] if several else []
-        return also + self._delete_made(name, made_template, made_policy, progress)
+        deleted = Deleted(also + self._delete_made(name, made_template, made_policy, progress))
+        policy = groups[0].resource_policies.workload_policy
+        if not made_template:
+            deleted.left.append(f"the instance template {short_name(groups[0].instance_template)}")
+        if policy and not made_policy:
+            deleted.left.append(f"the workload policy {short_name(policy)}")
+        if deleted.left:
+            deleted.why_left = (
+                f"tpurun deletes only what it made, which it marks in the description ({MADE_BY}{name}), and "
+                "these are not marked: made elsewhere, they may serve other groups"
+            )
+        return deleted
 
     def _delete_made(self, name: str, template: bool, policy: bool, progress: Progress) -> list[str]:
         """The instance TEMPLATE and workload POLICY tpurun made for the TPU NAME deleted, once no group uses them."""
@@ -349,7 +362,7 @@ class Compute(Backend):
             also.append("its workload policy")
         return also
 
-    def take_back(self, name: str, progress: Progress) -> list[str] | None:
+    def take_back(self, name: str, progress: Progress) -> Deleted | None:
         """Also what is not a TPU (yet, or any more) of what tpurun made for NAME: the groups of its slices, its
         template and policy, each known by its description."""
         view = self.find(name)
@@ -366,7 +379,7 @@ class Compute(Backend):
             return None
         self.groups.delete_groups(ours, progress)
         also = [f"its instance group{'s' if len(ours) > 1 else ''} {', '.join(ours)}"] if ours else []
-        return also + self._delete_made(name, made_template, made_policy, progress)
+        return Deleted(also + self._delete_made(name, made_template, made_policy, progress))
 
     def _delete_vm(self, name: str, progress: Progress) -> None:
         what = f"delete {name}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tpurun import config, settings
 from tpurun.cloud import autostop, identity, keys, multislice, routing, startup
-from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, Request
+from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import GONE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
@@ -181,10 +181,11 @@ def take_back(
 ) -> list[str] | None:
     """Delete whatever exists of what the interrupted create STOPPED asked for, and wait until it is gone: what
     went besides the TPU, as `delete` says it; None when nothing of it had been made."""
-    also = routing.of_kind(cloud, stopped.kind).take_back(stopped.name, progress)
-    if also is not None:
-        identity.bury(s.home_path, cloud.project, cloud.zone, stopped.name, "Ctrl-C during `tpurun create`")
-    return also
+    deleted = routing.of_kind(cloud, stopped.kind).take_back(stopped.name, progress)
+    if deleted is None:
+        return None
+    identity.bury(s.home_path, cloud.project, cloud.zone, stopped.name, "Ctrl-C during `tpurun create`")
+    return deleted.also
 
 
 # ---------------------------------------------------------------------------- finding
@@ -388,20 +389,21 @@ def read_startup_reports(cloud: Cloud, name: str) -> list[startup.StartupReport]
 
 def delete(
     cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None], by: str = "`tpurun delete`"
-) -> list[str]:
-    """Delete NAME and what was made with it (its queued resource; every slice of a multislice TPU), and
-    remember that BY (the command, for a later one naming NAME) deleted it. Returns what else went, for the
-    user. Where no TPU NAME exists, what an interrupted create or delete left of it goes."""
+) -> Deleted:
+    """Delete NAME and what tpurun made with it (its queued resource; every slice of a multislice TPU), and
+    remember that BY (the command, for a later one naming NAME) deleted it. Returns what else went, and what
+    NAME used that tpurun did not make and left, for the user. Where no TPU NAME exists, what an interrupted
+    create or delete left of it goes."""
     try:
         maker, view = whole(cloud, name, "delete")
     except NoSuchTpu:
-        also = next((a for b in routing.backends(cloud) if (a := b.take_back(name, progress)) is not None), None)
-        if also is None:
+        deleted = next((d for b in routing.backends(cloud) if (d := b.take_back(name, progress)) is not None), None)
+        if deleted is None:
             raise
     else:
-        also = maker.delete(view, progress)
+        deleted = maker.delete(view, progress)
     identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
-    return also
+    return deleted
 
 
 def take_down(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None], by: str) -> None:

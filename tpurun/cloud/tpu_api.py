@@ -11,7 +11,7 @@ from typing import Any
 from google.cloud import tpu_v2
 
 from tpurun.cloud import keys, multislice, startup
-from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
+from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, MetadataChange, Progress, Request
 from tpurun.cloud.client import short_name
 from tpurun.cloud.multislice import qr_state
 from tpurun.cloud.views import NodeView, WorkerView
@@ -133,7 +133,7 @@ class TpuApi(Backend):
             return f"the queued resource {spec.name} and its node"
         return f"the node {spec.name}"
 
-    def delete(self, view: NodeView, progress: Progress) -> list[str]:
+    def delete(self, view: NodeView, progress: Progress) -> Deleted:
         cloud, name = self.cloud, view.name
         node_made = bool(view.id)  # a node (else: a queued resource waiting, or a multislice TPU)
         if node_made:
@@ -144,7 +144,7 @@ class TpuApi(Backend):
                 lambda: progress(f"{name}: DELETING"),
             )
         if not view.queued_resource:
-            return []
+            return Deleted()
         short = short_name(view.queued_resource)
         progress(f"{name}: deleting queued resource {short}" + ("" if node_made else " and its slices"))
         self._remove(
@@ -152,7 +152,7 @@ class TpuApi(Backend):
             lambda: cloud.delete_queued_resource(view.queued_resource),
             lambda: _state(cloud.find_queued_resource(short)),
         )
-        return ["its queued resource"]
+        return Deleted(["its queued resource"])
 
     def _remove(
         self,
