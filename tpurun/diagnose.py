@@ -10,18 +10,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from tpurun import config, health
+from tpurun import config, health, targets
 from tpurun.cloud import keys, startup
 from tpurun.errors import TpurunError, UnreachableError
 from tpurun.job import env_contract, preflight
+from tpurun.settings import Settings
 from tpurun.targets import Target
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, run_capture
 from tpurun.worker import agent_files, probe
 
-Probes = dict[int, dict[str, Any]]  # worker index -> the probe's JSON
+A = TypeVar("A")
+Probes = dict[int, dict[str, Any]]  # worker index -> the probe's JSON (read as its answer's record by each command)
 
 
 def scan_config(target: Target) -> dict[str, Any]:
@@ -83,35 +85,84 @@ def run_probe(target: Target, mode: str, cfg: dict[str, Any], python: str, timeo
     return run
 
 
+def read_answers(run: ProbeRun, read: Callable[[dict[str, Any]], A]) -> dict[int, A]:
+    """Each worker's answer in RUN as its record (READ: the record's `from_dict`); an answer that is not one
+    becomes that worker's error."""
+    answers = {}
+    for i, data in run.results.items():
+        try:
+            answers[i] = read(data)
+        except ValueError as exc:
+            run.errors[i] = f"the probe's answer cannot be read: {exc}"
+    return answers
+
+
 # ------------------------------------------------------------------ kill-stale
 
 
 @dataclass
+class KillStaleWorker:
+    """kill-stale on one worker: its probe's ANSWER, or the ERROR that kept it from one."""
+
+    index: int
+    name: str
+    address: str
+    answer: probe.KillStaleAnswer | None = None
+    error: str = ""
+
+    @property
+    def reachable(self) -> bool:
+        return self.answer is not None
+
+    @property
+    def free(self) -> bool:
+        return self.answer is not None and self.answer.free
+
+    @property
+    def holders(self) -> list[probe.Holder]:
+        return self.answer.holders if self.answer is not None else []
+
+    @property
+    def locks(self) -> list[probe.LockFile]:
+        return self.answer.locks if self.answer is not None else []
+
+    @property
+    def errors(self) -> list[str]:
+        return self.answer.errors if self.answer is not None else []
+
+    def to_json(self) -> dict[str, Any]:
+        head = {"worker": self.index, "name": self.name, "address": self.address, "reachable": self.reachable}
+        if self.answer is None:
+            return head | {"error": self.error, "free": None, "holders": [], "locks": []}
+        return head | self.answer.to_dict()
+
+
+@dataclass
 class KillStale:
-    """What kill-stale found and did on every selected worker (each a dict as `--json` prints it)."""
+    """What kill-stale found and did on every selected worker."""
 
     tpu: str
     local: bool
     dry_run: bool
     grace: float
-    workers: list[dict[str, Any]]
+    workers: list[KillStaleWorker]
 
     @property
     def free(self) -> bool:
-        return all(w.get("free") for w in self.workers)
+        return all(w.free for w in self.workers)
 
     @property
-    def unreachable(self) -> list[dict[str, Any]]:
-        return [w for w in self.workers if not w["reachable"]]
+    def unreachable(self) -> list[KillStaleWorker]:
+        return [w for w in self.workers if not w.reachable]
 
-    def held(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    def held(self) -> list[tuple[KillStaleWorker, probe.Holder]]:
         """(worker, holder) for every process still holding a TPU after the stop (found, with --dry-run)."""
         return [
             (w, h)
             for w in self.workers
-            if not w.get("free")
-            for h in w.get("holders", [])
-            if h["pid"] in w.get("survivors", [])
+            if w.answer is not None and not w.free
+            for h in w.holders
+            if h.pid in w.answer.survivors
         ]
 
     def to_json(self) -> dict[str, Any]:
@@ -120,27 +171,40 @@ class KillStale:
             "dry_run": self.dry_run,
             "grace": self.grace,
             "free": self.free,
-            "workers": self.workers,
+            "workers": [w.to_json() for w in self.workers],
         }
 
 
-def kill_stale(target: Target, *, dry_run: bool, grace: float) -> KillStale:
-    """Free TARGET's TPUs: stop what holds their devices or libtpu (SIGTERM, SIGKILL after GRACE), then remove
-    stale lock files; with DRY_RUN only find them."""
+def kill_stale_command(local: bool, tpu: str) -> str:
+    """The kill-stale that frees the TPU a command acted on (this machine, with LOCAL)."""
+    return "tpurun kill-stale " + ("--local" if local else f"--tpu {tpu}")
+
+
+def kill_stale(
+    s: Settings,
+    *,
+    local: bool,
+    worker_spec: str,
+    dry_run: bool,
+    grace: float,
+    announce: Callable[[str], None] | None = None,
+) -> KillStale:
+    """Free the TPU S names (or this machine, LOCAL) on the workers WORKER_SPEC selects: stop what holds their
+    devices or libtpu (SIGTERM, SIGKILL after GRACE), then remove stale lock files; with DRY_RUN only find them.
+    ANNOUNCE hears that it is this machine."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     with target:
         # a worker held for a `train` about to start is held by the process that has its claim file open
         claim = os.path.join(agent_files.agent_root("~"), agent_files.CLAIM)
         cfg = scan_config(target) | {"dry_run": dry_run, "grace": grace, "claim_files": [claim]}
         run = run_probe(target, "kill-stale", cfg, target.python(), timeout=grace + 120)
-    workers = []
-    for r in target.runners:
-        i = r.worker.index
-        entry: dict[str, Any] = {"worker": i, "name": r.worker.name, "address": r.worker.address}
-        if i in run.errors:
-            entry.update(reachable=False, error=run.errors[i], free=None, holders=[], locks=[])
-        else:
-            entry.update(reachable=True, **run.results[i])
-        workers.append(entry)
+    answers = read_answers(run, probe.KillStaleAnswer.from_dict)
+    workers = [
+        KillStaleWorker(r.worker.index, r.worker.name, r.worker.address, answers.get(r.worker.index))
+        for r in target.runners
+    ]
+    for w in workers:
+        w.error = run.errors.get(w.index, "")
     return KillStale(target.name, target.local, dry_run, grace, workers)
 
 
@@ -153,7 +217,7 @@ class Doctor:
     accelerator_type: str | None
     python: str
     checks: list[health.Check]  # every worker's rows, workers in order, each worker's rows in check order
-    probes: Probes
+    probes: dict[int, probe.DoctorAnswer]  # worker index -> its probe's answer
     unreachable: bool  # a worker could not be reached
     names: dict[int, str]  # worker index -> its name
     skew: preflight.Skew  # who differs from whom in Python and decisive packages (as `train` refuses it)
@@ -168,38 +232,42 @@ class Doctor:
 
 
 def doctor(
-    target: Target,
+    s: Settings,
     *,
-    home: Path,
+    local: bool,
+    worker_spec: str,
     python: str | None,
+    announce: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
-    kill_stale_cmd: str = "tpurun kill-stale",
 ) -> Doctor:
-    """Every check of every selected worker of TARGET (its Python PYTHON, else the workers'); WARN is told
-    when the startup reports cannot be read; HOME holds the pinned host keys."""
+    """Every check of every worker WORKER_SPEC selects of the TPU S names (or this machine, LOCAL), its Python
+    PYTHON, else the workers'; ANNOUNCE hears that it is this machine, WARN that the startup reports cannot be
+    read."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
+    home, kill_stale_cmd = s.home_path, kill_stale_command(target.local, target.name)
     py = target.python(python)
     with target:
         cfg = scan_config(target) | {"python": py, "probe": env_contract.PROBE_SCRIPT}
         reports = _startup_reports(target, warn)
         run = run_probe(target, "doctor", cfg, "python3" if not target.local else sys.executable, timeout=120)
+    probes = read_answers(run, probe.DoctorAnswer.from_dict)
     checks: list[health.Check] = []
     for r in target.runners:
-        checks += _worker_rows(target, r, run, reports, home, py, kill_stale_cmd)
-    answers = {w: a for w, a in ((w, preflight.from_probe(p)) for w, p in run.results.items()) if a is not None}
+        checks += _worker_rows(target, r, run, probes.get(r.worker.index), reports, home, py, kill_stale_cmd)
+    answers = {w: a for w, a in ((w, preflight.from_probe(p)) for w, p in probes.items()) if a is not None}
     skew = preflight.compare(target, answers)
     if len(answers) > 1:
         checks += health.check_same_versions(skew, {w: target.all_workers[w].name for w in sorted(answers)})
     order = {r.worker.index: n for n, r in enumerate(target.runners)}
     checks.sort(key=lambda c: order.get(c.worker, 0))  # stable: each worker's rows stay in check order
-    return Doctor(
-        target.name, target.accelerator_type, py, checks, run.results, bool(run.errors), target.worker_names, skew
-    )
+    return Doctor(target.name, target.accelerator_type, py, checks, probes, bool(run.errors), target.worker_names, skew)
 
 
 def _worker_rows(
     target: Target,
     r: Runner,
     run: ProbeRun,
+    answer: probe.DoctorAnswer | None,
     reports: list[startup.StartupReport] | None,
     home: Path,
     python: str,
@@ -217,15 +285,14 @@ def _worker_rows(
         which = r.worker.name if r.worker.slice is not None else str(i)
         log_cmd = f"tpurun ssh --tpu {target.name} --worker {which} -- cat {startup.LOG_PATH}"
         checks.append(health.check_startup(i, reports[i] if i < len(reports) else None, log_cmd))
-    if i not in run.results:
+    if answer is None:
         return checks
-    p = run.results[i]
-    checks += health.worker_checks(i, p, python=python, named_tpu=not target.local, kill_stale_cmd=kill_stale_cmd)
+    checks += health.worker_checks(i, answer, python=python, named_tpu=not target.local, kill_stale_cmd=kill_stale_cmd)
     if target.local:
         checks.append(health.check_clock(i, None))
     else:
         t0, t1 = run.times[i]
-        offset, unc = health.clock_offset(t0, t1, float(p["clock"]), float(p.get("elapsed", 0)))
+        offset, unc = health.clock_offset(t0, t1, answer.clock, answer.elapsed)
         checks.append(health.check_clock(i, offset, unc))
     return checks
 

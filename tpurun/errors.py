@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from enum import IntEnum
 
-class ExitCode:
+
+class ExitCode(IntEnum):
+    """tpurun's exit codes, each with one meaning (docs/contract.md lists them)."""
+
     OK = 0
-    PROGRAM_FAILED = 1
-    USAGE = 2
-    API = 3
-    UNREACHABLE = 4
+    PROGRAM_FAILED = 1  # the user's program (or its --setup) failed
+    USAGE = 2  # bad usage or input: nothing was created or started
+    API = 3  # the Cloud API refused or failed; or no such TPU
+    UNREACHABLE = 4  # a worker could not be reached (or the TPU was preempted)
+    INTERNAL = 70  # a bug in tpurun: an exception it did not expect (sysexits' EX_SOFTWARE)
     HUNG = 124  # `train --on-hang stop`: stopped after --hang-timeout without progress (as timeout(1) exits)
     INTERRUPTED = 130
 
@@ -16,7 +21,7 @@ class ExitCode:
 class TpurunError(Exception):
     """An error meant for the user: one line saying what is wrong and what to do."""
 
-    exit_code = ExitCode.USAGE
+    exit_code: int = ExitCode.USAGE
 
     def __init__(self, message: str, *, hint: str | None = None, exit_code: int | None = None) -> None:
         super().__init__(message)

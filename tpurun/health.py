@@ -1,8 +1,8 @@
 """`tpurun doctor`'s judgement: what one worker's probe (tpurun.worker.probe, mode `doctor`) means, as checks.
 
 Every check is pass, warn or fail; every fail (and most warns) carries one fix, a command where one
-exists. Pure functions over the probe's JSON, unit-tested in tests/unit/test_stale_unit.py; tpurun.diagnose
-runs the probes, and the CLI (tpurun.cli.health) renders the rows.
+exists. Pure functions over the probe's answer (a `tpurun.worker.probe.DoctorAnswer`), unit-tested in
+tests/unit/test_stale_unit.py; tpurun.diagnose runs the probes, and the CLI (tpurun.cli.health) renders the rows.
 
 Thresholds (docs/troubleshooting.md): free disk in home and /tmp warns below 10 GiB and fails below
 1 GiB; a worker's clock warns when it is more than 1 s off the client's (after correcting for half
@@ -15,6 +15,8 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from tpurun.worker.probe import DoctorAnswer, Holder
 
 if TYPE_CHECKING:
     from tpurun.job.preflight import Skew
@@ -60,10 +62,10 @@ def _pip(python: str, spec: str) -> str:
     return f"`{python} -m pip install {spec}` on the worker (or `tpurun exec -- {python} -m pip install {spec}`)"
 
 
-def check_versions(worker: int, probe: dict[str, Any], python: str) -> Check:
+def check_versions(worker: int, answer: DoctorAnswer, python: str) -> Check:
     """Python present; torch and torch_xla installed for it, with the same major.minor (the torch_xla
     wheel declares no torch dependency, so pip never enforces the pairing)."""
-    p = probe.get("python_probe") or {}
+    p = answer.python_probe
     if p.get("error"):
         return Check(worker, "python", "fail", p["error"], "install Python 3 there, or pass --python PATH")
     torch, xla = p.get("torch_version"), p.get("torch_xla_version")
@@ -132,22 +134,21 @@ def check_same_versions(skew: Skew, names: dict[int, str]) -> list[Check]:
     return out
 
 
-def _tpu_ready(probe: dict[str, Any]) -> bool:
-    p = probe.get("python_probe") or {}
-    return bool(p.get("libtpu_installed")) and bool(probe.get("devices_present"))
+def _tpu_ready(answer: DoctorAnswer) -> bool:
+    return bool(answer.python_probe.get("libtpu_installed")) and bool(answer.devices_present)
 
 
-def check_libtpu(worker: int, probe: dict[str, Any], python: str) -> Check:
-    p = probe.get("python_probe") or {}
+def check_libtpu(worker: int, answer: DoctorAnswer, python: str) -> Check:
+    p = answer.python_probe
     if p.get("error"):
         return Check(worker, "libtpu", "warn", "not checked: the python probe failed", "see the python row")
-    if not probe.get("devices_present"):
+    if not answer.devices_present:
         return Check(worker, "libtpu", "pass", "not needed: no TPU device files here (CPU runtime only)")
     if p.get("libtpu_installed"):
         return Check(worker, "libtpu", "pass", f"found: {p.get('libtpu_path')}")
     xla = p.get("torch_xla_version") or "2.9.0"
     install = "install it with torch_xla's tpu extra: " + _pip(python, f"'torch_xla[tpu]=={xla}'")
-    if _emulated(probe):
+    if _emulated(answer):
         return Check(
             worker,
             "libtpu",
@@ -164,48 +165,45 @@ def check_libtpu(worker: int, probe: dict[str, Any], python: str) -> Check:
     )
 
 
-def check_runtime_place(worker: int, probe: dict[str, Any]) -> Check:
+def check_runtime_place(worker: int, answer: DoctorAnswer) -> Check:
     """Whether torch_xla and jax will find the slice this worker is in: on a VM with TPU devices, `import
     torch_xla` reads it from the metadata's `tpu-env` unless the process is given TPU_SKIP_MDS_QUERY and the
     variables it reads instead (tpurun gives them where the VM's metadata lacks it: Compute Engine's)."""
-    place = probe.get("runtime_place") or {}
-    given = place.get("given") or {}
-    if not probe.get("devices_present"):
+    place = answer.runtime_place
+    given = place.given
+    if not answer.devices_present:
         return Check(worker, "slice place", "pass", "not needed: no TPU device files here")
     if given.get("TPU_SKIP_MDS_QUERY"):
         where = f"worker {given.get('TPU_WORKER_ID')} of {given.get('TPU_ACCELERATOR_TYPE')}"
         return Check(worker, "slice place", "pass", f"given by tpurun to every process it starts: {where}")
-    status = place.get("tpu_env")
+    status = place.tpu_env
     if status == 200:
         return Check(worker, "slice place", "pass", "the VM's metadata describes its slice (tpu-env)")
-    answer = "no metadata server answered" if status is None else f"its metadata has no tpu-env (HTTP {status})"
+    why = "no metadata server answered" if status is None else f"its metadata has no tpu-env (HTTP {status})"
     return Check(
         worker,
         "slice place",
         "fail",
-        f"torch_xla and jax cannot learn this VM's slice: {answer}",
+        f"torch_xla and jax cannot learn this VM's slice: {why}",
         "run through tpurun (train, exec), which gives the runtimes the slice; by hand export TPU_SKIP_MDS_QUERY=1, "
         "TPU_ACCELERATOR_TYPE, TPU_WORKER_ID and TPU_WORKER_HOSTNAMES",
     )
 
 
-def _emulated(probe: dict[str, Any]) -> bool:
-    present = probe.get("devices_present") or []
-    return bool(present) and set(probe.get("devices_plain") or []) == set(present)
+def _emulated(answer: DoctorAnswer) -> bool:
+    present = answer.devices_present
+    return bool(present) and set(answer.devices_plain) == set(present)
 
 
-def _describe(h: dict[str, Any]) -> str:
-    cmd = str(h.get("command", ""))
-    cmd = cmd if len(cmd) <= 60 else cmd[:57] + "..."
-    return f"pid {h.get('pid')} holds {' '.join(h.get('holds') or [])} ({h.get('user')}: {cmd})"
+def _describe(h: Holder) -> str:
+    cmd = h.command if len(h.command) <= 60 else h.command[:57] + "..."
+    return f"pid {h.pid} holds {' '.join(h.holds)} ({h.user}: {cmd})"
 
 
-def check_devices(worker: int, probe: dict[str, Any], *, named_tpu: bool, kill_stale_cmd: str) -> list[Check]:
+def check_devices(worker: int, answer: DoctorAnswer, *, named_tpu: bool, kill_stale_cmd: str) -> list[Check]:
     """Device files present (those of the generation, for a named TPU), free, and no stale lock file."""
     out = []
-    present = probe.get("devices_present") or []
-    missing = probe.get("devices_missing") or []
-    holders = probe.get("holders") or []
+    present, missing, holders = answer.devices_present, answer.devices_missing, answer.holders
     if missing:
         out.append(
             Check(
@@ -242,15 +240,13 @@ def check_devices(worker: int, probe: dict[str, Any], *, named_tpu: bool, kill_s
             )
         )
     else:
-        plain = " (plain files: an emulated TPU, no chip behind them)" if _emulated(probe) else ""
+        plain = " (plain files: an emulated TPU, no chip behind them)" if _emulated(answer) else ""
         out.append(Check(worker, "devices", "pass", f"{len(present)} device files present, none in use{plain}"))
-    if probe.get("scan_note"):
+    if answer.scan_note:
         out.append(
-            Check(
-                worker, "devices", "warn", str(probe["scan_note"]), "run as root or allow passwordless sudo (sudo -n)"
-            )
+            Check(worker, "devices", "warn", answer.scan_note, "run as root or allow passwordless sudo (sudo -n)")
         )
-    stale = [lk["path"] for lk in probe.get("locks") or [] if not lk.get("open_in")]
+    stale = [lk.path for lk in answer.locks if not lk.open_in]
     if stale and not holders:
         out.append(
             Check(
@@ -266,11 +262,11 @@ def check_devices(worker: int, probe: dict[str, Any], *, named_tpu: bool, kill_s
     return out
 
 
-def xla_settings(probe: dict[str, Any]) -> list[tuple[str, str, str]]:
+def xla_settings(answer: DoctorAnswer) -> list[tuple[str, str, str]]:
     """(name, value, where) of every XLA variable in the probe's environment and in the user's shell files."""
-    found = [(k, str(v), "the environment of a tpurun command") for k, v in (probe.get("env") or {}).items()]
-    for e in probe.get("env_files") or []:
-        found.append((str(e["name"]), str(e["value"]), f"{e['file']}:{e['line']}"))
+    found = [(k, str(v), "the environment of a tpurun command") for k, v in answer.env.items()]
+    for e in answer.env_files:
+        found.append((e.name, e.value, f"{e.file}:{e.line}"))
     return found
 
 
@@ -280,13 +276,13 @@ def _unset_fix(where: str, name: str) -> str:
     return f"unset {name} where tpurun runs"
 
 
-def check_xla_config(worker: int, probe: dict[str, Any]) -> list[Check]:
+def check_xla_config(worker: int, answer: DoctorAnswer) -> list[Check]:
     """XRT_TPU_CONFIG / PJRT_DEVICE set in a way that cannot work (the seeds' 'Missing XLA configuration')."""
-    p = probe.get("python_probe") or {}
+    p = answer.python_probe
     xla = p.get("torch_xla_version") if not p.get("error") else None
     v = version_tuple(xla)
     xrt_only_build = bool(xla and "+xrt" in xla)
-    found = xla_settings(probe)
+    found = xla_settings(answer)
     xrt = [s for s in found if s[0].startswith("XRT_")]
     pjrt = [s for s in found if s[0] == "PJRT_DEVICE"]
     out: list[Check] = []
@@ -324,8 +320,8 @@ def check_xla_config(worker: int, probe: dict[str, Any]) -> list[Check]:
                     f"use PJRT_DEVICE=TPU or CPU, or {_unset_fix(where, name)}",
                 )
             )
-        elif value.upper() == "TPU" and not _tpu_ready(probe):
-            why = "no TPU device files" if not probe.get("devices_present") else "libtpu is not installed"
+        elif value.upper() == "TPU" and not _tpu_ready(answer):
+            why = "no TPU device files" if not answer.devices_present else "libtpu is not installed"
             out.append(
                 Check(
                     worker,
@@ -335,7 +331,7 @@ def check_xla_config(worker: int, probe: dict[str, Any]) -> list[Check]:
                     "install torch_xla[tpu] on a TPU VM, or use PJRT_DEVICE=CPU / --runtime cpu here",
                 )
             )
-    if not xrt and not pjrt and v and v < (2, 0) and probe.get("devices_present"):
+    if not xrt and not pjrt and v and v < (2, 0) and answer.devices_present:
         out.append(
             Check(
                 worker,
@@ -357,9 +353,9 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def check_disk(worker: int, probe: dict[str, Any]) -> list[Check]:
+def check_disk(worker: int, answer: DoctorAnswer) -> list[Check]:
     out = []
-    for label, (path, free) in sorted((probe.get("disk") or {}).items()):
+    for label, (path, free) in sorted(answer.disk.items()):
         name = f"disk {label}"
         if free is None:
             out.append(Check(worker, name, "warn", f"cannot stat {path}"))
@@ -429,16 +425,16 @@ def check_startup(worker: int, report: Any, log_cmd: str) -> Check:
 
 
 def worker_checks(
-    worker: int, probe: dict[str, Any], *, python: str, named_tpu: bool, kill_stale_cmd: str
+    worker: int, answer: DoctorAnswer, *, python: str, named_tpu: bool, kill_stale_cmd: str
 ) -> list[Check]:
-    """Every per-worker check that depends only on that worker's probe."""
+    """Every per-worker check that depends only on that worker's probe's answer."""
     return [
-        check_versions(worker, probe, python),
-        check_libtpu(worker, probe, python),
-        check_runtime_place(worker, probe),
-        *check_devices(worker, probe, named_tpu=named_tpu, kill_stale_cmd=kill_stale_cmd),
-        *check_xla_config(worker, probe),
-        *check_disk(worker, probe),
+        check_versions(worker, answer, python),
+        check_libtpu(worker, answer, python),
+        check_runtime_place(worker, answer),
+        *check_devices(worker, answer, named_tpu=named_tpu, kill_stale_cmd=kill_stale_cmd),
+        *check_xla_config(worker, answer),
+        *check_disk(worker, answer),
     ]
 
 

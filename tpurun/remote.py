@@ -5,52 +5,96 @@ from __future__ import annotations
 
 import shlex
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
+from tpurun import targets
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
-from tpurun.targets import Target
+from tpurun.settings import Settings
 from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import RUN_GRACE, LineSink
+from tpurun.transport.runner import RUN_GRACE, LineSink, Runner, refuse_nul
 
 
 @dataclass
 class ExecResult:
     results: list[RunResult]  # one per selected worker, in worker order; unreachable ones never ran
+    names: Mapping[int, str] = field(default_factory=dict)  # worker index -> its name (w3, s1/w1)
 
 
 def exec_everywhere(
-    target: Target,
+    s: Settings,
     command: list[str],
     sink: LineSink,
     *,
+    local: bool,
+    worker_spec: str,
     stop: threading.Event,
     fail_fast: bool,
     grace: float = RUN_GRACE,
+    announce: Callable[[str], None] | None = None,
+    name_workers: Callable[[Mapping[int, str]], None] | None = None,
     unreachable: Callable[[str], None] | None = None,
 ) -> ExecResult:
-    """COMMAND (argv, never through a shell) on every selected worker of TARGET at once, its lines to SINK;
-    why a worker cannot be reached goes to UNREACHABLE before the others run."""
+    """COMMAND (argv, never through a shell) at once on every worker of the TPU S names (or this machine, LOCAL)
+    that WORKER_SPEC selects, its lines to SINK. ANNOUNCE hears where it runs where that needs saying (this
+    machine; one worker of a pod on its own), NAME_WORKERS the workers' names before any line, UNREACHABLE why a
+    worker cannot be reached once every connection was tried.
+
+    Each worker's command starts the moment that worker has proved who it is, not once every worker has:
+    waiting for the slowest handshake cost every command about half a round trip (docs/benchmarks.md)."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
+    one = target.alone
+    if one is not None and announce is not None:
+        name = target.runners[0].worker.name
+        announce(f"{name} alone: its runtime sees the {one.name} single-host slice it is on its own (docs/remote.md)")
+    if name_workers is not None:
+        name_workers(target.worker_names)
+
+    results: dict[int, RunResult] = {}
+    running: dict[int, threading.Thread] = {}
+    raised: list[BaseException] = []
+
+    def start(r: Runner) -> None:
+        if r.worker.index in running:  # a worker's command runs once, whatever its connection
+            return
+
+        def run() -> None:
+            try:  # what each VM's metadata does not tell the runtimes (or one worker of a pod, as its own slice)
+                done = fan_out([r], command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
+                results[r.worker.index] = done[0]
+            except BaseException as exc:  # raised below, in the caller's thread
+                raised.append(exc)
+
+        running[r.worker.index] = thread = threading.Thread(target=run, daemon=True, name=f"exec-w{r.worker.index}")
+        thread.start()
+
     with target:
-        errors = target.connect()
+        errors = target.connect(then=start)
         for _, error in sorted(errors.items()):
             if unreachable is not None:
                 unreachable(error)
-        reachable = [r for r in target.runners if r.worker.index not in errors]
-        # what each VM's metadata does not tell the runtimes (or one worker of a pod, as the single-host slice it is)
-        results = fan_out(reachable, command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
-    results += [RunResult(i, None, error=e) for i, e in errors.items()]
-    results.sort(key=lambda r: r.worker)
-    return ExecResult(results)
+        for r in target.runners:  # what needs no connection (this machine)
+            if r.worker.index not in errors:
+                start(r)
+        for thread in running.values():
+            while thread.is_alive():
+                thread.join(0.1)  # short waits: Ctrl-C stays live
+    if raised:
+        raise raised[0]
+    done = [*results.values(), *(RunResult(i, None, error=e) for i, e in errors.items() if i not in results)]
+    done.sort(key=lambda r: r.worker)
+    return ExecResult(done, target.worker_names)
 
 
-def ssh_argv(
-    target: Target, home: Path, command: list[str] | None, *, worker: str, forward: list[str], flags: list[str]
-) -> list[str]:
-    """The system ssh's argv to TARGET's one selected worker (once it has proved it is that worker of that
-    TPU, which the --worker spec WORKER selects): a shell, or COMMAND quoted to arrive exactly; FORWARD as -L specs, FLAGS as more ssh options."""
+def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: list[str], flags: list[str]) -> list[str]:
+    """The system ssh's argv to the one worker of the TPU S names that the --worker spec WORKER selects (once it
+    has proved it is that worker of that TPU): a shell, or COMMAND quoted to arrive exactly; FORWARD as -L specs,
+    FLAGS as more ssh options."""
+    if not s.tpu.value:
+        raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
+    home = s.home_path
+    target = targets.resolve(s, worker_spec=worker)
     with target:
         if len(target.runners) != 1:
             raise UsageError(f"--worker {worker}: name one worker")
@@ -75,7 +119,6 @@ def ssh_argv(
         argv += shlex.split(flag)
     if not command:
         return [*argv, "-t", f"{w.user}@{w.address}"]
-    if any("\0" in arg for arg in command):
-        raise UsageError("arguments cannot contain NUL bytes")
+    refuse_nul(command)
     # ssh joins its arguments into one line for the remote shell: quote so they arrive exactly
     return [*argv, f"{w.user}@{w.address}", "--", shlex.join(command)]

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from tpurun import config, settings
 from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
-from tpurun.cloud.views import PREEMPTED, READY, STOPPED
 from tpurun.errors import Preempted, TpurunError, UnreachableError, UsageError
 from tpurun.job.runtimes import single_host_env, vm_env
 from tpurun.naming import NAME_RE
@@ -159,11 +158,15 @@ class Target:
                 r.close()
             retried = connect_all(again, then)
             return {i: e for i, e in errors.items() if i not in {r.worker.index for r in again}} | retried
-        self.close()
-        self.runners, self.all_workers, self.nodes, self.cached = fresh.runners, fresh.all_workers, fresh.nodes, False
+        # a worker that proved who it is at the address the API gives now stays connected (THEN ran on it once)
+        kept = {r.worker: r for r in self.runners if r.worker.index not in errors}
+        runners = [kept.pop(r.worker) if r.worker in kept else r for r in fresh.runners]
+        for r in [*kept.values(), *(r for r in fresh.runners if r not in runners)]:
+            r.close()
+        self.runners, self.all_workers, self.nodes, self.cached = runners, fresh.all_workers, fresh.nodes, False
         self.ids, self.accelerator_type, self.slice_metadata = fresh.ids, fresh.accelerator_type, fresh.slice_metadata
         self.topology = fresh.topology
-        return connect_all(self.runners, then)
+        return connect_all([r for r in runners if r in fresh.runners], then)
 
 
 def _mapped(address: str) -> tuple[str, int]:
@@ -258,6 +261,10 @@ def _fetch(s: settings.Settings, name: str, *, local: bool) -> Endpoints:
 
 def _check_ready(s: settings.Settings, name: str, state: str, what: str = "") -> None:
     """Refuse a TPU whose slice (WHAT says which, of the TPU NAME) is in STATE, unless READY."""
+    # here, not at the top: the views pull in autostop and the worker's watchdog (50 ms), which a command on
+    # remembered endpoints never needs
+    from tpurun.cloud.views import PREEMPTED, READY, STOPPED
+
     if state == READY:
         return
     default = f" (the default TPU here, from {s.tpu.source})" if s.tpu.default else ""

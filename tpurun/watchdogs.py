@@ -6,7 +6,6 @@ What the setting is and what the watchdogs report is tpurun/cloud/autostop.py's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from tpurun.cloud import autostop, provision, startup
 from tpurun.cloud.backend import Backend
@@ -14,6 +13,7 @@ from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import NodeView
 from tpurun.errors import ApiError, UnreachableError
 from tpurun.settings import Settings
+from tpurun.worker.protocol_calls import WatchdogConfig
 
 
 def configure(
@@ -44,7 +44,7 @@ def configure(
                 hint=f"`tpurun attach {name}` installs tpurun's ssh key; `tpurun doctor` shows what is wrong",
             )
     progress(f"{name}: setting autostop")
-    entries = autostop.metadata(_target(maker, view), idle, action)
+    entries = autostop.metadata(_resources(maker, view), idle, action)
     maker.update_metadata(view, lambda _md: entries)
     return autostop.Setting(idle, action)
 
@@ -63,7 +63,7 @@ def arm_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
     """Before a `train --down` job: every slice of NAME carries a watchdog setting (autostop off where none
     was set), so the watchdog the job's agent starts knows the TPU's slices and the API."""
     maker, view = _ready(cloud, name)
-    entries = autostop.metadata(_target(maker, view), 0, "delete")
+    entries = autostop.metadata(_resources(maker, view), 0, "delete")
     if any(autostop.read(part.metadata) is None for part in view.parts):
         progress(f"{name}: setting up its watchdog for --down")
     maker.update_metadata(view, lambda md: None if autostop.read(md) is not None else entries)
@@ -77,5 +77,6 @@ def _ready(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
     return maker, view
 
 
-def _target(maker: Backend, view: NodeView) -> dict[str, Any]:
-    return maker.watch_target(view.name, [p.name for p in view.parts], len(view.workers) > len(view.parts), view)
+def _resources(maker: Backend, view: NodeView) -> WatchdogConfig:
+    many_hosts = len(view.workers) > len(view.parts)
+    return maker.watchdog_resources(view.name, [p.name for p in view.parts], many_hosts, view)

@@ -111,6 +111,28 @@ def test_unreachable_worker_reported_others_finish(cli, emulator):
     assert "w2" in r.err and addr in r.err
 
 
+def test_a_worker_runs_its_command_without_waiting_for_a_slow_handshake(cli, emulator):
+    """w1 is 1 s of round trip away (its handshake takes about 4 of them): w0's command runs at once, not
+    once w1 has proved who it is, and w1's still runs (its key checked as ever)."""
+    from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, proxy_workers
+
+    create_node(cli, "farpod", "v4-16")
+    info = emulator.node_info(emulator.node_name("farpod"))
+    group = ProxyGroup().start()
+    try:
+        mapping = proxy_workers(group, [(w["address"], w["sshPort"]) for w in info["workers"]])
+        cli.env["TPURUN_ADDRESS_MAP"] = address_map_env(mapping)
+        group.proxies[1].set_rtt(1.0)
+        r = cli("exec", "--", "python3", "-c", "import time; print(time.time())")
+    finally:
+        group.close()
+        cli.env.pop("TPURUN_ADDRESS_MAP")
+    assert r.code == 0, r.err
+    started = {line.split()[0]: float(line.split()[1]) for line in r.out.splitlines()}
+    # waiting for w1's handshake would start w0 at most about 1.5 round trips before w1
+    assert started["[w1]"] - started["[w0]"] > 3.0, started
+
+
 def test_lost_pins_come_back_from_the_api_never_from_the_host(cli, emulator):
     d = create_node(cli, "unpinned", "v4-16")
     cli.known_hosts.write_text("")

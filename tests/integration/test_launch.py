@@ -71,6 +71,60 @@ class Run:
         return "\n".join(self.lines[-40:]) + "\n--- stderr\n" + (self.err or "")[-3000:]
 
 
+FLOOD = re.compile(r"^\[w(\d+)(?:/c(\d+))?\] (.*)$")
+FLOOD_LINE = re.compile(
+    r"(IMPORT(?:-ERR)? (?:HOST|CHILD)|(?:RUN(?:-ERR)?|FLOOD-DONE) rank=(\d+)|RANK (\d+)) pid=(\d+)(.*)"
+)
+
+
+def check_flood(text: str, workers: int, ranks: int, task: bool = True, lines: int = 300) -> None:
+    """Every line print_flood.py's processes printed (in TEXT, tpurun's output) came once, whole and in its
+    process's order, tagged with its process's own chip ([wN/cM], M its rank; [wN] for the host process's),
+    including those a child printed at import, before its rank was known: none lost, doubled, mangled or
+    misattributed. TASK: the children ran the task (else each stopped at its device's start, where
+    tpu_stop reports its pid and chip)."""
+    pad = " " + "x" * 160
+    got: dict[tuple[int, int], list[tuple[int | None, str]]] = {}  # (worker, pid) -> (chip, text) in order
+    for line in text.splitlines():
+        tag = FLOOD.match(line)
+        if "pid=" not in line or not any(word in line for word in ("IMPORT", "RUN", "RANK", "FLOOD-DONE")):
+            continue  # a line of torch's, torch_xla's or tpurun's
+        assert tag, f"an untagged line: {line[:300]!r}"
+        m = FLOOD_LINE.fullmatch(tag.group(3))
+        assert m, f"a mangled line: {line[:300]!r}"
+        chip = None if tag.group(2) is None else int(tag.group(2))
+        got.setdefault((int(tag.group(1)), int(m.group(4))), []).append((chip, tag.group(3)))
+    started = {(w, r["pid"]): (c, r["chips"]) for w, c, r in parse_reports(text.splitlines())}
+    hosts = {k: v for k, v in got.items() if " HOST pid=" in v[0][1]}
+    assert sorted(w for w, _ in hosts) == list(range(workers)), sorted(hosts)
+    children = {k: v for k, v in got.items() if k not in hosts}
+    assert len(children) == workers * ranks, sorted(children)
+    kinds = [("IMPORT", "IMPORT {} pid={}")] + ([("RUN", "RUN rank={} pid={}")] if task else [])
+    per_worker: dict[int, set[int]] = {}
+    for (w, pid), seen in got.items():
+        texts, host = [t for _, t in seen], (w, pid) in hosts
+        if host:
+            rank = None
+        elif task:
+            said = [int(t.split()[1]) for t in texts if t.startswith("RANK ")]
+            assert len(said) == 1, f"w{w} pid {pid}: {len(seen)} lines, tags {sorted({str(c) for c, _ in seen})}"
+            rank = said[0]
+            assert texts.count(f"FLOOD-DONE rank={rank} pid={pid}") == 1
+        else:
+            rank, chips = started[(w, pid)]
+            assert chips == [rank], f"w{w} pid {pid}: chips {chips}, its report tagged c{rank}"
+        assert {c for c, _ in seen} == {rank}, f"w{w} pid {pid} ({rank}) tagged {sorted({str(c) for c, _ in seen})}"
+        if not host:
+            per_worker.setdefault(w, set()).add(rank)  # type: ignore[arg-type]
+        for kind, name in kinds[:1] if host else kinds:
+            name = name.format("HOST" if host else "CHILD", pid) if kind == "IMPORT" else name.format(rank, pid)
+            want = [f"{name} line={i}{pad}" for i in range(lines)]
+            assert [t for t in texts if t.startswith(kind + " ")] == want, f"w{w} pid {pid}: {kind} lines"
+            err = [x.replace(kind, kind + "-ERR", 1) for x in want[::10]]
+            assert [t for t in texts if t.startswith(kind + "-ERR")] == err, f"w{w} pid {pid}: {kind}-ERR lines"
+    assert per_worker == {w: set(range(ranks)) for w in range(workers)}, per_worker
+
+
 def _project(cli) -> None:
     for p in SCRIPTS.iterdir():
         if p.is_dir():
@@ -177,6 +231,19 @@ def test_one_chip_and_chip_launch_on_single_hosts(cli, emulator):
         (i, str(i), str(i)) for i in range(4)
     ], run.context()
     assert code == 130
+    _no_python_left(emulator, name)
+    # whole lines, each tagged with its own process's chip, from every process of a spawner, also those its
+    # children print at import (before any knows its rank): torch.multiprocessing.spawn's, then xmp.spawn's
+    # (torch_xla starts each child's device before its task runs: there tpu_stop names the child's chip)
+    r = cli("train", "print_flood.py", "--runtime", "pjrt", "--python", sys.executable,
+            "--env", "FLOOD_SPAWNER=torch", "--env", "FLOOD_PROCS=4", timeout=300)  # fmt: skip
+    assert r.code == 0, r.err[-3000:]
+    check_flood(r.out, workers=1, ranks=4)
+    run = _train(cli, "print_flood.py", "--env", "FLOOD_SPAWNER=xmp")
+    run.wait_reports(4)
+    code = run.interrupt()
+    check_flood("\n".join(run.lines), workers=1, ranks=4, task=False)
+    assert code == 130, run.context()
     _no_python_left(emulator, name)
 
 

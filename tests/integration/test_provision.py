@@ -260,6 +260,13 @@ def test_describe_shortens_ssh_keys(cli):
     keyline = d["metadata"]["ssh-keys"]
     pub = (Path(cli.env["TPURUN_HOME"]) / "ssh" / "id_ed25519.pub").read_text().split()[1]
     assert pub not in keyline and keyline.startswith("root:ssh-ed25519")
+    # the table: the fields its renderer picks from the TPU's view, the same shortened keys, none of the JSON's
+    out = cli("describe", "desc").out
+    rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in out.splitlines() if "  " in line}
+    assert rows["accelerator"] == "v4-8" and rows["state"] == "READY" and rows["workers"] == "1"
+    assert rows["spot/preemptible"] == "-" and rows["labels"] == "team=research"
+    assert rows["metadata ssh-keys"].startswith("root:ssh-ed25519") and pub not in out
+    assert not {"acceleratorType", "workerEndpoints", "idleSeconds", "reportedSecondsAgo", "metadata"} & set(rows)
 
 
 def test_delete_clears_the_default_that_names_the_node(cli):

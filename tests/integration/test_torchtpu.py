@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import create_node
-from tests.integration.test_launch import Run, _no_python_left, _project, parse_reports
+from tests.integration.test_launch import Run, _no_python_left, _project, check_flood, parse_reports
 from tpurun import config
 from tpurun.topology import parse_accelerator_type
 
@@ -114,6 +114,13 @@ def test_torchtpu_on_a_v5p_pod_slice(cli, emulator, python):
     assert r.code == 1, r.err
     assert re.search(r"w[01]/c2 .* failed first", r.err) and "TPU is already in use" in r.err, r.err
     _no_python_left(emulator, name)
+
+    # whole lines, each tagged with its own device, from every process TorchTPU's spawner makes on both hosts,
+    # also those they print at import, before their index is known
+    r = cli("train", "print_flood.py", "--runtime", "torchtpu", "--python", python,
+            "--env", "FLOOD_SPAWNER=torchtpu", timeout=300)  # fmt: skip
+    assert r.code == 0, r.err[-3000:]
+    check_flood(r.out, workers=2, ranks=4)
 
 
 def test_torchtpu_reads_a_tpu7x_vm_as_its_table_describes(cli, emulator, python):

@@ -141,7 +141,7 @@ def test_the_setting_makes_a_bare_host_https(monkeypatch):
 
     from tpurun.cloud.tpu_api import TpuApi
 
-    target = TpuApi(Stub()).watch_target("a", ["a"], False, None)  # type: ignore[arg-type]
-    value = json.loads(autostop.setting(target, 60))
+    resources = TpuApi(Stub()).watchdog_resources("a", ["a"], False, None)  # type: ignore[arg-type]
+    value = json.loads(autostop.setting(resources, 60))
     assert value["endpoint"] == "https://tpu.example.com"
     assert autostop.read({autostop.KEY: json.dumps(value)}).tick == 30.0

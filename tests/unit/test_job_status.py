@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from tpurun.job.status import JobSummary, combine
+from tpurun.worker.protocol import JobState
 
 
-def _st(status: str, **extra) -> dict:
-    return {"status": status, **extra}
+def _st(status: str, **extra) -> JobState:
+    return JobState.from_dict({"status": status, **extra})
 
 
 def test_a_failure_anywhere_is_failed_naming_the_worker_chip_and_code():
@@ -37,3 +38,19 @@ def test_lost_running_unknown_finished_stopped():
     assert combine({"w0": _st("finished"), "w1": None}) == JobSummary("unknown", "no trace on w1")
     assert combine({"w0": _st("finished"), "w1": _st("finished")}) == JobSummary("finished")
     assert combine({"w0": _st("finished"), "w1": _st("stopped")}) == JobSummary("stopped")
+
+
+def test_logs_exit_code_is_the_library_s_as_train_gives_each_end():
+    """`logs`' exit code, decided by the library (control.LogsResult): stopped 130; a worker without the job 2,
+    one unreadable 4; followed to its end, the code train gives that end."""
+    from tpurun.errors import ExitCode
+    from tpurun.job.control import LogsResult
+    from tpurun.job.status import JobSummary
+
+    assert LogsResult().exit_code == ExitCode.OK  # replayed, not followed
+    assert LogsResult(interrupted=True, errors={"w1": "gone"}).exit_code == ExitCode.INTERRUPTED
+    assert LogsResult(errors={"w1": "no such job"}, missing=True).exit_code == ExitCode.USAGE
+    assert LogsResult(errors={"w1": "unreachable"}).exit_code == ExitCode.UNREACHABLE
+    ends = {"finished": 0, "failed": 1, "lost": 4, "stopped": 130}
+    for status, code in ends.items():
+        assert LogsResult(ended=JobSummary(status)).exit_code == code, status

@@ -274,6 +274,29 @@ def library_settings_resolved(package: Path) -> list[str]:
     return out
 
 
+def cli_targets_resolved(package: Path) -> list[str]:
+    """The command line resolving which workers a command acts on: every command that reaches workers hands
+    the library its settings and worker spec, and the library resolves them, one way for every command."""
+    targets = f"{package.name}.targets"
+    out = []
+    for path in sorted((package / "cli").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = (
+                isinstance(node, ast.Attribute)
+                and node.attr == "resolve"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "targets"
+            )
+            imported = (
+                isinstance(node, ast.ImportFrom)
+                and node.module == targets
+                and any(a.name == "resolve" for a in node.names)
+            )
+            if called or imported:
+                out.append(f"{path.relative_to(package.parent)}:{node.lineno}: targets.resolve")
+    return out
+
+
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
 
@@ -308,6 +331,7 @@ RULES = {
     "renamed import": renamed_imports,
     "cli imports transport": cli_transport_imports,
     "library resolves settings": library_settings_resolved,
+    "cli resolves targets": cli_targets_resolved,
     "module size": long_modules,
     "function size": long_functions,
 }
@@ -320,6 +344,7 @@ PLANTED: dict[str, tuple[str, str | Callable[[str], str]]] = {
     "renamed import": ("cli/health.py", "from tpurun.job import launcher as train\n"),
     "cli imports transport": ("cli/remote.py", "from tpurun.transport.fanout import fan_out\n"),
     "library resolves settings": ("job/launcher.py", "from tpurun.settings import resolve\n"),
+    "cli resolves targets": ("cli/health.py", "from tpurun.targets import resolve\n"),
     # one line over each limit: a module of 701 lines, a function of 81 from its `def` to its last line
     "module size": ("job/status.py", lambda text: "#\n" * (MAX_MODULE_LINES + 1 - len(text.splitlines()))),
     "function size": ("job/status.py", "def planted():\n" + "    pass\n" * MAX_FUNCTION_LINES),

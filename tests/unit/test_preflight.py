@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import PY38
 from tpurun.job import preflight
-from tpurun.worker import WORKER_DIR, protocol
+from tpurun.worker import WORKER_DIR, protocol, protocol_calls
 
 PYTHONS = [sys.executable] + ([PY38] if PY38 else [])
 
@@ -62,7 +62,7 @@ def test_the_agent_reports_what_its_python_imports() -> None:
         env={"HOME": "/nonexistent", "PATH": "/usr/bin:/bin"},
     )
     assert r.returncode == 0, r.stderr
-    answer = protocol.Preflight.from_json(r.stdout)
+    answer = protocol_calls.Preflight.from_json(r.stdout)
     assert answer.jobs == []
     assert answer.python == ".".join(str(n) for n in sys.version_info[:3])
     assert answer.packages["pathspec"] == version("pathspec")
@@ -81,8 +81,8 @@ def test_requirement_names(tmp_path: Path) -> None:
     assert preflight.requirement_names("train.py", tmp_path) == []
 
 
-def answer(python: str = "3.11.7", **packages: str | None) -> protocol.Preflight:
-    return protocol.Preflight([], python, "/usr/bin/python3", packages)
+def answer(python: str = "3.11.7", **packages: str | None) -> protocol_calls.Preflight:
+    return protocol_calls.Preflight([], python, "/usr/bin/python3", packages)
 
 
 TARGET = SimpleNamespace(name="pod", all_workers=[SimpleNamespace(name=f"w{i}") for i in range(4)])
@@ -113,7 +113,9 @@ def test_skew_names_the_odd_worker_and_the_common_version_first() -> None:
 
 
 def test_the_preflight_answer_round_trips() -> None:
-    a = protocol.Preflight([{"job_id": "j", "status": "running"}], "3.8.18", "/p", {"jax": "0.4.30", "x": None})
-    assert protocol.Preflight.from_json(a.to_json()) == a
+    a = protocol_calls.Preflight(
+        [protocol.JobState("j", 1, protocol.JobStatus.RUNNING)], "3.8.18", "/p", {"jax": "0.4.30", "x": None}
+    )
+    assert protocol_calls.Preflight.from_json(a.to_json()) == a
     with pytest.raises(ValueError):
-        protocol.Preflight.from_json('{"jobs": []}')
+        protocol_calls.Preflight.from_json('{"jobs": []}')

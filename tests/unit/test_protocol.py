@@ -11,7 +11,32 @@ import sys
 import pytest
 
 from tests.helpers import PY38
-from tpurun.worker import WORKER_DIR, protocol
+from tpurun.worker import WORKER_DIR, protocol, protocol_calls
+
+SLOT = protocol.SlotState(
+    0, protocol.ProcessStatus.FAILED, 3, 4243, 4243, 1764000000.5, 1764000002.0, "Traceback \u00e9", 1764000001.75,
+    [protocol.Passage("init_process_group", 1764000000.75, 1764000001.0)], ["python3", "train.py"], True,
+)  # fmt: skip
+# a job's state with every field set, and one as the agent's `start` first writes it
+STATE = protocol.JobState(
+    "20261125-000000-abcd", 2, protocol.JobStatus.FAILED, 4242, 1764000000.0, 1764000003.0, False, True,
+    protocol.Launch.host, "", protocol.FirstFailure(0, 3, 1764000002.0, 2),
+    [SLOT, protocol.SlotState(protocol.HOST, protocol.ProcessStatus.KILLED, -15)], False, protocol.JobStatus.RUNNING,
+)  # fmt: skip
+STARTING = protocol.JobState("20261125-000000-abcd", 0, protocol.JobStatus.STARTING, started_at=1764000000.0)
+
+# the watchdog's configuration: a Cloud TPU API TPU's (autostop off, and set), a Compute Engine VM's and groups'
+TPU_NODES = protocol_calls.WatchdogConfig("https://tpu.googleapis.com", ["projects/p/locations/z/nodes/t"])
+WATCHDOG = [
+    TPU_NODES,
+    TPU_NODES.set(1800, "stop", 7.5),
+    protocol_calls.WatchdogConfig("http://127.0.0.1:1", compute=protocol_calls.ComputeTpu("p", "z", "t", "t")),
+    protocol_calls.WatchdogConfig(
+        "https://compute.googleapis.com",
+        compute=protocol_calls.ComputeTpu("p", "z", "t", "", ["t-0", "t-1"], ["projects/p/global/instanceTemplates/t"]),
+        idle=600,
+    ),
+]
 
 RECORDS: list[protocol.Record] = [
     protocol.Line(3, 5, 120, protocol.Source.OUT, 1764000000.25, 'step 1 "loss" 0.5 \u00e9 \\ tab\there'),
@@ -19,8 +44,9 @@ RECORDS: list[protocol.Record] = [
     protocol.Exit(1, 2, 3, protocol.ProcessStatus.FAILED),
     protocol.Exit(1, 0, None, protocol.ProcessStatus.DIED),
     protocol.Exit(0, protocol.HOST, -9, protocol.ProcessStatus.KILLED),
-    protocol.Done(2, {"status": "failed", "first_failure": {"worker": 2, "core": 1, "exit_code": 4}, "cores": []}),
-    protocol.Started("20261125-000000-abcd", 1, 4242, [{"core": 0, "status": "running", "exit_code": None}]),
+    protocol.Done(2, STATE),
+    protocol.Done(0, STARTING),
+    protocol.Started("20261125-000000-abcd", 1, 4242, [protocol.SlotState(0, protocol.ProcessStatus.RUNNING)]),
     protocol.StartFailed("20261125-000000-abcd", "pre-command ['x'] exited 1 (see pre.log)"),
     protocol.Passages(
         3,
@@ -35,7 +61,9 @@ RECORDS: list[protocol.Record] = [
 AGENT_SIDE = """
 import sys
 sys.path.insert(0, sys.argv[1])
+import json
 import protocol
+import protocol_calls
 for raw in sys.stdin.buffer:
     kind, _, body = raw.partition(b" ")
     if kind == b"record":
@@ -43,7 +71,15 @@ for raw in sys.stdin.buffer:
         assert rec is not None, body
         sys.stdout.buffer.write(protocol.encode(rec))
     elif kind == b"spec":
-        sys.stdout.buffer.write(protocol.JobSpec.from_json(body.decode()).to_json().encode() + b"\\n")
+        sys.stdout.buffer.write(protocol_calls.JobSpec.from_json(body.decode()).to_json().encode() + b"\\n")
+    elif kind == b"state":
+        sys.stdout.buffer.write(protocol.JobState.from_json(body).to_json().encode() + b"\\n")
+    elif kind == b"jobs":
+        sys.stdout.buffer.write(json.dumps([s.to_dict() for s in protocol.job_states(body)]).encode() + b"\\n")
+    elif kind == b"watchdog":
+        sys.stdout.buffer.write(protocol_calls.WatchdogConfig.from_json(body.decode()).to_json().encode() + b"\\n")
+    elif kind == b"preflight":
+        sys.stdout.buffer.write(protocol_calls.Preflight.from_json(body.decode()).to_json().encode() + b"\\n")
     elif kind == b"hook":
         slot, stream, pool = protocol.read_hook_header(body)
         sys.stdout.buffer.write(protocol.hook_header(slot, stream, pool))
@@ -51,14 +87,13 @@ for raw in sys.stdin.buffer:
         end, code = protocol.read_task_end(body)
         sys.stdout.buffer.write(protocol.task_end(end, code))
     elif kind == b"passage":
-        import json
         sys.stdout.buffer.write(protocol.passage_line(protocol.Passage.from_dict(json.loads(body))))
 """
 
-SPEC = protocol.JobSpec(
+SPEC = protocol_calls.JobSpec(
     job_id="20261125-000000-abcd",
     worker=2,
-    cores=[protocol.ProcessSpec(protocol.HOST, ["python3", "train.py", "--lr", "1e-3"], {"A": "b c"}, "~/proj")],
+    cores=[protocol_calls.ProcessSpec(protocol.HOST, ["python3", "train.py", "--lr", "1e-3"], {"A": "b c"}, "~/proj")],
     launch=protocol.Launch.host,
     detach=True,
     grace=2.5,
@@ -85,7 +120,7 @@ def test_every_record_kind_round_trips_through_the_agent_side(python: str | None
     back = r.stdout.splitlines(keepends=True)
     assert len(back) == len(lines)
     assert [protocol.decode(b) for b in back[: len(RECORDS)]] == RECORDS
-    assert protocol.JobSpec.from_json(back[len(RECORDS)].decode()) == SPEC
+    assert protocol_calls.JobSpec.from_json(back[len(RECORDS)].decode()) == SPEC
     # each process's slot goes on the wire as "core", on the way there and back
     sent, echoed = json.loads(SPEC.to_json()), json.loads(back[len(RECORDS)])
     assert [p["core"] for p in sent["cores"]] == [p["core"] for p in echoed["cores"]] == [protocol.HOST]
@@ -101,6 +136,54 @@ def test_every_record_kind_round_trips_through_the_agent_side(python: str | None
     with pytest.raises(ValueError):
         protocol.read_hook_header(protocol.hook_header(protocol.HOST, protocol.HookStream.OUT, False))
     assert [protocol.Passage.from_dict(json.loads(w)) for w in waits[1:]] == passages
+
+
+@pytest.mark.parametrize("python", [sys.executable, PY38], ids=["this-python", "python3.8"])
+def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_side(python: str | None) -> None:
+    if python is None:
+        pytest.skip("no python3.8 here")
+    pre = protocol_calls.Preflight([STATE, STARTING], "3.8.18", "/usr/bin/python3", {"jax": "0.4.30", "x": None}, "j")
+    jobs = json.dumps([STATE.to_dict(), STARTING.to_dict()]).encode()
+    lines = [b"state " + STATE.to_json().encode(), b"state " + STARTING.to_json().encode(), b"jobs " + jobs]
+    lines.append(b"preflight " + pre.to_json().encode())
+    lines += [b"watchdog " + c.to_json().encode() for c in WATCHDOG]
+    r = subprocess.run(
+        [python, "-c", AGENT_SIDE, str(WORKER_DIR)], input=b"\n".join(lines) + b"\n", capture_output=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    back = r.stdout.splitlines()
+    assert [protocol.JobState.from_json(b) for b in back[:2]] == [STATE, STARTING]
+    assert protocol.job_states(back[2]) == [STATE, STARTING]
+    assert protocol_calls.Preflight.from_json(back[3].decode()) == pre
+    assert [protocol_calls.WatchdogConfig.from_json(b.decode()) for b in back[4:]] == WATCHDOG
+    # the Cloud TPU API's resources are its nodes; a Compute Engine TPU's, its VM or its groups and what goes with them
+    assert [sorted(json.loads(b)) for b in back[4:6]] == [["action", "endpoint", "idle", "nodes", "tick"]] * 2
+    assert json.loads(back[6])["compute"] == {"project": "p", "zone": "z", "name": "t", "instance": "t"}
+    # state.json's keys as docs/train.md names them: each process under "cores", its slot under "core"
+    wire = json.loads(back[0])
+    assert sorted(wire) == sorted(
+        ["job_id", "worker", "status", "supervisor_pid", "started_at", "ended_at", "stopping", "detach", "launch"]
+        + ["reason", "first_failure", "cores", "supervisor_alive", "status_before_stop"]
+    )
+    assert [c["core"] for c in wire["cores"]] == [0, protocol.HOST] and wire["first_failure"]["core"] == 0
+    # what the agent's readers add is absent where they did not add it (state.json itself)
+    assert "supervisor_alive" not in json.loads(back[1]) and "status_before_stop" not in json.loads(back[1])
+
+
+def test_a_job_state_an_older_agent_wrote_reads_and_a_broken_one_says_so() -> None:
+    old = {"job_id": "j", "worker": 1, "status": "failed", "first_failure": {"core": 2, "exit_code": 3}, "new": 1}
+    st = protocol.JobState.from_dict(old)
+    assert (st.status, st.launch, st.slots, st.first_failure) == (
+        protocol.JobStatus.FAILED,
+        protocol.Launch.chip,
+        [],
+        protocol.FirstFailure(2, 3),
+    )
+    for broken in [{}, {"status": "sideways"}, {"status": "running", "cores": [{"status": "running"}]}, [1]]:
+        with pytest.raises(ValueError):
+            protocol.JobState.from_dict(broken)
+    with pytest.raises(ValueError):
+        protocol.job_states(b'{"status": "running"}')
 
 
 def test_rec_lines_framed_by_the_agent_are_the_lines_they_were() -> None:
@@ -143,7 +226,7 @@ def test_what_is_not_a_record_decodes_to_none(raw: bytes) -> None:
 )
 def test_a_bad_job_spec_says_what_is_wrong(data: dict, why: str) -> None:
     with pytest.raises(ValueError, match=why):
-        protocol.JobSpec.from_json(json.dumps(data))
+        protocol_calls.JobSpec.from_json(json.dumps(data))
 
 
 def test_every_word_prints_as_it_goes_on_the_wire() -> None:

@@ -40,7 +40,7 @@ def free_port() -> int:
 
 
 def passages(st: dict) -> dict[int, list[protocol.Passage]]:
-    return protocol.slot_passages(st)
+    return {s.slot: s.passages for s in protocol.JobState.from_dict(st).slots}
 
 
 def test_torch_ranks_report_their_passages_and_the_one_that_dawdles_is_seen_missing(
@@ -183,12 +183,16 @@ def test_nobody_missing_is_not_a_wait_for_others(left: float | None) -> None:
     assert w.waiting(T0 + 100) is None
 
 
+def running_state(cores: list[dict]) -> protocol.JobState:
+    return protocol.JobState.from_dict({"status": "running", "cores": cores})
+
+
 def test_the_state_a_worker_keeps_gives_the_same_answer() -> None:
     w = Watch(WORKERS[:2])
     w.take_state(
         0,
-        {
-            "cores": [
+        running_state(
+            [  # the state as state.json has it
                 {
                     "core": -1,
                     "last_line": "in",
@@ -196,9 +200,9 @@ def test_the_state_a_worker_keeps_gives_the_same_answer() -> None:
                     "passages": [{"at": "torch.distributed.init_process_group", "entered": T0, "left": None}],
                 }
             ]
-        },
+        ),
     )
-    w.take_state(1, {"cores": [{"core": -1, "last_line": "loading data", "last_line_at": T0 - 3, "passages": []}]})
+    w.take_state(1, running_state([{"core": -1, "last_line": "loading data", "last_line_at": T0 - 3, "passages": []}]))
     got = w.waiting(T0 + 20)
     assert got is not None and [(m.name, m.last_line, m.quiet_for) for m in got.missing] == [
         ("w1", "loading data", 23.0)

@@ -16,7 +16,7 @@ import pytest
 from tests.unit.test_agent import RUN, agent, home, script, start  # noqa: F401  (home: fixture)
 from tpurun import config
 from tpurun.job import stacks
-from tpurun.worker import protocol
+from tpurun.worker import protocol, protocol_calls
 
 # The main thread blocks in C (a lock it already holds), a thread sleeps, a forked child sleeps, a child runs
 # Python without tpurun's hook (-I ignores PYTHONPATH), another replaces itself with a program (exec) after
@@ -54,7 +54,7 @@ def _ready(home_dir: Path, job: str) -> tuple[int, int]:
     raise AssertionError("the job never got ready")
 
 
-def _ask(home_dir: Path, job: str, path: str) -> list[protocol.ProcessStack]:
+def _ask(home_dir: Path, job: str, path: str) -> list[protocol_calls.ProcessStack]:
     r = subprocess.run(
         [sys.executable, str(Path(protocol.__file__).with_name("agent.py")), "stacks", job],
         capture_output=True,
@@ -63,10 +63,10 @@ def _ask(home_dir: Path, job: str, path: str) -> list[protocol.ProcessStack]:
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    return [protocol.ProcessStack.from_dict(p) for p in json.loads(r.stdout)]
+    return [protocol_calls.ProcessStack.from_dict(p) for p in json.loads(r.stdout)]
 
 
-def _main(ps: protocol.ProcessStack) -> list[list]:
+def _main(ps: protocol_calls.ProcessStack) -> list[list]:
     return next(t for t in ps.threads if t.main).frames
 
 
@@ -79,14 +79,16 @@ def test_every_hooked_process_answers_and_no_other_is_signalled(home: Path, tmp_
         no_spy = ":".join(d for d in os.environ["PATH"].split(":") if not (Path(d) / "py-spy").exists())
         found = {ps.pid: ps for ps in _ask(home, job, no_spy)}
         main = next(ps for ps in found.values() if ps.slot == 0 and not ps.child)
-        assert main.source is protocol.StackSource.FAULTHANDLER
+        assert main.source is protocol_calls.StackSource.FAULTHANDLER
         # blocked in C, read all the same; and its other thread
         assert _main(main)[0][1:] == [_line("print(") + 1, "<module>", "lock.acquire()"]
         assert any(t.frames and t.frames[0][1] == _line("napper") for t in main.threads if not t.main)
-        forked = [ps for ps in found.values() if ps.child and ps.source is protocol.StackSource.FAULTHANDLER]
+        forked = [ps for ps in found.values() if ps.child and ps.source is protocol_calls.StackSource.FAULTHANDLER]
         assert [_main(ps)[0][1] for ps in forked] == [_line("os.fork") + 1]  # the forked child, its own file
         for pid in (plain, execd):
-            assert found[pid].source is protocol.StackSource.NONE and found[pid].why.startswith("no stacks handler")
+            assert found[pid].source is protocol_calls.StackSource.NONE and found[pid].why.startswith(
+                "no stacks handler"
+            )
             os.kill(pid, 0)  # still alive: never sent the signal
         assert "exec" in found[execd].why
     finally:
@@ -112,11 +114,11 @@ def test_py_spy_reads_every_process_with_its_native_frames(home: Path, tmp_path:
     try:
         found = {ps.pid: ps for ps in _ask(home, job, f"{spy.parent}:{os.environ['PATH']}")}
         main = next(ps for ps in found.values() if ps.slot == 0 and not ps.child)
-        assert main.source is protocol.StackSource.PY_SPY
+        assert main.source is protocol_calls.StackSource.PY_SPY
         frames = _main(main)
         assert [f[1:3] for f in frames if f[1]][0] == [_line("print(") + 1, "<module>"]
         assert any(f[1] == 0 for f in frames)  # native frames (the lock's wait in C)
-        assert found[plain].source is protocol.StackSource.PY_SPY  # from outside: no hook needed
+        assert found[plain].source is protocol_calls.StackSource.PY_SPY  # from outside: no hook needed
         os.kill(plain, 0)
     finally:
         agent(home, "stop", job, "--grace", "1")
@@ -126,9 +128,9 @@ def test_py_spy_reads_every_process_with_its_native_frames(home: Path, tmp_path:
 
 
 def _proc(worker: int, slot: int | None, frames: list[list], child: bool = False, pid: int = 1) -> stacks.Process:
-    ps = protocol.ProcessStack(
-        pid, 0, slot, child, "python3 train.py", "/home/u/proj", protocol.StackSource.FAULTHANDLER,
-        [protocol.ThreadStack("0x1", True, frames)],
+    ps = protocol_calls.ProcessStack(
+        pid, 0, slot, child, "python3 train.py", "/home/u/proj", protocol_calls.StackSource.FAULTHANDLER,
+        [protocol_calls.ThreadStack("0x1", True, frames)],
     )  # fmt: skip
     name = f"w{worker}" if slot == protocol.HOST else f"w{worker}/c{slot}"
     return stacks.Process(worker, name + (f"+{pid}" if child else ""), ps)

@@ -119,6 +119,7 @@ def test_lock_kept_while_open(tmp_path):
 
 
 def _probe(**kw):
+    """A doctor probe's answer as the worker sends it, with KW changed, read as tpurun reads it."""
     base = {
         "python_probe": {
             "python": "/usr/bin/python3",
@@ -141,7 +142,12 @@ def _probe(**kw):
             base["python_probe"][k] = v
         else:
             base[k] = v
-    return base
+    return probe.DoctorAnswer.from_dict(base)
+
+
+def _python_failed(error):
+    """A doctor probe's answer where the user's Python could not run."""
+    return probe.DoctorAnswer.from_dict({"python_probe": {"error": error}})
 
 
 def _status(checks, name):
@@ -158,7 +164,7 @@ def test_versions():
     assert missing.status == "fail" and "torch_xla is not installed" in missing.detail
     none = health.check_versions(0, _probe(torch_xla_version=None, torch_version=None), "python3")
     assert "neither" in none.detail
-    err = health.check_versions(0, {"python_probe": {"error": "py: not found"}}, "py")
+    err = health.check_versions(0, _python_failed("py: not found"), "py")
     assert err.status == "fail" and err.name == "python"
 
 
@@ -170,10 +176,10 @@ def test_same_versions_across_workers():
 
     def probe(**packages):
         p = _probe()
-        p["python_probe"]["packages"] = {"torch": "2.9.0+cpu", "torch_xla": "2.9.0", "jax": None, **packages}
+        p.python_probe["packages"] = {"torch": "2.9.0+cpu", "torch_xla": "2.9.0", "jax": None, **packages}
         return p
 
-    probes = {0: probe(), 1: probe(), 2: probe(torch_xla="2.8.0"), 3: {"python_probe": {"error": "x"}}}
+    probes = {0: probe(), 1: probe(), 2: probe(torch_xla="2.8.0"), 3: _python_failed("x")}
     answers = {w: a for w, a in ((w, preflight.from_probe(p)) for w, p in probes.items()) if a is not None}
     assert sorted(answers) == [0, 1, 2]
     target = SimpleNamespace(name="t", all_workers=[SimpleNamespace(name=f"w{i}") for i in range(4)])

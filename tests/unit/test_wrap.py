@@ -19,7 +19,7 @@ _name = st.from_regex(r"T_[A-Za-z0-9_]{0,8}", fullmatch=True)  # not a variable 
 
 
 def run_line(line: str) -> tuple[int, str, str]:
-    """LINE as sshd runs it: the watchdog in it reads stdin (the channel), which stays open meanwhile."""
+    """LINE as sshd runs it: the leash in it reads stdin (the channel), which stays open meanwhile."""
     p = subprocess.Popen(
         ["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -215,15 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         code = 0
     except Exception as exc:  # a bug: say so in one line, traceback only with --debug
-        if _debug_requested(args):
-            traceback.print_exc()
-        ui.err().print(
-            f"error: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
-            markup=False,
-            style="red",
-        )
-        code = 1
+        code = _internal_error(exc, _debug_requested(args))
     sys.stdout.flush()
     if argv is None:
-        sys.exit(code)
-    return code
+        sys.exit(int(code))
+    return int(code)
+
+
+def _internal_error(exc: Exception, debug: bool) -> ExitCode:
+    """An exception tpurun did not expect: a bug in tpurun, not in the user's program or input. One line saying
+    so and where its traceback went (above, with --debug; else nowhere: --debug shows it); exit 70."""
+    if debug:
+        traceback.print_exc()
+    where = "its traceback is above" if debug else "no traceback was kept: run again with --debug to see it"
+    ui.err().print(
+        f"error: internal error, a bug in tpurun: {type(exc).__name__}: {exc} ({where}; please report it)",
+        markup=False,
+        style="red",
+    )
+    return ExitCode.INTERNAL

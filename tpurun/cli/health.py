@@ -7,11 +7,11 @@ when a worker could not be reached (doctor still prints every other worker's row
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from tpurun import diagnose, settings, targets, ui
+from tpurun import diagnose, settings, ui
 from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import skew_table
 from tpurun.errors import ExitCode
@@ -19,11 +19,6 @@ from tpurun.errors import ExitCode
 
 def _short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _kill_stale_command(local: bool, tpu: str) -> str:
-    """The kill-stale that frees the TPU a command acted on (this machine, with LOCAL)."""
-    return "tpurun kill-stale " + ("--local" if local else f"--tpu {tpu}")
 
 
 # ------------------------------------------------------------------ kill-stale
@@ -45,8 +40,7 @@ def kill_stale_cmd(
     is touched. Exit 0 when every selected worker's TPU is free, 1 when a holder is left (--dry-run: found).
     """
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
-    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    result = diagnose.kill_stale(target, dry_run=dry_run, grace=grace)
+    result = diagnose.kill_stale(s, local=local, worker_spec=worker, dry_run=dry_run, grace=grace, announce=ui.info)
     if json_out:
         ui.print_json(result.to_json())
     else:
@@ -54,43 +48,34 @@ def kill_stale_cmd(
     raise typer.Exit(_kill_stale_exit(result))
 
 
-def _render_kill_stale(workers: list[dict[str, Any]], dry_run: bool) -> None:
+def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -> None:
     rows = [
-        (
-            w["name"],
-            h["pid"],
-            h["user"],
-            ui.age(h["age"]),
-            _short(h["command"]),
-            " ".join(h["holds"]),
-            h.get("result", ""),
-        )
+        (w.name, h.pid, h.user, ui.age(h.age), _short(h.command), " ".join(h.holds), h.result or "")
         for w in workers
-        for h in w.get("holders", [])
+        for h in w.holders
     ]
     if rows:
         ui.table(None, ["worker", "pid", "user", "age", "command", "holds", "result"], rows)
-    lock_rows = [(w["name"], lk["path"], lk["result"]) for w in workers for lk in w.get("locks", [])]
+    lock_rows = [(w.name, lk.path, lk.result or "") for w in workers for lk in w.locks]
     if lock_rows:
         ui.table(None, ["worker", "lock file", "result"], lock_rows)
     for w in workers:
-        label = w["name"]
-        for e in w.get("errors", []):
-            ui.warn(f"{label}: {e}")
-        if not w["reachable"]:
+        for e in w.errors:
+            ui.warn(f"{w.name}: {e}")
+        if not w.reachable:
             continue
-        n = len(w.get("holders", []))
+        n = len(w.holders)
         if n == 0:
-            ui.info(f"{label}: nothing holds the TPU")
+            ui.info(f"{w.name}: nothing holds the TPU")
         elif dry_run:
-            ui.info(f"{label}: {n} process(es) hold the TPU (dry run: nothing was stopped)")
-        elif w.get("free"):
-            ui.info(f"{label}: TPU free ({n} process(es) stopped)")
+            ui.info(f"{w.name}: {n} process(es) hold the TPU (dry run: nothing was stopped)")
+        elif w.free:
+            ui.info(f"{w.name}: TPU free ({n} process(es) stopped)")
 
 
 def _kill_stale_exit(result: diagnose.KillStale) -> int:
     for w in result.unreachable:
-        ui.err().print(f"error: {w['error']}", markup=False)
+        ui.err().print(f"error: {w.error}", markup=False)
     if result.unreachable:
         return ExitCode.UNREACHABLE
     held = result.held()
@@ -98,11 +83,11 @@ def _kill_stale_exit(result: diagnose.KillStale) -> int:
         return ExitCode.OK
     w, h = held[0]
     if result.dry_run:
-        ui.info(f"run `{_kill_stale_command(result.local, result.tpu)}` to stop them")
+        ui.info(f"run `{diagnose.kill_stale_command(result.local, result.tpu)}` to stop them")
         return ExitCode.PROGRAM_FAILED
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
     ui.err().print(
-        f"error: the TPU is still held on {w['name']} by pid {h['pid']} ({_short(h['command'])}){more}",
+        f"error: the TPU is still held on {w.name} by pid {h.pid} ({_short(h.command)}){more}",
         markup=False,
     )
     return ExitCode.PROGRAM_FAILED
@@ -127,9 +112,7 @@ def doctor_cmd(
     Exit 0 when no check failed, 1 when one did, 4 when a worker could not be reached.
     """
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
-    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    kill_stale = _kill_stale_command(target.local, target.name)
-    result = diagnose.doctor(target, home=s.home_path, python=python, warn=ui.warn, kill_stale_cmd=kill_stale)
+    result = diagnose.doctor(s, local=local, worker_spec=worker, python=python, announce=ui.info, warn=ui.warn)
     total = result.summary
     code = ExitCode.UNREACHABLE if result.unreachable else ExitCode.PROGRAM_FAILED if result.failed else ExitCode.OK
     if json_out:
@@ -141,7 +124,7 @@ def doctor_cmd(
                 "summary": total,
                 "exit_code": code,
                 "checks": [c.to_dict() for c in result.checks],
-                "workers": {str(i): result.probes[i] for i in sorted(result.probes)},
+                "workers": {str(i): result.probes[i].to_dict() for i in sorted(result.probes)},
                 "skew": result.skew.to_json(),
             }
         )

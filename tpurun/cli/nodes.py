@@ -191,9 +191,8 @@ def create_cmd(
     cloud, s = cloud_for(project, zone)
     result = _create(cloud, s, spec, delete_on_failure=delete_on_failure, json_out=json_out)
     view = result.view if isinstance(result, provision.CreateResult) else result
-    if isinstance(result, provision.CreateResult) and not s.tpu.value:
-        path = settings.write_project_setting("tpu", name)
-        ui.info(f"{name} is now the default TPU here (recorded in {path})")
+    if isinstance(result, provision.CreateResult) and result.default_in is not None:
+        ui.info(f"{name} is now the default TPU here (recorded in {result.default_in})")
     if json_out:
         ui.print_json(view.to_dict(full=True))
         return
@@ -326,8 +325,8 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
                 v.state,
                 v.health,
                 len(v.workers),
-                "spot" if v.spot else "preemptible" if v.preemptible else "-",
-                f"{v.slice_of[0]} (s{v.slice_of[1]})" if v.slice_of else "-",
+                _capacity(v),
+                _slice_of(v),
                 v.age(),
                 v.activity.autostop_label(v.autostop_setting),
                 v.activity.idle_label(),
@@ -336,6 +335,14 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
             for v in views
         ],
     )
+
+
+def _capacity(v: provision.NodeView) -> str:
+    return "spot" if v.spot else "preemptible" if v.preemptible else "-"
+
+
+def _slice_of(v: provision.NodeView) -> str:
+    return f"{v.slice_of[0]} (s{v.slice_of[1]})" if v.slice_of else "-"
 
 
 def describe_cmd(
@@ -351,23 +358,39 @@ def describe_cmd(
     if json_out:
         ui.print_json(view.to_dict(full=True))
         return
-    d = view.to_dict(full=True)
-    hidden = {"workerEndpoints", "metadata", "labels", "slices", "autostop", "idleSeconds", "jobs", "busy"}
-    hidden |= {"watchdog", "reportedSecondsAgo", "down"}
-    rows = [(k, v) for k, v in d.items() if k not in hidden]
-    rows.append(("autostop", view.activity.autostop_label(view.autostop_setting)))
+    _describe_table(view)
+    _workers_table(view)
+
+
+def _describe_table(view: provision.NodeView) -> None:
     act = view.activity
-    rows.append(("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy else "")))
-    rows.append(("jobs", ", ".join(act.jobs) or "-"))
-    rows.append(("watchdog", act.decision or "-"))
+    rows: list[tuple[str, object]] = [
+        ("name", view.name),
+        ("backend", view.backend),
+        ("id", view.id or "-"),
+        ("zone", view.zone or "-"),
+        ("accelerator", view.accelerator_type),
+        ("state", view.state),
+        ("health", view.health),
+        ("workers", len(view.workers)),
+        ("spot/preemptible", _capacity(view)),
+        ("slice of", _slice_of(view)),
+        ("age", view.age()),
+        ("created", view.created.isoformat() if view.created else "-"),
+        ("runtime version", view.runtime_version or "-"),
+        ("queued resource", view.queued_resource or "-"),
+        ("autostop", act.autostop_label(view.autostop_setting)),
+        ("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy else "")),
+        ("jobs", ", ".join(act.jobs) or "-"),
+        ("watchdog", act.decision or "-"),
+    ]
     if view.slices:
         rows.append(("slices", ", ".join(f"s{i}: {v.name} ({v.state})" for i, v in enumerate(view.slices))))
     rows.append(("labels", ", ".join(f"{k}={v}" for k, v in view.labels.items()) or "-"))
-    for k, v in d["metadata"].items():
+    for k, v in view.shown_metadata.items():
         if k not in (autostop.KEY, startup.WATCHDOG_KEY):  # shown above; the watchdog's program
             rows.append((f"metadata {k}", v))
     ui.table(view.name, ["field", "value"], rows)
-    _workers_table(view)
 
 
 def delete_cmd(
@@ -389,9 +412,8 @@ def delete_cmd(
     ui.info(" and ".join([f"deleted {name}", *deleted.also]))
     if deleted.left:
         ui.info(f"left {' and '.join(deleted.left)}: {deleted.why_left}")
-    cleared = settings.clear_project_setting("tpu", name)
-    if cleared:
-        ui.info(f"{name} is no longer the default TPU in {cleared}")
+    if deleted.default_in is not None:
+        ui.info(f"{name} is no longer the default TPU in {deleted.default_in}")
 
 
 def stop_cmd(name: NameArg, project: ProjectOpt = None, zone: ZoneOpt = None) -> None:

@@ -134,10 +134,10 @@ def progress_display() -> Iterator[Callable[[str], None]]:
     from tpurun.cloud import provision  # not at import: exec and train never load the Cloud TPU client
 
     if ui.is_plain() or not sys.stderr.isatty():
-        yield provision.Progress(lambda text: ui.info(text))
+        yield provision.StatusLines(lambda text: ui.info(text))
         return
     with ui.err().status("starting…") as status:
-        yield provision.Progress(lambda text: status.update(text))
+        yield provision.StatusLines(lambda text: status.update(text))
 
 
 # What a runtime prints once per process and tells a user nothing: hidden on the terminal unless asked

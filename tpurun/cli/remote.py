@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import typer
@@ -76,22 +77,21 @@ def exec_cmd(
     )
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
-    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    one = target.alone
-    if one is not None:
-        name = target.runners[0].worker.name
-        ui.info(f"{name} alone: its runtime sees the {one.name} single-host slice it is on its own (docs/remote.md)")
-    writer = LineWriter(colour=not ui.is_plain(), names=target.worker_names)
+    writer = LineWriter(colour=not ui.is_plain())
     stop = threading.Event()
 
     def unreachable(why: str) -> None:
         ui.err().print(f"error: {why}", markup=False)
 
+    def name_workers(names: Mapping[int, str]) -> None:
+        writer.names = names
+
     with stop_on_signals(stop) as seen:
         done = remote.exec_everywhere(
-            target, command, writer, stop=stop, fail_fast=fail_fast, grace=grace, unreachable=unreachable
-        )
-        code = summarize(done, seen["interrupted"], target.worker_names, command)
+            s, command, writer, local=local, worker_spec=worker, stop=stop, fail_fast=fail_fast, grace=grace,
+            announce=ui.info, name_workers=name_workers, unreachable=unreachable,
+        )  # fmt: skip
+        code = summarize(done, seen["interrupted"], done.names, command)
     raise typer.Exit(code)
 
 
@@ -121,16 +121,7 @@ def ssh_cmd(
     s, command = name_first(
         ctx, "ssh", command or [], settings.resolve({"tpu": tpu, "project": project, "zone": zone}), ask=True
     )
-    if not s.tpu.value:
-        raise UsageError("no TPU named: pass --tpu NAME (or `tpurun attach NAME` to set a default)")
-    argv = remote.ssh_argv(
-        targets.resolve(s, worker_spec=worker),
-        s.home_path,
-        command,
-        worker=worker,
-        forward=forward or [],
-        flags=ssh_flag or [],
-    )
+    argv = remote.ssh_argv(s, command, worker=worker, forward=forward or [], flags=ssh_flag or [])
     sys.stdout.flush()
     try:
         os.execvp("ssh", argv)

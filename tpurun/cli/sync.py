@@ -14,12 +14,13 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from tpurun import settings, targets, ui
+from tpurun import settings, ui
 from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.sync import download, ignore, report
-from tpurun.sync.sender import Counters, Interrupted, WorkerStats, check_local_dest, default_dest, push
+from tpurun.sync.sender import Counters, Interrupted, WorkerStats, default_dest, sync_dir
+from tpurun.worker.sync_helper import ErrorKind
 
 T = TypeVar("T")
 
@@ -117,9 +118,8 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
         if s.errors:
             path, kind, message = s.errors[0]
             where = f"{s.dest}/{path}" if s.dest else path
-            verb = {"write": "cannot write", "verify": "verification failed for", "delete": "cannot delete"}.get(
-                kind, "cannot sync"
-            )
+            verbs = {ErrorKind.WRITE: "cannot write", ErrorKind.VERIFY: "verification failed for"}
+            verb = {**verbs, ErrorKind.DELETE: "cannot delete"}.get(kind, "cannot sync")
             more = f" (and {len(s.errors) - 1} more files)" if len(s.errors) > 1 else ""
             ui.err().print(f"error: {label}: {verb} {where}: {message}{more}", markup=False)
             failed = True
@@ -171,16 +171,13 @@ def sync_cmd(
     destination = dest or default_dest(source)
     s = _named_tpu_or_local(tpu, project, zone, local, "sync copies a directory to a TPU's workers")
     on_needs = report.size_check(source, ui.warn)
-    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
-    if target.local:
-        destination = str(check_local_dest(source, destination))
     started = time.monotonic()
     stop = threading.Event()
     progress = Counters()
-    with target, stop_on_signals(stop) as seen:
+    with stop_on_signals(stop) as seen:
         pushed = _transfer(
-            lambda: push(
-                target, source, destination, cache_dir=s.home_path / "sync-cache", excludes=exclude or [],
+            lambda: sync_dir(
+                s, source, destination, local=local, worker_spec=worker, announce=ui.info, excludes=exclude or [],
                 delete=delete, progress=progress, stop=stop, on_needs=on_needs,
             ),
             progress, "sync", json_out, seen, "nothing half-written is left on the workers",
@@ -188,7 +185,7 @@ def sync_cmd(
         elapsed = time.monotonic() - started
     m = pushed.manifest
     info = {"src": str(source), "files": len(m.files) + len(m.links), "bytes": m.total_bytes, "hashed": m.hashed}
-    raise typer.Exit(_report(pushed.stats, destination, json_out, elapsed, info))
+    raise typer.Exit(_report(pushed.stats, pushed.dest, json_out, elapsed, info))
 
 
 def _transfer(
@@ -235,14 +232,14 @@ def download_cmd(
     into = Path(dest).expanduser()
     if into.exists() and not into.is_dir():
         raise UsageError(f"{dest} is not a directory: download puts what it copies into a directory")
-    target = targets.resolve(s, local=local, worker_spec=worker, announce=ui.info)
     started = time.monotonic()
     stop = threading.Event()
     progress = Counters()
     with stop_on_signals(stop) as seen:
         got = _transfer(
             lambda: download.download_from(
-                target, path, into, outside_home=outside_home, progress=progress, stop=stop
+                s, path, into, local=local, worker_spec=worker, announce=ui.info, outside_home=outside_home,
+                progress=progress, stop=stop,
             ),
             progress, "download", json_out, seen, "no half-written file is left here",
         )  # fmt: skip

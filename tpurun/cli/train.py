@@ -23,7 +23,7 @@ from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting
-from tpurun.worker.protocol import JOB_GRACE, Launch
+from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -356,42 +356,48 @@ def _error(text: str) -> None:
 
 
 def _render(result: launcher.JobResult, json_out: bool) -> int:
-    """What the job's end means for the user: messages on stderr, the summary, the exit code."""
+    """What the job's end means for the user: messages on stderr, the summary; its exit code is the library's."""
     job, run, state = result.job, result.run, result.state
     name, spec = job.target.name, job.spec
-    if state is launcher.JobState.SETUP_FAILED:
+    if state is JobStatus.FAILED and run is None:  # its setup failed: the job did not start
         assert result.setup is not None and result.setup.failed is not None
         bad = result.setup.failed
         w = job.target.all_workers[bad.worker]
         if bad.error:
             _error(f"error: setup could not run on {w.label()}: {bad.error}")
-            return ExitCode.UNREACHABLE
+            return result.exit_code
         tail = "\n".join("    " + line for line in result.setup.last_lines.get(bad.worker, [])) or "    (no output)"
         _error(
             f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
         )
-        return ExitCode.PROGRAM_FAILED
-    if state is launcher.JobState.INTERRUPTED and run is None:
+        return result.exit_code
+    if state is JobStatus.STOPPED and run is None:
         _error("error: interrupted during setup; the job did not start")
-        return ExitCode.INTERRUPTED
+        return result.exit_code
     assert run is not None
-    if state is launcher.JobState.BUSY:
+    if state is JobStatus.BUSY:
         workers = ",".join(job.target.all_workers[w].name for w in sorted(run.busy))
         _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
-        return ExitCode.USAGE
-    if state is launcher.JobState.DETACHED:
+    elif state is JobStatus.RUNNING:  # --detach
         if json_out:
             ui.print_json({"job_id": job.job_id, "detached": True})
         else:
             print(job.job_id)
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
-        return ExitCode.OK
-    if state is launcher.JobState.PREEMPTED:
-        return _preempted(name, job.job_id, spec.max_restarts)
-    if state is launcher.JobState.LOST and spec.detach:
-        for why in run.lost.values():
+    elif state is JobStatus.PREEMPTED:
+        _preempted(name, job.job_id, spec.max_restarts)
+    elif state is JobStatus.UNREACHABLE and spec.detach:
+        for why in run.unreachable.values():
             _error(f"error: {why}")
-        return ExitCode.UNREACHABLE
+    else:
+        _render_ended(result, json_out)
+    return result.exit_code
+
+
+def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
+    """An attached job that ran: every process's end (the summary, or --json), then why it did not succeed."""
+    job, run, state = result.job, result.run, result.state
+    assert run is not None
     if json_out:
         ui.print_json(
             {
@@ -404,14 +410,14 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         )
     else:
         _summary(run)
-    if state is launcher.JobState.INTERRUPTED:
-        return ExitCode.INTERRUPTED
-    if state is launcher.JobState.HUNG:
+    if state is JobStatus.STOPPED:
+        return
+    if state is JobStatus.HUNG:
         _error(
-            f"error: job {job.job_id} made no progress for {ui.age(spec.hang_timeout)} and was "
+            f"error: job {job.job_id} made no progress for {ui.age(job.spec.hang_timeout)} and was "
             "stopped (--on-hang stop); its stacks are above"
         )
-        return ExitCode.HUNG
+        return
     if run.first_failure is not None:
         f = run.first_failure
         tail = "\n".join("    " + line for line in list(f.last_lines))
@@ -423,15 +429,13 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         hint = launcher.hint_for(list(f.last_lines), python=run.python, local=job.target.local)
         if hint:
             _error(f"hint: {hint}")
-        return ExitCode.PROGRAM_FAILED
-    if state is launcher.JobState.LOST:
-        for why in run.lost.values():
+        return
+    if state is JobStatus.UNREACHABLE:
+        for why in run.unreachable.values():
             _error(f"error: {why}")
-        return ExitCode.UNREACHABLE
-    return ExitCode.PROGRAM_FAILED if state is launcher.JobState.FAILED else ExitCode.OK
 
 
-def _preempted(name: str, job_id: str, max_restarts: int) -> int:
+def _preempted(name: str, job_id: str, max_restarts: int) -> None:
     if max_restarts:
         _error(f"error: {name} was preempted and --max-restarts {max_restarts} is used up")
     else:
@@ -440,7 +444,6 @@ def _preempted(name: str, job_id: str, max_restarts: int) -> int:
             "(--max-restarts 0)"
         )
         _error("hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job")
-    return ExitCode.UNREACHABLE
 
 
 def _summary(run: attempt.JobRun) -> None:
@@ -500,7 +503,7 @@ def jobs_cmd(
             for row in rows
         ],  # fmt: skip
     )
-    gone = sum(1 for row in rows if row.state.status == "gone")
+    gone = sum(1 for row in rows if row.state.status is JobStatus.GONE)
     if prune and gone:
         ui.info(f"forgot {gone} job(s) of TPUs that no longer exist")
     elif gone:
@@ -522,31 +525,24 @@ def logs_cmd(
     stop = threading.Event()
     with stop_on_signals(stop):
         result = control.logs(s, job, out, stop, worker=worker, follow=follow, tail=tail)
-    if result.interrupted:
-        raise typer.Exit(ExitCode.INTERRUPTED)
-    for name, why in result.errors.items():
-        _error(f"error: {name}: {why}")
-    if result.errors:
-        raise typer.Exit(ExitCode.USAGE if result.missing else ExitCode.UNREACHABLE)
-    if result.ended is not None:  # followed to the end: exit as `train` would have
-        code = _ended_code(job, result.ended)
-        if code:
-            raise typer.Exit(code)
+    if not result.interrupted:
+        for name, why in result.errors.items():
+            _error(f"error: {name}: {why}")
+    if result.ended is not None and not result.errors and not result.interrupted:
+        _say_ended(job, result.ended)
+    raise typer.Exit(result.exit_code)
 
 
-def _ended_code(job: str, ended: status.JobSummary) -> int:
-    """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish; the
-    exit code `train` gives that end (0, 1 failed, 4 lost, 130 stopped)."""
-    if ended.status == "finished":
-        return ExitCode.OK
-    if ended.status == "failed":
+def _say_ended(job: str, ended: status.JobSummary) -> None:
+    """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish."""
+    if ended.status is JobStatus.FINISHED:
+        return
+    if ended.status is JobStatus.FAILED:
         _error(f"error: job {job} failed: {ended.detail} failed first")
-        return ExitCode.PROGRAM_FAILED
-    if ended.status == "lost":
+    elif ended.status is JobStatus.LOST:
         _error(f"error: job {job} was lost: {ended.detail}")
-        return ExitCode.UNREACHABLE
-    _error(f"error: job {job} was stopped before it finished ({ended.label()})")
-    return ExitCode.INTERRUPTED
+    else:
+        _error(f"error: job {job} was stopped before it finished ({ended.label()})")
 
 
 def cancel_cmd(

@@ -10,7 +10,6 @@ publish (guest attributes tpurun/watch and tpurun/watchdog) is read back here fo
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from tpurun.cloud import startup
 from tpurun.errors import TpurunError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.worker import bundle_metadata, watchdog
+from tpurun.worker.protocol_calls import DEFAULT_TICK, WatchdogConfig
 
 if TYPE_CHECKING:
     from tpurun.cloud.backend import Backend
@@ -66,27 +66,27 @@ def check_action(action: str, cannot_stop: str = "") -> None:
         raise UsageError(f"--autostop-action stop: {cannot_stop}", hint="use --autostop-action delete")
 
 
-def setting(target: dict[str, Any], idle: int, action: str = "delete") -> str:
-    """The `tpurun-autostop` metadata value: TARGET (the API and the TPU's resources, from the backend's
-    `watch_target`), the idle period, the action and the watchdog's tick."""
-    return json.dumps({**target, "idle": idle, "action": action, "tick": tick()}, sort_keys=True)
+def setting(resources: WatchdogConfig, idle: int, action: str = "delete") -> str:
+    """The `tpurun-autostop` metadata value: the watchdog's RESOURCES (the API and the TPU's resources, from the
+    backend's `watchdog_resources`), the idle period, the action and the watchdog's tick."""
+    return resources.set(idle, action, tick()).to_json()
 
 
-def stand_in(nodes: list[str]) -> dict[str, Any]:
-    """A target of the same size and shape as a Cloud TPU API one, for checks made before settings."""
-    return {"nodes": [f"projects/-/locations/-/nodes/{n}" for n in nodes], "endpoint": "https://tpu.googleapis.com"}
+def stand_in(nodes: list[str]) -> WatchdogConfig:
+    """Resources of the same size and shape as a Cloud TPU API TPU's, for checks made before settings."""
+    return WatchdogConfig("https://tpu.googleapis.com", [f"projects/-/locations/-/nodes/{n}" for n in nodes])
 
 
-def metadata(target: dict[str, Any], idle: int, action: str = "delete") -> dict[str, str]:
+def metadata(resources: WatchdogConfig, idle: int, action: str = "delete") -> dict[str, str]:
     """The metadata entries that install the watchdog (the startup wrapper starts it) and set it."""
-    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(target, idle, action)}
+    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(resources, idle, action)}
 
 
 @dataclass(frozen=True)
 class Setting:
     idle: int  # seconds; 0: off
     action: str
-    tick: float = watchdog.DEFAULT_TICK
+    tick: float = DEFAULT_TICK
 
     def label(self) -> str:
         return f"{self.action} after {watchdog.duration(self.idle)} idle" if self.idle else "off"
@@ -95,15 +95,10 @@ class Setting:
 def read(md: dict[str, str]) -> Setting | None:
     """The autostop setting in a node's metadata; None where tpurun set none."""
     try:
-        value = json.loads(md.get(KEY, ""))
+        cfg = WatchdogConfig.from_json(md.get(KEY, ""))
     except ValueError:
         return None
-    if not isinstance(value, dict):
-        return None
-    try:
-        return Setting(int(value.get("idle") or 0), str(value.get("action") or "delete"), watchdog.tick_of(value))
-    except (TypeError, ValueError):
-        return None
+    return Setting(cfg.idle, cfg.action, cfg.tick)
 
 
 # ---------------------------------------------------------------------------- what the watchdogs report

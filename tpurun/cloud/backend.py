@@ -14,13 +14,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tpurun.topology import Topology
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
+    from tpurun.worker.protocol_calls import WatchdogConfig
 
 Progress = Callable[[str], None]
 # per worker of a TPU, in worker order over its slices: {(namespace, key): value}
@@ -86,11 +87,13 @@ class Request:
 
 @dataclass
 class Deleted:
-    """What went with a deleted TPU besides it, and what it used that was left, in the user's words."""
+    """What went with a deleted TPU besides it, and what it used that was left, in the user's words (what the
+    backend's `delete` says); `tpurun.cloud.provision.delete` adds what it changed on this machine."""
 
     also: list[str] = field(default_factory=list)  # "its queued resource"
     left: list[str] = field(default_factory=list)  # "the instance template T"
     why_left: str = ""  # why LEFT stayed: tpurun deletes only what it made, and how it knows
+    default_in: Path | None = None  # the tpurun.toml that named it the default TPU and no longer does (`delete`)
 
 
 class Backend(ABC):
@@ -149,9 +152,11 @@ class Backend(ABC):
         """What every worker published under QUERY_PATH ("hostkeys/", "tpurun/"), in worker order."""
 
     @abstractmethod
-    def watch_target(self, name: str, parts: list[str], multi_host: bool, view: NodeView | None) -> dict[str, Any]:
-        """What the TPU's watchdog calls and deletes: the part of its `tpurun-autostop` setting that names
-        the API's root and the TPU's resources (tpurun/worker/watchdog.py reads it). VIEW: the TPU as it is;
+    def watchdog_resources(
+        self, name: str, parts: list[str], multi_host: bool, view: NodeView | None
+    ) -> WatchdogConfig:
+        """What the TPU's watchdog calls and deletes (its resources: the API's root and the TPU's resources), as a
+        `WatchdogConfig` with autostop off (tpurun/worker/watchdog.py reads it). VIEW: the TPU as it is;
         None: about to be made by tpurun, as the slices PARTS (multi-host ones if MULTI_HOST)."""
 
     @abstractmethod

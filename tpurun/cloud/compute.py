@@ -30,6 +30,7 @@ from tpurun.cloud.views import PREEMPTED, READY, STOPPED, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.topology import Topology, vm_topology
+from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig
 
 log = logging.getLogger(__name__)
 
@@ -428,10 +429,12 @@ class Compute(Backend):
 
     # ------------------------------------------------------------------ changing
 
-    def watch_target(self, name: str, parts: list[str], multi_host: bool, view: NodeView | None) -> dict[str, Any]:
+    def watchdog_resources(
+        self, name: str, parts: list[str], multi_host: bool, view: NodeView | None
+    ) -> WatchdogConfig:
         """A lone VM deletes itself; a group's first VM deletes the groups, then the template and the workload
         policy tpurun made with them (those of a group made elsewhere stay, as `delete` leaves them)."""
-        where: dict[str, Any] = {"project": self.project, "zone": self.zone, "name": name}
+        where = ComputeTpu(self.project, self.zone, name)
         if view is None:  # what create is about to make: a group per slice, unless it is one lone VM
             groups = list(parts) if multi_host or len(parts) > 1 else []
             made = (True, multi_host)  # its template, and a workload policy for multi-host slices
@@ -444,12 +447,12 @@ class Compute(Backend):
                 else (self.groups.made_template(group, name), self.groups.made_policy(group, name))
             )
         if groups:
-            where["groups"] = groups
+            where.groups = groups
             paths = (self.groups.template_path(name), self.groups.policy_path(name))
-            where["also"] = [path for path, ours in zip(paths, made, strict=True) if ours]
+            where.also = [path for path, ours in zip(paths, made, strict=True) if ours]
         else:
-            where["instance"] = name
-        return {"compute": where, "endpoint": compute_endpoint(self.cloud.endpoint)}
+            where.instance = name
+        return WatchdogConfig(compute_endpoint(self.cloud.endpoint), compute=where)
 
     def cannot_stop(self, view: NodeView, verb: str) -> str:
         return _cannot(view.name, verb)

@@ -45,8 +45,9 @@ def parse_labels(items: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------------------- progress
 
 
-class Progress:
-    """Status lines while waiting: a spinner on a terminal, one line per change when piped."""
+class StatusLines:
+    """Status lines while waiting, each shown once (a `backend.Progress`): a spinner on a terminal, one line per
+    change when piped."""
 
     def __init__(self, show: Callable[[str], None]) -> None:
         self.show = show
@@ -65,6 +66,7 @@ class Progress:
 class CreateResult:
     view: NodeView
     reports: list[startup.StartupReport]
+    default_in: Path | None = None  # the tpurun.toml that now names it this directory's default TPU (`create`)
 
 
 def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
@@ -109,12 +111,12 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     action = spec.autostop_action or "delete"
     autostop.check_action(action, maker.cannot_stop_asked(spec, topo))
     nodes = multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
-    target = (
-        routing.of_kind(cloud, kind).watch_target(spec.name, nodes, topo.multi_host, None)
+    resources = (
+        routing.of_kind(cloud, kind).watchdog_resources(spec.name, nodes, topo.multi_host, None)
         if cloud
         else autostop.stand_in(nodes)
     )
-    watch = autostop.metadata(target, idle, action)
+    watch = autostop.metadata(resources, idle, action)
     metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
     return Request(topo, kind, metadata, labels, valid_until, max_run)
 
@@ -171,9 +173,12 @@ def create(
         maker.create(spec, request, progress)
         if not spec.wait:
             return tpu(cloud, spec.name)
-        return until_started(cloud, maker, home, spec.name, progress, timeout=spec.timeout)
+        made = until_started(cloud, maker, home, spec.name, progress, timeout=spec.timeout)
     except KeyboardInterrupt:
         raise asked from None
+    if not s.tpu.value:  # no TPU named here yet: this one becomes the directory's default
+        made.default_in = settings.write_project_setting("tpu", spec.name)
+    return made
 
 
 def take_back(
@@ -391,9 +396,9 @@ def delete(
     cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None], by: str = "`tpurun delete`"
 ) -> Deleted:
     """Delete NAME and what tpurun made with it (its queued resource; every slice of a multislice TPU), and
-    remember that BY (the command, for a later one naming NAME) deleted it. Returns what else went, and what
-    NAME used that tpurun did not make and left, for the user. Where no TPU NAME exists, what an interrupted
-    create or delete left of it goes."""
+    remember that BY (the command, for a later one naming NAME) deleted it; no longer this directory's default
+    TPU. Returns what else went, what NAME used that tpurun did not make and left, and the tpurun.toml that no
+    longer names it. Where no TPU NAME exists, what an interrupted create or delete left of it goes."""
     try:
         maker, view = whole(cloud, name, "delete")
     except NoSuchTpu:
@@ -402,8 +407,15 @@ def delete(
             raise
     else:
         deleted = maker.delete(view, progress)
-    identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
+    deleted.default_in = _gone(cloud, s, name, by)
     return deleted
+
+
+def _gone(cloud: Cloud, s: settings.Settings, name: str, by: str) -> Path | None:
+    """NAME was deleted BY a command: remembered as deleted, and no longer the default TPU (the tpurun.toml
+    that named it, if one did)."""
+    identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
+    return settings.clear_project_setting("tpu", name)
 
 
 def take_down(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None], by: str) -> None:
@@ -422,7 +434,7 @@ def take_down(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[
         lambda: routing.locate(cloud, name) is None,
         on_poll=lambda: progress(f"{name}: DELETING (by its watchdog)"),
     )
-    identity.bury(s.home_path, cloud.project, cloud.zone, name, by)
+    _gone(cloud, s, name, by)
 
 
 def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[Backend, NodeView]:

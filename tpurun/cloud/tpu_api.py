@@ -17,6 +17,7 @@ from tpurun.cloud.multislice import qr_state
 from tpurun.cloud.views import NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, parse_accelerator_type
+from tpurun.worker.protocol_calls import WatchdogConfig
 
 STATE = tpu_v2.Node.State
 
@@ -203,12 +204,12 @@ class TpuApi(Backend):
 
     # ------------------------------------------------------------------ changing
 
-    def watch_target(self, name: str, parts: list[str], multi_host: bool, view: NodeView | None) -> dict[str, Any]:
+    def watchdog_resources(
+        self, name: str, parts: list[str], multi_host: bool, view: NodeView | None
+    ) -> WatchdogConfig:
         endpoint = self.cloud.endpoint
-        return {
-            "nodes": [self.cloud.node_path(p) for p in parts],
-            "endpoint": endpoint if "://" in endpoint else f"https://{endpoint}",  # a bare host means https
-        }
+        root = endpoint if "://" in endpoint else f"https://{endpoint}"  # a bare host means https
+        return WatchdogConfig(root, [self.cloud.node_path(p) for p in parts])
 
     def cannot_stop(self, view: NodeView, verb: str) -> str:
         if view.slices or view.gone:

@@ -122,6 +122,11 @@ class NodeView:
     def autostop_setting(self) -> autostop.Setting | None:
         return autostop.read(self.metadata)
 
+    @property
+    def shown_metadata(self) -> dict[str, str]:
+        """Its metadata as commands show it: ssh keys and big values shortened (`shorten_metadata`)."""
+        return {k: shorten_metadata(k, v) for k, v in self.metadata.items()}
+
     def age(self) -> str:
         if not self.created:
             return "-"
@@ -157,7 +162,7 @@ class NodeView:
             d["runtimeVersion"] = self.runtime_version
             d["labels"] = self.labels
             d["queuedResource"] = self.queued_resource
-            d["metadata"] = {k: shorten_metadata(k, v) for k, v in self.metadata.items()}
+            d["metadata"] = self.shown_metadata
             d["workerEndpoints"] = [
                 {
                     "name": w.name,

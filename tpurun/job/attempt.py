@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from tpurun.errors import TpurunError
 from tpurun.job import env_contract, stacks, status, watch
@@ -31,6 +31,7 @@ from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, Stream, open_stream
 from tpurun.worker import bundle_name, protocol
 from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
+from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
 
 # Runs on each worker: agent present (else exit AgentExit.MISSING)? start the job (spec from $2, base64),
 # then stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
@@ -138,8 +139,8 @@ class JobRun:
             (c.worker, c.slot): SlotOutcome(c.worker, c.slot) for per in specs for c in per
         }
         self.first_failure: SlotOutcome | None = None
-        self.ended: dict[int, dict[str, Any]] = {}  # worker -> the job's state there when it ended (Done)
-        self.lost: dict[int, str] = {}
+        self.ended: dict[int, protocol.JobState] = {}  # worker -> the job's state there when it ended (Done)
+        self.unreachable: dict[int, str] = {}  # worker -> why it could not be reached, or vanished
         self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
         self.started: set[int] = set()  # the workers whose agent started the job
         self.stop = threading.Event()
@@ -150,11 +151,11 @@ class JobRun:
         self.last_activity = time.monotonic()  # a record from any worker: a line, an end, a passage
         self.hung = False  # stopped by --on-hang stop
 
-    def job_spec(self, worker: int) -> protocol.JobSpec:
-        return protocol.JobSpec(
+    def job_spec(self, worker: int) -> JobSpec:
+        return JobSpec(
             job_id=self.job_id,
             worker=worker,
-            cores=[protocol.ProcessSpec(c.slot, c.argv, c.env, self.cwd) for c in self.specs[worker]],
+            cores=[ProcessSpec(c.slot, c.argv, c.env, self.cwd) for c in self.specs[worker]],
             launch=self.launch,
             detach=self.detach,
             down=self.down,
@@ -182,7 +183,7 @@ class JobRun:
 
     def _lose(self, w: int, why: str) -> None:
         with self.lock:
-            self.lost[w] = why
+            self.unreachable[w] = why
         self.stop.set()
 
     def _pump(self, w: int, stream: Stream) -> int:
@@ -263,12 +264,12 @@ class JobRun:
             self.watch.take(rec)
             return False
         if isinstance(rec, protocol.Done):
-            origin = protocol.first_failure(rec.state)
+            origin = rec.state.first_failure
             with self.lock:
                 self.ended[w] = rec.state
                 if origin is not None and self.first_failure is None:
                     self.first_failure = self.outcome(w, origin.slot)
-            for ps in protocol.process_states(rec.state):
+            for ps in rec.state.slots:
                 o = self.outcome(w, ps.slot)
                 if o.exit_code is None:
                     o.exit_code, o.status = ps.exit_code, ps.status

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.job import watch
 from tpurun.job.records import JobRecord, RecordStream, connect
 from tpurun.job.status import JobSummary, combine
@@ -45,6 +45,21 @@ class LogsResult:
     errors: dict[str, str] = field(default_factory=dict)  # worker name -> why its lines could not all be read
     missing: bool = False  # the job is not on some worker it ran on (its files are gone)
     ended: JobSummary | None = None  # followed to its end on every worker shown: how it ended there
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """`logs`' exit code: 130 stopped; 2 where the job is not on a worker, 4 where one could not be read;
+        followed to its end, the code `train` gives that end (0, 1 failed, 4 lost, 130 stopped before the end)."""
+        if self.interrupted:
+            return ExitCode.INTERRUPTED
+        if self.errors:
+            return ExitCode.USAGE if self.missing else ExitCode.UNREACHABLE
+        if self.ended is None or self.ended.status is protocol.JobStatus.FINISHED:
+            return ExitCode.OK
+        return _ENDED_EXIT.get(self.ended.status, ExitCode.INTERRUPTED)
+
+
+_ENDED_EXIT = {protocol.JobStatus.FAILED: ExitCode.PROGRAM_FAILED, protocol.JobStatus.LOST: ExitCode.UNREACHABLE}
 
 
 def logs(
@@ -113,7 +128,7 @@ class _Viewer:
         self.record, self.target, self.lines, self.stop, self.follow = record, target, lines, stop, follow
         self.offsets: dict[int, dict[int, int]] = {w: {} for w in record.workers}  # worker -> slot -> offset
         self.done: set[int] = set()
-        self.ended: dict[int, dict] = {}  # worker -> the job's state there at its end (its Done record)
+        self.ended: dict[int, protocol.JobState] = {}  # worker -> the job's state there at its end (its Done record)
         self.errors: dict[int, str] = {}
         self.missing: set[int] = set()  # workers without the job
         self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
@@ -203,7 +218,7 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
     record = JobRecord.load(s.home_path, job_id)
     target = record.target(s)
     results: dict[int, tuple[int, str]] = {}
-    before: dict[int, str] = {}  # worker -> the job's status there when the stop came
+    before: dict[int, protocol.JobStatus | None] = {}  # worker -> the job's status there when the stop came
     try:
         connect(target, record)
 
@@ -211,7 +226,7 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
             args = ("stop", job_id, "--grace", str(grace))
             rc, out, err = bundle.run_program(runner, record.python, "agent.py", *args, timeout=grace + 120)
             try:
-                before[runner.worker.index] = str(json.loads(out.decode()).get("status_before_stop", ""))
+                before[runner.worker.index] = protocol.JobState.from_json(out).status_before_stop
             except ValueError:
                 pass
             results[runner.worker.index] = (rc, err)
@@ -234,5 +249,5 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
             "were removed; nothing to stop",
             hint="`tpurun jobs` lists the jobs",
         )
-    ended = {names[w]: protocol.JobStatus(st) for w, st in before.items() if st in protocol.ENDED}
+    ended = {names[w]: st for w, st in before.items() if st is not None and st in protocol.ENDED}
     return CancelResult(stopped=len(target.runners) - len(ended) - len(missing), ended=ended, missing=missing)

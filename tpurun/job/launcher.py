@@ -11,12 +11,11 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from tpurun import config
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.job import env_contract, preflight
 from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
 from tpurun.job.records import JobRecord, connect, forget, new_job_id
@@ -26,7 +25,7 @@ from tpurun.sync import report, sender
 from tpurun.targets import Target
 from tpurun.topology import Topology
 from tpurun.transport.runner import run_capture, worker_names
-from tpurun.worker.protocol import JOB_GRACE, Launch
+from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 HINTS = [
     (
@@ -151,7 +150,9 @@ def plan(
         runtime, why = env_contract.pick_runtime(Runtime.auto, probe(target, python))
     # --cores/--core ask for that many processes per worker: tpurun's to make, whatever the framework
     counted = spec.cores is not None or spec.core is not None
-    launch, launch_why = env_contract.pick_launch(spec.launch, runtime, env_contract.Framework.torch if counted else framework)
+    launch, launch_why = env_contract.pick_launch(
+        spec.launch, runtime, env_contract.Framework.torch if counted else framework
+    )
     cores = spec.cores
     if target.local and cores is None and spec.core is None and runtime is Runtime.cpu and launch is Launch.chip:
         cores = 1
@@ -236,18 +237,6 @@ def hint_for(lines: list[str], *, python: str = "python3", local: bool = False) 
 # ---------------------------------------------------------------------------- a whole job
 
 
-class JobState(str, Enum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # a process failed (first_failure names the first)
-    SETUP_FAILED = "setup failed"  # the job did not start
-    INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM: stopped everywhere
-    LOST = "lost"  # a worker could not be reached or vanished
-    PREEMPTED = "preempted"  # the node was preempted (and --max-restarts is used up)
-    BUSY = "busy"  # another job runs there: nothing started
-    DETACHED = "detached"  # started and left running
-    HUNG = "hung"  # no progress for --hang-timeout: stopped (--on-hang stop)
-
-
 @dataclass
 class Job:
     """A job decided and not started yet (what --dry-run shows)."""
@@ -309,11 +298,42 @@ class Job:
 
 @dataclass
 class JobResult:
+    """How a `train`'s job ended, in the protocol's words: FINISHED; FAILED (a process failed, the first named by
+    RUN's first_failure; or its setup failed, and RUN is None); STOPPED (Ctrl-C or SIGTERM, during the setup when
+    RUN is None); UNREACHABLE (a worker could not be reached or vanished); PREEMPTED; BUSY (another job holds the
+    TPU: nothing started); RUNNING (`--detach`: started and left running); HUNG (stopped by `--on-hang stop`)."""
+
     job: Job
-    state: JobState
+    state: JobStatus
     run: JobRun | None = None
     setup: SetupResult | None = None
     restarts: int = 0
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """The exit code this end of the job gives `train` (docs/contract.md): a setup that could not run on a
+        worker is 4 and one that failed 1; a stop (Ctrl-C, --on-hang stop), a busy TPU, a detached start and a
+        preemption have one code each; an unreachable worker is 4 unless a process had failed first (1)."""
+        if self.state is JobStatus.FAILED and self.run is None:  # its setup failed: the job did not start
+            failed = self.setup.failed if self.setup is not None else None
+            return ExitCode.UNREACHABLE if failed is not None and failed.error else ExitCode.PROGRAM_FAILED
+        if self.state in _EXIT_OF:
+            return _EXIT_OF[self.state]
+        failure = self.run.first_failure if self.run is not None else None
+        if self.state is JobStatus.UNREACHABLE and (self.job.spec.detach or failure is None):
+            return ExitCode.UNREACHABLE
+        if failure is not None or self.state is JobStatus.FAILED:
+            return ExitCode.PROGRAM_FAILED
+        return ExitCode.OK
+
+
+_EXIT_OF = {  # the states whose exit code is theirs alone, whatever else the run says
+    JobStatus.STOPPED: ExitCode.INTERRUPTED,
+    JobStatus.BUSY: ExitCode.USAGE,
+    JobStatus.RUNNING: ExitCode.OK,  # --detach: started and left running
+    JobStatus.PREEMPTED: ExitCode.UNREACHABLE,
+    JobStatus.HUNG: ExitCode.HUNG,
+}
 
 
 def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, local_dir: Path) -> Job:
@@ -356,9 +376,9 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
     if job.setup:
         res = run_setup(job, out, cancel)
         if res.failed is not None:  # (its fail-fast also sets CANCEL: a failure comes first)
-            return JobResult(job, JobState.SETUP_FAILED, setup=res)
+            return JobResult(job, JobStatus.FAILED, setup=res)
         if cancel.is_set():
-            return JobResult(job, JobState.INTERRUPTED, setup=res)
+            return JobResult(job, JobStatus.STOPPED, setup=res)
         job.skew = preflight.compare(
             target, preflight.ask(target, job.python, preflight.requirement_names(spec.script, local_dir))
         )
@@ -405,25 +425,25 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
     )
     run.run()
     state = _state(run, job, cancel)
-    if state is JobState.BUSY and not run.started:
+    if state is JobStatus.BUSY and not run.started:
         forget(home, job.job_id)  # refused everywhere it was asked: it started nowhere, so it leaves no record
     return JobResult(job, state, run=run)
 
 
-def _state(run: JobRun, job: Job, cancel: threading.Event) -> JobState:
-    if run.busy and not run.lost and run.first_failure is None:
-        return JobState.BUSY  # refused: another job runs there; nothing was started
+def _state(run: JobRun, job: Job, cancel: threading.Event) -> JobStatus:
+    if run.busy and not run.unreachable and run.first_failure is None:
+        return JobStatus.BUSY  # refused: another job runs there; nothing was started
     if job.spec.detach:
-        return JobState.LOST if run.lost else JobState.DETACHED
+        return JobStatus.UNREACHABLE if run.unreachable else JobStatus.RUNNING
     if cancel.is_set():
-        return JobState.INTERRUPTED
+        return JobStatus.STOPPED
     if run.hung:
-        return JobState.HUNG
+        return JobStatus.HUNG
     if run.first_failure is not None:
-        return JobState.FAILED
-    if run.lost:
-        return JobState.PREEMPTED if preempted(job.target) else JobState.LOST
-    return JobState.FAILED if any(o.failed for o in run.outcomes.values()) else JobState.SUCCEEDED
+        return JobStatus.FAILED
+    if run.unreachable:
+        return JobStatus.PREEMPTED if preempted(job.target) else JobStatus.UNREACHABLE
+    return JobStatus.FAILED if any(o.failed for o in run.outcomes.values()) else JobStatus.FINISHED
 
 
 def preempted(target: Target) -> bool:

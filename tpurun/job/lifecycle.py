@@ -12,8 +12,9 @@ from typing import Protocol
 from tpurun import targets
 from tpurun.errors import Preempted, TpuBusy, TpurunError, UsageError
 from tpurun.job.attempt import Output
-from tpurun.job.launcher import Job, JobResult, JobState, TrainSpec, prepare, start
-from tpurun.settings import Settings, clear_project_setting
+from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start
+from tpurun.settings import Settings
+from tpurun.worker.protocol import JobStatus
 
 
 def dry_run(s: Settings, spec: TrainSpec, *, local: bool, dest: str | None, local_dir: Path, out: Output) -> Job:
@@ -98,7 +99,7 @@ def train(
             job.release()
             target.close()
         result.restarts = restarts
-        if result.state is not JobState.PREEMPTED or restarts >= spec.max_restarts:
+        if result.state is not JobStatus.PREEMPTED or restarts >= spec.max_restarts:
             return result
         out.warn(f"{target.name} was preempted while job {job.job_id} ran")
         restarts += 1
@@ -155,9 +156,9 @@ def take_down(s: Settings, result: JobResult | None, out: Output) -> Down:
     name = s.tpu.value
     assert name, "--down is refused without a TPU"
     job = result.job.job_id if result is not None else ""
-    if result is not None and result.state is JobState.DETACHED:
+    if result is not None and result.state is JobStatus.RUNNING:
         return Down(name, job, to_watchdog=True)
-    if result is not None and result.state is JobState.BUSY:
+    if result is not None and result.state is JobStatus.BUSY:
         return Down(name, job, busy=True)
     cloud = Cloud(s)
     by = f"`tpurun train --down` (job {job})" if job else "`tpurun train --down`"
@@ -166,5 +167,4 @@ def take_down(s: Settings, result: JobResult | None, out: Output) -> Down:
             provision.take_down(cloud, s, name, progress, by)
     except TpurunError as exc:
         return Down(name, job, error=exc)
-    clear_project_setting("tpu", name)
-    return Down(name, job, deleted=True)
+    return Down(name, job, deleted=True)  # and no longer the default TPU: provision.take_down forgot it

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tpurun.errors import TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.setup import REQUIREMENTS
@@ -25,7 +25,11 @@ from tpurun.targets import Target
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner, Stream, open_stream
-from tpurun.worker.protocol import AgentExit, Preflight
+from tpurun.worker.protocol import AgentExit
+from tpurun.worker.protocol_calls import Preflight
+
+if TYPE_CHECKING:
+    from tpurun.worker.probe import DoctorAnswer
 
 NOT_INSTALLED = "not installed"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -204,10 +208,10 @@ class _Ask:
         return buf.split(b"\n", 1)[0].decode()
 
 
-def from_probe(probe: dict[str, Any]) -> Preflight | None:
-    """A doctor probe's answer (env_contract.PROBE_SCRIPT's, under "python_probe") as a preflight's, to
+def from_probe(answer: DoctorAnswer) -> Preflight | None:
+    """A doctor probe's answer (env_contract.PROBE_SCRIPT's, its `python_probe`) as a preflight's, to
     compare the same way; None where the probe failed."""
-    p = probe.get("python_probe") or {}
+    p = answer.python_probe
     if p.get("error") or "python_version" not in p:
         return None
     return Preflight([], str(p["python_version"]), str(p.get("python")), dict(p.get("packages") or {}))
@@ -224,7 +228,7 @@ def refuse_if_busy(target: Target, answers: dict[int, Preflight]) -> None:
         return
     job, where = sorted(busy.items())[0]
     on = ", ".join(where)
-    if any(st.get("job_id") == job and st.get("status") in ACTIVE for a in answers.values() for st in a.jobs):
+    if any(st.job_id == job and st.status in ACTIVE for a in answers.values() for st in a.jobs):
         raise TpuBusy(
             f"{target.name} is busy: job {job} runs on {on}; nothing was started",
             hint=f"`tpurun cancel {job}` first, or wait: `tpurun logs {job} --follow`",

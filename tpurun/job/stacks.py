@@ -3,7 +3,7 @@ grouped: processes whose main threads stand in the same place form one group, th
 ones out) first. The whole dump (every thread of every process, as each was read) is kept on disk.
 
 Each worker's agent reads its processes (worker/agent_stacks.py: their own faulthandler, or py-spy where
-installed) and parses what it read into `protocol.ProcessStack`s; this module gathers, groups and words."""
+installed) and parses what it read into `protocol_calls.ProcessStack`s; this module gathers, groups and words."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tpurun.targets import Target
 from tpurun.transport import bundle
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
-from tpurun.worker import protocol
+from tpurun.worker.protocol_calls import ProcessStack
 
 ASK_TIMEOUT = 10.0  # seconds a worker's agent waits for its processes' answers
 
@@ -43,7 +43,7 @@ class Process:
 
     worker: int
     name: str  # w3/c1, w3 (the host process), w3/c1+4242 (a child of c1's process)
-    stack: protocol.ProcessStack
+    stack: ProcessStack
 
     @property
     def main(self) -> list[Frame]:
@@ -145,7 +145,7 @@ def collect(s: Settings, job_id: str, *, worker: str = "all") -> Stacks:
 def gather(target: Target, python: str, job_id: str, home: Path) -> Stacks:
     """Every process of JOB_ID on TARGET's workers (connected, checked to be the job's TPU) with its stacks,
     grouped; the whole dump written under HOME. Raises UnreachableError when no worker answered."""
-    answers: dict[int, list[protocol.ProcessStack]] = {}
+    answers: dict[int, list[ProcessStack]] = {}
     errors: dict[int, str] = {}
 
     def ask(runner: Runner) -> None:
@@ -154,7 +154,7 @@ def gather(target: Target, python: str, job_id: str, home: Path) -> Stacks:
         try:
             rc, out, err = bundle.run_program(runner, python, "agent.py", *args, timeout=ASK_TIMEOUT + 60)
             if rc == 0:
-                answers[w] = [protocol.ProcessStack.from_dict(p) for p in json.loads(out.decode())]
+                answers[w] = [ProcessStack.from_dict(p) for p in json.loads(out.decode())]
             else:
                 errors[w] = (err.strip().splitlines() or [f"the agent exited {rc}"])[-1]
         except (TpurunError, OSError, EOFError, ValueError) as exc:
@@ -170,7 +170,7 @@ def gather(target: Target, python: str, job_id: str, home: Path) -> Stacks:
     return stacks
 
 
-def _name(worker: int, ps: protocol.ProcessStack, worker_name: str) -> str:
+def _name(worker: int, ps: ProcessStack, worker_name: str) -> str:
     if ps.slot is None:
         return f"{worker_name}+{ps.pid}"
     name = process_name(worker, ps.slot, worker_name)

@@ -1,17 +1,17 @@
 """A job's state over every worker, for `jobs`: each worker's agent keeps its own; tpurun combines them.
 
 A failure anywhere makes the job failed, naming the worker (and chip and exit code) that failed first; a
-job whose TPU no longer exists is `gone`, and `jobs --prune` forgets it. One connection round and one
-agent call per worker, all at once, per TPU, however many jobs it ran.
+job whose TPU no longer exists is `gone`, and `jobs --prune` forgets it. Its words are the protocol's
+`JobStatus`, the agent's and tpurun's in one vocabulary. One connection round and one agent call per worker,
+all at once, per TPU, however many jobs it ran.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tpurun.errors import NoSuchTpu, TpurunError
 from tpurun.job.records import JobRecord, forget, list_records
@@ -22,7 +22,7 @@ from tpurun.transport.bundle import run_program
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Runner
 from tpurun.worker import protocol
-from tpurun.worker.protocol import JobStatus
+from tpurun.worker.protocol import JobState, JobStatus
 
 K = TypeVar("K")
 
@@ -33,9 +33,12 @@ ACTIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 class JobSummary:
     """A job's state over every worker (each worker's agent knows its own `JobStatus`)."""
 
-    status: str  # running | failed | lost | stopped | finished | gone | unknown
+    status: JobStatus  # running | failed | lost | stopped | finished | unreachable | unknown | gone
     detail: str = ""  # which worker failed and how; why the state is not known; what became of the TPU
     waiting: Waiting | None = None  # running: the processes that wait at a rendezvous for others (watch)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", JobStatus(self.status))  # its word, however it was given
 
     def label(self) -> str:
         detail = "; ".join(d for d in (self.detail, self.waiting.text() if self.waiting else "") if d)
@@ -48,23 +51,19 @@ class JobRow:
     state: JobSummary
 
 
-def earliest_failure(states: Mapping[K, Mapping[str, Any] | None]) -> tuple[K, protocol.FirstFailure | None] | None:
+def earliest_failure(states: Mapping[K, JobState | None]) -> tuple[K, protocol.FirstFailure | None] | None:
     """The job's first failure over every worker's state (STATES: worker -> its state, in worker order; None
     where unknown): the failed worker whose failure its agent saw first, by time, else the first failed worker
     in order; (its key, its FirstFailure), or None where no worker failed. train's summary, `jobs` and `logs`
     name it, so all three name the same process."""
-    failed = [
-        (key, protocol.first_failure(st))
-        for key, st in states.items()
-        if st is not None and st.get("status") == JobStatus.FAILED
-    ]
+    failed = [(key, st.first_failure) for key, st in states.items() if st is not None and st.status == JobStatus.FAILED]
     if not failed:
         return None
     timed = [(f.time, n) for n, (_, f) in enumerate(failed) if f is not None and f.time is not None]
     return failed[min(timed)[1]] if timed else failed[0]
 
 
-def combine(states: Mapping[str, dict | None]) -> JobSummary:
+def combine(states: Mapping[str, JobState | None]) -> JobSummary:
     """One job's state from every worker's: STATES is {worker name: its agent's state, None where the
     job is unknown there}, in worker order."""
     found = earliest_failure(states)
@@ -72,19 +71,17 @@ def combine(states: Mapping[str, dict | None]) -> JobSummary:
         name, first = found
         where = f"{name}/c{first.slot}" if first is not None and first.slot != protocol.HOST else name
         code = first.exit_code if first is not None else None
-        return JobSummary("failed", where + (f": exit code {code}" if code is not None else ""))
-    lost = [name for name, st in states.items() if st is not None and st.get("status") == JobStatus.LOST]
+        return JobSummary(JobStatus.FAILED, where + (f": exit code {code}" if code is not None else ""))
+    lost = [name for name, st in states.items() if st is not None and st.status == JobStatus.LOST]
     if lost:
-        return JobSummary("lost", f"{', '.join(lost)}: its supervisor is gone")
+        return JobSummary(JobStatus.LOST, f"{', '.join(lost)}: its supervisor is gone")
     missing = [name for name, st in states.items() if st is None]
-    if any(st is not None and st.get("status") in ACTIVE for st in states.values()):
-        return JobSummary("running", f"not on {', '.join(missing)}" if missing else "")
+    if any(st is not None and st.status in ACTIVE for st in states.values()):
+        return JobSummary(JobStatus.RUNNING, f"not on {', '.join(missing)}" if missing else "")
     if missing:
-        return JobSummary("unknown", f"no trace on {', '.join(missing)}")
-    ended = {str(st.get("status")) for st in states.values() if st is not None}
-    if ended == {JobStatus.FINISHED.value}:
-        return JobSummary("finished")
-    return JobSummary("stopped" if JobStatus.STOPPED.value in ended else ", ".join(sorted(ended)))
+        return JobSummary(JobStatus.UNKNOWN, f"no trace on {', '.join(missing)}")
+    ended = {st.status for st in states.values() if st is not None}  # only FINISHED and STOPPED are left
+    return JobSummary(JobStatus.FINISHED if ended == {JobStatus.FINISHED} else JobStatus.STOPPED)
 
 
 def _rows(s: Settings, records: list[JobRecord]) -> list[JobRow]:
@@ -112,7 +109,7 @@ def jobs(
     rows = _rows(s, [r for r in list_records(home) if chosen(r)])
     if prune:
         for row in rows:
-            if row.state.status == "gone":
+            if row.state.status is JobStatus.GONE:
                 forget(home, row.record.job_id)
     return rows
 
@@ -120,7 +117,7 @@ def jobs(
 def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobSummary]:
     """The state of every job of GROUP, all run on the TPU TPU whose nodes had IDS."""
 
-    def every(status: str, detail: str) -> dict[str, JobSummary]:
+    def every(status: JobStatus, detail: str) -> dict[str, JobSummary]:
         return {r.job_id: JobSummary(status, detail) for r in group}
 
     every_worker = replace(group[0], workers=sorted({w for r in group for w in r.workers}))
@@ -129,14 +126,14 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
         target = every_worker.target(s)
         errors = target.connect()
         if target.other_than(ids):
-            return every("gone", f"TPU {tpu} deleted; another has its name")
+            return every(JobStatus.GONE, f"TPU {tpu} deleted; another has its name")
         python = group[-1].python
         reached = [r for r in target.runners if r.worker.index not in errors]
         listed = each(reached, lambda runner: _agent_jobs(runner, python), name="jobs")
     except NoSuchTpu:
-        return every("gone", f"TPU {tpu} deleted")
+        return every(JobStatus.GONE, f"TPU {tpu} deleted")
     except TpurunError as exc:
-        return every("unknown", exc.message)
+        return every(JobStatus.UNKNOWN, exc.message)
     finally:
         if target is not None:
             target.close()
@@ -145,16 +142,16 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
     for r in group:
         unreachable = [names.get(w, str(w)) for w in r.workers if w in errors]
         if unreachable:
-            out[r.job_id] = JobSummary("unknown", f"{', '.join(unreachable)} unreachable")
+            out[r.job_id] = JobSummary(JobStatus.UNREACHABLE, ", ".join(unreachable))
             continue
         summary = combine({names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers})
-        if summary.status == "running":
+        if summary.status is JobStatus.RUNNING:
             summary = replace(summary, waiting=_waiting(target, r, listed))
         out[r.job_id] = summary
     return out
 
 
-def _waiting(target: Target, record: JobRecord, listed: Mapping[int, Mapping[str, dict]]) -> Waiting | None:
+def _waiting(target: Target, record: JobRecord, listed: Mapping[int, Mapping[str, JobState]]) -> Waiting | None:
     """Who RECORD's processes wait for, from each worker's state of it (its processes' passages, last lines)."""
     watch = Watch([w for w in target.all_workers if w.index in record.workers])
     for w in record.workers:
@@ -164,7 +161,7 @@ def _waiting(target: Target, record: JobRecord, listed: Mapping[int, Mapping[str
     return watch.waiting(time.time())
 
 
-def _agent_jobs(runner: Runner, python: str) -> dict[str, dict]:
+def _agent_jobs(runner: Runner, python: str) -> dict[str, JobState]:
     """{job id: its state} of every job the agent on RUNNER's worker knows ({} without an agent there, or
     when the worker stopped answering meanwhile)."""
     try:
@@ -174,6 +171,6 @@ def _agent_jobs(runner: Runner, python: str) -> dict[str, dict]:
     if rc != 0:
         return {}
     try:
-        return {str(st.get("job_id")): st for st in json.loads(out.decode())}
-    except (ValueError, AttributeError):
+        return {st.job_id: st for st in protocol.job_states(out)}
+    except ValueError:
         return {}

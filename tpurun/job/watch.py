@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,14 +103,13 @@ class Watch:
         with self.lock:
             self.passages[rec.worker, rec.slot] = list(rec.passages)
 
-    def take_state(self, worker: int, state: Mapping[str, Any]) -> None:
+    def take_state(self, worker: int, state: protocol.JobState) -> None:
         """What a worker's job state (state.json) says: passages and last lines (`jobs`, no stream)."""
         with self.lock:
-            for slot, passages in protocol.slot_passages(state).items():
-                self.passages[worker, slot] = passages
-            for c in state.get("cores", []):
-                if c.get("last_line_at") is not None:
-                    self.last[worker, int(c["core"])] = (str(c.get("last_line") or ""), float(c["last_line_at"]))
+            for s in state.slots:
+                self.passages[worker, s.slot] = list(s.passages)
+                if s.last_line_at is not None:
+                    self.last[worker, s.slot] = (s.last_line, s.last_line_at)
 
     def waiting(self, now: float) -> Waiting | None:
         """The rendezvous point where processes have waited longest (at least WAIT_SHOWN_AFTER seconds) while

@@ -25,14 +25,15 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun import targets
+from tpurun.settings import Settings
 from tpurun.sync import ignore
 from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
-from tpurun.targets import Target
 from tpurun.transport.fanout import each
 from tpurun.transport.runner import Pipe, Runner
 from tpurun.worker import sync_helper
@@ -162,7 +163,7 @@ class _Tree:
         try:
             while True:
                 kind, payload = reader.read_frame()
-                if kind == b"D":
+                if kind == sync_helper.Frame.DATA:
                     h.update(payload)
                     got += len(payload)
                     progress.sent(0, len(payload))
@@ -173,10 +174,10 @@ class _Tree:
                                 view = view[os.write(fd, view) :]
                         except OSError as exc:
                             failed = exc.strerror or str(exc)
-                elif kind == b"A":
+                elif kind == sync_helper.Frame.ABORTED:
                     failed = failed or "not sent: " + payload.decode("utf-8", "replace")
                     break
-                elif kind == b"Z":
+                elif kind == sync_helper.Frame.SUM:
                     if not failed and h.hexdigest() != payload.decode("ascii", "replace"):
                         failed = "sha256 mismatch after transfer"
                     elif not failed and got != size:
@@ -272,14 +273,17 @@ def download_stream(
     when it did not exist before this download (ROOT is it or under it)."""
     reader = FrameReader(stream.recv)
     stream.send(
-        frame(b"L", sync_helper.pack_json({"v": sync_helper.PROTOCOL, "path": path, "outside_home": outside_home}))
+        frame(
+            sync_helper.Frame.LIST,
+            sync_helper.pack_json({"v": sync_helper.PROTOCOL, "path": path, "outside_home": outside_home}),
+        )
     )
     kind, payload = reader.read_frame()
     reply = sync_helper.unpack_json(payload)
-    if kind == b"Q":
+    if kind == sync_helper.Frame.REFUSED:
         got.error, got.outside_home = str(reply.get("error")), bool(reply.get("outside_home"))
         return
-    if kind != b"I":
+    if kind != sync_helper.Frame.INDEX:
         raise Protocol(f"unexpected frame {kind!r}")
     got.remote = str(reply["root"])
     name, files, links, dirs = _listing(reply)
@@ -297,18 +301,18 @@ def download_stream(
     tree = _Tree(base, got, made=True)  # every name from here on is relative to the tree
     wanted = [i for i, (rel, size, mtime_ns, *_) in enumerate(files) if not _unchanged(base / rel, size, mtime_ns)]
     progress.plan(len(wanted), sum(files[i][1] for i in wanted))
-    stream.send(frame(b"W", sync_helper.pack_json(wanted)))
+    stream.send(frame(sync_helper.Frame.WANT, sync_helper.pack_json(wanted)))
     asked = set(wanted)
     try:
         for _ in wanted:
             kind, payload = reader.read_frame()
-            if kind != b"F":
+            if kind != sync_helper.Frame.FILE:
                 raise Protocol(f"unexpected frame {kind!r}")
             (index,) = struct.unpack(">I", payload)
             if index not in asked:
                 raise Protocol(f"a file it was not asked for ({index})")
             tree.receive(reader, files[index], progress)
-        if reader.read_frame()[0] != b"E":
+        if reader.read_frame()[0] != sync_helper.Frame.END:
             raise Protocol("no end after the files")
     finally:
         tree.drop_tmp()
@@ -376,9 +380,20 @@ def download(
 
 
 def download_from(
-    target: Target, path: str, dest: Path, *, outside_home: bool, progress: Counters, stop: threading.Event
+    s: Settings,
+    path: str,
+    dest: Path,
+    *,
+    local: bool,
+    worker_spec: str,
+    announce: Callable[[str], None] | None = None,
+    outside_home: bool,
+    progress: Counters,
+    stop: threading.Event,
 ) -> list[Fetched]:
-    """PATH from every selected worker of TARGET (connected here, closed after) to DEST, as download()."""
+    """PATH to DEST from every worker of the TPU S names (or this machine, LOCAL) that WORKER_SPEC selects, as
+    download(); ANNOUNCE hears that it is this machine."""
+    target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     with target:
         errors = target.connect()
         return download(

@@ -8,11 +8,10 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
+from tpurun.transport.runner import LineSplitter, Pipe, Run, Runner, Stream, Worker
 
 
 class LocalRunner(Runner):
@@ -32,14 +31,8 @@ class LocalRunner(Runner):
     def pipe(self, argv: Sequence[str]) -> Pipe:
         return LocalPipe(argv)
 
-    def run(
-        self,
-        argv: Sequence[str],
-        sink: LineSink,
-        stop: threading.Event,
-        grace: float = RUN_GRACE,
-        env: Mapping[str, str] | None = None,
-    ) -> int:
+    def run_to_end(self, run: Run) -> int:
+        argv, sink, stop, grace, env = run.argv, run.sink, run.stop, run.grace, run.env
         try:
             proc = subprocess.Popen(
                 list(argv),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpurun.errors import UnreachableError, UsageError
@@ -108,6 +108,24 @@ class LineSplitter:
             self.buf = b""
 
 
+def refuse_nul(args: Sequence[str]) -> None:
+    """Refuse ARGS (a program's arguments or its variables' values) when one holds a NUL byte."""
+    if any("\0" in arg for arg in args):
+        raise UsageError("arguments cannot contain NUL bytes (no program can receive them)")
+
+
+@dataclass(frozen=True)
+class Run:
+    """A command `Runner.run` runs to completion: ARGV (never through a shell) with ENV's variables added,
+    its lines to SINK; STOP set sends it SIGTERM, and SIGKILL GRACE seconds later."""
+
+    argv: Sequence[str]
+    sink: LineSink
+    stop: threading.Event
+    grace: float = RUN_GRACE
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
 class Runner:
     """One worker, reached over SSH or this machine itself; callers never ask which."""
 
@@ -125,6 +143,11 @@ class Runner:
     ) -> int:
         """ARGV to completion in its own process group, its lines to SINK; STOP ends it (after GRACE). ENV:
         variables added to its environment."""
+        refuse_nul([*argv, *(env or {}).values()])
+        return self.run_to_end(Run(argv, sink, stop, grace, env or {}))
+
+    def run_to_end(self, run: Run) -> int:
+        """RUN, as this transport does it (`run` checked it)."""
         raise NotImplementedError
 
     def stream(self, argv: Sequence[str]) -> Stream:
@@ -177,9 +200,7 @@ class Pipe(Protocol):
 
 def open_stream(runner: Runner, argv: Sequence[str]) -> Stream:
     """Start ARGV on RUNNER's worker with stdin, stdout and stderr connected to us."""
-    for arg in argv:
-        if "\0" in arg:
-            raise UsageError("arguments cannot contain NUL bytes")
+    refuse_nul(argv)
     return runner.stream(argv)
 
 

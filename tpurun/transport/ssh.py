@@ -3,8 +3,8 @@ known_hosts only, under the worker's identity (its node's unique id and its inde
 address; unknown or changed keys are refused. A keepalive that wants an answer notices a worker that
 stopped answering.
 
-The three modes of a `Runner`: `run` wraps the command in a small POSIX-sh watchdog on the worker, which
-kills the command's process group (TERM, then KILL after a grace) when the channel's stdin closes, i.e.
+The three modes of a `Runner`: `run` puts the command on a leash on the worker (a small POSIX-sh wrapper),
+which kills the command's process group (TERM, then KILL after a grace) when the channel's stdin closes, i.e.
 when tpurun stops it on purpose *or* when tpurun dies and the connection drops, so such a process never
 outlives the tpurun that started it; `stream` and `pipe` run the program as it is (the job agent and
 sync's helper end, or stop their job, when their stdin closes).
@@ -25,7 +25,7 @@ from typing import Any
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport._paramiko import paramiko
-from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Runner, Stream, Worker
+from tpurun.transport.runner import RUN_GRACE, LineSplitter, Pipe, Run, Runner, Stream, Worker, refuse_nul
 
 # A worker that stops answering (network partition, hung VM) leaves TCP silent rather than closed.
 # Every connection sends an SSH keepalive that asks for a reply every KEEPALIVE_INTERVAL seconds;
@@ -87,11 +87,12 @@ class Liveness:
         self._stop.set()
 
 
-# The watchdog. $1 = grace seconds, the rest = the user's argv (never re-split: "$@").
-# fd 3 keeps the channel's stdin for the watchdog (an asynchronous list's stdin is /dev/null
+# The leash: `run`'s command on the worker, held by the channel's stdin (not the TPU's watchdog, which is
+# worker/watchdog.py). $1 = grace seconds, the rest = the user's argv (never re-split: "$@").
+# fd 3 keeps the channel's stdin for the leash (an asynchronous list's stdin is /dev/null
 # otherwise); the command itself reads /dev/null. setsid gives the command its own process group
 # (its pid = pgid), which is what we signal.
-_WRAPPER = (
+_LEASH = (
     # a missing program is named as the user typed it, not through setsid's own message
     """g=$1; shift; command -v "$1" >/dev/null 2>&1 || { printf 'cannot start %s: command not found\\n' "$1" >&2; """
     "exit 127; }; "
@@ -107,18 +108,16 @@ _WRAPPER = (
 
 
 def wrap_command(argv: Sequence[str], grace: float = RUN_GRACE, env: Mapping[str, str] | None = None) -> str:
-    """The one shell line sshd runs: the watchdog with ARGV quoted so it arrives exactly, ENV's variables
+    """The one shell line sshd runs: the leash with ARGV quoted so it arrives exactly, ENV's variables
     assigned in front of it (each value quoted; each name checked to be one)."""
-    for arg in [*argv, *(env or {}).values()]:
-        if "\0" in arg:
-            raise UsageError("arguments cannot contain NUL bytes (no program can receive them)")
+    refuse_nul([*argv, *(env or {}).values()])
     assigned = []
     for name, value in (env or {}).items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise UsageError(f"not a variable name: {name!r}")
         assigned.append(f"{name}={shlex.quote(value)}")
-    watchdog = shlex.join(["sh", "-c", _WRAPPER, "tpurun", str(max(1, int(round(grace)))), *argv])
-    return " ".join([*assigned, watchdog])
+    leash = shlex.join(["sh", "-c", _LEASH, "tpurun", str(max(1, int(round(grace)))), *argv])
+    return " ".join([*assigned, leash])
 
 
 def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
@@ -273,14 +272,8 @@ class SshRunner(Runner):
         self.liveness = Liveness(transport, w)
         self.client = client
 
-    def run(
-        self,
-        argv: Sequence[str],
-        sink: LineSink,
-        stop: threading.Event,
-        grace: float = RUN_GRACE,
-        env: Mapping[str, str] | None = None,
-    ) -> int:
+    def run_to_end(self, run: Run) -> int:
+        argv, sink, stop, grace, env = run.argv, run.sink, run.stop, run.grace, run.env
         assert self.client is not None, "connect() first"
         transport = self.client.get_transport()
         assert transport is not None
@@ -293,7 +286,7 @@ class SshRunner(Runner):
         last_alive = time.monotonic()
         while True:
             if stop.is_set() and not stop_sent:
-                chan.shutdown_write()  # the watchdog sees EOF and stops the process group
+                chan.shutdown_write()  # the leash sees EOF and stops the process group
                 stop_sent = True
             r, _, _ = select.select([chan], [], [], 0.1)
             got = False

@@ -1,5 +1,5 @@
 """The programs tpurun ships to workers, stdlib only: the job agent (agent.py, run there with `python3
-agent.py ...`, and what it and tpurun say to each other: protocol.py), the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py) and the
+agent.py ...`, and what it and tpurun say to each other: protocol.py and protocol_calls.py), the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py) and the
 TPU's watchdog (watchdog.py), which ship as one bundle (below; the watchdog also rides in the startup
 metadata); kill-stale and doctor's probe (probe.py, in the bundle for the watchdog too) and sync's
 receiving end (sync_helper.py), which travel inline on the command line."""
@@ -20,9 +20,11 @@ AGENT_PATH = WORKER_DIR / "agent.py"
 BUNDLE = (
     "agent.py",
     "agent_files.py",
+    "agent_lines.py",
     "agent_stacks.py",
     "agent_supervisor.py",
     "protocol.py",
+    "protocol_calls.py",
     "hook/sitecustomize.py",
     "probe.py",
     "versions.py",

@@ -6,7 +6,8 @@ nothing from tpurun. As in torchelastic, a
 supervisor owns the processes and writes every line to files first; readers (`stream`) tail the files,
 so nothing is lost when the viewer or its SSH session goes away.
 
-What it reads and writes (the job spec, records, events, statuses, exit codes) is protocol.py's.
+What it reads and writes (the job spec, the job's state, records, events, statuses, exit codes) is protocol.py's
+and protocol_calls.py's.
 
 Commands (exit codes: protocol.AgentExit):
   start                      a JobSpec (JSON) on stdin; prints a started (or start-failed) event; returns at once
@@ -50,6 +51,7 @@ import versions
 from agent_files import (
     CHUNK,
     POLL,
+    STATE,
     AgentError,
     agent_root,
     claim,
@@ -68,6 +70,7 @@ from agent_files import (
     signal_pids,
     state_with_liveness,
     write_json_atomic,
+    write_state,
 )
 from agent_supervisor import Supervisor
 from protocol import (
@@ -75,11 +78,9 @@ from protocol import (
     AgentExit,
     Done,
     Exit,
-    JobSpec,
+    JobState,
     JobStatus,
-    Passage,
     Passages,
-    Preflight,
     ProcessStatus,
     Started,
     StartFailed,
@@ -87,6 +88,7 @@ from protocol import (
     encode,
     frame_recs,
 )
+from protocol_calls import JobSpec, Preflight
 
 # ---------------------------------------------------------------- commands
 
@@ -103,21 +105,12 @@ def cmd_start(args) -> int:
         if refusal:
             sys.stderr.write(refusal + "\n")
             return AgentExit.BUSY
-        if os.path.exists(os.path.join(jdir, "state.json")):
+        if os.path.exists(os.path.join(jdir, STATE)):
             raise AgentError(f"job {spec.job_id} already exists on this worker")
         os.makedirs(jdir, exist_ok=True)
         write_json_atomic(os.path.join(jdir, "spec.json"), spec.to_dict())
-        write_json_atomic(
-            os.path.join(jdir, "state.json"),
-            {
-                "job_id": spec.job_id,
-                "worker": spec.worker,
-                "status": JobStatus.STARTING,
-                "supervisor_pid": None,
-                "started_at": now(),
-                "cores": [],
-            },
-        )
+        starting = JobState(spec.job_id, spec.worker, JobStatus.STARTING, started_at=now(), launch=spec.launch)
+        write_state(jdir, starting)
         if holder is not None and holder.get("job_id") == spec.job_id:
             end_claim(holder, spec.job_id)  # the job holds the worker now (its state says it starts)
         rfd, wfd = os.pipe()
@@ -193,9 +186,9 @@ def _become_daemon(jdir: str, keep: int) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
 
 
-def _load_state(job: str) -> dict:
+def _load_state(job: str) -> JobState:
     jdir = job_dir(job)
-    st = state_with_liveness(os.path.join(jdir, "state.json"))
+    st = state_with_liveness(os.path.join(jdir, STATE))
     if st is None:
         raise AgentError(f"no job {job} on this worker")
     return st
@@ -209,22 +202,22 @@ def _load_spec(jdir: str) -> JobSpec:
 
 
 def cmd_state(args) -> int:
-    print(json.dumps(_load_state(args.job), sort_keys=True))
+    print(_load_state(args.job).to_json())
     return AgentExit.OK
 
 
-def _jobs() -> list:
+def _jobs() -> list[JobState]:
     root = agent_root()
     out = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        st = state_with_liveness(os.path.join(root, name, "state.json"))
+        st = state_with_liveness(os.path.join(root, name, STATE))
         if st is not None:
             out.append(st)
     return out
 
 
 def cmd_jobs(args) -> int:
-    print(json.dumps(_jobs(), sort_keys=True))
+    print(json.dumps([st.to_dict() for st in _jobs()], sort_keys=True))
     return AgentExit.OK
 
 
@@ -264,21 +257,21 @@ def cmd_stacks(args) -> int:
     return AgentExit.OK
 
 
-def stop_job(job: str, grace: float | None) -> dict:
+def stop_job(job: str, grace: float | None) -> JobState:
     """Stop JOB and return once none of its processes is left (the supervisor's own escalation first,
     ours if it is gone or hangs)."""
     jdir = job_dir(job)
     st = _load_state(job)
-    before = st.get("status")
+    before = st.status
     if grace is None:
         grace = _load_spec(jdir).grace
-    sup = st.get("supervisor_pid")
-    if st.get("status") == JobStatus.STARTING and not sup:
+    sup = st.supervisor_pid
+    if st.status == JobStatus.STARTING and not sup:
         deadline = now() + 10
-        while now() < deadline and not st.get("supervisor_pid"):
+        while now() < deadline and not st.supervisor_pid:
             time.sleep(POLL)
             st = _load_state(job)
-        sup = st.get("supervisor_pid")
+        sup = st.supervisor_pid
     if sup and pid_alive(sup):
         write_json_atomic(os.path.join(jdir, "stop.json"), {"grace": grace, "at": now()})
         try:
@@ -286,12 +279,12 @@ def stop_job(job: str, grace: float | None) -> dict:
         except ProcessLookupError:
             pass
     deadline = now() + grace + 10
-    pgids = [c.get("pgid") for c in st.get("cores", [])]
+    pgids = [s.pgid for s in st.slots]
     killed = False
     while True:
         st = _load_state(job)
-        pgids = list({*pgids, *(c.get("pgid") for c in st.get("cores", []))})
-        sup_alive = st["supervisor_alive"]
+        pgids = list({*pgids, *(s.pgid for s in st.slots)})
+        sup_alive = st.supervisor_alive
         left = [g for g in pgids if group_members(g)]
         marked = job_processes(job)
         if not sup_alive and not left and not marked:
@@ -308,22 +301,21 @@ def stop_job(job: str, grace: float | None) -> dict:
             elif now() > deadline + 10:
                 raise AgentError(f"processes of job {job} survive SIGKILL: {left + marked}", code=AgentExit.INTERNAL)
         time.sleep(POLL)
-    if st.get("status") not in TERMINAL or st.get("status") == JobStatus.LOST:
+    if st.status not in TERMINAL or st.status == JobStatus.LOST:
         # The supervisor did not write the end (it was killed): record it ourselves.
-        st["status"] = JobStatus.STOPPED
-        st["ended_at"] = now()
-        for c in st.get("cores", []):
-            if c.get("status") == ProcessStatus.RUNNING:
-                c["status"], c["ended_at"] = ProcessStatus.KILLED, now()
-        st.pop("supervisor_alive", None)
-        write_json_atomic(os.path.join(jdir, "state.json"), st)
-        st["supervisor_alive"] = False
-    st["status_before_stop"] = before
+        st.status = JobStatus.STOPPED
+        st.ended_at = now()
+        for s in st.slots:
+            if s.status == ProcessStatus.RUNNING:
+                s.status, s.ended_at = ProcessStatus.KILLED, now()
+        write_state(jdir, st)
+        st.supervisor_alive = False
+    st.status_before_stop = before
     return st
 
 
 def cmd_stop(args) -> int:
-    print(json.dumps(stop_job(args.job, args.grace), sort_keys=True), flush=True)
+    print(stop_job(args.job, args.grace).to_json(), flush=True)
     return AgentExit.OK
 
 
@@ -368,9 +360,9 @@ def cmd_stream(args) -> int:
     slots: list[int] = []
     readers: dict[int, _RecReader] = {}
 
-    def follow_slots(state: dict) -> None:
+    def follow_slots(state: JobState) -> None:
         # a host launch's chip slots appear while it runs
-        for c in [p.slot for p in spec.cores] + [int(c["core"]) for c in state.get("cores", [])]:
+        for c in [p.slot for p in spec.cores] + [s.slot for s in state.slots]:
             if c not in readers:
                 slots.append(c)
                 readers[c] = _RecReader(worker, c, log_base(jdir, worker, c) + ".rec", offsets.get(c, 0))
@@ -385,7 +377,7 @@ def cmd_stream(args) -> int:
         signal.signal(signal.SIGTERM, lambda s, f: stdin_closed.set())
     else:
         signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
-    sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points (state.json's), as last sent
+    sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points (the state's), as last sent
     reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
     last_touch = 0.0
@@ -394,18 +386,17 @@ def cmd_stream(args) -> int:
             st = _load_state(args.job)  # read before draining: lines precede the state that ends a slot
             follow_slots(st)
             got = _drain(readers, out, until_empty=False)
-            for c in st.get("cores", []):  # compared as read each poll; a record only when they changed
-                raw = c.get("passages")
-                if raw and sent_passages.get(c["core"]) != raw:
-                    sent_passages[c["core"]] = raw
-                    out.write(encode(Passages(worker, int(c["core"]), [Passage.from_dict(p) for p in raw])))
-            ended = {int(c["core"]): c for c in st.get("cores", []) if c.get("ended_at") is not None}
+            for s in st.slots:  # compared as read each poll; a record only when they changed
+                if s.passages and sent_passages.get(s.slot) != s.passages:
+                    sent_passages[s.slot] = s.passages
+                    out.write(encode(Passages(worker, s.slot, s.passages)))
+            ended = {s.slot: s for s in st.slots if s.ended_at is not None}
             for c in slots:
-                if c in ended and reported.get(c) != ended[c]["ended_at"]:
+                if c in ended and reported.get(c) != ended[c].ended_at:
                     _drain(readers, out, only=c)
-                    out.write(encode(Exit(worker, c, ended[c].get("exit_code"), ProcessStatus(ended[c]["status"]))))
-                    reported[c] = ended[c]["ended_at"]
-            over = st.get("status") in TERMINAL and all(c in reported for c in slots)
+                    out.write(encode(Exit(worker, c, ended[c].exit_code, ended[c].status)))
+                    reported[c] = ended[c].ended_at
+            over = st.status in TERMINAL and all(c in reported for c in slots)
             if over:
                 _drain(readers, out)
                 out.write(encode(Done(worker, st)))

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 
 if __package__:  # imported by tpurun (the emulator, the watchdog's tests) by its package name
-    from tpurun.worker.protocol import HOST, TERMINAL, AgentExit, JobStatus
+    from tpurun.worker.protocol import HOST, TERMINAL, AgentExit, JobState, JobStatus
 else:  # the bundle on a worker, whose files sit side by side
-    from protocol import HOST, TERMINAL, AgentExit, JobStatus  # type: ignore[no-redef]
+    from protocol import HOST, TERMINAL, AgentExit, JobState, JobStatus  # type: ignore[no-redef]
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 POLL = 0.02  # seconds between checks when nothing happens (supervisor and stream)
@@ -33,6 +33,7 @@ FATAL_SIGNALS = {
 # In the agent root: the worker's claim, locked (flock) by the `preflight --claim` process that holds this worker
 # for a job about to start, and naming it; the kernel drops the lock when that process ends, however it ends.
 CLAIM = ".claim"
+STATE = "state.json"  # in a job's directory: its `JobState`, which the supervisor writes
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 
 
@@ -187,15 +188,14 @@ def running_jobs(root: str, exclude: str = "") -> list[str]:
 
 def job_running(root: str, name: str) -> bool:
     """Whether job NAME under ROOT is starting or its supervisor lives (this boot's: an older pid may be reused)."""
-    st = read_json(os.path.join(root, name, "state.json"))
-    if not st or st.get("status") in TERMINAL:
+    st = read_state(os.path.join(root, name, STATE))
+    if st is None or st.status in TERMINAL:
         return False
-    started, pid = st.get("started_at"), st.get("supervisor_pid")
-    started = float(started) if isinstance(started, (int, float)) else 0.0
+    started = st.started_at or 0.0
     if started < boot_time():
         return False
-    starting = st.get("status") == JobStatus.STARTING and now() - started < 120
-    return starting or (isinstance(pid, int) and pid_alive(pid))
+    starting = st.status == JobStatus.STARTING and now() - started < 120
+    return starting or pid_alive(st.supervisor_pid)
 
 
 @contextlib.contextmanager
@@ -324,16 +324,33 @@ def mtimes(paths: list[str]) -> dict:
     return {p: os.stat(p).st_mtime_ns for p in paths}
 
 
-def state_with_liveness(path: str) -> dict | None:
+def read_state(path: str) -> JobState | None:
+    """The job's state in PATH (its state.json), or None where there is none or it is not one."""
+    data = read_json(path)
+    try:
+        return None if data is None else JobState.from_dict(data)
+    except ValueError:
+        return None
+
+
+def write_state(jdir: str, state: JobState) -> None:
+    """STATE as the job's state.json in JDIR (without what the agent's readers add)."""
+    data = state.to_dict()
+    data.pop("supervisor_alive", None)
+    data.pop("status_before_stop", None)
+    write_json_atomic(os.path.join(jdir, STATE), data)
+
+
+def state_with_liveness(path: str) -> JobState | None:
     """A job's state.json, LOST where it says RUNNING and its supervisor is gone. A supervisor writes its last
     state and then exits: a state read before that write, with the death seen after it, is read again first."""
-    st = read_json(path)
+    st = read_state(path)
     if st is None:
         return None
-    alive = pid_alive(st.get("supervisor_pid"))
-    if st.get("status") == JobStatus.RUNNING and not alive:
-        st = read_json(path) or st
-        if st.get("status") == JobStatus.RUNNING:
-            st["status"] = JobStatus.LOST  # the supervisor was killed: nobody watches the processes any more
-    st["supervisor_alive"] = alive
+    alive = pid_alive(st.supervisor_pid)
+    if st.status == JobStatus.RUNNING and not alive:
+        st = read_state(path) or st
+        if st.status == JobStatus.RUNNING:
+            st.status = JobStatus.LOST  # the supervisor was killed: nobody watches the processes any more
+    st.supervisor_alive = alive
     return st

@@ -21,7 +21,8 @@ import sys
 import time
 
 from agent_files import HOOK_DIR, POLL, _proc_stat, job_processes
-from protocol import HOST, STACKS_SIGNAL, ProcessStack, StackSource, ThreadStack
+from protocol import HOST, STACKS_SIGNAL, JobState
+from protocol_calls import ProcessStack, StackSource, ThreadStack
 
 SETTLED = 0.05  # seconds a dump file must stay the same size to be whole (faulthandler writes in one go)
 
@@ -61,9 +62,9 @@ def _slot_of(pid: int, slot_pids: dict[int, int]) -> tuple[int | None, bool]:
     return None, True
 
 
-def collect(job: str, jdir: str, state: dict, timeout: float = 10.0) -> list[ProcessStack]:
+def collect(job: str, jdir: str, state: JobState, timeout: float = 10.0) -> list[ProcessStack]:
     """Every process of JOB (its job directory JDIR, its STATE) with its stacks, asked all at once."""
-    slot_pids = {int(c["pid"]): int(c["core"]) for c in state.get("cores", []) if c.get("pid")}
+    slot_pids = {s.pid: s.slot for s in state.slots if s.pid}
     out: dict[int, ProcessStack] = {}
     for pid in sorted(job_processes(job)):
         slot, child = _slot_of(pid, slot_pids)

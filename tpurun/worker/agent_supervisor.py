@@ -20,7 +20,6 @@ import time
 from agent_files import (
     FATAL_SIGNALS,
     HOOK_DIR,
-    MAX_LINE,
     POLL,
     _proc_stat,
     group_members,
@@ -34,19 +33,21 @@ from agent_files import (
     signal_group,
     signal_pids,
     watch_exit,
-    write_json_atomic,
+    write_state,
 )
+from agent_lines import STDIO, Channel, Channels, pump, spawned_child, stdio_id
 from protocol import (
     DEFAULT_LEASE,
     HOOK_ACCEPTED,
     HOST,
     STACKS_SIGNAL,
+    FirstFailure,
     HookStream,
-    JobSpec,
+    JobState,
     JobStatus,
     Passage,
-    ProcessSpec,
     ProcessStatus,
+    SlotState,
     Source,
     Started,
     StartFailed,
@@ -56,6 +57,7 @@ from protocol import (
     read_hook_header,
     read_task_end,
 )
+from protocol_calls import JobSpec, ProcessSpec
 
 # ---------------------------------------------------------------- the supervisor
 
@@ -75,6 +77,7 @@ class Slot:
         self.rec = open(base + ".rec", "ab")
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
+        self.pipes: tuple = ()  # its stdout and stderr, read ends
         self.pid: int | None = None
         self.pgid: int | None = None
         self.status = ProcessStatus.PENDING
@@ -98,6 +101,8 @@ class Slot:
         env = dict(os.environ)
         env.update(self.env)
         env["TPURUN_JOB_ID"] = job  # how the agent finds every process of the job (job_processes)
+        (r_out, w_out), (r_err, w_err) = os.pipe(), os.pipe()
+        env[STDIO] = f"{stdio_id(w_out)},{stdio_id(w_err)}"  # the hook gives its Python descendants their own
         self.started_at = now()
         try:
             self.proc = subprocess.Popen(
@@ -105,69 +110,46 @@ class Slot:
                 env=env,
                 cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stdout=w_out,
+                stderr=w_err,
                 start_new_session=True,  # own process group: signals reach its whole tree
                 preexec_fn=preexec,
             )
         except OSError as e:
+            for fd in (r_out, r_err):
+                os.close(fd)
             # Recorded as exit 127 (the shell's "command not found"); the supervisor fails the job fast.
             self.write(Source.ERR, f"tpurun agent: cannot start {self.argv}: {e}\n".encode())
             return
+        finally:
+            os.close(w_out)
+            os.close(w_err)
+        self.pipes = (os.fdopen(r_out, "rb"), os.fdopen(r_err, "rb"))
         self.pid = self.pgid = self.proc.pid
         self.status = ProcessStatus.RUNNING
 
     def start_readers(self) -> None:
-        if self.proc is None:
-            return
-        for stream, pipe in ((Source.OUT, self.proc.stdout), (Source.ERR, self.proc.stderr)):
-            self.add_reader(stream, pipe)
+        if self.pipes:
+            self.add_reader(Source.OUT, self.pipes[0])
+            self.add_reader(Source.ERR, self.pipes[1])
 
     def add_reader(self, stream: Source, pipe) -> None:
-        t = threading.Thread(target=self._pump, args=(stream, pipe), daemon=True)
+        t = threading.Thread(target=pump, args=(pipe, lambda lines: self.write_lines(stream, lines)), daemon=True)
         t.start()
         self.readers.append(t)
-
-    def _pump(self, stream: Source, pipe) -> None:
-        # Whatever the pipe holds is written at once (every complete line of it, then flushed): no line
-        # ever waits in a buffer for more output, and a flood costs one write per chunk, not per line.
-        read = pipe.read1 if hasattr(pipe, "read1") else pipe.read
-        rest = b""
-        try:
-            while True:
-                try:
-                    chunk = read(1 << 16)
-                except OSError:  # a chip process's socket, reset as it died
-                    chunk = b""
-                if not chunk:
-                    break
-                data = rest + chunk
-                cut = data.rfind(b"\n") + 1
-                if cut == 0 and len(data) < MAX_LINE:
-                    rest = data
-                    continue
-                if cut == 0:  # an endless line: cut it into records rather than hold it all
-                    lines, rest = [data], b""
-                else:
-                    lines = [line + b"\n" for line in data[:cut].split(b"\n")[:-1]]
-                    rest = data[cut:]
-                self.write_lines(stream, lines)
-            if rest:
-                self.write_lines(stream, [rest])  # the partial last line, at EOF
-        finally:
-            pipe.close()
 
     def write(self, stream: Source, raw: bytes) -> None:
         self.write_lines(stream, [raw])
 
-    def write_lines(self, stream: Source, lines: list[bytes]) -> None:
+    def write_lines(self, stream: Source, lines: list[bytes], read_at: float | None = None) -> None:
+        """LINES into the slot's files, read now (or at READ_AT: lines held for their chip)."""
         # a partial last line is terminated so it never merges with the other stream
         raws = [raw if raw.endswith(b"\n") else raw + b"\n" for raw in lines]
         texts = [raw[:-1].decode("utf-8", "backslashreplace") for raw in raws]
         with self.lock:
             if self.log.closed:
                 return  # the job's end is written; late bytes of a vanished process are dropped
-            t = now()  # taken under the lock so a slot's records are in time order
+            t = read_at or now()  # under the lock: a process's records are in time order
             self.log.write(b"".join(raws))
             self.log.flush()
             self.rec.write(encode_recs(stream, t, texts))
@@ -186,21 +168,11 @@ class Slot:
     def readers_done(self) -> bool:
         return not any(t.is_alive() for t in self.readers)
 
-    def to_dict(self) -> dict:
-        return {
-            "core": self.index,  # state.json's key for the slot
-            "pid": self.pid,
-            "pgid": self.pgid,
-            "status": self.status,
-            "exit_code": self.exit_code,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "last_line": self.last_line,
-            "last_line_at": self.last_line_at,
-            "passages": [p.to_dict() for p in self.passages.values()],
-            "argv": self.argv,
-            "spawned": self.spawned,
-        }
+    def state(self) -> SlotState:
+        return SlotState(
+            self.index, self.status, self.exit_code, self.pid, self.pgid, self.started_at, self.ended_at,
+            self.last_line, self.last_line_at, list(self.passages.values()), self.argv, self.spawned,
+        )  # fmt: skip
 
 
 class Supervisor:
@@ -218,6 +190,7 @@ class Supervisor:
         self.slots = [Slot(self.worker, c, jdir) for c in spec.cores]
         self.launch = spec.launch
         self.slots_lock = threading.Lock()  # the log server adds chip slots while the loop runs
+        self.channels = Channels()  # the own channels the hook connected (agent_lines)
         self.listener: socket.socket | None = None
         self.dirty = False  # a chip's slot appeared: state.json must show it (readers find its files there)
         self.closed = False  # finish() ran: no new chip slots
@@ -225,7 +198,7 @@ class Supervisor:
         self.status = JobStatus.RUNNING  # until every process is gone: readers trust an end status
         self.outcome: JobStatus | None = None  # the end status decided by a stop (stopped/failed), applied at the end
         self.reason = ""
-        self.first_failure: dict | None = None
+        self.first_failure: FirstFailure | None = None
         self.started_at = now()
         self.ended_at: float | None = None
         self.stop_requested = False
@@ -281,7 +254,8 @@ class Supervisor:
         threading.Thread(target=accept_loop, daemon=True).start()
 
     def _attach(self, conn: socket.socket) -> None:
-        """One stream (out, err or ctl) of a chip process: check who it is, then file it under its slot."""
+        """One connection of the hook (a process's own stream, a chip's, its reports): check who it is, then
+        file it under its slot."""
         try:
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid != os.getuid() or not of_job(pid, self.job):
@@ -297,7 +271,11 @@ class Supervisor:
             self.log(f"log socket: {e}")
             conn.close()
             return
-        c = self.slot_of(pid) if stream is HookStream.WAIT else self.chip(slot, pid, pool)
+        own = stream in (HookStream.OWN_OUT, HookStream.OWN_ERR)
+        if own:  # read at once: its chip may be named before this thread goes on
+            c = self.own_channel(pid, slot, Source.OUT if stream is HookStream.OWN_OUT else Source.ERR, f)
+        else:
+            c = self.slot_of(pid) if stream is HookStream.WAIT else self.chip(slot, pid, pool)
         if c is None:  # the job is over, or a passage from a process that is not that slot's
             conn.close()
             return
@@ -313,7 +291,7 @@ class Supervisor:
             c.readers.append(t)
         elif stream is HookStream.WAIT:
             threading.Thread(target=self._read_passages, args=(c, f), daemon=True).start()
-        else:
+        elif not own:
             c.add_reader(Source(stream.value), f)
 
     def chip(self, index: int, pid: int, pool: bool) -> Slot | None:
@@ -341,7 +319,26 @@ class Supervisor:
                 watch_exit(c.note_end, pid)
                 self.dirty = True
                 self.log(f"chip {index}: process {pid} (group {c.pgid}) of the script's spawner")
+            for ch in self.channels.of(pid):  # its own channels, from its start: the chip's now
+                if ch.slot is not c and ch.thread is not None:
+                    ch.bind(c)
+                    c.readers.append(ch.thread)
         return c
+
+    def own_channel(self, pid: int, index: int, source: Source, f) -> Slot | None:
+        """Process PID's own channel F, read from now on and filed under slot INDEX (the one it inherited, or
+        the host's: held there while the process may yet be given a chip); its slot, None once the job is over."""
+        with self.slots_lock:
+            if self.closed:
+                return None
+            host = next((x for x in self.slots if x.index == HOST), None)
+            slot = next((x for x in self.slots if x.index == index), host)
+            if slot is None:
+                return None
+            ch = Channel(pid, source, slot, slot is host and spawned_child(pid))
+            self.channels.add(ch)
+            slot.readers.append(ch.follow(f, self.channels.ended))
+        return slot
 
     def slot_of(self, pid: int) -> Slot | None:
         """The slot whose process PID is (one we started, or a chip's), else None: a process's passages are
@@ -397,7 +394,7 @@ class Supervisor:
         True when its end was recorded."""
         if c.reported not in (None, 0) and self.stop_deadline is None:
             # its spawner task failed: stop now, the spawner would wait for every sibling first
-            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": c.reported, "time": now()}
+            self.first_failure = FirstFailure(c.index, c.reported, now(), self.worker)
             self.request_stop(f"chip {c.index} failed", JobStatus.FAILED)
         if c.ended_at is not None:
             return False
@@ -418,7 +415,7 @@ class Supervisor:
             if host.exit_code is None and host.status == ProcessStatus.RUNNING:
                 return False  # the host process was the chip (nprocs=1): its exit code decides
             c.exit_code, c.status = host.exit_code, host.status
-        elif (self.first_failure or {}).get("core") == c.index:
+        elif self.first_failure is not None and self.first_failure.slot == c.index:
             c.status = ProcessStatus.DIED
         elif self.stop_deadline is not None:
             c.status = ProcessStatus.KILLED
@@ -453,31 +450,24 @@ class Supervisor:
             for p in x.pids:
                 x.note_end(p)
         first = min(gone, key=lambda x: min(x.died_at.values(), default=now()))
-        self.first_failure = {"worker": self.worker, "core": first.index, "exit_code": first.reported, "time": min(first.died_at.values(), default=now())}
+        self.first_failure = FirstFailure(
+            first.index, first.reported, min(first.died_at.values(), default=now()), self.worker
+        )
         self.request_stop(f"chip {first.index} died {why}", JobStatus.FAILED)
         return True
 
     # --- state
 
-    def state(self) -> dict:
-        return {
-            "job_id": self.job,
-            "worker": self.worker,
-            "supervisor_pid": os.getpid(),
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "status": self.status,
-            "stopping": self.stop_deadline is not None and self.status == JobStatus.RUNNING,
-            "detach": self.detach,
-            "launch": self.launch,
-            "reason": self.reason,
-            "first_failure": self.first_failure,
-            "cores": [c.to_dict() for c in self.snapshot()],
-        }
+    def state(self) -> JobState:
+        stopping = self.stop_deadline is not None and self.status == JobStatus.RUNNING
+        return JobState(
+            self.job, self.worker, self.status, os.getpid(), self.started_at, self.ended_at, stopping, self.detach,
+            self.launch, self.reason, self.first_failure, [c.state() for c in self.snapshot()],
+        )  # fmt: skip
 
     def save(self) -> None:
         self.saved_at = now()
-        write_json_atomic(os.path.join(self.jdir, "state.json"), self.state())
+        write_state(self.jdir, self.state())
 
     def log(self, message: str) -> None:
         sys.stderr.write(time.strftime("%Y-%m-%dT%H:%M:%S ") + message + "\n")
@@ -566,7 +556,7 @@ class Supervisor:
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return
-            self.first_failure = {"worker": self.worker, "core": c.index, "exit_code": rc, "time": now()}
+            self.first_failure = FirstFailure(c.index, rc, now(), self.worker)
             self.request_stop(f"slot {c.index} exited with {rc}", JobStatus.FAILED)
 
     def loop(self) -> None:
@@ -597,6 +587,7 @@ class Supervisor:
                     if group_members(c.pgid):
                         signal_group(c.pgid, signal.SIGKILL)
                 signal_pids(job_processes(self.job), signal.SIGKILL)
+            self.channels.release_overdue()
             if self.lease and self.stop_deadline is None and self._lease_expired():
                 self.request_stop(f"the attached client is gone (no stream for {self.lease:.0f} s)", JobStatus.STOPPED)
             fresh = any((c.last_line_at or 0.0) > self.saved_at for c in self.snapshot())
@@ -627,6 +618,7 @@ class Supervisor:
             except OSError:
                 pass
             self.listener.close()
+        self.channels.drain(2.0)  # before the end is written: a reader that sees it has every line
         for pgid in self.pre_groups:
             signal_group(pgid, signal.SIGTERM)
         deadline = now() + min(self.grace, 5.0)
@@ -670,7 +662,7 @@ class Supervisor:
         self.start_slots()
         self.serve_log_socket()  # threads only now: start_slots forks with a preexec_fn
         self.save()
-        self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.to_dict() for c in self.snapshot()]))
+        self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.state() for c in self.snapshot()]))
         self.loop()
         self.finish()
 

@@ -1,27 +1,28 @@
 """The worker-side program of `tpurun kill-stale` and `tpurun doctor` (stdlib only, Python ≥ 3.8).
 
 tpurun ships this file's source on the command line (`python3 -c SOURCE MODE CONFIG_JSON`, see
-`program_argv`), so a worker needs nothing installed. It prints one JSON document on stdout.
+`program_argv`), so a worker needs nothing installed. It prints its answer, a record of this file
+(`KillStaleAnswer`, `DoctorAnswer`), as one JSON document on stdout; tpurun reads it back with the record's
+`from_dict`. Nothing else spells their keys.
 
 Modes:
 - `kill-stale`: find the processes that hold the TPU -- an open fd on a device file (`/dev/accel*`,
   `/dev/vfio/*`, read with readlink from /proc/PID/fd, so no lsof is needed), a mapping of a
   `libtpu*.so` (from /proc/PID/maps), or an open fd on a claim file (`claim_files`: where a `train` about
-  to start holds the worker) -- never this program or its ancestors, never pid 1. Unless
-  dry-run: SIGTERM, wait up to the grace, SIGKILL the rest, verify; then remove stale libtpu lock files
-  if no holder is left.
+  to start holds the worker) -- never this program or its ancestors, never pid 1. Unless dry-run: SIGTERM,
+  wait up to the grace, SIGKILL the rest, verify; then remove stale libtpu lock files if no holder is left.
 - `doctor`: everything `tpurun doctor` judges on a worker: the same holder scan, device files, the
   versions seen by the user's python (tpurun.job.env_contract.PROBE_SCRIPT run with it), XLA variables in the
   environment and in the shell files users export them from, free disk, and the worker's clock.
 
-As a non-root user, /proc/PID/fd and /proc/PID/maps of other users' processes cannot be read: the
-scan is then re-run under `sudo -n` (never prompting) and, if that is impossible, the result says how
-many processes could not be inspected. Pure helpers (parsing, matching) are unit-tested
-(tests/unit/test_stale_unit.py).
+As a non-root user, /proc/PID/fd and /proc/PID/maps of other users' processes cannot be read: the scan is
+then re-run under `sudo -n` (never prompting) and, if that is impossible, the answer says how many processes
+could not be inspected. Unit-tested in tests/unit/test_stale_unit.py and test_probe_records.py.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import glob
 import json
@@ -33,7 +34,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 DEFAULT_DEVICE_GLOBS = ["/dev/accel*", "/dev/vfio/*"]
 DEFAULT_LIBTPU_GLOB = "libtpu*.so"
@@ -42,6 +44,165 @@ DEFAULT_LOCK_GLOBS = ["/tmp/libtpu_lockfile", "/tmp/libtpu_lock_*/libtpu_lockfil
 # Where users export XLA variables that an interactive `tpurun ssh` session (and their own shells) see.
 ENV_FILES = ["/etc/environment", "~/.bashrc", "~/.profile", "~/.bash_profile", "~/.zshrc", "/etc/profile.d/*.sh"]
 XLA_VARS = ("XRT_TPU_CONFIG", "PJRT_DEVICE", "TPU_NUM_DEVICES", "XRT_DEVICE_MAP", "XRT_WORKERS")
+
+
+# ------------------------------------------------------------------ the answers, as records
+
+
+class Record:
+    """A record of the probe's answers (this file cannot import protocol.py's: it travels alone): its fields
+    are its __slots__, in the order its JSON has them, each typed by its annotation; a field not given is a
+    copy of its _DEFAULTS value, else None."""
+
+    __slots__: tuple[str, ...] = ()
+    _DEFAULTS: dict[str, Any] = {}
+    _OMIT_NONE: tuple[str, ...] = ()  # fields the JSON leaves out while None
+    _READ: dict[str, Callable[[Any], Any]] = {}  # field -> how its JSON value is read
+
+    def __init__(self, **fields: Any) -> None:
+        for name in self.__slots__:
+            setattr(self, name, fields.pop(name) if name in fields else copy.deepcopy(self._DEFAULTS.get(name)))
+        if fields:
+            raise TypeError(f"{type(self).__name__} has no field {sorted(fields)[0]!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as the probe prints it (JSON types only)."""
+        omit = self._OMIT_NONE
+        return {f: _plain(getattr(self, f)) for f in self.__slots__ if not (f in omit and getattr(self, f) is None)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        """The record a `to_dict` printed, or ValueError."""
+        if not isinstance(data, dict) or set(data) - set(cls.__slots__):
+            raise ValueError(f"not a {cls.__name__}: {data!r}"[:300])
+        try:
+            return cls(**{k: cls._READ[k](v) if k in cls._READ else v for k, v in data.items()})
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"not a {cls.__name__}: {exc}") from exc
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _list_of(cls: Any) -> Callable[[Any], list[Any]]:
+    return lambda items: [cls.from_dict(item) for item in items]
+
+
+class Holder(Record):
+    """A process holding the TPU; START (its start in ticks since boot, the worker's own) tells it from a reused pid."""
+
+    __slots__ = ("pid", "uid", "user", "age", "start", "command", "holds", "protected", "result")
+    _DEFAULTS = {"holds": [], "protected": False}
+    _OMIT_NONE = ("start", "result")
+    pid: int
+    uid: int | None
+    user: str
+    age: float
+    start: int | None
+    command: str
+    holds: list[str]
+    protected: bool  # pid 1: never signalled
+    result: str | None  # what kill-stale did to it
+
+
+class Scan(Record):
+    """What holds the TPU: the holders, the pids that could not be inspected, who has each lock file open."""
+
+    __slots__ = ("holders", "denied", "lock_users")
+    _DEFAULTS = {"holders": [], "denied": [], "lock_users": {}}
+    _READ = {"holders": _list_of(Holder)}
+    holders: list[Holder]
+    denied: list[int]
+    lock_users: dict[str, list[int]]
+
+
+class LockFile(Record):
+    """A libtpu lock file: what kill-stale did to it (RESULT), or who has it open (OPEN_IN, doctor's; none: stale)."""
+
+    __slots__ = ("path", "result", "open_in")
+    _OMIT_NONE = ("result", "open_in")
+    path: str
+    result: str | None
+    open_in: list[int] | None
+
+
+class KillStaleAnswer(Record):
+    """`kill-stale` on one worker: what held its TPU and what became of it, its lock files, whether it is free."""
+
+    __slots__ = ("root", "sudo", "errors", "holders", "locks", "denied", "free", "survivors")
+    _DEFAULTS = {"root": False, "sudo": False, "errors": [], "holders": [], "locks": [], "denied": 0, "free": False}
+    _READ = {"holders": _list_of(Holder), "locks": _list_of(LockFile)}
+    root: bool
+    sudo: bool  # run again under sudo -n to see other users' processes
+    errors: list[str]
+    holders: list[Holder]
+    locks: list[LockFile]
+    denied: int  # processes that could not be inspected
+    free: bool
+    survivors: list[int]  # pids still holding it
+
+
+class EnvExport(Record):
+    """An XLA variable set in a shell file (FILE shown with ~ for the home), at LINE."""
+
+    __slots__ = ("file", "line", "name", "value")
+    file: str
+    line: int
+    name: str
+    value: str
+
+
+class RuntimePlace(Record):
+    """What tpurun GIVES its processes here of their place in the slice; TPU_ENV the metadata's answer's status."""
+
+    __slots__ = ("given", "tpu_env")
+    _DEFAULTS = {"given": {}}
+    given: dict[str, str]
+    tpu_env: int | None
+
+
+class DiskSpace(NamedTuple):
+    """A directory and its free bytes (None: cannot stat it); a two-item list in the JSON."""
+
+    path: str
+    free: int | None
+
+
+class DoctorAnswer(Record):
+    """`doctor` on one worker, all tpurun.health judges: PYTHON_PROBE is env_contract.PROBE_SCRIPT's answer with the
+    user's Python ({"error": ...}: it could not run); CLOCK the worker's clock first thing, ELAPSED until the answer."""
+
+    __slots__: tuple[str, ...] = ("clock", "hostname", "user", "root", "python_probe", "runtime_place")
+    __slots__ += ("devices_present", "devices_missing", "devices_plain", "holders", "scan_note", "locks", "env")
+    __slots__ += ("env_files", "disk", "elapsed")
+    _DEFAULTS = {"root": False, "python_probe": {}, "runtime_place": RuntimePlace(), "scan_note": "", "env": {}}
+    _DEFAULTS.update({f: [] for f in ("devices_present", "devices_missing", "devices_plain", "holders", "locks")})
+    _DEFAULTS.update(env_files=[], disk={}, elapsed=0.0)
+    _READ = {"runtime_place": RuntimePlace.from_dict, "holders": _list_of(Holder), "locks": _list_of(LockFile)}
+    _READ.update(env_files=_list_of(EnvExport), disk=lambda d: {k: DiskSpace(*v) for k, v in d.items()})
+    clock: float
+    hostname: str
+    user: str
+    root: bool
+    python_probe: dict[str, Any]
+    runtime_place: RuntimePlace
+    devices_present: list[str]
+    devices_missing: list[str]
+    devices_plain: list[str]  # plain files: an emulated worker's, no chip behind them
+    holders: list[Holder]
+    scan_note: str
+    locks: list[LockFile]
+    env: dict[str, str]  # XLA variables in the probe's environment
+    env_files: list[EnvExport]
+    disk: dict[str, DiskSpace]  # "home", "tmp"
+    elapsed: float
 
 
 # ------------------------------------------------------------------ pure helpers (unit-tested)
@@ -167,7 +328,12 @@ def _user(uid: int | None) -> str:
 
 
 def scan(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> dict:
-    """Every process holding the TPU: {"holders": [...], "denied": [pids], "lock_users": {path: [pids]}}.
+    """`find_holders`'s answer as its JSON (the watchdog's look, and the probe's `scan` mode)."""
+    return find_holders(device_globs, libtpu_glob, lock_paths).to_dict()
+
+
+def find_holders(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> Scan:
+    """Every process holding the TPU, the processes that could not be inspected, who has each lock file open.
     An empty LIBTPU_GLOB skips the mappings (the watchdog's cheaper look: open device files only)."""
     protected = ancestors(os.getpid())
     uptime, ticks = _clock()
@@ -217,19 +383,11 @@ def scan(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> di
             continue
         if state == "Z":
             continue  # a zombie holds nothing any more
-        holders.append(
-            {
-                "pid": pid,
-                "uid": uid,
-                "user": _user(uid),
-                "age": round(max(0.0, uptime - start / ticks), 1),
-                "start": start,
-                "command": cmd,
-                "holds": holds,
-                "protected": pid == 1,
-            }
-        )
-    return {"holders": holders, "denied": denied, "lock_users": lock_users}
+        age = round(max(0.0, uptime - start / ticks), 1)
+        holder = Holder(pid=pid, uid=uid, user=_user(uid), age=age, start=start, command=cmd, holds=holds)
+        holder.protected = pid == 1
+        holders.append(holder)
+    return Scan(holders=holders, denied=denied, lock_users=lock_users)
 
 
 def _alive(pid: int, start: int) -> bool:
@@ -250,21 +408,21 @@ def _signal(pid: int, sig: int, errors: list[str]) -> None:
         errors.append(f"no permission to signal pid {pid} (run as root or allow passwordless sudo)")
 
 
-def kill_holders(holders: list[dict], grace: float) -> list[str]:
-    """SIGTERM every holder, SIGKILL whoever is alive after GRACE; sets each holder's "result"."""
+def kill_holders(holders: list[Holder], grace: float) -> list[str]:
+    """SIGTERM every holder, SIGKILL whoever is alive after GRACE; sets each holder's result."""
     errors: list[str] = []
-    targets = {h["pid"]: h for h in holders if not h["protected"]}
+    targets = {h.pid: h for h in holders if not h.protected}
     for h in holders:
-        if h["protected"]:
-            h["result"] = "kept (init)"
+        if h.protected:
+            h.result = "kept (init)"
     termed: set[int] = set()
     killed: set[int] = set()
     started = time.monotonic()
     while True:
-        alive = [p for p, h in targets.items() if _alive(p, h["start"])]
+        alive = [p for p, h in targets.items() if _alive(p, h.start or 0)]
         for p, h in targets.items():
-            if p not in alive and "result" not in h:
-                h["result"] = "killed (SIGKILL)" if p in killed else "terminated (SIGTERM)"
+            if p not in alive and h.result is None:
+                h.result = "killed (SIGKILL)" if p in killed else "terminated (SIGTERM)"
         if not alive:
             break
         elapsed = time.monotonic() - started
@@ -278,7 +436,7 @@ def kill_holders(holders: list[dict], grace: float) -> list[str]:
                 killed.add(p)
         if elapsed > grace + 5:  # SIGKILL did not take: unkillable (D state) or not ours
             for p in alive:
-                targets[p]["result"] = "survived"
+                targets[p].result = "survived"
             break
         time.sleep(0.05)
     return errors
@@ -293,21 +451,28 @@ def lock_files(globs: list[str], home: str) -> list[str]:
 
 
 def remove_locks(paths: list[str], lock_users: dict[str, list[int]], dry_run: bool) -> list[dict]:
+    """`unlock`'s answer as its JSON."""
+    return [lock.to_dict() for lock in unlock(paths, lock_users, dry_run)]
+
+
+def unlock(paths: list[str], lock_users: dict[str, list[int]], dry_run: bool) -> list[LockFile]:
+    """Remove the lock files PATHS nobody has open (with DRY_RUN: say which would go)."""
     out = []
     for path in paths:
         users = lock_users.get(path)
         if users:
-            out.append({"path": path, "result": "kept: open in pid " + ",".join(map(str, users))})
+            result = "kept: open in pid " + ",".join(map(str, users))
         elif dry_run:
-            out.append({"path": path, "result": "would remove"})
+            result = "would remove"
         else:
             try:
                 os.unlink(path)
-                out.append({"path": path, "result": "removed"})
+                result = "removed"
             except FileNotFoundError:
-                out.append({"path": path, "result": "removed"})
+                result = "removed"
             except OSError as exc:
-                out.append({"path": path, "result": f"not removed: {exc.strerror}"})
+                result = f"not removed: {exc.strerror}"
+        out.append(LockFile(path=path, result=result))
     return out
 
 
@@ -329,13 +494,9 @@ def run_as_root(mode: str, cfg: dict) -> tuple[dict | None, str]:
     if source is None:
         return None, "cannot re-run under sudo (program source not found)"
     cfg = dict(cfg, elevated=True)
+    argv, wait = ["sudo", "-n", sys.executable, "-c", source, mode, json.dumps(cfg)], float(cfg.get("grace", 10)) + 120
     try:
-        proc = subprocess.run(
-            ["sudo", "-n", sys.executable, "-c", source, mode, json.dumps(cfg)],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=float(cfg.get("grace", 10)) + 120,
-        )
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=wait)
     except FileNotFoundError:
         return None, "sudo is not installed"
     except subprocess.TimeoutExpired:
@@ -356,49 +517,47 @@ def _scan_cfg(cfg: dict) -> tuple[list[str], str, list[str]]:
 
 
 def kill_stale(cfg: dict) -> dict:
+    """The `kill-stale` mode's answer as its JSON."""
+    return free_tpu(cfg).to_dict()
+
+
+def free_tpu(cfg: dict) -> KillStaleAnswer:
     # the login user's home, fixed before any sudo re-run (sudo may change HOME)
     cfg = dict(cfg, home=cfg.get("home") or os.path.expanduser("~"))
     device_globs, libtpu_glob, locks = _scan_cfg(cfg)
     device_globs = device_globs + lock_files(cfg.get("claim_files") or [], cfg["home"])
-    found = scan(device_globs, libtpu_glob, locks)
-    errors: list[str] = []
-    result: dict[str, Any] = {"root": os.geteuid() == 0, "sudo": bool(cfg.get("elevated")), "errors": errors}
-    if found["denied"] and os.geteuid() != 0 and not cfg.get("elevated"):
+    found = find_holders(device_globs, libtpu_glob, locks)
+    answer = KillStaleAnswer(root=os.geteuid() == 0, sudo=bool(cfg.get("elevated")))
+    if found.denied and os.geteuid() != 0 and not cfg.get("elevated"):
         elevated, why = run_as_root("kill-stale", cfg)
         if elevated is not None:
-            return elevated
-        errors.append(
-            f"cannot inspect {len(found['denied'])} processes of other users: {why}; holders among them are not "
+            return KillStaleAnswer.from_dict(elevated)
+        answer.errors.append(
+            f"cannot inspect {len(found.denied)} processes of other users: {why}; holders among them are not "
             "shown (run as root or allow passwordless sudo)"
         )
-    holders = found["holders"]
+    holders = answer.holders = found.holders
     if cfg.get("dry_run"):
         for h in holders:
-            h["result"] = "kept (init)" if h["protected"] else "would kill"
+            h.result = "kept (init)" if h.protected else "would kill"
     else:
-        errors += kill_holders(holders, float(cfg.get("grace", 10)))
+        answer.errors += kill_holders(holders, float(cfg.get("grace", 10)))
     # What is left now decides whether the lock files are stale (a new holder may have started).
-    after = scan(device_globs, libtpu_glob, locks) if not cfg.get("dry_run") else found
-    left = after["holders"]
-    known = {h["pid"] for h in holders}
+    after = find_holders(device_globs, libtpu_glob, locks) if not cfg.get("dry_run") else found
+    left = after.holders
+    known = {h.pid for h in holders}
     for h in left:
-        if h["pid"] not in known:
-            h["result"] = "appeared during kill-stale"
+        if h.pid not in known:
+            h.result = "appeared during kill-stale"
             holders.append(h)
     if left and not cfg.get("dry_run"):
-        locks_out = [{"path": p, "result": "kept: the TPU is still held"} for p in locks]
+        answer.locks = [LockFile(path=p, result="kept: the TPU is still held") for p in locks]
     else:
-        locks_out = remove_locks(locks, after["lock_users"], bool(cfg.get("dry_run")))
+        answer.locks = unlock(locks, after.lock_users, bool(cfg.get("dry_run")))
     for h in holders:
-        h.pop("start", None)
-    result.update(
-        holders=holders,
-        locks=locks_out,
-        denied=len(after["denied"]),
-        free=not left,
-        survivors=[h["pid"] for h in left],
-    )
-    return result
+        h.start = None  # the worker's own (it tells a reused pid apart)
+    answer.denied, answer.free, answer.survivors = len(after.denied), not left, [h.pid for h in left]
+    return answer
 
 
 # ------------------------------------------------------------------ doctor
@@ -412,7 +571,7 @@ def disk_free(path: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def env_file_exports(home: str) -> list[dict]:
+def env_file_exports(home: str) -> list[EnvExport]:
     found = []
     for pattern in ENV_FILES:
         pattern = home + pattern[1:] if pattern.startswith("~") else pattern
@@ -423,7 +582,7 @@ def env_file_exports(home: str) -> list[dict]:
                 continue
             shown = "~" + path[len(home) :] if home and path.startswith(home + "/") else path
             for line, name, value in parse_env_exports(text):
-                found.append({"file": shown, "line": line, "name": name, "value": value})
+                found.append(EnvExport(file=shown, line=line, name=name, value=value))
     return found
 
 
@@ -444,23 +603,18 @@ def metadata_status(key: str) -> int | None:
         return None
 
 
-def runtime_place(given: dict, devices: list[str]) -> dict:
+def runtime_place(given: dict, devices: list[str]) -> RuntimePlace:
     """Where the runtimes of a process tpurun starts here read the slice from: the variables tpurun GIVEN it
     (TPU_SKIP_MDS_QUERY and the rest), else, where there are TPU devices, the metadata's `tpu-env`."""
     asked = bool(devices) and not given.get("TPU_SKIP_MDS_QUERY")
-    return {"given": given, "tpu_env": metadata_status("tpu-env") if asked else None}
+    return RuntimePlace(given=given, tpu_env=metadata_status("tpu-env") if asked else None)
 
 
 def run_python_probe(python: str, probe: str, env: dict | None = None) -> dict:
     """The versions PYTHON sees (tpurun.job.env_contract.PROBE_SCRIPT run with it, ENV's variables added)."""
+    env = {**os.environ, **(env or {})}
     try:
-        proc = subprocess.run(
-            [python, "-c", probe],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=60,
-            env={**os.environ, **(env or {})},
-        )
+        proc = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, capture_output=True, timeout=60, env=env)
     except FileNotFoundError:
         return {"error": f"{python}: not found"}
     except PermissionError:
@@ -478,43 +632,48 @@ def run_python_probe(python: str, probe: str, env: dict | None = None) -> dict:
 
 
 def doctor(cfg: dict) -> dict:
+    """The `doctor` mode's answer as its JSON."""
+    return examine(cfg).to_dict()
+
+
+def examine(cfg: dict) -> DoctorAnswer:
     clock = time.time()
     started = time.monotonic()
     home = cfg.get("home") or os.path.expanduser("~")
     cfg = dict(cfg, home=home)
     device_globs, libtpu_glob, locks = _scan_cfg(cfg)
     python = cfg.get("python") or "python3"
-    found = scan(device_globs, libtpu_glob, locks)
+    found = find_holders(device_globs, libtpu_glob, locks)
     scan_note = ""
-    if found["denied"] and os.geteuid() != 0:
+    if found.denied and os.geteuid() != 0:
         elevated, why = run_as_root("scan", cfg)
         if elevated is not None:
-            found = elevated
+            found = Scan.from_dict(elevated)
         else:
-            scan_note = f"could not inspect {len(found['denied'])} processes of other users: {why}"
-    for h in found["holders"]:
-        h.pop("start", None)
+            scan_note = f"could not inspect {len(found.denied)} processes of other users: {why}"
+    for h in found.holders:
+        h.start = None
     expected = cfg.get("expected_devices") or []
     present = sorted(p for g in device_globs for p in glob.glob(g))
-    return {
-        "clock": clock,
-        "hostname": os.uname().nodename,
-        "user": _user(os.geteuid()),
-        "root": os.geteuid() == 0,
-        "python_probe": run_python_probe(python, cfg.get("probe", ""), cfg.get("vm_env")),
-        "runtime_place": runtime_place(cfg.get("vm_env") or {}, present),
-        "devices_present": present,
-        "devices_missing": [p for p in expected if not os.path.exists(p)],
+    return DoctorAnswer(
+        clock=clock,
+        hostname=os.uname().nodename,
+        user=_user(os.geteuid()),
+        root=os.geteuid() == 0,
+        python_probe=run_python_probe(python, cfg.get("probe", ""), cfg.get("vm_env")),
+        runtime_place=runtime_place(cfg.get("vm_env") or {}, present),
+        devices_present=present,
+        devices_missing=[p for p in expected if not os.path.exists(p)],
         # a TPU's device files are character devices; plain files are an emulated worker's (no chip behind them)
-        "devices_plain": [p for p in present if os.path.isfile(p)],
-        "holders": found["holders"],
-        "scan_note": scan_note,
-        "locks": [{"path": p, "open_in": found["lock_users"].get(p, [])} for p in locks],
-        "env": {k: os.environ[k] for k in XLA_VARS if k in os.environ},
-        "env_files": env_file_exports(home),
-        "disk": {"home": [home, disk_free(home)], "tmp": ["/tmp", disk_free("/tmp")]},
-        "elapsed": time.monotonic() - started,
-    }
+        devices_plain=[p for p in present if os.path.isfile(p)],
+        holders=found.holders,
+        scan_note=scan_note,
+        locks=[LockFile(path=p, open_in=found.lock_users.get(p, [])) for p in locks],
+        env={k: os.environ[k] for k in XLA_VARS if k in os.environ},
+        env_files=env_file_exports(home),
+        disk={"home": DiskSpace(home, disk_free(home)), "tmp": DiskSpace("/tmp", disk_free("/tmp"))},
+        elapsed=time.monotonic() - started,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,11 @@
 
 Part of the agent bundle (stdlib only, Python >= 3.8). On a worker the agent, its supervisor and the hook
 import it from the bundle's directory; in tpurun it is `tpurun.worker.protocol`. Nothing else spells a
-record key, an event, a status or an exit code.
+record key, an event, a status or an exit code. Two modules, by subject: this one holds the words, the job's
+state (`JobState`, state.json), the records `stream` sends and the hook's connections, and imports nothing of
+the bundle (the hook loads it alone, into the user's processes); protocol_calls.py holds the documents of the
+agent's other commands (the `JobSpec` `start` reads, the `Preflight` and `ProcessStack` answers), and imports
+this one.
 
 The conversation, for one job on one worker:
 
@@ -13,17 +17,18 @@ The conversation, for one job on one worker:
 * the supervisor writes each line a process prints to its .rec file as a `Line` without worker, slot
   and offset (`encode_rec`); `agent.py stream` adds them in front (`frame_recs`) and sends, after a process's
   last line, an `exit` event (how it ended: a `ProcessStatus` and its exit code), and once the job is over
-  a `done` event carrying the job's state (state.json: a `JobStatus`, its processes, the first failure);
-* the hook in each process a script's spawner makes opens three connections to the supervisor's log
-  socket (`HookStream`), each starting with a `hook_header` line, and reports on the `ctl` one how the
-  spawner's task ended (`TaskEnd`);
+  a `done` event carrying the job's state (state.json, a `JobState`: a `JobStatus`, its processes' `SlotState`s,
+  the `FirstFailure`);
+* the hook in each Python process of the job but those tpurun starts connects its stdout and stderr to the
+  supervisor's log socket at its start (`HookStream.OWN_*`, each connection starting with a `hook_header`
+  line); one a script's spawner makes opens a `ctl` one at its chip, to report how its task ended (`TaskEnd`);
 * the hook in any process of the job reports on a `wait` connection each time the process enters and
   leaves a runtime's rendezvous point (`Passage`); the supervisor keeps each process's latest passage per
   point in state.json ("passages") and `stream` sends a `passages` event when they change;
 * `agent.py stacks` answers with a `ProcessStack` for each process of the job: the hook registered
   faulthandler for `STACKS_SIGNAL` in every Python process of it, and the agent asks those (py-spy, where
   installed, any Python process);
-* `agent.py stop`, `state` and `jobs` answer with the job's state (or a list of them) as JSON.
+* `agent.py stop`, `state` and `jobs` answer with the job's state (or a list of them) as JSON (`JobState`).
 
 Every record is one JSON object per line; `decode` reads any of them, `encode` writes them.
 
@@ -41,10 +46,8 @@ from enum import Enum, IntEnum
 
 TYPE_CHECKING = False  # typing is not imported on a worker (see the records below); type checkers read True
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Mapping
+    from collections.abc import Iterable, Iterator
     from typing import Any, Union
-
-    Versions = dict[str, Union[str, None]]  # noqa: UP007 (Python 3.8 has no X | Y)
 
 # ---------------------------------------------------------------- names
 
@@ -74,14 +77,23 @@ class Launch(Word):
 
 
 class JobStatus(Word):
-    """A job's state on one worker (state.json's "status")."""
+    """A job's state, in one vocabulary: on one worker (state.json's "status": the agent's words, first), over every
+    worker (`jobs`), and as `train` saw it end (its result). The agent writes only the first six."""
 
     STARTING = "starting"  # `start` wrote the spec; the supervisor is not up yet
-    RUNNING = "running"  # until every process is gone, even while it stops
+    RUNNING = "running"  # until every process is gone, even while it stops; a `train --detach` job once started
     FINISHED = "finished"  # every process exited 0
     STOPPED = "stopped"  # stopped on request (cancel, Ctrl-C, the client gone)
-    FAILED = "failed"  # a process failed, or the job could not start
+    FAILED = "failed"  # a process failed, or the job could not start (its pre-commands, `train --setup`)
     LOST = "lost"  # the supervisor was killed: nobody watches the processes any more
+    # tpurun's words, over every worker
+    UNREACHABLE = "unreachable"  # a worker could not be reached, or vanished while the job ran
+    UNKNOWN = "unknown"  # no trace of the job on a worker, or its TPU could not be asked
+    GONE = "gone"  # the TPU it ran on no longer exists (`jobs --prune` forgets it)
+    # `train`'s, for how its job ended
+    BUSY = "busy"  # another job holds the TPU: nothing of this one started
+    PREEMPTED = "preempted"  # its TPU was preempted under it (and `--max-restarts` is used up)
+    HUNG = "hung"  # no progress for `--hang-timeout`: stopped (`--on-hang stop`)
 
 
 TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED, JobStatus.LOST})
@@ -125,14 +137,7 @@ class HookStream(Word):
     ERR = "err"
     CTL = "ctl"  # reports: how the spawner's task ended (`TaskEnd`), faulthandler's crash report
     WAIT = "wait"  # any process of the job, the host's too: its passages through rendezvous points (`Passage`)
-
-
-class StackSource(Word):
-    """How a process's stacks were read (`ProcessStack.source`)."""
-
-    FAULTHANDLER = "faulthandler"  # its own faulthandler, on STACKS_SIGNAL (the hook registered it): Python frames
-    PY_SPY = "py-spy"  # py-spy from outside (installed on the worker): Python frames, native ones too
-    NONE = "none"  # not read: not Python, a handler of its own on the signal, or it did not answer in time
+    OWN_OUT, OWN_ERR = "own-out", "own-err"  # a Python process's own stdout/stderr from its start (HOST: no chip yet)
 
 
 class TaskEnd(Word):
@@ -159,7 +164,7 @@ STACKS_SIGNAL = 23
 # (docs/benchmarks.md). A client makes a Line for every line a job prints: slots make that cheaper too.
 
 
-class _Record:
+class RecordBase:
     """A record: its fields are its __slots__; equal to a record of its class with equal fields."""
 
     __slots__: tuple[str, ...] = ()
@@ -177,7 +182,7 @@ class _Record:
         return {f: getattr(self, f) for f in self.__slots__}
 
 
-class Line(_Record):
+class Line(RecordBase):
     """One line a process printed: worker, slot, byte offset after its record in the .rec file."""
 
     __slots__ = ("worker", "slot", "offset", "source", "time", "text")
@@ -191,7 +196,7 @@ class Line(_Record):
         self.text = text
 
 
-class Exit(_Record):
+class Exit(RecordBase):
     """A process ended: how (its status) and its exit code (None where it died unreported)."""
 
     __slots__ = ("worker", "slot", "code", "status")
@@ -203,17 +208,17 @@ class Exit(_Record):
         self.status = status
 
 
-class Done(_Record):
-    """The job is over on a worker: its state.json (`process_states`, `first_failure` read it)."""
+class Done(RecordBase):
+    """The job is over on a worker: its state there (state.json's)."""
 
     __slots__ = ("worker", "state")
 
-    def __init__(self, worker: int, state: dict[str, Any]) -> None:
+    def __init__(self, worker: int, state: JobState) -> None:
         self.worker = worker
         self.state = state
 
 
-class Passage(_Record):
+class Passage(RecordBase):
     """A process's way through a rendezvous point (jax.distributed.initialize, init_process_group, ...): AT
     names it; ENTERED and LEFT are the worker's clock, LEFT None while the process is still inside."""
 
@@ -234,7 +239,7 @@ class Passage(_Record):
             raise ValueError(f"not a passage: {data!r}") from e
 
 
-class Passages(_Record):
+class Passages(RecordBase):
     """`stream`: the latest passage of a process through each rendezvous point it reached, oldest first."""
 
     __slots__ = ("worker", "slot", "passages")
@@ -245,19 +250,19 @@ class Passages(_Record):
         self.passages = passages
 
 
-class Started(_Record):
-    """`start`'s answer: the job runs, under its supervisor, with each process's entry of the state."""
+class Started(RecordBase):
+    """`start`'s answer: the job runs, under its supervisor, with each process's entry of the state (CORES)."""
 
     __slots__ = ("job", "worker", "supervisor_pid", "cores")
 
-    def __init__(self, job: str, worker: int, supervisor_pid: int, cores: list[dict[str, Any]]) -> None:
+    def __init__(self, job: str, worker: int, supervisor_pid: int, cores: list[SlotState]) -> None:
         self.job = job
         self.worker = worker
         self.supervisor_pid = supervisor_pid
         self.cores = cores
 
 
-class StartFailed(_Record):
+class StartFailed(RecordBase):
     """`start`'s answer when nothing of the job runs, and why."""
 
     __slots__ = ("job", "reason")
@@ -265,6 +270,211 @@ class StartFailed(_Record):
     def __init__(self, job: str, reason: str) -> None:
         self.job = job
         self.reason = reason
+
+
+# ---------------------------------------------------------------- the job's state (state.json)
+# The supervisor writes it, the agent's commands answer with it (`state`, `stop`, `jobs`, preflight's jobs, a
+# `done` record), the watchdog and the client read it: through these records only. A state an older bundle wrote
+# reads too (a field it lacks takes its default), and fields a newer one adds are left out.
+
+
+def _opt(kind: Any, value: Any) -> Any:
+    return None if value is None else kind(value)
+
+
+class FirstFailure(RecordBase):
+    """The process whose failure stopped the job on a worker (exit code None: died unreported), and when."""
+
+    __slots__ = ("slot", "exit_code", "time", "worker")
+
+    def __init__(self, slot: int, exit_code: int | None, time: float | None = None, worker: int | None = None) -> None:
+        self.slot = slot
+        self.exit_code = exit_code
+        self.time = time
+        self.worker = worker
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"worker": self.worker, "core": self.slot, "exit_code": self.exit_code, "time": self.time}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FirstFailure:
+        return cls(
+            int(data["core"]),
+            _opt(int, data.get("exit_code")),
+            _opt(float, data.get("time")),
+            _opt(int, data.get("worker")),
+        )
+
+
+class SlotState(RecordBase):
+    """One process's entry in the job's state, under its slot ("core" on the wire): how it stands (and its exit
+    code once it ended), its pid and process group, when it started and ended, its last line and when it printed it,
+    its passages through rendezvous points (oldest first, one per point), its command line, and SPAWNED: a chip
+    process a host launch's spawner made, not the agent."""
+
+    __slots__ = (
+        "slot", "status", "exit_code", "pid", "pgid", "started_at", "ended_at", "last_line", "last_line_at",
+        "passages", "argv", "spawned",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        slot: int,
+        status: ProcessStatus = ProcessStatus.PENDING,
+        exit_code: int | None = None,
+        pid: int | None = None,
+        pgid: int | None = None,
+        started_at: float | None = None,
+        ended_at: float | None = None,
+        last_line: str = "",
+        last_line_at: float | None = None,
+        passages: list[Passage] | None = None,
+        argv: list[str] | None = None,
+        spawned: bool = False,
+    ) -> None:
+        self.slot = slot
+        self.status = status
+        self.exit_code = exit_code
+        self.pid = pid
+        self.pgid = pgid
+        self.started_at = started_at
+        self.ended_at = ended_at
+        self.last_line = last_line
+        self.last_line_at = last_line_at
+        self.passages = [] if passages is None else passages
+        self.argv = [] if argv is None else argv
+        self.spawned = spawned
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        del data["slot"]
+        data["core"] = self.slot
+        data["status"] = self.status.value
+        data["passages"] = [p.to_dict() for p in self.passages]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SlotState:
+        """A process's entry as the wire has it, or ValueError."""
+        try:
+            return cls(
+                int(data["core"]),
+                ProcessStatus(data.get("status", ProcessStatus.PENDING)),
+                _opt(int, data.get("exit_code")),
+                _opt(int, data.get("pid")),
+                _opt(int, data.get("pgid")),
+                _opt(float, data.get("started_at")),
+                _opt(float, data.get("ended_at")),
+                str(data.get("last_line") or ""),
+                _opt(float, data.get("last_line_at")),
+                [Passage.from_dict(p) for p in data.get("passages") or []],
+                [str(a) for a in data.get("argv") or []],
+                bool(data.get("spawned")),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a process's state: {str(data)[:100]!r}") from e
+
+
+class JobState(RecordBase):
+    """A job's state on one worker (state.json): its status, its supervisor's pid, when it started and ended,
+    STOPPING while a stop is under way, whether it runs detached, how its processes are made, the REASON it could
+    not start, its first failure and its processes (SLOTS, "cores" on the wire). What the agent's readers add:
+    SUPERVISOR_ALIVE (None in state.json itself), and `stop`'s answer STATUS_BEFORE_STOP (None elsewhere)."""
+
+    __slots__ = (
+        "job_id", "worker", "status", "supervisor_pid", "started_at", "ended_at", "stopping", "detach", "launch",
+        "reason", "first_failure", "slots", "supervisor_alive", "status_before_stop",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        job_id: str,
+        worker: int,
+        status: JobStatus,
+        supervisor_pid: int | None = None,
+        started_at: float | None = None,
+        ended_at: float | None = None,
+        stopping: bool = False,
+        detach: bool = False,
+        launch: Launch = Launch.chip,
+        reason: str = "",
+        first_failure: FirstFailure | None = None,
+        slots: list[SlotState] | None = None,
+        supervisor_alive: bool | None = None,
+        status_before_stop: JobStatus | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.worker = worker
+        self.status = status
+        self.supervisor_pid = supervisor_pid
+        self.started_at = started_at
+        self.ended_at = ended_at
+        self.stopping = stopping
+        self.detach = detach
+        self.launch = launch
+        self.reason = reason
+        self.first_failure = first_failure
+        self.slots = [] if slots is None else slots
+        self.supervisor_alive = supervisor_alive
+        self.status_before_stop = status_before_stop
+
+    def slot(self, slot: int) -> SlotState | None:
+        """The entry of the process in SLOT, if it has one."""
+        return next((s for s in self.slots if s.slot == slot), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        del data["slots"]
+        data["cores"] = [s.to_dict() for s in self.slots]
+        data["status"] = self.status.value
+        data["launch"] = self.launch.value
+        data["first_failure"] = None if self.first_failure is None else self.first_failure.to_dict()
+        for f in ("supervisor_alive", "status_before_stop"):  # the readers' additions: absent where not made
+            if data[f] is None:
+                del data[f]
+        if self.status_before_stop is not None:
+            data["status_before_stop"] = self.status_before_stop.value
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobState:
+        """A job's state as the wire (or state.json) has it, or ValueError."""
+        try:
+            failure = data.get("first_failure")
+            return cls(
+                str(data.get("job_id") or ""),
+                int(data.get("worker") or 0),
+                JobStatus(data["status"]),
+                _opt(int, data.get("supervisor_pid")),
+                _opt(float, data.get("started_at")),
+                _opt(float, data.get("ended_at")),
+                bool(data.get("stopping")),
+                bool(data.get("detach")),
+                Launch(data.get("launch") or Launch.chip),
+                str(data.get("reason") or ""),
+                FirstFailure.from_dict(failure) if failure else None,
+                [SlotState.from_dict(s) for s in data.get("cores") or []],
+                _opt(bool, data.get("supervisor_alive")),
+                _opt(JobStatus, data.get("status_before_stop")),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a job's state: {str(data)[:100]!r}") from e
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobState:
+        """A job's state, or ValueError."""
+        return cls.from_dict(json.loads(text))
+
+
+def job_states(raw: bytes | str) -> list[JobState]:
+    """`agent.py jobs`'s answer, the state of every job on a worker; or ValueError."""
+    data = json.loads(raw)
+    if not isinstance(data, list):
+        raise ValueError(f"not a list of jobs' states: {str(data)[:100]!r}")
+    return [JobState.from_dict(d) for d in data]
 
 
 if TYPE_CHECKING:
@@ -324,7 +534,7 @@ def encode(record: Record) -> bytes:
             "status": record.status.value,
         }
     elif isinstance(record, Done):
-        data = {"event": Event.DONE.value, "w": record.worker, "state": record.state}
+        data = {"event": Event.DONE.value, "w": record.worker, "state": record.state.to_dict()}
     elif isinstance(record, Passages):
         data = {
             "event": Event.PASSAGES.value,
@@ -338,7 +548,7 @@ def encode(record: Record) -> bytes:
             "job": record.job,
             "worker": record.worker,
             "supervisor_pid": record.supervisor_pid,
-            "cores": record.cores,
+            "cores": [c.to_dict() for c in record.cores],
         }
     else:
         data = {"event": Event.START_FAILED.value, "job": record.job, "reason": record.reason}
@@ -368,11 +578,12 @@ def decode(raw: bytes | str) -> Record | None:
                 int(data["w"]), int(data["c"]), None if code is None else int(code), ProcessStatus(data["status"])
             )
         if event == Event.DONE:
-            return Done(int(data["w"]), dict(data["state"]))
+            return Done(int(data["w"]), JobState.from_dict(data["state"]))
         if event == Event.PASSAGES:
             return Passages(int(data["w"]), int(data["c"]), [Passage.from_dict(p) for p in data["passages"]])
         if event == Event.STARTED:
-            return Started(str(data["job"]), int(data["worker"]), int(data["supervisor_pid"]), list(data["cores"]))
+            cores = [SlotState.from_dict(c) for c in data["cores"]]
+            return Started(str(data["job"]), int(data["worker"]), int(data["supervisor_pid"]), cores)
         if event == Event.START_FAILED:
             return StartFailed(str(data["job"]), str(data["reason"]))
     except (KeyError, TypeError, ValueError):
@@ -397,266 +608,6 @@ def decode_lines(raws: Iterable[bytes]) -> Iterator[Record]:
             yield rec
 
 
-# ---------------------------------------------------------------- the job spec (`start`'s stdin)
-
-
-class ProcessSpec(_Record):
-    """One process tpurun starts on a worker, filed under SLOT (a chip launch's process index, or `HOST`).
-    On the wire its slot is "core"."""
-
-    __slots__ = ("slot", "argv", "env", "cwd")
-
-    def __init__(self, slot: int, argv: list[str], env: dict[str, str] | None = None, cwd: str = "~") -> None:
-        self.slot = slot
-        self.argv = argv
-        self.env = {} if env is None else env
-        self.cwd = cwd
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"core": self.slot, "argv": self.argv, "env": self.env, "cwd": self.cwd}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> ProcessSpec:
-        """A process of a job spec as the wire has it (its slot under "core"), or TypeError naming what is
-        wrong: a missing or unknown field (as a call with them would raise)."""
-        if not isinstance(data, dict):
-            raise TypeError(f"a process is an object, not {data!r}")
-        unknown = sorted(set(data) - {"core", "argv", "env", "cwd"})
-        if unknown:
-            raise TypeError(f"a process has unknown fields {unknown}")
-        missing = [k for k in ("core", "argv") if k not in data]
-        if missing:
-            raise TypeError(f"a process needs {missing}")
-        return cls(data["core"], data["argv"], data.get("env"), data.get("cwd", "~"))
-
-
-class JobSpec(_Record):
-    """What `agent.py start` reads on stdin: one worker's part of a job (CORES: one ProcessSpec per slot,
-    under the wire's name)."""
-
-    __slots__ = (
-        "job_id", "worker", "cores", "launch", "detach", "down", "grace", "pre_commands", "pre_timeout",
-        "lease_timeout", "allow_concurrent",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        job_id: str,
-        worker: int,
-        cores: list[ProcessSpec],
-        launch: Launch = Launch.chip,
-        detach: bool = False,
-        down: bool = False,  # `train --down`: the TPU's watchdog deletes it once the job has ended
-        grace: float = JOB_GRACE,
-        pre_commands: list[Any] | None = None,  # argv lists, or {"argv": [...], "wait": false}
-        pre_timeout: float = DEFAULT_PRE_TIMEOUT,
-        lease_timeout: float | None = None,  # attached: DEFAULT_LEASE unless given (0: none)
-        allow_concurrent: bool = False,  # start even while another job runs on the worker
-    ) -> None:
-        self.job_id = job_id
-        self.worker = worker
-        self.cores = cores
-        self.launch = launch
-        self.detach = detach
-        self.down = down
-        self.grace = grace
-        self.pre_commands = [] if pre_commands is None else pre_commands
-        self.pre_timeout = pre_timeout
-        self.lease_timeout = lease_timeout
-        self.allow_concurrent = allow_concurrent
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data["cores"] = [p.to_dict() for p in self.cores]
-        return data
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> JobSpec:
-        """The spec, or ValueError naming what is wrong with it."""
-        return cls.from_dict(json.loads(text))
-
-    @classmethod
-    def from_dict(cls, data: Any) -> JobSpec:
-        """The spec, or ValueError naming what is wrong with it."""
-        data = dict(data) if isinstance(data, dict) else data
-        if not isinstance(data, dict) or not data.get("job_id") or not data.get("cores"):
-            raise ValueError("the job spec needs job_id and a non-empty cores list")
-        unknown = sorted(set(data) - set(cls.__slots__))
-        if unknown:
-            raise ValueError(f"the job spec has unknown fields {unknown}")
-        try:
-            cores = [ProcessSpec.from_dict(p) for p in data.pop("cores")]
-            launch = Launch(data.pop("launch", Launch.chip))
-            return cls(cores=cores, launch=launch, **data)
-        except TypeError as e:
-            raise ValueError(f"the job spec is malformed: {e}") from e
-
-
-# ---------------------------------------------------------------- the job's state (state.json)
-
-
-class ProcessState(_Record):
-    """One process's entry in the job's state."""
-
-    __slots__ = ("slot", "status", "exit_code")
-
-    def __init__(self, slot: int, status: ProcessStatus, exit_code: int | None) -> None:
-        self.slot = slot
-        self.status = status
-        self.exit_code = exit_code
-
-
-def process_states(state: dict[str, Any]) -> list[ProcessState]:
-    """The processes of a job's state (state.json, a `done` record's, `stop`'s answer)."""
-    return [
-        ProcessState(int(c["core"]), ProcessStatus(c["status"]), c.get("exit_code")) for c in state.get("cores", [])
-    ]
-
-
-def slot_passages(state: Mapping[str, Any]) -> dict[int, list[Passage]]:
-    """Each process's passages through rendezvous points in a job's state (slot -> oldest first)."""
-    out = {}
-    for c in state.get("cores", []):
-        try:
-            out[int(c["core"])] = [Passage.from_dict(p) for p in c.get("passages") or []]
-        except (KeyError, TypeError, ValueError):
-            continue
-    return out
-
-
-class FirstFailure(_Record):
-    """The process whose failure stopped the job on a worker (exit code None: died unreported), and when."""
-
-    __slots__ = ("slot", "exit_code", "time")
-
-    def __init__(self, slot: int, exit_code: int | None, time: float | None = None) -> None:
-        self.slot = slot
-        self.exit_code = exit_code
-        self.time = time
-
-
-def first_failure(state: Mapping[str, Any]) -> FirstFailure | None:
-    """The process whose failure stopped the job on this worker, if one did."""
-    origin = state.get("first_failure") or {}
-    return FirstFailure(int(origin["core"]), origin.get("exit_code"), origin.get("time")) if "core" in origin else None
-
-
-# ---------------------------------------------------------------- preflight (before a job starts)
-
-
-class Preflight(_Record):
-    """`agent.py preflight`'s answer before `train` starts a job: the jobs there (the state of each), what decides
-    a job there (the job's Python, the versions of the packages asked about: None where not installed), HELD_BY:
-    the job that runs there or claims it for its start ("" if none; with `--claim JOB`: it is JOB's now)."""
-
-    __slots__ = ("jobs", "python", "executable", "packages", "held_by")
-
-    def __init__(
-        self, jobs: list[dict[str, Any]], python: str, executable: str, packages: Versions, held_by: str = ""
-    ) -> None:
-        self.jobs = jobs
-        self.python = python
-        self.executable = executable
-        self.packages = packages
-        self.held_by = held_by
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Preflight:
-        """The answer, or ValueError."""
-        data = json.loads(text)
-        try:
-            jobs, packages, held_by = list(data["jobs"]), dict(data["packages"]), str(data["held_by"])
-            return cls(jobs, str(data["python"]), str(data["executable"]), packages, held_by)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not a preflight answer: {text[:100]!r}") from e
-
-
-# ---------------------------------------------------------------- stacks (`agent.py stacks`)
-
-
-class ThreadStack(_Record):
-    """One thread's stack, innermost frame first: each frame [file, line, function, its source line] (a native
-    frame of py-spy's: [library, 0, function, ""]). MAIN: the process's main thread."""
-
-    __slots__ = ("name", "main", "frames")
-
-    def __init__(self, name: str, main: bool, frames: list[list[Any]]) -> None:
-        self.name = name
-        self.main = main
-        self.frames = frames
-
-    @classmethod
-    def from_dict(cls, data: Any) -> ThreadStack:
-        return cls(
-            str(data["name"]),
-            bool(data["main"]),
-            [[str(f), int(n), str(fn), str(src)] for f, n, fn, src in data["frames"]],
-        )
-
-
-class ProcessStack(_Record):
-    """One process of a job on a worker and its threads' stacks: its SLOT (HOST, a chip's; for a process one of
-    them started, CHILD), its command line and working directory, how its stacks were read, its THREADS and
-    DUMP, the text the reader wrote (faulthandler's or py-spy's), WHY none where none."""
-
-    __slots__ = ("pid", "ppid", "slot", "child", "argv", "cwd", "source", "threads", "dump", "why")
-
-    def __init__(
-        self,
-        pid: int,
-        ppid: int,
-        slot: int | None,
-        child: bool,
-        argv: str,
-        cwd: str,
-        source: StackSource,
-        threads: list[ThreadStack] | None = None,
-        dump: str = "",
-        why: str = "",
-    ) -> None:
-        self.pid = pid
-        self.ppid = ppid
-        self.slot = slot
-        self.child = child
-        self.argv = argv
-        self.cwd = cwd
-        self.source = source
-        self.threads = [] if threads is None else threads
-        self.dump = dump
-        self.why = why
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data["threads"] = [t.to_dict() for t in self.threads]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Any) -> ProcessStack:
-        """A process as `agent.py stacks` writes it, or ValueError."""
-        try:
-            slot = data.get("slot")
-            return cls(
-                int(data["pid"]),
-                int(data["ppid"]),
-                None if slot is None else int(slot),
-                bool(data["child"]),
-                str(data["argv"]),
-                str(data["cwd"]),
-                StackSource(data["source"]),
-                [ThreadStack.from_dict(t) for t in data.get("threads") or []],
-                str(data.get("dump") or ""),
-                str(data.get("why") or ""),
-            )
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise ValueError(f"not a process's stacks: {str(data)[:100]!r}") from e
-
-
 # ---------------------------------------------------------------- the hook's connections
 
 
@@ -667,7 +618,7 @@ def hook_header(slot: int, stream: HookStream, pool: bool) -> bytes:
 
 def read_hook_header(raw: bytes) -> tuple:
     """(slot, HookStream, pool) of a hook connection's first line, or ValueError. Only a `wait` connection
-    comes from a process tpurun started itself, which may be slot HOST."""
+    or a process's own stream (not yet a chip's: `OWN_OUT`, `OWN_ERR`) may be slot HOST."""
     data = json.loads(raw or b"null")
     if not isinstance(data, dict):
         raise ValueError(f"not a hook header: {raw[:100]!r}")
@@ -675,7 +626,7 @@ def read_hook_header(raw: bytes) -> tuple:
         slot, stream = int(data["core"]), HookStream(data["stream"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a hook header: {raw[:100]!r}") from e
-    if slot < 0 and not (slot == HOST and stream is HookStream.WAIT):
+    if slot < 0 and not (slot == HOST and stream in (HookStream.WAIT, HookStream.OWN_OUT, HookStream.OWN_ERR)):
         raise ValueError(f"a hook header with slot {slot}")
     return slot, stream, bool(data.get("pool"))
 

@@ -54,6 +54,36 @@ HEADER = struct.Struct(">cI")
 PROTOCOL = 1
 
 
+class Frame:
+    """A frame's kind, its type byte (the protocol above, both directions; tpurun.sync's sender and download
+    import these)."""
+
+    MANIFEST = b"M"  # sync, client -> helper: every file to be there (JSON)
+    NEED = b"N"  # sync, helper -> client: the files it lacks, what is there besides (JSON)
+    REFUSED = b"Q"  # helper -> client: it cannot start, and why (JSON)
+    FILE = b"F"  # a file follows: its index (u32)
+    DATA = b"D"  # the file's next bytes
+    SUM = b"Z"  # the file's end: the sha256 (hex) of what was sent
+    ABORTED = b"A"  # the file's end: the sender could not read it, and why
+    DELETE = b"X"  # sync, client -> helper: the paths to delete (JSON)
+    END = b"E"  # no more files
+    RESULT = b"R"  # sync, helper -> client: what it wrote and deleted, and each file's error (JSON)
+    LIST = b"L"  # download, client -> helper: the path asked for (JSON)
+    INDEX = b"I"  # download, helper -> client: what is there (JSON)
+    WANT = b"W"  # download, client -> helper: the indexes of the files it wants (JSON)
+
+
+class ErrorKind:
+    """What went wrong with one file of a sync (the KIND of each [path, kind, message] in the result's errors)."""
+
+    PATH = "path"  # an unsafe path, refused
+    READ = "read"  # the helper could not read what it needed, or the client could not send the file
+    WRITE = "write"  # it could not be written
+    CHANGED = "changed"  # it changed on the sending machine during the sync
+    VERIFY = "verify"  # its sha256 did not match after the transfer
+    DELETE = "delete"  # it could not be deleted
+
+
 class Eof(Exception):
     """The client went away (killed, connection dropped) in the middle of the protocol."""
 
@@ -152,7 +182,7 @@ class Receiver:
         for i, entry in enumerate(self.files):
             path, size, mtime_ns, mode, sha = entry[:5]
             if not safe_relpath(path):
-                self.errors.append([path, "path", "unsafe path refused"])
+                self.errors.append([path, ErrorKind.PATH, "unsafe path refused"])
                 continue
             try:
                 st = lstat(prefix + path)
@@ -160,7 +190,7 @@ class Receiver:
                 need.append(i)
                 continue
             except OSError as exc:
-                self.errors.append([path, "read", exc.strerror or str(exc)])
+                self.errors.append([path, ErrorKind.READ, exc.strerror or str(exc)])
                 continue
             c = cache.get(path)
             if (
@@ -179,15 +209,15 @@ class Receiver:
                 if self.needs(entry):
                     need.append(i)
             except OSError as exc:
-                self.errors.append([path, "read", exc.strerror or str(exc)])
+                self.errors.append([path, ErrorKind.READ, exc.strerror or str(exc)])
         for path, target in self.links:
             if not safe_relpath(path):
-                self.errors.append([path, "path", "unsafe path refused"])
+                self.errors.append([path, ErrorKind.PATH, "unsafe path refused"])
                 continue
             try:
                 self.apply_link(path, target)
             except OSError as exc:
-                self.errors.append([path, "write", exc.strerror or str(exc)])
+                self.errors.append([path, ErrorKind.WRITE, exc.strerror or str(exc)])
         reply = {"dest": self.dest, "need": need}
         if self.delete:
             self.extra = self.list_extra()
@@ -332,12 +362,12 @@ class Receiver:
     def receive(self, stream) -> None:
         while True:
             kind, payload = read_frame(stream)
-            if kind == b"F":
+            if kind == Frame.FILE:
                 (index,) = struct.unpack(">I", payload)
                 self.receive_file(stream, self.files[index])
-            elif kind == b"X":
+            elif kind == Frame.DELETE:
                 self.delete_paths(unpack_json(payload))
-            elif kind == b"E":
+            elif kind == Frame.END:
                 return
             else:
                 raise ValueError(f"unexpected frame {kind!r}")
@@ -357,10 +387,10 @@ class Receiver:
             tmp = self.tmp_path = self.tmp_name(parent, os.path.basename(path))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
-            failed = ["write", exc.strerror or str(exc)]
+            failed = [ErrorKind.WRITE, exc.strerror or str(exc)]
         while True:
             kind, payload = read_frame(stream)
-            if kind == b"D":
+            if kind == Frame.DATA:
                 h.update(payload)
                 got += len(payload)
                 if failed is None:
@@ -369,17 +399,17 @@ class Receiver:
                         while view:
                             view = view[os.write(fd, view) :]
                     except OSError as exc:
-                        failed = ["write", exc.strerror or str(exc)]
+                        failed = [ErrorKind.WRITE, exc.strerror or str(exc)]
                 continue
-            if kind == b"A":
-                failed = failed or ["read", "not sent: " + payload.decode("utf-8", "replace")]
+            if kind == Frame.ABORTED:
+                failed = failed or [ErrorKind.READ, "not sent: " + payload.decode("utf-8", "replace")]
                 break
-            if kind == b"Z":
+            if kind == Frame.SUM:
                 sent_sha = payload.decode("ascii", "replace")
                 if failed is None and (got != size or sent_sha != sha):
-                    failed = ["changed", "changed on the sending machine during the sync; sync again"]
+                    failed = [ErrorKind.CHANGED, "changed on the sending machine during the sync; sync again"]
                 elif failed is None and h.hexdigest() != sent_sha:
-                    failed = ["verify", "sha256 mismatch after transfer"]
+                    failed = [ErrorKind.VERIFY, "sha256 mismatch after transfer"]
                 break
             raise ValueError(f"unexpected frame {kind!r} inside a file")
         if failed is None:
@@ -394,7 +424,7 @@ class Receiver:
                 self.bytes += got
                 self.new_cache[path] = [size, mtime_ns, sha]
             except OSError as exc:
-                failed = ["write", exc.strerror or str(exc)]
+                failed = [ErrorKind.WRITE, exc.strerror or str(exc)]
         if fd >= 0:
             os.close(fd)
         if failed is not None:
@@ -424,7 +454,7 @@ class Receiver:
                 os.unlink(os.path.join(self.dest, path))
                 self.deleted += 1
             except OSError as exc:
-                self.errors.append([path, "delete", exc.strerror or str(exc)])
+                self.errors.append([path, ErrorKind.DELETE, exc.strerror or str(exc)])
                 continue
             d = os.path.dirname(path)
             while d and d not in keep_dirs:
@@ -532,7 +562,7 @@ class Sender:
         for index in wanted:
             path = self.files[index][0]
             full = self.root if self.single else os.path.join(self.root, path)
-            write_frame(stdout, b"F", struct.pack(">I", index))
+            write_frame(stdout, Frame.FILE, struct.pack(">I", index))
             h = hashlib.sha256()
             try:
                 # never through a link put there since the listing: a regular file, as listed, or nothing
@@ -546,12 +576,12 @@ class Sender:
                         if not chunk:
                             break
                         h.update(chunk)
-                        write_frame(stdout, b"D", chunk)
+                        write_frame(stdout, Frame.DATA, chunk)
             except OSError as exc:
-                write_frame(stdout, b"A", (exc.strerror or str(exc)).encode("utf-8", "replace"))
+                write_frame(stdout, Frame.ABORTED, (exc.strerror or str(exc)).encode("utf-8", "replace"))
                 continue
-            write_frame(stdout, b"Z", h.hexdigest().encode("ascii"))
-        write_frame(stdout, b"E")
+            write_frame(stdout, Frame.SUM, h.hexdigest().encode("ascii"))
+        write_frame(stdout, Frame.END)
         stdout.flush()
 
 
@@ -562,13 +592,13 @@ def serve_download(request: dict, stdin, stdout) -> int:
     except OSError as exc:
         where = exc.filename or sender.root
         text = f"{where}: {exc.strerror}" if exc.strerror else str(exc)
-        write_frame(stdout, b"Q", pack_json({"error": text, "outside_home": sender.outside()}))
+        write_frame(stdout, Frame.REFUSED, pack_json({"error": text, "outside_home": sender.outside()}))
         stdout.flush()
         return 1
-    write_frame(stdout, b"I", pack_json(reply))
+    write_frame(stdout, Frame.INDEX, pack_json(reply))
     stdout.flush()
     kind, payload = read_frame(stdin)
-    if kind != b"W":
+    if kind != Frame.WANT:
         raise ValueError("expected the wanted files")
     sender.send(stdout, unpack_json(payload))
     return 0
@@ -587,28 +617,28 @@ def main() -> int:
     receiver = None
     try:
         kind, payload = read_frame(stdin)
-        if kind not in (b"M", b"L"):
+        if kind not in (Frame.MANIFEST, Frame.LIST):
             raise ValueError("expected a manifest or a download request")
         manifest = unpack_json(payload)
         if manifest.get("v") != PROTOCOL:
-            write_frame(stdout, b"Q", pack_json({"error": "protocol version mismatch"}))
+            write_frame(stdout, Frame.REFUSED, pack_json({"error": "protocol version mismatch"}))
             stdout.flush()
             return 2
-        if kind == b"L":
+        if kind == Frame.LIST:
             return serve_download(manifest, stdin, stdout)
         receiver = Receiver(manifest)
         try:
             reply = receiver.start()
         except OSError as exc:
-            write_frame(stdout, b"Q", pack_json({"error": f"{receiver.dest}: {exc.strerror or exc}"}))
+            write_frame(stdout, Frame.REFUSED, pack_json({"error": f"{receiver.dest}: {exc.strerror or exc}"}))
             stdout.flush()
             return 1
-        write_frame(stdout, b"N", pack_json(reply))
+        write_frame(stdout, Frame.NEED, pack_json(reply))
         stdout.flush()
         receiver.receive(stdin)
         receiver.save_cache()
         receiver.done()
-        write_frame(stdout, b"R", pack_json(receiver.result()))
+        write_frame(stdout, Frame.RESULT, pack_json(receiver.result()))
         stdout.flush()
         return 0
     except (Eof, BrokenPipeError):

@@ -13,20 +13,18 @@ guest attribute tpurun/watch, JSON {"t", "worker", "idle_since", "jobs", "work",
 `tpurun list` and `describe` read through the API.
 
 Worker 0 of the first node named in the config decides. The config is the node's metadata attribute
-`tpurun-autostop`, JSON {"idle": seconds (0: off), "action": "delete" | "stop", "nodes": [full node
-names], "endpoint": the API's root, "tick": seconds}, read again at every tick, so `tpurun autostop`
-changes a running watchdog. With the VM's own service-account token from the metadata server, the
-decider reads every worker's tpurun/watch (nodes.getGuestAttributes) and acts:
+`tpurun-autostop`, a `protocol_calls.WatchdogConfig` (its keys are written there only), read again at every
+tick, so `tpurun autostop` changes a running watchdog. With the VM's own service-account token from the
+metadata server, the decider reads every worker's tpurun/watch (nodes.getGuestAttributes) and acts:
 - autostop: every worker has been idle for `idle` seconds, on two looks in a row -> delete the queued
   resource the node came from (with its nodes), or else delete the node (or stop it, action "stop");
 - down: a job on this worker was started with `train --down` and has ended, and no worker runs a job
   -> the same deletion.
-A TPU made by Compute Engine has, instead of "nodes", "compute": {"project", "zone", "name", "instance":
-its lone VM, or "groups": its slices' managed instance groups, and "also": the template and workload
-policy made with it}, with Compute Engine's root as the endpoint. Its first VM decides (the lone VM, or
-the first by name of the first group), reading each VM's tpurun/watch (instances.getGuestAttributes);
-to delete, it leaves its group, deletes the groups and what was made with them, then itself
-(`compute_delete` says why in that order).
+A TPU made by Compute Engine has, instead of nodes, its `ComputeTpu` (its lone VM, or its slices' managed
+instance groups and the template and workload policy made with it), with Compute Engine's root as the
+endpoint. Its first VM decides (the lone VM, or the first by name of the first group), reading each VM's
+tpurun/watch (instances.getGuestAttributes); to delete, it leaves its group, deletes the groups and what
+was made with them, then itself (`compute_delete` says why in that order).
 A worker that has not reported for SILENT_TICKS ticks, and a node that is not READY, count as busy:
 work it cannot see is never deleted. Every decision is a line in LOG on the deciding worker and in
 guest attribute tpurun/watchdog. Nothing a user can write can stop it: every look's failure is logged.
@@ -46,11 +44,13 @@ from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import probe
-    from tpurun.worker.agent_files import duration, job_running, mtimes, read_json, running_jobs
+    from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs
+    from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import probe  # type: ignore[no-redef]
-    from agent_files import duration, job_running, mtimes, read_json, running_jobs  # type: ignore[no-redef]
+    from agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs  # type: ignore[no-redef]
+    from protocol_calls import ComputeTpu, WatchdogConfig  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
 CONFIG_KEY = "tpurun-autostop"
@@ -65,7 +65,6 @@ REASK_TICKS = 20  # how often a Compute Engine VM asks whether it is the TPU's f
 OPERATION_TIMEOUT = 1800.0
 LEAVE_TIMEOUT = 600.0
 WORK_MARKERS = (b"TPURUN_JOB_ID=", b"TPURUN_ACTIVITY=")  # in a process's environment: tpurun work
-DEFAULT_TICK = 30.0
 UNSET_TICK = 5.0  # no setting yet (started by `tpurun autostop` just before it writes one): look again soon
 SILENT_TICKS = 3
 QUICK_LOOK = 1.0  # seconds between the cheap looks for a job's start or end between two whole looks
@@ -106,7 +105,9 @@ def metadata(path: str) -> str | None:
 
 def publish(key: str, value: str) -> None:
     try:
-        request("PUT", _md(f"instance/guest-attributes/{NAMESPACE}/{key}"), value.encode(), {"Metadata-Flavor": "Google"})
+        request(
+            "PUT", _md(f"instance/guest-attributes/{NAMESPACE}/{key}"), value.encode(), {"Metadata-Flavor": "Google"}
+        )
     except NET_ERRORS:
         pass  # the next tick publishes again
 
@@ -188,7 +189,7 @@ def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str
             if not spec or spec.get("down") is not True or name in running or jdir in done:
                 continue
             try:
-                ended = os.lstat(os.path.join(jdir, "state.json")).st_mtime
+                ended = os.lstat(os.path.join(jdir, STATE)).st_mtime
             except OSError:
                 continue
             if time.time() - ended >= settle:
@@ -252,12 +253,11 @@ class Watchdog:
         self._first_until = 0.0
 
     # ---- what every worker does
-    def config(self) -> dict:
+    def config(self) -> WatchdogConfig | None:
         try:
-            cfg = json.loads(metadata(f"instance/attributes/{CONFIG_KEY}") or "{}")
+            return WatchdogConfig.from_json(metadata(f"instance/attributes/{CONFIG_KEY}") or "")
         except ValueError:
-            cfg = {}
-        return cfg if isinstance(cfg, dict) else {}
+            return None
 
     def wait(self, seconds: float) -> None:
         """Sleep SECONDS, or less once a job starts (a jobs directory changes) or one that ran ends (its state
@@ -301,14 +301,14 @@ class Watchdog:
         publish(DECISION_KEY, line)
 
     # ---- what the deciding worker does
-    def decides(self, cfg: dict) -> bool:
-        if not cfg.get("endpoint"):
+    def decides(self, cfg: WatchdogConfig) -> bool:
+        if not cfg.endpoint:
             return False
-        if on_compute(cfg):
+        if cfg.compute is not None:
             return self.first_vm(cfg)
-        return self.worker == 0 and self.slice == 0 and bool(cfg.get("nodes"))
+        return self.worker == 0 and self.slice == 0 and bool(cfg.nodes)
 
-    def first_vm(self, cfg: dict) -> bool:
+    def first_vm(self, cfg: WatchdogConfig) -> bool:
         """On Compute Engine: this VM is the TPU's first (its lone VM, or the first by name of its first
         group, the worker 0 tpurun numbers), or has begun deleting the TPU. Asked again every REASK_TICKS."""
         if os.path.exists(LEAVING):
@@ -316,19 +316,19 @@ class Watchdog:
         now = time.time()
         if now < self._first_until:
             return self._first
-        c = cfg["compute"]
+        c = compute_of(cfg)
         me = (metadata("instance/name") or "").strip()
-        if c.get("instance"):
-            self._first = bool(me) and me == c["instance"]
+        if c.instance:
+            self._first = bool(me) and me == c.instance
         else:
-            names = self.group_vms(cfg, str((c.get("groups") or [""])[0]))[1]
+            names = self.group_vms(cfg, (c.groups or [""])[0])[1]
             self._first = bool(me) and sorted(names)[:1] == [me]
-        self._first_until = now + REASK_TICKS * tick_of(cfg)
+        self._first_until = now + REASK_TICKS * cfg.tick
         return self._first
 
-    def api(self, cfg: dict, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    def api(self, cfg: WatchdogConfig, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         """One call to the API the config names (the Cloud TPU API's v2, or Compute Engine's v1)."""
-        endpoint = str(cfg["endpoint"]).rstrip("/")
+        endpoint = cfg.endpoint.rstrip("/")
         if not endpoint_ok(endpoint):
             raise ValueError(f"refusing to send the VM's token to {endpoint} (https only, or http on loopback)")
         if time.time() >= self._token_until:
@@ -337,7 +337,7 @@ class Watchdog:
             self._token_until = time.time() + max(0, int(tok.get("expires_in", 0)) - 60)
         headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
         data = json.dumps(body).encode() if body is not None else None
-        root = "compute/v1" if on_compute(cfg) else "v2"
+        root = "compute/v1" if cfg.compute is not None else "v2"
         status, raw = request(method, f"{endpoint}/{root}/{path}", data, headers)
         try:
             reply = json.loads(raw.decode() or "{}")
@@ -345,13 +345,13 @@ class Watchdog:
             reply = {}
         return status, reply if isinstance(reply, dict) else {}
 
-    def reports(self, cfg: dict) -> tuple[list[dict], list[tuple[str, dict | None]]]:
+    def reports(self, cfg: WatchdogConfig) -> tuple[list[dict], list[tuple[str, dict | None]]]:
         """Every node of the config (as the API shows it) and every worker's last published state; a node
         that is not READY counts as one worker that has not reported."""
         nodes: list[dict] = []
         states: list[tuple[str, dict | None]] = []
-        many = len(cfg["nodes"]) > 1
-        for s, name in enumerate(cfg["nodes"]):
+        many = len(cfg.nodes) > 1
+        for s, name in enumerate(cfg.nodes):
             status, node = self.api(cfg, "GET", str(name))
             if status != 200:
                 raise OSError(f"GET {name}: HTTP {status} {node.get('error', {}).get('message', '')}")
@@ -367,7 +367,7 @@ class Watchdog:
         return nodes, states
 
     # ---- the same on Compute Engine: a VM, or managed instance groups (one per slice)
-    def group_vms(self, cfg: dict, group: str, *, running: bool = True) -> tuple[int, list[str]]:
+    def group_vms(self, cfg: WatchdogConfig, group: str, *, running: bool = True) -> tuple[int, list[str]]:
         """GROUP's target size and its VMs (by name; RUNNING ones only unless not RUNNING), through
         listManagedInstances; (0, []) for a group that does not exist."""
         scope = compute_scope(cfg)
@@ -390,53 +390,51 @@ class Watchdog:
             if not token:
                 return int(got.get("targetSize") or 0), names
 
-    def vm_state(self, cfg: dict, vm: str) -> dict | None:
+    def vm_state(self, cfg: WatchdogConfig, vm: str) -> dict | None:
         status, got = self.api(
             cfg, "GET", f"{compute_scope(cfg)}/instances/{vm}/getGuestAttributes?queryPath={NAMESPACE}/{STATE_KEY}"
         )
         items = (got.get("queryValue") or {}).get("items") or [] if status == 200 else []
         return parse_state(next((i.get("value") for i in items if i.get("key") == STATE_KEY), None))
 
-    def compute_reports(self, cfg: dict) -> list[tuple[str, dict | None]]:
+    def compute_reports(self, cfg: WatchdogConfig) -> list[tuple[str, dict | None]]:
         """Every VM's last published state; a group short of its VMs counts as one VM that has not reported."""
-        c = cfg["compute"]
-        if c.get("instance"):
-            vm = str(c["instance"])
+        c = compute_of(cfg)
+        if c.instance:
+            vm = c.instance
             status, got = self.api(cfg, "GET", f"{compute_scope(cfg)}/instances/{vm}")
             if status != 200:
                 raise OSError(f"GET instance {vm}: HTTP {status} {error_of(got)}")
             return [("w0", self.vm_state(cfg, vm) if got.get("status") == "RUNNING" else None)]
-        groups = [str(g) for g in c.get("groups") or []]
-        many = len(groups) > 1
+        many = len(c.groups) > 1
         states: list[tuple[str, dict | None]] = []
-        for s, group in enumerate(groups):
-            target, vms = self.group_vms(cfg, group)
-            if not target or len(vms) < target:
+        for s, group in enumerate(c.groups):
+            size, vms = self.group_vms(cfg, group)  # the group's target size, and its VMs
+            if not size or len(vms) < size:
                 states.append((f"s{s}" if many else group, None))
                 continue
             for w, vm in enumerate(sorted(vms)):
                 states.append((f"s{s}/w{w}" if many else f"w{w}", self.vm_state(cfg, vm)))
         return states
 
-    def compute_delete(self, cfg: dict, why: str) -> bool:
+    def compute_delete(self, cfg: WatchdogConfig, why: str) -> bool:
         """Delete the TPU through Compute Engine. A group's VM cannot delete its group and then what the group
         used (the template, the workload policy: Compute Engine refuses while a group uses them), since the
         group takes the VM with it: so this VM first leaves its group (abandonInstances), then deletes every
         group, then each resource made with the TPU, and last itself."""
-        c = cfg["compute"]
+        c = compute_of(cfg)
         scope, me = compute_scope(cfg), (metadata("instance/name") or "").strip()
         if not me:
             self.say(f"not deleting: the metadata server did not say this VM's name ({why})", repeat=True)
             return False
-        name = str(c.get("name") or me)
-        groups = [str(g) for g in c.get("groups") or []]
+        name, groups = c.name or me, c.groups
         if not groups:
-            vm = str(c.get("instance") or me)
+            vm = c.instance or me
             return self.call_done(cfg, f"delete {name}", "DELETE", f"{scope}/instances/{vm}", why, wait=False)
         if not self.leave(cfg, name, groups[0], me, why):
             return False
         steps = [(f"delete instance group {g}", f"{scope}/instanceGroupManagers/{g}") for g in groups]
-        steps += [(f"delete {kind_of(p)} {p.rsplit('/', 1)[-1]}", str(p)) for p in c.get("also") or []]
+        steps += [(f"delete {kind_of(p)} {p.rsplit('/', 1)[-1]}", p) for p in c.also]
         for what, path in steps:
             if not self.call_done(cfg, f"{name}: {what}", "DELETE", path, why):
                 return False
@@ -444,13 +442,13 @@ class Watchdog:
             cfg, f"{name}: delete its last VM {me}", "DELETE", f"{scope}/instances/{me}", why, wait=False
         )
 
-    def leave(self, cfg: dict, name: str, group: str, me: str, why: str) -> bool:
+    def leave(self, cfg: WatchdogConfig, name: str, group: str, me: str, why: str) -> bool:
         """This VM out of GROUP, for sure: the abandon operation is DONE once the removal is scheduled, so
         the group's members are asked until this VM is no longer one. LEAVING is written first (a retry or a
         restarted watchdog goes on from here), and removed when the group refused to let it go."""
         with open(LEAVING, "w") as f:
             f.write(me + "\n")
-        body = {"instances": [f"zones/{cfg['compute']['zone']}/instances/{me}"]}
+        body = {"instances": [f"zones/{compute_of(cfg).zone}/instances/{me}"]}
         path = f"{compute_scope(cfg)}/instanceGroupManagers/{group}/abandonInstances"
         asked = me not in self.group_vms(cfg, group, running=False)[1] or self.call_done(
             cfg, f"{name}: leave group {group}", "POST", path, why, body=body
@@ -467,7 +465,15 @@ class Watchdog:
         return True
 
     def call_done(
-        self, cfg: dict, what: str, method: str, path: str, why: str, *, body: dict | None = None, wait: bool = True
+        self,
+        cfg: WatchdogConfig,
+        what: str,
+        method: str,
+        path: str,
+        why: str,
+        *,
+        body: dict | None = None,
+        wait: bool = True,
     ) -> bool:
         """One Compute Engine call and (WAIT) its operation until done; said either way. A 404 is done."""
         status, op = self.api(cfg, method, path, {} if body is None and method == "POST" else body)
@@ -486,13 +492,12 @@ class Watchdog:
         self.say(f"{what}: {why}; operation {op.get('name', '?')}", repeat=True)
         return True
 
-    def decide(self, cfg: dict) -> None:
-        if on_compute(cfg) and os.path.exists(LEAVING):  # decided: go on from there
+    def decide(self, cfg: WatchdogConfig) -> None:
+        if cfg.compute is not None and os.path.exists(LEAVING):  # decided: go on from there
             if time.time() >= self._quiet_until:
                 self.act(cfg, [], "delete", "going on deleting the TPU this VM left its group for")
             return
-        idle = float(cfg.get("idle") or 0)
-        tick = tick_of(cfg)
+        idle, tick = float(cfg.idle), cfg.tick
         down = down_jobs(self.roots, self.jobs, SETTLE_TICKS * tick, read_done())
         if not idle and not down:
             self._idle_looks = 0
@@ -501,7 +506,7 @@ class Watchdog:
         if time.time() < self._quiet_until:
             return
         nodes: list[dict] = []
-        if on_compute(cfg):
+        if cfg.compute is not None:
             states = self.compute_reports(cfg)
         else:
             nodes, states = self.reports(cfg)
@@ -522,15 +527,15 @@ class Watchdog:
             self._idle_looks += 1
             if self._idle_looks >= 2:  # on two looks in a row: no worker's state is a look behind
                 why = f"idle for {duration(now - since)} on all {len(states)} workers (autostop {duration(idle)})"
-                self.act(cfg, nodes, str(cfg.get("action") or "delete"), why)
+                self.act(cfg, nodes, cfg.action, why)
         else:
             self._idle_looks = 0
             self.say(f"idle since {time.strftime('%H:%M:%S', time.gmtime(since))}Z; autostop after {duration(idle)}")
 
-    def act(self, cfg: dict, nodes: list[dict], action: str, why: str) -> bool:
-        self._quiet_until = time.time() + 20 * tick_of(cfg)  # the operation runs (or failed): not again meanwhile
+    def act(self, cfg: WatchdogConfig, nodes: list[dict], action: str, why: str) -> bool:
+        self._quiet_until = time.time() + 20 * cfg.tick  # the operation runs (or failed): not again meanwhile
         self._idle_looks = 0
-        if on_compute(cfg):
+        if cfg.compute is not None:
             return self.compute_delete(cfg, why)  # Compute Engine TPU VMs are not stopped (tpurun refuses it)
         node = nodes[0]
         name = str(node.get("name", ""))
@@ -553,28 +558,30 @@ class Watchdog:
 
     def tick(self) -> float:
         """One look (and decision); the seconds until the next. No failure ends the watchdog."""
-        cfg: dict = {}
+        cfg: WatchdogConfig | None = None
         try:
             cfg = self.config()
             self.look()
-            if self.decides(cfg):
+            if cfg is not None and self.decides(cfg):
                 self.decide(cfg)
         except Exception as exc:  # noqa: BLE001 - whatever a look meets, the next look comes
             try:
                 self.say(f"error: {type(exc).__name__}: {exc}")
             except Exception:  # noqa: BLE001
                 pass
-        return tick_of(cfg) if cfg else UNSET_TICK
+        return cfg.tick if cfg is not None else UNSET_TICK
 
 
-def on_compute(cfg: dict) -> bool:
-    """The setting names a TPU made by Compute Engine (else the Cloud TPU API's nodes)."""
-    return isinstance(cfg.get("compute"), dict)
+def compute_of(cfg: WatchdogConfig) -> ComputeTpu:
+    """The Compute Engine TPU the config names (else ValueError: it names the Cloud TPU API's nodes)."""
+    if cfg.compute is None:
+        raise ValueError("the watchdog's config names no Compute Engine TPU")
+    return cfg.compute
 
 
-def compute_scope(cfg: dict) -> str:
-    c = cfg["compute"]
-    return f"projects/{c['project']}/zones/{c['zone']}"
+def compute_scope(cfg: WatchdogConfig) -> str:
+    c = compute_of(cfg)
+    return f"projects/{c.project}/zones/{c.zone}"
 
 
 def kind_of(path: str) -> str:
@@ -586,13 +593,6 @@ def kind_of(path: str) -> str:
 def error_of(reply: dict) -> str:
     err = reply.get("error")
     return str(err.get("message", "")) if isinstance(err, dict) else ""
-
-
-def tick_of(cfg: dict) -> float:
-    try:
-        return min(3600.0, max(0.2, float(cfg.get("tick") or DEFAULT_TICK)))
-    except (TypeError, ValueError):
-        return DEFAULT_TICK
 
 
 def _state_of(entries: list, worker: int) -> dict | None:

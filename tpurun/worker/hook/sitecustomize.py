@@ -1,12 +1,19 @@
 """tpurun's hook in every Python process of a job (first on PYTHONPATH, as `sitecustomize`).
 
+Every Python process of the job the agent did not start itself (a spawner's child, a helper the script
+runs) gets channels of its own at its start, before anything of the script is imported: where its stdout
+or stderr is a channel of the job it inherited (TPURUN_STDIO names them), the hook connects it to the
+agent's log socket instead (see _own_stdio), so no two processes' bytes meet in one line.
+
 A host launch starts the user's command once per worker and the script's own spawner (xmp.spawn,
 torch_xla.launch, Lightning) makes one process per chip. The moment torch_xla gives a process its chip
 (it sets PJRT_LOCAL_PROCESS_RANK or TPU_VISIBLE_CHIPS, seen here through Python's audit event for
-os.putenv), this hook connects the process's stdout and stderr to the agent's log socket for that chip,
-so its lines land in w<W>-c<chip>.log and reach tpurun as [wW/cM], and its children inherit them. It
-also tells the agent how the spawner's task in the process ended (observed where the standard library's
-process pool sends the result back), so a failing chip stops the job at once and is named.
+os.putenv), this hook tells the agent, which files the process's channels, and what they held until
+then, under that chip: its lines land in w<W>-c<chip>.log and reach tpurun as [wW/cM] (a process
+without channels of its own, the host process itself, has its stdout and stderr connected to the
+agent's log socket for that chip). It also tells the agent how the spawner's task in the process ended
+(observed where the standard library's process pool sends the result back), so a failing chip stops
+the job at once and is named.
 
 A script whose launcher is torch.multiprocessing.spawn (TorchTPU's way) has its processes followed the
 same way: each becomes the device its index names (see _follow_torch_spawn).
@@ -38,7 +45,10 @@ _SOCKET = os.environ.get("TPURUN_LOG_SOCKET", "")
 _CHIP_VARS = (b"PJRT_LOCAL_PROCESS_RANK", b"TPU_VISIBLE_CHIPS")
 # "owner": the pid that became a chip; its forked children (a user's own fork pool, a DataLoader worker)
 # inherit this module's state and patches, but report nothing on its behalf.
-_state: dict = {"busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": None, "stacks": None}
+# "own": the pid whose stdout/stderr are channels of its own (a forked child shares them).
+_state: dict = {
+    "busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": None, "stacks": None, "own": None
+}  # fmt: skip
 
 
 def _mine():
@@ -78,20 +88,20 @@ def _protocol():
     return module
 
 
-def _connect(chip, pool):
-    """The out, err and ctl connections of CHIP's process, all sent before any answer is awaited (one
-    round trip for all)."""
+def _connect(slot, streams, pool):
+    """Connections of this process to the agent's log socket, one per stream of STREAMS, filed under SLOT,
+    all sent before any answer is awaited (one round trip for all)."""
     import socket
 
     protocol = _protocol()
     socks = []
     try:
-        for stream in (protocol.HookStream.OUT, protocol.HookStream.ERR, protocol.HookStream.CTL):
+        for stream in streams:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             socks.append(s)
             s.settimeout(10)
             s.connect("\0" + _SOCKET)
-            s.sendall(protocol.hook_header(chip, stream, pool))
+            s.sendall(protocol.hook_header(slot, stream, pool))
         for s in socks:
             if s.recv(len(protocol.HOOK_ACCEPTED)) != protocol.HOOK_ACCEPTED:  # the agent checked who we are
                 raise OSError("the agent refused the log connection")
@@ -190,12 +200,13 @@ def _become_chip(chip, pool=None):
     # report has simply ended
     if pool is None:
         pool = getattr(sys.modules.get("concurrent.futures.process"), "_sendback_result", None) is not None
-    out, err, _state["ctl"] = _connect(chip, pool)
+    streams = _protocol().HookStream
+    if _state["own"] == os.getpid():  # its channels are its own since its start: the agent files them anew
+        (_state["ctl"],) = _connect(chip, (streams.CTL,), pool)
+    else:
+        out, err, _state["ctl"] = _connect(chip, (streams.OUT, streams.ERR, streams.CTL), pool)
+        _replace_stdio({1: out, 2: err})
     _state["owner"] = os.getpid()
-    os.dup2(out.fileno(), 1)
-    os.dup2(err.fileno(), 2)
-    out.close()
-    err.close()
     os.environ["TPURUN_CORE"] = str(chip)  # for the script, and so descendants know they belong to a chip
     _watch_pool_tasks()
     import faulthandler
@@ -206,6 +217,44 @@ def _become_chip(chip, pool=None):
         faulthandler.enable(file=_state["ctl"], all_threads=True)
         # a forked child's crash is not the chip's
         os.register_at_fork(after_in_child=lambda: faulthandler.disable() if not _mine() else None)
+
+
+def _fd_id(fd):
+    """What TPURUN_STDIO names a channel by (the agent's agent_lines.stdio_id): dev:ino, or None."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def _replace_stdio(socks):
+    """fd -> socket of SOCKS: the fd now writes to the socket; TPURUN_STDIO names it, so this process's
+    Python descendants that inherit it get channels of their own in turn."""
+    for fd, sock in socks.items():
+        os.dup2(sock.fileno(), fd)
+        sock.close()
+    shared = os.environ.get("TPURUN_STDIO", "")
+    os.environ["TPURUN_STDIO"] = ",".join([shared] + [_fd_id(fd) or "" for fd in socks])
+
+
+def _own_stdio():
+    """This process's stdout and stderr, where each is a channel of the job it inherited, connected to
+    channels of its own (filed under the chip it inherited, else the host's until it names its chip). Not
+    in a process the agent started itself: its pipes are its own already."""
+    try:
+        shared = os.environ.get("TPURUN_STDIO", "").split(",")
+        fds = [fd for fd in (1, 2) if _fd_id(fd) in shared]
+        if not fds or str(os.getppid()) == os.environ.get("TPURUN_SUPERVISOR_PID"):
+            return
+        protocol = _protocol()
+        slot = int(os.environ.get("TPURUN_CORE", protocol.HOST))
+        kinds = {1: protocol.HookStream.OWN_OUT, 2: protocol.HookStream.OWN_ERR}
+        socks = _connect(slot, [kinds[fd] for fd in fds], False)
+        _replace_stdio({fd: socks[i] for i, fd in enumerate(fds)})
+        _state["own"] = os.getpid()
+    except Exception:
+        pass  # its lines go where they went: never break the user's process
 
 
 def _claim(chip, pool=None):
@@ -500,6 +549,8 @@ def _chain():
             sys.modules["sitecustomize"] = ours  # there is none after us: the import system expects us here
 
 
+if _SOCKET and "TPURUN_STDIO" in os.environ:
+    _own_stdio()
 if _SOCKET and "TPURUN_CORE" not in os.environ and hasattr(sys, "addaudithook"):
     sys.addaudithook(_audit)
 if os.environ.get("TPURUN_METRICS") == "1" and str(os.getppid()) == os.environ.get("TPURUN_SUPERVISOR_PID"):
