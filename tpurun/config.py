@@ -44,6 +44,8 @@ SETTINGS = {
         ("api_endpoint", "the Cloud TPU API endpoint (the emulator's, for example)"),
     )
 }
+# the file of a project directory that holds its settings (settings.py reads and writes it; sync never sends it)
+PROJECT_FILE = "tpurun.toml"
 HOME = Tunable(
     "TPURUN_HOME", "", "tpurun's own state: ssh key, pinned host keys, job records (default ~/.config/tpurun)"
 )

@@ -26,7 +26,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 KEYS = ("project", "zone", "tpu", "api_endpoint")
 ENV = {key: config.SETTINGS[key].name for key in KEYS}
-PROJECT_FILE = "tpurun.toml"
+PROJECT_FILE = config.PROJECT_FILE
 DEFAULT_ENDPOINT = "https://tpu.googleapis.com"
 
 
@@ -252,7 +252,7 @@ def write_project_setting(key: str, value: str, directory: Path | None = None) -
         lines.insert(insert_at, new_line)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     if not existed:
-        from tpurun.sync import ignore  # (it names this file: imported here, not at the top, to avoid a circle)
+        from tpurun.sync import ignore  # (imported here: pathspec only when a settings file is made)
 
         ignore.keep_out_of_git(path)
     return path

@@ -249,11 +249,11 @@ def _fetch(s: settings.Settings, name: str, *, local: bool) -> Endpoints:
     """Where NAME's workers are (every slice's, for a multislice TPU), if each of its slices is READY, with
     their host keys pinned again from the API under their identities (LOCAL: the command has --local, which
     the error for a TPU that does not exist then suggests)."""
-    from tpurun.cloud import backend, provision
+    from tpurun.cloud import provision, routing
     from tpurun.cloud.client import Cloud
 
     cloud = Cloud(s)
-    found = backend.locate(cloud, name)
+    found = routing.locate(cloud, name)
     if found is None:
         raise cloud.no_such_tpu(name, s.tpu, local=local)
     view = found[1]
@@ -297,11 +297,11 @@ def names_a_tpu(s: settings.Settings, word: str, *, ask: bool = False) -> bool:
         return True
     if not ask:
         return False
-    from tpurun.cloud import backend
+    from tpurun.cloud import routing
     from tpurun.cloud.client import Cloud
 
     try:
-        return backend.locate(Cloud(identity.where(s, word)), word) is not None
+        return routing.locate(Cloud(identity.where(s, word)), word) is not None
     except TpurunError:
         return False
 

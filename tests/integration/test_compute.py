@@ -119,11 +119,12 @@ def test_torch_xla_and_jax_work_by_default_on_compute_engine_vms(cli, emulator, 
     assert [(c["worker"], c["status"]) for c in rows] == [(0, "pass"), (1, "pass")], rows
     assert all("given by tpurun" in c["detail"] for c in rows), rows
     # and what it would say of a process told nothing: the VM's own metadata server, asked from the VM
-    ask = Path(probe.__file__).read_text() + "\nprint(json.dumps(runtime_place({}, ['/dev/vfio/0'])))\n"
+    ask = Path(probe.__file__).read_text() + "\nprint(json.dumps(runtime_place({}, ['/dev/vfio/0']).to_dict()))\n"
     r = cli("exec", "--", "python3", "-c", ask)
     assert r.code == 0, r.err
     for tag, lines in by_tag(r.out).items():
-        row = health.check_runtime_place(0, {"devices_present": ["/dev/vfio/0"], "runtime_place": json.loads(lines[-1])})
+        answer = probe.DoctorAnswer.from_dict({"devices_present": ["/dev/vfio/0"], "runtime_place": json.loads(lines[-1])})
+        row = health.check_runtime_place(0, answer)
         assert (row.status, "HTTP 404" in row.detail) == ("fail", True), (tag, row)
 
     # JAX's model is one process per host, whatever the runtime: two processes, not one per TensorCore
@@ -408,6 +409,85 @@ def test_list_all_zones_reads_compute_engines_aggregated_lists(cli, emulator, cl
     assert cli("delete", "east", "--zone", far, "--yes").code == 0
     assert cli("delete", "west", "--yes").code == 0
     assert not _left(emulator)
+
+
+def _made_by_hand(emulator, name: str, template: str, policy: str) -> None:
+    """A TPU7x 2x2x2 slice made without tpurun, as a user would with the Google clients: a group NAME of 2 VMs
+    from its own global instance TEMPLATE, shaped by its own workload POLICY; once its VMs run."""
+    from google.api_core.client_options import ClientOptions
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    kw = {"credentials": AnonymousCredentials(), "client_options": ClientOptions(api_endpoint=emulator.endpoint)}
+    project, zone = emulator.project, emulator.zone
+    region = zone.rsplit("-", 1)[0]
+    image = "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2404-amd64-tpu-tpu7x"
+    props = compute_v1.InstanceProperties(
+        machine_type="tpu7x-standard-4t",
+        disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params={"source_image": image})],
+        network_interfaces=[
+            compute_v1.NetworkInterface(network="global/networks/default", access_configs=[{"name": "External NAT"}])
+        ],
+        scheduling=compute_v1.Scheduling(on_host_maintenance="TERMINATE"),
+        metadata=compute_v1.Metadata(items=[{"key": "enable-guest-attributes", "value": "TRUE"}]),
+    )
+
+    def done(op: compute_v1.Operation) -> None:  # its own operations client: `result()` would ask Google's host
+        while op.status != compute_v1.Operation.Status.DONE:
+            if op.zone:
+                op = compute_v1.ZoneOperationsClient(**kw).wait(project=project, zone=zone, operation=op.name)
+            elif op.region:
+                op = compute_v1.RegionOperationsClient(**kw).wait(project=project, region=region, operation=op.name)
+            else:
+                op = compute_v1.GlobalOperationsClient(**kw).wait(project=project, operation=op.name)
+        assert not op.error.errors, op.error
+
+    done(
+        compute_v1.InstanceTemplatesClient(**kw).insert_unary(
+            project=project, instance_template_resource=compute_v1.InstanceTemplate(name=template, properties=props)
+        )
+    )
+    shape = compute_v1.ResourcePolicy(
+        name=policy, workload_policy={"type_": "HIGH_THROUGHPUT", "accelerator_topology": "2x2x2"}
+    )
+    done(
+        compute_v1.ResourcePoliciesClient(**kw).insert_unary(
+            project=project, region=region, resource_policy_resource=shape
+        )
+    )
+    groups = compute_v1.InstanceGroupManagersClient(**kw)
+    group = compute_v1.InstanceGroupManager(
+        name=name,
+        base_instance_name=name,
+        instance_template=f"global/instanceTemplates/{template}",
+        target_size=2,
+        resource_policies={"workload_policy": f"projects/{project}/regions/{region}/resourcePolicies/{policy}"},
+    )
+    done(groups.insert_unary(project=project, zone=zone, instance_group_manager_resource=group))
+    deadline = time.monotonic() + 120
+    while not groups.get(project=project, zone=zone, instance_group_manager=name).status.is_stable:
+        assert time.monotonic() < deadline, f"{name} never became stable"
+        time.sleep(0.2)
+
+
+def test_delete_of_an_attached_slice_says_what_it_leaves_and_why(cli, emulator, clean):
+    """A slice made by hand and attached: `delete` takes its group and VMs, and leaves its instance template and
+    workload policy (tpurun deletes only what it made, which it marks in the description; made elsewhere, they
+    may serve other groups), saying which it left and why."""
+    _made_by_hand(emulator, "byhand", "shared-template", "shared-policy")
+    r = cli("attach", "byhand")
+    assert r.code == 0, r.err
+    r = cli("exec", "--", "true")
+    assert r.code == 0, r.err
+    r = cli("delete", "byhand", "--yes")
+    assert r.code == 0, r.err
+    assert "deleted byhand\n" in r.err, r.err
+    assert "left the instance template shared-template and the workload policy shared-policy: " in r.err, r.err
+    assert "tpurun deletes only what it made" in r.err and "made by tpurun for the TPU byhand" in r.err, r.err
+    left = _left(emulator)
+    assert sorted(left) == ["instanceTemplates", "resourcePolicies"], left
+    assert _names(left["instanceTemplates"]) == ["shared-template"]
+    assert _names(left["resourcePolicies"]) == ["shared-policy"]
 
 
 def _wait_until_nothing_left(emulator, timeout: float) -> None:

@@ -11,6 +11,8 @@ import shlex
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 import pytest
 from google.api_core.client_options import ClientOptions
@@ -51,11 +53,17 @@ def _stderr_until(proc: subprocess.Popen, needle: str, timeout: float = 60) -> l
     assert proc.stderr is not None
     lines: list[str] = []
     deadline = time.monotonic() + timeout
-    while not lines or needle not in lines[-1]:
-        assert time.monotonic() < deadline, lines
-        line = proc.stderr.readline()
-        assert line, (lines, proc.poll())
-        lines.append(line.rstrip("\n"))
+    with ThreadPoolExecutor(max_workers=1) as pool:  # a line that never comes fails the test, not hangs it
+        while not lines or needle not in lines[-1]:
+            left = deadline - time.monotonic()
+            assert left > 0, lines
+            try:
+                line = pool.submit(proc.stderr.readline).result(timeout=left)
+            except FuturesTimeout:
+                proc.kill()  # ends the readline too
+                raise AssertionError(f"no {needle!r} within {timeout} s: {lines}") from None
+            assert line, (lines, proc.poll())
+            lines.append(line.rstrip("\n"))
     return lines
 
 

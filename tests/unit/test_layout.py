@@ -116,14 +116,35 @@ def _top_level_imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
     return [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)]
 
 
+def _run_time_imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
+    """Every import PATH makes when it runs: at module level and inside functions (made on first call), not
+    those under `if TYPE_CHECKING:` (read by the type checker only, never executed)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in typing_only]
+
+
 def import_cycles(package: Path) -> list[str]:
-    """Circles among the package's modules through imports at module level (an import inside a function,
-    made on first use, is how a circle is broken on purpose)."""
+    """Circles among the package's modules through the imports they make when they run, function-local ones
+    included: a lazy import points one way (downwards) like any other, and only defers the cost of loading.
+    The lazy imports that stay are all for speed, each to a module below its importer: `cloud/routing.py`
+    loads a backend's module (and its API's client: Compute Engine's takes a second) only when that API is
+    asked; `targets.py`, `job/`, `diagnose.py` and `cli/output.py` load the cloud layer (google-cloud-tpu) only
+    when a command asks the API, so `exec` and `train` on remembered workers never do; `watchdogs.py` loads `targets`
+    (paramiko) only when a worker must be reached; `settings.py` loads `sync/ignore.py` (pathspec) only when
+    it makes a settings file; and the like for rich, cryptography and other libraries. An import under `if
+    TYPE_CHECKING:` only names a type and is not counted."""
     name = package.name
     graph: dict[str, set[str]] = {}
     for path in package.rglob("*.py"):
         deps = set()
-        for node in _top_level_imports(path):
+        for node in _run_time_imports(path):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == name:
                 for alias in node.names:
                     sub = f"{node.module}.{alias.name}"
@@ -347,6 +368,22 @@ def test_each_static_rule_finds_a_planted_violation(rule: str, tmp_path: Path) -
     target.write_text(text[:cut] + line + text[cut:])
     found = RULES[rule](copy)
     assert found and any(Path(where).stem in f for f in found), found
+
+
+def test_a_circle_through_a_function_local_import_is_found(tmp_path: Path) -> None:
+    """The cloud layer points one way: the interface (cloud/backend.py) knows neither backend. A lazy import of
+    one, inside a function, closes a circle (compute.py imports the interface) and is found; the same import
+    under `if TYPE_CHECKING:` names a type only and is not."""
+    copy = tmp_path / "tpurun"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / "cloud" / "backend.py"
+    text = target.read_text()
+    lazy = "\n\ndef planted() -> object:\n    from tpurun.cloud.compute import Compute\n\n    return Compute\n"
+    target.write_text(text + lazy)
+    found = import_cycles(copy)
+    assert any("tpurun.cloud.backend" in f and "tpurun.cloud.compute" in f for f in found), found
+    target.write_text(text + "\nif TYPE_CHECKING:\n    from tpurun.cloud.compute import Compute\n")
+    assert import_cycles(copy) == []
 
 
 def test_the_size_rules_allow_their_limits(tmp_path: Path) -> None:

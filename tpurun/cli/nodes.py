@@ -8,7 +8,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from tpurun import settings, ui
+from tpurun import settings, ui, watchdogs
 from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, identity, provision, startup
@@ -410,6 +410,8 @@ def delete_cmd(
     with progress_display() as progress:
         deleted = provision.delete(cloud, s, name, progress)
     ui.info(" and ".join([f"deleted {name}", *deleted.also]))
+    if deleted.left:
+        ui.info(f"left {' and '.join(deleted.left)}: {deleted.why_left}")
     if deleted.default_in is not None:
         ui.info(f"{name} is no longer the default TPU in {deleted.default_in}")
 
@@ -457,5 +459,5 @@ def autostop_cmd(
         autostop.check_action(action)
     cloud, s = cloud_for(project, zone, tpu=name)
     with progress_display() as progress:
-        setting = autostop.configure(cloud, name, seconds, action, progress, s)
+        setting = watchdogs.configure(cloud, name, seconds, action, progress, s)
     ui.info(f"{name}: autostop {setting.label()}")

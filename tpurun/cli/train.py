@@ -17,7 +17,7 @@ import typer
 from tpurun import naming, settings, ui
 from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stacks_report, stop_on_signals
-from tpurun.errors import ExitCode, TpuBusy, UsageError
+from tpurun.errors import ExitCode, UsageError
 from tpurun.job import attempt, control, env_contract, launcher, lifecycle, preflight, stacks, status
 from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
@@ -216,25 +216,16 @@ def _run(
         _notes(job)
         _print_dry_run(job, json_out)
         return ExitCode.OK
-    if spec.down:
-        lifecycle.arm_down(s, local=local, out=out)
     cancel = threading.Event()
     try:
         with stop_on_signals(cancel):
-            result = lifecycle.train(s, spec, local=local, dest=dest, local_dir=Path.cwd(), out=out, cancel=cancel)
-    except TpuBusy:
-        if spec.down:
-            ui.warn(f"--down: {s.tpu.value} is kept, another job runs on it")
-        raise
-    except BaseException as exc:
-        if isinstance(exc, preflight.VersionSkew):
-            skew_table(exc.skew)
-        if spec.down and s.tpu.value:  # the launch itself failed (a worker unreachable, ...): --down holds
-            _render_down(lifecycle.take_down(s, None, out), ExitCode.OK)
+            result, down = lifecycle.run(s, spec, local=local, dest=dest, local_dir=Path.cwd(), out=out, cancel=cancel)
+    except preflight.VersionSkew as exc:
+        skew_table(exc.skew)
         raise
     code = _render(result, json_out)
-    if spec.down:
-        code = _render_down(lifecycle.take_down(s, result, out), code)
+    if down is not None:
+        code = _render_down(down, code)
     return code
 
 
@@ -325,6 +316,9 @@ class TerminalOutput:
 
     def progress(self) -> AbstractContextManager[Callable[[str], None]]:
         return progress_display()
+
+    def down(self, down: lifecycle.Down) -> None:
+        _render_down(down, ExitCode.OK)
 
 
 def _notes(job: launcher.Job) -> None:

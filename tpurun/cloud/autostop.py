@@ -3,32 +3,29 @@
 The setting is node metadata `tpurun-autostop` (JSON: idle seconds or 0 for off, the action, the nodes
 watched, the API endpoint the watchdog calls, its tick). The startup wrapper starts the watchdog on
 every worker of a node tpurun created; for any other node, `tpurun autostop` and `train --down` start
-it over SSH. Every worker's watchdog reads the setting again at each tick, so changing the metadata
-changes it in place. What the watchdogs publish (guest attributes tpurun/watch and tpurun/watchdog) is
-read back here for `list` and `describe`.
+it over SSH (tpurun/watchdogs.py, above the cloud layer, sets and starts it). Every worker's watchdog
+reads the setting again at each tick, so changing the metadata changes it in place. What the watchdogs
+publish (guest attributes tpurun/watch and tpurun/watchdog) is read back here for `list` and `describe`.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tpurun import config, ui
 from tpurun.cloud import startup
-from tpurun.errors import ApiError, TpurunError, UnreachableError, UsageError
+from tpurun.errors import TpurunError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.worker import bundle_metadata, watchdog
 from tpurun.worker.protocol_calls import DEFAULT_TICK, WatchdogConfig
 
 if TYPE_CHECKING:
     from tpurun.cloud.backend import Backend
-    from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
-    from tpurun.settings import Settings
 
 KEY = watchdog.CONFIG_KEY
 ACTIONS = ("delete", "stop")
@@ -104,73 +101,6 @@ def read(md: dict[str, str]) -> Setting | None:
     return Setting(cfg.idle, cfg.action, cfg.tick)
 
 
-def configure(
-    cloud: Cloud,
-    name: str,
-    idle: int,
-    action: str | None,
-    progress: Callable[[str], None],
-    s: Settings,
-) -> Setting:
-    """Set (IDLE > 0) or turn off (0) autostop on the TPU NAME. Where tpurun's startup wrapper does not
-    start the watchdog at boot (a TPU tpurun did not create), it is started first over SSH (S: the settings
-    for tpurun's key and pinned host keys)."""
-    maker, view = _ready(cloud, name)
-    current = read(view.metadata)
-    action = action or (current.action if current else "delete")
-    cannot_stop = maker.cannot_stop(view, "stop")
-    if view.queued_resource and not cannot_stop:
-        cannot_stop = f"{name} came from a queued resource, which Cloud TPU deletes but does not stop"
-    check_action(action, cannot_stop)
-    if idle and any(startup.WATCHDOG_KEY not in part.metadata.get("startup-script", "") for part in view.parts):
-        progress(f"{name}: starting the watchdog on every worker")
-        failed = _start_watchdogs(s.naming(name, project=cloud.project, zone=cloud.zone, source="autostop"))
-        if failed:
-            w, why = sorted(failed.items())[0]
-            raise UnreachableError(
-                f"{name}: the watchdog could not be started on worker {w}: {why}; autostop is unchanged",
-                hint=f"`tpurun attach {name}` installs tpurun's ssh key; `tpurun doctor` shows what is wrong",
-            )
-    progress(f"{name}: setting autostop")
-    entries = metadata(_resources(maker, view), idle, action)
-    maker.update_metadata(view, lambda _md: entries)
-    return Setting(idle, action)
-
-
-def _start_watchdogs(s: Settings) -> dict[int, str]:
-    """The watchdog started on every worker of the TPU S names: {worker: why not} where it could not be."""
-    from tpurun import targets
-    from tpurun.transport import bundle
-
-    with targets.resolve(s) as target:
-        return bundle.start_watchdogs(target)
-
-
-def arm_down(cloud: Cloud, name: str, progress: Callable[[str], None]) -> None:
-    """Before a `train --down` job: every slice of NAME carries a watchdog setting (autostop off where none
-    was set), so the watchdog the job's agent starts knows the TPU's slices and the API."""
-    maker, view = _ready(cloud, name)
-    entries = metadata(_resources(maker, view), 0, "delete")
-    if any(read(part.metadata) is None for part in view.parts):
-        progress(f"{name}: setting up its watchdog for --down")
-    maker.update_metadata(view, lambda md: None if read(md) is not None else entries)
-
-
-def _ready(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
-    """NAME's backend and view, every slice of it existing."""
-    from tpurun.cloud import provision
-
-    maker, view = provision.whole(cloud, name, "autostop")
-    if view.gone:
-        raise ApiError(f"{name}: the queued resource is {view.state} and not every slice exists yet")
-    return maker, view
-
-
-def _resources(maker: Backend, view: NodeView) -> WatchdogConfig:
-    many_hosts = len(view.workers) > len(view.parts)
-    return maker.watchdog_resources(view.name, [p.name for p in view.parts], many_hosts, view)
-
-
 # ---------------------------------------------------------------------------- what the watchdogs report
 
 
@@ -209,17 +139,14 @@ class Activity:
         }
 
 
-def activity(cloud: Cloud, view: NodeView) -> Activity:
-    """Read what every worker of the TPU VIEW published; a TPU not READY publishes nothing, and no
-    watchdog runs where tpurun never wrote a setting (no API call is made for those)."""
-    from tpurun.cloud import backend
-    from tpurun.cloud.views import READY  # the views module imports this one
-
+def activity(maker: Backend, view: NodeView) -> Activity:
+    """Read what every worker of the TPU VIEW (which MAKER made) published; a TPU not READY publishes nothing,
+    and no watchdog runs where tpurun never wrote a setting (no API call is made for those)."""
     current = read(view.metadata)
-    if current is None or set(view.states) != {READY}:
+    if current is None or not view.ready:
         return Activity()
     try:
-        attrs = backend.of_kind(cloud, backend.Kind(view.backend)).guest_attributes(view, watchdog.NAMESPACE + "/")
+        attrs = maker.guest_attributes(view, watchdog.NAMESPACE + "/")
     except TpurunError:
         return Activity()
     many = len(view.parts) > 1
@@ -250,9 +177,9 @@ def activity(cloud: Cloud, view: NodeView) -> Activity:
     )
 
 
-def activities(cloud: Cloud, views: list[NodeView]) -> list[Activity]:
-    """`activity` of many TPUs at once (in parallel)."""
-    if not views:
+def activities(tpus: list[tuple[Backend, NodeView]]) -> list[Activity]:
+    """`activity` of many TPUs (each with the backend that made it) at once, in parallel."""
+    if not tpus:
         return []
-    with ThreadPoolExecutor(max_workers=min(8, len(views))) as pool:
-        return list(pool.map(lambda view: activity(cloud, view), views))
+    with ThreadPoolExecutor(max_workers=min(8, len(tpus))) as pool:
+        return list(pool.map(lambda tpu: activity(*tpu), tpus))

@@ -3,28 +3,25 @@
 Two APIs make TPU VMs: the Cloud TPU API (nodes and queued resources, `tpurun.cloud.tpu_api`) and
 Compute Engine (instances, and managed instance groups with a workload policy, `tpurun.cloud.compute`).
 Each is a `Backend`; both answer in the same views (`tpurun.cloud.views`), so nothing above the cloud
-layer asks which one made a TPU. `locate` finds the TPU a name stands for in either.
+layer asks which one made a TPU. This module knows neither backend: which one made a TPU, and which one
+makes a new one, is `tpurun.cloud.routing`'s to say.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpurun.errors import ApiError
 from tpurun.topology import Topology
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
     from tpurun.worker.protocol_calls import WatchdogConfig
-
-log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 # per worker of a TPU, in worker order over its slices: {(namespace, key): value}
@@ -88,6 +85,17 @@ class Request:
     max_run: int | None = None  # seconds a flex-start VM runs
 
 
+@dataclass
+class Deleted:
+    """What went with a deleted TPU besides it, and what it used that was left, in the user's words (what the
+    backend's `delete` says); `tpurun.cloud.provision.delete` adds what it changed on this machine."""
+
+    also: list[str] = field(default_factory=list)  # "its queued resource"
+    left: list[str] = field(default_factory=list)  # "the instance template T"
+    why_left: str = ""  # why LEFT stayed: tpurun deletes only what it made, and how it knows
+    default_in: Path | None = None  # the tpurun.toml that named it the default TPU and no longer does (`delete`)
+
+
 class Backend(ABC):
     """A TPU's life through one API. Every method takes the name the user gave the TPU; a backend that
     has no TPU of that name answers None from `find` and nothing else is asked of it."""
@@ -114,11 +122,11 @@ class Backend(ABC):
         """What `create` asks this API for to make SPEC, in the user's words ("the node demo")."""
 
     @abstractmethod
-    def delete(self, view: NodeView, progress: Progress) -> list[str]:
-        """Delete the TPU and everything made with it, waiting until it is gone (a part already being deleted
-        is waited for); what else went, for the user ("its queued resource")."""
+    def delete(self, view: NodeView, progress: Progress) -> Deleted:
+        """Delete the TPU and everything tpurun made with it, waiting until it is gone (a part already being
+        deleted is waited for): what else went, and what the TPU used that tpurun did not make and left."""
 
-    def take_back(self, name: str, progress: Progress) -> list[str] | None:
+    def take_back(self, name: str, progress: Progress) -> Deleted | None:
         """Delete whatever of the TPU NAME this API holds, made whole or not (what an interrupted `create` or
         `delete` left), and wait until it is gone: what else went, as `delete` says it; None when it holds
         nothing of NAME."""
@@ -155,87 +163,21 @@ class Backend(ABC):
     def cannot_stop(self, view: NodeView, verb: str) -> str:
         """Why the TPU cannot be stopped or started (VERB: which), "" when it can."""
 
+    # what `create` checks before anything is made (and before the settings are read: no instance needed)
 
-def backends(cloud: Cloud) -> Iterator[Backend]:
-    """Both backends, the Cloud TPU API's first; each made (and its client imported, Compute Engine's
-    taking a second or two) only when the caller goes on to it, and once per Cloud."""
-    for kind in Kind:
-        if kind not in cloud.backends:
-            cloud.backends[kind] = _make(kind, cloud)
-        yield cloud.backends[kind]
+    @classmethod
+    @abstractmethod
+    def check_create(cls, spec: CreateSpec, topo: Topology) -> None:
+        """Refuse what this API is not asked for by tpurun in SPEC (of shape TOPO)."""
 
+    @classmethod
+    @abstractmethod
+    def run_limit(cls, spec: CreateSpec) -> int | None:
+        """How long the VMs SPEC asks for may run, in seconds (flex-start capacity); None: until deleted.
+        Refuses a flex-start this API does not give."""
 
-def _make(kind: Kind, cloud: Cloud) -> Backend:
-    if kind is Kind.TPU_API:
-        from tpurun.cloud.tpu_api import TpuApi
-
-        return TpuApi(cloud)
-    from tpurun.cloud.compute import Compute
-
-    return Compute(cloud)
-
-
-def of_kind(cloud: Cloud, kind: Kind) -> Backend:
-    return next(b for b in backends(cloud) if b.kind is kind)
-
-
-def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
-    """The TPU NAME and the API that made it; None when neither has one. An API that cannot be asked (not
-    enabled in the project, no permission) is passed over with a warning when the other says it has no
-    such TPU; its failure is raised only when no API could answer. Compute Engine's client is imported (a
-    second) only when Compute Engine has something NAME could be: a name it does not know is answered fast."""
-    failures: list[ApiError] = []
-    answered = False
-    for kind in Kind:
-        try:
-            if kind is Kind.COMPUTE and kind not in cloud.backends and not _compute_may_have(cloud, name):
-                answered = True
-                continue
-            backend = of_kind(cloud, kind)
-            view = backend.find(name)
-        except ApiError as exc:
-            failures.append(exc)
-            continue
-        if view is not None:
-            return backend, view
-        answered = True
-    if failures and not answered:
-        raise failures[0]
-    for failure in failures:
-        log.warning("%s (looking for %s there too)", failure.message, name)
-    return None
-
-
-def _compute_may_have(cloud: Cloud, name: str) -> bool:
-    """Whether Compute Engine has what `Compute.find` would take for the TPU NAME: the instance group NAME, the
-    VM NAME or the group of a first slice, NAME-0; asked by plain REST, without its client."""
-    from tpurun.cloud.client import EVERY_ZONE
-
-    if cloud.zone == EVERY_ZONE:
-        return False  # Compute.find finds none there either
-    where = f"zones/{cloud.zone}"
-    looks = (f"instanceGroupManagers/{name}", f"instances/{name}", f"instanceGroupManagers/{name}-0")
-    return any(cloud.compute_has(f"{where}/{look}") for look in looks)
-
-
-def list_all(cloud: Cloud) -> list[NodeView]:
-    """Every TPU of the zone, both APIs asked at once (Compute Engine's client takes a second to import,
-    while the Cloud TPU API answers). An API that cannot be asked is passed over with a warning, unless
-    neither can."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def ask(kind: Kind) -> list[NodeView] | ApiError:
-        try:
-            return of_kind(cloud, kind).all_tpus()
-        except ApiError as exc:
-            return exc
-
-    of_kind(cloud, Kind.TPU_API)  # made here: the threads then share the cached backends
-    with ThreadPoolExecutor(max_workers=len(Kind)) as pool:
-        answers = list(pool.map(ask, Kind))
-    failures = [a for a in answers if isinstance(a, ApiError)]
-    if len(failures) == len(answers):
-        raise failures[0]
-    for failure in failures:
-        log.warning("%s; listing the other API's TPUs only", failure.message)
-    return [v for a in answers if not isinstance(a, ApiError) for v in a]
+    @classmethod
+    @abstractmethod
+    def cannot_stop_asked(cls, spec: CreateSpec, topo: Topology) -> str:
+        """Why the TPU SPEC asks for could not be stopped, as `cannot_stop` would say of it once made; "" when
+        it could (`--autostop-action stop` is refused for it)."""

@@ -3,9 +3,10 @@ multi-host slice is a zonal managed instance group (MIG) whose workload policy (
 policy of type HIGH_THROUGHPUT) gives the slice's shape, its VMs made from a regional instance
 template. tpurun names all three after the TPU.
 
-The backend in three layers, one class each: compute_calls.py (the clients, their calls and long-running
-operations), compute_groups.py (the groups, workload policy and instance template of a TPU) and this module
-(`Compute`: TPUs as views, their VMs, and making, deleting and remaking whole TPUs).
+`Compute`, the backend, is made of two parts: its `calls` (compute_calls.py: the clients, their calls and
+long-running operations) and its `groups` (compute_groups.py: the groups, workload policy and instance
+template of a TPU, through those calls); it tells TPUs as views, reads their VMs, and makes, deletes and
+remakes whole TPUs.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Any
 from google.cloud import compute_v1
 
 from tpurun.cloud import keys
-from tpurun.cloud.backend import CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
-from tpurun.cloud.client import compute_endpoint, short_name
+from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, MetadataChange, Progress, Request
+from tpurun.cloud.client import Cloud, compute_endpoint, short_name
+from tpurun.cloud.compute_calls import ComputeCalls
 from tpurun.cloud.compute_groups import MADE_BY, ComputeGroups
 from tpurun.cloud.multislice import slice_ids
 from tpurun.cloud.views import PREEMPTED, READY, STOPPED, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
+from tpurun.naming import parse_duration
 from tpurun.topology import Topology, vm_topology
 from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig
 
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_PROJECT = "ubuntu-os-accelerator-images"
 BOOT_DISK_GB = 100
+FLEX_RUN = (600, 7 * 86400)  # the run durations Compute Engine takes for flex-start capacity, in seconds
 # a slice's group of a TPU of several slices says which, in its description
 SLICE_RE = re.compile(r"^made by tpurun for the TPU (?P<tpu>[a-z][a-z0-9-]*), slice (?P<index>\d+) of (?P<count>\d+)$")
 # a VM status -> the state every command reads (views); a stopped spot VM was preempted
@@ -50,20 +54,27 @@ _STATES = {
 }
 
 
-class Compute(ComputeGroups):
+class Compute(Backend):
     kind = Kind.COMPUTE
+
+    def __init__(self, cloud: Cloud) -> None:
+        super().__init__(cloud)
+        self.calls = ComputeCalls(cloud)
+        self.groups = ComputeGroups(self.calls)
+        self.project, self.zone, self.region = self.calls.project, self.calls.zone, self.calls.region
 
     # ------------------------------------------------------------------ reading
 
     def find(self, name: str) -> NodeView | None:
-        # tpurun.cloud.backend.locate asks for these three by plain REST before this client is imported
+        # tpurun.cloud.routing.locate asks for these three by plain REST before this client is imported
         if self.zone == "-":
             return None
-        group = self._get_group(name)
+        group = self.groups.get_group(name)
         if group is not None:
-            return self._group_view(group, self._group_vms(name))
-        vm = self._find(
-            f"get instance {name}", lambda: self.instances.get(project=self.project, zone=self.zone, instance=name)
+            return self._group_view(group, self.groups.group_vms(name))
+        vm = self.calls.find(
+            f"get instance {name}",
+            lambda: self.calls.instances.get(project=self.project, zone=self.zone, instance=name),
         )
         if vm is not None:
             return self._vm_view(vm) if _tpu_vm(vm) and not _member(vm) else None
@@ -72,12 +83,12 @@ class Compute(ComputeGroups):
     def _slices_view(self, name: str) -> NodeView | None:
         """The TPU NAME of several slices, one group each (NAME-0 …, each saying which slice it is); None
         where there is no such TPU."""
-        first = self._get_group(slice_ids(name, 1)[0])
+        first = self.groups.get_group(slice_ids(name, 1)[0])
         where = _slice_of(first) if first is not None else None
         if first is None or where is None or where[:2] != (name, 0):
             return None
-        groups = [first] + [self._get_group(g) for g in slice_ids(name, where[2])[1:]]
-        parts = [v for g in groups if g is not None and (v := self._group_view(g, self._group_vms(g.name)))]
+        groups = [first] + [self.groups.get_group(g) for g in slice_ids(name, where[2])[1:]]
+        parts = [v for g in groups if g is not None and (v := self._group_view(g, self.groups.group_vms(g.name)))]
         gone = [i for i, g in enumerate(groups) if g is None]
         if not parts:
             return None
@@ -88,9 +99,11 @@ class Compute(ComputeGroups):
     def all_tpus(self) -> list[NodeView]:
         if self.zone == "-":
             return self._every_zone()
-        vms = self._call("list instances", lambda: list(self.instances.list(project=self.project, zone=self.zone)))
-        groups = self._call(
-            "list instance groups", lambda: list(self.groups.list(project=self.project, zone=self.zone))
+        vms = self.calls.call(
+            "list instances", lambda: list(self.calls.instances.list(project=self.project, zone=self.zone))
+        )
+        groups = self.calls.call(
+            "list instance groups", lambda: list(self.calls.managers.list(project=self.project, zone=self.zone))
         )
         return self._tpus(self.zone, groups, vms)
 
@@ -98,12 +111,13 @@ class Compute(ComputeGroups):
         """Every zone's TPUs, through the aggregated lists (one call per kind for the whole project)."""
         vms: dict[str, list[compute_v1.Instance]] = {}
         groups: dict[str, list[compute_v1.InstanceGroupManager]] = {}
-        for scope, scoped in self._call(
-            "list instances of every zone", lambda: list(self.instances.aggregated_list(project=self.project))
+        for scope, scoped in self.calls.call(
+            "list instances of every zone", lambda: list(self.calls.instances.aggregated_list(project=self.project))
         ):
             vms.setdefault(scope.rsplit("/", 1)[-1], []).extend(scoped.instances)
-        for scope, scoped in self._call(
-            "list instance groups of every zone", lambda: list(self.groups.aggregated_list(project=self.project))
+        for scope, scoped in self.calls.call(
+            "list instance groups of every zone",
+            lambda: list(self.calls.managers.aggregated_list(project=self.project)),
         ):
             if scope.startswith("zones/"):  # tpurun's groups are zonal, as a slice's VMs are in one zone
                 groups.setdefault(scope.rsplit("/", 1)[-1], []).extend(scoped.instance_group_managers)
@@ -121,10 +135,10 @@ class Compute(ComputeGroups):
         self, group: compute_v1.InstanceGroupManager, vms: list[compute_v1.Instance], zone: str = ""
     ) -> NodeView | None:
         """The TPU a group is (None for a group of other VMs), in ZONE (the configured zone unless given)."""
-        template = self._template(group.instance_template)
+        template = self.groups.template(group.instance_template)
         if template is None or not _is_tpu_type(template.properties.machine_type):
             return None
-        topo = self._group_topology(group, template.properties.machine_type)
+        topo = self.groups.group_topology(group, template.properties.machine_type)
         vms = sorted(vms, key=lambda vm: vm.name)
         states = [_vm_state(vm) for vm in vms]
         if len(vms) < group.target_size or not group.status.is_stable:
@@ -180,9 +194,9 @@ class Compute(ComputeGroups):
 
     def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
         def read(vm: str) -> dict[tuple[str, str], str]:
-            got = self._find(
+            got = self.calls.find(
                 f"read guest attributes of {vm}",
-                lambda: self.instances.get_guest_attributes(
+                lambda: self.calls.instances.get_guest_attributes(
                     request=compute_v1.GetGuestAttributesInstanceRequest(
                         project=self.project, zone=view.zone or self.zone, instance=vm, query_path=query_path
                     )
@@ -210,24 +224,24 @@ class Compute(ComputeGroups):
             self._insert_vm(vm, spec.timeout, progress, wait=spec.wait, state=state)
             return
         groups = slice_ids(name, spec.slices) if spec.slices > 1 else [name]
-        self._refuse_taken(name, groups, policy=topo.multi_host)
+        self.groups.refuse_taken(name, groups, policy=topo.multi_host)
         made: list[Callable[[], None]] = []  # how to take back what was asked for, should a later step fail
         try:
-            policy = self._make_policy(
-                name, topo, functools.partial(made.append, functools.partial(self._delete_policy, name))
+            policy = self.groups.make_policy(
+                name, topo, functools.partial(made.append, functools.partial(self.groups.delete_policy, name))
             )
-            template = self._make_template(
-                name, props, functools.partial(made.append, functools.partial(self._delete_template, name))
+            template = self.groups.make_template(
+                name, props, functools.partial(made.append, functools.partial(self.groups.delete_template, name))
             )
             for i, group in enumerate(groups):
                 about = MADE_BY + name + (f", slice {i} of {len(groups)}" if len(groups) > 1 else "")
-                self._insert_group(
+                self.groups.insert_group(
                     group,
                     template,
                     topo.hosts,
                     policy,
                     about,
-                    functools.partial(made.append, functools.partial(self._delete_groups, [group])),
+                    functools.partial(made.append, functools.partial(self.groups.delete_groups, [group])),
                     bulk=bool(request.max_run),
                 )
         except Exception:  # on Ctrl-C, `take_back` deletes what was asked for, saying so
@@ -245,9 +259,9 @@ class Compute(ComputeGroups):
         self, vm: compute_v1.Instance, timeout: float, progress: Progress, *, wait: bool = True, state: str = "CREATING"
     ) -> None:
         """VM made; while its insert runs, PROGRESS says it is in STATE."""
-        self._operate(
+        self.calls.operate(
             f"create {vm.name}",
-            lambda: self.instances.insert_unary(project=self.project, zone=self.zone, instance_resource=vm),
+            lambda: self.calls.instances.insert_unary(project=self.project, zone=self.zone, instance_resource=vm),
             timeout,
             functools.partial(progress, f"{vm.name}: {state}"),
             wait=wait,
@@ -307,60 +321,78 @@ class Compute(ComputeGroups):
         policy = f" and the workload policy {name}" if topology.multi_host else ""
         return f"the instance {groups}, the instance template {name}{policy}"
 
-    def delete(self, view: NodeView, progress: Progress) -> list[str]:
+    def delete(self, view: NodeView, progress: Progress) -> Deleted:
+        """A group's instance template and workload policy go with it only where tpurun made them for the TPU
+        (their description says so): those of a group made elsewhere, then attached, are left, named."""
         name = view.name
         several = bool(view.slices or view.gone)
         names = slice_ids(name, len(view.parts) + len(view.gone)) if several else [name]
-        groups = [g for n in names if (g := self._get_group(n)) is not None]
+        groups = [g for n in names if (g := self.groups.get_group(n)) is not None]
         if not groups:
             self._delete_vm(name, progress)
-            return []
-        made_template, made_policy = self._made_template(groups[0], name), self._made_policy(groups[0], name)
-        self._delete_groups([g.name for g in groups], progress)
+            return Deleted()
+        made_template, made_policy = (
+            self.groups.made_template(groups[0], name),
+            self.groups.made_policy(groups[0], name),
+        )
+        self.groups.delete_groups([g.name for g in groups], progress)
         also = [f"its {len(names)} slices' instance groups"] if several else []
-        return also + self._delete_made(name, made_template, made_policy, progress)
+        deleted = Deleted(also + self._delete_made(name, made_template, made_policy, progress))
+        policy = groups[0].resource_policies.workload_policy
+        if not made_template:
+            deleted.left.append(f"the instance template {short_name(groups[0].instance_template)}")
+        if policy and not made_policy:
+            deleted.left.append(f"the workload policy {short_name(policy)}")
+        if deleted.left:
+            deleted.why_left = (
+                f"tpurun deletes only what it made, which it marks in the description ({MADE_BY}{name}), and "
+                "these are not marked: made elsewhere, they may serve other groups"
+            )
+        return deleted
 
     def _delete_made(self, name: str, template: bool, policy: bool, progress: Progress) -> list[str]:
         """The instance TEMPLATE and workload POLICY tpurun made for the TPU NAME deleted, once no group uses them."""
         also = []
         if template:
             progress(f"{name}: deleting its instance template")
-            self._delete_template(name)
+            self.groups.delete_template(name)
             also.append("its instance template")
         if policy:
             progress(f"{name}: deleting its workload policy")
-            self._delete_policy(name)
+            self.groups.delete_policy(name)
             also.append("its workload policy")
         return also
 
-    def take_back(self, name: str, progress: Progress) -> list[str] | None:
+    def take_back(self, name: str, progress: Progress) -> Deleted | None:
         """Also what is not a TPU (yet, or any more) of what tpurun made for NAME: the groups of its slices, its
         template and policy, each known by its description."""
         view = self.find(name)
         if view is not None:
             return self.delete(view, progress)
-        groups = self._call(
-            "list instance groups", lambda: list(self.groups.list(project=self.project, zone=self.zone))
+        groups = self.calls.call(
+            "list instance groups", lambda: list(self.calls.managers.list(project=self.project, zone=self.zone))
         )
         ours = [g.name for g in groups if g.description == MADE_BY + name or (_slice_of(g) or ("",))[0] == name]
-        template = self._template(self._template_path(name))
-        policy = self._policy(self._policy_path(name))
+        template = self.groups.template(self.groups.template_path(name))
+        policy = self.groups.policy(self.groups.policy_path(name))
         made_template, made_policy = (x is not None and x.description == MADE_BY + name for x in (template, policy))
         if not (ours or made_template or made_policy):
             return None
-        self._delete_groups(ours, progress)
+        self.groups.delete_groups(ours, progress)
         also = [f"its instance group{'s' if len(ours) > 1 else ''} {', '.join(ours)}"] if ours else []
-        return also + self._delete_made(name, made_template, made_policy, progress)
+        return Deleted(also + self._delete_made(name, made_template, made_policy, progress))
 
     def _delete_vm(self, name: str, progress: Progress) -> None:
         what = f"delete {name}"
-        call = functools.partial(self.instances.delete_unary, project=self.project, zone=self.zone, instance=name)
+        call = functools.partial(self.calls.instances.delete_unary, project=self.project, zone=self.zone, instance=name)
         get = functools.partial(
-            self._find,
+            self.calls.find,
             f"get instance {name}",
-            lambda: self.instances.get(project=self.project, zone=self.zone, instance=name),
+            lambda: self.calls.instances.get(project=self.project, zone=self.zone, instance=name),
         )
-        self._deleted(what, self._ask_delete(what, call, tpu=name), get, lambda: progress(f"{name}: DELETING"))
+        self.calls.deleted(
+            what, self.calls.ask_delete(what, call, tpu=name), get, lambda: progress(f"{name}: DELETING")
+        )
 
     def recreate(self, view: NodeView, progress: Progress) -> None:
         """Delete the preempted VMs and make them again as they were: Google's way back for a spot TPU
@@ -368,12 +400,12 @@ class Compute(ComputeGroups):
         policy and gets new VMs; a single VM is made again with the fields it has, from the boot image
         family tpurun makes it with (so only one tpurun made)."""
         name = view.name
-        groups = [g for p in view.parts if (g := self._get_group(p.name)) is not None]
+        groups = [g for p in view.parts if (g := self.groups.get_group(p.name)) is not None]
         if groups:
-            self._delete_groups([g.name for g in groups], progress)
+            self.groups.delete_groups([g.name for g in groups], progress)
             progress(f"{name}: CREATING")
             for group in groups:
-                self._insert_group(
+                self.groups.insert_group(
                     group.name,
                     group.instance_template,
                     group.target_size,
@@ -382,8 +414,9 @@ class Compute(ComputeGroups):
                     bulk=group.target_size_policy.mode == "BULK",
                 )
             return
-        vm = self._call(
-            f"get instance {name}", lambda: self.instances.get(project=self.project, zone=self.zone, instance=name)
+        vm = self.calls.call(
+            f"get instance {name}",
+            lambda: self.calls.instances.get(project=self.project, zone=self.zone, instance=name),
         )
         if vm.description != MADE_BY + name:
             raise UsageError(
@@ -406,24 +439,61 @@ class Compute(ComputeGroups):
             groups = list(parts) if multi_host or len(parts) > 1 else []
             made = (True, multi_host)  # its template, and a workload policy for multi-host slices
         else:
-            group = self._get_group(view.parts[0].name)
+            group = self.groups.get_group(view.parts[0].name)
             groups = [p.name for p in view.parts] if group is not None else []
             made = (
-                (False, False) if group is None else (self._made_template(group, name), self._made_policy(group, name))
+                (False, False)
+                if group is None
+                else (self.groups.made_template(group, name), self.groups.made_policy(group, name))
             )
         if groups:
             where.groups = groups
-            paths = (self._template_path(name), self._policy_path(name))
+            paths = (self.groups.template_path(name), self.groups.policy_path(name))
             where.also = [path for path, ours in zip(paths, made, strict=True) if ours]
         else:
             where.instance = name
         return WatchdogConfig(compute_endpoint(self.cloud.endpoint), compute=where)
 
     def cannot_stop(self, view: NodeView, verb: str) -> str:
-        return (
-            f"{view.name} is made by Compute Engine, whose TPU VMs tpurun does not {verb} (Google documents "
-            "deleting and creating them again)"
-        )
+        return _cannot(view.name, verb)
+
+    @classmethod
+    def cannot_stop_asked(cls, spec: CreateSpec, topo: Topology) -> str:
+        return _cannot(f"{spec.name} ({topo.name})", "stop")
+
+    @classmethod
+    def check_create(cls, spec: CreateSpec, topo: Topology) -> None:
+        """What tpurun does not ask of Compute Engine (yet)."""
+        refused = [
+            ("--queued", spec.queued, "queued resources belong to the Cloud TPU API; --flex-start waits for capacity"),
+            (
+                "--valid-until",
+                bool(spec.valid_until) and not spec.flex_start,
+                "it applies to waiting for capacity, which it does with --flex-start",
+            ),
+            (
+                "--version",
+                bool(spec.version),
+                "Compute Engine VMs boot an image family, not a Cloud TPU runtime version",
+            ),
+            ("--preemptible", spec.preemptible, "its VMs are spot VMs (--spot), not preemptible ones"),
+        ]
+        for option, given, why in refused:
+            if given:
+                raise UsageError(f"{option}: {topo.name} is made by Compute Engine here, and {why}")
+
+    @classmethod
+    def run_limit(cls, spec: CreateSpec) -> int | None:
+        if not spec.flex_start:
+            return None
+        if spec.spot:
+            raise UsageError("choose one of --spot and --flex-start")
+        if not spec.max_run_duration:
+            raise UsageError("--flex-start needs --max-run-duration (e.g. 8h): flex-start VMs run at most that long")
+        seconds = parse_duration(spec.max_run_duration)
+        if not FLEX_RUN[0] <= seconds <= FLEX_RUN[1]:
+            raise UsageError(f"--max-run-duration {spec.max_run_duration}: give between 10m and 7d")
+        return seconds
 
     def stop(self, view: NodeView, progress: Progress) -> None:
         raise UsageError(self.cannot_stop(view, "stop"))
@@ -433,9 +503,9 @@ class Compute(ComputeGroups):
 
     def update_metadata(self, view: NodeView, change: MetadataChange) -> None:
         def update(vm_name: str) -> None:
-            vm = self._call(
+            vm = self.calls.call(
                 f"get instance {vm_name}",
-                lambda: self.instances.get(project=self.project, zone=self.zone, instance=vm_name),
+                lambda: self.calls.instances.get(project=self.project, zone=self.zone, instance=vm_name),
             )
             entries = change(_metadata(vm.metadata))
             if not entries:
@@ -445,9 +515,9 @@ class Compute(ComputeGroups):
                 fingerprint=vm.metadata.fingerprint,
                 items=[compute_v1.Items(key=k, value=v) for k, v in items.items()],
             )
-            self._operate(
+            self.calls.operate(
                 f"update metadata of {vm_name}",
-                lambda: self.instances.set_metadata_unary(
+                lambda: self.calls.instances.set_metadata_unary(
                     project=self.project, zone=self.zone, instance=vm_name, metadata_resource=body
                 ),
                 300,
@@ -458,6 +528,13 @@ class Compute(ComputeGroups):
 
 
 # ---------------------------------------------------------------------------- Compute Engine's records
+
+
+def _cannot(what: str, verb: str) -> str:
+    return (
+        f"{what} is made by Compute Engine, whose TPU VMs tpurun deletes but does not {verb} (Google documents "
+        "deleting and creating them again)"
+    )
 
 
 def _under(name: str, collection: str) -> str:

@@ -1,6 +1,5 @@
-"""Compute Engine's calls for tpurun's Compute backend (its first layer): a client per kind of resource on the
-configured endpoint, each call with tpurun's retries and error messages, and the long-running operations they
-wait on.
+"""Compute Engine's calls, a part of tpurun's Compute backend: a client per kind of resource on the configured
+endpoint, each call with tpurun's retries and error messages, and the long-running operations they wait on.
 
 Long-running calls use each method's `_unary` form and wait with the operations client of the
 operation's scope, on the same endpoint: the client's own `ExtendedOperation.result()` would poll
@@ -17,7 +16,6 @@ from typing import TypeVar
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
-from tpurun.cloud.backend import Backend
 from tpurun.cloud.client import COMPUTE_API, Cloud, compute_endpoint, credentials, short_name
 from tpurun.errors import ApiError
 
@@ -31,11 +29,11 @@ def region_of(zone: str) -> str:
     return zone.rsplit("-", 1)[0]
 
 
-class ComputeCalls(Backend):
+class ComputeCalls:
     """Compute Engine's clients in the configured project, zone and region, and the calls made with them."""
 
     def __init__(self, cloud: Cloud) -> None:
-        super().__init__(cloud)
+        self.cloud = cloud
         self.project, self.zone, self.region = cloud.project, cloud.zone, region_of(cloud.zone)
         options = {"api_endpoint": compute_endpoint(cloud.endpoint)}
         creds = credentials(cloud.endpoint)
@@ -44,7 +42,7 @@ class ComputeCalls(Backend):
             return cls(transport="rest", client_options=options, credentials=creds)
 
         self.instances = client(compute_v1.InstancesClient)
-        self.groups = client(compute_v1.InstanceGroupManagersClient)
+        self.managers = client(compute_v1.InstanceGroupManagersClient)
         self.templates = client(compute_v1.RegionInstanceTemplatesClient)
         self.global_templates = client(compute_v1.InstanceTemplatesClient)
         self.policies = client(compute_v1.ResourcePoliciesClient)
@@ -52,15 +50,15 @@ class ComputeCalls(Backend):
         self.region_ops = client(compute_v1.RegionOperationsClient)
         self.global_ops = client(compute_v1.GlobalOperationsClient)
 
-    def _call(self, what: str, fn: Callable[[], T], *, tpu: str | None = None) -> T:
+    def call(self, what: str, fn: Callable[[], T], *, tpu: str | None = None) -> T:
         return self.cloud.call(what, fn, node=tpu, api=COMPUTE_API)
 
-    def _find(self, what: str, fn: Callable[[], T]) -> T | None:
+    def find(self, what: str, fn: Callable[[], T]) -> T | None:
         return self.cloud.find(what, fn, api=COMPUTE_API)
 
     # ------------------------------------------------------------------ operations
 
-    def _operate(
+    def operate(
         self,
         what: str,
         call: Callable[[], compute_v1.Operation],
@@ -73,13 +71,13 @@ class ComputeCalls(Backend):
     ) -> None:
         """CALL, a long-running method's `_unary` form; unless WAIT is off, until its operation is done.
         STARTED is told once the API took the call (what it makes may then need taking back)."""
-        op = self._call(what, call, tpu=tpu)
+        op = self.call(what, call, tpu=tpu)
         if started is not None:
             started()
         if wait:
-            self._wait(what, op, timeout, on_poll)
+            self.wait(what, op, timeout, on_poll)
 
-    def _wait(
+    def wait(
         self, what: str, op: compute_v1.Operation, timeout: float, on_poll: Callable[[], None] | None = None
     ) -> None:
         """Until OP is DONE (the API's own `wait` holds each call until then or for a while), then raise
@@ -90,7 +88,7 @@ class ComputeCalls(Backend):
                 raise ApiError(f"{what}: still not done after {timeout:.0f} s", hint="check `tpurun list`")
             if on_poll is not None:
                 on_poll()
-            op = self._call(what, functools.partial(self._poll, op))
+            op = self.call(what, functools.partial(self._poll, op))
         if op.http_error_status_code or op.error.errors:
             first = op.error.errors[0] if op.error.errors else None
             message = first.message if first else op.http_error_message
@@ -105,28 +103,28 @@ class ComputeCalls(Backend):
             exc = gexc.from_http_status(op.http_error_status_code or 400, message, errors=list(op.error.errors))
             raise self.cloud.explain(what, exc, api=COMPUTE_API)
 
-    def _ask_delete(
+    def ask_delete(
         self, what: str, call: Callable[[], compute_v1.Operation], *, tpu: str | None = None
     ) -> compute_v1.Operation | None:
         """CALL, a deletion's `_unary` form: its operation; None when the API refuses because it is deleting that
-        resource already (a deletion that was interrupted, which the API goes on with: `_deleted` waits for it)."""
+        resource already (a deletion that was interrupted, which the API goes on with: `deleted` waits for it)."""
         try:
-            return self._call(what, call, tpu=tpu)
+            return self.call(what, call, tpu=tpu)
         except ApiError as exc:
             if any(words in exc.message for words in BEING_DELETED):
                 return None
             raise
 
-    def _deleted(
+    def deleted(
         self,
         what: str,
         op: compute_v1.Operation | None,
         get: Callable[[], object | None],
         on_poll: Callable[[], None] | None = None,
     ) -> None:
-        """Until the deletion `_ask_delete` asked for is done: OP, else until GET finds nothing."""
+        """Until the deletion `ask_delete` asked for is done: OP, else until GET finds nothing."""
         if op is not None:
-            self._wait(what, op, 1800, on_poll)
+            self.wait(what, op, 1800, on_poll)
             return
         self.cloud.wait_gone(what, lambda: get() is None, on_poll=on_poll)
 

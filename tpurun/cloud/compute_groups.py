@@ -1,5 +1,5 @@
-"""A multi-host TPU's parts on Compute Engine, for tpurun's Compute backend (its second layer): its zonal
-managed instance groups (one per slice), the regional workload policy that gives them the slice's shape, and the
+"""A multi-host TPU's parts on Compute Engine, a part of tpurun's Compute backend: its zonal managed instance
+groups (one per slice), the regional workload policy that gives them the slice's shape, and the
 regional instance template their VMs are made from, all named after the TPU; finding, making and deleting them.
 """
 
@@ -21,80 +21,88 @@ from tpurun.topology import Topology, from_machine_type, vm_topology
 MADE_BY = "made by tpurun for the TPU "
 
 
-class ComputeGroups(ComputeCalls):
-    """A TPU's instance groups, workload policy and instance template, through ComputeCalls' clients."""
+class ComputeGroups:
+    """A TPU's instance groups, workload policy and instance template, through CALLS' clients."""
+
+    def __init__(self, calls: ComputeCalls) -> None:
+        self.calls = calls
+        self.project, self.zone, self.region = calls.project, calls.zone, calls.region
 
     # ------------------------------------------------------------------ reading
 
-    def _get_group(self, name: str) -> compute_v1.InstanceGroupManager | None:
-        return self._find(
+    def get_group(self, name: str) -> compute_v1.InstanceGroupManager | None:
+        return self.calls.find(
             f"get instance group {name}",
-            lambda: self.groups.get(project=self.project, zone=self.zone, instance_group_manager=name),
+            lambda: self.calls.managers.get(project=self.project, zone=self.zone, instance_group_manager=name),
         )
 
-    def _group_vms(self, name: str) -> list[compute_v1.Instance]:
+    def group_vms(self, name: str) -> list[compute_v1.Instance]:
         """The VMs of the group NAME that exist, through listManagedInstances."""
-        managed = self._call(
+        managed = self.calls.call(
             f"list the VMs of {name}",
             lambda: list(
-                self.groups.list_managed_instances(project=self.project, zone=self.zone, instance_group_manager=name)
+                self.calls.managers.list_managed_instances(
+                    project=self.project, zone=self.zone, instance_group_manager=name
+                )
             ),
         )
         names = {short_name(m.instance) for m in managed if m.instance}  # a placeholder has no VM yet
         if not names:
             return []
-        vms = self._call("list instances", lambda: list(self.instances.list(project=self.project, zone=self.zone)))
+        vms = self.calls.call(
+            "list instances", lambda: list(self.calls.instances.list(project=self.project, zone=self.zone))
+        )
         return [vm for vm in vms if vm.name in names]
 
-    def _group_topology(self, group: compute_v1.InstanceGroupManager, machine_type: str) -> Topology:
+    def group_topology(self, group: compute_v1.InstanceGroupManager, machine_type: str) -> Topology:
         policy_url = group.resource_policies.workload_policy
         if not policy_url:
             return vm_topology(machine_type)
-        policy = self._policy(policy_url)
+        policy = self.policy(policy_url)
         shape = policy.workload_policy.accelerator_topology if policy else ""
         return from_machine_type(machine_type, shape) if shape else vm_topology(machine_type)
 
-    def _template(self, url: str) -> compute_v1.InstanceTemplate | None:
+    def template(self, url: str) -> compute_v1.InstanceTemplate | None:
         parts = url.split("/")
         name = parts[-1]
         if "regions" in parts:
             region = parts[parts.index("regions") + 1]
-            return self._find(
+            return self.calls.find(
                 f"get instance template {name}",
-                lambda: self.templates.get(project=self.project, region=region, instance_template=name),
+                lambda: self.calls.templates.get(project=self.project, region=region, instance_template=name),
             )
-        return self._find(
+        return self.calls.find(
             f"get instance template {name}",
-            lambda: self.global_templates.get(project=self.project, instance_template=name),
+            lambda: self.calls.global_templates.get(project=self.project, instance_template=name),
         )
 
-    def _policy(self, url: str) -> compute_v1.ResourcePolicy | None:
+    def policy(self, url: str) -> compute_v1.ResourcePolicy | None:
         parts = url.split("/")
         region = parts[parts.index("regions") + 1] if "regions" in parts else self.region
-        return self._find(
+        return self.calls.find(
             f"get workload policy {parts[-1]}",
-            lambda: self.policies.get(project=self.project, region=region, resource_policy=parts[-1]),
+            lambda: self.calls.policies.get(project=self.project, region=region, resource_policy=parts[-1]),
         )
 
-    def _made_template(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
+    def made_template(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
         """The group's template is the one tpurun made for the TPU NAME (a group made elsewhere may share its
         template with other groups)."""
-        template = self._template(group.instance_template)
+        template = self.template(group.instance_template)
         return template is not None and template.description == MADE_BY + name
 
-    def _made_policy(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
+    def made_policy(self, group: compute_v1.InstanceGroupManager, name: str) -> bool:
         url = group.resource_policies.workload_policy
-        policy = self._policy(url) if url else None
+        policy = self.policy(url) if url else None
         return policy is not None and policy.description == MADE_BY + name
 
     # ------------------------------------------------------------------ making
 
-    def _refuse_taken(self, name: str, groups: list[str], *, policy: bool) -> None:
+    def refuse_taken(self, name: str, groups: list[str], *, policy: bool) -> None:
         """Refuse, before anything is made, a TPU whose group, template or policy name is taken."""
-        taken = [f"instance group {g}" for g in groups if self._get_group(g) is not None]
-        if self._template(self._template_path(name)) is not None:
+        taken = [f"instance group {g}" for g in groups if self.get_group(g) is not None]
+        if self.template(self.template_path(name)) is not None:
             taken.append(f"instance template {name}")
-        if policy and self._policy(self._policy_path(name)) is not None:
+        if policy and self.policy(self.policy_path(name)) is not None:
             taken.append(f"workload policy {name}")
         if taken:
             raise UsageError(
@@ -102,7 +110,7 @@ class ComputeGroups(ComputeCalls):
                 hint=f"choose another name, or `tpurun delete {name}` first",
             )
 
-    def _insert_group(
+    def insert_group(
         self,
         name: str,
         template: str,
@@ -126,16 +134,16 @@ class ComputeGroups(ComputeCalls):
             group.target_size_policy = compute_v1.InstanceGroupManagerTargetSizePolicy(mode="BULK")
         if policy:
             group.resource_policies = compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=policy)
-        self._operate(
+        self.calls.operate(
             f"create instance group {name}",
-            lambda: self.groups.insert_unary(
+            lambda: self.calls.managers.insert_unary(
                 project=self.project, zone=self.zone, instance_group_manager_resource=group
             ),
             600,
             started=started,
         )
 
-    def _make_policy(self, name: str, topo: Topology, started: Callable[[], None]) -> str:
+    def make_policy(self, name: str, topo: Topology, started: Callable[[], None]) -> str:
         """The workload policy NAME of TOPO's shape; "" for a single-host slice, which needs none."""
         if not topo.multi_host:
             return ""
@@ -146,60 +154,60 @@ class ComputeGroups(ComputeCalls):
                 type_="HIGH_THROUGHPUT", accelerator_topology=topo.topology
             ),
         )
-        self._operate(
+        self.calls.operate(
             f"create workload policy {name}",
-            lambda: self.policies.insert_unary(
+            lambda: self.calls.policies.insert_unary(
                 project=self.project, region=self.region, resource_policy_resource=policy
             ),
             300,
             started=started,
         )
-        return self._policy_path(name)
+        return self.policy_path(name)
 
-    def _make_template(self, name: str, props: compute_v1.InstanceProperties, started: Callable[[], None]) -> str:
+    def make_template(self, name: str, props: compute_v1.InstanceProperties, started: Callable[[], None]) -> str:
         template = compute_v1.InstanceTemplate(name=name, description=MADE_BY + name, properties=props)
-        self._operate(
+        self.calls.operate(
             f"create instance template {name}",
-            lambda: self.templates.insert_unary(
+            lambda: self.calls.templates.insert_unary(
                 project=self.project, region=self.region, instance_template_resource=template
             ),
             300,
             started=started,
         )
-        return self._template_path(name)
+        return self.template_path(name)
 
-    def _policy_path(self, name: str) -> str:
+    def policy_path(self, name: str) -> str:
         return f"projects/{self.project}/regions/{self.region}/resourcePolicies/{name}"
 
-    def _template_path(self, name: str) -> str:
+    def template_path(self, name: str) -> str:
         return f"projects/{self.project}/regions/{self.region}/instanceTemplates/{name}"
 
     # ------------------------------------------------------------------ deleting
 
-    def _delete_groups(self, names: list[str], progress: Progress | None = None) -> None:
+    def delete_groups(self, names: list[str], progress: Progress | None = None) -> None:
         """The groups NAMES deleted with their VMs: every deletion asked for first, then each waited for (a
         second Ctrl-C while waiting leaves none that was not asked for); one being deleted already is waited for."""
         asked = []
         for name in names:
             what = f"delete instance group {name}"
             call = functools.partial(
-                self.groups.delete_unary, project=self.project, zone=self.zone, instance_group_manager=name
+                self.calls.managers.delete_unary, project=self.project, zone=self.zone, instance_group_manager=name
             )
-            asked.append((name, what, self._ask_delete(what, call)))
+            asked.append((name, what, self.calls.ask_delete(what, call)))
         for name, what, op in asked:
             on_poll = functools.partial(progress, f"{name}: DELETING its VMs") if progress else None
-            self._deleted(what, op, functools.partial(self._get_group, name), on_poll)
+            self.calls.deleted(what, op, functools.partial(self.get_group, name), on_poll)
 
-    def _delete_template(self, name: str) -> None:
-        self._operate(
+    def delete_template(self, name: str) -> None:
+        self.calls.operate(
             f"delete instance template {name}",
-            lambda: self.templates.delete_unary(project=self.project, region=self.region, instance_template=name),
+            lambda: self.calls.templates.delete_unary(project=self.project, region=self.region, instance_template=name),
             300,
         )
 
-    def _delete_policy(self, name: str) -> None:
-        self._operate(
+    def delete_policy(self, name: str) -> None:
+        self.calls.operate(
             f"delete workload policy {name}",
-            lambda: self.policies.delete_unary(project=self.project, region=self.region, resource_policy=name),
+            lambda: self.calls.policies.delete_unary(project=self.project, region=self.region, resource_policy=name),
             300,
         )

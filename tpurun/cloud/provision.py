@@ -1,5 +1,5 @@
 """Provisioning: create, attach, list, describe, delete, stop and start TPUs, whichever API makes them
-(tpurun.cloud.backend).
+(tpurun.cloud.routing finds or chooses the backend; each backend checks what it is asked for).
 
 Everything is validated locally before the first API call, so bad input never creates anything.
 `create` only returns when every worker finished its startup script (or one failed, with its log
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpurun import config, settings
-from tpurun.cloud import autostop, backend, identity, keys, multislice, startup
-from tpurun.cloud.backend import CreateSpec, Request
+from tpurun.cloud import autostop, identity, keys, multislice, routing, startup
+from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import GONE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
@@ -74,13 +74,15 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     stand-in project: the same checks, before settings.)"""
     validate_name(spec.name)
     topo = shape_of(spec)
-    kind = backend_for(topo, spec.backend)
-    if kind is backend.Kind.COMPUTE:
-        _check_compute(spec, topo)
+    kind = routing.backend_for(topo, spec.backend)
+    maker = routing.backend_class(kind)
+    maker.check_create(spec, topo)
     if spec.spot and spec.preemptible:
         raise UsageError("choose one of --spot and --preemptible")
     multislice.check_request(spec.name, topo, spec.slices)
-    max_run = _check_flex_start(spec, kind)
+    if spec.max_run_duration and not spec.flex_start:
+        raise UsageError("--max-run-duration needs --flex-start")
+    max_run = maker.run_limit(spec)
     if spec.valid_until and not (spec.queued or spec.slices > 1 or spec.flex_start):
         raise UsageError("--valid-until only applies with --queued, --flex-start (or --slices)")
     valid_until = parse_duration(spec.valid_until) if spec.valid_until else None
@@ -107,26 +109,16 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
     if spec.autostop_action and not spec.autostop:
         raise UsageError("--autostop-action needs --autostop")
     action = spec.autostop_action or "delete"
-    autostop.check_action(action, _cannot_stop(spec, topo, kind))
+    autostop.check_action(action, maker.cannot_stop_asked(spec, topo))
     nodes = multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
     resources = (
-        backend.of_kind(cloud, kind).watchdog_resources(spec.name, nodes, topo.multi_host, None)
+        routing.of_kind(cloud, kind).watchdog_resources(spec.name, nodes, topo.multi_host, None)
         if cloud
         else autostop.stand_in(nodes)
     )
     watch = autostop.metadata(resources, idle, action)
     metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
     return Request(topo, kind, metadata, labels, valid_until, max_run)
-
-
-def _cannot_stop(spec: CreateSpec, topo: Topology, kind: backend.Kind) -> str:
-    """Why the TPU asked for could not be stopped ("" when it can): Cloud TPU stops single-host TPU VMs only."""
-    what = f"{spec.name} ({topo.name})"
-    if kind is backend.Kind.COMPUTE:
-        return f"{what} is made by Compute Engine, whose TPU VMs tpurun deletes but does not stop"
-    if topo.multi_host or spec.queued or spec.slices > 1:
-        return f"Cloud TPU can stop only single-host TPU VMs, and {what} is not one"
-    return ""
 
 
 def shape_of(spec: CreateSpec) -> Topology:
@@ -145,71 +137,13 @@ def shape_of(spec: CreateSpec) -> Topology:
     return vm_topology(spec.machine_type)
 
 
-def backend_for(topo: Topology, asked: str | None) -> backend.Kind:
-    """Who makes TOPO: ASKED when it can, else the Cloud TPU API where it offers the type (v5p and v6e
-    too: there every command works, multislice, queued resources and stop included), else Compute Engine."""
-    kinds = [backend.Kind(b) for b in topo.backends]
-    if asked is None:
-        return kinds[0]
-    try:
-        kind = backend.Kind(asked)
-    except ValueError:
-        raise UsageError(f"--backend {asked}: choose compute or tpu-api") from None
-    if kind not in kinds:
-        makers = " and ".join(k.api_name for k in kinds)
-        raise UsageError(f"--backend {asked}: {kind.api_name} does not make {topo.name}; {makers} does")
-    return kind
-
-
-FLEX_RUN = (600, 7 * 86400)  # the run durations Compute Engine takes for flex-start capacity, in seconds
-
-
-def _check_flex_start(spec: CreateSpec, kind: backend.Kind) -> int | None:
-    """The flex-start VMs' run duration in seconds (None without --flex-start), or why not."""
-    if spec.max_run_duration and not spec.flex_start:
-        raise UsageError("--max-run-duration needs --flex-start")
-    if not spec.flex_start:
-        return None
-    if kind is not backend.Kind.COMPUTE:
-        raise UsageError(
-            "--flex-start: tpurun asks Compute Engine for flex-start capacity, and this TPU is made by the Cloud TPU "
-            "API",
-            hint="add --backend compute (v5p, v6e), or wait for capacity there with --queued",
-        )
-    if spec.spot:
-        raise UsageError("choose one of --spot and --flex-start")
-    if not spec.max_run_duration:
-        raise UsageError("--flex-start needs --max-run-duration (e.g. 8h): flex-start VMs run at most that long")
-    seconds = parse_duration(spec.max_run_duration)
-    if not FLEX_RUN[0] <= seconds <= FLEX_RUN[1]:
-        raise UsageError(f"--max-run-duration {spec.max_run_duration}: give between 10m and 7d")
-    return seconds
-
-
-def _check_compute(spec: CreateSpec, topo: Topology) -> None:
-    """What tpurun does not ask of Compute Engine (yet), refused before anything is made."""
-    refused = [
-        ("--queued", spec.queued, "queued resources belong to the Cloud TPU API; --flex-start waits for capacity"),
-        (
-            "--valid-until",
-            bool(spec.valid_until) and not spec.flex_start,
-            "it applies to waiting for capacity, which it does with --flex-start",
-        ),
-        ("--version", bool(spec.version), "Compute Engine VMs boot an image family, not a Cloud TPU runtime version"),
-        ("--preemptible", spec.preemptible, "its VMs are spot VMs (--spot), not preemptible ones"),
-    ]
-    for option, given, why in refused:
-        if given:
-            raise UsageError(f"{option}: {topo.name} is made by Compute Engine here, and {why}")
-
-
 class CreateInterrupted(TpurunError):
     """Ctrl-C after `create` asked for the TPU NAME, which KIND's API may be making: WHAT it was asked for, in
     the user's words. The command deletes it (`take_back`) before it exits."""
 
     exit_code = ExitCode.INTERRUPTED
 
-    def __init__(self, name: str, kind: backend.Kind, what: str) -> None:
+    def __init__(self, name: str, kind: Kind, what: str) -> None:
         super().__init__(f"interrupted while {what} was being made")
         self.name, self.kind, self.what = name, kind, what
 
@@ -225,8 +159,8 @@ def create(
     identity.forget(home, cloud.project, cloud.zone, spec.name)  # a new TPU: a new identity
     _, public = keys.ensure_key(home)
     request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
-    maker = backend.of_kind(cloud, request.backend)
-    for each in backend.backends(cloud):
+    maker = routing.of_kind(cloud, request.backend)
+    for each in routing.backends(cloud):
         taken = each.find(spec.name)
         if taken is not None:  # one name, one TPU: every command finds a TPU by its name in either API
             raise UsageError(
@@ -252,19 +186,20 @@ def take_back(
 ) -> list[str] | None:
     """Delete whatever exists of what the interrupted create STOPPED asked for, and wait until it is gone: what
     went besides the TPU, as `delete` says it; None when nothing of it had been made."""
-    also = backend.of_kind(cloud, stopped.kind).take_back(stopped.name, progress)
-    if also is not None:
-        identity.bury(s.home_path, cloud.project, cloud.zone, stopped.name, "Ctrl-C during `tpurun create`")
-    return also
+    deleted = routing.of_kind(cloud, stopped.kind).take_back(stopped.name, progress)
+    if deleted is None:
+        return None
+    identity.bury(s.home_path, cloud.project, cloud.zone, stopped.name, "Ctrl-C during `tpurun create`")
+    return deleted.also
 
 
 # ---------------------------------------------------------------------------- finding
 
 
-def locate(cloud: Cloud, name: str) -> tuple[backend.Backend, NodeView]:
+def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView]:
     """The TPU NAME and who made it; NoSuchTpu (exit 3, with similar names) when there is none."""
     validate_name(name)
-    found = backend.locate(cloud, name)
+    found = routing.locate(cloud, name)
     if found is None:
         raise cloud.no_such_tpu(name)
     return found
@@ -274,7 +209,7 @@ def tpu(cloud: Cloud, name: str) -> NodeView:
     return locate(cloud, name)[1]
 
 
-def whole(cloud: Cloud, name: str, command: str) -> tuple[backend.Backend, NodeView]:
+def whole(cloud: Cloud, name: str, command: str) -> tuple[Backend, NodeView]:
     """The TPU NAME, refused when NAME is one slice of a multislice TPU (those are acted on together)."""
     maker, view = locate(cloud, name)
     if view.slice_of is not None:
@@ -289,9 +224,7 @@ def whole(cloud: Cloud, name: str, command: str) -> tuple[backend.Backend, NodeV
 # ---------------------------------------------------------------------------- waiting
 
 
-def wait_ready(
-    cloud: Cloud, maker: backend.Backend, name: str, progress: Callable[[str], None], *, timeout: float
-) -> NodeView:
+def wait_ready(cloud: Cloud, maker: Backend, name: str, progress: Callable[[str], None], *, timeout: float) -> NodeView:
     """NAME, which MAKER makes, once every slice of it is READY."""
     deadline = time.monotonic() + timeout
     for _ in cloud.iter_poll():
@@ -314,7 +247,7 @@ def wait_startup(
     cloud: Cloud, view: NodeView, progress: Callable[[str], None], *, timeout: float
 ) -> list[startup.StartupReport]:
     """Poll guest attributes until every worker's startup wrapper finished (or one failed)."""
-    maker = backend.of_kind(cloud, backend.Kind(view.backend))
+    maker = routing.maker_of(cloud, view)
     name, n = view.name, len(view.workers)
     deadline = time.monotonic() + timeout
     reports: list[startup.StartupReport] = []
@@ -362,7 +295,7 @@ class StartupFailed(ProgramFailed):
 
 
 def until_started(
-    cloud: Cloud, maker: backend.Backend, home: Path, name: str, progress: Callable[[str], None], *, timeout: float
+    cloud: Cloud, maker: Backend, home: Path, name: str, progress: Callable[[str], None], *, timeout: float
 ) -> CreateResult:
     """Wait for READY and every worker's startup script, pin the host keys and remember where the workers
     are (the next command reaches them without asking the API); StartupFailed if one failed."""
@@ -378,7 +311,7 @@ def until_started(
 # ---------------------------------------------------------------------------- attach & keys
 
 
-def host_keys_from(attrs: backend.GuestAttributes, view: NodeView) -> dict[str, str]:
+def host_keys_from(attrs: GuestAttributes, view: NodeView) -> dict[str, str]:
     """{alias: key} of every worker of VIEW, from its `hostkeys/` guest attributes."""
     pinned = {}
     for w, items in zip(view.workers, attrs, strict=True):
@@ -395,7 +328,7 @@ def host_keys_from(attrs: backend.GuestAttributes, view: NodeView) -> dict[str, 
 
 def pin_host_keys(cloud: Cloud, home: Path, view: NodeView) -> None:
     """Pin every worker's host key as its VM published it, under the worker's identity."""
-    attrs = backend.of_kind(cloud, backend.Kind(view.backend)).guest_attributes(view, "hostkeys/")
+    attrs = routing.maker_of(cloud, view).guest_attributes(view, "hostkeys/")
     keys.pin_host_keys(home, host_keys_from(attrs, view))
 
 
@@ -428,8 +361,8 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
 
 def list_tpus(cloud: Cloud) -> list[NodeView]:
     """The TPUs of the zone (of every zone), whoever made them, in name order."""
-    views = sorted(backend.list_all(cloud), key=lambda v: (v.zone, v.name))
-    for v, act in zip(views, autostop.activities(cloud, views), strict=True):
+    views = sorted(routing.list_all(cloud), key=lambda v: (v.zone, v.name))
+    for v, act in zip(views, autostop.activities([(routing.maker_of(cloud, v), v) for v in views]), strict=True):
         v.activity = act
     return views
 
@@ -439,11 +372,11 @@ def describe(cloud: Cloud, name: str) -> NodeView:
     if view.gone and not view.slices:
         raise ApiError(f"{name}: the queued resource is {view.state} and none of its slices exists yet")
     view.with_reports(startup_reports(maker, view))
-    view.activity = autostop.activity(cloud, view)
+    view.activity = autostop.activity(maker, view)
     return view
 
 
-def startup_reports(maker: backend.Backend, view: NodeView) -> list[startup.StartupReport] | None:
+def startup_reports(maker: Backend, view: NodeView) -> list[startup.StartupReport] | None:
     """Each worker's startup report, in worker order; None when the TPU is not READY or they cannot be read."""
     if set(view.states) != {READY}:
         return None
@@ -459,30 +392,23 @@ def read_startup_reports(cloud: Cloud, name: str) -> list[startup.StartupReport]
     return [startup.parse_report(a) for a in maker.guest_attributes(view, startup.NAMESPACE + "/")]
 
 
-@dataclass
-class Deleted:
-    """What `delete` took away besides the TPU (for the user), and the tpurun.toml that named it the default
-    TPU and no longer does."""
-
-    also: list[str]
-    default_in: Path | None = None
-
-
 def delete(
     cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None], by: str = "`tpurun delete`"
 ) -> Deleted:
-    """Delete NAME and what was made with it (its queued resource; every slice of a multislice TPU), and
+    """Delete NAME and what tpurun made with it (its queued resource; every slice of a multislice TPU), and
     remember that BY (the command, for a later one naming NAME) deleted it; no longer this directory's default
-    TPU. Where no TPU NAME exists, what an interrupted create or delete left of it goes."""
+    TPU. Returns what else went, what NAME used that tpurun did not make and left, and the tpurun.toml that no
+    longer names it. Where no TPU NAME exists, what an interrupted create or delete left of it goes."""
     try:
         maker, view = whole(cloud, name, "delete")
     except NoSuchTpu:
-        also = next((a for b in backend.backends(cloud) if (a := b.take_back(name, progress)) is not None), None)
-        if also is None:
+        deleted = next((d for b in routing.backends(cloud) if (d := b.take_back(name, progress)) is not None), None)
+        if deleted is None:
             raise
     else:
-        also = maker.delete(view, progress)
-    return Deleted(also, _gone(cloud, s, name, by))
+        deleted = maker.delete(view, progress)
+    deleted.default_in = _gone(cloud, s, name, by)
+    return deleted
 
 
 def _gone(cloud: Cloud, s: settings.Settings, name: str, by: str) -> Path | None:
@@ -499,19 +425,19 @@ def take_down(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[
         delete(cloud, s, name, progress, by)
         return
     except ApiError:
-        found = backend.locate(cloud, name)
+        found = routing.locate(cloud, name)
         states = found[1].states + [found[1].state] if found else []
         if found and "DELETING" not in states:
             raise
     cloud.wait_gone(
         name,
-        lambda: backend.locate(cloud, name) is None,
+        lambda: routing.locate(cloud, name) is None,
         on_poll=lambda: progress(f"{name}: DELETING (by its watchdog)"),
     )
     _gone(cloud, s, name, by)
 
 
-def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[backend.Backend, NodeView]:
+def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[Backend, NodeView]:
     maker, view = whole(cloud, name, verb)
     why = maker.cannot_stop(view, verb)
     if why:
@@ -545,7 +471,7 @@ def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[
 def gone_or_preempted(cloud: Cloud, name: str) -> bool | None:
     """True when NAME (a slice of it) is preempted or gone, False when it is in another state than READY,
     None while every slice is READY (the API may not have seen a preemption yet)."""
-    found = backend.locate(cloud, name)
+    found = routing.locate(cloud, name)
     if found is None:
         return True
     states = set(found[1].states)

@@ -11,11 +11,11 @@ from typing import Any
 from google.cloud import tpu_v2
 
 from tpurun.cloud import keys, multislice, startup
-from tpurun.cloud.backend import Backend, CreateSpec, GuestAttributes, Kind, MetadataChange, Progress, Request
+from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, MetadataChange, Progress, Request
 from tpurun.cloud.client import short_name
 from tpurun.cloud.multislice import qr_state
 from tpurun.cloud.views import NodeView, WorkerView
-from tpurun.errors import ApiError
+from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.worker.protocol_calls import WatchdogConfig
 
@@ -134,7 +134,7 @@ class TpuApi(Backend):
             return f"the queued resource {spec.name} and its node"
         return f"the node {spec.name}"
 
-    def delete(self, view: NodeView, progress: Progress) -> list[str]:
+    def delete(self, view: NodeView, progress: Progress) -> Deleted:
         cloud, name = self.cloud, view.name
         node_made = bool(view.id)  # a node (else: a queued resource waiting, or a multislice TPU)
         if node_made:
@@ -145,7 +145,7 @@ class TpuApi(Backend):
                 lambda: progress(f"{name}: DELETING"),
             )
         if not view.queued_resource:
-            return []
+            return Deleted()
         short = short_name(view.queued_resource)
         progress(f"{name}: deleting queued resource {short}" + ("" if node_made else " and its slices"))
         self._remove(
@@ -153,7 +153,7 @@ class TpuApi(Backend):
             lambda: cloud.delete_queued_resource(view.queued_resource),
             lambda: _state(cloud.find_queued_resource(short)),
         )
-        return ["its queued resource"]
+        return Deleted(["its queued resource"])
 
     def _remove(
         self,
@@ -223,6 +223,27 @@ class TpuApi(Backend):
                 "single-host TPU VMs"
             )
         return ""
+
+    @classmethod
+    def cannot_stop_asked(cls, spec: CreateSpec, topo: Topology) -> str:
+        # a node asked for through a queued resource is not stopped either: Cloud TPU deletes it
+        if topo.multi_host or spec.queued or spec.slices > 1:
+            return f"Cloud TPU can stop only single-host TPU VMs, and {spec.name} ({topo.name}) is not one"
+        return ""
+
+    @classmethod
+    def check_create(cls, spec: CreateSpec, topo: Topology) -> None:
+        pass  # every option of `create` is the Cloud TPU API's
+
+    @classmethod
+    def run_limit(cls, spec: CreateSpec) -> int | None:
+        if spec.flex_start:
+            raise UsageError(
+                "--flex-start: tpurun asks Compute Engine for flex-start capacity, and this TPU is made by the Cloud "
+                "TPU API",
+                hint="add --backend compute (v5p, v6e), or wait for capacity there with --queued",
+            )
+        return None
 
     def stop(self, view: NodeView, progress: Progress) -> None:
         op = self.cloud.stop_node(view.name)

@@ -107,6 +107,11 @@ class NodeView:
         """Each slice's state, GONE for a slice that does not exist."""
         return [v.state for v in self.parts] + [GONE] * len(self.gone)
 
+    @property
+    def ready(self) -> bool:
+        """Whether every slice of it exists and is READY."""
+        return set(self.states) == {READY}
+
     def with_reports(self, reports: list[startup.StartupReport] | None) -> NodeView:
         """Itself, each worker (over every slice, in order) given its startup report."""
         for i, w in enumerate(self.workers):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import Preempted, TpurunError, UsageError
+from tpurun.errors import Preempted, TpuBusy, TpurunError, UsageError
 from tpurun.job.attempt import Output
 from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start
 from tpurun.settings import Settings
@@ -21,6 +22,44 @@ def dry_run(s: Settings, spec: TrainSpec, *, local: bool, dest: str | None, loca
     argv and environment, the setup; nothing is started."""
     with targets.resolve(s, local=local, worker_spec=_workers(spec), announce=out.info) as target:
         return prepare(spec, target, 0, dest=dest, local_dir=local_dir)
+
+
+class TrainOutput(Output, Protocol):
+    """How a `train` command reports: the launcher's reports, and what became of a `--down` job's TPU when the
+    job could not be launched (the launch's error is raised after it)."""
+
+    def down(self, down: Down) -> None: ...
+
+
+def run(
+    s: Settings,
+    spec: TrainSpec,
+    *,
+    local: bool,
+    dest: str | None,
+    local_dir: Path,
+    out: TrainOutput,
+    cancel: threading.Event,
+) -> tuple[JobResult, Down | None]:
+    """A `train` command: `train`, and with `--down` its TPU armed before (so its watchdog deletes it should
+    tpurun be gone when the job ends) and taken down after, whatever became of the job (`take_down`); a launch
+    that failed takes the TPU down too, reported through OUT before its error is raised, unless another job
+    holds the TPU. The job's result, and with `--down` what became of the TPU."""
+    if spec.down:
+        arm_down(s, local=local, out=out)
+        if cancel.is_set():  # Ctrl-C while arming: nothing started, nothing deleted
+            raise KeyboardInterrupt
+    try:
+        result = train(s, spec, local=local, dest=dest, local_dir=local_dir, out=out, cancel=cancel)
+    except TpuBusy:
+        if spec.down:
+            out.down(Down(str(s.tpu.value), busy=True))
+        raise
+    except BaseException:
+        if spec.down:  # the launch itself failed (a worker unreachable, ...): --down holds
+            out.down(take_down(s, None, out))
+        raise
+    return result, take_down(s, result, out) if spec.down else None
 
 
 def train(
@@ -87,13 +126,13 @@ def _recreate(s: Settings, name: str, out: Output) -> None:
 def arm_down(s: Settings, *, local: bool, out: Output) -> None:
     """Before a `--down` job: the TPU S names carries what its watchdog needs to delete it, should tpurun be
     gone when the job ends."""
-    from tpurun.cloud import autostop
+    from tpurun import watchdogs
     from tpurun.cloud.client import Cloud
 
     if local or not s.tpu.value:
         raise UsageError("--down deletes the TPU the job runs on: give one with --tpu (not with --local)")
     with out.progress() as progress:
-        autostop.arm_down(Cloud(s), s.tpu.value, progress)
+        watchdogs.arm_down(Cloud(s), s.tpu.value, progress)
 
 
 @dataclass

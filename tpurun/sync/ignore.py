@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pathspec
 
-from tpurun.settings import PROJECT_FILE
+from tpurun.config import PROJECT_FILE
 
 ALWAYS_IGNORED = [
     ".git/",
