@@ -84,6 +84,11 @@ SSH_RETRIES = Tunable("TPURUN_SSH_RETRIES", "10", "ssh logins refused while a ne
 SSH_RETRY_DELAY = Tunable("TPURUN_SSH_RETRY_DELAY", "2", "seconds between those retries")
 KEEPALIVE_INTERVAL = Tunable("TPURUN_KEEPALIVE_INTERVAL", "5", "seconds between two liveness probes of a connection")
 KEEPALIVE_TIMEOUT = Tunable("TPURUN_KEEPALIVE_TIMEOUT", "15", "seconds without an answer before a worker is lost")
+CONNECT_WINDOW = Tunable(
+    "TPURUN_CONNECT_WINDOW",
+    "32",
+    "how many workers tpurun connects to at once, at most (the others wait their turn; docs/benchmarks.md)",
+)
 ADDRESS_MAP = Tunable(
     "TPURUN_ADDRESS_MAP", "", 'testing: JSON {"worker ip": "other ip[:port]"} to reach workers through a proxy'
 )
@@ -131,6 +136,7 @@ ALL = [
     SSH_RETRY_DELAY,
     KEEPALIVE_INTERVAL,
     KEEPALIVE_TIMEOUT,
+    CONNECT_WINDOW,
     ADDRESS_MAP,
     SYNC_WARN_MB,
     DEBUG,

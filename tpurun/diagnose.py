@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,12 +13,12 @@ from typing import Any, TypeVar
 
 from tpurun import config, health, targets
 from tpurun.cloud import keys, startup
-from tpurun.errors import TpurunError, UnreachableError
+from tpurun.errors import TpurunError
 from tpurun.job import env_contract, preflight
 from tpurun.settings import Settings
 from tpurun.targets import Target
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, run_capture
+from tpurun.transport.fleet import Call
+from tpurun.transport.runner import Runner, Worker
 from tpurun.worker import agent_files, probe
 
 A = TypeVar("A")
@@ -53,35 +52,27 @@ class ProbeRun:
 
 def run_probe(target: Target, mode: str, cfg: dict[str, Any], python: str, timeout: float) -> ProbeRun:
     """The probe in MODE on every reachable worker of TARGET at once, run by PYTHON."""
-    run = ProbeRun(errors=target.connect())
-    reachable = [r for r in target.runners if r.worker.index not in run.errors]
+    run = ProbeRun(errors=target.fleet.connect())
 
-    def one(r: Runner) -> tuple[dict[str, Any] | None, str]:
-        label = r.worker.label()
+    def call(w: Worker) -> Call:
         # what tpurun gives every process it starts there of the worker's place (doctor checks it)
-        argv = probe.program_argv(python, mode, cfg | {"vm_env": target.vm_env(r.worker)})
-        t0 = time.time()
-        try:
-            rc, out, err = run_capture(r, argv, timeout=timeout)
-        except (UnreachableError, OSError, EOFError) as exc:
-            return None, str(exc)
-        except Exception as exc:  # paramiko's SSHException and friends: the worker dropped us
-            return None, f"worker {label}: {exc}"
-        run.times[r.worker.index] = (t0, time.time())
-        lines = out.decode("utf-8", "replace").strip().splitlines()
-        if rc == 127 or (rc != 0 and not lines):
-            last = err.strip().splitlines()[-1:] or [f"exit {rc}"]
-            return None, f"worker {label}: cannot run python3 there: {last[0]}"
-        try:
-            return json.loads(lines[-1]), ""
-        except (ValueError, IndexError):
-            return None, f"worker {label}: the probe printed no result"
+        return Call.command(probe.program_argv(python, mode, cfg | {"vm_env": target.vm_env(w)}))
 
-    for index, (data, error) in each(reachable, one, name="probe").items():
-        if data is None:
-            run.errors[index] = error
-        else:
-            run.results[index] = data
+    labels = {w.index: w.label() for w in target.all_workers}
+    for index, a in target.fleet.call(call, timeout=timeout).items():
+        if a.rc is None:
+            run.errors[index] = a.error
+            continue
+        run.times[index] = (a.sent, a.answered)
+        lines = a.out.decode("utf-8", "replace").strip().splitlines()
+        if a.rc == 127 or (a.rc != 0 and not lines):
+            last = a.err.strip().splitlines()[-1:] or [f"exit {a.rc}"]
+            run.errors[index] = f"worker {labels[index]}: cannot run python3 there: {last[0]}"
+            continue
+        try:
+            run.results[index] = json.loads(lines[-1])
+        except (ValueError, IndexError):
+            run.errors[index] = f"worker {labels[index]}: the probe printed no result"
     return run
 
 

@@ -12,8 +12,8 @@ from tpurun import targets
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.settings import Settings
-from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import RUN_GRACE, LineSink, Runner, refuse_nul
+from tpurun.transport.fleet import RunResult
+from tpurun.transport.runner import RUN_GRACE, LineSink, refuse_nul
 
 
 @dataclass
@@ -51,40 +51,13 @@ def exec_everywhere(
     if name_workers is not None:
         name_workers(target.worker_names)
 
-    results: dict[int, RunResult] = {}
-    running: dict[int, threading.Thread] = {}
-    raised: list[BaseException] = []
-
-    def start(r: Runner) -> None:
-        if r.worker.index in running:  # a worker's command runs once, whatever its connection
-            return
-
-        def run() -> None:
-            try:  # what each VM's metadata does not tell the runtimes (or one worker of a pod, as its own slice)
-                done = fan_out([r], command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env)
-                results[r.worker.index] = done[0]
-            except BaseException as exc:  # raised below, in the caller's thread
-                raised.append(exc)
-
-        running[r.worker.index] = thread = threading.Thread(target=run, daemon=True, name=f"exec-w{r.worker.index}")
-        thread.start()
-
     with target:
-        errors = target.connect(then=start)
-        for _, error in sorted(errors.items()):
-            if unreachable is not None:
-                unreachable(error)
-        for r in target.runners:  # what needs no connection (this machine)
-            if r.worker.index not in errors:
-                start(r)
-        for thread in running.values():
-            while thread.is_alive():
-                thread.join(0.1)  # short waits: Ctrl-C stays live
-    if raised:
-        raise raised[0]
-    done = [*results.values(), *(RunResult(i, None, error=e) for i, e in errors.items() if i not in results)]
-    done.sort(key=lambda r: r.worker)
-    return ExecResult(done, target.worker_names)
+        # not connected yet: each worker's command starts the moment it is reached; what each VM's metadata does not
+        # tell the runtimes (or one worker of a pod, as its own slice) added
+        results = target.fleet.run(
+            command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env, unreached=unreachable
+        )
+    return ExecResult(results, target.worker_names)
 
 
 def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: list[str], flags: list[str]) -> list[str]:
@@ -98,7 +71,7 @@ def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: li
     with target:
         if len(target.runners) != 1:
             raise UsageError(f"--worker {worker}: name one worker")
-        errors = target.connect()  # a gone TPU is reported, and the worker proves who it is, before ssh runs
+        errors = target.fleet.connect()  # a gone TPU is reported, and the worker proves who it is, before ssh runs
         if errors:
             raise UnreachableError(next(iter(errors.values())))
     w = target.runners[0].worker

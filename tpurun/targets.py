@@ -16,10 +16,11 @@ from tpurun.errors import Preempted, TpurunError, UnreachableError, UsageError
 from tpurun.job.runtimes import single_host_env, vm_env
 from tpurun.naming import NAME_RE
 from tpurun.topology import Topology, one_host, parse_accelerator_type
-from tpurun.transport.fanout import connect_all
+from tpurun.transport.fleet import Fleet, connect_all
 from tpurun.transport.local import LocalRunner
 from tpurun.transport.runner import Runner, Worker, parse_worker_spec, worker_names
 from tpurun.transport.ssh import SshRunner
+from tpurun.transport.threads import Threads
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud  # not at run time: exec and train load the API clients only when asked
@@ -61,6 +62,14 @@ class Target:
     topology: Topology | None = None  # the accelerator type, parsed once (None on this machine)
     connected: bool = False  # connect() was called
     _places: _Places | None = field(default=None, init=False, repr=False, compare=False)  # vm_env's, of all_workers
+    _fleet: Fleet | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def fleet(self) -> Fleet:
+        """The selected workers as a `Fleet`, the one way commands reach them (this process's threads)."""
+        if self._fleet is None:
+            self._fleet = Threads(self)
+        return self._fleet
 
     @property
     def alone(self) -> Topology | None:
@@ -136,7 +145,7 @@ class Target:
         for r in self.runners:
             r.close()
 
-    def connect(self, then: Callable[[SshRunner], None] | None = None) -> dict[int, str]:
+    def connect(self, then: Callable[[Runner], None] | None = None) -> dict[int, str]:
         """Connect every runner at once; {worker: error} for those that failed.
 
         Every connection checks the worker's host key under the TPU's identity (its node's unique id), so a

@@ -331,7 +331,7 @@ def test_a_straggler_gets_its_own_reader_instead_of_holding_back_the_rest(tmp_pa
     plan.arrive(1, everything)  # the straggler arrives late: a reader of its own
     _collect(plan, 1, out)
     assert b"".join(s.data for s in out[1]) == b"".join(s.data for s in out[0])
-    assert plan.fanouts[0] is not plan.fanouts[1]
+    assert plan.tees[0] is not plan.tees[1]
 
 
 def test_stop_ends_every_feed_with_interrupted(tmp_path):

@@ -9,7 +9,6 @@ makes the attempts.
 
 from __future__ import annotations
 
-import base64
 import threading
 import time
 from collections import deque
@@ -22,25 +21,14 @@ from typing import Protocol
 
 from tpurun.errors import TpurunError
 from tpurun.job import env_contract, stacks, status, watch
-from tpurun.job.records import RecordStream
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting, Watch
 from tpurun.targets import Target
-from tpurun.transport import bundle
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, Stream, open_stream
-from tpurun.worker import bundle_name, protocol
+from tpurun.transport.fleet import Call
+from tpurun.transport.runner import Worker
+from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
 from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
-
-# Runs on each worker: agent present (else exit AgentExit.MISSING)? start the job (spec from $2, base64),
-# then stream its records with our stdin as the lifeline (exec: the stream process *is* the channel's command).
-_START_AND_STREAM = (
-    f'f="{bundle.BIN}/$1/agent.py"; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
-    'printf %s "$2" | base64 -d | "$3" "$f" start || exit $?; '
-    '[ "$5" = detach ] && exit 0; '
-    'exec "$3" "$f" stream "$4" --follow --attached'
-)
 
 
 @dataclass
@@ -163,85 +151,67 @@ class JobRun:
             pre_commands=self.pre(worker),
         )
 
-    def _command(self, worker: int) -> list[str]:
-        spec = base64.b64encode(self.job_spec(worker).to_json().encode()).decode()
-        mode = "detach" if self.detach else "attach"
-        return ["sh", "-c", _START_AND_STREAM, "tpurun", bundle_name(), spec, self.python, self.job_id, mode]
-
-    def _worker(self, runner: Runner) -> None:
-        w = runner.worker.index
-        try:
-            stream = open_stream(runner, self._command(w))
-            if self._pump(w, stream) == AgentExit.MISSING:
-                # first job on this worker (or a new tpurun version): ship the agent, then start again
-                bundle.install(runner)
-                self._pump(w, open_stream(runner, self._command(w)))
-        except TpurunError as exc:
-            self._lose(w, str(exc))
-        except (OSError, EOFError) as exc:
-            self._lose(w, f"worker {runner.worker.label()}: {exc}")
+    def _call(self, worker: Worker) -> Call:
+        """WORKER's part of the job: the agent's `start` with its spec, then (attached) its `stream`, whose stdin
+        is the lifeline, on the same channel."""
+        spec = self.job_spec(worker.index).to_json().encode()
+        then = () if self.detach else ("stream", self.job_id, "--follow", "--attached")
+        return Call.program_of(self.python, "agent.py", *then, first=("start", spec))
 
     def _lose(self, w: int, why: str) -> None:
         with self.lock:
             self.unreachable[w] = why
         self.stop.set()
 
-    def _pump(self, w: int, stream: Stream) -> int:
-        """Render W's records until its job is done; the stream's exit code."""
-        reader = RecordStream(stream)
-        closed = False
-        done = False
-        while not done:
-            if self.cancel.is_set():
-                self.stop.set()
-            if self.stop.is_set() and not closed and not self.detach:
-                stream.close_stdin()  # the agent stops this worker's processes and keeps streaming to the end
-                closed = True
-            recs = reader.records(0.1)
-            if recs is None:
-                break
-            took, over = self._take(w, recs)
-            done = done or over
-            if not took:
-                self.out.flush()  # idle: show what is buffered now, not when the next line comes
-        rc = stream.wait()
-        if not done:
-            err = stream.stderr_text().strip()
-            if rc == AgentExit.MISSING:
-                return rc
-            if rc == AgentExit.BUSY:
-                # another job holds this worker: a refusal (nothing of ours started), not a lost worker
-                with self.lock:
-                    self.busy[w] = err.splitlines()[-1]
-                self.stop.set()
-            elif self.detach and rc == 0:
-                return rc
-            else:
-                detail = err.splitlines()[-1] if err else f"connection closed (exit {rc})"
-                self._lose(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
-        return rc
+    def _read(self, source: int, recs: Iterable[protocol.Record]) -> None:
+        """A read's worth of records from SOURCE's stream; idle: what is buffered is shown now, not when the
+        next line comes."""
+        if self.cancel.is_set():
+            self.stop.set()
+        if not self._take(source, recs):
+            self.out.flush()
 
-    def _take(self, w: int, recs: Iterable[protocol.Record]) -> tuple[bool, bool]:
-        """A read's worth of W's records, each run of lines to the output at once: whether there were any,
-        and whether W's part of the job is over."""
-        took = over = False
+    def _ended(self, w: int, rc: int, err: str, done: bool) -> bool:
+        """W's stream ended with RC (its part of the job over when DONE); never opened again."""
+        if done:
+            return False
+        err = err.strip()
+        if rc == AgentExit.BUSY:
+            # another job holds this worker: a refusal (nothing of ours started), not a lost worker
+            with self.lock:
+                self.busy[w] = err.splitlines()[-1]
+            self.stop.set()
+        elif not (self.detach and rc == 0):
+            detail = err.splitlines()[-1] if err else f"connection closed (exit {rc})"
+            self._lose(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
+        return False
+
+    def _take(self, source: int, recs: Iterable[protocol.Record]) -> bool:
+        """A read's worth of records from SOURCE's stream, each of the worker it names, each run of a worker's
+        lines to the output at once: whether there were any."""
+        took = False
         batch: list[tuple[int, str]] = []
+        at = source  # the worker of BATCH
         t = 0.0
         for rec in recs:
             if not took:
                 self.last_activity = time.monotonic()
             took = True
             if isinstance(rec, protocol.Line):
+                if rec.worker != at and batch:
+                    self._lines(at, batch, t)
+                    batch = []
+                at = rec.worker
                 batch.append((rec.slot, rec.text))
                 t = rec.time
                 continue
             if batch:
-                self._lines(w, batch, t)
+                self._lines(at, batch, t)
                 batch = []
-            over = self._event(w, rec) or over
+            self._event(source, rec)
         if batch:
-            self._lines(w, batch, t)
-        return took, over
+            self._lines(at, batch, t)
+        return took
 
     def _lines(self, w: int, batch: list[tuple[int, str]], t: float) -> None:
         """W's BATCH of lines, the last printed at T."""
@@ -255,15 +225,17 @@ class JobRun:
             self.watch.lines(w, slot, last[-1], t)
         self.out.lines(w, batch)
 
-    def _event(self, w: int, rec: protocol.Record) -> bool:
-        """Take one of W's records other than a line; True once W's part of the job is over."""
+    def _event(self, source: int, rec: protocol.Record) -> None:
+        """Take one record other than a line, of the worker it names (SOURCE's, the stream's, for one that names
+        none)."""
         if isinstance(rec, protocol.Exit):
-            self._exited(w, rec)
-            return False
+            self._exited(rec.worker, rec)
+            return
         if isinstance(rec, protocol.Passages):
             self.watch.take(rec)
-            return False
+            return
         if isinstance(rec, protocol.Done):
+            w = rec.worker
             origin = rec.state.first_failure
             with self.lock:
                 self.ended[w] = rec.state
@@ -273,14 +245,12 @@ class JobRun:
                 o = self.outcome(w, ps.slot)
                 if o.exit_code is None:
                     o.exit_code, o.status = ps.exit_code, ps.status
-            return True
-        if isinstance(rec, protocol.StartFailed):
-            self._lose(w, f"{self.target.all_workers[w].name}: the agent could not start the job: {rec.reason}")
-            return True
-        if isinstance(rec, protocol.Started):
+        elif isinstance(rec, protocol.StartFailed):
+            why = f"{self.target.all_workers[source].name}: the agent could not start the job: {rec.reason}"
+            self._lose(source, why)
+        elif isinstance(rec, protocol.Started):
             with self.lock:
-                self.started.add(w)
-        return False
+                self.started.add(rec.worker)
 
     def _exited(self, w: int, rec: protocol.Exit) -> None:
         o = self.outcome(w, rec.slot)
@@ -308,7 +278,8 @@ class JobRun:
 
     def run(self) -> None:
         with watch.reporting(self.watch, self._tick):
-            each(self.target.runners, self._worker, name="job")
+            lifeline = None if self.detach else self.stop  # closed: the agents stop the job and stream to its end
+            self.target.fleet.follow(self._call, self._read, self._ended, self._lose, lifeline=lifeline)
         self.out.flush()
         # the first failure by the agents' own account, as `jobs` and `logs` name it (records came in the
         # order the workers' streams delivered them, not always the order the processes failed in)

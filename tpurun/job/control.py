@@ -8,22 +8,20 @@ import contextlib
 import itertools
 import json
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, UnreachableError, UsageError
 from tpurun.job import watch
-from tpurun.job.records import JobRecord, RecordStream, connect
+from tpurun.job.records import JobRecord, connect
 from tpurun.job.status import JobSummary, combine
 from tpurun.job.watch import Waiting, Watch
 from tpurun.settings import Settings
-from tpurun.transport import bundle
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, open_stream, worker_names
+from tpurun.transport.fleet import Call
+from tpurun.transport.runner import Worker, worker_names
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit
 
@@ -83,7 +81,7 @@ def logs(
     try:
         connect(target, record)
         with watch.reporting(viewer.watch, lines.waiting) if viewer.follow else contextlib.nullcontext():
-            each(target.runners, viewer.view, name="logs")
+            viewer.view()
         replay = sorted(viewer.replay)
         rows = replay if tail is None else _last_lines(replay, tail)
         for w, run in itertools.groupby(rows, key=lambda row: row[1]):
@@ -92,7 +90,7 @@ def logs(
         if follow and tail is not None and not stop.is_set():  # then on from where the tail ended
             viewer.follow = True
             with watch.reporting(viewer.watch, lines.waiting):
-                each(target.runners, viewer.view, name="logs")
+                viewer.view()
         lines.flush()
     finally:
         target.close()
@@ -135,70 +133,56 @@ class _Viewer:
         self.lock = threading.Lock()
         self.watch = Watch([r.worker for r in target.runners])  # who waits for whom, among the workers shown
 
-    def view(self, runner: Runner) -> None:
-        w = runner.worker.index
-        attempts = 0
-        while w not in self.done and not self.stop.is_set():
-            try:
-                if not self._read(runner):
-                    return
-            except (OSError, EOFError, TpurunError) as exc:
-                attempts += 1
-                if attempts > RECONNECTS:
-                    self.errors[w] = str(exc)
-                    return
-                time.sleep(1)
-                try:
-                    runner.close()
-                    t = self.target
-                    connect(targets.Target(t.name, t.accelerator_type, [runner], t.all_workers, t.local))
-                except TpurunError:
-                    continue
+    def view(self) -> None:
+        """Every shown worker's records, from the offsets shown so far, until each is done (or without follow,
+        has sent what it has), the job's end or STOP."""
+        self.target.fleet.follow(self._call, self._take, self._ended, self._lost, stop=self.stop, reconnects=RECONNECTS)
 
-    def _read(self, runner: Runner) -> bool:
-        """One `agent stream` from the offsets shown so far; whether to go on (follow after a drop)."""
-        w = runner.worker.index
+    def _call(self, worker: Worker) -> Call:
+        """One `agent stream` from the offsets WORKER's lines were shown up to."""
+        w = worker.index
         args = ["stream", self.record.job_id, "--offsets", json.dumps(self.offsets[w])]
-        argv = bundle.program_argv(self.record.python, "agent.py", *args, *(["--follow"] if self.follow else []))
-        stream = open_stream(runner, argv)
-        reader = RecordStream(stream)
-        while (recs := reader.records(0.2)) is not None:
-            if self.stop.is_set():
-                stream.kill()  # a viewer only ends its own stream: the job goes on
-                return False
-            self._take(w, recs)
-        rc = stream.wait()
-        if rc == AgentExit.MISSING:  # this version of tpurun's agent is new to the worker: install, read again
-            bundle.install(runner)
-            return True
+        return Call.program_of(self.record.python, "agent.py", *args, *(["--follow"] if self.follow else []))
+
+    def _ended(self, w: int, rc: int, err: str, done: bool) -> bool:
+        """Whether to read W's records again once its stream ended with RC (follow after a drop)."""
+        if done or w in self.done:
+            return False
         if rc == AgentExit.USAGE:
             self.missing.add(w)
-            self.errors[w] = stream.stderr_text().strip() or (
-                f"job {self.record.job_id} is not on {self.target.all_workers[w].name}"
-            )
+            self.errors[w] = err.strip() or f"job {self.record.job_id} is not on {self.target.all_workers[w].name}"
             return False
         return self.follow
 
-    def _take(self, w: int, recs: Iterable[protocol.Record]) -> None:
-        """A read's worth of W's records: a follow's lines to LINES at once, a replay's kept (every worker's
-        lines first, then in time order)."""
+    def _lost(self, w: int, why: str) -> None:
+        self.errors[w] = why
+
+    def _take(self, _source: int, recs: Iterable[protocol.Record]) -> None:
+        """A read's worth of records, each of the worker it names: a follow's lines to LINES at once (a run of
+        one worker's at a time), a replay's kept (every worker's lines first, then in time order)."""
         batch: list[tuple[int, str]] = []
+        at = -1  # the worker of BATCH
         kept: list[tuple[float, int, int, int, str]] = []
         for rec in recs:
             if isinstance(rec, protocol.Done):
-                self.done.add(w)
-                self.ended[w] = rec.state
+                self.done.add(rec.worker)
+                self.ended[rec.worker] = rec.state
             elif isinstance(rec, protocol.Passages):
                 self.watch.take(rec)
             elif isinstance(rec, protocol.Line):
+                w = rec.worker
                 if self.follow:
+                    if w != at and batch:
+                        self.lines.lines(at, batch)
+                        batch = []
+                    at = w
                     batch.append((rec.slot, rec.text))
                     self.watch.lines(w, rec.slot, rec.text, rec.time)
                 else:
                     kept.append((rec.time, w, rec.slot, rec.offset, rec.text))
                 self.offsets[w][rec.slot] = rec.offset
         if batch:
-            self.lines.lines(w, batch)
+            self.lines.lines(at, batch)
         if kept:
             with self.lock:
                 self.replay += kept
@@ -222,16 +206,15 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
     try:
         connect(target, record)
 
-        def one(runner: Runner) -> None:
-            args = ("stop", job_id, "--grace", str(grace))
-            rc, out, err = bundle.run_program(runner, record.python, "agent.py", *args, timeout=grace + 120)
+        call = Call.program_of(record.python, "agent.py", "stop", job_id, "--grace", str(grace))
+        for w, a in target.fleet.call(call, timeout=grace + 120).items():
+            if a.rc is None:
+                raise UnreachableError(a.error)
             try:
-                before[runner.worker.index] = protocol.JobState.from_json(out).status_before_stop
+                before[w] = protocol.JobState.from_json(a.out).status_before_stop
             except ValueError:
                 pass
-            results[runner.worker.index] = (rc, err)
-
-        each(target.runners, one, name="cancel")
+            results[w] = (a.rc, a.err)
     finally:
         target.close()
     names = worker_names(target.all_workers)

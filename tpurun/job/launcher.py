@@ -24,7 +24,8 @@ from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.sync import report, sender
 from tpurun.targets import Target
 from tpurun.topology import Topology
-from tpurun.transport.runner import run_capture, worker_names
+from tpurun.transport.fleet import Call
+from tpurun.transport.runner import worker_names
 from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 HINTS = [
@@ -100,13 +101,17 @@ class TrainSpec:
 
 def probe(target: Target, python: str) -> dict[str, Any]:
     """What worker 0 has: libtpu, device files, torch_xla version (for --runtime auto and hints)."""
-    rc, out, err = run_capture(target.runners[0], [python, "-c", env_contract.PROBE_SCRIPT], timeout=120)
-    if rc != 0:
+    first = target.runners[0].worker
+    a = target.fleet.call(Call.command([python, "-c", env_contract.PROBE_SCRIPT]), timeout=120, only=[first.index])
+    answer = a[first.index]
+    if answer.rc is None:
+        raise UnreachableError(answer.error)
+    if answer.rc != 0:
         raise UnreachableError(
-            f"cannot run {python} on worker {target.runners[0].worker.label()}: {err.strip().splitlines()[-1:] or rc}"
+            f"cannot run {python} on worker {first.label()}: {answer.err.strip().splitlines()[-1:] or answer.rc}"
         )
     try:
-        return json.loads(out.decode().strip().splitlines()[-1])
+        return json.loads(answer.out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
         return {}
 
@@ -496,7 +501,7 @@ def run_setup(job: Job, out: Output, cancel: threading.Event) -> SetupResult:
             out.info(f"setup on {len(todo)} worker(s): {setup.describe()}")
 
     res = run_everywhere(
-        job.target.runners,
+        job.target.fleet,
         setup,
         cwd=job.cwd,
         python=job.python,

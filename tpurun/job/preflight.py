@@ -13,7 +13,6 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,10 +21,7 @@ from tpurun.errors import TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.setup import REQUIREMENTS
 from tpurun.job.status import ACTIVE
 from tpurun.targets import Target
-from tpurun.transport import bundle
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner, Stream, open_stream
-from tpurun.worker.protocol import AgentExit
+from tpurun.transport.fleet import Call, Session
 from tpurun.worker.protocol_calls import Preflight
 
 if TYPE_CHECKING:
@@ -59,22 +55,22 @@ def ask(target: Target, python: str, packages: list[str]) -> dict[int, Preflight
     missing. Raises UnreachableError naming the workers that did not answer."""
     args = ("preflight", "--packages", ",".join(packages))
     failed: dict[int, str] = {}
-
-    def one(runner: Runner) -> Preflight | None:
+    answers: dict[int, Preflight] = {}
+    for w, a in target.fleet.call(Call.program_of(python, "agent.py", *args)).items():
+        name = target.all_workers[w].name
+        if a.rc is None:
+            failed[w] = f"{name}: {a.error}"
+            continue
+        if a.rc != 0:
+            failed[w] = f"{name}: {python}: {a.why()}"
+            continue
         try:
-            rc, out, err = bundle.run_program(runner, python, "agent.py", *args)
-            if rc == 0:
-                return Preflight.from_json(out.decode().strip().splitlines()[-1])
-            why = err.strip().splitlines()[-1:] or [f"exit {rc}"]
-            failed[runner.worker.index] = f"{runner.worker.name}: {python}: {why[0]}"
-        except (TpurunError, OSError, EOFError, ValueError, IndexError) as exc:
-            failed[runner.worker.index] = f"{runner.worker.name}: {exc}"
-        return None
-
-    answers = each(target.runners, one, name="preflight")
+            answers[w] = Preflight.from_json(a.out.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            failed[w] = f"{name}: {exc}"
     if failed:
         raise UnreachableError("; ".join(failed[w] for w in sorted(failed)))
-    return {w: a for w, a in answers.items() if a is not None}
+    return answers
 
 
 class Claim:
@@ -83,32 +79,26 @@ class Claim:
     worker go; the job's start on a worker ends that worker's hold (the job holds the worker from then on)."""
 
     def __init__(self) -> None:
-        self.streams: dict[int, Stream] = {}
+        self.sessions: dict[int, Session] = {}
         self.lock = threading.Lock()
 
-    def keep(self, worker: int, stream: Stream) -> None:
+    def keep(self, session: Session) -> None:
         with self.lock:
-            self.streams[worker] = stream
+            self.sessions[session.worker] = session
 
     def lost(self) -> list[int]:
         """The workers whose hold has ended (its process was killed: `tpurun kill-stale` ends holds)."""
-        return sorted(w for w, stream in self.streams.items() if stream.read(0) is None)
+        return sorted(w for w, session in self.sessions.items() if not session.alive())
 
     def release(self) -> None:
         """Let every worker go, and wait (a few seconds at most) until each has."""
         with self.lock:
-            streams, self.streams = list(self.streams.values()), {}
-        for stream in streams:
-            stream.close_stdin()
+            sessions, self.sessions = list(self.sessions.values()), {}
+        for session in sessions:
+            session.release()
         deadline = time.monotonic() + RELEASE_WAIT
-        for stream in streams:
-            try:
-                while time.monotonic() < deadline:
-                    if stream.read(0.1) is None:
-                        stream.wait()
-                        break
-            except (TpurunError, OSError, EOFError):
-                pass
+        for session in sessions:
+            session.wait_end(deadline)
 
 
 ANSWER_WAIT = 60.0  # seconds a worker's agent has to answer a preflight
@@ -122,36 +112,34 @@ def claim(target: Target, python: str, packages: list[str], job_id: str) -> tupl
     first, the others only answer). Raises TpuBusy when another job holds any worker (runs there, or holds it for
     its own start), and UnreachableError naming the workers that did not answer; then nothing stays held."""
     held = Claim()
-    argv = bundle.program_argv(python, "agent.py", "preflight", "--packages", ",".join(packages), "--claim", job_id)
+    fleet = target.fleet
+    call = Call.program_of(python, "agent.py", "preflight", "--packages", ",".join(packages), "--claim", job_id)
     failed: dict[int, str] = {}
-    asks: dict[int, _Ask] = {}
-
-    def start(runner: Runner) -> None:
-        try:
-            asks[runner.worker.index] = _Ask(runner, argv)
-        except (TpurunError, OSError, EOFError) as exc:
-            failed[runner.worker.index] = f"{runner.worker.name}: {exc}"
-
-    def turn(claiming: bool) -> Callable[[Runner], Preflight | None]:
-        def one(runner: Runner) -> Preflight | None:
-            w = runner.worker.index
-            try:
-                answer = asks[w].answer(claiming) if w in asks else None
-            except (TpurunError, OSError, EOFError, ValueError) as exc:
-                failed[w] = f"{runner.worker.name}: {python}: {exc}"
-                return None
-            if answer is not None and claiming and not answer.held_by:
-                held.keep(w, asks[w].stream)
-            return answer
-
-        return one
-
     answers: dict[int, Preflight] = {}
+    sessions: dict[int, Session] = {}
     try:
-        each(target.runners, start, name="preflight")
-        for group in (target.runners[:1], target.runners[1:]):
+        for w, opened in fleet.open(call).items():
+            if isinstance(opened, str):
+                failed[w] = f"{target.all_workers[w].name}: {opened}"
+            else:
+                sessions[w] = opened
+        order = sorted(sessions)
+        for group in (order[:1], order[1:]):
             claiming = not failed and not any(a.held_by for a in answers.values())
-            answers.update((w, a) for w, a in each(group, turn(claiming), name="claim").items() if a is not None)
+            said = fleet.answer({w: sessions[w] for w in group}, b"\n" if claiming else None, ANSWER_WAIT)
+            for w, line in said.items():
+                try:
+                    if isinstance(line, Exception):
+                        raise line
+                    answer = Preflight.from_json(line)
+                except (TpurunError, ValueError) as exc:
+                    failed[w] = f"{target.all_workers[w].name}: {python}: {exc}"
+                    continue
+                answers[w] = answer
+                if claiming and not answer.held_by:
+                    held.keep(sessions[w])
+                else:
+                    sessions[w].ended()  # it holds nothing: it has ended, or is ending
         if failed:
             raise UnreachableError("; ".join(failed[w] for w in sorted(failed)))
         refuse_if_busy(target, answers)
@@ -159,53 +147,6 @@ def claim(target: Target, python: str, packages: list[str], job_id: str) -> tupl
         held.release()
         raise
     return answers, held
-
-
-class _Ask:
-    """One worker's `preflight --claim`, started at once: it answers when told whether to claim the worker (a
-    line on its stdin) or not (its stdin closed). The bundle is installed where it is missing."""
-
-    def __init__(self, runner: Runner, argv: list[str]) -> None:
-        self.runner, self.argv = runner, argv
-        self.stream = open_stream(runner, argv)
-
-    def answer(self, claiming: bool) -> Preflight:
-        for installed in (False, True):
-            try:
-                if claiming:
-                    self.stream.write(b"\n")
-                else:
-                    self.stream.close_stdin()
-            except (OSError, EOFError):
-                pass  # it has ended: reading says why
-            line = self._line()
-            if line is not None:
-                answer = Preflight.from_json(line)
-                if not claiming or answer.held_by:
-                    self.stream.wait()  # it holds nothing: it has ended, or is ending
-                return answer
-            rc = self.stream.wait()
-            if rc == AgentExit.MISSING and not installed:
-                bundle.install(self.runner)
-                self.stream = open_stream(self.runner, self.argv)
-                continue
-            why = self.stream.stderr_text().strip().splitlines()[-1:] or [f"exit {rc}"]
-            raise UnreachableError(why[0])
-        raise AssertionError("the bundle was installed")
-
-    def _line(self) -> str | None:
-        """The answer's line, or None when the agent ended without one."""
-        buf = b""
-        deadline = time.monotonic() + ANSWER_WAIT
-        while b"\n" not in buf:
-            data = self.stream.read(0.2)
-            if data is None:
-                return None
-            buf += data
-            if time.monotonic() > deadline:
-                self.stream.kill()
-                raise UnreachableError(f"its agent did not answer within {ANSWER_WAIT:.0f} s")
-        return buf.split(b"\n", 1)[0].decode()
 
 
 def from_probe(answer: DoctorAnswer) -> Preflight | None:

@@ -7,7 +7,6 @@ import datetime as dt
 import json
 import os
 import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from tpurun import targets
 from tpurun.errors import ApiError, UnreachableError, UsageError
 from tpurun.settings import Settings
 from tpurun.targets import Target
-from tpurun.transport.runner import Stream
-from tpurun.worker import protocol
 
 
 def new_job_id() -> str:
@@ -90,28 +87,9 @@ def list_records(home: Path) -> list[JobRecord]:
     return [JobRecord.load(home, p.stem) for p in sorted(d.glob("*.json"))]
 
 
-class RecordStream:
-    """What the agent's `stream` command sends (protocol records, one per line). The one reader of it, for
-    an attached job (the launcher) and for `logs`."""
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-        self.buf = b""
-
-    def records(self, timeout: float) -> Iterator[protocol.Record] | None:
-        """The records that arrived within TIMEOUT, parsed one at a time as the caller takes them (a read
-        may hold tens of thousands); None once the stream has ended."""
-        data = self.stream.read(timeout)
-        if data is None:
-            return None
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
-        return protocol.decode_lines(lines)
-
-
 def connect(target: Target, record: JobRecord | None = None) -> None:
     """Connect every worker of TARGET, or raise; with RECORD, also that TARGET is the TPU that job ran on."""
-    errors = target.connect()
+    errors = target.fleet.connect()
     if errors:
         raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
     if record is not None and target.other_than(record.ids):

@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpurun.transport.fanout import RunResult, fan_out
-from tpurun.transport.runner import LineSink, Runner, Worker
+from tpurun.transport.fleet import Fleet, RunResult
+from tpurun.transport.runner import LineSink, Worker
 
 REQUIREMENTS = "requirements.txt"
 MARKERS = ".tpurun/setup"
@@ -99,7 +99,7 @@ class SetupResult:
 
 
 def run_everywhere(
-    runners: list[Runner],
+    fleet: Fleet,
     setup: Setup,
     *,
     cwd: str,
@@ -110,20 +110,20 @@ def run_everywhere(
     on_start: Callable[[list[int], list[int]], None] | None = None,
     env: Callable[[Worker], Mapping[str, str]] | None = None,
 ) -> SetupResult:
-    """Run SETUP (with the variables ENV gives each worker) on every runner that has not finished its key before;
-    fail-fast across workers."""
+    """Run SETUP (with the variables ENV gives each worker) on every worker of FLEET that has not finished its key
+    before; fail-fast across workers."""
     state: dict[int, str] = {}
-    fan_out(runners, ["sh", "-c", _DONE, "tpurun", setup.key], lambda w, _s, line: state.update({w: line}), stop=stop)
-    todo = [r for r in runners if state.get(r.worker.index) != "done"]
-    skipped = [r.worker.index for r in runners if state.get(r.worker.index) == "done"]
+    fleet.run(["sh", "-c", _DONE, "tpurun", setup.key], lambda w, _s, line: state.update({w: line}), stop=stop)
+    todo = [w.index for w in fleet.workers if state.get(w.index) != "done"]
+    skipped = [w.index for w in fleet.workers if state.get(w.index) == "done"]
     if on_start:
-        on_start([r.worker.index for r in todo], skipped)
-    tails: dict[int, deque[str]] = {r.worker.index: deque(maxlen=10) for r in todo}
+        on_start(todo, skipped)
+    tails: dict[int, deque[str]] = {w: deque(maxlen=10) for w in todo}
 
     def keep(worker: int, stream: str, line: str) -> None:
         tails[worker].append(line)
         sink(worker, stream, line)
 
     argv = ["sh", "-c", _SCRIPT, "tpurun", setup.key, cwd, python, "\n".join(setup.commands)]
-    results = fan_out(todo, argv, keep, stop=stop, fail_fast=True, grace=grace, env=env) if todo else []
-    return SetupResult([r.worker.index for r in todo], skipped, results, {w: list(t) for w, t in tails.items()})
+    results = fleet.run(argv, keep, stop=stop, fail_fast=True, grace=grace, env=env, only=todo) if todo else []
+    return SetupResult(todo, skipped, results, {w: list(t) for w, t in tails.items()})

@@ -12,14 +12,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import UnreachableError, UsageError
 from tpurun.job.env_contract import process_name
 from tpurun.job.records import JobRecord, connect, list_records
 from tpurun.settings import Settings
 from tpurun.targets import Target
-from tpurun.transport import bundle
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
+from tpurun.transport.fleet import Call
 from tpurun.worker.protocol_calls import ProcessStack
 
 ASK_TIMEOUT = 10.0  # seconds a worker's agent waits for its processes' answers
@@ -148,19 +146,17 @@ def gather(target: Target, python: str, job_id: str, home: Path) -> Stacks:
     answers: dict[int, list[ProcessStack]] = {}
     errors: dict[int, str] = {}
 
-    def ask(runner: Runner) -> None:
-        w = runner.worker.index
-        args = ("stacks", job_id, "--timeout", str(ASK_TIMEOUT))
-        try:
-            rc, out, err = bundle.run_program(runner, python, "agent.py", *args, timeout=ASK_TIMEOUT + 60)
-            if rc == 0:
-                answers[w] = [ProcessStack.from_dict(p) for p in json.loads(out.decode())]
-            else:
-                errors[w] = (err.strip().splitlines() or [f"the agent exited {rc}"])[-1]
-        except (TpurunError, OSError, EOFError, ValueError) as exc:
-            errors[w] = str(exc)
-
-    each(target.runners, ask, name="stacks")
+    args = ("stacks", job_id, "--timeout", str(ASK_TIMEOUT))
+    for w, a in target.fleet.call(Call.program_of(python, "agent.py", *args), timeout=ASK_TIMEOUT + 60).items():
+        if a.rc is None:
+            errors[w] = a.error
+        elif a.rc != 0:
+            errors[w] = (a.err.strip().splitlines() or [f"the agent exited {a.rc}"])[-1]
+        else:
+            try:
+                answers[w] = [ProcessStack.from_dict(p) for p in json.loads(a.out.decode())]
+            except ValueError as exc:
+                errors[w] = str(exc)
     names = {w.index: w.name for w in target.all_workers}
     if errors and not answers:
         raise UnreachableError("; ".join(f"{names[w]}: {why}" for w, why in sorted(errors.items())))

@@ -18,9 +18,7 @@ from tpurun.job.records import JobRecord, forget, list_records
 from tpurun.job.watch import Waiting, Watch
 from tpurun.settings import Settings
 from tpurun.targets import Target
-from tpurun.transport.bundle import run_program
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Runner
+from tpurun.transport.fleet import Answer, Call
 from tpurun.worker import protocol
 from tpurun.worker.protocol import JobState, JobStatus
 
@@ -124,12 +122,11 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
     target: Target | None = None
     try:
         target = every_worker.target(s)
-        errors = target.connect()
+        errors = target.fleet.connect()
         if target.other_than(ids):
             return every(JobStatus.GONE, f"TPU {tpu} deleted; another has its name")
-        python = group[-1].python
-        reached = [r for r in target.runners if r.worker.index not in errors]
-        listed = each(reached, lambda runner: _agent_jobs(runner, python), name="jobs")
+        answers = target.fleet.call(Call.program_of(group[-1].python, "agent.py", "jobs"), timeout=30)
+        listed = {w: _agent_jobs(a) for w, a in answers.items()}
     except NoSuchTpu:
         return every(JobStatus.GONE, f"TPU {tpu} deleted")
     except TpurunError as exc:
@@ -161,16 +158,12 @@ def _waiting(target: Target, record: JobRecord, listed: Mapping[int, Mapping[str
     return watch.waiting(time.time())
 
 
-def _agent_jobs(runner: Runner, python: str) -> dict[str, JobState]:
-    """{job id: its state} of every job the agent on RUNNER's worker knows ({} without an agent there, or
+def _agent_jobs(answer: Answer) -> dict[str, JobState]:
+    """{job id: its state} of every job the agent on the ANSWER's worker knows ({} without an agent there, or
     when the worker stopped answering meanwhile)."""
-    try:
-        rc, out, _ = run_program(runner, python, "agent.py", "jobs", timeout=30)
-    except (TpurunError, OSError, EOFError):
-        return {}
-    if rc != 0:
+    if answer.rc != 0:
         return {}
     try:
-        return {st.job_id: st for st in protocol.job_states(out)}
+        return {st.job_id: st for st in protocol.job_states(answer.out)}
     except ValueError:
         return {}

@@ -34,8 +34,8 @@ from tpurun import targets
 from tpurun.settings import Settings
 from tpurun.sync import ignore
 from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Pipe, Runner
+from tpurun.transport.fleet import Fleet
+from tpurun.transport.runner import Pipe, Worker
 from tpurun.worker import sync_helper
 
 
@@ -327,56 +327,48 @@ def download_stream(
 
 
 def download(
-    runners: Sequence[Runner],
+    fleet: Fleet,
     path: str,
     dest: Path,
     *,
     outside_home: bool = False,
     progress: Counters | None = None,
     stop: threading.Event | None = None,
-    connect_errors: dict[int, str] | None = None,
 ) -> list[Fetched]:
-    """PATH from every runner (connected) to DEST at once: into DEST itself from one worker, into
-    DEST/<worker name> from several."""
+    """PATH from every worker of FLEET (connected: the unreached ones are reported as such) to DEST at once: into
+    DEST itself from one worker, into DEST/<worker name> from several."""
     progress = progress or Counters()
     stop = stop or threading.Event()
-    many = len(runners) > 1
+    many = len(fleet.workers) > 1
     fresh = None if os.path.lexists(dest) else dest  # made by this download: left out of git and sync
-    got = {r.worker.index: Fetched(r.worker.index, r.worker.name, r.worker.address) for r in runners}
-    for index, error in (connect_errors or {}).items():
+    got = {w.index: Fetched(w.index, w.name, w.address) for w in fleet.workers}
+    for index, error in fleet.unreached.items():
         got[index].error, got[index].unreachable = error, True
-    streams: dict[int, Pipe] = {}
 
-    def one(r: Runner) -> None:
-        g = got[r.worker.index]
+    def one(worker: Worker, opened: Callable[[], Pipe]) -> None:
+        g = got[worker.index]
         started = time.monotonic()
+        stream: Pipe | None = None
         try:
-            stream = streams[r.worker.index] = r.pipe(helper_command(r.python))
-            root = local_root(dest, r.worker.name, many)
+            stream = opened()
+            root = local_root(dest, worker.name, many)
             download_stream(stream, g, path, root, outside_home=outside_home, progress=progress, fresh=fresh)
         except (Protocol, KeyError, TypeError, ValueError, struct.error) as exc:
             g.error = f"the worker's download helper answered what this side refuses: {exc}"
         except (sync_helper.Eof, OSError, EOFError) as exc:
             if not stop.is_set():
-                why = describe_failure(streams[r.worker.index]) if r.worker.index in streams else str(exc)
+                why = describe_failure(stream) if stream is not None else str(exc)
                 g.unreachable = why.startswith("the connection was lost")  # exit 4, else the helper's own failure
                 g.error = f"{g.name} ({g.address}): {why}" if g.unreachable else why
         except Exception as exc:  # paramiko errors: this worker fails, not the others
             g.error, g.unreachable = f"{g.name} ({g.address}): {type(exc).__name__}: {exc}", True
         finally:
-            if r.worker.index in streams:
-                streams[r.worker.index].close()
             g.seconds = round(time.monotonic() - started, 3)
 
-    def close_on_stop() -> None:
-        if stop.is_set():
-            for s in list(streams.values()):
-                s.close()  # wakes a thread waiting for data; its temp file is removed
-
-    each([r for r in runners if not got[r.worker.index].error], one, name="download", tick=close_on_stop)
+    fleet.converse(helper_command, one, stop=stop, only=[w for w, g in got.items() if not g.error])
     if stop.is_set():
         raise Interrupted()
-    return [got[r.worker.index] for r in runners]
+    return [got[w.index] for w in fleet.workers]
 
 
 def download_from(
@@ -395,10 +387,8 @@ def download_from(
     download(); ANNOUNCE hears that it is this machine."""
     target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     with target:
-        errors = target.connect()
-        return download(
-            target.runners, path, dest, outside_home=outside_home, progress=progress, stop=stop, connect_errors=errors
-        )
+        target.fleet.connect()
+        return download(target.fleet, path, dest, outside_home=outside_home, progress=progress, stop=stop)
 
 
 def sent_from(got: Sequence[Fetched], here: Path) -> list[str]:

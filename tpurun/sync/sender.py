@@ -39,8 +39,8 @@ from tpurun.errors import UsageError
 from tpurun.settings import Settings
 from tpurun.sync import ignore
 from tpurun.targets import Target
-from tpurun.transport.fanout import each
-from tpurun.transport.runner import Pipe, Runner
+from tpurun.transport.fleet import Fleet
+from tpurun.transport.runner import Pipe, Worker
 from tpurun.worker import sync_helper
 
 CHUNK = 1 << 20  # bytes per data frame
@@ -320,7 +320,7 @@ QUEUE_DEPTH = 8  # segments queued per worker: a few MB, whatever the tree's siz
 GROUP_WAIT = 2.0  # seconds the first worker's reply waits for the others' before its data starts
 
 
-class Fanout:
+class Tee:
     """One reader for every worker that needs the same files: each file is read and hashed once and
     its segments go to every member's bounded queue, so N workers cost one read, not N. The group
     moves at its slowest member's pace; a member that fails leaves and no longer holds it back."""
@@ -383,7 +383,7 @@ Needs = Callable[[Manifest, list[tuple[int, ...]]], None]  # the manifest, what 
 
 
 class Plan:
-    """Puts workers with the same needs into one Fanout. Every worker thread calls arrive() once (with
+    """Puts workers with the same needs into one Tee. Every worker thread calls arrive() once (with
     None when it dropped out before its reply); feed() waits until all have arrived or GROUP_WAIT has
     passed since the first did, so one slow worker does not hold the others back for long. ON_NEEDS hears
     what the workers that answered need, once, before any data goes."""
@@ -396,7 +396,7 @@ class Plan:
         self.cond = threading.Condition()
         self.arrived: dict[int, tuple[int, ...] | None] = {}
         self.first = 0.0
-        self.fanouts: dict[int, Fanout] = {}
+        self.tees: dict[int, Tee] = {}
         self._manifest_frame: bytes | None = None
 
     def manifest_frame(self, dest: str, delete: bool) -> bytes:
@@ -423,25 +423,25 @@ class Plan:
     def _assign(self) -> None:
         groups: dict[tuple[int, ...], list[int]] = {}
         for w, need in self.arrived.items():
-            if need is not None and w not in self.fanouts:
+            if need is not None and w not in self.tees:
                 groups.setdefault(need, []).append(w)
         for need, members in groups.items():
-            fan = Fanout(data_segments(self.manifest, self.src, need, self.stop), members, self.stop)
-            self.fanouts.update((m, fan) for m in members)
+            fan = Tee(data_segments(self.manifest, self.src, need, self.stop), members, self.stop)
+            self.tees.update((m, fan) for m in members)
 
-    def feed(self, worker: int) -> tuple[Fanout, Iterator[Segment]]:
+    def feed(self, worker: int) -> tuple[Tee, Iterator[Segment]]:
         needs: list[tuple[int, ...]] | None = None
         with self.cond:
-            while worker not in self.fanouts:
+            while worker not in self.tees:
                 if self.stop.is_set():
                     raise Interrupted()
                 if len(self.arrived) >= self.expected or time.monotonic() - self.first > GROUP_WAIT:
-                    if not self.fanouts and self.on_needs is not None:  # the first data to go: say what goes
+                    if not self.tees and self.on_needs is not None:  # the first data to go: say what goes
                         needs = [n for n in self.arrived.values() if n is not None]
                     self._assign()
                 else:
                     self.cond.wait(0.05)
-            fan = self.fanouts[worker]
+            fan = self.tees[worker]
         if needs is not None and self.on_needs is not None:
             self.on_needs(self.manifest, needs)
         return fan, fan.feed(worker)
@@ -463,7 +463,7 @@ def sync_stream(
     manifest = plan.manifest
     reader = FrameReader(stream.recv)
     stats.files_total = len(manifest.files) + len(manifest.links)
-    fan: Fanout | None = None
+    fan: Tee | None = None
     try:
         stream.send(plan.manifest_frame(dest, delete))
         kind, payload = reader.read_frame()
@@ -511,7 +511,7 @@ def sync_stream(
 
 
 def sync(
-    runners: Sequence[Runner],
+    fleet: Fleet,
     src: Path,
     dest: str,
     *,
@@ -520,77 +520,39 @@ def sync(
     delete: bool = False,
     progress: Counters | None = None,
     stop: threading.Event | None = None,
-    connect_errors: dict[int, str] | None = None,
-    opened: dict[Runner, Pipe | BaseException] | None = None,
     on_needs: Needs | None = None,
 ) -> list[WorkerStats]:
-    """Sync MANIFEST of SRC to DEST on every runner at once (connected SshRunners or LocalRunners).
-    OPENED: helpers already started (early_streams), by runner; the others are started here. ON_NEEDS:
-    see Plan."""
+    """Sync MANIFEST of SRC to DEST on every worker of FLEET at once (connected: the unreached ones are reported
+    as such), over each worker's helper (started at connect, else here). ON_NEEDS: see Plan."""
     progress = progress or Counters()
     stop = stop or threading.Event()
     rules = ignore.Rules(src, excludes)
-    stats = {r.worker.index: WorkerStats(r.worker.index, r.worker.address, r.worker.name) for r in runners}
-    for index, error in (connect_errors or {}).items():
+    stats = {w.index: WorkerStats(w.index, w.address, w.name) for w in fleet.workers}
+    for index, error in fleet.unreached.items():
         stats[index].error = error
         stats[index].unreachable = True
     interrupted = threading.Event()
-    streams: dict[int, Pipe] = {}
-    todo = [r for r in runners if not stats[r.worker.index].error]
+    todo = [w for w, st in stats.items() if not st.error]
     plan = Plan(manifest, src, len(todo), stop, on_needs)
 
-    def one(r: Runner) -> None:
-        st = stats[r.worker.index]
+    def one(worker: Worker, opened: Callable[[], Pipe]) -> None:
+        st = stats[worker.index]
         started = time.monotonic()
-        stream: Pipe | None = None
         try:
-            early = (opened or {}).pop(r, None)
-            if isinstance(early, BaseException):
-                raise early
-            stream = early or r.pipe(helper_command(r.python))
-            streams[r.worker.index] = stream
-            sync_stream(stream, st, dest, delete=delete, rules=rules, progress=progress, stop=stop, plan=plan)
+            sync_stream(opened(), st, dest, delete=delete, rules=rules, progress=progress, stop=stop, plan=plan)
         except Interrupted:
             interrupted.set()
         except Exception as exc:  # paramiko errors, a dropped connection: this worker fails, not the others
             st.error = f"{type(exc).__name__}: {exc}" if not str(exc).strip() == "" else type(exc).__name__
             st.unreachable = True
         finally:
-            plan.drop(r.worker.index)  # no-op when it arrived: its group must not wait for it
-            if stream is not None:
-                stream.close()
+            plan.drop(worker.index)  # no-op when it arrived: its group must not wait for it
             st.seconds = round(time.monotonic() - started, 3)
 
-    closed = False
-
-    def close_on_stop() -> None:
-        nonlocal closed
-        if stop.is_set() and not closed:
-            # a thread waiting for a reply would not notice the stop: closing its stream wakes it,
-            # and the helper, seeing its input end, removes its temp file and exits
-            closed = True
-            for s in list(streams.values()):
-                s.close()
-
-    each(todo, one, name="sync", tick=close_on_stop)
+    fleet.converse(helper_command, one, stop=stop, only=todo)
     if interrupted.is_set() or stop.is_set():
         raise Interrupted()
-    return [stats[r.worker.index] for r in runners]
-
-
-def early_streams() -> tuple[dict[Runner, Pipe | BaseException], Callable[[Runner], None]]:
-    """A dict and a callback for Target.connect(then=...): each worker's helper starts the moment its
-    connection is up, so it boots (Python start-up, ~30 ms) while the other workers still connect and
-    this machine builds the manifest; sync(opened=...) then uses it."""
-    opened: dict[Runner, Pipe | BaseException] = {}
-
-    def start(r: Runner) -> None:
-        try:
-            opened[r] = r.pipe(helper_command(r.python))
-        except Exception as exc:  # reported by sync() as this worker's failure
-            opened[r] = exc
-
-    return opened, start
+    return [stats[w.index] for w in fleet.workers]
 
 
 @dataclass
@@ -616,21 +578,23 @@ def push(
     connect (unless TARGET is connected already) and their helpers start while this thread builds the
     manifest (walking, statting, hashing what CACHE_DIR does not know): a no-op sync of 5,000 files saves
     the overlap. ON_NEEDS hears what the workers need before any data goes (tpurun.sync.report words it)."""
-    opened, start_helper = early_streams()
+    fleet = target.fleet
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="connect") as pool:
 
-        def start_helpers() -> dict[int, str]:
-            each(target.runners, start_helper, name="helper")
-            return {}
+        def connect() -> None:
+            if target.connected:
+                fleet.start_helpers(helper_command)
+            else:
+                fleet.connect(helper=helper_command)
 
-        connecting = pool.submit(start_helpers) if target.connected else pool.submit(target.connect, start_helper)
+        connecting = pool.submit(connect)
         try:
             manifest = build_manifest(src, excludes, cache_dir=cache_dir)
         finally:
-            errors = connecting.result()  # raises what connect raised
+            connecting.result()  # raises what connect raised
     stats = sync(
-        target.runners, src, dest, manifest=manifest, excludes=excludes, delete=delete, progress=progress,
-        stop=stop, connect_errors=errors, opened=opened, on_needs=on_needs,
+        fleet, src, dest, manifest=manifest, excludes=excludes, delete=delete, progress=progress, stop=stop,
+        on_needs=on_needs,
     )  # fmt: skip
     return Pushed(manifest, stats)
 

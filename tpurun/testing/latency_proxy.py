@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -70,6 +71,7 @@ class LatencyProxy:
         self.rtt = float(rtt)
         self.drop = False
         self.connections = 0  # accepted so far
+        self.accepted: list[float] = []  # when each was accepted (time.monotonic())
         self._own_loop = _loop is None
         self._lt = _loop
         self._server: asyncio.base_events.Server | None = None
@@ -140,6 +142,7 @@ class LatencyProxy:
 
     async def _accept(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.accepted.append(time.monotonic())
         self._writers.add(cwriter)
         _nodelay(cwriter)
         try:

@@ -4,10 +4,11 @@ beside older ones, so an upgrade never replaces files a running job uses."""
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING
 
 from tpurun.errors import UnreachableError
-from tpurun.transport.fanout import each
+from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Runner, run_capture
 from tpurun.worker import bundle_name, bundle_tar
 from tpurun.worker.protocol import AgentExit
@@ -23,7 +24,14 @@ _INSTALL = (
     f'd="{BIN}/$1"; t="$d.tmp.$$"; mkdir -p "$t" && tar -xf - -C "$t" || {{ rm -rf "$t"; exit 1; }}; '
     '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
 )
-_RUN = f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; exec "$p" "$f" "$@"'
+# The one way a bundle program runs on a worker: PYTHON runs FILE of this version's bundle (exit MISSING where it
+# is not installed). With a first command (its word and its input, base64), that runs first with the input on
+# its stdin, on the same channel, and the rest only if it succeeded (a job's start, then its stream), if any.
+_RUN = (
+    f'p=$1; f="{BIN}/$2/$3"; c=$4; i=$5; shift 5; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
+    'if [ -n "$c" ]; then printf %s "$i" | base64 -d | "$p" "$f" "$c" || exit $?; [ $# -gt 0 ] || exit 0; fi; '
+    'exec "$p" "$f" "$@"'
+)
 
 
 def install(runner: Runner) -> None:
@@ -32,36 +40,23 @@ def install(runner: Runner) -> None:
         raise UnreachableError(f"cannot install tpurun's agent on worker {runner.worker.label()}: {err.strip()}")
 
 
-def program_argv(python: str, program: str, *args: str) -> list[str]:
-    """Run PROGRAM (a file of the bundle, e.g. agent.py) with PYTHON; exits AgentExit.MISSING without the bundle."""
-    return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, *args]
-
-
-def run_program(runner: Runner, python: str, program: str, *args: str, timeout: float = 60) -> tuple[int, bytes, str]:
-    """PROGRAM of the bundle with ARGS run to completion on RUNNER's worker, the bundle installed first where it
-    is missing (a worker new to tpurun, or to this version of it); (exit code, stdout, stderr)."""
-    argv = program_argv(python, program, *args)
-    rc, out, err = run_capture(runner, argv, timeout=timeout)
-    if rc == AgentExit.MISSING:
-        install(runner)
-        rc, out, err = run_capture(runner, argv, timeout=timeout)
-    return rc, out, err
+def program_argv(python: str, program: str, *args: str, first: tuple[str, bytes] | None = None) -> list[str]:
+    """Run PROGRAM (a file of the bundle, e.g. agent.py) with PYTHON; exits AgentExit.MISSING without the bundle.
+    FIRST: (a command of PROGRAM, its stdin) run before, ARGS only if it succeeded (none: only FIRST runs)."""
+    command, data = first or ("", b"")
+    encoded = base64.b64encode(data).decode()
+    return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, command, encoded, *args]
 
 
 def start_watchdogs(target: Target) -> dict[int, str]:
     """Make sure the TPU's watchdog runs on every worker of TARGET (each one checked to be that TPU's, the
     bundle installed where it is missing); {worker index: why not} for the workers where it could not be
     started."""
-    python = target.python()
-
-    def one(runner: Runner) -> str:
-        try:
-            rc, _, err = run_program(runner, python, "watchdog.py", "ensure")
-        except UnreachableError as exc:
-            return str(exc)
-        return "" if rc == 0 else f"watchdog.py ensure exited {rc}: {err.strip()[-200:]}"
-
-    failed = target.connect()
-    reached = [r for r in target.runners if r.worker.index not in failed]
-    failed.update({w: why for w, why in each(reached, one, name="watchdog").items() if why})
+    fleet = target.fleet
+    failed = fleet.connect()
+    for w, a in fleet.call(Call.program_of(target.python(), "watchdog.py", "ensure")).items():
+        if a.rc is None:
+            failed[w] = a.error
+        elif a.rc != 0:
+            failed[w] = f"watchdog.py ensure exited {a.rc}: {a.err.strip()[-200:]}"
     return failed

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tpurun.errors import UnreachableError
 from tpurun.transport.runner import LineSplitter, Pipe, Run, Runner, Stream, Worker
 
 
@@ -23,9 +24,12 @@ class LocalRunner(Runner):
         self.worker = worker or Worker(0, "127.0.0.1")
 
     def stream(self, argv: Sequence[str]) -> Stream:
-        proc = subprocess.Popen(
-            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
+        try:
+            proc = subprocess.Popen(
+                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+            )
+        except OSError as exc:
+            raise UnreachableError(f"cannot start {argv[0]} on this machine: {exc.strerror or exc}") from None
         return LocalStream(proc)
 
     def pipe(self, argv: Sequence[str]) -> Pipe:
@@ -98,8 +102,11 @@ class LocalStream(Stream):
 
     def write(self, data: bytes) -> None:
         assert self.proc.stdin
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except OSError as exc:
+            raise UnreachableError(f"the program on this machine ended: {exc.strerror or exc}") from None
 
     def close_stdin(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:

@@ -133,6 +133,9 @@ class Runner:
     python = "python3"  # the worker's Python when none is named
     refused_key = False  # the last connect failed because the worker could not prove it is that worker
 
+    def connect(self) -> None:
+        """Reach the worker, or raise UnreachableError saying why; nothing to do where it is this machine."""
+
     def run(
         self,
         argv: Sequence[str],

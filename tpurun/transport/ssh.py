@@ -18,14 +18,15 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport._paramiko import paramiko
-from tpurun.transport.runner import RUN_GRACE, LineSplitter, Pipe, Run, Runner, Stream, Worker, refuse_nul
+from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Run, Runner, Stream, Worker, refuse_nul
 
 # A worker that stops answering (network partition, hung VM) leaves TCP silent rather than closed.
 # Every connection sends an SSH keepalive that asks for a reply every KEEPALIVE_INTERVAL seconds;
@@ -170,6 +171,17 @@ def _why_unreachable(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+@contextmanager
+def _converted(worker: Worker, liveness: Liveness | None) -> Iterator[None]:
+    """paramiko's and the socket's errors on a connected worker as tpurun's own: it dropped us (why, where
+    LIVENESS knows)."""
+    try:
+        yield
+    except (paramiko.SSHException, OSError, EOFError) as exc:
+        dead = liveness.dead if liveness is not None else ""
+        raise UnreachableError(dead or f"worker {worker.label()}: {exc}") from None
+
+
 class SshRunner(Runner):
     """One paramiko connection to one worker, host key checked against the pinned known_hosts."""
 
@@ -273,12 +285,16 @@ class SshRunner(Runner):
         self.client = client
 
     def run_to_end(self, run: Run) -> int:
-        argv, sink, stop, grace, env = run.argv, run.sink, run.stop, run.grace, run.env
+        command = wrap_command(run.argv, run.grace, run.env)
+        with _converted(self.worker, self.liveness):
+            return self._run(command, run.sink, run.stop, run.grace)
+
+    def _run(self, command: str, sink: LineSink, stop: threading.Event, grace: float) -> int:
         assert self.client is not None, "connect() first"
         transport = self.client.get_transport()
         assert transport is not None
         chan = transport.open_session()
-        chan.exec_command(wrap_command(argv, grace, env))
+        chan.exec_command(command)
         i = self.worker.index
         out = LineSplitter(lambda line: sink(i, "out", line))
         err = LineSplitter(lambda line: sink(i, "err", line))
@@ -324,12 +340,14 @@ class SshRunner(Runner):
         assert self.client is not None, "connect() first"
         transport = self.client.get_transport()
         assert transport is not None
-        chan = transport.open_session()
-        chan.exec_command(shlex.join(argv))
-        return SshStream(chan, self.liveness)
+        with _converted(self.worker, self.liveness):
+            chan = transport.open_session()
+            chan.exec_command(shlex.join(argv))
+        return SshStream(chan, self.liveness, self.worker)
 
     def pipe(self, argv: Sequence[str]) -> Pipe:
-        return SshPipe(self, argv)
+        with _converted(self.worker, self.liveness):
+            return SshPipe(self, argv)
 
     def close(self) -> None:
         if self.liveness is not None:
@@ -355,13 +373,15 @@ def send_all(chan: paramiko.Channel, data: bytes | bytearray | memoryview) -> No
 
 
 class SshStream(Stream):
-    def __init__(self, chan: paramiko.Channel, liveness: Liveness | None = None) -> None:
+    def __init__(self, chan: paramiko.Channel, liveness: Liveness | None, worker: Worker) -> None:
         self.chan = chan
         self.err = b""
         self.liveness = liveness
+        self.worker = worker
 
     def write(self, data: bytes) -> None:
-        send_all(self.chan, data)
+        with _converted(self.worker, self.liveness):
+            send_all(self.chan, data)
 
     def close_stdin(self) -> None:
         try:

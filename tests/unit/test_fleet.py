@@ -1,0 +1,159 @@
+"""The Fleet's operations on this machine's workers (LocalRunners): each answer and record names its worker,
+bundle programs are installed where missing, the connect window holds."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from tpurun.errors import UnreachableError, UsageError
+from tpurun.transport.fleet import Call, connect_all, connect_window
+from tpurun.transport.local import LocalRunner
+from tpurun.transport.runner import Runner, Worker
+from tpurun.transport.threads import Threads
+from tpurun.worker import protocol
+
+
+class Pod:
+    """N workers that are this machine (what `Threads` stands on)."""
+
+    def __init__(self, n: int) -> None:
+        self.runners: list[Runner] = [LocalRunner(Worker(i, "127.0.0.1")) for i in range(n)]
+        self.connected = False
+
+    def connect(self, then=None) -> dict[int, str]:
+        self.connected = True
+        return connect_all(self.runners, then)
+
+
+def test_run_gives_each_worker_its_own_variables_and_fail_fast_stops_the_rest():
+    fleet = Threads(Pod(3))
+    lines: list[tuple[int, str]] = []
+    stop = threading.Event()
+    argv = ["sh", "-c", 'echo "me=$ME"']
+    res = fleet.run(argv, lambda w, _s, line: lines.append((w, line)), stop=stop, env=lambda w: {"ME": str(w.index)})
+    assert sorted(lines) == [(0, "me=0"), (1, "me=1"), (2, "me=2")]
+    assert [(r.worker, r.exit_code) for r in res] == [(0, 0), (1, 0), (2, 0)]
+    argv = ["sh", "-c", '[ "$ME" = 1 ] && exit 3; sleep 30']
+    t0 = time.monotonic()
+    res = fleet.run(argv, lambda *_: None, stop=stop, fail_fast=True, grace=1, env=lambda w: {"ME": str(w.index)})
+    assert time.monotonic() - t0 < 20 and stop.is_set()
+    assert res[1].exit_code == 3 and res[0].stopped and res[2].stopped
+
+
+def test_call_answers_per_worker_with_its_own_input():
+    fleet = Threads(Pod(3))
+    answers = fleet.call(
+        lambda w: Call.command(["sh", "-c", "cat; exit $1", "x", str(w.index)], f"in{w.index}".encode())
+    )
+    assert {w: (a.worker, a.rc, a.out) for w, a in answers.items()} == {
+        0: (0, 0, b"in0"),
+        1: (1, 1, b"in1"),
+        2: (2, 2, b"in2"),
+    }
+    assert answers[2].why() == "exit 2" and answers[0].sent <= answers[0].answered
+    # a program that cannot start is an answer with its reason, not an exception
+    (missing,) = fleet.call(Call.command(["/nonexistent/python"]), only=[1]).values()
+    assert missing.worker == 1 and missing.rc is None and "cannot start /nonexistent/python" in missing.error
+
+
+def test_a_bundle_program_is_installed_where_missing_then_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # a worker new to tpurun: no bundle under ~/.tpurun
+    fleet = Threads(Pod(1))
+    (a,) = fleet.call(Call.program_of(sys.executable, "agent.py", "jobs")).values()
+    assert a.rc == 0, a.err
+    assert a.out.decode().strip() == "[]"
+    assert list((tmp_path / ".tpurun" / "bin").iterdir())
+
+
+def test_open_holds_until_released_and_answer_reads_each_first_line():
+    fleet = Threads(Pod(2))
+    sessions = fleet.open(Call.command(["sh", "-c", 'read x; echo "said $x"; read y; echo "end $y" >&2']))
+    assert all(not isinstance(s, str) for s in sessions.values())
+    live = {w: s for w, s in sessions.items() if not isinstance(s, str)}
+    got = fleet.answer(live, b"yes\n", 10)
+    assert got == {0: "said yes", 1: "said yes"}
+    assert all(s.alive() for s in live.values())
+    for s in live.values():
+        s.release()
+    deadline = time.monotonic() + 10
+    for s in live.values():
+        s.wait_end(deadline)
+    assert [s.alive() for s in live.values()] == [False, False]
+
+
+def _records(worker: int) -> str:
+    line = protocol.encode(protocol.Line(worker, 0, 7, protocol.Source.OUT, 1.0, f"hello from {worker}"))
+    done = protocol.encode(protocol.Done(worker, protocol.JobState("j", worker, protocol.JobStatus.FINISHED)))
+    return (line + b"\n" + done + b"\n").decode()
+
+
+def test_follow_hands_over_records_naming_the_worker_they_came_from():
+    fleet = Threads(Pod(2))
+    taken: list[tuple[int, int, str]] = []
+    ends: dict[int, tuple[int, bool]] = {}
+    lock = threading.Lock()
+
+    def take(source: int, recs) -> None:
+        with lock:
+            taken.extend((source, r.worker, type(r).__name__) for r in recs)
+
+    def ended(w: int, rc: int, _err: str, done: bool) -> bool:
+        ends[w] = (rc, done)
+        return False
+
+    fleet.follow(lambda w: Call.command(["printf", "%s", _records(w.index)]), take, ended, lambda w, why: None)
+    assert sorted(taken) == [(0, 0, "Done"), (0, 0, "Line"), (1, 1, "Done"), (1, 1, "Line")]
+    assert ends == {0: (0, True), 1: (0, True)}
+
+
+def test_converse_speaks_to_each_workers_helper_over_its_pipe():
+    fleet = Threads(Pod(3))
+    heard: dict[int, bytes] = {}
+
+    def talk(worker: Worker, opened) -> None:
+        pipe = opened()
+        pipe.send(f"to {worker.index}\n".encode())
+        pipe.close_write()
+        heard[worker.index] = pipe.recv(100)
+
+    fleet.converse(lambda _python: ["cat"], talk, stop=threading.Event(), only=[0, 2])
+    assert heard == {0: b"to 0\n", 2: b"to 2\n"}
+
+
+class _Slow(Runner):
+    """A worker whose connect takes a while and notes how many connects were in flight at once."""
+
+    inflight = 0
+    most = 0
+    lock = threading.Lock()
+
+    def __init__(self, index: int) -> None:
+        self.worker = Worker(index, "127.0.0.1")
+
+    def connect(self) -> None:
+        with _Slow.lock:
+            _Slow.inflight += 1
+            _Slow.most = max(_Slow.most, _Slow.inflight)
+        time.sleep(0.05)
+        with _Slow.lock:
+            _Slow.inflight -= 1
+        if self.worker.index == 5:
+            raise UnreachableError("w5 is gone")
+
+
+def test_connect_all_keeps_to_the_window_and_names_who_failed(monkeypatch):
+    monkeypatch.setenv("TPURUN_CONNECT_WINDOW", "4")
+    assert connect_window() == 4
+    started: list[int] = []
+    errors = connect_all([_Slow(i) for i in range(20)], lambda r: started.append(r.worker.index))
+    assert errors == {5: "w5 is gone"}
+    assert sorted(started) == [i for i in range(20) if i != 5]
+    assert 1 < _Slow.most <= 4
+    for bad in ("0", "x"):
+        monkeypatch.setenv("TPURUN_CONNECT_WINDOW", bad)
+        with pytest.raises(UsageError):
+            connect_window()

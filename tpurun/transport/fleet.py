@@ -1,0 +1,289 @@
+"""Every selected worker of a target, reached at once: the one road from `job/`, `sync/` and the commands
+to the workers. A `Fleet` offers a few declarative operations, and every answer and record it hands back
+names its worker:
+
+* `connect`: reach every worker, at most `connect_window()` connection attempts in flight at once;
+* `run`: an argv on every worker to completion (exec, a job's setup), each with its own variables, each
+  worker's starting the moment it is reached where the fleet is not connected yet;
+* `call`: a program (a bundle program, installed where missing, or any argv) with each worker's own input,
+  each worker's `Answer` back (preflight, jobs, stacks, stop, the probe, the watchdog's start);
+* `open` and `answer`: a program left running on every worker with its stdin open (a job's claim holds
+  the workers while the `Session` lasts);
+* `follow`: an agent's records from every worker under a lifeline (a job's attempt, `logs`): closing it
+  stops the job there, a broken stream is opened again where asked;
+* `converse`: a helper program on every worker spoken to over a byte `Pipe` (sync pushes one stream to
+  many, download pulls), helpers started as soon as each worker is connected.
+
+`threads.Threads` is the first implementation: one thread per worker of this machine. Relays (workers that
+reach other workers for tpurun) will be the second; callers hold a `Fleet` and never ask which.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from tpurun import config
+from tpurun.errors import UnreachableError, UsageError
+from tpurun.transport.runner import RUN_GRACE, LineSink, Pipe, Runner, Stream, Worker
+from tpurun.worker import protocol
+
+CONNECT_WINDOW = 32  # the default of TPURUN_CONNECT_WINDOW: docs/benchmarks.md measures it
+
+
+def connect_window() -> int:
+    """How many workers are being connected to at once, at most (TPURUN_CONNECT_WINDOW)."""
+    try:
+        window = config.CONNECT_WINDOW.integer()
+    except ValueError:
+        raise UsageError("TPURUN_CONNECT_WINDOW must be a whole number of connections (1 or more)") from None
+    if window < 1:
+        raise UsageError("TPURUN_CONNECT_WINDOW must be 1 or more")
+    return window
+
+
+@dataclass
+class RunResult:
+    """How `run` went on one worker."""
+
+    worker: int
+    exit_code: int | None  # None: never ran (unreachable)
+    error: str = ""  # why it could not run
+    stopped: bool = False  # stopped by tpurun (fail-fast, Ctrl-C)
+    duration: float = 0.0
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one worker runs for `call`, `open` or `follow`: a file of tpurun's worker bundle (installed where
+    missing) run by a Python, or any argv; with INPUT on its stdin. Made by `program` or `command`."""
+
+    args: tuple[str, ...]  # the program's arguments, or the whole argv of a command
+    input: bytes = b""
+    program: str = ""  # the bundle's file ("": ARGS is a whole command)
+    python: str = ""  # what runs the program
+    first: tuple[str, bytes] | None = None  # a command of the same program run first (bundle.program_argv)
+
+    @classmethod
+    def program_of(
+        cls, python: str, program: str, *args: str, input: bytes = b"", first: tuple[str, bytes] | None = None
+    ) -> Call:
+        """PROGRAM of the bundle with ARGS, run by PYTHON."""
+        return cls(tuple(args), input, program, python, first)
+
+    @classmethod
+    def command(cls, argv: Sequence[str], input: bytes = b"") -> Call:
+        return cls(tuple(argv), input)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One worker's answer to a `call`: its exit code and output, or why there is none."""
+
+    worker: int
+    rc: int | None  # None: no answer (the worker could not be reached, or stopped answering)
+    out: bytes = b""
+    err: str = ""
+    error: str = ""  # why there is no answer
+    sent: float = 0.0  # when it was sent, and when the answer came (this machine's clock, time.time())
+    answered: float = 0.0
+
+    def why(self) -> str:
+        """The last line of what went wrong: the error, else stderr's last line, else the exit code."""
+        if self.error:
+            return self.error
+        return (self.err.strip().splitlines() or [f"exit {self.rc}"])[-1]
+
+
+class Session:
+    """A program left running on one worker with its stdin open (`Fleet.open`): the hold lasts while it runs."""
+
+    worker: int
+
+    def line(self, say: bytes | None, wait: float) -> str | None:
+        """Send SAY (None: close stdin), then the first line of the answer; None when it ended without one
+        (`ended` says how). Raises UnreachableError when no answer came within WAIT seconds."""
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        """Whether the program still runs."""
+        raise NotImplementedError
+
+    def ended(self) -> tuple[int, str]:
+        """(exit code, stderr) once it ended."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """End its stdin: the program ends (and lets go of what it holds)."""
+        raise NotImplementedError
+
+    def wait_end(self, deadline: float) -> None:
+        """Wait until it has ended, or DEADLINE (monotonic) has passed."""
+        raise NotImplementedError
+
+
+# A read's worth of records from a worker's stream: SOURCE is the worker the stream belongs to (for a record
+# that names no worker: StartFailed); every other record names its own.
+Take: TypeAlias = "Callable[[int, Iterable[protocol.Record]], None]"
+Ended = Callable[[int, int, str, bool], bool]  # (worker, exit code, stderr, its Done came) -> open it again?
+Talk = Callable[[Worker, Callable[[], Pipe]], None]  # one worker's conversation; the callable opens its pipe
+
+
+class Fleet:
+    """The selected workers of one target; see the module's docstring for the operations."""
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The selected workers, in order."""
+        raise NotImplementedError
+
+    @property
+    def unreached(self) -> dict[int, str]:
+        """{worker: why} for the workers the last `connect` could not reach (the operations leave them out)."""
+        raise NotImplementedError
+
+    def connect(self, *, helper: Callable[[str], Sequence[str]] | None = None) -> dict[int, str]:
+        """Reach every selected worker, at most `connect_window()` at once; {worker: why not}. HELPER: the argv
+        (given the worker's Python) of a helper to start on each worker the moment it is reached, for the next
+        `converse`."""
+        raise NotImplementedError
+
+    def start_helpers(self, helper: Callable[[str], Sequence[str]]) -> None:
+        """Start HELPER on every reached worker now, for the next `converse`."""
+        raise NotImplementedError
+
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        *,
+        stop: threading.Event,
+        fail_fast: bool = False,
+        grace: float = RUN_GRACE,
+        env: Callable[[Worker], Mapping[str, str]] | None = None,
+        on_exit: Callable[[RunResult], None] | None = None,
+        only: Collection[int] | None = None,
+        unreached: Callable[[str], None] | None = None,
+    ) -> list[RunResult]:
+        """ARGV (with the variables ENV gives each worker added) on every worker (of ONLY), to its end, its lines
+        to SINK; STOP ends it (after GRACE); with FAIL_FAST the first failure sets STOP. A fleet not connected yet
+        is connected here, each worker's command starting the moment that worker is reached (not once every
+        worker is); UNREACHED hears why for each worker that cannot be, once every connection was tried. One
+        result per worker, in order (an unreached one's with its error); ON_EXIT hears each as it comes."""
+        raise NotImplementedError
+
+    def call(
+        self, call: Call | Callable[[Worker], Call], *, timeout: float = 60, only: Collection[int] | None = None
+    ) -> dict[int, Answer]:
+        """CALL (or each worker's own) on every reached worker (of ONLY) to its end: {worker: its Answer}."""
+        raise NotImplementedError
+
+    def open(self, call: Call) -> dict[int, Session | str]:
+        """CALL started on every reached worker with its stdin open: {worker: its Session, or why not}."""
+        raise NotImplementedError
+
+    def answer(self, sessions: Mapping[int, Session], say: bytes | None, wait: float) -> dict[int, str | Exception]:
+        """Session.line on every session of SESSIONS at once (the bundle installed where missing, and the
+        program started again): {worker: the line, or what went wrong}."""
+        raise NotImplementedError
+
+    def follow(
+        self,
+        call: Callable[[Worker], Call],
+        take: Take,
+        ended: Ended,
+        lost: Callable[[int, str], None],
+        *,
+        lifeline: threading.Event | None = None,
+        stop: threading.Event | None = None,
+        reconnects: int = 0,
+    ) -> None:
+        """Each reached worker's CALL (an agent's `stream`), its records to TAKE as they come (every fraction
+        of a second, also when none came). Setting LIFELINE closes the streams' stdin (the agents stop the job
+        and go on to its end); setting STOP ends the streams here (the job goes on). When a stream ends, ENDED
+        says whether to open it again (CALL is asked anew); a broken one is reconnected RECONNECTS times, a
+        second apart, before LOST hears why it is lost."""
+        raise NotImplementedError
+
+    def converse(
+        self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
+    ) -> None:
+        """TALK with HELPER (its argv given the worker's Python) on each worker of ONLY at once, over its pipe
+        (the one started at `connect`, else a new one; closed after). Setting STOP closes every pipe, which
+        wakes a conversation waiting for a reply."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class RecordStream:
+    """What the agent's `stream` command sends (protocol records, one per line): the one reader of it."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    def records(self, timeout: float) -> Iterator[protocol.Record] | None:
+        """The records that arrived within TIMEOUT, parsed one at a time as the caller takes them (a read
+        may hold tens of thousands); None once the stream has ended."""
+        data = self.stream.read(timeout)
+        if data is None:
+            return None
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        return protocol.decode_lines(lines)
+
+
+def each(
+    items: Sequence[Runner], fn: Callable[[Runner], object], *, name: str, tick: Callable[[], None] | None = None
+) -> None:
+    """FN on every item at once, one thread each. This thread waits in short joins, so signal handlers
+    (Ctrl-C) run meanwhile, and calls TICK between them. An exception FN raised is raised here once every
+    thread has ended."""
+    raised: list[BaseException] = []
+
+    def run(r: Runner) -> None:
+        try:
+            fn(r)
+        except BaseException as exc:
+            raised.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True, name=f"{name}-w{r.worker.index}") for r in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.1)
+            if tick is not None:
+                tick()
+    if raised:
+        raise raised[0]
+
+
+def connect_all(
+    runners: Sequence[Runner], then: Callable[[Runner], None] | None = None, gate: threading.Semaphore | None = None
+) -> dict[int, str]:
+    """Connect every runner, at most `connect_window()` attempts in flight at once (GATE: a window shared with
+    other connects); {worker index: error} for those that failed. THEN runs on each runner's thread as soon as
+    it is connected (e.g. to start a remote program while others connect), outside the window."""
+    gate = gate or threading.BoundedSemaphore(connect_window())
+    errors: dict[int, str] = {}
+
+    def one(r: Runner) -> None:
+        while not gate.acquire(timeout=0.1):
+            pass
+        try:
+            r.connect()
+        except UnreachableError as exc:
+            errors[r.worker.index] = str(exc)
+            return
+        finally:
+            gate.release()
+        if then is not None:
+            then(r)
+
+    each(runners, one, name="connect")
+    return errors

@@ -1,0 +1,370 @@
+"""The first `Fleet`: one thread of this machine per worker, each on that worker's own connection, joined
+in short waits so Ctrl-C stays live; at most `connect_window()` workers being connected to at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+from tpurun.errors import TpurunError, UnreachableError
+from tpurun.transport import bundle
+from tpurun.transport.fleet import (
+    Answer,
+    Call,
+    Ended,
+    Fleet,
+    RecordStream,
+    RunResult,
+    Session,
+    Take,
+    Talk,
+    connect_all,
+    connect_window,
+    each,
+)
+from tpurun.transport.runner import RUN_GRACE, LineSink, Pipe, Runner, Stream, Worker, open_stream, run_capture
+from tpurun.worker import protocol
+from tpurun.worker.protocol import AgentExit
+
+
+class Reach(Protocol):
+    """What a `Threads` fleet stands on (a `targets.Target`): the runners, and how they are connected."""
+
+    runners: list[Runner]
+    connected: bool  # connect was called
+
+    def connect(self, then: Callable[[Runner], None] | None = None) -> dict[int, str]: ...
+
+
+def _argv(call: Call) -> list[str]:
+    """The argv that runs CALL on a worker."""
+    if not call.program:
+        return list(call.args)
+    return bundle.program_argv(call.python, call.program, *call.args, first=call.first)
+
+
+def _why(runner: Runner, exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, TpurunError) else f"worker {runner.worker.label()}: {exc}"
+
+
+class Threads(Fleet):
+    """One thread per worker; see `Fleet`."""
+
+    def __init__(self, reach: Reach) -> None:
+        self.reach = reach
+        self._unreached: dict[int, str] = {}
+        self._helpers: dict[int, Pipe | BaseException] = {}  # started at connect, for the next converse
+        self.gate = threading.BoundedSemaphore(connect_window())
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [r.worker for r in self.reach.runners]
+
+    @property
+    def unreached(self) -> dict[int, str]:
+        return dict(self._unreached)
+
+    def _reached(self, only: Collection[int] | None = None) -> list[Runner]:
+        return [
+            r
+            for r in self.reach.runners
+            if r.worker.index not in self._unreached and (only is None or r.worker.index in only)
+        ]
+
+    def connect(self, *, helper: Callable[[str], Sequence[str]] | None = None) -> dict[int, str]:
+        self._unreached = self.reach.connect(self._starter(helper) if helper else None)
+        return dict(self._unreached)
+
+    def _starter(self, helper: Callable[[str], Sequence[str]]) -> Callable[[Runner], None]:
+        def start(r: Runner) -> None:
+            try:
+                self._helpers[r.worker.index] = r.pipe(helper(r.python))
+            except Exception as exc:  # reported by the conversation, as this worker's failure
+                self._helpers[r.worker.index] = exc
+
+        return start
+
+    def start_helpers(self, helper: Callable[[str], Sequence[str]]) -> None:
+        each(self._reached(), self._starter(helper), name="helper")
+
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        *,
+        stop: threading.Event,
+        fail_fast: bool = False,
+        grace: float = RUN_GRACE,
+        env: Callable[[Worker], Mapping[str, str]] | None = None,
+        on_exit: Callable[[RunResult], None] | None = None,
+        only: Collection[int] | None = None,
+        unreached: Callable[[str], None] | None = None,
+    ) -> list[RunResult]:
+        results: dict[int, RunResult] = {}
+        running: dict[int, threading.Thread] = {}
+        raised: list[BaseException] = []
+        lock = threading.Lock()
+
+        def one(r: Runner) -> None:
+            started = time.monotonic()
+            try:
+                rc = r.run(argv, sink, stop, grace, env(r.worker) if env else None)
+                res = RunResult(r.worker.index, rc, stopped=stop.is_set(), duration=time.monotonic() - started)
+            except UnreachableError as exc:
+                res = RunResult(r.worker.index, None, error=str(exc), duration=time.monotonic() - started)
+            except BaseException as exc:  # raised below, in the caller's thread
+                raised.append(exc)
+                return
+            if fail_fast and (res.exit_code not in (0, None) or res.error) and not stop.is_set():
+                stop.set()
+            results[r.worker.index] = res
+            if on_exit:
+                on_exit(res)
+
+        def start(r: Runner) -> None:
+            w = r.worker.index
+            with lock:
+                if w in running or (only is not None and w not in only):  # once, whatever its connection
+                    return
+                running[w] = thread = threading.Thread(target=one, args=(r,), daemon=True, name=f"run-w{w}")
+            thread.start()
+
+        if not self.reach.connected:
+            self._unreached = self.reach.connect(start)
+            for _, why in sorted(self._unreached.items()):
+                if unreached is not None:
+                    unreached(why)
+        for r in self._reached(only):  # connected before, or needing no connection (this machine)
+            start(r)
+        for thread in list(running.values()):
+            while thread.is_alive():
+                thread.join(0.1)  # short waits: Ctrl-C stays live
+        if raised:
+            raise raised[0]
+        for w, why in self._unreached.items():
+            if only is None or w in only:
+                results.setdefault(w, RunResult(w, None, error=why))
+        return [results[w.index] for w in self.workers if w.index in results]
+
+    def call(
+        self, call: Call | Callable[[Worker], Call], *, timeout: float = 60, only: Collection[int] | None = None
+    ) -> dict[int, Answer]:
+        answers: dict[int, Answer] = {}
+
+        def one(r: Runner) -> None:
+            c = call if isinstance(call, Call) else call(r.worker)
+            w = r.worker.index
+            sent = time.time()
+            try:
+                rc, out, err = run_capture(r, _argv(c), c.input, timeout=timeout)
+                if rc == AgentExit.MISSING and c.program:  # a worker new to this version of tpurun
+                    bundle.install(r)
+                    sent = time.time()
+                    rc, out, err = run_capture(r, _argv(c), c.input, timeout=timeout)
+                answers[w] = Answer(w, rc, out, err, sent=sent, answered=time.time())
+            except TpurunError as exc:
+                answers[w] = Answer(w, None, error=_why(r, exc), sent=sent, answered=time.time())
+
+        each(self._reached(only), one, name="call")
+        return answers
+
+    def open(self, call: Call) -> dict[int, Session | str]:
+        opened: dict[int, Session | str] = {}
+
+        def one(r: Runner) -> None:
+            try:
+                opened[r.worker.index] = _StreamSession(r, call)
+            except TpurunError as exc:
+                opened[r.worker.index] = _why(r, exc)
+
+        each(self._reached(), one, name="open")
+        return opened
+
+    def answer(self, sessions: Mapping[int, Session], say: bytes | None, wait: float) -> dict[int, str | Exception]:
+        got: dict[int, str | Exception] = {}
+        by_worker = {r.worker.index: r for r in self.reach.runners}
+
+        def one(r: Runner) -> None:
+            s = sessions[r.worker.index]
+            assert isinstance(s, _StreamSession)
+            try:
+                got[r.worker.index] = s.answer(say, wait)
+            except TpurunError as exc:
+                got[r.worker.index] = exc
+
+        each([by_worker[w] for w in sessions], one, name="answer")
+        return got
+
+    def follow(
+        self,
+        call: Callable[[Worker], Call],
+        take: Take,
+        ended: Ended,
+        lost: Callable[[int, str], None],
+        *,
+        lifeline: threading.Event | None = None,
+        stop: threading.Event | None = None,
+        reconnects: int = 0,
+    ) -> None:
+        def one(r: Runner) -> None:
+            broken = 0
+            installed = False
+            while stop is None or not stop.is_set():
+                try:
+                    stream = open_stream(r, _argv(call(r.worker)))
+                    rc, done = _pump(r.worker.index, stream, take, lifeline, stop)
+                    if rc is None:
+                        return  # stopped here: the job goes on
+                    if rc == AgentExit.MISSING and not done and not installed:  # its bundle is new to the worker
+                        bundle.install(r)
+                        installed = True
+                        continue
+                    if not ended(r.worker.index, rc, stream.stderr_text(), done):
+                        return
+                except TpurunError as exc:
+                    broken += 1
+                    if broken > reconnects:
+                        lost(r.worker.index, _why(r, exc))
+                        return
+                    time.sleep(1)
+                    r.close()
+                    connect_all([r], gate=self.gate)  # a failure shows on the next try
+
+        each(self._reached(), one, name="follow")
+
+    def converse(
+        self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
+    ) -> None:
+        pipes: dict[int, Pipe] = {}
+        closed = False
+
+        def one(r: Runner) -> None:
+            w = r.worker.index
+
+            def opened() -> Pipe:
+                early = self._helpers.pop(w, None)
+                if isinstance(early, BaseException):
+                    raise early
+                pipe = pipes[w] = early or r.pipe(helper(r.python))
+                return pipe
+
+            try:
+                talk(r.worker, opened)
+            finally:
+                if w in pipes:
+                    pipes[w].close()
+
+        def close_on_stop() -> None:
+            nonlocal closed
+            if stop.is_set() and not closed:
+                # a thread waiting for a reply would not notice the stop: closing its pipe wakes it
+                closed = True
+                for pipe in list(pipes.values()):
+                    pipe.close()
+
+        each(self._reached(only), one, name="converse", tick=close_on_stop)
+
+    def close(self) -> None:
+        for r in self.reach.runners:
+            r.close()
+
+
+def _pump(
+    w: int, stream: Stream, take: Take, lifeline: threading.Event | None, stop: threading.Event | None
+) -> tuple[int | None, bool]:
+    """W's records to TAKE until its stream ends: (its exit code, whether its part of the job is over (its Done,
+    or the start's failure, came)); exit code None when STOP ended it here."""
+    reader = RecordStream(stream)
+    closed = done = False
+    while not done:
+        if stop is not None and stop.is_set():
+            stream.kill()  # a viewer only ends its own stream: the job goes on
+            return None, done
+        if lifeline is not None and lifeline.is_set() and not closed:
+            stream.close_stdin()  # the agent stops this worker's processes and keeps streaming to the end
+            closed = True
+        recs = reader.records(0.1)
+        if recs is None:
+            break
+        over: list[bool] = []
+        take(w, _watching(w, recs, over))
+        done = bool(over)
+    return stream.wait(), done
+
+
+def _watching(w: int, recs: Iterable[protocol.Record], over: list[bool]) -> Iterator[protocol.Record]:
+    """RECS as they are taken, noting in OVER when W's part of the job is over."""
+    for rec in recs:
+        if isinstance(rec, protocol.StartFailed) or (isinstance(rec, protocol.Done) and rec.worker == w):
+            over.append(True)
+        yield rec
+
+
+class _StreamSession(Session):
+    """CALL running on one worker's stream, its stdin open; installed and started again where missing."""
+
+    def __init__(self, runner: Runner, call: Call) -> None:
+        self.runner, self.call, self.worker = runner, call, runner.worker.index
+        self.stream = self._start()
+
+    def _start(self) -> Stream:
+        stream = open_stream(self.runner, _argv(self.call))
+        if self.call.input:
+            stream.write(self.call.input)
+        return stream
+
+    def answer(self, say: bytes | None, wait: float) -> str:
+        """`line`, installing the bundle and starting again where it is missing; raises UnreachableError with
+        why it ended without an answer."""
+        for installed in (False, True):
+            line = self.line(say, wait)
+            if line is not None:
+                return line
+            rc, err = self.ended()
+            if rc == AgentExit.MISSING and self.call.program and not installed:
+                bundle.install(self.runner)
+                self.stream = self._start()
+                continue
+            raise UnreachableError((err.strip().splitlines() or [f"exit {rc}"])[-1])
+        raise AssertionError("the bundle was installed")
+
+    def line(self, say: bytes | None, wait: float) -> str | None:
+        try:
+            if say is None:
+                self.stream.close_stdin()
+            else:
+                self.stream.write(say)
+        except TpurunError:
+            pass  # it has ended: reading says why
+        buf = b""
+        deadline = time.monotonic() + wait
+        while b"\n" not in buf:
+            data = self.stream.read(0.2)
+            if data is None:
+                return None
+            buf += data
+            if time.monotonic() > deadline:
+                self.stream.kill()
+                raise UnreachableError(f"its agent did not answer within {wait:.0f} s")
+        return buf.split(b"\n", 1)[0].decode()
+
+    def alive(self) -> bool:
+        return self.stream.read(0) is not None
+
+    def ended(self) -> tuple[int, str]:
+        rc = self.stream.wait()
+        return rc, self.stream.stderr_text()
+
+    def release(self) -> None:
+        self.stream.close_stdin()
+
+    def wait_end(self, deadline: float) -> None:
+        try:
+            while time.monotonic() < deadline:
+                if self.stream.read(0.1) is None:
+                    self.stream.wait()
+                    return
+        except TpurunError:
+            pass
