@@ -157,3 +157,36 @@ def test_connect_all_keeps_to_the_window_and_names_who_failed(monkeypatch):
         monkeypatch.setenv("TPURUN_CONNECT_WINDOW", bad)
         with pytest.raises(UsageError):
             connect_window()
+
+
+class _Dropped(LocalRunner):
+    """A worker whose stream drops and which then refuses every new connection."""
+
+    def __init__(self) -> None:
+        super().__init__(Worker(0, "127.0.0.1"))
+        self.tries = 0
+
+    def stream(self, argv):
+        raise UnreachableError("worker 0: the connection dropped")
+
+    def connect(self) -> None:
+        self.tries += 1
+        raise UnreachableError("worker 0: connection refused")
+
+
+def test_follow_counts_a_failed_reconnect_as_a_drop_and_gives_the_worker_up_after_its_reconnects():
+    pod = Pod(1)
+    pod.runners = [runner := _Dropped()]
+    lost: list[tuple[int, str]] = []
+    call = lambda w: Call.command(["true"])  # noqa: E731
+    Threads(pod).follow(call, lambda *_: None, lambda *_: False, lambda w, why: lost.append((w, why)), reconnects=2)
+    assert lost == [(0, "worker 0: connection refused")] and runner.tries == 2
+
+
+def test_an_ssh_runner_not_connected_is_unreachable_not_a_bug(tmp_path):
+    from tpurun.transport.ssh import SshRunner
+
+    runner = SshRunner(Worker(0, "127.0.0.1"), key_path=tmp_path / "key", known_hosts=tmp_path / "known_hosts")
+    for use in (lambda: runner.stream(["true"]), lambda: runner.pipe(["cat"])):
+        with pytest.raises(UnreachableError, match="not connected to worker"):
+            use()

@@ -30,8 +30,6 @@ from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport.runner import RUN_GRACE, LineSink, Pipe, Runner, Stream, Worker
 from tpurun.worker import protocol
 
-CONNECT_WINDOW = 32  # the default of TPURUN_CONNECT_WINDOW: docs/benchmarks.md measures it
-
 
 def connect_window() -> int:
     """How many workers are being connected to at once, at most (TPURUN_CONNECT_WINDOW)."""

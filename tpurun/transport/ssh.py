@@ -290,9 +290,7 @@ class SshRunner(Runner):
             return self._run(command, run.sink, run.stop, run.grace)
 
     def _run(self, command: str, sink: LineSink, stop: threading.Event, grace: float) -> int:
-        assert self.client is not None, "connect() first"
-        transport = self.client.get_transport()
-        assert transport is not None
+        transport = self.transport()
         chan = transport.open_session()
         chan.exec_command(command)
         i = self.worker.index
@@ -336,10 +334,16 @@ class SshRunner(Runner):
         chan.close()
         return rc
 
+    def transport(self) -> paramiko.Transport:
+        """The connection's transport; UnreachableError where there is none (never connected, or closed after
+        a drop and not reached again)."""
+        transport = self.client.get_transport() if self.client is not None else None
+        if transport is None:
+            raise UnreachableError(self.dead_reason or f"not connected to worker {self.worker.label()}")
+        return transport
+
     def stream(self, argv: Sequence[str]) -> Stream:
-        assert self.client is not None, "connect() first"
-        transport = self.client.get_transport()
-        assert transport is not None
+        transport = self.transport()
         with _converted(self.worker, self.liveness):
             chan = transport.open_session()
             chan.exec_command(shlex.join(argv))
@@ -429,10 +433,7 @@ class SshPipe:
     reader then sees)."""
 
     def __init__(self, runner: SshRunner, argv: Sequence[str]) -> None:
-        assert runner.client is not None, "connect() first"
-        transport = runner.client.get_transport()
-        assert transport is not None
-        self.chan = transport.open_session()
+        self.chan = runner.transport().open_session()
         command = shlex.join(argv)
         try:
             from paramiko.common import cMSG_CHANNEL_REQUEST

@@ -126,21 +126,29 @@ class Threads(Fleet):
         def start(r: Runner) -> None:
             w = r.worker.index
             with lock:
-                if w in running or (only is not None and w not in only):  # once, whatever its connection
-                    return
+                if w in running or (only is not None and w not in only) or stop.is_set():
+                    return  # once, whatever its connection; nothing new once stopped (fail-fast, Ctrl-C)
                 running[w] = thread = threading.Thread(target=one, args=(r,), daemon=True, name=f"run-w{w}")
             thread.start()
 
+        def wait_all() -> None:
+            for thread in list(running.values()):
+                while thread.is_alive():
+                    thread.join(0.1)  # short waits: Ctrl-C stays live
+
         if not self.reach.connected:
-            self._unreached = self.reach.connect(start)
+            try:
+                self._unreached = self.reach.connect(start)
+            except BaseException:  # e.g. the API says the TPU is not READY: what started stops, then it is said
+                stop.set()
+                wait_all()
+                raise
             for _, why in sorted(self._unreached.items()):
                 if unreached is not None:
                     unreached(why)
         for r in self._reached(only):  # connected before, or needing no connection (this machine)
             start(r)
-        for thread in list(running.values()):
-            while thread.is_alive():
-                thread.join(0.1)  # short waits: Ctrl-C stays live
+        wait_all()
         if raised:
             raise raised[0]
         for w, why in self._unreached.items():
@@ -224,13 +232,15 @@ class Threads(Fleet):
                     if not ended(r.worker.index, rc, stream.stderr_text(), done):
                         return
                 except TpurunError as exc:
-                    broken += 1
-                    if broken > reconnects:
-                        lost(r.worker.index, _why(r, exc))
-                        return
-                    time.sleep(1)
-                    r.close()
-                    connect_all([r], gate=self.gate)  # a failure shows on the next try
+                    why: str | None = _why(r, exc)
+                    while why is not None:  # reach it again (a failed try is a drop too), RECONNECTS times
+                        broken += 1
+                        if broken > reconnects:
+                            lost(r.worker.index, why)
+                            return
+                        time.sleep(1)
+                        r.close()
+                        why = connect_all([r], gate=self.gate).get(r.worker.index)
 
         each(self._reached(), one, name="follow")
 
@@ -238,7 +248,7 @@ class Threads(Fleet):
         self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
     ) -> None:
         pipes: dict[int, Pipe] = {}
-        closed = False
+        shut: set[int] = set()  # the pipes the stop closed
 
         def one(r: Runner) -> None:
             w = r.worker.index
@@ -257,12 +267,13 @@ class Threads(Fleet):
                     pipes[w].close()
 
         def close_on_stop() -> None:
-            nonlocal closed
-            if stop.is_set() and not closed:
-                # a thread waiting for a reply would not notice the stop: closing its pipe wakes it
-                closed = True
-                for pipe in list(pipes.values()):
-                    pipe.close()
+            if stop.is_set():
+                # a thread waiting for a reply would not notice the stop: closing its pipe wakes it (also a
+                # pipe opened after the stop)
+                for w, pipe in list(pipes.items()):
+                    if w not in shut:
+                        shut.add(w)
+                        pipe.close()
 
         each(self._reached(only), one, name="converse", tick=close_on_stop)
 
