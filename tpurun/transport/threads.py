@@ -45,10 +45,6 @@ def _argv(call: Call) -> list[str]:
     return bundle.program_argv(call.python, call.program, *call.args, first=call.first)
 
 
-def _why(runner: Runner, exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, TpurunError) else f"worker {runner.worker.label()}: {exc}"
-
-
 class Threads(Fleet):
     """One thread per worker; see `Fleet`."""
 
@@ -173,7 +169,7 @@ class Threads(Fleet):
                     rc, out, err = run_capture(r, _argv(c), c.input, timeout=timeout)
                 answers[w] = Answer(w, rc, out, err, sent=sent, answered=time.time())
             except TpurunError as exc:
-                answers[w] = Answer(w, None, error=_why(r, exc), sent=sent, answered=time.time())
+                answers[w] = Answer(w, None, error=str(exc), sent=sent, answered=time.time())
 
         each(self._reached(only), one, name="call")
         return answers
@@ -185,7 +181,7 @@ class Threads(Fleet):
             try:
                 opened[r.worker.index] = _StreamSession(r, call)
             except TpurunError as exc:
-                opened[r.worker.index] = _why(r, exc)
+                opened[r.worker.index] = str(exc)
 
         each(self._reached(), one, name="open")
         return opened
@@ -232,7 +228,7 @@ class Threads(Fleet):
                     if not ended(r.worker.index, rc, stream.stderr_text(), done):
                         return
                 except TpurunError as exc:
-                    why: str | None = _why(r, exc)
+                    why: str | None = str(exc)
                     while why is not None:  # reach it again (a failed try is a drop too), RECONNECTS times
                         broken += 1
                         if broken > reconnects:
