@@ -125,8 +125,9 @@ def _interrupted_twice(cli, emulator, case: str, deleting: list[str]) -> list[st
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     stopped = time.monotonic()
-    (last,) = _stderr_until(proc, "interrupted again")
+    *between, last = _stderr_until(proc, "interrupted again")  # after any progress line of the deletions
     assert time.monotonic() - stopped < 1, last  # it waits for nothing more
+    assert all(not line.startswith("error:") for line in between), between
     _, err = finish(proc, timeout=60)
     assert proc.returncode == 130, err
     assert last.startswith("error: interrupted again: stopped before cz was deleted") and not err.strip(), err
