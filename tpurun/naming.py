@@ -3,7 +3,9 @@ reaches the API."""
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Collection, Iterable
 
 from tpurun.errors import UsageError
 
@@ -49,3 +51,149 @@ def parse_duration(text: str) -> int:
     if not m:
         raise UsageError(f"invalid duration '{text}': use e.g. 90s, 30m, 6h or 2d")
     return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+# ---------------------------------------------------------------------------- sets of workers, folded
+#
+# How output names several workers at once, as ClusterShell's NodeSet folds node names: the numbers of names
+# that differ only in them are folded into brackets, `w[0-4,6-2047]`, `s[0-3]/w[0-255]`, `w[0-1]/c[0-3]`
+# (one number alone keeps no brackets: `w5`); items that do not fold together are joined by commas,
+# `s0/w[0-255],s1/w[0-3,5-255]`. `--worker` takes the folded form back (`parse_worker_spec`; quote it in
+# the shell, which would read the brackets as a pattern).
+
+_NUMBER = re.compile(r"(\d+)")
+
+
+def _axes(name: str) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """NAME as its text between numbers and its numbers (w12 -> ("w", ""), (12,)); None where a number has a
+    leading zero or the name holds a bracket or a comma: it is then kept as it is, never folded."""
+    if any(c in name for c in "[],"):
+        return None
+    pieces = _NUMBER.split(name)
+    numbers = pieces[1::2]
+    if any(len(n) > 1 and n.startswith("0") for n in numbers):
+        return None
+    return tuple(pieces[0::2]), tuple(int(n) for n in numbers)
+
+
+def _ranges(values: list[int]) -> str:
+    """Sorted distinct VALUES as `5`, or `[0-4,6,8-9]`."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    if len(values) == 1:
+        return str(values[0])
+    return "[" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) + "]"
+
+
+def _fold_numbers(points: set[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """POINTS (tuples of as many numbers each) folded, the last axis first: (the first point, each axis's
+    ranges) per item, in the order of their first points."""
+    if not next(iter(points)):
+        return [((), ())]
+    by_head: dict[tuple[int, ...], list[int]] = {}
+    for p in points:
+        by_head.setdefault(p[:-1], []).append(p[-1])
+    heads_by_last: dict[str, set[tuple[int, ...]]] = {}
+    firsts: dict[str, int] = {}
+    for head, lasts in by_head.items():
+        lasts.sort()
+        last = _ranges(lasts)
+        heads_by_last.setdefault(last, set()).add(head)
+        firsts[last] = lasts[0]
+    items = []
+    for last, heads in heads_by_last.items():
+        for first, axes in _fold_numbers(heads):
+            items.append(((*first, firsts[last]), (*axes, last)))
+    return sorted(items)
+
+
+def fold(names: Iterable[str]) -> str:
+    """NAMES (w3, s1/w3, w0/c1, ...) as one folded set: `w[0-4,6]`; the same whatever their order."""
+    kept: set[str] = set()
+    shapes: dict[tuple[str, ...], set[tuple[int, ...]]] = {}
+    for name in names:
+        split = _axes(name)
+        if split is None:
+            kept.add(name)
+        else:
+            shapes.setdefault(split[0], set()).add(split[1])
+    items: list[tuple[tuple[int, ...], tuple[str, ...], str]] = []
+    for texts, points in shapes.items():
+        for first, axes in _fold_numbers(points):
+            text = "".join(t + a for t, a in zip(texts, (*axes, ""), strict=True))
+            items.append((first, texts, text))
+    items.sort()
+    return ",".join([text for _, _, text in items] + sorted(kept))
+
+
+def unfold(text: str) -> list[str]:
+    """A folded set's names, in its order (`w[0-2]` -> w0, w1, w2). ValueError where TEXT is not one."""
+    names: list[str] = []
+    for item in split_items(text):
+        pieces = re.split(r"\[([^\[\]]*)\]", item)
+        if "[" in "".join(pieces[0::2]) or "]" in "".join(pieces[0::2]) or not item:
+            raise ValueError(f"not a set of workers: {text!r}")
+        axes = [[piece] if i % 2 == 0 else [str(v) for v in _numbers(piece)] for i, piece in enumerate(pieces)]
+        if math.prod(map(len, axes)) + len(names) > MAX_UNFOLDED:
+            raise ValueError(f"more than {MAX_UNFOLDED:,} names in {text!r}")
+        expanded = [""]
+        for values in axes:
+            expanded = [done + v for done in expanded for v in values]
+        names += expanded
+    return names
+
+
+MAX_UNFOLDED = 100_000  # names a set may stand for (the largest multislice jobs have about 10,000 hosts)
+
+
+def _numbers(ranges: str) -> list[int]:
+    """`0-4,6` -> 0, 1, 2, 3, 4, 6."""
+    values: list[int] = []
+    for part in ranges.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"not a range of numbers: {part!r}")
+        if int(m.group(2) or m.group(1)) - int(m.group(1)) >= MAX_UNFOLDED:
+            raise ValueError(f"more than {MAX_UNFOLDED:,} numbers in {part!r}")
+        values += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
+    return values
+
+
+def split_items(text: str) -> list[str]:
+    """TEXT cut at its commas outside brackets: `w[0-3,5],s1` -> `w[0-3,5]`, `s1`."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
+
+
+def spec_words(spec: str, multislice: bool) -> list[str]:
+    """The words of a `--worker` SPEC: a folded set unfolded into its names (`w[0-2]` -> w0, w1, w2), and on a
+    TPU of one slice a worker's name as its index (`w3` -> 3, `w1-3` -> 1-3). ValueError where brackets do
+    not make a set."""
+    words = []
+    for item in split_items(spec):
+        item = item.strip()
+        for word in unfold(item) if "[" in item or "]" in item else [item]:
+            m = None if multislice else re.fullmatch(r"w(\d+(?:-\d+)?)", word)
+            words.append(m.group(1) if m else word)
+    return words
+
+
+def shown(names: Collection[str], width: int = 60) -> str:
+    """NAMES folded for a line that fits a screen: at most WIDTH characters, ending `…]` where cut (the whole
+    set is in --json and in each command's per-worker form)."""
+    text = fold(names)
+    if len(text) <= width:
+        return text
+    cut = text[: max(width - 2, 1)]
+    if cut.rfind(",") > 0:
+        cut = cut[: cut.rfind(",") + 1]  # whole numbers and names only
+    return cut + "…" + ("]" if cut.count("[") > cut.count("]") else "")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tpurun.errors import UnreachableError, UsageError
-from tpurun.naming import worker_name
+from tpurun.naming import spec_words, worker_name
 
 LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line without newline)
 
@@ -60,7 +60,11 @@ def parse_worker_spec(spec: str, count: int, names: list[str] | None = None) -> 
     if text == "all":
         return list(range(count))
     chosen: set[int] = set()
-    for part in text.split(","):
+    try:
+        parts = spec_words(text, bool(names))  # a folded set as output prints it: w[0-3,5], s1/w[0-7]
+    except ValueError:
+        parts = [text]  # refused below, in the same words
+    for part in parts:
         part = part.strip()
         if names and (part in names or any(n.startswith(part + "/") for n in names)):
             chosen.update(i for i, n in enumerate(names) if n == part or n.startswith(part + "/"))
@@ -79,7 +83,8 @@ def parse_worker_spec(spec: str, count: int, names: list[str] | None = None) -> 
         except ValueError:
             also = ", sS/wN or sS (a slice)" if names else ""
             raise UsageError(
-                f"bad --worker '{spec}': use all, N, N,M or N-M{also} (workers are 0..{count - 1})"
+                f"bad --worker '{spec}': use all, N, N,M or N-M{also}, or a set as tpurun prints it (w[0-3,5]) "
+                f"(workers are 0..{count - 1})"
             ) from None
     bad = sorted(i for i in chosen if i < 0 or i >= count)
     if bad:
