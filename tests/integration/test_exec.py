@@ -201,3 +201,39 @@ def test_arguments_arrive_exactly(cli, emulator, args):
     line = r.out.rstrip("\n")
     assert line.startswith("[w0] ")
     assert json.loads(line[len("[w0] ") :]) == args
+
+
+def test_a_large_pod_is_summed_up_per_outcome_and_gathers_on_request(cli, emulator):
+    """16 workers: one summary row per outcome with its folded workers, failures named; --by-worker gives a row
+    each; --gather prints each distinct output once under its workers, and the set pastes back into --worker;
+    the workers that cannot be reached beyond the first few are named once per reason."""
+    create_node(cli, "pod16", "v4-128")  # 16 workers
+    odd = 'case "$(hostname)" in *-w-5|*-w-11) echo odd; exit 3;; esac; echo same'
+    r = cli("exec", "--", "sh", "-c", odd)
+    assert r.code == 1
+    assert sorted(line.split()[0] for line in r.out.splitlines()) == sorted(f"[w{i}]" for i in range(16))
+    rows = [line.split() for line in r.err.splitlines()]
+    assert rows[0] == ["RESULT", "WORKERS", "WHICH", "TIME"]
+    assert rows[1][:4] == ["exit", "0", "14", "w[0-4,6-10,12-15]"] and rows[2][:4] == ["exit", "3", "2", "w[5,11]"]
+    assert "error: the command failed on 2 of 16 workers (w5, w11) with exit code 3" in r.err
+    assert len(r.err.splitlines()) == 4, r.err
+    r = cli("exec", "--by-worker", "--", "sh", "-c", odd)
+    assert r.code == 1 and [row.split()[0] for row in r.err.splitlines()[1:17]] == [f"w{i}" for i in range(16)]
+    r = cli("exec", "--gather", "--", "sh", "-c", odd)
+    assert r.code == 1
+    assert r.out == (
+        "---------------\nw[0-4,6-10,12-15] (14)\n---------------\nsame\n"
+        "---------------\nw[5,11] (2)\n---------------\nodd\n"
+    )
+    r = cli("exec", "--worker", "w[5,11]", "-b", "--", "hostname")
+    assert r.code == 0 and r.out.count("---------------\n") == 4, r.out  # two workers, two hostnames
+    for w in range(12):
+        emulator.kill_sshd(emulator.node_name("pod16"), w)
+    r = cli("exec", "--", "true")
+    assert r.code == 4
+    errors = [line for line in r.err.splitlines() if line.startswith("error: ")]
+    assert [e.split()[4] for e in errors[:8]] == [f"w{i}" for i in range(8)], r.err  # as they come: a line each
+    assert len(errors) == 9 and "cannot reach worker w8 " in errors[8], r.err
+    assert errors[8].endswith("(and 3 more workers alike: w[9-11])"), r.err
+    rows = [line.split()[:3] for line in r.err.splitlines()[9:11]]
+    assert rows == [["unreachable", "12", "w[0-11]"], ["exit", "0", "4"]], r.err

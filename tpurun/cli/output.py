@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from tpurun import ui
+from tpurun.cli import grouped
+from tpurun.cli.grouped import EACH_UP_TO, Unreachable
 from tpurun.errors import ExitCode
 from tpurun.job.env_contract import process_name
 from tpurun.job.preflight import Skew
 from tpurun.job.stacks import Stacks
 from tpurun.naming import worker_name
-from tpurun.remote import ExecResult
+from tpurun.remote import ExecResult, RunResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 _ANSI = {"cyan": 36, "magenta": 35, "green": 32, "yellow": 33, "blue": 34, "red": 31}
@@ -74,39 +76,50 @@ def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
 
 
 def summarize(
-    done: ExecResult, interrupted: bool, names: Mapping[int, str] | None = None, command: Sequence[str] = ()
+    done: ExecResult,
+    interrupted: bool,
+    names: Mapping[int, str] | None = None,
+    command: Sequence[str] = (),
+    *,
+    by_worker: bool = False,
+    unreachable: Unreachable | None = None,
 ) -> int:
-    """Print the per-worker summary of an exec of COMMAND on stderr and return the exit code (README: 0, 1, 4,
-    130)."""
+    """Print the summary of an exec of COMMAND on stderr and return the exit code (README: 0, 1, 4, 130): a row
+    per worker for a few workers or BY_WORKER, else a row per outcome; the reasons UNREACHABLE held back."""
     results = done.results
     names = names or {}
-    unreachable = [r for r in results if r.exit_code is None]
+
+    def name(r: RunResult) -> str:
+        return names.get(r.worker) or worker_name(r.worker)
+
+    unreached = [r for r in results if r.exit_code is None]
     failed = [r for r in results if r.exit_code not in (0, None)]
-    if len(results) > 1 or failed or unreachable:
+    if by_worker or len(results) <= EACH_UP_TO:
+        if len(results) > 1 or failed or unreached:
+            grouped.table(
+                None, ["worker", "result", "time"], [(name(r), _status(r), f"{r.duration:.1f} s") for r in results]
+            )
+    else:
         rows = []
-        for r in results:
-            if r.exit_code is None:
-                status = f"unreachable: {r.error}"
-            elif r.stopped and r.exit_code != 0:
-                status = f"stopped (exit {r.exit_code})"
-            else:
-                status = f"exit {r.exit_code}"
-            rows.append((names.get(r.worker) or worker_name(r.worker), status, f"{r.duration:.1f} s"))
-        with contextlib.redirect_stdout(sys.stderr):
-            ui.table(None, ["worker", "result", "time"], rows)
+        for status, members in grouped.by_outcome((r, _status(r, reason=False)) for r in results):
+            time = "-" if status == "unreachable" else grouped.span([r.duration for r in members])
+            rows.append((status, f"{len(members):,}", grouped.which([name(r) for r in members]), time))
+        grouped.table(None, ["result", "workers", "which", "time"], rows)
+    if unreachable is not None:
+        unreachable.rest([(name(r), r.error) for r in unreached])
     if interrupted:
         return ExitCode.INTERRUPTED
-    if unreachable:
+    if unreached:
         return ExitCode.UNREACHABLE
     if failed:
         codes = sorted({r.exit_code for r in failed if r.exit_code is not None})
-        where = _some([names.get(r.worker) or worker_name(r.worker) for r in sorted(failed, key=lambda r: r.worker)])
+        where = _some([name(r) for r in sorted(failed, key=lambda r: r.worker)])
         if len(results) == 1:
             scope = where
         elif len(failed) == len(results):
             scope = f"every worker ({where})"
         else:
-            scope = f"{len(failed)} of {len(results)} workers ({where})"
+            scope = f"{len(failed):,} of {len(results):,} workers ({where})"
         said = f"exit code {codes[0]}" if len(codes) == 1 else "exit codes " + ", ".join(map(str, codes))
         ui.err().print(f"error: the command failed on {scope} with {said}", markup=False)
         if 127 in codes and len(command) == 1 and SHELL_WORDS.search(command[0]):
@@ -119,13 +132,22 @@ def summarize(
     return ExitCode.OK
 
 
+def _status(r: RunResult, reason: bool = True) -> str:
+    """How R ended, in a word or two (and why it could not run, with REASON)."""
+    if r.exit_code is None:
+        return f"unreachable: {r.error}" if reason else "unreachable"
+    if r.stopped and r.exit_code != 0:
+        return f"stopped (exit {r.exit_code})"
+    return f"exit {r.exit_code}"
+
+
 # what only a shell understands: a one-argument command holding any of it was meant for one
 SHELL_WORDS = re.compile(r"[\s|&;<>$`*?]")
 
 
-def _some(names: list[str], shown: int = 8) -> str:
-    """NAMES joined, the first SHOWN of them where there are more (a line fits a screen at 2,048 workers)."""
-    return ", ".join(names) if len(names) <= shown else ", ".join(names[:shown]) + f", … ({len(names)} in all)"
+def _some(names: list[str], shown: int = EACH_UP_TO) -> str:
+    """NAMES joined where there are a few (SHOWN at most), else folded within a line: `w[0-4,6-2047]`."""
+    return ", ".join(names) if len(names) <= shown else grouped.which(names)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperCommand
 
 from tpurun import remote, settings, targets, ui
+from tpurun.cli.grouped import EACH_UP_TO, Gathered, Unreachable
 from tpurun.cli.options import GraceOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.errors import TpurunError, UsageError
@@ -69,6 +70,21 @@ def exec_cmd(
     worker: WorkerOpt = "all",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
     grace: GraceOpt = remote.RUN_GRACE,
+    gather: Annotated[
+        bool,
+        typer.Option(
+            "--gather",
+            "-b",
+            help="Gather identical output, as clush -b: each distinct output printed once, at the end, under the "
+            "workers that printed it (w[0-4,6-2047]), instead of lines prefixed \\[wN] as they come.",
+        ),
+    ] = False,
+    by_worker: Annotated[
+        bool,
+        typer.Option(
+            "--by-worker", help=f"A summary row per worker (without it: per outcome above {EACH_UP_TO} workers)."
+        ),
+    ] = False,
 ) -> None:
     """Run a command on every selected worker at once, lines prefixed \\[wN]. The TPU's name may come first:
     `tpurun exec NAME -- CMD`."""
@@ -78,20 +94,21 @@ def exec_cmd(
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
     writer = LineWriter(colour=not ui.is_plain())
+    gathered = Gathered()
     stop = threading.Event()
-
-    def unreachable(why: str) -> None:
-        ui.err().print(f"error: {why}", markup=False)
+    unreachable = Unreachable()
 
     def name_workers(names: Mapping[int, str]) -> None:
         writer.names = names
 
     with stop_on_signals(stop) as seen:
         done = remote.exec_everywhere(
-            s, command, writer, local=local, worker_spec=worker, stop=stop, fail_fast=fail_fast, grace=grace,
-            announce=ui.info, name_workers=name_workers, unreachable=unreachable,
+            s, command, gathered if gather else writer, local=local, worker_spec=worker, stop=stop,
+            fail_fast=fail_fast, grace=grace, announce=ui.info, name_workers=name_workers, unreachable=unreachable,
         )  # fmt: skip
-        code = summarize(done, seen["interrupted"], done.names, command)
+        if gather:
+            gathered.print(done.names)
+        code = summarize(done, seen["interrupted"], done.names, command, by_worker=by_worker, unreachable=unreachable)
     raise typer.Exit(code)
 
 

@@ -1,0 +1,100 @@
+"""What commands print about many workers fits a screen: rendered from results made here (no pod), at 1, 8 and
+2,048 workers, lines counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpurun.cli import grouped
+from tpurun.cli.output import summarize
+from tpurun.naming import unfold, worker_name
+from tpurun.remote import ExecResult, RunResult
+
+SCREEN = 40  # lines
+
+
+def refused(w: int) -> str:
+    return f"cannot reach worker w{w} (10.0.{w // 250}.{w % 250}) of TPU big on port 22: connection refused"
+
+
+def results(n: int, failed: set[int] = frozenset(), unreached: set[int] = frozenset()) -> ExecResult:
+    made = []
+    for w in range(n):
+        if w in unreached:
+            made.append(RunResult(w, None, error=refused(w) if w % 2 else f"HOST KEY CHANGED for worker w{w} (x)"))
+        else:
+            made.append(RunResult(w, 3 if w in failed else 0, duration=0.1 + (w % 4) / 10))
+    return ExecResult(made, {w: worker_name(w) for w in range(n)})
+
+
+def test_one_worker_says_only_what_failed(capsys):
+    assert summarize(results(1), False) == 0
+    assert capsys.readouterr().err == ""
+    assert summarize(results(1, failed={0}), False) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "error: the command failed on w0 with exit code 3"
+    assert "w0      exit 3  0.1 s" in err
+
+
+def test_eight_workers_keep_a_row_each(capsys):
+    assert summarize(results(8, failed={3, 5}), False) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].split() == ["WORKER", "RESULT", "TIME"]
+    assert [line.split()[0] for line in err[1:9]] == [f"w{w}" for w in range(8)]
+    assert err[-1] == "error: the command failed on 2 of 8 workers (w3, w5) with exit code 3"
+
+
+def test_2048_workers_fit_a_screen_one_row_per_outcome(capsys):
+    failed, unreached = {5, 700, 2000}, set(range(1000, 1040))
+    said = grouped.Unreachable()
+    for r in results(2048, failed, unreached).results:
+        if r.exit_code is None:
+            said(r.error)  # as the fleet reports them, in worker order, once every connection was tried
+    assert summarize(results(2048, failed, unreached), False, unreachable=said) == 4
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) <= SCREEN, err
+    assert err[: grouped.EACH_UP_TO] == [
+        f"error: {refused(w) if w % 2 else f'HOST KEY CHANGED for worker w{w} (x)'}" for w in range(1000, 1008)
+    ]
+    table = err[grouped.EACH_UP_TO :]
+    assert table[0].split() == ["RESULT", "WORKERS", "WHICH", "TIME"]
+    assert table[1].split() == ["exit", "0", "2,005", "w[0-4,6-699,701-999,1040-1999,2001-2047]", "0.1–0.4", "s"]
+    assert table[2].split() == ["unreachable", "40", "w[1000-1039]", "-"]
+    assert table[3].split() == ["exit", "3", "3", "w[5,700,2000]", "0.1–0.2", "s"]
+    # the held reasons, each once: the first worker's words, the others alike folded
+    assert table[4:] == [
+        "error: HOST KEY CHANGED for worker w1008 (x) (and 15 more workers alike: "
+        "w[1010,1012,1014,1016,1018,1020,1022,1024,1026,1028,1030,…])",
+        f"error: {refused(1009)} (and 15 more workers alike: w[1011,1013,1015,1017,1019,1021,1023,1025,1027,1029,1031,…])",
+    ]
+
+
+def test_2048_workers_failing_name_them_folded(capsys):
+    assert summarize(results(2048, failed=set(range(2048))), False) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "RESULT  WORKERS  WHICH      TIME",
+        "exit 3  2,048    w[0-2047]  0.1–0.4 s",
+        "error: the command failed on every worker (w[0-2047]) with exit code 3",
+    ]
+
+
+def test_by_worker_is_a_row_each_at_any_size(capsys):
+    summarize(results(2048, failed={9}), False, by_worker=True)
+    assert len(capsys.readouterr().err.splitlines()) == 1 + 2048 + 1
+
+
+@pytest.mark.parametrize("n", [1, 8, 2048])
+def test_gather_prints_each_distinct_output_once_under_its_workers(capsys, n):
+    g = grouped.Gathered()
+    for w in reversed(range(n)):  # in any order
+        g(w, "out", "odd" if w == n - 1 and n > 1 else "same")
+        g(w, "err", "warn")
+    g.print({w: worker_name(w) for w in range(n)})
+    out, err = capsys.readouterr()
+    blocks = out.split("---------------\n")[1:]
+    heads, bodies = blocks[0::2], blocks[1::2]
+    assert len(out.splitlines()) <= 8 and err == "warn\n" * len(heads)
+    assert sorted(w for h in heads for w in unfold(h.split()[0])) == sorted(worker_name(w) for w in range(n))
+    assert heads[0] == ("w0 (1)\n" if n == 1 else f"w[0-{n - 2}] ({n - 1:,})\n")
+    assert bodies[0] == "same\n"

@@ -1,0 +1,128 @@
+"""Many workers on one screen: results grouped by outcome, each outcome once with its folded set of workers
+(`w[0-4,6-2047]`, as `clush -b` and `dshbak -c` gather identical output); a row per worker where there are
+few of them (EACH_UP_TO) or where asked; why workers cannot be reached, each reason once; exec's
+`--gather`."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import threading
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+from tpurun import ui
+from tpurun.naming import fold, shown, worker_name
+
+EACH_UP_TO = 8  # workers that get a row each; more are grouped by outcome (a screen at 2,048 workers)
+PROCESSES_UP_TO = 32  # the same for a job's processes (8 workers of 4 chips)
+WIDTH = 60  # characters of a folded set in a row or a line (the whole set: --json, or per worker on request)
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+
+def count(n: int, what: str = "worker") -> str:
+    """`1 worker`, `2,045 workers`."""
+    return f"{n:,} {what}{'' if n == 1 else 'es' if what.endswith('s') else 's'}"
+
+
+def by_outcome(pairs: Iterable[tuple[T, K]]) -> list[tuple[K, list[T]]]:
+    """(who, outcome) PAIRS as each outcome with who had it, in their order: the most common outcome first,
+    ties in the order they first came."""
+    found: dict[K, list[T]] = {}
+    for name, outcome in pairs:
+        found.setdefault(outcome, []).append(name)
+    order = {k: i for i, k in enumerate(found)}
+    return sorted(found.items(), key=lambda kv: (-len(kv[1]), order[kv[0]]))
+
+
+def span(seconds: Sequence[float]) -> str:
+    """`0.1 s`, or `0.1–0.4 s` from the shortest to the longest."""
+    lo, hi = f"{min(seconds):.1f}", f"{max(seconds):.1f}"
+    return f"{lo} s" if lo == hi else f"{lo}–{hi} s"
+
+
+def which(names: Sequence[str]) -> str:
+    """NAMES for a row: folded, cut to WIDTH."""
+    return shown(names, WIDTH)
+
+
+def reason(why: str, name: str) -> str:
+    """WHY without the worker it is about (its NAME, and its address where it follows in brackets): what two
+    workers refused alike share."""
+    return re.sub(rf"(?<![\w/]){re.escape(name)}(?![\w/])( \([^)]*\))?", "…", why)
+
+
+def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
+    """(name, why) FAILURES as one line per distinct reason: the first worker's own words, then the workers
+    alike, folded."""
+    lines = []
+    whys = dict(failures)
+    for _, names in by_outcome((name, reason(why, name)) for name, why in failures):
+        rest = names[1:]
+        lines.append(
+            whys[names[0]] + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else "")
+        )
+    return lines
+
+
+class Unreachable:
+    """Why a worker cannot be reached, said on stderr as it comes for the first EACH_UP_TO workers; the others
+    are held (`said` counts who was named) and said at the end, each reason once (`by_reason`)."""
+
+    def __init__(self) -> None:
+        self.said = 0
+
+    def __call__(self, why: str) -> None:
+        if self.said < EACH_UP_TO:
+            ui.err().print(f"error: {why}", markup=False)
+            self.said += 1
+
+    def rest(self, failures: Sequence[tuple[str, str]]) -> None:
+        """FAILURES, (name, why) of every unreachable worker in order: those not said yet, grouped."""
+        for line in by_reason(failures[self.said :]):
+            ui.err().print(f"error: {line}", markup=False)
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """A table on stderr (summaries go there: stdout is the workers' own lines)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        ui.table(title, columns, rows)
+
+
+class Gathered:
+    """`exec --gather`: every worker's lines kept (a sink), then printed once per distinct output under the
+    workers that printed it, as `clush -b` does: a header with their folded set and how many, then the
+    lines (stdout's on stdout, stderr's on stderr), in the order of each group's first worker."""
+
+    RULE = "-" * 15
+
+    def __init__(self) -> None:
+        self.lines: dict[int, list[tuple[str, str]]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, worker: int, stream: str, line: str) -> None:
+        with self.lock:
+            self.lines.setdefault(worker, []).append((stream, line))
+
+    def print(self, names: Mapping[int, str]) -> None:
+        groups: dict[tuple[tuple[str, str], ...], list[int]] = {}
+        for w in sorted(self.lines):
+            groups.setdefault(tuple(self.lines[w]), []).append(w)
+        for lines, workers in sorted(groups.items(), key=lambda kv: kv[1][0]):
+            members = [names.get(w) or worker_name(w) for w in workers]
+            head = f"{self.RULE}\n{fold(members)} ({len(members):,})\n{self.RULE}\n"
+            try:
+                sys.stdout.write(head)
+                last = "out"
+                for stream, text in lines:
+                    if stream != last:  # the worker's order kept where stdout and stderr go to one place
+                        (sys.stdout if last == "out" else sys.stderr).flush()
+                        last = stream
+                    (sys.stdout if stream == "out" else sys.stderr).write(text + "\n")
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except BrokenPipeError:
+                return
