@@ -38,6 +38,11 @@ def by_outcome(pairs: Iterable[tuple[T, K]]) -> list[tuple[K, list[T]]]:
     return sorted(found.items(), key=lambda kv: (-len(kv[1]), order[kv[0]]))
 
 
+def each_or_grouped(pairs: Sequence[tuple[T, K]], many: bool) -> list[tuple[K, list[T]]]:
+    """(who, outcome) PAIRS grouped by outcome where MANY, else each alone, in order."""
+    return by_outcome(pairs) if many else [(outcome, [who]) for who, outcome in pairs]
+
+
 def span(seconds: Sequence[float]) -> str:
     """`0.1 s`, or `0.1–0.4 s` from the shortest to the longest."""
     lo, hi = f"{min(seconds):.1f}", f"{max(seconds):.1f}"
@@ -47,6 +52,11 @@ def span(seconds: Sequence[float]) -> str:
 def which(names: Sequence[str]) -> str:
     """NAMES for a row: folded, cut to WIDTH."""
     return shown(names, WIDTH)
+
+
+def listed(names: Sequence[str], sep: str = ", ") -> str:
+    """NAMES in a line: each of a few (EACH_UP_TO) joined by SEP, else folded within WIDTH."""
+    return sep.join(names) if len(names) <= EACH_UP_TO else which(names)
 
 
 def reason(why: str, name: str) -> str:
@@ -59,13 +69,17 @@ def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
     """(name, why) FAILURES as one line per distinct reason: the first worker's own words, then the workers
     alike, folded."""
     lines = []
-    whys = dict(failures)
-    for _, names in by_outcome((name, reason(why, name)) for name, why in failures):
-        rest = names[1:]
-        lines.append(
-            whys[names[0]] + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else "")
-        )
+    for _, alike in by_outcome(((name, why), reason(why, name)) for name, why in failures):
+        rest = [name for name in dict.fromkeys(name for name, _ in alike) if name != alike[0][0]]
+        lines.append(alike[0][1] + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else ""))
     return lines
+
+
+def each_or_by_reason(failures: Sequence[tuple[str, str]], among: int = 0) -> list[str]:
+    """(name, why) FAILURES as lines: one each where they come from a few workers (EACH_UP_TO; AMONG: the
+    workers asked, where more than those named), else one per distinct reason."""
+    few = max(among, len({name for name, _ in failures})) <= EACH_UP_TO
+    return [why for _, why in failures] if few else by_reason(failures)
 
 
 class Unreachable:
@@ -90,6 +104,36 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
     """A table on stderr (summaries go there: stdout is the workers' own lines)."""
     with contextlib.redirect_stdout(sys.stderr):
         ui.table(title, columns, rows)
+
+
+def processes(title: str, ended: Sequence[tuple[str, str, int | None, float, str]]) -> None:
+    """How a job's processes ended, on stderr: ENDED is (name, status, exit code, seconds, last line) each; a
+    row each for a few (PROCESSES_UP_TO), else a row per (status, exit code) with its folded processes, the
+    last line where they all share it."""
+    rows: list[tuple[object, ...]]
+    if len(ended) <= PROCESSES_UP_TO:
+        rows = [
+            (name, status, "-" if code is None else code, f"{t:.1f} s" if t else "-", last[:60])
+            for name, status, code, t, last in ended
+        ]
+        table(title, ["core", "status", "exit", "time", "last line"], rows)
+        return
+    groups = by_outcome((row, (row[1], row[2])) for row in ended)
+    rows = []
+    for (status, code), members in groups:
+        times = [t for _, _, _, t, _ in members if t]
+        lasts = {last for *_, last in members}
+        rows.append(
+            (
+                status,
+                "-" if code is None else code,
+                f"{len(members):,}",
+                which([m[0] for m in members]),
+                span(times) if times else "-",
+                lasts.pop()[:60] if len(lasts) == 1 else "",
+            )
+        )
+    table(title, ["status", "exit", "processes", "which", "time", "last line"], rows)
 
 
 class Gathered:

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from tpurun import diagnose, settings, ui
+from tpurun.cli import grouped
 from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import skew_table
 from tpurun.errors import ExitCode
@@ -49,33 +50,52 @@ def kill_stale_cmd(
 
 
 def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -> None:
-    rows = [
-        (w.name, h.pid, h.user, ui.age(h.age), _short(h.command), " ".join(h.holds), h.result or "")
-        for w in workers
-        for h in w.holders
+    """What holds the TPU where, and what became of it: a row per holder and a line per worker on a few
+    workers; on more, alike holders and alike workers grouped, each group with its folded workers."""
+    many = len(workers) > grouped.EACH_UP_TO
+    held = [
+        (w.name, (h.user, _short(h.command), " ".join(h.holds), h.result or "")) for w in workers for h in w.holders
     ]
-    if rows:
+    if held and many:
+        alike = grouped.by_outcome(held)
+        ui.table(
+            None,
+            ["processes", "workers", "user", "command", "holds", "result"],
+            [(len(names), grouped.which(names), *k) for k, names in alike],
+        )
+    elif held:
+        rows = [
+            (w.name, h.pid, h.user, ui.age(h.age), _short(h.command), " ".join(h.holds), h.result or "")
+            for w in workers
+            for h in w.holders
+        ]
         ui.table(None, ["worker", "pid", "user", "age", "command", "holds", "result"], rows)
-    lock_rows = [(w.name, lk.path, lk.result or "") for w in workers for lk in w.locks]
-    if lock_rows:
+    locks = [(w.name, (lk.path, lk.result or "")) for w in workers for lk in w.locks]
+    if locks:
+        lock_rows = [(grouped.which(names), *k) for k, names in grouped.each_or_grouped(locks, many)]
         ui.table(None, ["worker", "lock file", "result"], lock_rows)
+    for line in grouped.each_or_by_reason(
+        [(w.name, f"{w.name}: {e}") for w in workers for e in w.errors], len(workers)
+    ):
+        ui.warn(line)
+    said = []
     for w in workers:
-        for e in w.errors:
-            ui.warn(f"{w.name}: {e}")
+        n = len(w.holders)
         if not w.reachable:
             continue
-        n = len(w.holders)
         if n == 0:
-            ui.info(f"{w.name}: nothing holds the TPU")
+            said.append((w.name, "nothing holds the TPU"))
         elif dry_run:
-            ui.info(f"{w.name}: {n} process(es) hold the TPU (dry run: nothing was stopped)")
+            said.append((w.name, f"{n} process(es) hold the TPU (dry run: nothing was stopped)"))
         elif w.free:
-            ui.info(f"{w.name}: TPU free ({n} process(es) stopped)")
+            said.append((w.name, f"TPU free ({n} process(es) stopped)"))
+    for text, names in grouped.each_or_grouped(said, many):
+        ui.info(f"{grouped.which(names)}: {text}")
 
 
 def _kill_stale_exit(result: diagnose.KillStale) -> int:
-    for w in result.unreachable:
-        ui.err().print(f"error: {w.error}", markup=False)
+    for line in grouped.each_or_by_reason([(w.name, w.error) for w in result.unreachable], len(result.workers)):
+        ui.err().print(f"error: {line}", markup=False)
     if result.unreachable:
         return ExitCode.UNREACHABLE
     held = result.held()
@@ -129,12 +149,38 @@ def doctor_cmd(
             }
         )
     else:
-        ui.table(
-            None,
-            ["worker", "check", "status", "detail", "fix"],
-            [(result.names[c.worker], c.name, c.status.upper(), c.detail, c.fix) for c in result.checks],
-        )
+        _checks(result)
         if result.skew:
             skew_table(result.skew)
         ui.info(f"{total['pass']} passed, {total['warn']} warnings, {total['fail']} failed")
     raise typer.Exit(code)
+
+
+def _checks(result: diagnose.Doctor) -> None:
+    """Every check on every worker: a row each on a few workers; on more, a row per check and status with its
+    folded workers, in the order of the checks, and its detail where they share it (else one worker's)."""
+    checks = [(result.names[c.worker], c) for c in result.checks]
+    if len({name for name, _ in checks}) <= grouped.EACH_UP_TO:
+        each = [(name, c.name, c.status.upper(), c.detail, c.fix) for name, c in checks]
+        ui.table(None, ["worker", "check", "status", "detail", "fix"], each)
+        return
+    order = {c.name: i for i, (_, c) in reversed(list(enumerate(checks)))}
+    alike = grouped.by_outcome(((name, c), (c.name, c.status)) for name, c in checks)
+    rows = []
+    for (check, status), members in sorted(alike, key=lambda kv: order[kv[0][0]]):  # stable: the most common first
+        details = {c.detail for _, c in members}
+        first, c = members[0]
+        detail = c.detail if len(details) == 1 else f"e.g. {first}: {c.detail}"
+        fixes = {c.fix for _, c in members}
+        names = [name for name, _ in members]
+        rows.append(
+            (
+                check,
+                status.upper(),
+                f"{len(names):,}",
+                grouped.which(names),
+                detail,
+                c.fix if len(fixes) == 1 else f"e.g. {c.fix}",
+            )
+        )
+    ui.table(None, ["check", "status", "workers", "which", "detail", "fix"], rows)

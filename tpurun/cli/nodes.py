@@ -9,10 +9,12 @@ from typing import Annotated, NoReturn
 import typer
 
 from tpurun import settings, ui, watchdogs
+from tpurun.cli import grouped
 from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ZoneOpt
 from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
+from tpurun.cloud.views import WorkerView
 from tpurun.errors import ExitCode, ProgramFailed, TpurunError, UsageError
 
 
@@ -27,7 +29,11 @@ def cloud_for(
     return Cloud(s, every_zone=every_zone), s
 
 
-def _workers_table(view: provision.NodeView) -> None:
+def _workers_table(view: provision.NodeView, every: bool = False) -> None:
+    """The TPU's workers: a row each (a few of them, or EVERY: describe), else a row per startup outcome with
+    its folded workers, and where to see each."""
+    shape = f"{len(view.slices)} x {view.accelerator_type}" if view.slices else view.accelerator_type
+    title = f"{view.name} ({shape}, {view.state})"
     rows = []
     for w in view.workers:
         r = w.report
@@ -35,12 +41,25 @@ def _workers_table(view: provision.NodeView) -> None:
         if r and r.duration is not None:
             status += f" ({r.duration:.0f} s)"
         rows.append((w.name, w.internal_ip, w.external_ip or "-", status))
-    shape = f"{len(view.slices)} x {view.accelerator_type}" if view.slices else view.accelerator_type
+    if every or len(rows) <= grouped.EACH_UP_TO:
+        ui.table(title, ["worker", "internal ip", "external ip", "startup"], rows)
+        return
+    alike = grouped.by_outcome((w, (w.report.status if w.report else "-")) for w in view.workers)
     ui.table(
-        f"{view.name} ({shape}, {view.state})",
-        ["worker", "internal ip", "external ip", "startup"],
-        rows,
+        title,
+        ["startup", "workers", "which", "time"],
+        [(status, f"{len(ws):,}", grouped.which([w.name for w in ws]), _took(ws)) for status, ws in alike],
     )
+    ui.info(f"`tpurun describe {view.name}` lists every worker and its addresses")
+
+
+def _took(workers: list[WorkerView]) -> str:
+    """How long the WORKERS' startup took: `12 s`, or `10–40 s`."""
+    times = [w.report.duration for w in workers if w.report and w.report.duration is not None]
+    if not times:
+        return "-"
+    lo, hi = f"{min(times):.0f}", f"{max(times):.0f}"
+    return f"{lo} s" if lo == hi else f"{lo}–{hi} s"
 
 
 # create's options
@@ -359,7 +378,7 @@ def describe_cmd(
         ui.print_json(view.to_dict(full=True))
         return
     _describe_table(view)
-    _workers_table(view)
+    _workers_table(view, every=True)
 
 
 def _describe_table(view: provision.NodeView) -> None:

@@ -113,7 +113,7 @@ def summarize(
         return ExitCode.UNREACHABLE
     if failed:
         codes = sorted({r.exit_code for r in failed if r.exit_code is not None})
-        where = _some([name(r) for r in sorted(failed, key=lambda r: r.worker)])
+        where = grouped.listed([name(r) for r in sorted(failed, key=lambda r: r.worker)])
         if len(results) == 1:
             scope = where
         elif len(failed) == len(results):
@@ -143,11 +143,6 @@ def _status(r: RunResult, reason: bool = True) -> str:
 
 # what only a shell understands: a one-argument command holding any of it was meant for one
 SHELL_WORDS = re.compile(r"[\s|&;<>$`*?]")
-
-
-def _some(names: list[str], shown: int = EACH_UP_TO) -> str:
-    """NAMES joined where there are a few (SHOWN at most), else folded within a line: `w[0-4,6-2047]`."""
-    return ", ".join(names) if len(names) <= shown else grouped.which(names)
 
 
 @contextlib.contextmanager
@@ -271,7 +266,7 @@ def skew_table(skew: Skew) -> None:
     rows: list[list[str]] = []
     last = None
     for what, version, names in skew.rows:
-        shown = ", ".join(names) if len(names) <= 8 else f"{len(names)} workers: {names[0]} … {names[-1]}"
+        shown = ", ".join(names) if len(names) <= EACH_UP_TO else f"{len(names):,} workers: {grouped.which(names)}"
         rows.append(["" if what == last else what, version, shown])
         last = what
     ui.table("the workers differ", ["what", "version", "workers"], rows)
@@ -286,7 +281,7 @@ def stacks_report(stacks: Stacks) -> None:
     print(stacks.summary())
     for g in stacks.groups:
         names = [p.name for p in g.members]
-        shown = ", ".join(names) if len(names) <= 8 else f"{', '.join(names[:8])} and {len(names) - 8} more"
+        shown = grouped.listed(names)
         print(f"\n{len(names)} process{'es' if len(names) > 1 else ''} {g.where(stacks.cwd)}: {shown}")
         for f in g.frames[:SHOWN_FRAMES]:
             place = f"{f.file}:{f.line}" if f.python else f.file

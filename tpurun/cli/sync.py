@@ -15,6 +15,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from tpurun import settings, ui
+from tpurun.cli import grouped
 from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
@@ -85,34 +86,15 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
             }
         )
     else:
-        rows = []
-        for s in stats:
-            status = "failed" if s.error or s.errors else "ok"
-            rows.append(
-                (
-                    s.name,
-                    f"{s.files_sent}/{s.files_total}",
-                    ui.size(s.bytes_sent),
-                    s.deleted,
-                    f"{s.seconds:.1f} s",
-                    status,
-                )
-            )
-        if ui.is_plain():
-            for s, row in zip(stats, rows, strict=True):
-                print(
-                    f"[{s.name}] {row[5]}: sent {row[1]} files, {row[2]}, deleted {s.deleted}, {row[4]} -> {s.dest or dest}",
-                    flush=True,
-                )
-        else:
-            ui.table(f"synced to {dest}", ["worker", "files sent", "bytes", "deleted", "time", "result"], rows)
+        _synced(stats, dest)
         if any(not s.error for s in stats):
             ui.info(f"synced {manifest_info['src']} to {dest} in {elapsed:.1f} s: {report.totals(stats).line()}")
     unreachable = failed = False
+    said = []
     for s in stats:
         label = f"{s.name} ({s.address})"
         if s.error:
-            ui.err().print(f"error: {label}: {s.error}" if not s.unreachable else f"error: {s.error}", markup=False)
+            said.append((s.name, f"{label}: {s.error}" if not s.unreachable else s.error))
             unreachable = unreachable or s.unreachable
             failed = True
         if s.errors:
@@ -121,11 +103,43 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
             verbs = {ErrorKind.WRITE: "cannot write", ErrorKind.VERIFY: "verification failed for"}
             verb = {**verbs, ErrorKind.DELETE: "cannot delete"}.get(kind, "cannot sync")
             more = f" (and {len(s.errors) - 1} more files)" if len(s.errors) > 1 else ""
-            ui.err().print(f"error: {label}: {verb} {where}: {message}{more}", markup=False)
+            said.append((s.name, f"{label}: {verb} {where}: {message}{more}"))
             failed = True
+    for line in grouped.each_or_by_reason(said, len(stats)):
+        ui.err().print(f"error: {line}", markup=False)
     if unreachable:
         return ExitCode.UNREACHABLE
     return ExitCode.PROGRAM_FAILED if failed else ExitCode.OK
+
+
+def _synced(stats: list[WorkerStats], dest: str) -> None:
+    """What each worker was sent: a line (piped) or a row each for a few workers, else one per outcome with
+    its folded workers."""
+    ended = []
+    for s in stats:
+        status = "failed" if s.error or s.errors else "ok"
+        ended.append((s, (status, f"{s.files_sent}/{s.files_total}", ui.size(s.bytes_sent), s.deleted, s.dest or dest)))
+    if len(stats) > grouped.EACH_UP_TO:
+        groups = [
+            (k, [s.name for s in members], [s.seconds for s in members]) for k, members in grouped.by_outcome(ended)
+        ]
+    else:
+        groups = [(k, [s.name], [s.seconds]) for s, k in ended]
+    if ui.is_plain():
+        for (status, files, size, deleted, where), names, times in groups:
+            print(
+                f"[{grouped.which(names)}] {status}: sent {files} files, {size}, deleted {deleted}, {grouped.span(times)} -> {where}",
+                flush=True,
+            )
+        return
+    columns = ["worker", "files sent", "bytes", "deleted", "time", "result"]
+    if len(stats) > grouped.EACH_UP_TO:
+        columns = ["workers", *columns]
+    rows = []
+    for (status, files, size, deleted, _), names, times in groups:
+        many = [f"{len(names):,}"] if len(stats) > grouped.EACH_UP_TO else []
+        rows.append((*many, grouped.which(names), files, size, deleted, grouped.span(times), status))
+    ui.table(f"synced to {dest}", columns, rows)
 
 
 def _named_tpu_or_local(
@@ -243,7 +257,7 @@ def download_cmd(
             ),
             progress, "download", json_out, seen, "no half-written file is left here",
         )  # fmt: skip
-    code = _report_download(got, json_out, time.monotonic() - started)
+    code = _report_download(got, json_out, time.monotonic() - started, into)
     _say_where(got)
     raise typer.Exit(code)
 
@@ -259,7 +273,7 @@ def _say_where(got: list[download.Fetched]) -> None:
     both, or what it put here that the next `train` from here would send."""
     marked = sorted({g.marked for g in got if g.marked})
     if marked:
-        where = ", ".join(_shown(m) + "/" for m in marked)
+        where = grouped.listed([_shown(m) + "/" for m in marked])
         it, its = ("it", "its") if len(marked) == 1 else ("them", "each one's")
         ui.info(
             f"{where}: made by this download, so git and `tpurun sync`/`train` leave {it} out "
@@ -269,36 +283,53 @@ def _say_where(got: list[download.Fetched]) -> None:
     if sent:
         rules = " ".join(shlex.quote(ignore.pattern(p)) for p in sent)
         ui.warn(
-            f"{', '.join(sent)}: in this directory, so the next `tpurun train` or `tpurun sync` from here sends it "
+            f"{grouped.listed(sent)}: in this directory, so the next `tpurun train` or `tpurun sync` from here sends it "
             f"to every worker; to keep it here: printf '%s\\n' {rules} >> .tpurunignore"
         )
 
 
-def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float) -> int:
+def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float, into: Path) -> int:
     if json_out:
         ui.print_json({"seconds": round(elapsed, 3), "workers": [g.to_json() for g in got]})
     else:
-        for g in got:
-            if not g.error:
-                print(
-                    f"[{g.name}] {g.files_fetched} of {g.files_total} files changed, {ui.size(g.bytes_fetched)}, "
-                    f"{g.seconds:.1f} s: {g.remote} -> {g.local}",
-                    flush=True,
-                )
-            for rel, why in g.skipped:
-                ui.warn(f"{g.name}: {rel}: {why}")
+        _fetched(got, into)
     code = ExitCode.OK
+    said = []
     for g in got:
         if g.error:
             label = "" if g.unreachable else f"{g.name} ({g.address}): "
-            ui.err().print(f"error: {label}{g.error}", markup=False)
+            said.append((g.name, f"{label}{g.error}"))
             code = max(code, ExitCode.UNREACHABLE if g.unreachable else ExitCode.PROGRAM_FAILED)
         for rel, message in g.errors[:3]:
-            ui.err().print(f"error: {g.name}: {rel}: {message}", markup=False)
+            said.append((g.name, f"{g.name}: {rel}: {message}"))
             code = max(code, ExitCode.PROGRAM_FAILED)
         if len(g.errors) > 3:
-            ui.err().print(f"error: {g.name}: and {len(g.errors) - 3} more files", markup=False)
+            said.append((g.name, f"{g.name}: and {len(g.errors) - 3} more files"))
+    for line in grouped.each_or_by_reason(said, len(got)):
+        ui.err().print(f"error: {line}", markup=False)
     if any(g.outside_home for g in got):
         ui.err().print("hint: pass --outside-home to download a path outside the workers' home", markup=False)
         code = max(code, ExitCode.USAGE)  # an unreachable worker's 4 stays
     return code
+
+
+def _fetched(got: list[download.Fetched], into: Path) -> None:
+    """What came from each worker: a line each for a few workers, else one per outcome with its folded
+    workers (each worker's own directory under INTO written DEST/<worker>); the symlinks left out alike."""
+    done = [g for g in got if not g.error]
+    many = len(got) > grouped.EACH_UP_TO
+    ended = []
+    for g in done:
+        local = g.local.replace(str(into / g.name), str(into / "<worker>"), 1) if many else g.local
+        ended.append((g, (g.files_fetched, g.files_total, ui.size(g.bytes_fetched), g.remote, local)))
+    groups = grouped.by_outcome(ended) if many else [(k, [g]) for g, k in ended]
+    for (fetched, total, size, remote, local), members in groups:
+        names = [g.name for g in members]
+        print(
+            f"[{grouped.which(names)}] {fetched} of {total} files changed, {size}, "
+            f"{grouped.span([g.seconds for g in members])}: {remote} -> {local}",
+            flush=True,
+        )
+    skipped = [(g.name, f"{g.name}: {rel}: {why}") for g in done for rel, why in g.skipped]
+    for line in grouped.each_or_by_reason(skipped, len(got)):
+        ui.warn(line)

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from tpurun import naming, settings, ui
+from tpurun.cli import grouped
 from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stacks_report, stop_on_signals
 from tpurun.errors import ExitCode, UsageError
@@ -376,7 +377,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         return result.exit_code
     assert run is not None
     if state is JobStatus.BUSY:
-        workers = ",".join(job.target.all_workers[w].name for w in sorted(run.busy))
+        workers = grouped.listed([job.target.all_workers[w].name for w in sorted(run.busy)], ",")
         _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
     elif state is JobStatus.RUNNING:  # --detach
         if json_out:
@@ -387,8 +388,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
     elif state is JobStatus.PREEMPTED:
         _preempted(name, job.job_id, spec.max_restarts)
     elif state is JobStatus.UNREACHABLE and spec.detach:
-        for why in run.unreachable.values():
-            _error(f"error: {why}")
+        _unreachable(job, run)
     else:
         _render_ended(result, json_out)
     return result.exit_code
@@ -431,8 +431,14 @@ def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
             _error(f"hint: {hint}")
         return
     if state is JobStatus.UNREACHABLE:
-        for why in run.unreachable.values():
-            _error(f"error: {why}")
+        _unreachable(job, run)
+
+
+def _unreachable(job: launcher.Job, run: attempt.JobRun) -> None:
+    """Why workers could not be reached: a line each for a few, else each reason once with the workers alike."""
+    failures = [(job.target.all_workers[w].name, why) for w, why in sorted(run.unreachable.items())]
+    for line in grouped.each_or_by_reason(failures):
+        _error(f"error: {line}")
 
 
 def _preempted(name: str, job_id: str, max_restarts: int) -> None:
@@ -447,14 +453,17 @@ def _preempted(name: str, job_id: str, max_restarts: int) -> None:
 
 
 def _summary(run: attempt.JobRun) -> None:
-    rows = []
-    for (w, slot), o in sorted(run.outcomes.items()):
-        code = "-" if o.exit_code is None else str(o.exit_code)
-        last = (o.last_lines[-1] if o.last_lines else "")[:60]
-        name = env_contract.process_name(w, slot, run.target.all_workers[w].name)
-        rows.append((name, o.status, code, f"{o.ended:.1f} s" if o.ended else "-", last))
-    with contextlib.redirect_stdout(sys.stderr):
-        ui.table(f"job {run.job_id}", ["core", "status", "exit", "time", "last line"], rows)
+    ended = [
+        (
+            env_contract.process_name(w, slot, run.target.all_workers[w].name),
+            o.status,
+            o.exit_code,
+            o.ended,
+            o.last_lines[-1] if o.last_lines else "",
+        )
+        for (w, slot), o in sorted(run.outcomes.items())
+    ]
+    grouped.processes(f"job {run.job_id}", ended)
 
 
 # ---------------------------------------------------------------------------- jobs, logs, cancel
@@ -526,8 +535,8 @@ def logs_cmd(
     with stop_on_signals(stop):
         result = control.logs(s, job, out, stop, worker=worker, follow=follow, tail=tail)
     if not result.interrupted:
-        for name, why in result.errors.items():
-            _error(f"error: {name}: {why}")
+        for line in grouped.each_or_by_reason([(name, f"{name}: {why}") for name, why in result.errors.items()]):
+            _error(f"error: {line}")
     if result.ended is not None and not result.errors and not result.interrupted:
         _say_ended(job, result.ended)
     raise typer.Exit(result.exit_code)
@@ -552,7 +561,8 @@ def cancel_cmd(
     """Stop a job on every worker; returns when none of its processes is left."""
     result = control.cancel(settings.resolve({}), job, grace)
     if result.missing:
-        ui.warn(f"job {job} is not on {', '.join(result.missing)}: it never started there, or its files were removed")
+        missing = grouped.listed(result.missing)
+        ui.warn(f"job {job} is not on {missing}: it never started there, or its files were removed")
     if not result.stopped:
         states = ", ".join(sorted({st.value for st in result.ended.values()}))
         where = "every other worker" if result.missing else "every worker"
@@ -580,8 +590,8 @@ def stacks_cmd(
         ui.print_json(found.to_json())
     elif not over:
         stacks_report(found)
-    for name, why in found.errors.items():
-        _error(f"error: {name}: {why}")
+    for line in grouped.each_or_by_reason([(name, f"{name}: {why}") for name, why in found.errors.items()]):
+        _error(f"error: {line}")
     if over and not found.errors:  # not a mistake: the answer is that nothing of the job runs
         ui.info(
             f"job {found.job_id} has no process left on the workers asked: it has ended (`tpurun jobs` says how, "
