@@ -98,3 +98,62 @@ def test_gather_prints_each_distinct_output_once_under_its_workers(capsys, n):
     assert sorted(w for h in heads for w in unfold(h.split()[0])) == sorted(worker_name(w) for w in range(n))
     assert heads[0] == ("w0 (1)\n" if n == 1 else f"w[0-{n - 2}] ({n - 1:,})\n")
     assert bodies[0] == "same\n"
+
+
+def _start(out, clock, workers: int, step: float) -> None:
+    """A start on WORKERS workers as `train` reports it: each second how many have started, one more every
+    STEP seconds (2,048 at 0.01 s: a 20-second start)."""
+    started, t = 0, 0.0
+    while started < workers:
+        t += 1.0
+        clock[0] = t
+        started = min(workers, int(t / step))
+        out.starting(started, workers)
+    out.starting(workers, workers)
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_the_start_of_2048_workers_is_a_few_lines(capsys, monkeypatch, live):
+    from tpurun.cli import train
+
+    clock = [0.0]
+    monkeypatch.setattr(train.time, "monotonic", lambda: clock[0])
+    out = train.TerminalOutput(colour=False, quiet=False, chatter=False)
+    out.renderer.live = live
+    _start(out, clock, 2048, 0.01)
+    err = capsys.readouterr().err
+    said = err.splitlines()
+    assert said[-1].endswith("started on every worker (2,048)"), said
+    if live:  # one live line, redrawn in place; then the one line that stays
+        assert err.count("\n") == 1 and "tpurun: starting: the job has started on 1,000 of 2,048 workers" in err
+    else:  # a line at most every START_REPEAT seconds of a 20-second start
+        assert 3 <= len(said) <= 20 / train.START_REPEAT + 1, said
+        assert said[0] == "starting: the job has started on 500 of 2,048 workers", said
+
+
+@pytest.mark.parametrize("workers", [1, 8])
+def test_the_start_of_a_few_workers_says_nothing_more(capsys, monkeypatch, workers):
+    from tpurun.cli import train
+
+    clock = [0.0]
+    monkeypatch.setattr(train.time, "monotonic", lambda: clock[0])
+    out = train.TerminalOutput(colour=False, quiet=False, chatter=False)
+    _start(out, clock, workers, 10.0)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("workers", "rows"), [(1, 4), (8, 32), (2048, 3)])
+def test_a_jobs_processes_fit_a_screen(capsys, workers, rows):
+    ended = [
+        (f"w{w}/c{c}", "failed" if (w, c) == (5, 1) else "killed" if w == 5 else "exited", 1 if (w, c) == (5, 1) else 0,
+         1.0 + c / 10, "done")
+        for w in range(workers)
+        for c in range(4)
+    ]  # fmt: skip
+    grouped.processes("job j", ended)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "job j" and len(err) == 2 + rows, err
+    if workers == 2048:
+        assert err[2].split() == ["exited", "0", "8,188", "w[0-4,6-2047]/c[0-3]", "1.0–1.3", "s", "done"]
+        assert err[3].split() == ["killed", "0", "3", "w5/c[0,2-3]", "1.0–1.3", "s", "done"]
+        assert err[4].split() == ["failed", "1", "1", "w5/c1", "1.1", "s", "done"]

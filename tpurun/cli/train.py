@@ -256,6 +256,7 @@ def _render_down(down: lifecycle.Down, code: int) -> int:
 
 
 WAIT_REPEAT = 30.0  # seconds between repeats of an unchanged "waiting at" line, where it cannot stay live
+START_REPEAT = 5.0  # seconds at least between two lines of a start's progress, where it cannot stay live
 
 
 class TerminalOutput:
@@ -267,6 +268,8 @@ class TerminalOutput:
         self.worker_line = LineWriter(colour=colour)
         self.waited: tuple[str, tuple[str, ...]] | None = None  # (point, missing) last said, when not live
         self.waited_said = 0.0
+        self.start_said = (-1, time.monotonic())  # (workers started, when) last said
+        self.start_text = ""  # the live line while the job starts
 
     def name_workers(self, names: dict[int, str]) -> None:
         self.renderer.names = self.worker_line.names = names
@@ -297,7 +300,7 @@ class TerminalOutput:
         """Who the job's processes wait for: the live line on a terminal; else a status line when it changes,
         and every WAIT_REPEAT seconds while it lasts."""
         if self.renderer.live:
-            self.renderer.set_status("" if waiting is None else f"tpurun: {waiting.text()}")
+            self.renderer.set_status(self.start_text if waiting is None else f"tpurun: {waiting.text()}")
             return
         key = None if waiting is None else (waiting.at, tuple(m.name for m in waiting.missing))
         again = waiting is not None and time.monotonic() - self.waited_said > WAIT_REPEAT
@@ -308,6 +311,31 @@ class TerminalOutput:
         elif self.waited is not None:
             self.info(f"no longer waiting at {self.waited[0]}")
         self.waited, self.waited_said = key, time.monotonic()
+
+    def starting(self, started: int, workers: int) -> None:
+        """How far the job's start has come, on more than a few workers (the lines say it on a few): the live
+        line on a terminal; else a line when it changed, at most every START_REPEAT seconds; then once that
+        every worker has started, where its progress was said."""
+        said, when = self.start_said
+        if workers <= grouped.EACH_UP_TO or started == said:
+            return
+        if started >= workers:
+            self.start_text = ""
+            if self.renderer.live:
+                self.renderer.set_status("")
+            if said >= 0:
+                self.info(f"started on every worker ({workers:,})")
+            self.start_said = (started, time.monotonic())
+            return
+        text = f"starting: the job has started on {started:,} of {workers:,} workers"
+        if self.renderer.live:
+            self.start_text = f"tpurun: {text}"
+            self.renderer.set_status(self.start_text)
+        elif time.monotonic() - when >= START_REPEAT:
+            self.info(text)
+        else:
+            return
+        self.start_said = (started, time.monotonic())
 
     def lines(self, worker: int, lines: list[tuple[int, str]]) -> None:
         self.renderer.lines(worker, lines)

@@ -67,6 +67,7 @@ class Output(Protocol):
     def flush(self) -> None: ...
     def progress(self) -> AbstractContextManager[Callable[[str], None]]: ...
     def waiting(self, waiting: Waiting | None) -> None: ...  # who the processes wait for, now (None: nobody)
+    def starting(self, started: int, workers: int) -> None: ...  # each second until every worker started the job
     def hung(self, found: Stacks | None, why: str, quiet: float, stopping: bool) -> None: ...  # see HangWatch
 
 
@@ -131,6 +132,7 @@ class JobRun:
         self.unreachable: dict[int, str] = {}  # worker -> why it could not be reached, or vanished
         self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
         self.started: set[int] = set()  # the workers whose agent started the job
+        self.all_started = False  # every worker's (then no longer reported)
         self.stop = threading.Event()
         self.started_at = time.monotonic()
         self.lock = threading.Lock()
@@ -288,7 +290,13 @@ class JobRun:
             self.first_failure = self.outcome(found[0], found[1].slot)
 
     def _tick(self, waiting: Waiting | None) -> None:
-        """Each second while the job runs: who waits for whom, and whether the job has gone quiet."""
+        """Each second while the job runs: how far its start has come, who waits for whom, and whether the job
+        has gone quiet."""
+        if not self.all_started:
+            with self.lock:
+                started = len(self.started)
+            self.all_started = started >= len(self.target.runners)
+            self.out.starting(started, len(self.target.runners))
         self.out.waiting(waiting)
         h = self.hang
         if h is None or h.timeout <= 0 or self.detach or self.stop.is_set():
