@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from tpurun.errors import UsageError
 
@@ -197,3 +197,44 @@ def shown(names: Collection[str], width: int = 60) -> str:
     if cut.rfind(",") > 0:
         cut = cut[: cut.rfind(",") + 1]  # whole numbers and names only
     return cut + "…" + ("]" if cut.count("[") > cut.count("]") else "")
+
+
+EACH_UP_TO = 8  # workers named one by one (a row or a line each); more are folded, grouped by outcome
+WIDTH = 60  # characters of a folded set in a line or a table's cell
+
+
+def which(names: Collection[str]) -> str:
+    """NAMES for a line or a row: folded, cut to WIDTH."""
+    return shown(names, WIDTH)
+
+
+def count(n: int, what: str = "worker") -> str:
+    """`1 worker`, `2,045 workers`."""
+    return f"{n:,} {what}{'' if n == 1 else 'es' if what.endswith('s') else 's'}"
+
+
+def reason(why: str, name: str) -> str:
+    """WHY without the worker it is about (its NAME, and its address where it follows in brackets): what two
+    workers that failed alike share."""
+    return re.sub(rf"(?<![\w/]){re.escape(name)}(?![\w/])( \([^)]*\))?", "…", why)
+
+
+def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
+    """(name, why) FAILURES as one line per distinct reason, the most common first: the first worker's own
+    words, then the workers alike, folded: `… connection refused (and 2,039 more workers alike: w[8-2047])`."""
+    alike: dict[str, list[tuple[str, str]]] = {}
+    for name, why in failures:
+        alike.setdefault(reason(why, name), []).append((name, why))
+    lines = []
+    for group in sorted(alike.values(), key=len, reverse=True):  # stable: ties in the order they came
+        first, why = group[0]
+        rest = [name for name in dict.fromkeys(name for name, _ in group) if name != first]
+        lines.append(why + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else ""))
+    return lines
+
+
+def each_or_by_reason(failures: Sequence[tuple[str, str]], among: int = 0) -> list[str]:
+    """(name, why) FAILURES as lines: one each where they come from a few workers (EACH_UP_TO; AMONG: the
+    workers asked, where more than those named), else one per distinct reason (`by_reason`)."""
+    few = max(among, len({name for name, _ in failures})) <= EACH_UP_TO
+    return [why for _, why in failures] if few else by_reason(failures)

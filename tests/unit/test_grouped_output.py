@@ -157,3 +157,17 @@ def test_a_jobs_processes_fit_a_screen(capsys, workers, rows):
         assert err[2].split() == ["exited", "0", "8,188", "w[0-4,6-2047]/c[0-3]", "1.0–1.3", "s", "done"]
         assert err[3].split() == ["killed", "0", "3", "w5/c[0,2-3]", "1.0–1.3", "s", "done"]
         assert err[4].split() == ["failed", "1", "1", "w5/c1", "1.1", "s", "done"]
+
+
+def test_the_same_failure_on_many_workers_is_one_line():
+    from tpurun.naming import each_or_by_reason
+
+    def failures(n: int) -> list[tuple[str, str]]:
+        return [(f"w{w}", f"w{w}: {refused(w)}" if w != 3 else "w3: agent exited 2") for w in range(n)]
+
+    assert each_or_by_reason(failures(8)) == [why for _, why in failures(8)]  # a few: each in its own words
+    assert each_or_by_reason(failures(2048)) == [
+        f"w0: {refused(0)} (and 2,046 more workers alike: w[1-2,4-2047])",
+        "w3: agent exited 2",
+    ]
+    assert each_or_by_reason(failures(2)[:1], among=2048) == [f"w0: {refused(0)}"]

@@ -6,26 +6,18 @@ few of them (EACH_UP_TO) or where asked; why workers cannot be reached, each rea
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from tpurun import ui
-from tpurun.naming import fold, shown, worker_name
+from tpurun.naming import EACH_UP_TO, by_reason, fold, which, worker_name
 
-EACH_UP_TO = 8  # workers that get a row each; more are grouped by outcome (a screen at 2,048 workers)
 PROCESSES_UP_TO = 32  # the same for a job's processes (8 workers of 4 chips)
-WIDTH = 60  # characters of a folded set in a row or a line (the whole set: --json, or per worker on request)
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
-
-
-def count(n: int, what: str = "worker") -> str:
-    """`1 worker`, `2,045 workers`."""
-    return f"{n:,} {what}{'' if n == 1 else 'es' if what.endswith('s') else 's'}"
 
 
 def by_outcome(pairs: Iterable[tuple[T, K]]) -> list[tuple[K, list[T]]]:
@@ -49,37 +41,9 @@ def span(seconds: Sequence[float]) -> str:
     return f"{lo} s" if lo == hi else f"{lo}–{hi} s"
 
 
-def which(names: Sequence[str]) -> str:
-    """NAMES for a row: folded, cut to WIDTH."""
-    return shown(names, WIDTH)
-
-
 def listed(names: Sequence[str], sep: str = ", ") -> str:
     """NAMES in a line: each of a few (EACH_UP_TO) joined by SEP, else folded within WIDTH."""
     return sep.join(names) if len(names) <= EACH_UP_TO else which(names)
-
-
-def reason(why: str, name: str) -> str:
-    """WHY without the worker it is about (its NAME, and its address where it follows in brackets): what two
-    workers refused alike share."""
-    return re.sub(rf"(?<![\w/]){re.escape(name)}(?![\w/])( \([^)]*\))?", "…", why)
-
-
-def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
-    """(name, why) FAILURES as one line per distinct reason: the first worker's own words, then the workers
-    alike, folded."""
-    lines = []
-    for _, alike in by_outcome(((name, why), reason(why, name)) for name, why in failures):
-        rest = [name for name in dict.fromkeys(name for name, _ in alike) if name != alike[0][0]]
-        lines.append(alike[0][1] + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else ""))
-    return lines
-
-
-def each_or_by_reason(failures: Sequence[tuple[str, str]], among: int = 0) -> list[str]:
-    """(name, why) FAILURES as lines: one each where they come from a few workers (EACH_UP_TO; AMONG: the
-    workers asked, where more than those named), else one per distinct reason."""
-    few = max(among, len({name for name, _ in failures})) <= EACH_UP_TO
-    return [why for _, why in failures] if few else by_reason(failures)
 
 
 class Unreachable:

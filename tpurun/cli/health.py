@@ -16,6 +16,7 @@ from tpurun.cli import grouped
 from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import skew_table
 from tpurun.errors import ExitCode
+from tpurun.naming import each_or_by_reason
 
 
 def _short(text: str, n: int = 60) -> str:
@@ -74,9 +75,7 @@ def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -
     if locks:
         lock_rows = [(grouped.which(names), *k) for k, names in grouped.each_or_grouped(locks, many)]
         ui.table(None, ["worker", "lock file", "result"], lock_rows)
-    for line in grouped.each_or_by_reason(
-        [(w.name, f"{w.name}: {e}") for w in workers for e in w.errors], len(workers)
-    ):
+    for line in each_or_by_reason([(w.name, f"{w.name}: {e}") for w in workers for e in w.errors], len(workers)):
         ui.warn(line)
     said = []
     for w in workers:
@@ -94,7 +93,7 @@ def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -
 
 
 def _kill_stale_exit(result: diagnose.KillStale) -> int:
-    for line in grouped.each_or_by_reason([(w.name, w.error) for w in result.unreachable], len(result.workers)):
+    for line in each_or_by_reason([(w.name, w.error) for w in result.unreachable], len(result.workers)):
         ui.err().print(f"error: {line}", markup=False)
     if result.unreachable:
         return ExitCode.UNREACHABLE

@@ -19,6 +19,7 @@ from tpurun.cli import grouped
 from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
+from tpurun.naming import each_or_by_reason
 from tpurun.sync import download, ignore, report
 from tpurun.sync.sender import Counters, Interrupted, WorkerStats, default_dest, sync_dir
 from tpurun.worker.sync_helper import ErrorKind
@@ -105,7 +106,7 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
             more = f" (and {len(s.errors) - 1} more files)" if len(s.errors) > 1 else ""
             said.append((s.name, f"{label}: {verb} {where}: {message}{more}"))
             failed = True
-    for line in grouped.each_or_by_reason(said, len(stats)):
+    for line in each_or_by_reason(said, len(stats)):
         ui.err().print(f"error: {line}", markup=False)
     if unreachable:
         return ExitCode.UNREACHABLE
@@ -305,7 +306,7 @@ def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float
             code = max(code, ExitCode.PROGRAM_FAILED)
         if len(g.errors) > 3:
             said.append((g.name, f"{g.name}: and {len(g.errors) - 3} more files"))
-    for line in grouped.each_or_by_reason(said, len(got)):
+    for line in each_or_by_reason(said, len(got)):
         ui.err().print(f"error: {line}", markup=False)
     if any(g.outside_home for g in got):
         ui.err().print("hint: pass --outside-home to download a path outside the workers' home", markup=False)
@@ -331,5 +332,5 @@ def _fetched(got: list[download.Fetched], into: Path) -> None:
             flush=True,
         )
     skipped = [(g.name, f"{g.name}: {rel}: {why}") for g in done for rel, why in g.skipped]
-    for line in grouped.each_or_by_reason(skipped, len(got)):
+    for line in each_or_by_reason(skipped, len(got)):
         ui.warn(line)

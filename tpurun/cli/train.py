@@ -24,6 +24,7 @@ from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting
+from tpurun.naming import each_or_by_reason
 from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 
@@ -465,7 +466,7 @@ def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
 def _unreachable(job: launcher.Job, run: attempt.JobRun) -> None:
     """Why workers could not be reached: a line each for a few, else each reason once with the workers alike."""
     failures = [(job.target.all_workers[w].name, why) for w, why in sorted(run.unreachable.items())]
-    for line in grouped.each_or_by_reason(failures):
+    for line in each_or_by_reason(failures):
         _error(f"error: {line}")
 
 
@@ -563,7 +564,7 @@ def logs_cmd(
     with stop_on_signals(stop):
         result = control.logs(s, job, out, stop, worker=worker, follow=follow, tail=tail)
     if not result.interrupted:
-        for line in grouped.each_or_by_reason([(name, f"{name}: {why}") for name, why in result.errors.items()]):
+        for line in each_or_by_reason([(name, f"{name}: {why}") for name, why in result.errors.items()]):
             _error(f"error: {line}")
     if result.ended is not None and not result.errors and not result.interrupted:
         _say_ended(job, result.ended)
@@ -618,7 +619,7 @@ def stacks_cmd(
         ui.print_json(found.to_json())
     elif not over:
         stacks_report(found)
-    for line in grouped.each_or_by_reason([(name, f"{name}: {why}") for name, why in found.errors.items()]):
+    for line in each_or_by_reason([(name, f"{name}: {why}") for name, why in found.errors.items()]):
         _error(f"error: {line}")
     if over and not found.errors:  # not a mistake: the answer is that nothing of the job runs
         ui.info(

@@ -19,6 +19,7 @@ from tpurun.job import watch
 from tpurun.job.records import JobRecord, connect
 from tpurun.job.status import JobSummary, combine
 from tpurun.job.watch import Waiting, Watch
+from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
 from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Worker, worker_names
@@ -220,12 +221,12 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
     names = worker_names(target.all_workers)
     missing = [names[w] for w, (rc, _) in sorted(results.items()) if rc == AgentExit.USAGE]  # "no job J here"
     failures = [
-        f"{names[w]}: {err.strip() or rc}"
+        (names[w], f"{names[w]}: {err.strip() or rc}")
         for w, (rc, err) in sorted(results.items())
         if rc not in (AgentExit.OK, AgentExit.USAGE)
     ]
     if failures:
-        raise UnreachableError("could not stop the job everywhere: " + "; ".join(failures))
+        raise UnreachableError("could not stop the job everywhere: " + "; ".join(each_or_by_reason(failures)))
     if len(missing) == len(target.runners):
         raise UsageError(
             f"job {job_id} is on none of its workers ({', '.join(missing)}): it never started, or its files there "

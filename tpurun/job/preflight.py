@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from tpurun.errors import TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.setup import REQUIREMENTS
 from tpurun.job.status import ACTIVE
+from tpurun.naming import each_or_by_reason
 from tpurun.targets import Target
 from tpurun.transport.fleet import Call, Session
 from tpurun.worker.protocol_calls import Preflight
@@ -50,6 +51,11 @@ def requirement_names(script: str, local_dir: Path) -> list[str]:
     return names
 
 
+def _alike(target: Target, failed: dict[int, str]) -> list[str]:
+    """Why the FAILED workers did not answer: each of a few, else each reason once with the workers alike."""
+    return each_or_by_reason([(target.all_workers[w].name, failed[w]) for w in sorted(failed)])
+
+
 def ask(target: Target, python: str, packages: list[str]) -> dict[int, Preflight]:
     """Every connected worker's answer (worker index -> answer); the agent bundle is installed where it is
     missing. Raises UnreachableError naming the workers that did not answer."""
@@ -69,7 +75,7 @@ def ask(target: Target, python: str, packages: list[str]) -> dict[int, Preflight
         except (ValueError, IndexError) as exc:
             failed[w] = f"{name}: {exc}"
     if failed:
-        raise UnreachableError("; ".join(failed[w] for w in sorted(failed)))
+        raise UnreachableError("; ".join(_alike(target, failed)))
     return answers
 
 
@@ -141,7 +147,7 @@ def claim(target: Target, python: str, packages: list[str], job_id: str) -> tupl
                 else:
                     sessions[w].ended()  # it holds nothing: it has ended, or is ending
         if failed:
-            raise UnreachableError("; ".join(failed[w] for w in sorted(failed)))
+            raise UnreachableError("; ".join(_alike(target, failed)))
         refuse_if_busy(target, answers)
     except BaseException:
         held.release()

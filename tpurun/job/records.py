@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tpurun import targets
 from tpurun.errors import ApiError, UnreachableError, UsageError
+from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
 from tpurun.targets import Target
 
@@ -91,7 +92,8 @@ def connect(target: Target, record: JobRecord | None = None) -> None:
     """Connect every worker of TARGET, or raise; with RECORD, also that TARGET is the TPU that job ran on."""
     errors = target.fleet.connect()
     if errors:
-        raise UnreachableError("; ".join(errors[i] for i in sorted(errors)))
+        names = target.worker_names
+        raise UnreachableError("; ".join(each_or_by_reason([(names[i], errors[i]) for i in sorted(errors)])))
     if record is not None and target.other_than(record.ids):
         raise ApiError(
             f"job {record.job_id} ran on the TPU {record.tpu} with node id {', '.join(record.ids)}, which no longer "

@@ -15,6 +15,7 @@ from pathlib import Path
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.job.env_contract import process_name
 from tpurun.job.records import JobRecord, connect, list_records
+from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
 from tpurun.targets import Target
 from tpurun.transport.fleet import Call
@@ -159,7 +160,8 @@ def gather(target: Target, python: str, job_id: str, home: Path) -> Stacks:
                 errors[w] = str(exc)
     names = {w.index: w.name for w in target.all_workers}
     if errors and not answers:
-        raise UnreachableError("; ".join(f"{names[w]}: {why}" for w, why in sorted(errors.items())))
+        said = [(names[w], f"{names[w]}: {why}") for w, why in sorted(errors.items())]
+        raise UnreachableError("; ".join(each_or_by_reason(said)))
     processes = [Process(w, _name(w, ps, names[w]), ps) for w in sorted(answers) for ps in answers[w]]
     stacks = group(job_id, processes, home / "stacks")
     stacks.errors = {names[w]: why for w, why in sorted(errors.items())}
