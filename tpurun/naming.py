@@ -208,6 +208,11 @@ def which(names: Collection[str]) -> str:
     return shown(names, WIDTH)
 
 
+def listed(names: Sequence[str], sep: str = ", ") -> str:
+    """NAMES in a line: each of a few (EACH_UP_TO) joined by SEP, else folded within WIDTH."""
+    return sep.join(names) if len(names) <= EACH_UP_TO else which(names)
+
+
 def count(n: int, what: str = "worker") -> str:
     """`1 worker`, `2,045 workers`."""
     return f"{n:,} {what}{'' if n == 1 else 'es' if what.endswith('s') else 's'}"

@@ -41,9 +41,10 @@ def span(seconds: Sequence[float]) -> str:
     return f"{lo} s" if lo == hi else f"{lo}–{hi} s"
 
 
-def listed(names: Sequence[str], sep: str = ", ") -> str:
-    """NAMES in a line: each of a few (EACH_UP_TO) joined by SEP, else folded within WIDTH."""
-    return sep.join(names) if len(names) <= EACH_UP_TO else which(names)
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """A table on stderr (summaries go there: stdout is the workers' own lines)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        ui.table(title, columns, rows)
 
 
 class Unreachable:
@@ -62,12 +63,6 @@ class Unreachable:
         """FAILURES, (name, why) of every unreachable worker in order: those not said yet, grouped."""
         for line in by_reason(failures[self.said :]):
             ui.err().print(f"error: {line}", markup=False)
-
-
-def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-    """A table on stderr (summaries go there: stdout is the workers' own lines)."""
-    with contextlib.redirect_stdout(sys.stderr):
-        ui.table(title, columns, rows)
 
 
 def processes(title: str, ended: Sequence[tuple[str, str, int | None, float, str]]) -> None:

@@ -16,7 +16,7 @@ from tpurun.cli import grouped
 from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import skew_table
 from tpurun.errors import ExitCode
-from tpurun.naming import each_or_by_reason
+from tpurun.naming import EACH_UP_TO, each_or_by_reason, which
 
 
 def _short(text: str, n: int = 60) -> str:
@@ -53,7 +53,7 @@ def kill_stale_cmd(
 def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -> None:
     """What holds the TPU where, and what became of it: a row per holder and a line per worker on a few
     workers; on more, alike holders and alike workers grouped, each group with its folded workers."""
-    many = len(workers) > grouped.EACH_UP_TO
+    many = len(workers) > EACH_UP_TO
     held = [
         (w.name, (h.user, _short(h.command), " ".join(h.holds), h.result or "")) for w in workers for h in w.holders
     ]
@@ -62,7 +62,7 @@ def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -
         ui.table(
             None,
             ["processes", "workers", "user", "command", "holds", "result"],
-            [(len(names), grouped.which(names), *k) for k, names in alike],
+            [(len(names), which(names), *k) for k, names in alike],
         )
     elif held:
         rows = [
@@ -73,7 +73,7 @@ def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -
         ui.table(None, ["worker", "pid", "user", "age", "command", "holds", "result"], rows)
     locks = [(w.name, (lk.path, lk.result or "")) for w in workers for lk in w.locks]
     if locks:
-        lock_rows = [(grouped.which(names), *k) for k, names in grouped.each_or_grouped(locks, many)]
+        lock_rows = [(which(names), *k) for k, names in grouped.each_or_grouped(locks, many)]
         ui.table(None, ["worker", "lock file", "result"], lock_rows)
     for line in each_or_by_reason([(w.name, f"{w.name}: {e}") for w in workers for e in w.errors], len(workers)):
         ui.warn(line)
@@ -89,7 +89,7 @@ def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -
         elif w.free:
             said.append((w.name, f"TPU free ({n} process(es) stopped)"))
     for text, names in grouped.each_or_grouped(said, many):
-        ui.info(f"{grouped.which(names)}: {text}")
+        ui.info(f"{which(names)}: {text}")
 
 
 def _kill_stale_exit(result: diagnose.KillStale) -> int:
@@ -159,7 +159,7 @@ def _checks(result: diagnose.Doctor) -> None:
     """Every check on every worker: a row each on a few workers; on more, a row per check and status with its
     folded workers, in the order of the checks, and its detail where they share it (else one worker's)."""
     checks = [(result.names[c.worker], c) for c in result.checks]
-    if len({name for name, _ in checks}) <= grouped.EACH_UP_TO:
+    if len({name for name, _ in checks}) <= EACH_UP_TO:
         each = [(name, c.name, c.status.upper(), c.detail, c.fix) for name, c in checks]
         ui.table(None, ["worker", "check", "status", "detail", "fix"], each)
         return
@@ -177,7 +177,7 @@ def _checks(result: diagnose.Doctor) -> None:
                 check,
                 status.upper(),
                 f"{len(names):,}",
-                grouped.which(names),
+                which(names),
                 detail,
                 c.fix if len(fixes) == 1 else f"e.g. {c.fix}",
             )

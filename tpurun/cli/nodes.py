@@ -16,6 +16,7 @@ from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import WorkerView
 from tpurun.errors import ExitCode, ProgramFailed, TpurunError, UsageError
+from tpurun.naming import EACH_UP_TO, which
 
 
 def cloud_for(
@@ -41,14 +42,14 @@ def _workers_table(view: provision.NodeView, every: bool = False) -> None:
         if r and r.duration is not None:
             status += f" ({r.duration:.0f} s)"
         rows.append((w.name, w.internal_ip, w.external_ip or "-", status))
-    if every or len(rows) <= grouped.EACH_UP_TO:
+    if every or len(rows) <= EACH_UP_TO:
         ui.table(title, ["worker", "internal ip", "external ip", "startup"], rows)
         return
     alike = grouped.by_outcome((w, (w.report.status if w.report else "-")) for w in view.workers)
     ui.table(
         title,
         ["startup", "workers", "which", "time"],
-        [(status, f"{len(ws):,}", grouped.which([w.name for w in ws]), _took(ws)) for status, ws in alike],
+        [(status, f"{len(ws):,}", which([w.name for w in ws]), _took(ws)) for status, ws in alike],
     )
     ui.info(f"`tpurun describe {view.name}` lists every worker and its addresses")
 

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from tpurun import ui
 from tpurun.cli import grouped
-from tpurun.cli.grouped import EACH_UP_TO, Unreachable
+from tpurun.cli.grouped import Unreachable
 from tpurun.errors import ExitCode
 from tpurun.job.env_contract import process_name
 from tpurun.job.preflight import Skew
 from tpurun.job.stacks import Stacks
-from tpurun.naming import worker_name
+from tpurun.naming import EACH_UP_TO, listed, which, worker_name
 from tpurun.remote import ExecResult, RunResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
@@ -103,7 +103,7 @@ def summarize(
         rows = []
         for status, members in grouped.by_outcome((r, _status(r, reason=False)) for r in results):
             time = "-" if status == "unreachable" else grouped.span([r.duration for r in members])
-            rows.append((status, f"{len(members):,}", grouped.which([name(r) for r in members]), time))
+            rows.append((status, f"{len(members):,}", which([name(r) for r in members]), time))
         grouped.table(None, ["result", "workers", "which", "time"], rows)
     if unreachable is not None:
         unreachable.rest([(name(r), r.error) for r in unreached])
@@ -113,7 +113,7 @@ def summarize(
         return ExitCode.UNREACHABLE
     if failed:
         codes = sorted({r.exit_code for r in failed if r.exit_code is not None})
-        where = grouped.listed([name(r) for r in sorted(failed, key=lambda r: r.worker)])
+        where = listed([name(r) for r in sorted(failed, key=lambda r: r.worker)])
         if len(results) == 1:
             scope = where
         elif len(failed) == len(results):
@@ -266,7 +266,7 @@ def skew_table(skew: Skew) -> None:
     rows: list[list[str]] = []
     last = None
     for what, version, names in skew.rows:
-        shown = ", ".join(names) if len(names) <= EACH_UP_TO else f"{len(names):,} workers: {grouped.which(names)}"
+        shown = ", ".join(names) if len(names) <= EACH_UP_TO else f"{len(names):,} workers: {which(names)}"
         rows.append(["" if what == last else what, version, shown])
         last = what
     ui.table("the workers differ", ["what", "version", "workers"], rows)
@@ -281,7 +281,7 @@ def stacks_report(stacks: Stacks) -> None:
     print(stacks.summary())
     for g in stacks.groups:
         names = [p.name for p in g.members]
-        shown = grouped.listed(names)
+        shown = listed(names)
         print(f"\n{len(names)} process{'es' if len(names) > 1 else ''} {g.where(stacks.cwd)}: {shown}")
         for f in g.frames[:SHOWN_FRAMES]:
             place = f"{f.file}:{f.line}" if f.python else f.file

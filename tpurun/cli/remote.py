@@ -12,11 +12,11 @@ import typer
 from typer.core import TyperCommand
 
 from tpurun import remote, settings, targets, ui
-from tpurun.cli.grouped import EACH_UP_TO, Gathered, Unreachable
+from tpurun.cli.grouped import Gathered, Unreachable
 from tpurun.cli.options import GraceOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.errors import TpurunError, UsageError
-from tpurun.naming import NAME_RE
+from tpurun.naming import EACH_UP_TO, NAME_RE
 
 TYPED = "tpurun.typed"  # the key of the command line as typed, in the parser's context
 

@@ -19,7 +19,7 @@ from tpurun.cli import grouped
 from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
-from tpurun.naming import each_or_by_reason
+from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed, which
 from tpurun.sync import download, ignore, report
 from tpurun.sync.sender import Counters, Interrupted, WorkerStats, default_dest, sync_dir
 from tpurun.worker.sync_helper import ErrorKind
@@ -120,7 +120,7 @@ def _synced(stats: list[WorkerStats], dest: str) -> None:
     for s in stats:
         status = "failed" if s.error or s.errors else "ok"
         ended.append((s, (status, f"{s.files_sent}/{s.files_total}", ui.size(s.bytes_sent), s.deleted, s.dest or dest)))
-    if len(stats) > grouped.EACH_UP_TO:
+    if len(stats) > EACH_UP_TO:
         groups = [
             (k, [s.name for s in members], [s.seconds for s in members]) for k, members in grouped.by_outcome(ended)
         ]
@@ -129,17 +129,17 @@ def _synced(stats: list[WorkerStats], dest: str) -> None:
     if ui.is_plain():
         for (status, files, size, deleted, where), names, times in groups:
             print(
-                f"[{grouped.which(names)}] {status}: sent {files} files, {size}, deleted {deleted}, {grouped.span(times)} -> {where}",
+                f"[{which(names)}] {status}: sent {files} files, {size}, deleted {deleted}, {grouped.span(times)} -> {where}",
                 flush=True,
             )
         return
     columns = ["worker", "files sent", "bytes", "deleted", "time", "result"]
-    if len(stats) > grouped.EACH_UP_TO:
+    if len(stats) > EACH_UP_TO:
         columns = ["workers", *columns]
     rows = []
     for (status, files, size, deleted, _), names, times in groups:
-        many = [f"{len(names):,}"] if len(stats) > grouped.EACH_UP_TO else []
-        rows.append((*many, grouped.which(names), files, size, deleted, grouped.span(times), status))
+        many = [f"{len(names):,}"] if len(stats) > EACH_UP_TO else []
+        rows.append((*many, which(names), files, size, deleted, grouped.span(times), status))
     ui.table(f"synced to {dest}", columns, rows)
 
 
@@ -274,7 +274,7 @@ def _say_where(got: list[download.Fetched]) -> None:
     both, or what it put here that the next `train` from here would send."""
     marked = sorted({g.marked for g in got if g.marked})
     if marked:
-        where = grouped.listed([_shown(m) + "/" for m in marked])
+        where = listed([_shown(m) + "/" for m in marked])
         it, its = ("it", "its") if len(marked) == 1 else ("them", "each one's")
         ui.info(
             f"{where}: made by this download, so git and `tpurun sync`/`train` leave {it} out "
@@ -284,7 +284,7 @@ def _say_where(got: list[download.Fetched]) -> None:
     if sent:
         rules = " ".join(shlex.quote(ignore.pattern(p)) for p in sent)
         ui.warn(
-            f"{grouped.listed(sent)}: in this directory, so the next `tpurun train` or `tpurun sync` from here sends it "
+            f"{listed(sent)}: in this directory, so the next `tpurun train` or `tpurun sync` from here sends it "
             f"to every worker; to keep it here: printf '%s\\n' {rules} >> .tpurunignore"
         )
 
@@ -318,7 +318,7 @@ def _fetched(got: list[download.Fetched], into: Path) -> None:
     """What came from each worker: a line each for a few workers, else one per outcome with its folded
     workers (each worker's own directory under INTO written DEST/<worker>); the symlinks left out alike."""
     done = [g for g in got if not g.error]
-    many = len(got) > grouped.EACH_UP_TO
+    many = len(got) > EACH_UP_TO
     ended = []
     for g in done:
         local = g.local.replace(str(into / g.name), str(into / "<worker>"), 1) if many else g.local
@@ -327,7 +327,7 @@ def _fetched(got: list[download.Fetched], into: Path) -> None:
     for (fetched, total, size, remote, local), members in groups:
         names = [g.name for g in members]
         print(
-            f"[{grouped.which(names)}] {fetched} of {total} files changed, {size}, "
+            f"[{which(names)}] {fetched} of {total} files changed, {size}, "
             f"{grouped.span([g.seconds for g in members])}: {remote} -> {local}",
             flush=True,
         )

@@ -24,7 +24,7 @@ from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting
-from tpurun.naming import each_or_by_reason
+from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed
 from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 
@@ -318,7 +318,7 @@ class TerminalOutput:
         line on a terminal; else a line when it changed, at most every START_REPEAT seconds; then once that
         every worker has started, where its progress was said."""
         said, when = self.start_said
-        if workers <= grouped.EACH_UP_TO or started == said:
+        if workers <= EACH_UP_TO or started == said:
             return
         if started >= workers:
             self.start_text = ""
@@ -406,7 +406,7 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         return result.exit_code
     assert run is not None
     if state is JobStatus.BUSY:
-        workers = grouped.listed([job.target.all_workers[w].name for w in sorted(run.busy)], ",")
+        workers = listed([job.target.all_workers[w].name for w in sorted(run.busy)], ",")
         _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
     elif state is JobStatus.RUNNING:  # --detach
         if json_out:
@@ -590,7 +590,7 @@ def cancel_cmd(
     """Stop a job on every worker; returns when none of its processes is left."""
     result = control.cancel(settings.resolve({}), job, grace)
     if result.missing:
-        missing = grouped.listed(result.missing)
+        missing = listed(result.missing)
         ui.warn(f"job {job} is not on {missing}: it never started there, or its files were removed")
     if not result.stopped:
         states = ", ".join(sorted({st.value for st in result.ended.values()}))

@@ -21,6 +21,7 @@ from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, 
 from tpurun.job.records import JobRecord, connect, forget, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
+from tpurun.naming import each_or_by_reason, listed
 from tpurun.sync import report, sender
 from tpurun.targets import Target
 from tpurun.topology import Topology
@@ -392,7 +393,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         out.warn(f"starting anyway (--allow-skew): the workers differ: {job.skew.summary()}")
     lost = job.claim.lost() if job.claim is not None else []
     if lost:
-        names = ", ".join(target.all_workers[w].name for w in lost)
+        names = listed([target.all_workers[w].name for w in lost])
         raise UsageError(
             f"{names} stopped being held for job {job.job_id} before it started (`tpurun kill-stale` ends a hold); "
             "nothing was started",
@@ -483,7 +484,9 @@ def sync_code(target: Target, src: Path, dest: str, home: Path, out: Output) -> 
     if failed:
         raise UnreachableError(
             "could not sync the code: "
-            + "; ".join(f"{st.name} ({st.address}): {st.error or st.errors[0]}" for st in failed)
+            + "; ".join(
+                each_or_by_reason([(st.name, f"{st.name} ({st.address}): {st.error or st.errors[0]}") for st in failed])
+            )
         )
     out.info(f"synced {src} to {dest} in {time.monotonic() - started:.1f} s: {report.totals(stats).line()}")
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tpurun.errors import TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.setup import REQUIREMENTS
 from tpurun.job.status import ACTIVE
-from tpurun.naming import each_or_by_reason
+from tpurun.naming import each_or_by_reason, listed
 from tpurun.targets import Target
 from tpurun.transport.fleet import Call, Session
 from tpurun.worker.protocol_calls import Preflight
@@ -174,7 +174,7 @@ def refuse_if_busy(target: Target, answers: dict[int, Preflight]) -> None:
     if not busy:
         return
     job, where = sorted(busy.items())[0]
-    on = ", ".join(where)
+    on = listed(where)
     if any(st.job_id == job and st.status in ACTIVE for a in answers.values() for st in a.jobs):
         raise TpuBusy(
             f"{target.name} is busy: job {job} runs on {on}; nothing was started",
@@ -211,7 +211,7 @@ class Skew:
 
     def summary(self) -> str:
         """One line: what differs, and where (the odd ones out)."""
-        return "; ".join(f"{w} {v} on {', '.join(names)} ({c} elsewhere)" for w, v, names, c in self.odd_ones())
+        return "; ".join(f"{w} {v} on {listed(names)} ({c} elsewhere)" for w, v, names, c in self.odd_ones())
 
 
 def compare(target: Target, answers: dict[int, Preflight]) -> Skew:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from tpurun import naming
 from tpurun.errors import NoSuchTpu, TpurunError
 from tpurun.job.records import JobRecord, forget, list_records
 from tpurun.job.watch import Waiting, Watch
@@ -139,7 +140,7 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
     for r in group:
         unreachable = [names.get(w, str(w)) for w in r.workers if w in errors]
         if unreachable:
-            out[r.job_id] = JobSummary(JobStatus.UNREACHABLE, ", ".join(unreachable))
+            out[r.job_id] = JobSummary(JobStatus.UNREACHABLE, naming.listed(unreachable))
             continue
         summary = combine({names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers})
         if summary.status is JobStatus.RUNNING:
