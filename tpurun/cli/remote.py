@@ -12,7 +12,17 @@ import typer
 from typer.core import TyperCommand
 
 from tpurun import remote, settings, targets, ui
-from tpurun.cli.options import GraceOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
+from tpurun.cli.options import (
+    GraceOpt,
+    LocalOpt,
+    ProjectOpt,
+    RelayOpt,
+    TpuOpt,
+    WorkerOpt,
+    ZoneOpt,
+    parsing,
+    relay_flag,
+)
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.errors import TpurunError, UsageError
 from tpurun.naming import NAME_RE
@@ -69,11 +79,13 @@ def exec_cmd(
     worker: WorkerOpt = "all",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop every worker at the first failure.")] = False,
     grace: GraceOpt = remote.RUN_GRACE,
+    relay: RelayOpt = None,
 ) -> None:
     """Run a command on every selected worker at once, lines prefixed \\[wN]. The TPU's name may come first:
     `tpurun exec NAME -- CMD`."""
     s, command = name_first(
-        ctx, "exec", command, settings.resolve({"tpu": tpu, "project": project, "zone": zone}), local=local
+        ctx, "exec", command, settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}),
+        local=local,
     )
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")

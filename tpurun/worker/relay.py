@@ -451,7 +451,9 @@ class Relay:
                 self.act(kind, number, payload)
 
     def end(self) -> None:
-        """The link up ended: every program and child relay started here is given the end of its stdin."""
+        """The link up ended: the key and the files go first, then every program and child relay started here is
+        given the end of its stdin."""
+        self.forget()
         for route in list(self.routes.values()):
             if isinstance(route, Local):
                 route.act(relay_wire.CLOSE, b"")
@@ -461,8 +463,12 @@ class Relay:
         for c in self.children:
             while c.proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+    def forget(self) -> None:
+        """The agent holding tpurun's key told to end, and this relay's files removed (its socket with them)."""
         if self.agent is not None and self.agent.stdin is not None:
             self.agent.stdin.close()  # the shell under the agent ends, then the agent
+            self.agent.kill()
         for name in os.listdir(self.private):
             try:
                 os.unlink(os.path.join(self.private, name))
@@ -474,8 +480,13 @@ class Relay:
             pass
 
 
+def _ended(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    for sig in (signal.SIGHUP, signal.SIGTERM):  # ended from outside: clean up as at the link's end
+        signal.signal(sig, _ended)
     os.write(1, relay_wire.frame(relay_wire.HELLO))
     frames = relay_wire.read_frames(lambda n: os.read(0, n))
     try:
