@@ -159,7 +159,7 @@ def test_login_hostname_home_and_isolation(env: Env) -> None:
     assert "sleep 1000" in env.ssh(ws[1], "ps ax").stdout
     assert "sleep 1000" not in env.ssh(ws[2], "ps ax").stdout
     # Its processes run in its own pid namespace (init is pid 1 there).
-    assert env.ssh(ws[2], "cat /proc/1/cmdline | tr '\\0' ' '").stdout.count("_worker_init.py") == 1
+    assert env.ssh(ws[2], "cat /proc/1/cmdline | tr '\\0' ' '").stdout.count("tpurun-worker-init") == 1
 
 
 def test_fake_tpu_devices(env: Env) -> None:
@@ -268,7 +268,7 @@ def test_faults_stop_start_and_close(tmp_path: Path) -> None:
         assert "py " in env.hosts.startup_log(node, 0).read_text()
         env.ssh(ws[0], "echo keep > ~/home_mark")
 
-        # kill_sshd: the listener dies; other processes live on; restart_sshd brings it back.
+        # kill_sshd: the worker takes no ssh connection (no sshd left); other processes live on; restart_sshd brings it back.
         env.ssh(ws[1], "nohup sleep 1001 >/dev/null 2>&1 &")
         env.hosts.kill_sshd(node, 1)
         assert env.ssh(ws[1], "true", check=False).returncode == 255
