@@ -76,7 +76,7 @@ def _state_dir(opt: Path | None) -> Path:
 
 _MAX_WORKERS_HELP = (
     "Most workers one node may have (default: 2304, the largest slice; fewer where this machine's free memory "
-    "would not hold them, at 8 MiB each)."
+    "would not hold them, at 16 MiB each)."
 )
 
 

@@ -228,13 +228,14 @@ def worker_address(first_slot: int, index: int) -> str:
 
 def default_max_workers() -> int:
     """--max-workers when not given: the largest slice, fewer where this machine's free memory would not hold
-    that many workers in use (8 MiB each: an idle worker costs about 1, a worker running a command more)."""
+    that many workers as tpurun makes them (16 MiB each: an idle worker costs under 1, tpurun's watchdog on
+    each about 12, a command running more), but never fewer than one slot's."""
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")) // 1024
     except (OSError, StopIteration, ValueError):
         return LARGEST_SLICE_WORKERS
-    return max(WORKERS_PER_SLOT, min(LARGEST_SLICE_WORKERS, (avail - 1024) // 8))
+    return max(WORKERS_PER_SLOT, min(LARGEST_SLICE_WORKERS, (avail - 1024) // 16))
 
 
 # Under a parallel test run, the emulators that tests start themselves (`tpurun emulator start`) take these,
