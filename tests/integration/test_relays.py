@@ -6,6 +6,7 @@ worker."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -118,3 +119,52 @@ def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(cli, emul
     assert r.code == 4, r.err
     assert sorted(r.out.split()) == sorted(["[w5]", "here", "[w7]", "here"]), r.out
     assert "cannot reach worker w6" in r.err and "from relay w5" in r.err, r.err
+
+
+TRAIN = """import os, sys, time
+w = int(os.environ["TPURUN_WORKER_ID"])
+for i in range(3):
+    print("line", i, "of worker", w, flush=True)
+print("to stderr", w, file=sys.stderr)
+if os.environ.get("LOOP"):
+    while True:
+        print("tick", w, flush=True)
+        time.sleep(0.5)
+sys.exit(3 if w == 6 else 0)
+"""
+
+
+def test_train_and_the_job_commands_through_relays(cli, emulator, pod):
+    (cli.cwd / "t.py").write_text(TRAIN)
+    relayed, direct = _both(cli, "train", "t.py", "--runtime", "cpu", "--launch", "host")
+    assert relayed.code == direct.code == 1, relayed.err
+    assert _sorted_lines(relayed.out) == _sorted_lines(direct.out) and len(_sorted_lines(relayed.out)) == WORKERS * 4
+    assert [line for line in relayed.err.splitlines() if line.startswith("error:")] == [
+        line for line in direct.err.splitlines() if line.startswith("error:")
+    ], relayed.err
+    # a detached job: logs, jobs, stacks and cancel through the relays
+    r = cli("train", "--relay", "t.py", "--runtime", "cpu", "--launch", "host", "--env", "LOOP=1", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    deadline = time.monotonic() + 60
+    while len({line.split()[0] for line in cli("logs", "--relay", job).out.splitlines() if " tick " in line}) < WORKERS:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    (row,) = [j for j in json.loads(cli("jobs", "--relay", "--json").out) if j["job_id"] == job]
+    assert row["status"] == "running"
+    r = cli("stacks", "--relay", job)
+    assert r.code == 0 and "t.py" in r.out, r.err
+    r = cli("cancel", "--relay", job)
+    assert r.code == 0 and f"job {job} stopped on {WORKERS} worker(s)" in r.err, r.err
+    _nothing_left(emulator, pod, "t.py")
+    for command in (["kill-stale"], ["doctor"]):
+        relayed, direct = _both(cli, *command)
+        assert relayed.code == direct.code == 0, relayed.err
+    # Ctrl-C on an attached job: every process of it, and every relay, gone before tpurun exits
+    proc = popen(cli, "train", "--relay", "t.py", "--runtime", "cpu", "--launch", "host", "--env", "LOOP=1")
+    read_until(proc, lambda seen: len({line.split()[0] for line in seen if " tick " in line}) == WORKERS, timeout=90)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=90)
+    assert proc.returncode == 130
+    assert job_pids(emulator, pod, "t.py") == []
+    _nothing_left(emulator, pod, RELAY)
