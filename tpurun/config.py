@@ -42,6 +42,7 @@ SETTINGS = {
         ("zone", "the zone of the TPUs"),
         ("tpu", "the default TPU name"),
         ("api_endpoint", "the Cloud TPU API endpoint (the emulator's, for example)"),
+        ("relay", "reach the workers through relays inside the slice: on, off, or auto (above TPURUN_RELAY_ABOVE)"),
     )
 }
 # the file of a project directory that holds its settings (settings.py reads and writes it; sync never sends it)
@@ -89,6 +90,11 @@ CONNECT_WINDOW = Tunable(
     "32",
     "how many workers tpurun connects to at once, at most (the others wait their turn; docs/benchmarks.md)",
 )
+RELAY_ABOVE = Tunable(
+    "TPURUN_RELAY_ABOVE", "128", "with relay auto: a command on more workers than this goes through relays"
+)
+RELAY_ROOTS = Tunable("TPURUN_RELAY_ROOTS", "4", "relays: how many workers of each slice this machine reaches")
+RELAY_FANOUT = Tunable("TPURUN_RELAY_FANOUT", "32", "relays: how many workers each relay reaches, at most")
 ADDRESS_MAP = Tunable(
     "TPURUN_ADDRESS_MAP", "", 'testing: JSON {"worker ip": "other ip[:port]"} to reach workers through a proxy'
 )
@@ -137,6 +143,9 @@ ALL = [
     KEEPALIVE_INTERVAL,
     KEEPALIVE_TIMEOUT,
     CONNECT_WINDOW,
+    RELAY_ABOVE,
+    RELAY_ROOTS,
+    RELAY_FANOUT,
     ADDRESS_MAP,
     SYNC_WARN_MB,
     DEBUG,

@@ -24,7 +24,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-KEYS = ("project", "zone", "tpu", "api_endpoint")
+KEYS = ("project", "zone", "tpu", "api_endpoint", "relay")
+RELAY_MODES = ("on", "off", "auto")
 ENV = {key: config.SETTINGS[key].name for key in KEYS}
 PROJECT_FILE = config.PROJECT_FILE
 DEFAULT_ENDPOINT = "https://tpu.googleapis.com"
@@ -67,9 +68,18 @@ class Settings:
     api_endpoint: Setting
     home: Setting
     searched: tuple[str, ...]  # every place that was looked at, for error messages
+    relay: Setting = Setting("relay", None, "not set", Layer.UNSET)
 
     def all(self) -> list[Setting]:
-        return [self.project, self.zone, self.tpu, self.api_endpoint, self.home]
+        return [self.project, self.zone, self.tpu, self.api_endpoint, self.relay, self.home]
+
+    @property
+    def relay_mode(self) -> str:
+        """on, off or auto (the default): whether workers are reached through relays inside the slice."""
+        mode = (self.relay.value or "auto").lower()
+        if mode not in RELAY_MODES:
+            raise UsageError(f"relay is '{self.relay.value}' ({self.relay.source}): use on, off or auto")
+        return mode
 
     def require_location(self, *, zone: bool = True) -> tuple[str, str]:
         """Project and zone (ZONE False: the project only, the zone may be unset), or one error naming every
@@ -228,6 +238,7 @@ def resolve(
         api_endpoint=pick("api_endpoint"),
         home=home,
         searched=tuple(searched),
+        relay=pick("relay"),
     )
 
 

@@ -18,6 +18,7 @@ from tpurun.naming import NAME_RE
 from tpurun.topology import Topology, one_host, parse_accelerator_type
 from tpurun.transport.fleet import Fleet, connect_all
 from tpurun.transport.local import LocalRunner
+from tpurun.transport.relays import Relays
 from tpurun.transport.runner import Runner, Worker, parse_worker_spec, worker_names
 from tpurun.transport.ssh import SshRunner
 from tpurun.transport.threads import Threads
@@ -66,10 +67,34 @@ class Target:
 
     @property
     def fleet(self) -> Fleet:
-        """The selected workers as a `Fleet`, the one way commands reach them (this process's threads)."""
+        """The selected workers as a `Fleet`, the one way commands reach them: this process's threads, or relays
+        inside the slice (the relay setting: on, off, or auto above TPURUN_RELAY_ABOVE workers)."""
         if self._fleet is None:
-            self._fleet = Threads(self)
+            self._fleet = self._relays() if self.relayed else Threads(self)
         return self._fleet
+
+    def _relays(self) -> Relays:
+        """Relays for these workers: the roots get tpurun's key, every relay the keys pinned for its children."""
+        assert self.where is not None
+        home = self.where.home_path
+        path = keys.key_path(home)
+        if not path.exists():
+            raise UsageError(f"no ssh key of tpurun's at {path}", hint=f"`tpurun attach {self.name}` makes one")
+        return Relays(self, key=path.read_text(), pinned=keys.pinned_keys(home), python=self.python())
+
+    @property
+    def relayed(self) -> bool:
+        """Whether commands reach these workers through relays inside the slice."""
+        if self.local or self.where is None:
+            return False
+        mode = self.where.relay_mode
+        if mode == "auto":
+            try:
+                above = config.RELAY_ABOVE.integer()
+            except ValueError:
+                raise UsageError("TPURUN_RELAY_ABOVE must be a whole number of workers") from None
+            return len(self.runners) > above
+        return mode == "on"
 
     @property
     def alone(self) -> Topology | None:

@@ -159,7 +159,7 @@ def test_login_hostname_home_and_isolation(env: Env) -> None:
     assert "sleep 1000" in env.ssh(ws[1], "ps ax").stdout
     assert "sleep 1000" not in env.ssh(ws[2], "ps ax").stdout
     # Its processes run in its own pid namespace (init is pid 1 there).
-    assert env.ssh(ws[2], "cat /proc/1/cmdline | tr '\\0' ' '").stdout.count("_worker_init.py") == 1
+    assert env.ssh(ws[2], "cat /proc/1/cmdline | tr '\\0' ' '").stdout.count("tpurun-worker-init") == 1
 
 
 def test_fake_tpu_devices(env: Env) -> None:
@@ -268,7 +268,7 @@ def test_faults_stop_start_and_close(tmp_path: Path) -> None:
         assert "py " in env.hosts.startup_log(node, 0).read_text()
         env.ssh(ws[0], "echo keep > ~/home_mark")
 
-        # kill_sshd: the listener dies; other processes live on; restart_sshd brings it back.
+        # kill_sshd: the worker takes no ssh connection (no sshd left); other processes live on; restart_sshd brings it back.
         env.ssh(ws[1], "nohup sleep 1001 >/dev/null 2>&1 &")
         env.hosts.kill_sshd(node, 1)
         assert env.ssh(ws[1], "true", check=False).returncode == 255
@@ -349,3 +349,83 @@ def test_kill_orphans_after_emulator_crash(tmp_path: Path) -> None:
         lambda: subprocess.run(["pgrep", "-f", resolved], capture_output=True).returncode == 1,
         what="orphaned workers to die",
     )
+
+
+def _sshd_in(hosts: WorkerHosts, node: str, index: int) -> bool:
+    return "/usr/sbin/sshd" in [_exe(p) for p in hosts.worker_root_pids(node, index)]
+
+
+def test_each_connection_gets_its_own_sshd_for_ssh_exec_and_sftp(env: Env) -> None:
+    """An idle worker runs no sshd: its init starts `sshd -i` inside the worker for each connection, which serves
+    a shell command, an exec channel with its exit status and sftp, and leaves with the connection."""
+    import io
+
+    import paramiko
+
+    w = env.hosts.workers(NODE)[3]
+    _wait(lambda: not _sshd_in(env.hosts, NODE, 3), what="no sshd on an idle worker")
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(env.known_hosts))
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    client.connect(w.address, w.ssh_port, "root", key_filename=str(env.key), look_for_keys=False, allow_agent=False)
+    try:
+        assert _sshd_in(env.hosts, NODE, 3)  # the connection's sshd runs in the worker's own namespaces
+        _, out, _ = client.exec_command("hostname; exit 7")
+        assert out.read().decode().strip() == w.hostname and out.channel.recv_exit_status() == 7
+        sftp = client.open_sftp()
+        sftp.putfo(io.BytesIO(b"through sftp\n"), "/root/sftp-file")
+        got = io.BytesIO()
+        sftp.getfo("/root/sftp-file", got)
+        assert got.getvalue() == b"through sftp\n"
+        sftp.close()
+    finally:
+        client.close()
+    # OpenSSH's own sftp client, in batch mode
+    back = env.tmp / "sftp-back"
+    batch = f"put {env.tmp / 'root_key.pub'} /tmp/put.pub\nget /root/sftp-file {back}\n"
+    r = subprocess.run(
+        ["sftp", "-b", "-", "-i", str(env.key), "-o", "StrictHostKeyChecking=yes",
+         "-o", f"UserKnownHostsFile={env.known_hosts}", "-o", "BatchMode=yes", f"root@{w.address}"],
+        input=batch, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert back.read_text() == "through sftp\n"
+    assert env.ssh(w, "cat /tmp/put.pub").stdout == (env.tmp / "root_key.pub").read_text()
+    _wait(lambda: not _sshd_in(env.hosts, NODE, 3), what="every connection's sshd to leave with it")
+
+
+@pytest.mark.timeout(240)
+def test_a_node_of_more_than_254_workers_takes_consecutive_slots(tmp_path: Path) -> None:
+    """The address plan: a node's workers fill consecutive /24s from its first slot (254 workers each); a node
+    beside it takes the next free slot, one overlapping it is refused; a worker of the second /24 is itself,
+    over ssh and to its metadata server."""
+    pub = _keygen(tmp_path / "key")
+    md = {"ssh-keys": f"root:{pub}"}
+    hosts = WorkerHosts(tmp_path / "state")
+    big, small = "projects/p/locations/z/nodes/big", "projects/p/locations/z/nodes/small"
+    try:
+        ws = hosts.boot_node(
+            big, SLOT + 3, num_workers=256, generation="v4", accelerator_type="v4-2048", get_metadata=lambda: md
+        )
+        addresses = ["127.77.244.253", "127.77.244.254", "127.77.245.1", "127.77.245.2"]
+        assert [w.address for w in ws[252:]] == addresses
+        with pytest.raises(ValueError, match="overlap"):
+            hosts.boot_node(
+                "projects/p/locations/z/nodes/clash", SLOT + 4, num_workers=2, generation="v4",
+                accelerator_type="v4-16", get_metadata=lambda: md,
+            )  # fmt: skip
+        ws2 = hosts.boot_node(
+            small, SLOT + 5, num_workers=2, generation="v4", accelerator_type="v4-16", get_metadata=lambda: md
+        )
+        assert [w.address for w in ws2] == ["127.77.246.1", "127.77.246.2"]
+        # idle, each worker is its init alone
+        assert [len(hosts.worker_root_pids(big, i)) for i in (0, 253, 254, 255)] == [1, 1, 1, 1]
+        env = Env.__new__(Env)
+        env.key, env.known_hosts = tmp_path / "key", tmp_path / "known_hosts"
+        env.pin([*ws, *ws2])
+        ask = "curl -s -H 'Metadata-Flavor: Google' http://metadata.google.internal/computeMetadata/v1/instance/"
+        out = env.ssh(ws[255], f"hostname; {ask}attributes/agent-worker-number; echo; {ask}network-interfaces/0/ip")
+        assert out.stdout.split() == [ws[255].hostname, "255", "127.77.245.2"]
+        assert env.ssh(ws2[1], "hostname").stdout.strip() == ws2[1].hostname
+    finally:
+        hosts.close()

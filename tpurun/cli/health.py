@@ -13,7 +13,17 @@ import typer
 
 from tpurun import diagnose, settings, ui
 from tpurun.cli import grouped
-from tpurun.cli.options import GraceOpt, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt
+from tpurun.cli.options import (
+    GraceOpt,
+    JsonOpt,
+    LocalOpt,
+    ProjectOpt,
+    RelayOpt,
+    TpuOpt,
+    WorkerOpt,
+    ZoneOpt,
+    relay_flag,
+)
 from tpurun.cli.output import skew_table
 from tpurun.errors import ExitCode
 from tpurun.naming import EACH_UP_TO, each_or_by_reason, which
@@ -35,13 +45,14 @@ def kill_stale_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only show what holds the TPU; change nothing.")] = False,
     grace: GraceOpt = 10.0,
     json_out: JsonOpt = False,
+    relay: RelayOpt = None,
 ) -> None:
     """Free the TPU: stop the processes holding its device files or libtpu, then remove stale lock files.
 
     Holders: processes with /dev/accel* or /dev/vfio/* open, or with a libtpu*.so mapped. Nothing else
     is touched. Exit 0 when every selected worker's TPU is free, 1 when a holder is left (--dry-run: found).
     """
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)})
     result = diagnose.kill_stale(s, local=local, worker_spec=worker, dry_run=dry_run, grace=grace, announce=ui.info)
     if json_out:
         ui.print_json(result.to_json())
@@ -125,12 +136,13 @@ def doctor_cmd(
         str | None, typer.Option(help="Python whose torch/torch_xla to check (default python3; here: this one).")
     ] = None,
     json_out: JsonOpt = False,
+    relay: RelayOpt = None,
 ) -> None:
     """Check every worker and say what is wrong and how to fix it (pass/warn/fail per check).
 
     Exit 0 when no check failed, 1 when one did, 4 when a worker could not be reached.
     """
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone})
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)})
     result = diagnose.doctor(s, local=local, worker_spec=worker, python=python, announce=ui.info, warn=ui.warn)
     total = result.summary
     code = ExitCode.UNREACHABLE if result.unreachable else ExitCode.PROGRAM_FAILED if result.failed else ExitCode.OK

@@ -14,6 +14,14 @@ WorkerOpt = Annotated[
     str, typer.Option("--worker", "-w", help="Workers: all, N, N,M, N-M or a mix (sS or sS/wN in a multislice TPU).")
 ]
 ProjectOpt = Annotated[str | None, typer.Option("--project", help="GCP project (else settings).")]
+RelayOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--relay/--no-relay",
+        help="Reach the workers through relays inside the slice, or never (default: above TPURUN_RELAY_ABOVE).",
+        show_default=False,
+    ),
+]
 ZoneOpt = Annotated[str | None, typer.Option("--zone", help="Zone, e.g. us-central2-b (else settings).")]
 
 # every bounded number declares its range to the parser, which shows it in --help as [x>=0] and refuses
@@ -27,6 +35,11 @@ NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The TPU: a node, o
 JobArg = Annotated[str, typer.Argument(metavar="JOB", help="A job id (from `tpurun jobs`).")]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def relay_flag(relay: bool | None) -> str | None:
+    """--relay/--no-relay as the relay setting's flag value (None: not given)."""
+    return None if relay is None else "on" if relay else "off"
 
 
 def parsing(**typer_kwargs: Any) -> Callable[[F], F]:

@@ -13,7 +13,17 @@ from typer.core import TyperCommand
 
 from tpurun import remote, settings, targets, ui
 from tpurun.cli.grouped import Gathered, Unreachable
-from tpurun.cli.options import GraceOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
+from tpurun.cli.options import (
+    GraceOpt,
+    LocalOpt,
+    ProjectOpt,
+    RelayOpt,
+    TpuOpt,
+    WorkerOpt,
+    ZoneOpt,
+    parsing,
+    relay_flag,
+)
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.errors import TpurunError, UsageError
 from tpurun.naming import EACH_UP_TO, NAME_RE
@@ -85,11 +95,13 @@ def exec_cmd(
             "--by-worker", help=f"A summary row per worker (without it: per outcome above {EACH_UP_TO} workers)."
         ),
     ] = False,
+    relay: RelayOpt = None,
 ) -> None:
     """Run a command on every selected worker at once, lines prefixed \\[wN]. The TPU's name may come first:
     `tpurun exec NAME -- CMD`."""
     s, command = name_first(
-        ctx, "exec", command, settings.resolve({"tpu": tpu, "project": project, "zone": zone}), local=local
+        ctx, "exec", command, settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}),
+        local=local,
     )
     if not command:
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")

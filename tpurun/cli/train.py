@@ -16,7 +16,19 @@ import typer
 
 from tpurun import naming, settings, ui
 from tpurun.cli import grouped
-from tpurun.cli.options import GraceOpt, JobArg, JsonOpt, LocalOpt, ProjectOpt, TpuOpt, WorkerOpt, ZoneOpt, parsing
+from tpurun.cli.options import (
+    GraceOpt,
+    JobArg,
+    JsonOpt,
+    LocalOpt,
+    ProjectOpt,
+    RelayOpt,
+    TpuOpt,
+    WorkerOpt,
+    ZoneOpt,
+    parsing,
+    relay_flag,
+)
 from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stacks_report, stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.job import attempt, control, env_contract, launcher, lifecycle, preflight, stacks, status
@@ -173,6 +185,7 @@ def train_cmd(
     on_hang: OnHangOpt = OnHang.report,
     worker: AloneOpt = None,
     json_out: JsonOpt = False,
+    relay: RelayOpt = None,
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
     streaming every chip process's lines."""
@@ -203,7 +216,7 @@ def train_cmd(
         on_hang=on_hang,
         worker=worker,
     )
-    flags = {"tpu": tpu, "project": project, "zone": zone}
+    flags = {"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
 
 
@@ -506,10 +519,11 @@ def jobs_cmd(
         bool, typer.Option("--prune", help="Forget the jobs of TPUs that no longer exist (after showing them).")
     ] = False,
     json_out: JsonOpt = False,
+    relay: RelayOpt = None,
 ) -> None:
     """Jobs started with `train` (attached and detached), each with its state over every worker: a failure on
     any worker is failed, naming it; a job whose TPU was deleted is gone."""
-    rows = status.jobs(settings.resolve({}), tpu, project=project, zone=zone, prune=prune)
+    rows = status.jobs(settings.resolve({"relay": relay_flag(relay)}), tpu, project=project, zone=zone, prune=prune)
     data = [
         {
             "job_id": row.record.job_id,
@@ -556,9 +570,10 @@ def logs_cmd(
         int | None,
         typer.Option("--tail", min=0, help="Only the last N lines of each process so far (then --follow goes on)."),
     ] = None,
+    relay: RelayOpt = None,
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
-    s = settings.resolve({})
+    s = settings.resolve({"relay": relay_flag(relay)})
     out = TerminalOutput(colour=not ui.is_plain(), quiet=False, chatter=ui.state.debug)
     stop = threading.Event()
     with stop_on_signals(stop):
@@ -586,9 +601,10 @@ def _say_ended(job: str, ended: status.JobSummary) -> None:
 def cancel_cmd(
     job: JobArg,
     grace: GraceOpt = JOB_GRACE,
+    relay: RelayOpt = None,
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
-    result = control.cancel(settings.resolve({}), job, grace)
+    result = control.cancel(settings.resolve({"relay": relay_flag(relay)}), job, grace)
     if result.missing:
         missing = listed(result.missing)
         ui.warn(f"job {job} is not on {missing}: it never started there, or its files were removed")
@@ -609,10 +625,11 @@ def stacks_cmd(
     ] = None,
     worker: WorkerOpt = "all",
     json_out: JsonOpt = False,
+    relay: RelayOpt = None,
 ) -> None:
     """The stack of every thread of every process of a job on every worker, at once: grouped by where each
     process's main thread stands, the odd ones out first; the whole dump kept on disk."""
-    s = settings.resolve({})
+    s = settings.resolve({"relay": relay_flag(relay)})
     found = stacks.collect(s, job or stacks.latest_job(s), worker=worker)
     over = not found.groups and not found.unread
     if json_out:

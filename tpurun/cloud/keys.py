@@ -134,13 +134,19 @@ def pin_host_keys(home: Path, hosts: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def pinned_key(home: Path, host: str) -> str | None:
-    """The key pinned for HOST (an alias), or None."""
+def pinned_keys(home: Path) -> dict[str, str]:
+    """{alias: "ssh-ed25519 AAAA..."}: every key pinned, read once."""
     path = known_hosts_path(home)
     if not path.exists():
-        return None
+        return {}
+    found: dict[str, str] = {}
     for line in path.read_text().splitlines():
         fields = line.split()
-        if len(fields) >= 3 and fields[0] == host:
-            return f"{fields[1]} {fields[2]}"
-    return None
+        if len(fields) >= 3:
+            found.setdefault(fields[0], f"{fields[1]} {fields[2]}")
+    return found
+
+
+def pinned_key(home: Path, host: str) -> str | None:
+    """The key pinned for HOST (an alias), or None."""
+    return pinned_keys(home).get(host)

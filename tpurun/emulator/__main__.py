@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tpurun.config import EMULATOR_SLOTS
 from tpurun.emulator.api import EmulatorServer
-from tpurun.emulator.model import ApiError, Capacity, Delays, EmulatorConfig, parse_slots
+from tpurun.emulator.model import ApiError, Capacity, Delays, EmulatorConfig, default_max_workers, parse_slots
 from tpurun.emulator.state import Emulator
 
 
@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=0)
     s.add_argument("--ssh-port", type=int, default=22)
     s.add_argument("--key-propagation-delay", type=float, default=0.5)
-    s.add_argument("--max-workers", type=int, default=128)
+    s.add_argument("--max-workers", type=int, default=None)  # None: model.default_max_workers
     s.add_argument("--capacity", action="append", default=[])
     for name in Delays.__dataclass_fields__:
         s.add_argument(f"--delay-{name}", type=float, default=None)
@@ -54,7 +54,7 @@ def build(args: argparse.Namespace) -> EmulatorServer:
         state_dir=state_dir,
         delays=delays,
         capacity=cap,
-        max_workers_per_node=args.max_workers,
+        max_workers_per_node=args.max_workers or default_max_workers(),
         slots=parse_slots(EMULATOR_SLOTS.raw()),
     )
     hosts = WorkerHosts(state_dir, ssh_port=args.ssh_port, key_propagation_delay=args.key_propagation_delay)

@@ -1,22 +1,24 @@
-"""PID 1 of one emulated TPU worker.
+"""The boot of one emulated TPU worker: the Python half of its PID 1.
 
 `hosts.WorkerHosts` starts this file (as a script, stdlib only) through
 ``unshare --pid --mount --uts --ipc --fork``; it therefore runs as PID 1 of a fresh
 PID namespace, in a private mount namespace and its own UTS namespace.  It:
 
-1. builds the worker's private view of the machine (``/proc``, ``/run``, ``/dev`` with
+1. writes its pid on this machine to ``init.pid`` (how the emulator finds and kills the worker),
+2. builds the worker's private view of the machine (``/proc``, ``/run``, ``/dev`` with
    fake TPU device files, ``/sys/bus/pci/devices`` with the TPU chips' PCI functions, ``/root``,
-   ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``),
-2. sets the hostname,
-3. starts the worker's own ``sshd -D`` and, if the node has one, its startup script,
-4. reaps every process of the namespace forever (orphans are re-parented to PID 1).
+   ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``) and sets the hostname,
+3. starts the node's startup script, if it has one,
+4. becomes (exec) the worker's lasting init, ``_worker_init.c`` built by hosts.py: a few hundred KiB
+   that reap every process of the namespace, record the startup script's exit status, and start
+   ``sshd -i`` for each ssh connection to the worker's address (no sshd runs while nobody is connected).
 
-When this process dies the kernel kills every other process of the namespace and the
+When the init dies the kernel kills every other process of the namespace and the
 mount namespace (with every mount made here) disappears with its last process; nothing
 is ever mounted in the host's namespace.
 
-Signals from the host: SIGUSR1 restarts sshd if it is not running.  Everything else is
-the host's business (it kills this process with SIGKILL).
+Signals from the host to the init: SIGUSR2 closes its ssh listener (kill-sshd), SIGUSR1 opens it
+again.  Everything else is the host's business (it kills the init with SIGKILL).
 
 Argument: the host-side worker directory, which holds ``init.json`` written by hosts.py.
 """
@@ -45,7 +47,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SSHD = "/usr/sbin/sshd"
 
 
 def _b(s: str | None) -> bytes | None:
@@ -180,92 +181,44 @@ def build_view(wdir: str, cfg: dict) -> None:
     os.chdir("/")
 
 
-class Init:
-    def __init__(self, cfg: dict) -> None:
-        self.cfg = cfg
-        self.view: str = cfg["view"]
-        self.sshd_pid: int | None = None
-        self.script_pid: int | None = None
-
-    def _spawn(self, argv: list[str], env: dict[str, str], out: str) -> int:
-        actions = [
-            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 1, out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
-            (os.POSIX_SPAWN_DUP2, 1, 2),
-        ]
-        return os.posix_spawn(
-            argv[0],
-            argv,
-            env,
-            file_actions=actions,
-            setsid=True,
-            setsigdef=(signal.SIGUSR1, signal.SIGCHLD, signal.SIGPIPE),
+def start_script(cfg: dict) -> int:
+    """Start the node's startup script (as root, in the worker's namespaces); its pid, 0 when there is none."""
+    view = cfg["view"]
+    script, status = f"{view}/startup-script", f"{view}/startup.status"
+    if os.path.exists(status):
+        os.unlink(status)
+    if not cfg.get("run_startup_script", True):
+        return 0
+    if not os.path.exists(script):
+        with open(f"{status}.tmp", "w") as f:  # like google-startup-scripts.service with no script: done
+            f.write("0\n")
+        os.rename(f"{status}.tmp", status)
+        return 0
+    env = {
+        "PATH": STD_PATH,
+        "HOME": "/root",
+        "USER": "root",
+        "LOGNAME": "root",
+        "SHELL": "/bin/bash",
+        "LANG": "C.UTF-8",
+        "GCE_METADATA_HOST": cfg["metadata_host"],
+    }
+    with open(script, "rb") as f:
+        shebang = f.read(2) == b"#!"
+    argv = [script] if shebang else ["/bin/bash", script]
+    logf = f"{view}/startup.log"
+    with open(logf, "a") as f:
+        f.write(
+            f"--- startup-script: boot {cfg['boot']} on {cfg['hostname']} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
         )
-
-    def start_sshd(self) -> None:
-        if self.sshd_pid is not None:
-            return
-        env = {"PATH": STD_PATH, "LANG": "C.UTF-8"}
-        self.sshd_pid = self._spawn([SSHD, "-D", "-e", "-f", f"{self.view}/sshd_config"], env, f"{self.view}/sshd.log")
-
-    def start_script(self) -> None:
-        script = f"{self.view}/startup-script"
-        status = f"{self.view}/startup.status"
-        if not os.path.exists(script):
-            self._write_status(0)  # like google-startup-scripts.service with no script: done
-            return
-        env = {
-            "PATH": STD_PATH,
-            "HOME": "/root",
-            "USER": "root",
-            "LOGNAME": "root",
-            "SHELL": "/bin/bash",
-            "LANG": "C.UTF-8",
-            "GCE_METADATA_HOST": self.cfg["metadata_host"],
-        }
-        with open(script, "rb") as f:
-            shebang = f.read(2) == b"#!"
-        argv = [script] if shebang else ["/bin/bash", script]
-        logf = f"{self.view}/startup.log"
-        with open(logf, "a") as f:
-            f.write(
-                f"--- startup-script: boot {self.cfg['boot']} on {self.cfg['hostname']} "
-                f"at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-            )
-        if os.path.exists(status):
-            os.unlink(status)
-        self.script_pid = self._spawn(argv, env, logf)
-
-    def _write_status(self, code: int) -> None:
-        tmp = f"{self.view}/startup.status.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{code}\n")
-        os.rename(tmp, f"{self.view}/startup.status")
-
-    def reaped(self, pid: int, status: int) -> None:
-        if pid == self.sshd_pid:
-            self.sshd_pid = None
-            log(f"sshd exited ({status:#x})")
-        elif pid == self.script_pid:
-            self.script_pid = None
-            code = os.waitstatus_to_exitcode(status)
-            with open(f"{self.view}/startup.log", "a") as f:
-                f.write(f"--- startup-script finished with exit status {code}\n")
-            self._write_status(code)
-
-    def run(self) -> None:
-        # A handler must exist for the host's SIGUSR1 to reach PID 1 at all.
-        signal.signal(signal.SIGUSR1, lambda *_: self.start_sshd())
-        self.start_sshd()
-        if self.cfg.get("run_startup_script", True):
-            self.start_script()
-        while True:
-            try:
-                pid, status = os.wait()
-            except ChildProcessError:
-                time.sleep(0.5)  # nobody left for now; orphans may still be re-parented to us
-                continue
-            self.reaped(pid, status)
+    actions = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 1, logf, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
+        (os.POSIX_SPAWN_DUP2, 1, 2),
+    ]
+    return os.posix_spawn(
+        argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=(signal.SIGCHLD, signal.SIGPIPE)
+    )
 
 
 def main() -> None:
@@ -273,12 +226,21 @@ def main() -> None:
     os.umask(0o022)
     with open(os.path.join(wdir, "init.json")) as f:
         cfg = json.load(f)
+    # the init this process becomes, held before the mounts may hide the state dir it lies in
+    init_fd = os.open(cfg["init"], os.O_RDONLY)
+    # our pid on this machine, read while /proc is still the host's: how the emulator finds and kills the worker
+    host_pid = os.readlink("/proc/self")
+    with open(os.path.join(wdir, "init.pid.tmp"), "w") as f:
+        f.write(host_pid + "\n")
+    os.rename(os.path.join(wdir, "init.pid.tmp"), os.path.join(wdir, "init.pid"))
     try:
         build_view(wdir, cfg)
     except OSError as e:
         log(f"cannot build the worker's view: {e}")
         sys.exit(3)
-    Init(cfg).run()
+    script = start_script(cfg)
+    host, port = cfg["ssh_address"], str(cfg["ssh_port"])
+    os.execve(init_fd, ["tpurun-worker-init", cfg["view"], host, port, str(script), wdir], {})
 
 
 if __name__ == "__main__":

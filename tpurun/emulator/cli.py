@@ -74,12 +74,22 @@ def _state_dir(opt: Path | None) -> Path:
     return (opt or default_state_dir()).expanduser().resolve()
 
 
+_MAX_WORKERS_HELP = (
+    "Most workers one node may have (default: 2304, the largest slice; fewer where this machine's free memory "
+    "would not hold them, at 16 MiB each)."
+)
+
+
 def _require_host() -> None:
     """The emulator makes namespaces and runs sshd: it needs root and OpenSSH's server."""
     if os.geteuid() != 0:
         raise UsageError("the emulator needs root (it creates namespaces and runs sshd): run it with sudo")
     if not SSHD.exists():
         raise UsageError(f"{SSHD} is missing: install the Debian package openssh-server")
+    from tpurun.emulator.boot import compiler
+
+    if compiler() is None:
+        raise UsageError("the emulator builds its workers' init with a C compiler: install the Debian package gcc")
 
 
 def _server_info(state_dir: Path) -> dict[str, Any] | None:
@@ -178,7 +188,7 @@ def start(
         list[str] | None,
         typer.Option("--capacity", help="Free capacity, e.g. v4=32 (chips) or us-central2-b/v4=4h (hosts)."),
     ] = None,
-    max_workers: Annotated[int, typer.Option("--max-workers", help="Most workers one node may have.")] = 128,
+    max_workers: Annotated[int | None, typer.Option("--max-workers", help=_MAX_WORKERS_HELP)] = None,
 ) -> None:
     """Start the emulator in the background; the last line printed is the `export` to use it."""
     _require_host()
@@ -201,8 +211,7 @@ def start(
         str(port),
         "--ssh-port",
         str(ssh_port),
-        "--max-workers",
-        str(max_workers),
+        *(["--max-workers", str(max_workers)] if max_workers is not None else []),
     ]
     delays = {
         "create": delay_create,
@@ -245,7 +254,7 @@ def start(
 
 def leftovers(sd: Path) -> list[str]:
     """What the emulator of SD still has running or mounted (empty when everything is gone)."""
-    from tpurun.emulator.hosts import INIT_SCRIPT
+    from tpurun.emulator.boot import INIT_NAME, INIT_SCRIPT
 
     left: list[str] = []
     try:
@@ -254,13 +263,14 @@ def leftovers(sd: Path) -> list[str]:
         recorded = {}
     for node, pids in recorded.items():
         left += [f"worker init pid {p} of {node}" for p in pids if pid_alive(p)]
-    marker, where = str(INIT_SCRIPT), str(sd)
+    where = str(sd)
+    markers = (str(INIT_SCRIPT), INIT_NAME, "tpurun.emulator", "sshd")
     for p in (int(x) for x in os.listdir("/proc") if x.isdigit()):
         try:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if where in cmd and (marker in cmd or "tpurun.emulator" in cmd or "sshd" in cmd) and pid_alive(p):
+        if where in cmd and any(m in cmd for m in markers) and pid_alive(p):
             left.append(f"process {p}: {cmd.strip()[:80]}")
     try:
         mounts = Path("/proc/self/mountinfo").read_text().splitlines()

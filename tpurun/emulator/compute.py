@@ -35,7 +35,7 @@ from tpurun.emulator.compute_model import (
     stamp,
 )
 from tpurun.emulator.hosts import ComputeVms
-from tpurun.emulator.model import EmulatorConfig, HostsLike, now_rfc3339, page, to_json
+from tpurun.emulator.model import EmulatorConfig, HostsLike, now_rfc3339, page, slots_for, to_json
 from tpurun.emulator.queued import Queued
 from tpurun.emulator.tpu_vm import stable_int
 from tpurun.errors import UsageError
@@ -431,7 +431,7 @@ class ComputeResources(Queued):
         with group.lock:
             with self.lock:
                 if not group.slot:
-                    group.slot = self._free_slot()
+                    group.slot = self._free_slot(len(group.members))
                 recs = [self.instances[p] for p in group.members]
             vms = ComputeVms(
                 names=tuple(r.inst.name for r in recs),
@@ -597,7 +597,7 @@ class ComputeResources(Queued):
         return used
 
     def _compute_slots(self) -> set[int]:
-        return {g.slot for g in self.groups.values() if g.slot}
+        return {s for g in self.groups.values() if g.slot for s in range(g.slot, g.slot + slots_for(len(g.members)))}
 
     def _compute_booted(self) -> list[str]:
         return [g.key for g in self.groups.values() if g.booted]

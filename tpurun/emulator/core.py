@@ -32,6 +32,8 @@ from tpurun.emulator.model import (
     QueuedRecord,
     invalid,
     now_rfc3339,
+    slots_for,
+    worker_address,
 )
 from tpurun.errors import UsageError
 from tpurun.topology import GENERATIONS, Topology, parse_accelerator_type
@@ -200,6 +202,14 @@ class Core:
         )
 
     def _too_many_workers(self, topo: Topology) -> ApiError | None:
+        if slots_for(topo.hosts) > len(self.config.slots):
+            return ApiError(
+                429,
+                f"the tpurun emulator cannot host {topo.name}: its {topo.hosts} workers need "
+                f"{slots_for(topo.hosts)} address slots and this emulator has {len(self.config.slots)} "
+                "(TPURUN_EMULATOR_SLOTS)",
+                "RESOURCE_EXHAUSTED",
+            )
         if topo.hosts > self.config.max_workers_per_node:
             return ApiError(
                 429,
@@ -209,20 +219,27 @@ class Core:
             )
         return None
 
-    def _free_slot(self, avoid: set[int] | None = None) -> int:
-        used = {r.slot for r in self.nodes.values() if r.slot} | self._compute_slots() | (avoid or set())
-        for s in self.config.slots:
-            if s not in used and self._slot_free_on_host(s):
-                return s
+    def _free_slot(self, workers: int, avoid: set[int] | None = None) -> int:
+        """The first of the consecutive address slots a node of WORKERS workers takes (model.py's plan)."""
+        used = set(avoid or ())
+        for r in self.nodes.values():
+            if r.slot:
+                used.update(range(r.slot, r.slot + slots_for(r.topo.hosts)))
+        used |= self._compute_slots()
+        need, slots = slots_for(workers), self.config.slots
+        for first in range(slots.start, slots.stop - need + 1):
+            span = range(first, first + need)
+            if not used.intersection(span) and all(self._slot_free_on_host(s) for s in span):
+                return first
         raise self._no_capacity("emulator")
 
     def _slot_free_on_host(self, slot: int) -> bool:
-        # Another emulator on this machine (a test session, say) may hold 127.77.SLOT.*: skip it.
+        # Another emulator on this machine (a test session, say) may hold the slot's addresses: skip it.
         for port in {getattr(self.hosts, "ssh_port", 22), getattr(self.hosts, "metadata_port", 80)}:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
-                    sock.bind((f"127.77.{slot}.1", port))
+                    sock.bind((worker_address(slot, 0), port))
                 except OSError:
                     return False
         return True

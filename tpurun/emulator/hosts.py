@@ -1,11 +1,14 @@
 """Real hosts behind the emulated Cloud TPU API: one namespace "VM" per TPU worker.
 
-Each worker of an emulated node is a real OpenSSH ``sshd`` that you log into with the
-system ``ssh`` client.  It runs under its own init (``_worker_init.py``) in its own PID,
-mount, UTS and IPC namespaces (``unshare``), listening on ``<address>:<ssh_port>`` where
-worker ``i`` of the node in slot ``s`` has address ``127.77.s.(i+1)`` (all of 127/8 is
-local on Linux, so no network namespace or interface setup is needed; the network is
-shared with the host).
+Each worker of an emulated node is a host you log into with the system ``ssh`` client: its
+own PID, mount, UTS and IPC namespaces (``unshare``), whose PID 1 (booted by
+``_worker_init.py``, then the small C init ``_worker_init.c``; boot.py) listens on
+``<address>:<ssh_port>`` and starts a real OpenSSH ``sshd -i`` inside the worker for each
+connection, as inetd does: an idle worker is its namespaces and that init, a few hundred KiB.
+Addresses follow model.py's address plan (worker ``i`` of a node whose first slot is ``s``:
+``127.77.(s + i // 254).(i % 254 + 1)``); all of 127/8 is local on Linux, so no network
+namespace or interface setup is needed: the network is shared with the host, and every
+worker reaches every other at its address.
 
 What a worker has of its own (everything else -- /usr, /opt, /home, /work, ... -- is the
 host's, shared by all workers):
@@ -36,14 +39,15 @@ key listed under ``root:``.  Names that already exist on the host other than roo
 (like the guest agent, which keeps accounts and only drops keys).  Key changes reach
 the workers ``key_propagation_delay`` seconds after `refresh_ssh_keys`.
 
-Each worker also gets a metadata server (`_metadata.py`) on port 80 of its address and
-runs the node's ``startup-script`` on every boot, as root in its namespaces, from its
-init (log: `startup_log`; exit status: `startup_exit_code`).  At boot the worker's host
+Each worker also gets a metadata server (`_metadata.py`: one listening socket per worker, all served
+by one thread of this process) on port 80 of its address and runs the node's ``startup-script`` on
+every boot, as root in its namespaces, from its init (log: `startup_log`; exit status:
+`startup_exit_code`).  At boot the worker's host
 key is published in guest attribute ``hostkeys/ssh-ed25519``, as Google's guest agent does.
 
 Everything started here lives in the workers' namespaces or is a thread of this
-process: `close` (or killing the `unshare` processes, which take their worker with
-them) leaves no process and no mount behind.  `kill_orphans` cleans up after a crashed
+process: `close` (or killing the inits, whose namespaces go with them) leaves no process and
+no mount behind.  `kill_orphans` cleans up after a crashed
 emulator process.
 """
 
@@ -54,12 +58,12 @@ import hmac
 import json
 import os
 import re
+import resource
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -68,9 +72,9 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import topology
-from tpurun.emulator import procs
+from tpurun.emulator import boot, procs
 from tpurun.emulator._metadata import MetadataService, parse_ssh_keys
-from tpurun.emulator.model import SLOTS
+from tpurun.emulator.model import SLOTS, slots_for, worker_address
 from tpurun.emulator.sshd import host_key, sshd_config, write_atomic
 from tpurun.emulator.tpu_vm import (
     VmIdentity,
@@ -84,20 +88,6 @@ from tpurun.emulator.tpu_vm import (
 
 __all__ = ["WorkerInfo", "WorkerHosts", "GENERATIONS"]
 
-INIT_SCRIPT = Path(__file__).with_name("_worker_init.py")
-_UNSHARE = [
-    "unshare",
-    "--pid",
-    "--mount",
-    "--uts",
-    "--ipc",
-    "--fork",
-    "--kill-child=SIGKILL",
-    "--propagation",
-    "private",
-]
-_SSHD = "/usr/sbin/sshd"
-BOOT_TIMEOUT = 60.0
 GENERATIONS = tuple(topology.GENERATIONS)  # the one table of generations
 
 
@@ -169,7 +159,9 @@ class _Node:
     project: str
     zone: str
     workers: list[_Worker]
+    span: range  # its address slots (model.py's address plan)
     boots: int = 0
+    endpoints: str = ""  # `worker-network-endpoints`: hostname:uid:address of every worker
     # what a multislice node's `tpu-env` adds (the MEGASCALE values), asked for each time it is served
     extra_tpu_env: Callable[[], dict[str, str]] | None = None
     vms: ComputeVms | None = None  # the workers are Compute Engine instances
@@ -235,6 +227,11 @@ class WorkerHosts:
         self._base = {name: Path(f"/etc/{name}").read_text() for name in ("passwd", "shadow", "group")}
         self._token_key = secrets.token_bytes(32)  # signs each node's service-account token
         self._base_users = {ln.split(":", 1)[0] for ln in self._base["passwd"].splitlines() if ":" in ln}
+        self.init_binary = boot.build_init(self.root)
+        # a metadata listener per worker: 2,048 workers need more descriptors than the usual soft limit
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     # ------------------------------------------------------------------ service-account tokens
 
@@ -265,10 +262,11 @@ class WorkerHosts:
     ) -> list[WorkerInfo]:
         """Boot (or reboot) every worker of a node; returns once each sshd accepts connections. VMS: the
         workers are these Compute Engine instances (one per name), not a Cloud TPU API node's."""
-        if slot not in SLOTS:
-            raise ValueError(f"slot must be {SLOTS.start}..{SLOTS.stop - 1}, got {slot}")
-        if not 1 <= num_workers <= 254:
-            raise ValueError(f"num_workers must be 1..254, got {num_workers}")
+        span = range(slot, slot + slots_for(num_workers))
+        if num_workers < 1 or span.start not in SLOTS or span[-1] not in SLOTS:
+            raise ValueError(
+                f"{num_workers} workers from slot {slot} do not fit in slots {SLOTS.start}..{SLOTS.stop - 1}"
+            )
         if generation not in GENERATIONS:
             raise ValueError(f"unknown TPU generation {generation!r}; one of {', '.join(GENERATIONS)}")
         with self._lock:
@@ -279,8 +277,8 @@ class WorkerHosts:
                 raise ValueError(f"node {node_key} already uses slot {node.slot}")
             if node is None:
                 for other in self._nodes.values():
-                    if other.slot == slot:
-                        raise ValueError(f"slot {slot} is used by node {other.key}")
+                    if set(span) & set(other.span):
+                        raise ValueError(f"slots {span.start}..{span[-1]} overlap those of node {other.key}")
                 node = _Node(
                     node_key,
                     slot,
@@ -291,6 +289,7 @@ class WorkerHosts:
                     project,
                     zone,
                     [],
+                    span,
                 )
                 self._nodes[node_key] = node
             if self._metadata is None:
@@ -305,25 +304,19 @@ class WorkerHosts:
             node.workers = [
                 node.workers[i]
                 if i < len(node.workers) and node.workers[i].hostname == names[i]
-                else _Worker(i, f"127.77.{slot}.{i + 1}", names[i], node.dir / f"w{i}")
+                else _Worker(i, worker_address(slot, i), names[i], node.dir / f"w{i}")
                 for i in range(num_workers)
             ]
             node.boots += 1
+            node.endpoints = ",".join(
+                f"{o.hostname}:{stable_int(f'{node.key}/{o.index}', 19)}:{o.address}" for o in node.workers
+            )  # every worker's, asked by each of them: made once a boot
             for w in node.workers:
                 self._prepare(node, w, self.metadata_of(node, w.index))
             try:
                 for w in node.workers:
                     metadata.add(w.address, _WorkerSource(self, node, w))
-                for w in node.workers:
-                    with open(w.dir / "init.log", "ab") as log:
-                        w.proc = subprocess.Popen(
-                            [*_UNSHARE, sys.executable, "-I", "-S", str(INIT_SCRIPT), str(w.dir)],
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL,
-                            stderr=log,
-                            start_new_session=True,
-                        )  # the emulator's Ctrl-C must not reach workers
-                self._wait_ready(node)
+                self._boot(node)
             except BaseException:
                 self._stop_workers(node)
                 raise
@@ -369,6 +362,7 @@ class WorkerHosts:
         else:
             (d / "startup-script").unlink(missing_ok=True)
         (d / "startup.status").unlink(missing_ok=True)
+        boot.forget(d)
         (d / "startup.log").touch()
         (d / "image" / "bin").mkdir(parents=True, exist_ok=True)
         for name, text in image_bin().items():
@@ -385,6 +379,9 @@ class WorkerHosts:
                     "metadata_host": f"{w.address}:{self.metadata_port}",
                     "image_paths": image_paths(),
                     "image_bin": "image/bin",
+                    "init": str(self.init_binary),
+                    "ssh_address": w.address,
+                    "ssh_port": self.ssh_port,
                 }
             ),
         )
@@ -417,49 +414,33 @@ class WorkerHosts:
         _write_in_place(etc / "shadow", "\n".join(shadow) + "\n", 0o600)
         _write_in_place(etc / "group", self._base["group"])
 
-    def _wait_ready(self, node: _Node) -> None:
-        deadline = time.monotonic() + BOOT_TIMEOUT
-        pending = list(node.workers)
-        while pending:
-            still = []
-            for w in pending:
-                assert w.proc is not None
-                if w.proc.poll() is not None:
-                    raise RuntimeError(f"worker {w.index} of {node.key} failed to boot: {self._why(w)}")
-                if w.init_pid is None:
-                    w.init_pid = self._find_init(w.proc.pid)
-                    w.pid_ns = procs.ns(w.init_pid) if w.init_pid else None
-                if w.init_pid is None or not self._accepts(w.address, self.ssh_port):
-                    still.append(w)
-            pending = still
-            if pending:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"worker {pending[0].index} of {node.key} did not start sshd within "
-                        f"{BOOT_TIMEOUT:.0f} s: {self._why(pending[0])}"
-                    )
-                time.sleep(0.02)
+    def _boot(self, node: _Node) -> None:
+        """Boot every worker of NODE (boot.boot_all) and learn each init's pid; worker 0's sshd must answer."""
+
+        def started(i: int, proc: subprocess.Popen[bytes]) -> None:
+            node.workers[i].proc = proc
+
+        boot.boot_all([w.dir for w in node.workers], started, lambda i: self._why(node.workers[i]))
+        for w in node.workers:
+            w.init_pid = boot.init_pid(w.dir)
+            w.pid_ns = procs.ns(w.init_pid) if w.init_pid else None
+        w = node.workers[0]  # every worker's sshd is the same program and configuration: one connection tells
+        if not self._accepts(w.address, self.ssh_port, banner=True):
+            raise RuntimeError(f"worker 0 of {node.key} does not answer ssh: {self._why(w)}")
 
     @staticmethod
-    def _accepts(address: str, port: int) -> bool:
+    def _accepts(address: str, port: int, *, banner: bool = False) -> bool:
+        """Whether ADDRESS:PORT takes a connection (and, with BANNER, an sshd greets it)."""
         try:
-            with socket.create_connection((address, port), timeout=1.0):
-                return True
+            with socket.create_connection((address, port), timeout=5.0 if banner else 1.0) as sock:
+                return not banner or sock.recv(4) == b"SSH-"
         except OSError:
             return False
 
     @staticmethod
-    def _find_init(unshare_pid: int) -> int | None:
-        # unshare --fork has exactly one child: the worker's init.
-        for pid in procs.all_pids():
-            if pid != unshare_pid and procs.ppid(pid) == unshare_pid:
-                return pid
-        return None
-
-    @staticmethod
     def _why(w: _Worker) -> str:
         out = []
-        for name in ("init.log", "sshd.log"):
+        for name in ("init.log", "sshd.log"):  # the init's own, then what sshd said of a connection
             p = w.dir / name
             if p.exists():
                 tail = p.read_text(errors="replace").strip().splitlines()[-5:]
@@ -517,36 +498,27 @@ class WorkerHosts:
             shutil.rmtree(node.dir, ignore_errors=True)
 
     def kill_sshd(self, node_key: str, index: int) -> None:
-        """Fault: that worker's listening sshd dies; its sessions and other processes live on."""
-        w = self._worker(node_key, index)
-        if w.init_pid is None:
-            return
-        # The listener is the init's sshd child (sessions are the listener's children); its
-        # cmdline is rewritten by setproctitle, so identify it by executable.
-        # Find the listener(s) first, then kill: killed while scanning, the listener's sessions are
-        # reparented to the init and would match too (sessions are sshd processes on OpenSSH < 9.8).
-        listeners = [pid for pid in procs.all_pids() if procs.ppid(pid) == w.init_pid and procs.exe(pid) == _SSHD]
-        for pid in listeners:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5
-        while self._accepts(w.address, self.ssh_port):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd of worker {index} of {node_key} still accepts connections")
-            time.sleep(0.02)
+        """Fault: that worker stops taking ssh connections (its init closes its listener: no sshd is started
+        for a new one); its sessions and other processes live on."""
+        self._listen(node_key, index, signal.SIGUSR2, False)
 
     def restart_sshd(self, node_key: str, index: int) -> None:
-        """Undo kill_sshd: the worker's init starts sshd again; returns once it accepts connections."""
+        """Undo kill_sshd: the worker's init listens again; returns once it accepts connections."""
+        self._listen(node_key, index, signal.SIGUSR1, True)
+
+    def _listen(self, node_key: str, index: int, sig: signal.Signals, up: bool) -> None:
         w = self._worker(node_key, index)
         if w.init_pid is None:
-            raise RuntimeError(f"worker {index} of {node_key} is down")
-        os.kill(w.init_pid, signal.SIGUSR1)
+            if up:
+                raise RuntimeError(f"worker {index} of {node_key} is down")
+            return
+        os.kill(w.init_pid, sig)
         deadline = time.monotonic() + 10
-        while not self._accepts(w.address, self.ssh_port):
+        while boot.listening(w.dir) != up or self._accepts(w.address, self.ssh_port) != up:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd of worker {index} of {node_key} did not come back: {self._why(w)}")
+                raise RuntimeError(
+                    f"ssh of worker {index} of {node_key} did not go {'up' if up else 'down'}: {self._why(w)}"
+                )
             time.sleep(0.02)
 
     def kill_worker(self, node_key: str, index: int) -> None:
@@ -630,13 +602,10 @@ class WorkerHosts:
         """What the Cloud TPU API adds to each worker's metadata (a Compute Engine VM has none of it)."""
         if node.vms is not None:
             return {}
-        endpoints = ",".join(
-            f"{o.hostname}:{stable_int(f'{node.key}/{o.index}', 19)}:{o.address}" for o in node.workers
-        )
         return {
             "agent-worker-number": str(w.index),
             "accelerator-type": node.accelerator_type,
-            "worker-network-endpoints": endpoints,
+            "worker-network-endpoints": node.endpoints,
             "tpu-env": self._image(node, w).tpu_env_text(),
         }
 

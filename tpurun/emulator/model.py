@@ -203,8 +203,41 @@ class Capacity:
         return self.limits.get((zone, gen)) or self.limits.get(("*", gen))
 
 
-# The address slots a node's workers can have: worker I of the node in slot S is 127.77.S.(I+1) (hosts.py).
+# The address plan of the emulated workers, decided here only. Every address of 127.0.0.0/8 is this machine's
+# on Linux, so workers need no interface: they live in 127.77.0.0/16 (127.78.0.0/16 is the latency proxy's
+# mirror of it, tpurun/testing/latency_proxy.py). Its /24s 127.77.S.0/24 are the slots S = 1..250, 254
+# workers each (.1 to .254). A node takes as many consecutive slots as its workers need, from its first slot
+# F: worker I's address is 127.77.(F + I // 254).(I % 254 + 1). A node of up to 254 workers has one slot (the
+# address it always had), a v5p-8192's 1,024 workers take 5, TPU7x's largest slice (2,304 VMs) 10; 250 nodes
+# of up to 254 workers fit at once. Every worker reaches every other at its address (one network namespace).
 SLOTS = range(1, 251)
+WORKERS_PER_SLOT = 254
+# The largest slice of any TPU (TPU7x: 2,304 VMs): the most workers --max-workers lets a node have by default.
+LARGEST_SLICE_WORKERS = 2304
+
+
+def slots_for(workers: int) -> int:
+    """How many consecutive slots a node of WORKERS workers takes."""
+    return max(1, -(-workers // WORKERS_PER_SLOT))
+
+
+def worker_address(first_slot: int, index: int) -> str:
+    """The address of worker INDEX of the node whose first slot is FIRST_SLOT."""
+    return f"127.77.{first_slot + index // WORKERS_PER_SLOT}.{index % WORKERS_PER_SLOT + 1}"
+
+
+def default_max_workers() -> int:
+    """--max-workers when not given: the largest slice, fewer where this machine's free memory would not hold
+    that many workers as tpurun makes them (16 MiB each: an idle worker costs under 1, tpurun's watchdog on
+    each about 12, a command running more), but never fewer than one slot's."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")) // 1024
+    except (OSError, StopIteration, ValueError):
+        return LARGEST_SLICE_WORKERS
+    return max(WORKERS_PER_SLOT, min(LARGEST_SLICE_WORKERS, (avail - 1024) // 16))
+
+
 # Under a parallel test run, the emulators that tests start themselves (`tpurun emulator start`) take these,
 # the session's own emulators the rest (pytest_plugin)
 STANDALONE_SLOTS = range(201, 251)
@@ -226,7 +259,7 @@ class EmulatorConfig:
     state_dir: Path
     delays: Delays = field(default_factory=Delays)
     capacity: Capacity = field(default_factory=Capacity)
-    max_workers_per_node: int = 128
+    max_workers_per_node: int = field(default_factory=default_max_workers)
     request_log_size: int = 10_000
     slots: range = SLOTS  # the share of them its nodes take (a parallel test run gives each emulator its own)
 

@@ -23,6 +23,7 @@ from tpurun.emulator.model import (
     not_found,
     paged,
     set_enum,
+    slots_for,
     split_name,
     split_parent,
     to_json,
@@ -116,10 +117,11 @@ class Nodes(Operations):
         """Boot the node's workers (blocking) and fill in its endpoints; caller holds rec.lock."""
         with self.lock:
             if not rec.slot:
-                rec.slot = self._free_slot()
+                rec.slot = self._free_slot(rec.topo.hosts)
             slot = rec.slot
             project, zone = rec.project, rec.zone
-        tried: set[int] = set()
+        tried: set[int] = set()  # the slots of the spans that lost a race
+        attempts = 0
         while True:
             try:
                 workers = self.hosts.boot_node(
@@ -137,12 +139,13 @@ class Nodes(Operations):
             except OSError as e:
                 # lost a race for the slot's addresses to another emulator on this machine: a fresh
                 # node moves to another slot (a stopped one keeps its addresses, like a real VM)
-                if e.errno != errno.EADDRINUSE or rec.ever_booted or len(tried) >= 5:
+                attempts += 1
+                if e.errno != errno.EADDRINUSE or rec.ever_booted or attempts >= 5:
                     raise
-                tried.add(slot)
+                tried.update(range(slot, slot + slots_for(rec.topo.hosts)))
                 self.hosts.shutdown_node(rec.key, delete=True)
                 with self.lock:
-                    rec.slot = slot = self._free_slot(tried)
+                    rec.slot = slot = self._free_slot(rec.topo.hosts, tried)
         with self.lock:
             rec.booted = rec.ever_booted = True
             external = bool(rec.node.network_config.enable_external_ips)

@@ -45,15 +45,15 @@ def ns(pid: int, kind: str = "pid") -> str | None:
 def kill_orphans(state_dir: Path) -> int:
     """SIGKILL the workers left behind by a crashed emulator that used `state_dir`; returns how many.
 
-    Kills each worker's init (its pid namespace goes with it); the `unshare` above it
-    then reaps it and exits.
+    Kills each worker's init, booting (`_worker_init.py`) or booted (`tpurun-worker-init`): its pid namespace
+    goes with it; the `unshare` above it then reaps it and exits.
     """
-    marker = str(Path(__file__).with_name("_worker_init.py"))
+    markers = (str(Path(__file__).with_name("_worker_init.py")), "tpurun-worker-init ")
     wanted = str(Path(state_dir).resolve()) + "/"
     killed = 0
     for pid in all_pids():
         cmd = cmdline(pid)
-        if not cmd.startswith("unshare ") and marker in cmd and wanted in cmd:
+        if not cmd.startswith("unshare ") and any(m in cmd for m in markers) and wanted in cmd:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1

@@ -52,6 +52,10 @@ def host_problem() -> str | None:
         return "the tpurun emulator needs /usr/sbin/sshd (Debian package openssh-server)"
     if shutil.which("unshare") is None:
         return "the tpurun emulator needs unshare (util-linux)"
+    from tpurun.emulator.boot import compiler
+
+    if compiler() is None:
+        return "the tpurun emulator needs a C compiler to build its workers' init (Debian package gcc)"
     return None
 
 
@@ -66,7 +70,9 @@ def _slots() -> range:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if not worker.startswith("gw") or count <= 1:
         return slots
-    return slots[int(worker[2:]) :: count]
+    size = len(slots) // count  # a block each: a node of more than 254 workers takes consecutive slots
+    first = slots.start + int(worker[2:]) * size
+    return range(first, first + size)
 
 
 def pytest_configure(config: Any) -> None:
@@ -182,13 +188,13 @@ class EmulatorHandle:
 
     def restore(self) -> None:
         """Clear faults, restore fast delays and unlimited capacity."""
-        from tpurun.emulator.model import Delays
+        from tpurun.emulator.model import Delays, default_max_workers
 
         with self.emu.lock:
             self.emu._fail_rules.clear()
             self.emu.config.delays = Delays(**FAST)
             self.emu.config.capacity.limits.clear()
-            self.emu.config.max_workers_per_node = 128
+            self.emu.config.max_workers_per_node = default_max_workers()
 
 
 @dataclass

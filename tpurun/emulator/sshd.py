@@ -52,7 +52,7 @@ def sshd_config(address: str, port: int, view: str) -> str:
             "StrictModes no",
             "MaxStartups 1000",
             "MaxSessions 100",
-            "LoginGraceTime 30",
+            "LoginGraceTime 120",  # OpenSSH's default: a loaded machine with a thousand workers is slow to log in
             "Subsystem sftp internal-sftp",
             # No AcceptEnv line: sshd then accepts no client environment variables.
             "LogLevel ERROR",

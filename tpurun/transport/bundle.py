@@ -48,6 +48,13 @@ def program_argv(python: str, program: str, *args: str, first: tuple[str, bytes]
     return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, command, encoded, *args]
 
 
+def call_argv(call: Call) -> list[str]:
+    """The argv that runs CALL on a worker."""
+    if not call.program:
+        return list(call.args)
+    return program_argv(call.python, call.program, *call.args, first=call.first)
+
+
 def start_watchdogs(target: Target) -> dict[int, str]:
     """Make sure the TPU's watchdog runs on every worker of TARGET (each one checked to be that TPU's, the
     bundle installed where it is missing); {worker index: why not} for the workers where it could not be

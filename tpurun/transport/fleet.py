@@ -235,6 +235,15 @@ class RecordStream:
         return protocol.decode_lines(lines)
 
 
+def watching(w: int, recs: Iterable[protocol.Record], over: list[bool]) -> Iterator[protocol.Record]:
+    """RECS of W's stream as they are taken, noting in OVER when W's part of the job is over (its Done, or the
+    start's failure, came)."""
+    for rec in recs:
+        if isinstance(rec, protocol.StartFailed) or (isinstance(rec, protocol.Done) and rec.worker == w):
+            over.append(True)
+        yield rec
+
+
 def each(
     items: Sequence[Runner], fn: Callable[[Runner], object], *, name: str, tick: Callable[[], None] | None = None
 ) -> None:

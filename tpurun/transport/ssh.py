@@ -108,17 +108,21 @@ _LEASH = (
 )
 
 
-def wrap_command(argv: Sequence[str], grace: float = RUN_GRACE, env: Mapping[str, str] | None = None) -> str:
-    """The one shell line sshd runs: the leash with ARGV quoted so it arrives exactly, ENV's variables
-    assigned in front of it (each value quoted; each name checked to be one)."""
+def leash_argv(argv: Sequence[str], grace: float = RUN_GRACE, env: Mapping[str, str] | None = None) -> list[str]:
+    """ARGV on the leash (the argv a worker runs for `run`), once ARGV and ENV are checked: no NUL byte, and
+    each of ENV's names a variable's."""
     refuse_nul([*argv, *(env or {}).values()])
-    assigned = []
-    for name, value in (env or {}).items():
+    for name in env or {}:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise UsageError(f"not a variable name: {name!r}")
-        assigned.append(f"{name}={shlex.quote(value)}")
-    leash = shlex.join(["sh", "-c", _LEASH, "tpurun", str(max(1, int(round(grace)))), *argv])
-    return " ".join([*assigned, leash])
+    return ["sh", "-c", _LEASH, "tpurun", str(max(1, int(round(grace)))), *argv]
+
+
+def wrap_command(argv: Sequence[str], grace: float = RUN_GRACE, env: Mapping[str, str] | None = None) -> str:
+    """The one shell line sshd runs: the leash with ARGV quoted so it arrives exactly, ENV's variables
+    assigned in front of it (each value quoted)."""
+    leash = shlex.join(leash_argv(argv, grace, env))
+    return " ".join([*(f"{name}={shlex.quote(value)}" for name, value in (env or {}).items()), leash])
 
 
 def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:

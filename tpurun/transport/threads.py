@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from tpurun.errors import TpurunError, UnreachableError
@@ -23,9 +23,9 @@ from tpurun.transport.fleet import (
     connect_all,
     connect_window,
     each,
+    watching,
 )
 from tpurun.transport.runner import RUN_GRACE, LineSink, Pipe, Runner, Stream, Worker, open_stream, run_capture
-from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit
 
 
@@ -36,13 +36,6 @@ class Reach(Protocol):
     connected: bool  # connect was called
 
     def connect(self, then: Callable[[Runner], None] | None = None) -> dict[int, str]: ...
-
-
-def _argv(call: Call) -> list[str]:
-    """The argv that runs CALL on a worker."""
-    if not call.program:
-        return list(call.args)
-    return bundle.program_argv(call.python, call.program, *call.args, first=call.first)
 
 
 class Threads(Fleet):
@@ -162,11 +155,11 @@ class Threads(Fleet):
             w = r.worker.index
             sent = time.time()
             try:
-                rc, out, err = run_capture(r, _argv(c), c.input, timeout=timeout)
+                rc, out, err = run_capture(r, bundle.call_argv(c), c.input, timeout=timeout)
                 if rc == AgentExit.MISSING and c.program:  # a worker new to this version of tpurun
                     bundle.install(r)
                     sent = time.time()
-                    rc, out, err = run_capture(r, _argv(c), c.input, timeout=timeout)
+                    rc, out, err = run_capture(r, bundle.call_argv(c), c.input, timeout=timeout)
                 answers[w] = Answer(w, rc, out, err, sent=sent, answered=time.time())
             except TpurunError as exc:
                 answers[w] = Answer(w, None, error=str(exc), sent=sent, answered=time.time())
@@ -217,7 +210,7 @@ class Threads(Fleet):
             installed = False
             while stop is None or not stop.is_set():
                 try:
-                    stream = open_stream(r, _argv(call(r.worker)))
+                    stream = open_stream(r, bundle.call_argv(call(r.worker)))
                     rc, done = _pump(r.worker.index, stream, take, lifeline, stop)
                     if rc is None:
                         return  # stopped here: the job goes on
@@ -296,17 +289,9 @@ def _pump(
         if recs is None:
             break
         over: list[bool] = []
-        take(w, _watching(w, recs, over))
+        take(w, watching(w, recs, over))
         done = bool(over)
     return stream.wait(), done
-
-
-def _watching(w: int, recs: Iterable[protocol.Record], over: list[bool]) -> Iterator[protocol.Record]:
-    """RECS as they are taken, noting in OVER when W's part of the job is over."""
-    for rec in recs:
-        if isinstance(rec, protocol.StartFailed) or (isinstance(rec, protocol.Done) and rec.worker == w):
-            over.append(True)
-        yield rec
 
 
 class _StreamSession(Session):
@@ -317,7 +302,7 @@ class _StreamSession(Session):
         self.stream = self._start()
 
     def _start(self) -> Stream:
-        stream = open_stream(self.runner, _argv(self.call))
+        stream = open_stream(self.runner, bundle.call_argv(self.call))
         if self.call.input:
             stream.write(self.call.input)
         return stream

@@ -27,6 +27,8 @@ BUNDLE = (
     "protocol_calls.py",
     "hook/sitecustomize.py",
     "probe.py",
+    "relay.py",
+    "relay_wire.py",
     "versions.py",
     "watchdog.py",
 )

@@ -1,0 +1,170 @@
+"""Commands through relays inside the slice, against the same commands straight from this machine, on an
+emulated pod whose relay tree is three levels deep (one root, fan-out 2): the same output, exit codes and files;
+fail-fast, Ctrl-C and a relay killed mid-command leave nothing on any worker; a worker its relay cannot reach
+and a host key that does not match inside the slice are reported as such; no key of tpurun's is left on a
+worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers import create_node, job_pids, popen, read_until
+from tpurun.worker import bundle_name
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+DEEP = {"TPURUN_RELAY_ROOTS": "1", "TPURUN_RELAY_FANOUT": "2"}  # 8 workers: w0 -> w1, w5 -> ... three levels
+WORKERS = 8
+RELAY = f"bin/{bundle_name()}/relay.py"  # a relay's own process (not the ssh that started it)
+
+
+@pytest.fixture
+def pod(cli):
+    create_node(cli, "relayed", "v4-64")
+    cli.env.update(DEEP)
+    return "relayed"
+
+
+def _both(cli, *args: str):
+    """ARGS through relays and straight: both results."""
+    return cli(*args[:1], "--relay", *args[1:]), cli(*args[:1], "--no-relay", *args[1:])
+
+
+def _sorted_lines(text: str) -> list[str]:
+    return sorted(line for line in text.splitlines() if line.startswith("[w"))
+
+
+def _nothing_left(emulator, pod: str, needle: str) -> None:
+    deadline = time.monotonic() + 15
+    while job_pids(emulator, pod, needle):
+        assert time.monotonic() < deadline, (needle, job_pids(emulator, pod, needle))
+        time.sleep(0.2)
+
+
+def test_exec_through_relays_is_exec(cli, emulator, pod):
+    script = 'n=$(hostname); echo "out ${n##*-} $1"; echo "err ${n##*-}" >&2; exit $(( ${n##*-} % 3 ))'
+    odd = "two  spaces 'quote' \"dq\" $HOME ; `x` é\nline"
+    relayed, direct = _both(cli, "exec", "--", "sh", "-c", script, "sh", odd)
+    assert relayed.code == direct.code == 1, relayed.err
+    assert _sorted_lines(relayed.out) == _sorted_lines(direct.out)
+    assert len(_sorted_lines(relayed.out)) == WORKERS * 2  # each argument arrived whole, newline and all
+    assert _sorted_lines(relayed.err) == _sorted_lines(direct.err)
+    said = [line for line in relayed.err.splitlines() if line.startswith("error:")]
+    assert said == [line for line in direct.err.splitlines() if line.startswith("error:")], relayed.err
+    missing = _both(cli, "exec", "--worker", "2-3", "--", "nosuchcommand")
+    assert missing[0].code == missing[1].code == 1
+    assert _sorted_lines(missing[0].err) == _sorted_lines(missing[1].err)
+    # what the relays used is gone with them: no process, no key, no directory of theirs on any worker
+    _nothing_left(emulator, pod, RELAY)
+    _nothing_left(emulator, pod, "ssh-agent")
+    r = cli("exec", "--no-relay", "--", "sh", "-c", "ls -d /tmp/tpurun-relay-* 2>/dev/null; true")
+    assert r.code == 0 and r.out.strip() == "", r.out
+
+
+def test_fail_fast_and_ctrl_c_leave_nothing(cli, emulator, pod):
+    t0 = time.monotonic()
+    r = cli("exec", "--relay", "--fail-fast", "--", "sh", "-c",
+            'case "$(hostname)" in *-w-6) sleep 0.5; exit 4;; esac; sleep 300')  # fmt: skip
+    assert r.code == 1 and time.monotonic() - t0 < 60, r.err
+    assert "w6" in r.err
+    _nothing_left(emulator, pod, "sleep 300")
+    proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 1000")
+    read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    _nothing_left(emulator, pod, "sleep 1000")
+    _nothing_left(emulator, pod, RELAY)
+
+
+def test_a_relay_killed_mid_command_loses_its_subtree_and_leaves_nothing(cli, emulator, pod):
+    proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 12; echo slept")
+    read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
+    (pid,) = job_pids(emulator, pod, RELAY, [5])  # w5 relays for w6 and w7
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 4, err  # the others went on to their end
+    assert sorted(line.split()[0] for line in out.splitlines() if line.endswith("slept")) == [
+        f"[w{w}]" for w in range(5)
+    ]
+    lost = [line for line in err.splitlines() if "relay w5 went away" in line]
+    assert sorted(line.split()[0] for line in lost) == ["w5", "w6", "w7"], err
+    _nothing_left(emulator, pod, "sleep 12")  # the lost ones' commands went with their relay
+    r = cli("exec", "--relay", "--", "true")  # and the next command reaches them again
+    assert r.code == 0, r.err
+
+
+def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(cli, emulator, pod):
+    name = emulator.node_name(pod)
+    addresses = [w["address"] for w in emulator.node_info(name)["workers"]]
+    # w3's pinned key replaced by another worker's: the relay that reaches w3 must refuse it
+    alias3, alias4 = cli.host_key_alias(addresses[3]), cli.host_key_alias(addresses[4])
+    lines = cli.known_hosts.read_text().splitlines()
+    key4 = next(line.split(None, 1)[1] for line in lines if line.startswith(alias4 + " "))
+    cli.known_hosts.write_text(
+        "\n".join(f"{alias3} {key4}" if line.startswith(alias3 + " ") else line for line in lines) + "\n"
+    )
+    r = cli("exec", "--relay", "--worker", "1-4", "--", "true")
+    assert r.code == 4, r.err
+    assert "HOST KEY CHANGED for worker w3" in r.err and "relay w2 refused it" in r.err, r.err
+    assert "w1" not in r.err.split("HOST KEY CHANGED")[0].split("error:")[-1], r.err
+    # a worker down: its relay says it cannot reach it, the others run
+    emulator.kill_worker(name, 6)
+    r = cli("exec", "--relay", "--worker", "5-7", "--", "echo", "here")
+    assert r.code == 4, r.err
+    assert sorted(r.out.split()) == sorted(["[w5]", "here", "[w7]", "here"]), r.out
+    assert "cannot reach worker w6" in r.err and "from relay w5" in r.err, r.err
+
+
+TRAIN = """import os, sys, time
+w = int(os.environ["TPURUN_WORKER_ID"])
+for i in range(3):
+    print("line", i, "of worker", w, flush=True)
+print("to stderr", w, file=sys.stderr)
+if os.environ.get("LOOP"):
+    while True:
+        print("tick", w, flush=True)
+        time.sleep(0.5)
+sys.exit(3 if w == 6 else 0)
+"""
+
+
+def test_train_and_the_job_commands_through_relays(cli, emulator, pod):
+    (cli.cwd / "t.py").write_text(TRAIN)
+    relayed, direct = _both(cli, "train", "t.py", "--runtime", "cpu", "--launch", "host")
+    assert relayed.code == direct.code == 1, relayed.err
+    assert _sorted_lines(relayed.out) == _sorted_lines(direct.out) and len(_sorted_lines(relayed.out)) == WORKERS * 4
+    assert [line for line in relayed.err.splitlines() if line.startswith("error:")] == [
+        line for line in direct.err.splitlines() if line.startswith("error:")
+    ], relayed.err
+    # a detached job: logs, jobs, stacks and cancel through the relays
+    r = cli("train", "--relay", "t.py", "--runtime", "cpu", "--launch", "host", "--env", "LOOP=1", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    deadline = time.monotonic() + 60
+    while len({line.split()[0] for line in cli("logs", "--relay", job).out.splitlines() if " tick " in line}) < WORKERS:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    (row,) = [j for j in json.loads(cli("jobs", "--relay", "--json").out) if j["job_id"] == job]
+    assert row["status"] == "running"
+    r = cli("stacks", "--relay", job)
+    assert r.code == 0 and "t.py" in r.out, r.err
+    r = cli("cancel", "--relay", job)
+    assert r.code == 0 and f"job {job} stopped on {WORKERS} worker(s)" in r.err, r.err
+    _nothing_left(emulator, pod, "t.py")
+    for command in (["kill-stale"], ["doctor"]):
+        relayed, direct = _both(cli, *command)
+        assert relayed.code == direct.code == 0, relayed.err
+    # Ctrl-C on an attached job: every process of it, and every relay, gone before tpurun exits
+    proc = popen(cli, "train", "--relay", "t.py", "--runtime", "cpu", "--launch", "host", "--env", "LOOP=1")
+    read_until(proc, lambda seen: len({line.split()[0] for line in seen if " tick " in line}) == WORKERS, timeout=90)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=90)
+    assert proc.returncode == 130
+    assert job_pids(emulator, pod, "t.py") == []
+    _nothing_left(emulator, pod, RELAY)

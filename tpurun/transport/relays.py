@@ -1,0 +1,582 @@
+"""The second `Fleet`: relays inside the slice. This machine reaches a few workers of each slice (the roots,
+`TPURUN_RELAY_ROOTS` per slice) over SSH and starts tpurun's relay there (worker/relay.py); each reaches up to
+`TPURUN_RELAY_FANOUT` more at their addresses inside the slice, and so on down a balanced tree
+(relay_wire.plan), every worker of it running one relay. A channel opened on a worker is that worker's
+relay's child process; its bytes travel up the tree batched with its subtree's, so this machine keeps a few
+SSH connections and a thread for each, whatever the pod's size (see relay_wire for the frames).
+
+Trust: each relay checks each of its children's host keys against the one tpurun pinned for that TPU and
+worker (the plan carries them; never trust on first use), as this machine checks the roots'. tpurun's key
+goes to the roots only, into an ssh-agent that ends with the root's relay; the relays below use it forwarded.
+
+`run`, `call`, `open`/`answer` and `follow` go through the relays; `converse` (sync, download) still goes
+from this machine to every worker (the `Threads` fleet), and a relay lost takes its subtree with it (its
+workers are reported lost, with why) rather than reaching it another way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from tpurun import config
+from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.transport import bundle
+from tpurun.transport.fleet import (
+    Answer,
+    Call,
+    Ended,
+    Fleet,
+    RunResult,
+    Session,
+    Take,
+    Talk,
+    connect_all,
+    connect_window,
+    watching,
+)
+from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Runner, Stream, Worker, open_stream
+from tpurun.transport.ssh import leash_argv
+from tpurun.transport.threads import Reach, Threads
+from tpurun.worker import bundle_name, protocol, relay_wire
+from tpurun.worker.protocol import AgentExit
+
+INTERNAL_PORT = 22  # where a worker's sshd listens inside the slice
+ROUNDS = 3  # how many workers of a group are tried in turn as its root
+
+
+def relay_shape() -> tuple[int, int]:
+    """(roots per slice, fan-out): TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT."""
+    try:
+        roots, fanout = config.RELAY_ROOTS.integer(), config.RELAY_FANOUT.integer()
+    except ValueError:
+        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers (1 or more)") from None
+    if roots < 1 or fanout < 1:
+        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be 1 or more")
+    return roots, fanout
+
+
+@dataclass
+class _Chan:
+    """One channel: the worker it runs on and what hears its bytes and its end."""
+
+    worker: int
+    out: Callable[[bytes], None]
+    err: Callable[[bytes], None]
+    end: Callable[[int | None, str], None]  # (exit code, or None and why it never ran or was lost)
+    link: _Link | None = None
+
+
+class _Link:
+    """This machine's link to one root: its relay on an SSH stream, and a thread reading what comes up."""
+
+    def __init__(self, tree: Relays, root: relay_wire.Node, runner: Runner) -> None:
+        self.tree, self.root, self.runner = tree, root, runner
+        self.workers = set(root.indexes())
+        self.lock = threading.Lock()
+        self.ready = threading.Event()
+        self.unreached: dict[int, str] = {}
+        self.gone = ""
+        self.stream: Stream | None = None
+
+    def start(self, plan: dict[str, object]) -> None:
+        """Start the relay on the root (installing the bundle where missing) and hand it PLAN."""
+        argv = bundle.program_argv(self.tree.python, "relay.py")
+        doc = relay_wire.json_frame(relay_wire.PLAN, plan)
+        for installed in (False, True):
+            stream = open_stream(self.runner, argv)
+            stream.write(doc)
+            first = stream.read(30)
+            while first == b"":
+                first = stream.read(30)
+            if first is None and stream.wait() == AgentExit.MISSING and not installed:
+                bundle.install(self.runner)
+                continue
+            self.stream = stream
+            threading.Thread(
+                target=self._read, args=(first or b"",), daemon=True, name=f"relay-{self.root.index}"
+            ).start()
+            return
+
+    def _read(self, first: bytes) -> None:
+        frames = relay_wire.Frames()
+        assert self.stream is not None
+        heard = time.monotonic()
+        data: bytes | None = first
+        try:
+            while data is not None:
+                if data:
+                    heard = time.monotonic()
+                    for kind, number, payload in frames.feed(data):
+                        self.tree.dispatch(self, kind, number, payload)
+                else:
+                    self.tree.idle(self)
+                    if time.monotonic() - heard > relay_wire.DEAD_SECONDS:
+                        self.lose(f"relay {self.root.label} stopped answering for {relay_wire.DEAD_SECONDS:.0f} s")
+                        self.stream.kill()
+                        return
+                data = self.stream.read(0.1)
+            why = (self.stream.stderr_text().strip().splitlines() or [""])[-1]
+        except (TpurunError, ValueError) as exc:
+            why = str(exc)
+        self.lose(f"relay {self.root.label} went away" + (f": {why}" if why else ""))
+
+    def lose(self, why: str) -> None:
+        if not self.gone:
+            self.gone = why
+            if not self.ready.is_set():
+                self.unreached = {w: why for w in self.workers}
+                self.ready.set()
+            self.tree.lost_workers(self.workers, why)
+
+    def send(self, data: bytes) -> None:
+        if self.gone or self.stream is None:
+            return
+        with self.lock:
+            try:
+                self.stream.write(data)
+            except TpurunError as exc:
+                self.lose(f"relay {self.root.label}: {exc}")
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close_stdin()
+
+
+class Relays(Fleet):
+    """This machine, a few roots per slice, and relays below them; see the module's docstring."""
+
+    def __init__(self, reach: Reach, *, key: str, pinned: Mapping[str, str], python: str) -> None:
+        self.reach, self.key, self.pinned, self.python = reach, key, pinned, python
+        self.direct = Threads(reach)  # for what does not go through relays yet (converse)
+        self.connected = False
+        self._unreached: dict[int, str] = {}
+        self._links: list[_Link] = []
+        self._link_of: dict[int, _Link] = {}
+        self._chans: dict[int, _Chan] = {}
+        self._numbers = itertools.count(1)
+        self._idle: list[Callable[[int], None]] = []
+        self.gate = threading.BoundedSemaphore(connect_window())
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [r.worker for r in self.reach.runners]
+
+    @property
+    def unreached(self) -> dict[int, str]:
+        return dict(self._unreached)
+
+    # ------------------------------------------------------------------ the tree
+
+    def _node(self, w: Worker) -> relay_wire.Node:
+        key = self.pinned.get(w.host_key, "")
+        return relay_wire.Node(w.index, w.name, w.internal or w.address, INTERNAL_PORT, w.user, w.host_key, key)
+
+    def connect(self, *, helper: Callable[[str], Sequence[str]] | None = None) -> dict[int, str]:
+        if helper is not None:  # a conversation follows: it goes from this machine (not relayed yet)
+            self._unreached = self.direct.connect(helper=helper)
+            return dict(self._unreached)
+        roots, fanout = relay_shape()
+        by_slice: dict[int | None, list[Worker]] = defaultdict(list)
+        for w in self.workers:
+            by_slice[w.slice].append(w)
+        groups = [g for ws in by_slice.values() for g in relay_wire.chunks([self._node(w) for w in ws], roots)]
+        runners = {r.worker.index: r for r in self.reach.runners}
+        unreached: dict[int, str] = {}
+        for _ in range(ROUNDS):
+            if not groups:
+                break
+            heads = [runners[g[0].index] for g in groups]
+            failed = connect_all(heads, gate=self.gate)
+            again = []
+            for g in groups:
+                if g[0].index in failed:
+                    unreached[g[0].index] = failed[g[0].index]
+                    if len(g) > 1:
+                        again.append(g[1:])
+                    continue
+                (tree,) = relay_wire.plan(g, fanout, roots=1)
+                self._links.append(_Link(self, tree, runners[tree.index]))
+            groups = again
+        for g in groups:
+            for n in g:
+                unreached[n.index] = f"not reached: {ROUNDS} workers of its group could not be reached in turn"
+        self._start_links(fanout)
+        for link in self._links:
+            unreached.update(link.unreached)
+        self.connected = True
+        self._unreached = unreached
+        return dict(unreached)
+
+    def _start_links(self, fanout: int) -> None:
+        plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "key": self.key}
+        pending = [link for link in self._links if not link.ready.is_set()]
+
+        def start(link: _Link) -> None:
+            for w in link.workers:
+                self._link_of[w] = link
+            try:
+                link.start({**plan_common, "node": link.root.to_wire()})
+            except TpurunError as exc:
+                link.lose(str(exc))
+
+        threads = [threading.Thread(target=start, args=(link,), daemon=True) for link in pending]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
+        for link in pending:
+            while not link.ready.wait(0.1):
+                pass
+
+    def dispatch(self, link: _Link, kind: int, number: int, payload: bytes) -> None:
+        """A frame from LINK's relay."""
+        if kind == relay_wire.BEAT:
+            return
+        if kind == relay_wire.READY:
+            link.unreached = {int(w): why for w, why in json.loads(payload)["unreached"].items()}
+            link.ready.set()
+            return
+        if kind == relay_wire.LOST:
+            doc = json.loads(payload)
+            self.lost_workers(set(doc["workers"]), doc["why"])
+            return
+        chan = self._chans.get(number)
+        if chan is None:
+            return
+        if kind == relay_wire.OUT:
+            chan.out(payload)
+        elif kind == relay_wire.ERR:
+            chan.err(payload)
+        elif kind == relay_wire.EXIT:
+            self._chans.pop(number, None)
+            doc = json.loads(payload)
+            chan.end(doc.get("rc"), doc.get("error", ""))
+
+    def idle(self, link: _Link) -> None:
+        for tick in list(self._idle):
+            tick(link.root.index)
+
+    def lost_workers(self, workers: Collection[int], why: str) -> None:
+        for w in workers:
+            self._unreached.setdefault(w, why)
+        for number, chan in list(self._chans.items()):
+            if chan.worker in workers and self._chans.pop(number, None) is not None:
+                chan.end(None, why)
+
+    # ------------------------------------------------------------------ channels
+
+    def _open(
+        self, argvs: Mapping[int, Sequence[str]], envs: Mapping[int, Mapping[str, str]], make: Callable[[int], _Chan]
+    ) -> dict[int, int]:
+        """ARGVS[w] on each worker w (with ENVS[w] added), a channel each, MAKE(w) hearing it: {worker: channel}."""
+        numbers: dict[int, int] = {}
+        by_link: dict[int, dict[tuple[str, ...], dict[int, tuple[int, dict[str, str]]]]] = defaultdict(dict)
+        for w, argv in argvs.items():
+            link = self._link_of.get(w)
+            chan = make(w)
+            number = numbers[w] = next(self._numbers)
+            if link is None or link.gone or w in self._unreached:
+                chan.end(None, self._unreached.get(w) or (link.gone if link else "not reached"))
+                continue
+            chan.link = link
+            self._chans[number] = chan
+            by_link[id(link)].setdefault(tuple(argv), {})[number] = (w, dict(envs.get(w, {})))
+        for link in self._links:
+            for argv, workers in by_link.get(id(link), {}).items():
+                link.send(relay_wire.json_frame(relay_wire.OPEN, relay_wire.Opening(argv, workers).to_wire()))
+        return numbers
+
+    def _act(self, kind: int, numbers: Collection[int], data: bytes = b"") -> None:
+        """KIND (INPUT with DATA, CLOSE, DROP) on every channel of NUMBERS still open, one frame per link."""
+        by_link: dict[int, list[int]] = defaultdict(list)
+        for n in numbers:
+            chan = self._chans.get(n)
+            if chan is not None and chan.link is not None:
+                by_link[id(chan.link)].append(n)
+        for link in self._links:
+            if id(link) in by_link:
+                link.send(relay_wire.set_frame(kind, by_link[id(link)], data))
+
+    def _reached(self, only: Collection[int] | None = None) -> list[Worker]:
+        return [w for w in self.workers if w.index not in self._unreached and (only is None or w.index in only)]
+
+    # ------------------------------------------------------------------ the operations
+
+    def start_helpers(self, helper: Callable[[str], Sequence[str]]) -> None:
+        self.direct.start_helpers(helper)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        sink: LineSink,
+        *,
+        stop: threading.Event,
+        fail_fast: bool = False,
+        grace: float = RUN_GRACE,
+        env: Callable[[Worker], Mapping[str, str]] | None = None,
+        on_exit: Callable[[RunResult], None] | None = None,
+        only: Collection[int] | None = None,
+        unreached: Callable[[str], None] | None = None,
+    ) -> list[RunResult]:
+        if not self.connected:
+            for _, why in sorted(self.connect().items()):
+                if unreached is not None:
+                    unreached(why)
+        workers = self._reached(only)
+        envs = {w.index: dict(env(w)) if env else {} for w in workers}
+        leashed = {w.index: leash_argv(argv, grace, envs[w.index]) for w in workers}
+        results: dict[int, RunResult] = {}
+        started = time.monotonic()
+        lock = threading.Lock()
+
+        def make(w: int) -> _Chan:
+            out = LineSplitter(lambda line: sink(w, "out", line))
+            err = LineSplitter(lambda line: sink(w, "err", line))
+
+            def end(rc: int | None, why: str) -> None:
+                out.flush()
+                err.flush()
+                res = RunResult(w, rc, error=why if rc is None else "", stopped=stop.is_set(),
+                                duration=time.monotonic() - started)  # fmt: skip
+                with lock:
+                    results[w] = res
+                if fail_fast and (rc not in (0, None) or why) and not stop.is_set():
+                    stop.set()
+                if on_exit is not None:
+                    on_exit(res)
+
+            return _Chan(w, out.feed, err.feed, end)
+
+        numbers = self._open(leashed, envs, make)
+        closed = False
+        while len(results) < len(numbers):
+            if stop.is_set() and not closed:
+                self._act(relay_wire.CLOSE, numbers.values())  # each leash stops its command's group
+                closed = True
+            time.sleep(0.05)
+        for w, why in self._unreached.items():
+            if (only is None or w in only) and w not in results:
+                results[w] = RunResult(w, None, error=why)
+        return [results[w.index] for w in self.workers if w.index in results]
+
+    def call(
+        self, call: Call | Callable[[Worker], Call], *, timeout: float = 60, only: Collection[int] | None = None
+    ) -> dict[int, Answer]:
+        workers = self._reached(only)
+        calls = {w.index: call if isinstance(call, Call) else call(w) for w in workers}
+        answers: dict[int, Answer] = {}
+        sent = time.time()
+
+        def make(w: int) -> _Chan:
+            out, err = bytearray(), bytearray()
+
+            def end(rc: int | None, why: str) -> None:
+                text = err.decode("utf-8", "replace")
+                answers[w] = Answer(w, rc, bytes(out), text, error=why if rc is None else "", sent=sent,
+                                    answered=time.time())  # fmt: skip
+
+            return _Chan(w, out.extend, err.extend, end)
+
+        numbers = self._open({w: bundle.call_argv(c) for w, c in calls.items()}, {}, make)
+        by_input: dict[bytes, list[int]] = defaultdict(list)
+        for w, c in calls.items():
+            by_input[c.input].append(numbers[w])
+        for data, group in by_input.items():
+            if data:
+                self._act(relay_wire.INPUT, group, data)
+        self._act(relay_wire.CLOSE, numbers.values())
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(numbers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        late = [n for w, n in numbers.items() if w not in answers]
+        self._act(relay_wire.DROP, late)
+        for w, n in numbers.items():
+            if self._chans.pop(n, None) is not None:
+                answers[w] = Answer(w, None, error=f"no answer within {timeout:.0f} s", sent=sent, answered=time.time())
+        return answers
+
+    def open(self, call: Call) -> dict[int, Session | str]:
+        workers = self._reached()
+        sessions: dict[int, _RelaySession] = {}
+
+        def make(w: int) -> _Chan:
+            s = sessions[w] = _RelaySession(self, w)
+            return _Chan(w, s.took, s.took_err, s.ended_with)
+
+        numbers = self._open({w.index: bundle.call_argv(call) for w in workers}, {}, make)
+        for w, n in numbers.items():
+            sessions[w].number = n
+        if call.input:
+            self._act(relay_wire.INPUT, numbers.values(), call.input)
+        return {w: (s if s.error == "" else s.error) for w, s in sessions.items()}
+
+    def answer(self, sessions: Mapping[int, Session], say: bytes | None, wait: float) -> dict[int, str | Exception]:
+        mine = {w: s for w, s in sessions.items() if isinstance(s, _RelaySession)}
+        numbers = [s.number for s in mine.values()]
+        if say is None:
+            self._act(relay_wire.CLOSE, numbers)
+        else:
+            self._act(relay_wire.INPUT, numbers, say)
+        got: dict[int, str | Exception] = {}
+        deadline = time.monotonic() + wait
+        for w, s in mine.items():
+            try:
+                line = s.wait_line(deadline)
+                if line is None:
+                    rc, err = s.ended()
+                    raise UnreachableError((err.strip().splitlines() or [f"exit {rc}"])[-1])
+                got[w] = line
+            except TpurunError as exc:
+                got[w] = exc
+        return got
+
+    def follow(
+        self,
+        call: Callable[[Worker], Call],
+        take: Take,
+        ended: Ended,
+        lost: Callable[[int, str], None],
+        *,
+        lifeline: threading.Event | None = None,
+        stop: threading.Event | None = None,
+        reconnects: int = 0,
+    ) -> None:
+        live: dict[int, int] = {}  # worker -> its stream's channel
+        lock = threading.Lock()
+        by_index = {w.index: w for w in self.workers}
+
+        def make(w: int) -> _Chan:
+            buf = bytearray()
+            err = bytearray()
+            over: list[bool] = []
+
+            def out(data: bytes) -> None:
+                buf.extend(data)
+                at = buf.rfind(b"\n")
+                if at < 0:
+                    return
+                lines = bytes(buf[:at]).split(b"\n")
+                del buf[: at + 1]
+                take(w, watching(w, protocol.decode_lines(lines), over))
+
+            def end(rc: int | None, why: str) -> None:
+                with lock:
+                    live.pop(w, None)
+                if rc is None:
+                    if not (stop is not None and stop.is_set()):
+                        lost(w, why)
+                elif ended(w, rc, err.decode("utf-8", "replace"), bool(over)):
+                    again.append(w)
+
+            return _Chan(w, out, err.extend, end)
+
+        def tick(source: int) -> None:
+            take(source, [])
+
+        again: list[int] = [w.index for w in self._reached()]
+        closed = False
+        self._idle.append(tick)
+        try:
+            while True:
+                if again:
+                    ws, again[:] = list(again), []
+                    opened = self._open({w: bundle.call_argv(call(by_index[w])) for w in ws}, {}, make)
+                    with lock:
+                        live.update({w: n for w, n in opened.items() if n in self._chans})
+                if stop is not None and stop.is_set():
+                    with lock:
+                        numbers = list(live.values())
+                    self._act(relay_wire.DROP, numbers)  # a viewer only ends its own streams: the job goes on
+                    return
+                if lifeline is not None and lifeline.is_set() and not closed:
+                    with lock:
+                        numbers = list(live.values())
+                    self._act(relay_wire.CLOSE, numbers)  # each agent stops its processes, streams to the end
+                    closed = True
+                with lock:
+                    if not live and not again:
+                        return
+                time.sleep(0.05)
+        finally:
+            self._idle.remove(tick)
+
+    def converse(
+        self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
+    ) -> None:
+        self.direct.converse(helper, talk, stop=stop, only=only)
+
+    def close(self) -> None:
+        for link in self._links:
+            link.close()
+        self.direct.close()
+
+
+class _RelaySession(Session):
+    """A program left running on one worker through the relays, its stdin open."""
+
+    def __init__(self, tree: Relays, worker: int) -> None:
+        self.tree, self.worker = tree, worker
+        self.number = 0
+        self.buf = bytearray()
+        self.err = bytearray()
+        self.rc: int | None = None
+        self.error = ""
+        self.done = threading.Event()
+        self.changed = threading.Condition()
+
+    def took(self, data: bytes) -> None:
+        with self.changed:
+            self.buf.extend(data)
+            self.changed.notify_all()
+
+    def took_err(self, data: bytes) -> None:
+        self.err.extend(data)
+
+    def ended_with(self, rc: int | None, why: str) -> None:
+        with self.changed:
+            self.rc, self.error = rc, why
+            self.done.set()
+            self.changed.notify_all()
+
+    def wait_line(self, deadline: float) -> str | None:
+        with self.changed:
+            while b"\n" not in self.buf:
+                if self.done.is_set():
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.tree._act(relay_wire.DROP, [self.number])
+                    raise UnreachableError(f"its agent did not answer within {left:.0f} s")
+                self.changed.wait(min(left, 0.2))
+            line, _, rest = bytes(self.buf).partition(b"\n")
+            self.buf[:] = rest
+            return line.decode()
+
+    def line(self, say: bytes | None, wait: float) -> str | None:
+        if say is None:
+            self.tree._act(relay_wire.CLOSE, [self.number])
+        else:
+            self.tree._act(relay_wire.INPUT, [self.number], say)
+        return self.wait_line(time.monotonic() + wait)
+
+    def alive(self) -> bool:
+        return not self.done.is_set()
+
+    def ended(self) -> tuple[int, str]:
+        self.done.wait()
+        if self.rc is None:
+            return -1, self.error
+        return self.rc, self.err.decode("utf-8", "replace")
+
+    def release(self) -> None:
+        self.tree._act(relay_wire.CLOSE, [self.number])
+
+    def wait_end(self, deadline: float) -> None:
+        self.done.wait(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,514 @@
+"""tpurun's relay: one runs on every worker of a relay tree, `python3 relay.py`, its link to its parent on
+stdin and stdout (the frames of relay_wire.py).
+
+It reads its `PLAN` (its subtree), reaches its children with OpenSSH's `ssh` at their addresses inside the
+slice, each child's host key checked against the one tpurun pinned for that TPU and worker (StrictHostKeyChecking,
+a known_hosts of the plan's keys only: never trust on first use), starts a relay there (installing the bundle
+from its own copy where it is missing) and hands it its part of the plan. The first relay of a tree holds
+tpurun's key in an ssh-agent of its own (the key never touches a disk, and the agent ends with the relay);
+the relays below it use that agent, forwarded.
+
+Then it routes: a channel opened on its own worker runs as its child process (stdin, stdout, stderr piped;
+its own session, as sshd gives a command), one opened further down goes to the child whose subtree holds that
+worker. What comes up is batched into as few writes as the parent's link takes. When its stdin ends (tpurun
+went, or its parent relay did), every program it started gets the end of its stdin too and every child relay
+its link's end: nothing it started outlives the command.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+
+import relay_wire
+from relay_wire import Node, Opening
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIN = "$HOME/.tpurun/bin"
+QUEUE_FRAMES = 1024  # frames waiting for a link, at most (backpressure beyond)
+BATCH_BYTES = 1 << 20  # what one write up the tree carries, at most
+MISSING = 93  # protocol.AgentExit.MISSING: the bundle is not on the worker
+
+# A child's command: this relay's bundle there (installed first from this relay's copy where missing: the
+# bootstrap asks for it with a NEED frame and reads the BUNDLE frame that answers), then the relay.
+_BOOT = (
+    "import os,sys,struct,io,tarfile\n"
+    "d=os.path.expanduser('~/.tpurun/bin/'+sys.argv[1])\n"
+    "if not os.path.isfile(d+'/relay.py'):\n"
+    " H=struct.Struct('>BII');os.write(1,H.pack(78,0,0))\n"
+    " def r(n):\n"
+    "  b=b''\n"
+    "  while len(b)<n:\n"
+    "   c=os.read(0,n-len(b))\n"
+    "   if not c:sys.exit(1)\n"
+    "   b+=c\n"
+    "  return b\n"
+    " k,_,n=H.unpack(r(H.size));t=d+'.tmp.%d'%os.getpid();os.makedirs(t)\n"
+    " tarfile.open(fileobj=io.BytesIO(r(n))).extractall(t)\n"
+    " try:os.rename(t,d)\n"
+    " except OSError:pass\n"
+)
+_CHILD = f'p=$1; n=$2; f="{BIN}/$n/relay.py"; [ -f "$f" ] || "$p" -c "$3" "$n" || exit {MISSING}; exec "$p" "$f"'
+
+
+def child_command(python: str, bundle: str) -> str:
+    """The one shell line a child's sshd runs."""
+    return shlex.join(["sh", "-c", _CHILD, "tpurun", python, bundle, _BOOT])
+
+
+def bundle_tar() -> bytes:
+    """This relay's own bundle (every file beside it), as a tar."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for root, _, files in os.walk(HERE):
+            for name in sorted(files):
+                path = os.path.join(root, name)
+                rel = os.path.relpath(path, HERE)
+                if "__pycache__" not in rel:
+                    tar.add(path, arcname=rel, recursive=False)
+    return buf.getvalue()
+
+
+class Outbox:
+    """Bytes for one file descriptor, written by a thread of their own (a slow reader holds up only what
+    goes to it), at most QUEUE_FRAMES pieces waiting. BEAT: what to send when nothing went for a while."""
+
+    def __init__(self, fd: int, name: str, beat: bytes = b"") -> None:
+        self.fd, self.beat = fd, beat
+        self.q: queue.Queue = queue.Queue(QUEUE_FRAMES)
+        self.broken = self.closed = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, data: bytes | None) -> None:
+        """DATA queued (None: close the descriptor once what came before is written); nothing after that."""
+        if not (self.broken or self.closed):
+            self.closed = data is None
+            self.q.put(data)
+
+    def _run(self) -> None:
+        wait = relay_wire.BEAT_SECONDS if self.beat else None
+        while True:
+            try:
+                first = self.q.get(timeout=wait)
+            except queue.Empty:
+                first = self.beat
+            pieces, size, end = [], 0, first is None
+            if first:
+                pieces.append(first)
+                size = len(first)
+            while not end and size < BATCH_BYTES:
+                try:
+                    more = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    end = True
+                else:
+                    pieces.append(more)
+                    size += len(more)
+            if pieces and not self._write(b"".join(pieces)):
+                return
+            if end:
+                _close(self.fd)
+                return
+
+    def _write(self, data: bytes) -> bool:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except OSError:
+            self.broken = True
+            _close(self.fd)
+            while True:  # nobody reads any more: let the putters go
+                try:
+                    self.q.get_nowait()
+                except queue.Empty:
+                    return False
+        return True
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _pump(fd: int, each: Callable[[bytes], None]) -> None:
+    """Every piece read from FD to EACH, until its end."""
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            return
+        each(data)
+
+
+class Local:
+    """A channel's program on this worker: ARGV with ENV added, in its own session."""
+
+    def __init__(self, relay: Relay, chan: int, argv: list[str], env: dict[str, str]) -> None:
+        self.relay, self.chan = relay, chan
+        self.dropped = False
+        full = dict(relay.env)
+        full.update(env)
+        try:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            self.proc = None
+            relay.up(relay_wire.frame(relay_wire.ERR, chan, f"cannot start {argv[0]}: {exc.strerror}\n".encode()))
+            relay.up(relay_wire.json_frame_to(relay_wire.EXIT, chan, {"rc": 126 if exc.errno == 13 else 127}))
+            return
+        assert self.proc.stdin is not None
+        self.stdin = Outbox(self.proc.stdin.fileno(), f"in-{chan}")
+        threading.Thread(target=self._watch, name=f"local-{chan}", daemon=True).start()
+
+    def _watch(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None and proc.stderr is not None
+        err = threading.Thread(target=self._read, args=(proc.stderr.fileno(), relay_wire.ERR), daemon=True)
+        err.start()
+        self._read(proc.stdout.fileno(), relay_wire.OUT)
+        err.join()
+        rc = proc.wait()
+        if not self.dropped:
+            self.relay.up(relay_wire.json_frame_to(relay_wire.EXIT, self.chan, {"rc": rc if rc >= 0 else -1}))
+        self.relay.routes.pop(self.chan, None)
+
+    def _read(self, fd: int, kind: int) -> None:
+        def each(data: bytes) -> None:
+            if not self.dropped:
+                self.relay.up(relay_wire.frame(kind, self.chan, data))
+
+        _pump(fd, each)
+
+    def act(self, kind: int, data: bytes) -> None:
+        if self.proc is None:
+            return
+        if kind == relay_wire.INPUT:
+            self.stdin.put(data)
+        else:  # CLOSE, DROP: its stdin ends
+            self.stdin.put(None)
+            if kind == relay_wire.DROP and not self.dropped:
+                # nobody reads it any more: a hangup, as a program whose SSH channel closed gets a broken pipe
+                self.dropped = True
+                try:
+                    os.killpg(self.proc.pid, signal.SIGHUP)
+                except OSError:
+                    pass
+
+
+class Child:
+    """A child relay, reached with `ssh`, and the subtree below it."""
+
+    def __init__(self, relay: Relay, node: Node) -> None:
+        self.relay, self.node = relay, node
+        self.indexes = set(node.indexes())
+        self.ready = threading.Event()
+        self.unreached: dict[str, str] = {}
+        self.heard = time.monotonic()
+        self.err = b""
+        self.gone = ""  # why it is lost, once it is
+        argv = relay.ssh_argv(node) + [child_command(relay.python, relay.bundle)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.proc.stdin is not None
+        self.link = Outbox(self.proc.stdin.fileno(), f"down-{node.index}")
+        threading.Thread(target=self._read_err, daemon=True).start()
+        threading.Thread(target=self._read, name=f"up-{node.index}", daemon=True).start()
+
+    def _read_err(self) -> None:
+        def each(data: bytes) -> None:
+            self.err = (self.err + data)[-4096:]
+
+        assert self.proc.stderr is not None
+        _pump(self.proc.stderr.fileno(), each)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        frames = relay_wire.Frames()
+        fd = self.proc.stdout.fileno()
+        try:
+            while True:
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                self.heard = time.monotonic()
+                for kind, number, payload in frames.feed(data):
+                    self._take(kind, number, payload)
+        except (OSError, ValueError):
+            pass
+        self.proc.wait()
+        self.lose(self._why_ended())
+
+    def _take(self, kind: int, number: int, payload: bytes) -> None:
+        if kind == relay_wire.BEAT:
+            return
+        if kind in (relay_wire.NEED, relay_wire.HELLO):
+            if kind == relay_wire.NEED:
+                self.link.put(relay_wire.frame(relay_wire.BUNDLE, 0, self.relay.tar()))
+            relay = self.relay
+            sub = {"node": self.node.to_wire(), "python": relay.python, "bundle": relay.bundle, "timeout": relay.timeout}
+            self.link.put(relay_wire.json_frame(relay_wire.PLAN, sub))
+        elif kind == relay_wire.READY:
+            self.unreached = json.loads(payload)["unreached"]
+            self.ready.set()
+        else:
+            if kind == relay_wire.EXIT:
+                self.relay.routes.pop(number, None)
+            self.relay.up(relay_wire.frame(kind, number, payload))
+
+    def _why_ended(self) -> str:
+        text = self.err.decode("utf-8", "replace")
+        last = (text.strip().splitlines() or [""])[-1].strip()
+        node, via = self.node, self.relay.node.label
+        where = f"worker {node.label} ({node.address})"
+        if "Host key verification failed" in text or "IDENTIFICATION HAS CHANGED" in text:
+            return (
+                f"HOST KEY CHANGED for {where}: relay {via} refused it (the VM that answers there does not hold "
+                "the key the TPU published for that worker)"
+            )
+        if self.proc.returncode == MISSING:
+            return f"cannot install tpurun's relay on {where} from relay {via}"
+        if self.ready.is_set():
+            return f"relay {node.label} went away ({last or f'exit {self.proc.returncode}'}), seen from {via}"
+        return f"cannot reach {where} from relay {via}: {last or f'exit {self.proc.returncode}'}"
+
+    def lose(self, why: str) -> None:
+        """The child and its subtree are gone: said once (LOST up, or as unreached while connecting)."""
+        if self.gone:
+            return
+        self.gone = why
+        if self.ready.is_set():
+            self.relay.up(relay_wire.json_frame(relay_wire.LOST, relay_wire.lost_doc(self.indexes, why)))
+        else:
+            self.unreached = {str(i): why for i in self.indexes}
+            self.ready.set()
+        self.link.put(None)
+
+    def watch(self) -> None:
+        """Give it up when it has been silent too long (a hung VM leaves TCP silent, not closed)."""
+        if not self.gone and time.monotonic() - self.heard > self.relay.dead:
+            self.lose(f"relay {self.node.label} stopped answering for {self.relay.dead:.0f} s")
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+
+
+class Relay:
+    """This worker's relay: its node, children, channels and link up."""
+
+    def __init__(self, plan: dict[str, Any]) -> None:
+        self.node = Node.from_wire(plan["node"])
+        self.python, self.bundle = plan["python"], plan["bundle"]
+        self.timeout = float(plan.get("timeout", 15))
+        self.dead = relay_wire.DEAD_SECONDS
+        self.env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}  # what a channel's program sees
+        self.routes: dict[int, Any] = {}  # channel -> its Local, or the Child it went to
+        self.upbox = Outbox(1, "up", beat=relay_wire.frame(relay_wire.BEAT))
+        self.private = tempfile.mkdtemp(prefix="tpurun-relay-")  # 0700
+        self.agent: subprocess.Popen | None = None
+        if plan.get("key"):
+            self._hold_key(plan["key"])
+        with open(os.path.join(self.private, "known_hosts"), "w") as f:
+            for c in self.node.children:
+                f.write(f"{c.alias} {c.key}\n")
+        self.children: list[Child] = []
+        self._tar: bytes | None = None
+
+    def up(self, data: bytes) -> None:
+        self.upbox.put(data)
+
+    def tar(self) -> bytes:
+        if self._tar is None:
+            self._tar = bundle_tar()
+        return self._tar
+
+    def _hold_key(self, pem: str) -> None:
+        """tpurun's key in an ssh-agent of this relay's (forwarded to the relays below): it never touches a
+        disk. The agent watches the shell that started it, whose stdin is this relay's: when this relay ends,
+        however it ends, the shell and then the agent do."""
+        sock = os.path.join(self.private, "agent")
+        self.agent = subprocess.Popen(
+            ["ssh-agent", "-a", sock, "sh", "-c", "cat >/dev/null"], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while not os.path.exists(sock):
+            if time.monotonic() > deadline or self.agent.poll() is not None:
+                raise RuntimeError("ssh-agent did not start")
+            time.sleep(0.01)
+        env = dict(os.environ, SSH_AUTH_SOCK=sock)
+        added = subprocess.run(["ssh-add", "-q", "-"], input=pem.encode(), env=env, capture_output=True)
+        if added.returncode != 0:
+            raise RuntimeError(f"ssh-add: {added.stderr.decode().strip()}")
+        os.environ["SSH_AUTH_SOCK"] = sock
+
+    def ssh_argv(self, node: Node) -> list[str]:
+        known = os.path.join(self.private, "known_hosts")
+        options = {
+            "BatchMode": "yes",
+            "StrictHostKeyChecking": "yes",
+            "UserKnownHostsFile": known,
+            "GlobalKnownHostsFile": "/dev/null",
+            "HostKeyAlias": node.alias,
+            "CheckHostIP": "no",
+            "ConnectTimeout": str(int(self.timeout)),
+            "ServerAliveInterval": "5",
+            "ServerAliveCountMax": "3",
+            "LogLevel": "ERROR",
+            "ForwardAgent": "yes",
+            "ControlMaster": "no",
+            "ControlPath": "none",
+        }
+        argv = ["ssh", "-T", "-F", "/dev/null", "-p", str(node.port), "-l", node.user]
+        for k, v in options.items():
+            argv += ["-o", f"{k}={v}"]
+        return argv + [node.address]
+
+    def start(self) -> None:
+        """Reach the children (at once), wait until each answered or failed, and say READY."""
+        self.children = [Child(self, c) for c in self.node.children]
+        unreached: dict[str, str] = {}
+        deadline = time.monotonic() + self.timeout * 4 + 30
+        for c in self.children:
+            while not c.ready.wait(0.2):
+                c.watch()
+                if time.monotonic() > deadline:
+                    c.lose(f"relay {c.node.label} did not start within {self.timeout * 4 + 30:.0f} s")
+            unreached.update(c.unreached)
+        self.up(relay_wire.json_frame(relay_wire.READY, {"unreached": unreached}))
+        threading.Thread(target=self._watch_children, daemon=True).start()
+
+    def _watch_children(self) -> None:
+        while True:
+            time.sleep(relay_wire.BEAT_SECONDS)
+            for c in self.children:
+                c.watch()
+
+    def child_of(self, worker: int) -> Child | None:
+        for c in self.children:
+            if worker in c.indexes:
+                return c
+        return None
+
+    def open(self, opening: Opening) -> None:
+        for chan, (worker, env) in opening.workers.items():
+            if worker == self.node.index:
+                self.routes[chan] = Local(self, chan, opening.argv, env)
+        for c in self.children:
+            part = opening.only(lambda w, c=c: w in c.indexes)
+            if not part.workers:
+                continue
+            if c.gone:
+                for chan in part.workers:
+                    self.up(relay_wire.json_frame_to(relay_wire.EXIT, chan, {"error": c.gone}))
+                continue
+            for chan in part.workers:
+                self.routes[chan] = c
+            c.link.put(relay_wire.json_frame(relay_wire.OPEN, part.to_wire()))
+
+    def act(self, kind: int, count: int, payload: bytes) -> None:
+        chans, data = relay_wire.split_set(count, payload)
+        down: dict[int, list[int]] = {}
+        for chan in chans:
+            route = self.routes.get(chan)
+            if isinstance(route, Local):
+                route.act(kind, data)
+            elif isinstance(route, Child):
+                down.setdefault(id(route), []).append(chan)
+        for c in self.children:
+            if id(c) in down and not c.gone:
+                c.link.put(relay_wire.set_frame(kind, down[id(c)], data))
+
+    def serve(self, frames: Any) -> None:
+        for kind, number, payload in frames:
+            if kind == relay_wire.OPEN:
+                self.open(Opening.from_wire(json.loads(payload)))
+            elif kind in relay_wire.SET_KINDS:
+                self.act(kind, number, payload)
+
+    def end(self) -> None:
+        """The link up ended: the key and the files go first, then every program and child relay started here is
+        given the end of its stdin."""
+        self.forget()
+        for route in list(self.routes.values()):
+            if isinstance(route, Local):
+                route.act(relay_wire.CLOSE, b"")
+        for c in self.children:
+            c.link.put(None)
+        deadline = time.monotonic() + 5
+        for c in self.children:
+            while c.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def forget(self) -> None:
+        """The agent holding tpurun's key told to end, and this relay's files removed (its socket with them)."""
+        if self.agent is not None and self.agent.stdin is not None:
+            self.agent.stdin.close()  # the shell under the agent ends, then the agent
+            self.agent.kill()
+        for name in os.listdir(self.private):
+            try:
+                os.unlink(os.path.join(self.private, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.private)
+        except OSError:
+            pass
+
+
+def _ended(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main() -> int:
+    for sig in (signal.SIGHUP, signal.SIGTERM):  # ended from outside: clean up as at the link's end
+        signal.signal(sig, _ended)
+    os.write(1, relay_wire.frame(relay_wire.HELLO))
+    frames = relay_wire.read_frames(lambda n: os.read(0, n))
+    try:
+        kind, _, payload = next(frames)
+    except (StopIteration, ValueError):
+        return 2
+    if kind != relay_wire.PLAN:
+        print("relay: the first frame was not a plan", file=sys.stderr)
+        return 2
+    relay = Relay(json.loads(payload))
+    try:
+        relay.start()
+        try:
+            relay.serve(frames)
+        except ValueError:
+            pass
+    finally:
+        relay.end()
+        relay.upbox.put(None)
+        relay.upbox.thread.join(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
