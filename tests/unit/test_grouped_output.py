@@ -69,6 +69,24 @@ def test_2048_workers_fit_a_screen_one_row_per_outcome(capsys):
     ]
 
 
+def test_workers_lost_after_their_start_are_in_the_summary_only(capsys):
+    said = grouped.Unreachable()  # nothing said at connect: every worker was reached
+    lost = ExecResult([RunResult(w, None, error="relay w5 went away") for w in range(3)])
+    assert summarize(lost, False, unreachable=said) == 4
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")] == []
+
+
+def test_2048_workers_lost_after_their_start_say_why_once(capsys):
+    lost = results(2048, unreached=set(range(64, 128)))
+    assert summarize(lost, False, unreachable=grouped.Unreachable()) == 4
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == [
+        "error: HOST KEY CHANGED for worker w64 (x) (and 31 more workers alike: "
+        "w[66,68,70,72,74,76,78,80,82,84,86,88,90,92,94,96,98,100,…])",
+        f"error: {refused(65)} (and 31 more workers alike: w[67,69,71,73,75,77,79,81,83,85,87,89,91,93,95,97,99,101,…])",
+    ]
+
+
 def test_2048_workers_failing_name_them_folded(capsys):
     assert summarize(results(2048, failed=set(range(2048))), False) == 1
     err = capsys.readouterr().err.splitlines()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -49,19 +50,30 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
 
 class Unreachable:
     """Why a worker cannot be reached, said on stderr as it comes for the first EACH_UP_TO workers; the others
-    are held (`said` counts who was named) and said at the end, each reason once (`by_reason`)."""
+    are held and said at the end (`rest`), each reason once (`by_reason`)."""
 
     def __init__(self) -> None:
-        self.said = 0
+        self.said: Counter[str] = Counter()
+        self.held: Counter[str] = Counter()
 
     def __call__(self, why: str) -> None:
-        if self.said < EACH_UP_TO:
+        if self.said.total() < EACH_UP_TO:
             ui.err().print(f"error: {why}", markup=False)
-            self.said += 1
+            self.said[why] += 1
+        else:
+            self.held[why] += 1
 
-    def rest(self, failures: Sequence[tuple[str, str]]) -> None:
-        """FAILURES, (name, why) of every unreachable worker in order: those not said yet, grouped."""
-        for line in by_reason(failures[self.said :]):
+    def rest(self, failures: Sequence[tuple[str, str]], every: bool) -> None:
+        """The held reasons, with their workers' names from FAILURES ((name, why) of each unreachable worker,
+        in order); EVERY: also those of the workers lost after their start (no row of the summary says why)."""
+        said, held, rest = Counter(self.said), Counter(self.held), []
+        for name, why in failures:
+            if said[why] > 0:
+                said[why] -= 1
+            elif every or held[why] > 0:
+                held[why] -= 1
+                rest.append((name, why))
+        for line in by_reason(rest):
             ui.err().print(f"error: {line}", markup=False)
 
 

@@ -20,7 +20,7 @@ from tpurun.errors import ExitCode
 from tpurun.job.env_contract import process_name
 from tpurun.job.preflight import Skew
 from tpurun.job.stacks import Stacks
-from tpurun.naming import EACH_UP_TO, listed, which, worker_name
+from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed, which, worker_name
 from tpurun.remote import ExecResult, RunResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
@@ -105,8 +105,8 @@ def summarize(
             time = "-" if status == "unreachable" else grouped.span([r.duration for r in members])
             rows.append((status, f"{len(members):,}", which([name(r) for r in members]), time))
         grouped.table(None, ["result", "workers", "which", "time"], rows)
-    if unreachable is not None:
-        unreachable.rest([(name(r), r.error) for r in unreached])
+    rows_say_why = by_worker or len(results) <= EACH_UP_TO
+    (unreachable or Unreachable()).rest([(name(r), r.error) for r in unreached], every=not rows_say_why)
     if interrupted:
         return ExitCode.INTERRUPTED
     if unreached:
@@ -290,6 +290,10 @@ def stacks_report(stacks: Stacks) -> None:
             print(f"    ... {len(g.frames) - SHOWN_FRAMES} more frames in the dump")
     if stacks.unread:
         print()
-        for p in stacks.unread:
-            print(f"no stacks from {p.name} (pid {p.stack.pid}, {p.stack.argv[:60]}): {p.stack.why}")
+        unread = [
+            (p.name, f"no stacks from {p.name} (pid {p.stack.pid}, {p.stack.argv[:60]}): {p.stack.why}")
+            for p in stacks.unread
+        ]
+        for line in each_or_by_reason(unread):  # a few a line each; more, each reason once
+            print(line)
     sys.stdout.flush()
