@@ -308,8 +308,9 @@ class Child:
         self.link.put(None)
 
     def watch(self) -> None:
-        """Give it up when it has been silent too long (a hung VM leaves TCP silent, not closed)."""
-        if not self.gone and time.monotonic() - self.heard > self.relay.dead:
+        """Give it up when it has been silent too long once started (a hung VM leaves TCP silent, not closed;
+        until it is ready, the start's own deadline holds)."""
+        if self.ready.is_set() and not self.gone and time.monotonic() - self.heard > self.relay.dead:
             self.lose(f"relay {self.node.label} stopped answering for {self.relay.dead:.0f} s")
             try:
                 self.proc.kill()

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Relays against straight connections: what a command costs this machine as the pod grows.
+
+For each pod size (one node each, made with `tpurun create` in one in-process emulator), interleaved runs of
+the same command with `--relay` and with `--no-relay`:
+
+* exec     `tpurun exec -- true`
+* jobs     `tpurun kill-stale --dry-run` (an answer from every worker: a `call` of the Fleet)
+
+and for each: wall time, client CPU seconds (user+sys) and peak RSS (GNU time), and the client's peak
+threads and open sockets (its /proc polled every 20 ms). The relayed command's cost should not grow with the
+pod; the straight one's does.
+
+    sudo .venv/bin/python scripts/bench/relay_bench.py [--sizes 32,256,1024] [--reps 3] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import common  # noqa: E402
+
+TYPES = {32: "v4-256", 64: "v4-512", 128: "v4-1024", 256: "v4-2048", 512: "v4-4096", 1024: "v5p-8192"}
+COMMANDS = {"exec": ["exec", "--", "true"], "kill-stale": ["kill-stale", "--dry-run"]}
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _threads_sockets(pid: int) -> tuple[int, int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+        sockets = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                    sockets += 1
+            except OSError:
+                pass
+        return threads, sockets
+    except (OSError, StopIteration):
+        return 0, 0
+
+
+def measured(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """ARGV under GNU time, its peak threads and sockets polled meanwhile."""
+    peak = [0, 0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            for p in _children(os.getpid()):  # /usr/bin/time
+                for q in _children(p):  # tpurun
+                    t, s = _threads_sockets(q)
+                    peak[0], peak[1] = max(peak[0], t), max(peak[1], s)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    sample = common.timed(argv, env)
+    done.set()
+    poller.join()
+    return {"wall": sample.wall, "cpu": sample.cpu, "rss": sample.rss_mib, "threads": peak[0], "sockets": peak[1],
+            "code": sample.code}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="32,256,1024")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results: dict[str, Any] = {"machine": common.machine(), "sizes": {}}
+    with common.bench_emulator() as bench:
+        bench.server.emu.config.max_workers_per_node = max(sizes)
+        for size in sizes:
+            name = f"relay{size}"
+            t0 = time.monotonic()
+            bench.tpurun("create", name, "-t", TYPES[size])
+            print(f"created {name} ({size} workers) in {time.monotonic() - t0:.1f}s", flush=True)
+            bench.nodes[name] = common.Node(name, [])
+            rows: dict[str, Any] = {}
+            for what, command in COMMANDS.items():
+                runs: dict[str, list[dict[str, Any]]] = {"relay": [], "direct": []}
+                for rep in range(args.reps + 1):  # the first round warms up, unmeasured
+                    for mode in (("relay", "direct") if rep % 2 else ("direct", "relay")):
+                        flag = "--relay" if mode == "relay" else "--no-relay"
+                        argv = [*common.tpurun_bin(), command[0], "--tpu", name, flag, *command[1:]]
+                        got = measured(argv, bench.env)
+                        if rep:
+                            runs[mode].append(got)
+                        print(f"  {size} {what} {mode}: {got}", flush=True)
+                rows[what] = {
+                    mode: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "rss", "threads", "sockets")}
+                    | {"failures": sum(1 for r in rs if r["code"] not in (0, 1))}
+                    for mode, rs in runs.items()
+                }
+            results["sizes"][str(size)] = rows
+            bench.delete(bench.nodes[name])
+    text = table(results)
+    common.publish(results, text, "relays", "Relays: the client's cost as the pod grows (#42)", write=args.write)
+    return 0
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [
+        common.machine_line(res["machine"]),
+        "",
+        "Command: `sudo .venv/bin/python scripts/bench/relay_bench.py --sizes "
+        + ",".join(res["sizes"]) + "`; medians of interleaved runs.",
+        "",
+        "| workers | command | path | wall (s) | client CPU (s) | client peak RSS (MiB) | peak threads | peak sockets |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for size, rows in res["sizes"].items():
+        for what, modes in rows.items():
+            for mode, r in modes.items():
+                bad = f" ({r['failures']} failed)" if r["failures"] else ""
+                lines.append(
+                    f"| {size} | {what} | {mode}{bad} | {r['wall']:.2f} | {r['cpu']:.2f} | {r['rss']:.0f} | "
+                    f"{r['threads']:.0f} | {r['sockets']:.0f} |"
+                )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
