@@ -19,7 +19,8 @@ from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, RelayOpt, TpuOpt, 
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.sync import download, ignore, report
-from tpurun.sync.sender import Counters, Interrupted, WorkerStats, default_dest, sync_dir
+from tpurun.sync.sender import default_dest, sync_dir
+from tpurun.sync.stream import Counters, Interrupted, WorkerStats
 from tpurun.worker.sync_helper import ErrorKind
 
 T = TypeVar("T")

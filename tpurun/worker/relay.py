@@ -144,6 +144,15 @@ class Outbox:
         return True
 
 
+def _own(pipe: Any) -> int:
+    """PIPE's descriptor, this relay's alone (its file object closed): an Outbox closes it once, and nothing
+    closes the number again after another pipe has taken it."""
+    assert pipe is not None
+    fd = os.dup(pipe.fileno())
+    pipe.close()
+    return fd
+
+
 def _close(fd: int) -> None:
     try:
         os.close(fd)
@@ -181,8 +190,7 @@ class Local:
             relay.up(relay_wire.frame(relay_wire.ERR, chan, f"cannot start {argv[0]}: {exc.strerror}\n".encode()))
             relay.up(relay_wire.json_frame_to(relay_wire.EXIT, chan, {"rc": 126 if exc.errno == 13 else 127}))
             return
-        assert self.proc.stdin is not None
-        self.stdin = Outbox(self.proc.stdin.fileno(), f"in-{chan}")
+        self.stdin = Outbox(_own(self.proc.stdin), f"in-{chan}")
         threading.Thread(target=self._watch, name=f"local-{chan}", daemon=True).start()
 
     def _watch(self) -> None:
@@ -233,8 +241,7 @@ class Child:
         self.gone = ""  # why it is lost, once it is
         argv = relay.ssh_argv(node) + [child_command(relay.python, relay.bundle)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert self.proc.stdin is not None
-        self.link = Outbox(self.proc.stdin.fileno(), f"down-{node.index}")
+        self.link = Outbox(_own(self.proc.stdin), f"down-{node.index}")
         threading.Thread(target=self._read_err, daemon=True).start()
         threading.Thread(target=self._read, name=f"up-{node.index}", daemon=True).start()
 
