@@ -56,9 +56,9 @@ def relay_shape() -> tuple[int, int]:
     try:
         roots, fanout = config.RELAY_ROOTS.integer(), config.RELAY_FANOUT.integer()
     except ValueError:
-        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers (1 or more)") from None
-    if roots < 1 or fanout < 1:
-        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be 1 or more")
+        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers") from None
+    if roots < 1 or fanout < 2:
+        raise UsageError("TPURUN_RELAY_ROOTS must be 1 or more, TPURUN_RELAY_FANOUT 2 or more (1 makes a chain)")
     return roots, fanout
 
 
