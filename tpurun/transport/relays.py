@@ -91,7 +91,10 @@ class _Link:
         doc = relay_wire.json_frame(relay_wire.PLAN, plan)
         for installed in (False, True):
             stream = open_stream(self.runner, argv)
-            stream.write(doc)
+            try:
+                stream.write(doc)
+            except TpurunError:
+                pass  # it ended at once (no bundle there), or the connection went: reading says which
             first = stream.read(30)
             while first == b"":
                 first = stream.read(30)
