@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import common  # noqa: E402
 
-TYPES = {32: "v4-256", 64: "v4-512", 128: "v4-1024", 256: "v4-2048", 512: "v4-4096", 1024: "v5p-8192"}
+TYPES = {8: "v4-64", 32: "v4-256", 64: "v4-512", 128: "v4-1024", 256: "v4-2048", 512: "v4-4096", 1024: "v5p-8192"}
 COMMANDS = {"exec": ["exec", "--", "true"], "kill-stale": ["kill-stale", "--dry-run"]}
 
 
@@ -103,11 +103,12 @@ def main() -> int:
     ap.add_argument("--sizes", default="32,256,1024")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--wan", action="store_true", help="also 32 workers behind the latency proxy at 0 and 50 ms RTT")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[str, Any] = {"machine": common.machine(), "sizes": {}}
     with common.bench_emulator() as bench:
-        bench.server.emu.config.max_workers_per_node = max(sizes)
+        bench.server.emu.config.max_workers_per_node = max(sizes + [32])
         for size in sizes:
             name = f"relay{size}"
             t0 = time.monotonic()
@@ -118,7 +119,7 @@ def main() -> int:
             for what, command in COMMANDS.items():
                 runs: dict[str, list[dict[str, Any]]] = {"relay": [], "direct": []}
                 for rep in range(args.reps + 1):  # the first round warms up, unmeasured
-                    for mode in (("relay", "direct") if rep % 2 else ("direct", "relay")):
+                    for mode in ("relay", "direct") if rep % 2 else ("direct", "relay"):
                         flag = "--relay" if mode == "relay" else "--no-relay"
                         argv = [*common.tpurun_bin(), command[0], "--tpu", name, flag, *command[1:]]
                         got = measured(argv, bench.env)
@@ -132,9 +133,42 @@ def main() -> int:
                 }
             results["sizes"][str(size)] = rows
             bench.delete(bench.nodes[name])
+        if args.wan:
+            results["wan"] = wan(bench, args.reps)
     text = table(results)
     common.publish(results, text, "relays", "Relays: the client's cost as the pod grows (#42)", write=args.write)
     return 0
+
+
+def wan(bench: common.Bench, reps: int) -> dict[str, Any]:
+    """`exec -- true` on 32 workers whose addresses this machine reaches through the latency proxy (the relays
+    reach each other at their own addresses, as inside a slice): seconds at 0 and 50 ms RTT, and the round
+    trips the 50 ms RTT adds."""
+    from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, pin_proxies, proxy_workers
+
+    name = "wan32"
+    made(bench, name, TYPES[32])
+    bench.nodes[name] = common.Node(name, [])
+    info = bench.server.emu.node_info(f"projects/{common.PROJECT}/locations/{common.ZONE}/nodes/{name}")
+    group = ProxyGroup(rtt=0.0)
+    out: dict[str, Any] = {}
+    try:
+        mapping = proxy_workers(group, [(w["address"], 22) for w in info["workers"]])
+        pin_proxies(bench.known_hosts, mapping)
+        env = dict(bench.env, TPURUN_ADDRESS_MAP=address_map_env(mapping))
+        for rtt_ms in (0, 50):
+            group.set_rtt(rtt_ms / 1000)
+            for mode in ("relay", "direct"):
+                flag = "--relay" if mode == "relay" else "--no-relay"
+                argv = [*common.tpurun_bin(), "exec", "--tpu", name, flag, "--", "true"]
+                walls = [measured(argv, env)["wall"] for _ in range(reps + 1)][1:]
+                out.setdefault(mode, {})[str(rtt_ms)] = statistics.median(walls)
+                print(f"  wan {rtt_ms} ms {mode}: {walls}", flush=True)
+    finally:
+        group.close()
+    for r in out.values():
+        r["round_trips"] = (r["50"] - r["0"]) / 0.05
+    return out
 
 
 def table(res: dict[str, Any]) -> str:
@@ -155,6 +189,17 @@ def table(res: dict[str, Any]) -> str:
                     f"| {size} | {what} | {mode}{bad} | {r['wall']:.2f} | {r['cpu']:.2f} | {r['rss']:.0f} | "
                     f"{r['threads']:.0f} | {r['sockets']:.0f} |"
                 )
+    if "wan" in res:
+        lines += [
+            "",
+            "32 workers behind the latency proxy (this machine's side only; the relays reach each other at their own "
+            "addresses, as inside a slice): `exec -- true`.",
+            "",
+            "| path | 0 ms RTT (s) | 50 ms RTT (s) | round trips the RTT adds |",
+            "| --- | --- | --- | --- |",
+        ]
+        for mode, r in res["wan"].items():
+            lines.append(f"| {mode} | {r['0']:.2f} | {r['50']:.2f} | {r['round_trips']:.1f} |")
     return "\n".join(lines)
 
 
