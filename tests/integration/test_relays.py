@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -168,3 +169,28 @@ def test_train_and_the_job_commands_through_relays(cli, emulator, pod):
     assert proc.returncode == 130
     assert job_pids(emulator, pod, "t.py") == []
     _nothing_left(emulator, pod, RELAY)
+
+
+def test_sync_through_relays_is_sync(cli, emulator, pod):
+    tree = cli.cwd / "tree"
+    (tree / "sub").mkdir(parents=True)
+    for i in range(20):
+        (tree / "sub" / f"f{i}.bin").write_bytes(os.urandom(1000 * i))
+    (tree / "big.bin").write_bytes(os.urandom(3 << 20))
+    r = cli("sync", "--relay", str(tree), "--tpu", pod, "--json")
+    assert r.code == 0, r.err
+    sent = json.loads(r.out)
+    assert len(sent["workers"]) == WORKERS and all(w["files_sent"] == 21 for w in sent["workers"]), r.out
+    digest = "find tree -type f -name '*.bin' | sort | xargs sha256sum | sha256sum"
+    local = subprocess.run(["sh", "-c", digest], cwd=cli.cwd, capture_output=True, text=True).stdout.split()[0]
+    r = cli("exec", "--no-relay", "--", "sh", "-c", f"cd ~ && {digest}")
+    assert sorted(line.split()[1] for line in r.out.splitlines()) == [local] * WORKERS, r.out
+    # one file changed on one worker, one removed locally: each worker gets what it needs, deletions too
+    cli("exec", "--no-relay", "--worker", "3", "--", "sh", "-c", "echo x > ~/tree/sub/f1.bin")
+    (tree / "sub" / "f2.bin").unlink()
+    relayed, direct = _both(cli, "sync", str(tree), "--tpu", pod, "--delete", "--json")
+    assert relayed.code == direct.code == 0, relayed.err
+    by = {w["worker"]: w for w in json.loads(relayed.out)["workers"]}
+    assert by[3]["files_sent"] == 1 and all(by[w]["files_sent"] == 0 for w in by if w != 3), relayed.out
+    assert all(w["deleted"] == 1 for w in by.values()), relayed.out
+    assert all(w["deleted"] == 0 and w["files_sent"] == 0 for w in json.loads(direct.out)["workers"]), direct.out

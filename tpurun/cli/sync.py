@@ -21,7 +21,8 @@ from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed, which
 from tpurun.sync import download, ignore, report
-from tpurun.sync.sender import Counters, Interrupted, WorkerStats, default_dest, sync_dir
+from tpurun.sync.sender import default_dest, sync_dir
+from tpurun.sync.stream import Counters, Interrupted, WorkerStats
 from tpurun.worker.sync_helper import ErrorKind
 
 T = TypeVar("T")

@@ -33,7 +33,7 @@ from typing import Any
 from tpurun import targets
 from tpurun.settings import Settings
 from tpurun.sync import ignore
-from tpurun.sync.sender import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
+from tpurun.sync.stream import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
 from tpurun.transport.fleet import Fleet
 from tpurun.transport.runner import Pipe, Worker
 from tpurun.worker import sync_helper

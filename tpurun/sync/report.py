@@ -15,7 +15,7 @@ from pathlib import Path
 from tpurun import config, ui
 from tpurun.errors import UsageError
 from tpurun.sync import ignore
-from tpurun.sync.sender import Manifest, Needs, WorkerStats
+from tpurun.sync.stream import Manifest, Needs, WorkerStats
 
 LARGEST = 3  # files the warning names at most: the largest, each more than 1/SHARE of what a worker is sent
 SHARE = 20

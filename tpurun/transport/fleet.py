@@ -12,7 +12,9 @@ names its worker:
 * `follow`: an agent's records from every worker under a lifeline (a job's attempt, `logs`): closing it
   stops the job there, a broken stream is opened again where asked;
 * `converse`: a helper program on every worker spoken to over a byte `Pipe` (sync pushes one stream to
-  many, download pulls), helpers started as soon as each worker is connected.
+  many, download pulls), helpers started as soon as each worker is connected;
+* `chorus`: a helper program on many workers spoken to all at once, what is said to many said once (sync
+  through relays); None from a fleet that converses with each worker instead.
 
 `threads.Threads` is the first implementation: one thread per worker of this machine. Relays (workers that
 reach other workers for tpurun) will be the second; callers hold a `Fleet` and never ask which.
@@ -122,6 +124,31 @@ class Session:
         raise NotImplementedError
 
 
+class Chorus:
+    """A helper program on many workers spoken to all at once (`Fleet.chorus`): what is said to many is said
+    once (down each relay's link once, however many workers below it hear it), and what they answer is read
+    as it comes, keyed by worker."""
+
+    workers: list[int]  # the workers whose helper started
+    failed: dict[int, str]  # {worker: why its helper could not start}
+
+    def say(self, workers: Collection[int], data: bytes) -> None:
+        """DATA to the helper of each of WORKERS (those still running)."""
+        raise NotImplementedError
+
+    def heard(self, wait: float) -> dict[int, bytes]:
+        """What each worker's helper wrote since the last call ({} when nothing came within WAIT seconds)."""
+        raise NotImplementedError
+
+    def ended(self, worker: int) -> tuple[int | None, bytes] | None:
+        """None while WORKER's helper runs; then (its exit code, or None where the connection ended; stderr)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """End every helper's stdin (and stop reading them)."""
+        raise NotImplementedError
+
+
 # A read's worth of records from a worker's stream: SOURCE is the worker the stream belongs to (for a record
 # that names no worker: StartFailed); every other record names its own.
 Take: TypeAlias = "Callable[[int, Iterable[protocol.Record]], None]"
@@ -212,6 +239,13 @@ class Fleet:
         (the one started at `connect`, else a new one; closed after). Setting STOP closes every pipe, which
         wakes a conversation waiting for a reply."""
         raise NotImplementedError
+
+    def chorus(
+        self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event
+    ) -> Chorus | None:
+        """HELPER (its argv given the worker's Python) on each worker of ONLY, spoken to at once (a `Chorus`);
+        None where this fleet speaks to each worker on its own instead (`converse`)."""
+        return None
 
     def close(self) -> None:
         raise NotImplementedError

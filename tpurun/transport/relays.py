@@ -30,6 +30,7 @@ from tpurun.transport import bundle
 from tpurun.transport.fleet import (
     Answer,
     Call,
+    Chorus,
     Ended,
     Fleet,
     RunResult,
@@ -55,9 +56,9 @@ def relay_shape() -> tuple[int, int]:
     try:
         roots, fanout = config.RELAY_ROOTS.integer(), config.RELAY_FANOUT.integer()
     except ValueError:
-        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers (1 or more)") from None
-    if roots < 1 or fanout < 1:
-        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be 1 or more")
+        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers") from None
+    if roots < 1 or fanout < 2:
+        raise UsageError("TPURUN_RELAY_ROOTS must be 1 or more, TPURUN_RELAY_FANOUT 2 or more (1 makes a chain)")
     return roots, fanout
 
 
@@ -90,7 +91,10 @@ class _Link:
         doc = relay_wire.json_frame(relay_wire.PLAN, plan)
         for installed in (False, True):
             stream = open_stream(self.runner, argv)
-            stream.write(doc)
+            try:
+                stream.write(doc)
+            except TpurunError:
+                pass  # it ended at once (no bundle there), or the connection went: reading says which
             first = stream.read(30)
             while first == b"":
                 first = stream.read(30)
@@ -178,8 +182,8 @@ class Relays(Fleet):
         return relay_wire.Node(w.index, w.name, w.internal or w.address, INTERNAL_PORT, w.user, w.host_key, key)
 
     def connect(self, *, helper: Callable[[str], Sequence[str]] | None = None) -> dict[int, str]:
-        if helper is not None:  # a conversation follows: it goes from this machine (not relayed yet)
-            self._unreached = self.direct.connect(helper=helper)
+        """The relay trees, built once (a HELPER starts with the `chorus` that speaks to it)."""
+        if self.connected:
             return dict(self._unreached)
         roots, fanout = relay_shape()
         by_slice: dict[int | None, list[Worker]] = defaultdict(list)
@@ -310,7 +314,7 @@ class Relays(Fleet):
     # ------------------------------------------------------------------ the operations
 
     def start_helpers(self, helper: Callable[[str], Sequence[str]]) -> None:
-        self.direct.start_helpers(helper)
+        """Nothing: a helper starts with the `chorus` that speaks to it."""
 
     def run(
         self,
@@ -510,7 +514,17 @@ class Relays(Fleet):
     def converse(
         self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
     ) -> None:
-        self.direct.converse(helper, talk, stop=stop, only=only)
+        """From this machine to each worker (download): not through the relays."""
+        if not self.direct.reach.connected:
+            self.direct.connect()
+        self.direct.converse(helper, talk, stop=stop, only=[w for w in only if w not in self.direct.unreached])
+
+    def chorus(
+        self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event
+    ) -> _RelayChorus:
+        if not self.connected:
+            self.connect()
+        return _RelayChorus(self, helper(self.python), [w.index for w in self._reached(only)])
 
     def close(self) -> None:
         for link in self._links:
@@ -580,3 +594,53 @@ class _RelaySession(Session):
 
     def wait_end(self, deadline: float) -> None:
         self.done.wait(max(0.0, deadline - time.monotonic()))
+
+
+class _RelayChorus(Chorus):
+    """A helper on many workers through the relays: `say` is one frame per root's link for all it reaches."""
+
+    def __init__(self, tree: Relays, argv: Sequence[str], workers: list[int]) -> None:
+        self.tree = tree
+        self.changed = threading.Condition()
+        self.out: dict[int, bytearray] = {}
+        self.err: dict[int, bytearray] = {}
+        self.ends: dict[int, tuple[int | None, bytes]] = {}
+        self.failed: dict[int, str] = {}
+
+        def make(w: int) -> _Chan:
+            out, err = self.out.setdefault(w, bytearray()), self.err.setdefault(w, bytearray())
+
+            def took(data: bytes) -> None:
+                with self.changed:
+                    out.extend(data)
+                    self.changed.notify_all()
+
+            def end(rc: int | None, why: str) -> None:
+                with self.changed:
+                    self.ends[w] = (rc, bytes(err) or why.encode())
+                    self.changed.notify_all()
+
+            return _Chan(w, took, err.extend, end)
+
+        self.numbers = tree._open({w: argv for w in workers}, {}, make)
+        self.workers = [w for w in workers if w not in self.ends]
+        self.failed = {w: e.decode() for w, (rc, e) in self.ends.items() if rc is None}
+
+    def say(self, workers: Collection[int], data: bytes) -> None:
+        self.tree._act(relay_wire.INPUT, [self.numbers[w] for w in workers if w not in self.ends], data)
+
+    def heard(self, wait: float) -> dict[int, bytes]:
+        with self.changed:
+            if not any(self.out.values()):
+                self.changed.wait(wait)
+            got = {w: bytes(b) for w, b in self.out.items() if b}
+            for b in self.out.values():
+                b.clear()
+            return got
+
+    def ended(self, worker: int) -> tuple[int | None, bytes] | None:
+        with self.changed:
+            return self.ends.get(worker)
+
+    def close(self) -> None:
+        self.tree._act(relay_wire.CLOSE, list(self.numbers.values()))

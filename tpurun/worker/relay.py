@@ -45,7 +45,8 @@ BATCH_BYTES = 1 << 20  # what one write up the tree carries, at most
 MISSING = 93  # protocol.AgentExit.MISSING: the bundle is not on the worker
 
 # A child's command: this relay's bundle there (installed first from this relay's copy where missing: the
-# bootstrap asks for it with a NEED frame and reads the BUNDLE frame that answers), then the relay.
+# bootstrap asks for it with a NEED frame and reads the BUNDLE frame that answers), then the relay (stdlib
+# only: no site-packages, no PYTHON* variables, which saves each worker a few milliseconds of start).
 _BOOT = (
     "import os,sys,struct,io,tarfile\n"
     "d=os.path.expanduser('~/.tpurun/bin/'+sys.argv[1])\n"
@@ -63,7 +64,10 @@ _BOOT = (
     " try:os.rename(t,d)\n"
     " except OSError:pass\n"
 )
-_CHILD = f'p=$1; n=$2; f="{BIN}/$n/relay.py"; [ -f "$f" ] || "$p" -c "$3" "$n" || exit {MISSING}; exec "$p" "$f"'
+_CHILD = (
+    f'p=$1; n=$2; f="{BIN}/$n/relay.py"; [ -f "$f" ] || "$p" -S -E -c "$3" "$n" || exit {MISSING}; '
+    'exec "$p" -S -E -s "$f"'
+)
 
 
 def child_command(python: str, bundle: str) -> str:
@@ -144,6 +148,15 @@ class Outbox:
         return True
 
 
+def _own(pipe: Any) -> int:
+    """PIPE's descriptor, this relay's alone (its file object closed): an Outbox closes it once, and nothing
+    closes the number again after another pipe has taken it."""
+    assert pipe is not None
+    fd = os.dup(pipe.fileno())
+    pipe.close()
+    return fd
+
+
 def _close(fd: int) -> None:
     try:
         os.close(fd)
@@ -181,8 +194,7 @@ class Local:
             relay.up(relay_wire.frame(relay_wire.ERR, chan, f"cannot start {argv[0]}: {exc.strerror}\n".encode()))
             relay.up(relay_wire.json_frame_to(relay_wire.EXIT, chan, {"rc": 126 if exc.errno == 13 else 127}))
             return
-        assert self.proc.stdin is not None
-        self.stdin = Outbox(self.proc.stdin.fileno(), f"in-{chan}")
+        self.stdin = Outbox(_own(self.proc.stdin), f"in-{chan}")
         threading.Thread(target=self._watch, name=f"local-{chan}", daemon=True).start()
 
     def _watch(self) -> None:
@@ -233,8 +245,7 @@ class Child:
         self.gone = ""  # why it is lost, once it is
         argv = relay.ssh_argv(node) + [child_command(relay.python, relay.bundle)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert self.proc.stdin is not None
-        self.link = Outbox(self.proc.stdin.fileno(), f"down-{node.index}")
+        self.link = Outbox(_own(self.proc.stdin), f"down-{node.index}")
         threading.Thread(target=self._read_err, daemon=True).start()
         threading.Thread(target=self._read, name=f"up-{node.index}", daemon=True).start()
 
@@ -308,8 +319,9 @@ class Child:
         self.link.put(None)
 
     def watch(self) -> None:
-        """Give it up when it has been silent too long (a hung VM leaves TCP silent, not closed)."""
-        if not self.gone and time.monotonic() - self.heard > self.relay.dead:
+        """Give it up when it has been silent too long once started (a hung VM leaves TCP silent, not closed;
+        until it is ready, the start's own deadline holds)."""
+        if self.ready.is_set() and not self.gone and time.monotonic() - self.heard > self.relay.dead:
             self.lose(f"relay {self.node.label} stopped answering for {self.relay.dead:.0f} s")
             try:
                 self.proc.kill()
@@ -330,7 +342,7 @@ class Relay:
         self.upbox = Outbox(1, "up", beat=relay_wire.frame(relay_wire.BEAT))
         self.private = tempfile.mkdtemp(prefix="tpurun-relay-")  # 0700
         self.agent: subprocess.Popen | None = None
-        if plan.get("key"):
+        if plan.get("key") and self.node.children:  # a root with no child needs no key
             self._hold_key(plan["key"])
         with open(os.path.join(self.private, "known_hosts"), "w") as f:
             for c in self.node.children:
@@ -382,6 +394,10 @@ class Relay:
             "ForwardAgent": "yes",
             "ControlMaster": "no",
             "ControlPath": "none",
+            # a key exchange and a cipher that cost little CPU (the post-quantum hybrid OpenSSH 9 picks first
+            # costs each hop several times more; the slice's own network carries these links)
+            "KexAlgorithms": "curve25519-sha256,curve25519-sha256@libssh.org",
+            "Ciphers": "aes128-gcm@openssh.com,chacha20-poly1305@openssh.com",
         }
         argv = ["ssh", "-T", "-F", "/dev/null", "-p", str(node.port), "-l", node.user]
         for k, v in options.items():

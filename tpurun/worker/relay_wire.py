@@ -66,7 +66,7 @@ BEAT = ord("B")
 
 SET_KINDS = frozenset({INPUT, CLOSE, DROP})
 BEAT_SECONDS = 1.0
-DEAD_SECONDS = 6.0
+DEAD_SECONDS = 15.0
 MAX_PAYLOAD = 1 << 24  # a frame bigger than this is a broken link, not a frame
 
 

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Relays against straight connections: what a command costs this machine as the pod grows.
+
+For each pod size (one node each, made with `tpurun create` in one in-process emulator), interleaved runs of
+the same command with `--relay` and with `--no-relay`:
+
+* exec     `tpurun exec -- true`
+* jobs     `tpurun kill-stale --dry-run` (an answer from every worker: a `call` of the Fleet)
+
+and for each: wall time, client CPU seconds (user+sys) and peak RSS (GNU time), and the client's peak
+threads and open sockets (its /proc polled every 20 ms). The relayed command's cost should not grow with the
+pod; the straight one's does.
+
+    sudo .venv/bin/python scripts/bench/relay_bench.py [--sizes 32,256,1024] [--reps 3] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import common  # noqa: E402
+
+TYPES = {8: "v4-64", 32: "v4-256", 64: "v4-512", 128: "v4-1024", 256: "v4-2048", 512: "v4-4096", 1024: "v5p-8192"}
+COMMANDS = {"exec": ["exec", "--", "true"], "kill-stale": ["kill-stale", "--dry-run"]}
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _threads_sockets(pid: int) -> tuple[int, int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+        sockets = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                    sockets += 1
+            except OSError:
+                pass
+        return threads, sockets
+    except (OSError, StopIteration):
+        return 0, 0
+
+
+def measured(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """ARGV under GNU time, its peak threads and sockets polled meanwhile."""
+    peak = [0, 0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            for p in _children(os.getpid()):  # /usr/bin/time
+                for q in _children(p):  # tpurun
+                    t, s = _threads_sockets(q)
+                    peak[0], peak[1] = max(peak[0], t), max(peak[1], s)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    sample = common.timed(argv, env)
+    done.set()
+    poller.join()
+    return {"wall": sample.wall, "cpu": sample.cpu, "rss": sample.rss_mib, "threads": peak[0], "sockets": peak[1],
+            "code": sample.code}  # fmt: skip
+
+
+def made(bench: common.Bench, name: str, accelerator_type: str) -> None:
+    """A READY node made through the Cloud TPU API (no startup script, so no watchdog of tpurun's on each
+    worker: a Python process per worker would crowd 1,024 emulated workers out of this machine's memory),
+    then adopted with `tpurun attach` (host keys pinned, tpurun's key installed)."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import tpu_v2
+
+    from tpurun.emulator.pytest_plugin import fast_polling
+
+    client = tpu_v2.TpuClient(
+        transport="rest", client_options={"api_endpoint": bench.endpoint}, credentials=AnonymousCredentials()
+    )
+    node = tpu_v2.Node(accelerator_type=accelerator_type, runtime_version="tpu-ubuntu2204-base")
+    op = client.create_node(parent=f"projects/{common.PROJECT}/locations/{common.ZONE}", node_id=name, node=node)
+    op.result(polling=fast_polling().with_timeout(1800))
+    bench.tpurun("attach", name)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="32,256,1024")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--wan", action="store_true", help="also 32 workers behind the latency proxy at 0 and 50 ms RTT")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results: dict[str, Any] = {"machine": common.machine(), "sizes": {}}
+    with common.bench_emulator() as bench:
+        bench.server.emu.config.max_workers_per_node = max(sizes + [32])
+        for size in sizes:
+            name = f"relay{size}"
+            t0 = time.monotonic()
+            made(bench, name, TYPES[size])
+            print(f"created {name} ({size} workers) in {time.monotonic() - t0:.1f}s", flush=True)
+            bench.nodes[name] = common.Node(name, [])
+            rows: dict[str, Any] = {}
+            for what, command in COMMANDS.items():
+                runs: dict[str, list[dict[str, Any]]] = {"relay": [], "direct": []}
+                for rep in range(args.reps + 1):  # the first round warms up, unmeasured
+                    for mode in ("relay", "direct") if rep % 2 else ("direct", "relay"):
+                        flag = "--relay" if mode == "relay" else "--no-relay"
+                        argv = [*common.tpurun_bin(), command[0], "--tpu", name, flag, *command[1:]]
+                        got = measured(argv, bench.env)
+                        if rep:
+                            runs[mode].append(got)
+                        print(f"  {size} {what} {mode}: {got}", flush=True)
+                rows[what] = {
+                    mode: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "rss", "threads", "sockets")}
+                    | {"failures": sum(1 for r in rs if r["code"] not in (0, 1))}
+                    for mode, rs in runs.items()
+                }
+            results["sizes"][str(size)] = rows
+            bench.delete(bench.nodes[name])
+        if args.wan:
+            results["wan"] = wan(bench, args.reps)
+    text = table(results)
+    common.publish(results, text, "relays", "Relays: the client's cost as the pod grows (#42)", write=args.write)
+    return 0
+
+
+def wan(bench: common.Bench, reps: int) -> dict[str, Any]:
+    """`exec -- true` on 32 workers whose addresses this machine reaches through the latency proxy (the relays
+    reach each other at their own addresses, as inside a slice): seconds at 0 and 50 ms RTT, and the round
+    trips the 50 ms RTT adds."""
+    from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, pin_proxies, proxy_workers
+
+    name = "wan32"
+    made(bench, name, TYPES[32])
+    bench.nodes[name] = common.Node(name, [])
+    info = bench.server.emu.node_info(f"projects/{common.PROJECT}/locations/{common.ZONE}/nodes/{name}")
+    group = ProxyGroup(rtt=0.0)
+    out: dict[str, Any] = {}
+    try:
+        mapping = proxy_workers(group, [(w["address"], 22) for w in info["workers"]])
+        pin_proxies(bench.known_hosts, mapping)
+        env = dict(bench.env, TPURUN_ADDRESS_MAP=address_map_env(mapping))
+        for rtt_ms in (0, 50):
+            group.set_rtt(rtt_ms / 1000)
+            for mode in ("relay", "direct"):
+                flag = "--relay" if mode == "relay" else "--no-relay"
+                argv = [*common.tpurun_bin(), "exec", "--tpu", name, flag, "--", "true"]
+                walls = [measured(argv, env)["wall"] for _ in range(reps + 1)][1:]
+                out.setdefault(mode, {})[str(rtt_ms)] = statistics.median(walls)
+                print(f"  wan {rtt_ms} ms {mode}: {walls}", flush=True)
+    finally:
+        group.close()
+    for r in out.values():
+        r["round_trips"] = (r["50"] - r["0"]) / 0.05
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [
+        common.machine_line(res["machine"]),
+        "",
+        "Command: `sudo .venv/bin/python scripts/bench/relay_bench.py --sizes "
+        + ",".join(res["sizes"]) + "`; medians of interleaved runs.",
+        "",
+        "| workers | command | path | wall (s) | client CPU (s) | client peak RSS (MiB) | peak threads | peak sockets |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for size, rows in res["sizes"].items():
+        for what, modes in rows.items():
+            for mode, r in modes.items():
+                bad = f" ({r['failures']} failed)" if r["failures"] else ""
+                lines.append(
+                    f"| {size} | {what} | {mode}{bad} | {r['wall']:.2f} | {r['cpu']:.2f} | {r['rss']:.0f} | "
+                    f"{r['threads']:.0f} | {r['sockets']:.0f} |"
+                )
+    if "wan" in res:
+        lines += [
+            "",
+            "32 workers behind the latency proxy (this machine's side only; the relays reach each other at their own "
+            "addresses, as inside a slice): `exec -- true`.",
+            "",
+            "| path | 0 ms RTT (s) | 50 ms RTT (s) | round trips the RTT adds |",
+            "| --- | --- | --- | --- |",
+        ]
+        for mode, r in res["wan"].items():
+            lines.append(f"| {mode} | {r['0']:.2f} | {r['50']:.2f} | {r['round_trips']:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
