@@ -95,6 +95,9 @@ RELAY_ABOVE = Tunable(
 )
 RELAY_ROOTS = Tunable("TPURUN_RELAY_ROOTS", "4", "relays: how many workers of each slice this machine reaches")
 RELAY_FANOUT = Tunable("TPURUN_RELAY_FANOUT", "32", "relays: how many workers each relay reaches, at most")
+RELAY_TIMEOUT = Tunable(
+    "TPURUN_RELAY_TIMEOUT", "15", "relays: seconds of silence after which a relay is given up (its parent's: 4 times)"
+)
 ADDRESS_MAP = Tunable(
     "TPURUN_ADDRESS_MAP", "", 'testing: JSON {"worker ip": "other ip[:port]"} to reach workers through a proxy'
 )
@@ -146,6 +149,7 @@ ALL = [
     RELAY_ABOVE,
     RELAY_ROOTS,
     RELAY_FANOUT,
+    RELAY_TIMEOUT,
     ADDRESS_MAP,
     SYNC_WARN_MB,
     DEBUG,

@@ -136,7 +136,7 @@ def main() -> int:
         if args.wan:
             results["wan"] = wan(bench, args.reps)
     text = table(results)
-    common.publish(results, text, "relays", "Relays: the client's cost as the pod grows (#42)", write=args.write)
+    common.publish(results, text, "relays", "## Relays: the client's cost as the pod grows (#42)", write=args.write)
     return 0
 
 

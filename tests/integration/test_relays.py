@@ -100,6 +100,27 @@ def test_a_relay_killed_mid_command_loses_its_subtree_and_leaves_nothing(cli, em
     assert r.code == 0, r.err
 
 
+def test_a_hung_relay_is_given_up_and_the_workers_below_it_stop(cli, emulator, pod):
+    cli.env["TPURUN_RELAY_TIMEOUT"] = "3"  # given up after 3 s; the workers below it end after 12 s
+    proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 20; echo slept")
+    read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
+    (pid,) = job_pids(emulator, pod, RELAY, [5])  # w5 relays for w6 and w7
+    os.kill(pid, signal.SIGSTOP)  # hung: alive, silent, its links open
+    try:
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 4, err
+        lost = [line for line in err.splitlines() if "relay w5 stopped answering for 3 s" in line]
+        assert sorted(line.split()[0] for line in lost) == ["w5", "w6", "w7"], err
+        deadline = time.monotonic() + 30
+        while job_pids(emulator, pod, "sleep 20", [6, 7]):  # below it: their relays heard no parent, and ended
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _nothing_left(emulator, pod, "sleep 20")
+    _nothing_left(emulator, pod, RELAY)
+
+
 def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(cli, emulator, pod):
     name = emulator.node_name(pod)
     addresses = [w["address"] for w in emulator.node_info(name)["workers"]]

@@ -53,6 +53,7 @@ class _Talk:
         self.extra: dict[int, list[str]] = {}
         self.finishing: set[int] = set()  # its end sent, its result not heard yet
         self.first = 0.0
+        self.started = time.monotonic()
 
     def listen(self, wait: float) -> None:
         for w, data in self.chorus.heard(wait).items():
@@ -60,12 +61,13 @@ class _Talk:
             for kind, payload in _frames(self.bufs[w]):
                 self._take(w, kind, payload)
         for w in list(self.asking | self.finishing):
-            ended = self.chorus.ended(w)
-            if ended is not None and not _frames(self.bufs[w]):
+            ended = self.chorus.ended(w)  # (None until what it wrote before its end was heard)
+            if ended is not None:
                 why = why_ended(*ended)
                 st = self.stats[w]
-                st.unreachable = why.startswith("the connection was lost")
+                st.unreachable = ended[0] is None
                 st.error = f"{st.name} ({st.address}): {why}" if st.unreachable else why
+                st.seconds = round(time.monotonic() - self.started, 3)
                 self.asking.discard(w)
                 self.finishing.discard(w)
 
@@ -76,6 +78,7 @@ class _Talk:
             self.asking.discard(w)
             if kind == sync_helper.Frame.REFUSED:
                 st.error = str(reply.get("error"))
+                st.seconds = round(time.monotonic() - self.started, 3)
                 return
             st.dest = reply.get("dest", "")
             need = tuple(reply["need"])
@@ -87,6 +90,7 @@ class _Talk:
         elif w in self.finishing and kind == sync_helper.Frame.RESULT:
             self.finishing.discard(w)
             st.files_sent, st.deleted, st.errors = reply["written"], reply["deleted"], reply["errors"]
+            st.seconds = round(time.monotonic() - self.started, 3)
 
 
 def sync_together(

@@ -49,6 +49,19 @@ from tpurun.worker.protocol import AgentExit
 
 INTERNAL_PORT = 22  # where a worker's sshd listens inside the slice
 ROUNDS = 3  # how many workers of a group are tried in turn as its root
+START_SECONDS = 60.0  # a root's relay says it started within this
+READY_SECONDS = 180.0  # and its tree stands (or says which workers it could not reach) within this
+
+
+def relay_silence() -> float:
+    """Seconds of silence after which a relay is given up (TPURUN_RELAY_TIMEOUT)."""
+    try:
+        seconds = config.RELAY_TIMEOUT.number()
+    except ValueError:
+        raise UsageError("TPURUN_RELAY_TIMEOUT must be seconds") from None
+    if seconds < 2:
+        raise UsageError("TPURUN_RELAY_TIMEOUT must be 2 seconds or more (relays say something every second)")
+    return seconds
 
 
 def relay_shape() -> tuple[int, int]:
@@ -95,9 +108,15 @@ class _Link:
                 stream.write(doc)
             except TpurunError:
                 pass  # it ended at once (no bundle there), or the connection went: reading says which
-            first = stream.read(30)
-            while first == b"":
-                first = stream.read(30)
+            deadline = time.monotonic() + START_SECONDS
+            first = stream.read(1)
+            while first == b"" and time.monotonic() < deadline:
+                first = stream.read(1)
+            if first == b"":
+                stream.kill()
+                raise UnreachableError(
+                    f"tpurun's relay on {self.root.label} did not start within {START_SECONDS:.0f} s"
+                )
             if first is None and stream.wait() == AgentExit.MISSING and not installed:
                 bundle.install(self.runner)
                 continue
@@ -110,7 +129,7 @@ class _Link:
     def _read(self, first: bytes) -> None:
         frames = relay_wire.Frames()
         assert self.stream is not None
-        heard = time.monotonic()
+        heard = beat = time.monotonic()
         data: bytes | None = first
         try:
             while data is not None:
@@ -120,14 +139,21 @@ class _Link:
                         self.tree.dispatch(self, kind, number, payload)
                 else:
                     self.tree.idle(self)
-                    if time.monotonic() - heard > relay_wire.DEAD_SECONDS:
-                        self.lose(f"relay {self.root.label} stopped answering for {relay_wire.DEAD_SECONDS:.0f} s")
+                    if time.monotonic() - heard > self.tree.silence:
+                        self.lose(f"relay {self.root.label} stopped answering for {self.tree.silence:.0f} s")
                         self.stream.kill()
                         return
+                if time.monotonic() - beat > relay_wire.BEAT_SECONDS:
+                    beat = time.monotonic()
+                    self.send(relay_wire.frame(relay_wire.BEAT))  # this side's heartbeat, down the tree
                 data = self.stream.read(0.1)
             why = (self.stream.stderr_text().strip().splitlines() or [""])[-1]
         except (TpurunError, ValueError) as exc:
             why = str(exc)
+        except BaseException as exc:  # a bug, here or in a caller's callback: said where the operation waits
+            self.tree.raised.append(exc)
+            why = f"{type(exc).__name__}: {exc}"
+            self.stream.kill()
         self.lose(f"relay {self.root.label} went away" + (f": {why}" if why else ""))
 
     def lose(self, why: str) -> None:
@@ -166,6 +192,12 @@ class Relays(Fleet):
         self._numbers = itertools.count(1)
         self._idle: list[Callable[[int], None]] = []
         self.gate = threading.BoundedSemaphore(connect_window())
+        self.raised: list[BaseException] = []  # what a link's reader raised, raised again by the operation
+        self.silence = relay_silence()
+
+    def _raise(self) -> None:
+        if self.raised:
+            raise self.raised[0]
 
     @property
     def workers(self) -> list[Worker]:
@@ -218,14 +250,15 @@ class Relays(Fleet):
         return dict(unreached)
 
     def _start_links(self, fanout: int) -> None:
-        plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "key": self.key}
+        plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "silence": self.silence}
         pending = [link for link in self._links if not link.ready.is_set()]
 
         def start(link: _Link) -> None:
             for w in link.workers:
                 self._link_of[w] = link
             try:
-                link.start({**plan_common, "node": link.root.to_wire()})
+                key = {"key": self.key} if link.root.children else {}  # a root without children connects to none
+                link.start({**plan_common, **key, "node": link.root.to_wire()})
             except TpurunError as exc:
                 link.lose(str(exc))
 
@@ -235,9 +268,14 @@ class Relays(Fleet):
         for t in threads:
             while t.is_alive():
                 t.join(0.1)
+        deadline = time.monotonic() + READY_SECONDS
         for link in pending:
             while not link.ready.wait(0.1):
-                pass
+                if time.monotonic() > deadline:
+                    link.lose(f"relay {link.root.label}'s tree did not stand within {READY_SECONDS:.0f} s")
+                    if link.stream is not None:
+                        link.stream.kill()
+        self._raise()
 
     def dispatch(self, link: _Link, kind: int, number: int, payload: bytes) -> None:
         """A frame from LINK's relay."""
@@ -249,10 +287,10 @@ class Relays(Fleet):
             return
         if kind == relay_wire.LOST:
             doc = json.loads(payload)
-            self.lost_workers(set(doc["workers"]), doc["why"])
+            self.lost_workers(set(doc["workers"]) & link.workers, doc["why"])
             return
         chan = self._chans.get(number)
-        if chan is None:
+        if chan is None or chan.link is not link:  # a channel of another root's: never this one's to say
             return
         if kind == relay_wire.OUT:
             chan.out(payload)
@@ -333,7 +371,7 @@ class Relays(Fleet):
             for _, why in sorted(self.connect().items()):
                 if unreached is not None:
                     unreached(why)
-        workers = self._reached(only)
+        workers = [] if stop.is_set() else self._reached(only)  # nothing new once stopped (Ctrl-C, fail-fast)
         envs = {w.index: dict(env(w)) if env else {} for w in workers}
         leashed = {w.index: leash_argv(argv, grace, envs[w.index]) for w in workers}
         results: dict[int, RunResult] = {}
@@ -364,8 +402,11 @@ class Relays(Fleet):
             if stop.is_set() and not closed:
                 self._act(relay_wire.CLOSE, numbers.values())  # each leash stops its command's group
                 closed = True
+            if self.raised:
+                break
             time.sleep(0.05)
-        for w, why in self._unreached.items():
+        self._raise()
+        for w, why in list(self._unreached.items()):
             if (only is None or w in only) and w not in results:
                 results[w] = RunResult(w, None, error=why)
         return [results[w.index] for w in self.workers if w.index in results]
@@ -376,6 +417,7 @@ class Relays(Fleet):
         workers = self._reached(only)
         calls = {w.index: call if isinstance(call, Call) else call(w) for w in workers}
         answers: dict[int, Answer] = {}
+        lock = threading.Lock()
         sent = time.time()
 
         def make(w: int) -> _Chan:
@@ -383,8 +425,9 @@ class Relays(Fleet):
 
             def end(rc: int | None, why: str) -> None:
                 text = err.decode("utf-8", "replace")
-                answers[w] = Answer(w, rc, bytes(out), text, error=why if rc is None else "", sent=sent,
-                                    answered=time.time())  # fmt: skip
+                with lock:
+                    answers.setdefault(w, Answer(w, rc, bytes(out), text, error=why if rc is None else "",
+                                                 sent=sent, answered=time.time()))  # fmt: skip
 
             return _Chan(w, out.extend, err.extend, end)
 
@@ -397,14 +440,20 @@ class Relays(Fleet):
                 self._act(relay_wire.INPUT, group, data)
         self._act(relay_wire.CLOSE, numbers.values())
         deadline = time.monotonic() + timeout
-        while len(answers) < len(numbers) and time.monotonic() < deadline:
+        while len(answers) < len(numbers) and time.monotonic() < deadline and not self.raised:
             time.sleep(0.02)
+        self._raise()
         late = [n for w, n in numbers.items() if w not in answers]
         self._act(relay_wire.DROP, late)
-        for w, n in numbers.items():
-            if self._chans.pop(n, None) is not None:
-                answers[w] = Answer(w, None, error=f"no answer within {timeout:.0f} s", sent=sent, answered=time.time())
-        return answers
+        for n in late:
+            self._chans.pop(n, None)
+        time.sleep(0.05 if late else 0)  # an answer being handed over as the time ran out lands first
+        by_index = {w.index: w for w in workers}
+        with lock:
+            for w in numbers:
+                why = f"worker {by_index[w].label()} did not answer within {timeout:.0f} s"
+                answers.setdefault(w, Answer(w, None, error=why, sent=sent, answered=time.time()))
+            return dict(answers)
 
     def open(self, call: Call) -> dict[int, Session | str]:
         workers = self._reached()
@@ -471,13 +520,16 @@ class Relays(Fleet):
                 take(w, watching(w, protocol.decode_lines(lines), over))
 
             def end(rc: int | None, why: str) -> None:
-                with lock:
-                    live.pop(w, None)
+                reopen = False
                 if rc is None:
                     if not (stop is not None and stop.is_set()):
                         lost(w, why)
-                elif ended(w, rc, err.decode("utf-8", "replace"), bool(over)):
-                    again.append(w)
+                else:
+                    reopen = ended(w, rc, err.decode("utf-8", "replace"), bool(over))
+                with lock:  # the stream's end and its reopening are seen together
+                    live.pop(w, None)
+                    if reopen:
+                        again.append(w)
 
             return _Chan(w, out, err.extend, end)
 
@@ -489,11 +541,14 @@ class Relays(Fleet):
         self._idle.append(tick)
         try:
             while True:
-                if again:
+                with lock:
                     ws, again[:] = list(again), []
+                if ws:
                     opened = self._open({w: bundle.call_argv(call(by_index[w])) for w in ws}, {}, make)
                     with lock:
                         live.update({w: n for w, n in opened.items() if n in self._chans})
+                    if closed:  # the lifeline was cut before: these streams hear it too
+                        self._act(relay_wire.CLOSE, list(opened.values()))
                 if stop is not None and stop.is_set():
                     with lock:
                         numbers = list(live.values())
@@ -507,6 +562,7 @@ class Relays(Fleet):
                 with lock:
                     if not live and not again:
                         return
+                self._raise()
                 time.sleep(0.05)
         finally:
             self._idle.remove(tick)
@@ -544,6 +600,7 @@ class _RelaySession(Session):
         self.error = ""
         self.done = threading.Event()
         self.changed = threading.Condition()
+        self.waited = 0.0
 
     def took(self, data: bytes) -> None:
         with self.changed:
@@ -560,6 +617,7 @@ class _RelaySession(Session):
             self.changed.notify_all()
 
     def wait_line(self, deadline: float) -> str | None:
+        self.waited = max(0.0, deadline - time.monotonic())
         with self.changed:
             while b"\n" not in self.buf:
                 if self.done.is_set():
@@ -567,7 +625,10 @@ class _RelaySession(Session):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.tree._act(relay_wire.DROP, [self.number])
-                    raise UnreachableError(f"its agent did not answer within {left:.0f} s")
+                    why = f"its agent did not answer within {self.waited:.0f} s"
+                    self.rc, self.error = None, why
+                    self.done.set()
+                    raise UnreachableError(why)
                 self.changed.wait(min(left, 0.2))
             line, _, rest = bytes(self.buf).partition(b"\n")
             self.buf[:] = rest
@@ -606,6 +667,7 @@ class _RelayChorus(Chorus):
         self.err: dict[int, bytearray] = {}
         self.ends: dict[int, tuple[int | None, bytes]] = {}
         self.failed: dict[int, str] = {}
+        self.why: dict[int, str] = {}  # why the connection to a worker's helper was lost
 
         def make(w: int) -> _Chan:
             out, err = self.out.setdefault(w, bytearray()), self.err.setdefault(w, bytearray())
@@ -616,15 +678,16 @@ class _RelayChorus(Chorus):
                     self.changed.notify_all()
 
             def end(rc: int | None, why: str) -> None:
-                with self.changed:
-                    self.ends[w] = (rc, bytes(err) or why.encode())
+                with self.changed:  # a connection lost: why, in place of the helper's stderr
+                    self.ends[w] = (rc, bytes(err) if rc is not None else why.encode())
+                    self.why[w] = why
                     self.changed.notify_all()
 
             return _Chan(w, took, err.extend, end)
 
         self.numbers = tree._open({w: argv for w in workers}, {}, make)
         self.workers = [w for w in workers if w not in self.ends]
-        self.failed = {w: e.decode() for w, (rc, e) in self.ends.items() if rc is None}
+        self.failed = {w: self.why.get(w, "") for w, (rc, _) in self.ends.items() if rc is None}
 
     def say(self, workers: Collection[int], data: bytes) -> None:
         self.tree._act(relay_wire.INPUT, [self.numbers[w] for w in workers if w not in self.ends], data)
@@ -639,8 +702,8 @@ class _RelayChorus(Chorus):
             return got
 
     def ended(self, worker: int) -> tuple[int | None, bytes] | None:
-        with self.changed:
-            return self.ends.get(worker)
+        with self.changed:  # not while what it wrote before its end waits to be heard
+            return None if self.out.get(worker) else self.ends.get(worker)
 
     def close(self) -> None:
         self.tree._act(relay_wire.CLOSE, list(self.numbers.values()))

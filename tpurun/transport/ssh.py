@@ -162,6 +162,14 @@ def _pin_host_keys(client: paramiko.SSHClient, known_hosts: Path, worker: Worker
             client.get_host_keys().add(host, keytype, entry[keytype])
 
 
+def readable(chan: paramiko.Channel, timeout: float) -> bool:
+    """Wait until CHAN has something to read, TIMEOUT seconds at most. poll, not select: a command on a
+    thousand workers holds descriptors numbered past select's limit of 1,024 (a channel's is a pipe)."""
+    poller = select.poll()
+    poller.register(chan.fileno(), select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
+
 def _why_unreachable(exc: BaseException) -> str:
     """What a failed TCP connection or SSH banner most likely means, in words (not `[Errno None] ...`)."""
     if isinstance(exc, socket.timeout | TimeoutError):
@@ -306,7 +314,7 @@ class SshRunner(Runner):
             if stop.is_set() and not stop_sent:
                 chan.shutdown_write()  # the leash sees EOF and stops the process group
                 stop_sent = True
-            r, _, _ = select.select([chan], [], [], 0.1)
+            readable(chan, 0.1)
             got = False
             while chan.recv_ready():
                 out.feed(chan.recv(65536))
@@ -408,7 +416,7 @@ class SshStream(Stream):
         transport = self.chan.get_transport()
         if transport is None or not transport.is_active():
             return None
-        select.select([self.chan], [], [], timeout)
+        readable(self.chan, timeout)
         if self.chan.recv_ready():
             return self.chan.recv(1 << 20)
         return b""

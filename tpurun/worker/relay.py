@@ -17,10 +17,10 @@ its link's end: nothing it started outlives the command.
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
-import queue
 import shlex
 import signal
 import subprocess
@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = "$HOME/.tpurun/bin"
-QUEUE_FRAMES = 1024  # frames waiting for a link, at most (backpressure beyond)
+QUEUE_BYTES = 16 << 20  # bytes waiting for one link or one program's stdin, at most (backpressure beyond)
+DRAIN = 1.0  # seconds a program's pipes are read after it exited, where something else still holds them
 BATCH_BYTES = 1 << 20  # what one write up the tree carries, at most
 MISSING = 93  # protocol.AgentExit.MISSING: the bundle is not on the worker
 
@@ -59,8 +60,10 @@ _BOOT = (
     "   if not c:sys.exit(1)\n"
     "   b+=c\n"
     "  return b\n"
-    " k,_,n=H.unpack(r(H.size));t=d+'.tmp.%d'%os.getpid();os.makedirs(t)\n"
-    " tarfile.open(fileobj=io.BytesIO(r(n))).extractall(t)\n"
+    " k=0\n"
+    " while k!=85:k,_,n=H.unpack(r(H.size));b=r(n)\n"  # heartbeats come first, then the BUNDLE (U)
+    " t=d+'.tmp.%d'%os.getpid();os.makedirs(t)\n"
+    " tarfile.open(fileobj=io.BytesIO(b)).extractall(t)\n"
     " try:os.rename(t,d)\n"
     " except OSError:pass\n"
 )
@@ -90,47 +93,61 @@ def bundle_tar() -> bytes:
 
 class Outbox:
     """Bytes for one file descriptor, written by a thread of their own (a slow reader holds up only what
-    goes to it), at most QUEUE_FRAMES pieces waiting. BEAT: what to send when nothing went for a while."""
+    goes to it), at most QUEUE_BYTES waiting (a putter waits beyond: backpressure). BEAT: what to send when
+    nothing went for a second. Closing never waits; abandoning drops what waits and lets every putter go."""
 
     def __init__(self, fd: int, name: str, beat: bytes = b"") -> None:
         self.fd, self.beat = fd, beat
-        self.q: queue.Queue = queue.Queue(QUEUE_FRAMES)
-        self.broken = self.closed = False
+        self.cond = threading.Condition()
+        self.pieces: collections.deque = collections.deque()
+        self.size = 0
+        self.closing = self.dead = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def put(self, data: bytes | None) -> None:
         """DATA queued (None: close the descriptor once what came before is written); nothing after that."""
-        if not (self.broken or self.closed):
-            self.closed = data is None
-            self.q.put(data)
+        with self.cond:
+            if data is None:
+                self.closing = True
+            else:
+                while self.size > QUEUE_BYTES and not (self.dead or self.closing):
+                    self.cond.wait(1.0)
+                if self.dead or self.closing:
+                    return
+                self.pieces.append(data)
+                self.size += len(data)
+            self.cond.notify_all()
+
+    def abandon(self) -> None:
+        """Nobody will read it: drop what waits, close it, and let every putter go."""
+        with self.cond:
+            self.dead = True
+            self.pieces.clear()
+            self.size = 0
+            self.cond.notify_all()
 
     def _run(self) -> None:
-        wait = relay_wire.BEAT_SECONDS if self.beat else None
         while True:
-            try:
-                first = self.q.get(timeout=wait)
-            except queue.Empty:
-                first = self.beat
-            pieces, size, end = [], 0, first is None
-            if first:
-                pieces.append(first)
-                size = len(first)
-            while not end and size < BATCH_BYTES:
-                try:
-                    more = self.q.get_nowait()
-                except queue.Empty:
+            with self.cond:
+                if not self.pieces and not (self.closing or self.dead):
+                    self.cond.wait(relay_wire.BEAT_SECONDS if self.beat else None)
+                if self.dead:
                     break
-                if more is None:
-                    end = True
-                else:
-                    pieces.append(more)
-                    size += len(more)
-            if pieces and not self._write(b"".join(pieces)):
-                return
+                batch, size = [], 0
+                while self.pieces and size < BATCH_BYTES:
+                    piece = self.pieces.popleft()
+                    batch.append(piece)
+                    size += len(piece)
+                self.size -= size
+                end = self.closing and not self.pieces
+                self.cond.notify_all()
+            data = b"".join(batch) if batch else self.beat
+            if data and not self._write(data):
+                break
             if end:
-                _close(self.fd)
-                return
+                break
+        _close(self.fd)
 
     def _write(self, data: bytes) -> bool:
         view = memoryview(data)
@@ -138,13 +155,8 @@ class Outbox:
             while view:
                 view = view[os.write(self.fd, view) :]
         except OSError:
-            self.broken = True
-            _close(self.fd)
-            while True:  # nobody reads any more: let the putters go
-                try:
-                    self.q.get_nowait()
-                except queue.Empty:
-                    return False
+            self.abandon()
+            return False
         return True
 
 
@@ -181,7 +193,7 @@ class Local:
 
     def __init__(self, relay: Relay, chan: int, argv: list[str], env: dict[str, str]) -> None:
         self.relay, self.chan = relay, chan
-        self.dropped = False
+        self.dropped = self.ended = False
         full = dict(relay.env)
         full.update(env)
         try:
@@ -198,20 +210,27 @@ class Local:
         threading.Thread(target=self._watch, name=f"local-{chan}", daemon=True).start()
 
     def _watch(self) -> None:
+        """Its output up as it comes, then its end: once it exited and its pipes ended, or DRAIN seconds after
+        it exited where something it left behind holds them open (as sshd reports a command's exit status)."""
         proc = self.proc
         assert proc is not None and proc.stdout is not None and proc.stderr is not None
-        err = threading.Thread(target=self._read, args=(proc.stderr.fileno(), relay_wire.ERR), daemon=True)
-        err.start()
-        self._read(proc.stdout.fileno(), relay_wire.OUT)
-        err.join()
+        readers = [
+            threading.Thread(target=self._read, args=(f.fileno(), kind), daemon=True)
+            for f, kind in ((proc.stdout, relay_wire.OUT), (proc.stderr, relay_wire.ERR))
+        ]
+        for t in readers:
+            t.start()
         rc = proc.wait()
+        for t in readers:
+            t.join(DRAIN)
+        self.ended = True
         if not self.dropped:
             self.relay.up(relay_wire.json_frame_to(relay_wire.EXIT, self.chan, {"rc": rc if rc >= 0 else -1}))
         self.relay.routes.pop(self.chan, None)
 
     def _read(self, fd: int, kind: int) -> None:
         def each(data: bytes) -> None:
-            if not self.dropped:
+            if not (self.dropped or self.ended):
                 self.relay.up(relay_wire.frame(kind, self.chan, data))
 
         _pump(fd, each)
@@ -245,7 +264,9 @@ class Child:
         self.gone = ""  # why it is lost, once it is
         argv = relay.ssh_argv(node) + [child_command(relay.python, relay.bundle)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.link = Outbox(_own(self.proc.stdin), f"down-{node.index}")
+        # its link carries a heartbeat down too: a relay whose parent went silent stops its subtree
+        self.link = Outbox(_own(self.proc.stdin), f"down-{node.index}", beat=relay_wire.frame(relay_wire.BEAT))
+        self.passing = False  # handing a frame up (a slow link above is not this child's silence)
         threading.Thread(target=self._read_err, daemon=True).start()
         threading.Thread(target=self._read, name=f"up-{node.index}", daemon=True).start()
 
@@ -267,7 +288,10 @@ class Child:
                     break
                 self.heard = time.monotonic()
                 for kind, number, payload in frames.feed(data):
+                    self.passing = True
                     self._take(kind, number, payload)
+                    self.passing = False
+                    self.heard = time.monotonic()
         except (OSError, ValueError):
             pass
         self.proc.wait()
@@ -280,7 +304,8 @@ class Child:
             if kind == relay_wire.NEED:
                 self.link.put(relay_wire.frame(relay_wire.BUNDLE, 0, self.relay.tar()))
             relay = self.relay
-            sub = {"node": self.node.to_wire(), "python": relay.python, "bundle": relay.bundle, "timeout": relay.timeout}
+            sub = {"node": self.node.to_wire(), "python": relay.python, "bundle": relay.bundle, "timeout": relay.timeout,
+                   "silence": relay.dead}  # fmt: skip
             self.link.put(relay_wire.json_frame(relay_wire.PLAN, sub))
         elif kind == relay_wire.READY:
             self.unreached = json.loads(payload)["unreached"]
@@ -311,22 +336,25 @@ class Child:
         if self.gone:
             return
         self.gone = why
+        self.link.abandon()  # what waits for it will never go: its putters go on
+        try:
+            self.proc.kill()  # its link ends: below it, every relay and program loses its input
+        except OSError:
+            pass
         if self.ready.is_set():
             self.relay.up(relay_wire.json_frame(relay_wire.LOST, relay_wire.lost_doc(self.indexes, why)))
         else:
             self.unreached = {str(i): why for i in self.indexes}
             self.ready.set()
-        self.link.put(None)
 
     def watch(self) -> None:
         """Give it up when it has been silent too long once started (a hung VM leaves TCP silent, not closed;
-        until it is ready, the start's own deadline holds)."""
-        if self.ready.is_set() and not self.gone and time.monotonic() - self.heard > self.relay.dead:
+        until it is ready, the start's own deadline holds; while its reader waits to hand a frame up, the
+        silence is the link above's)."""
+        if self.passing or not self.ready.is_set() or self.gone:
+            return
+        if time.monotonic() - self.heard > self.relay.dead:
             self.lose(f"relay {self.node.label} stopped answering for {self.relay.dead:.0f} s")
-            try:
-                self.proc.kill()
-            except OSError:
-                pass
 
 
 class Relay:
@@ -336,12 +364,14 @@ class Relay:
         self.node = Node.from_wire(plan["node"])
         self.python, self.bundle = plan["python"], plan["bundle"]
         self.timeout = float(plan.get("timeout", 15))
-        self.dead = relay_wire.DEAD_SECONDS
+        self.dead = float(plan.get("silence", relay_wire.DEAD_SECONDS))  # a child silent this long is lost
         self.env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}  # what a channel's program sees
         self.routes: dict[int, Any] = {}  # channel -> its Local, or the Child it went to
         self.upbox = Outbox(1, "up", beat=relay_wire.frame(relay_wire.BEAT))
         self.private = tempfile.mkdtemp(prefix="tpurun-relay-")  # 0700
         self.agent: subprocess.Popen | None = None
+        self.agent_pid = 0
+        self.heard_up = time.monotonic()
         if plan.get("key") and self.node.children:  # a root with no child needs no key
             self._hold_key(plan["key"])
         with open(os.path.join(self.private, "known_hosts"), "w") as f:
@@ -359,14 +389,18 @@ class Relay:
         return self._tar
 
     def _hold_key(self, pem: str) -> None:
-        """tpurun's key in an ssh-agent of this relay's (forwarded to the relays below): it never touches a
-        disk. The agent watches the shell that started it, whose stdin is this relay's: when this relay ends,
-        however it ends, the shell and then the agent do."""
+        """tpurun's key in an ssh-agent of this relay's, forwarded to the relays below while they connect to
+        theirs (`forget` ends it once the tree stands): it never touches a disk. The agent also watches the
+        shell that started it, whose stdin is this relay's: if this relay dies before `forget`, the shell and
+        then the agent end with it."""
         sock = os.path.join(self.private, "agent")
         self.agent = subprocess.Popen(
-            ["ssh-agent", "-a", sock, "sh", "-c", "cat >/dev/null"], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ["ssh-agent", "-a", sock, "sh", "-c", 'echo "$SSH_AGENT_PID"; exec cat >/dev/null'],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )  # fmt: skip
+        assert self.agent.stdout is not None
+        line = self.agent.stdout.readline().strip()
+        self.agent_pid = int(line) if line.isdigit() else 0
         deadline = time.monotonic() + 10
         while not os.path.exists(sock):
             if time.monotonic() > deadline or self.agent.poll() is not None:
@@ -391,7 +425,7 @@ class Relay:
             "ServerAliveInterval": "5",
             "ServerAliveCountMax": "3",
             "LogLevel": "ERROR",
-            "ForwardAgent": "yes",
+            "ForwardAgent": "yes" if node.children else "no",  # only a relay that connects needs it
             "ControlMaster": "no",
             "ControlPath": "none",
             # a key exchange and a cipher that cost little CPU (the post-quantum hybrid OpenSSH 9 picks first
@@ -415,14 +449,21 @@ class Relay:
                 if time.monotonic() > deadline:
                     c.lose(f"relay {c.node.label} did not start within {self.timeout * 4 + 30:.0f} s")
             unreached.update(c.unreached)
+        self.forget()  # every relay below has connected to its children: nobody needs the key any more
+        self.heard_up = time.monotonic()
         self.up(relay_wire.json_frame(relay_wire.READY, {"unreached": unreached}))
-        threading.Thread(target=self._watch_children, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
 
-    def _watch_children(self) -> None:
+    def _watch(self) -> None:
+        """Children silent too long are given up; a parent silent too long (its heartbeat stopped: it hung,
+        or its VM did) ends this relay as the end of its link would."""
         while True:
             time.sleep(relay_wire.BEAT_SECONDS)
             for c in self.children:
                 c.watch()
+            if time.monotonic() - self.heard_up > self.dead * relay_wire.PARENT_TIMES:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     def child_of(self, worker: int) -> Child | None:
         for c in self.children:
@@ -461,6 +502,7 @@ class Relay:
 
     def serve(self, frames: Any) -> None:
         for kind, number, payload in frames:
+            self.heard_up = time.monotonic()
             if kind == relay_wire.OPEN:
                 self.open(Opening.from_wire(json.loads(payload)))
             elif kind in relay_wire.SET_KINDS:
@@ -474,7 +516,7 @@ class Relay:
             if isinstance(route, Local):
                 route.act(relay_wire.CLOSE, b"")
         for c in self.children:
-            c.link.put(None)
+            c.link.put(None)  # never waits
         deadline = time.monotonic() + 5
         for c in self.children:
             while c.proc.poll() is None and time.monotonic() < deadline:
@@ -482,9 +524,17 @@ class Relay:
 
     def forget(self) -> None:
         """The agent holding tpurun's key told to end, and this relay's files removed (its socket with them)."""
-        if self.agent is not None and self.agent.stdin is not None:
-            self.agent.stdin.close()  # the shell under the agent ends, then the agent
+        if self.agent is not None:
+            if self.agent_pid:
+                try:
+                    os.kill(self.agent_pid, signal.SIGTERM)  # the agent itself (a child of the shell's)
+                except OSError:
+                    pass
             self.agent.kill()
+            self.agent.wait()
+            self.agent = None
+        if not os.path.isdir(self.private):
+            return
         for name in os.listdir(self.private):
             try:
                 os.unlink(os.path.join(self.private, name))
@@ -507,6 +557,8 @@ def main() -> int:
     frames = relay_wire.read_frames(lambda n: os.read(0, n))
     try:
         kind, _, payload = next(frames)
+        while kind in (relay_wire.BEAT, relay_wire.BUNDLE):  # its parent's heartbeat can come before the plan
+            kind, _, payload = next(frames)
     except (StopIteration, ValueError):
         return 2
     if kind != relay_wire.PLAN:

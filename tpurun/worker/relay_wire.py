@@ -28,8 +28,10 @@ Up the tree:
 * `EXIT` (JSON): how a channel's program ended (`{"rc": N}`), or why it never ran (`{"error": WHY}`);
 * `LOST` (JSON): workers whose relay stopped answering or went away (`{"workers": [...], "why": WHY}`); their
   open channels ended with them;
-* `BEAT`: a relay with nothing else to say says this every `BEAT_SECONDS`; a link silent for `DEAD_SECONDS`
-  is given up, and the subtree behind it is LOST.
+* `BEAT`: a relay with nothing else to say says this every `BEAT_SECONDS`; a link silent for the plan's
+  "silence" (`DEAD_SECONDS` by default) is given up, and the subtree behind it is LOST. The parent's side
+  beats down too: a relay whose parent has been silent for `PARENT_TIMES` silences ends as if its link had
+  (its programs and its subtree with it).
 
 Only JSON and bytes ever cross a link: nothing a worker sends can make the client run code.
 """
@@ -66,7 +68,9 @@ BEAT = ord("B")
 
 SET_KINDS = frozenset({INPUT, CLOSE, DROP})
 BEAT_SECONDS = 1.0
-DEAD_SECONDS = 15.0
+DEAD_SECONDS = 15.0  # the default silence after which a link is given up (the plan's "silence")
+PARENT_TIMES = 4  # a relay whose parent sent nothing, not even a heartbeat, for this many silences ends (60 s
+# by default: as long as an attached job's agent waits for a client that went quiet)
 MAX_PAYLOAD = 1 << 24  # a frame bigger than this is a broken link, not a frame
 
 
