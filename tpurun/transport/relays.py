@@ -7,11 +7,12 @@ SSH connections and a thread for each, whatever the pod's size (see relay_wire f
 
 Trust: each relay checks each of its children's host keys against the one tpurun pinned for that TPU and
 worker (the plan carries them; never trust on first use), as this machine checks the roots'. tpurun's key
-goes to the roots only, into an ssh-agent that ends with the root's relay; the relays below use it forwarded.
+goes to the roots that have children only, into an ssh-agent the relays below use forwarded while they
+connect, ended once the tree stands.
 
-`run`, `call`, `open`/`answer` and `follow` go through the relays; `converse` (sync, download) still goes
-from this machine to every worker (the `Threads` fleet), and a relay lost takes its subtree with it (its
-workers are reported lost, with why) rather than reaching it another way.
+`run`, `call`, `open`/`answer`, `follow` and `chorus` (sync) go through the relays; `converse` (download)
+still goes from this machine to every worker (the `Threads` fleet), and a relay lost takes its subtree with
+it (its workers are reported lost, with why) rather than reaching it another way.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from tpurun import config
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import TpurunError, UnreachableError
 from tpurun.transport import bundle
 from tpurun.transport.fleet import (
     Answer,
@@ -39,6 +39,8 @@ from tpurun.transport.fleet import (
     Talk,
     connect_all,
     connect_window,
+    relay_shape,
+    relay_silence,
     watching,
 )
 from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Runner, Stream, Worker, open_stream
@@ -51,28 +53,6 @@ INTERNAL_PORT = 22  # where a worker's sshd listens inside the slice
 ROUNDS = 3  # how many workers of a group are tried in turn as its root
 START_SECONDS = 60.0  # a root's relay says it started within this
 READY_SECONDS = 180.0  # and its tree stands (or says which workers it could not reach) within this
-
-
-def relay_silence() -> float:
-    """Seconds of silence after which a relay is given up (TPURUN_RELAY_TIMEOUT)."""
-    try:
-        seconds = config.RELAY_TIMEOUT.number()
-    except ValueError:
-        raise UsageError("TPURUN_RELAY_TIMEOUT must be seconds") from None
-    if seconds < 2:
-        raise UsageError("TPURUN_RELAY_TIMEOUT must be 2 seconds or more (relays say something every second)")
-    return seconds
-
-
-def relay_shape() -> tuple[int, int]:
-    """(roots per slice, fan-out): TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT."""
-    try:
-        roots, fanout = config.RELAY_ROOTS.integer(), config.RELAY_FANOUT.integer()
-    except ValueError:
-        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers") from None
-    if roots < 1 or fanout < 2:
-        raise UsageError("TPURUN_RELAY_ROOTS must be 1 or more, TPURUN_RELAY_FANOUT 2 or more (1 makes a chain)")
-    return roots, fanout
 
 
 @dataclass
