@@ -6,14 +6,15 @@ from __future__ import annotations
 import shlex
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from tpurun import targets
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.settings import Settings
 from tpurun.transport.fleet import RunResult
-from tpurun.transport.runner import RUN_GRACE, LineSink, refuse_nul
+from tpurun.transport.runner import INTERNAL_PORT, RUN_GRACE, LineSink, refuse_nul
 
 
 @dataclass
@@ -60,6 +61,19 @@ def exec_everywhere(
     return ExecResult(results, target.worker_names)
 
 
+def _ssh_options(home: Path, alias: str) -> list[str]:
+    """The system ssh with tpurun's key, checking the host key pinned under ALIAS only."""
+    return [
+        "ssh",
+        "-i", str(keys.key_path(home)),
+        "-o", "IdentitiesOnly=yes",
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"UserKnownHostsFile={keys.known_hosts_path(home)}",
+        "-o", f"HostKeyAlias={alias}",
+        "-o", "LogLevel=ERROR",
+    ]  # fmt: skip
+
+
 def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: list[str], flags: list[str]) -> list[str]:
     """The system ssh's argv to the one worker of the TPU S names that the --worker spec WORKER selects (once it
     has proved it is that worker of that TPU): a shell, or COMMAND quoted to arrive exactly; FORWARD as -L specs,
@@ -71,20 +85,21 @@ def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: li
     with target:
         if len(target.runners) != 1:
             raise UsageError(f"--worker {worker}: name one worker")
-        errors = target.fleet.connect()  # a gone TPU is reported, and the worker proves who it is, before ssh runs
+        w = target.runners[0].worker
+        # --relay: through the first worker of its slice, to its address inside the slice
+        via = next(x for x in target.all_workers if x.slice == w.slice) if s.relay_mode == "on" else None
+        via = via if via is not None and via.index != w.index else None
+        checked = targets.resolve(s, worker_spec=via.name) if via is not None else target
+        errors = checked.fleet.connect()  # a gone TPU is reported, and who answers proves who it is, before ssh
         if errors:
             raise UnreachableError(next(iter(errors.values())))
-    w = target.runners[0].worker
-    argv = [
-        "ssh",
-        "-i", str(keys.key_path(home)),
-        "-o", "IdentitiesOnly=yes",
-        "-o", "StrictHostKeyChecking=yes",
-        "-o", f"UserKnownHostsFile={keys.known_hosts_path(home)}",
-        "-o", f"HostKeyAlias={w.host_key}",  # the key pinned for this worker of this TPU, not for its address
-        "-o", "LogLevel=ERROR",
-        "-p", str(w.port),
-    ]  # fmt: skip
+    argv = _ssh_options(home, w.host_key)  # the key pinned for this worker of this TPU, not for its address
+    if via is not None:
+        hop = _ssh_options(home, via.host_key) + ["-p", str(via.port), "-W", "%h:%p", f"{via.user}@{via.address}"]
+        argv += ["-o", f"ProxyCommand={shlex.join(hop)}", "-p", str(INTERNAL_PORT)]
+        w = replace(w, address=w.internal or w.address)
+    else:
+        argv += ["-p", str(w.port)]
     # after tpurun's own options: ssh keeps the first value it gets of each, so these cannot loosen them
     for spec in forward:
         argv += ["-L", spec]

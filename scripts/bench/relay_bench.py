@@ -103,6 +103,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="32,256,1024")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated commands of " + ", ".join(COMMANDS))
     ap.add_argument("--wan", action="store_true", help="also 32 workers behind the latency proxy at 0 and 50 ms RTT")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -117,6 +118,8 @@ def main() -> int:
             bench.nodes[name] = common.Node(name, [])
             rows: dict[str, Any] = {}
             for what, command in COMMANDS.items():
+                if args.only and what not in args.only.split(","):
+                    continue
                 runs: dict[str, list[dict[str, Any]]] = {"relay": [], "direct": []}
                 for rep in range(args.reps + 1):  # the first round warms up, unmeasured
                     for mode in ("relay", "direct") if rep % 2 else ("direct", "relay"):

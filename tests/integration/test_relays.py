@@ -215,3 +215,14 @@ def test_sync_through_relays_is_sync(cli, emulator, pod):
     assert by[3]["files_sent"] == 1 and all(by[w]["files_sent"] == 0 for w in by if w != 3), relayed.out
     assert all(w["deleted"] == 1 for w in by.values()), relayed.out
     assert all(w["deleted"] == 0 and w["files_sent"] == 0 for w in json.loads(direct.out)["workers"]), direct.out
+
+
+def test_ssh_through_a_relay_reaches_a_worker_this_machine_cannot(cli, emulator, pod):
+    name = emulator.node_name(pod)
+    addresses = [w["address"] for w in emulator.node_info(name)["workers"]]
+    cli.env["TPURUN_ADDRESS_MAP"] = json.dumps({addresses[5]: "127.0.0.1:9"})  # nothing listens there
+    r = cli("ssh", "--worker", "5", "--", "hostname")
+    assert r.code != 0  # straight: refused
+    r = cli("ssh", "--relay", "--worker", "5", "--", "sh", "-c", 'echo "$(hostname) $1"', "sh", "a  b")
+    assert r.code == 0, r.err
+    assert r.out.strip().endswith("-w-5 a  b"), r.out

@@ -100,7 +100,10 @@ def exec_cmd(
     """Run a command on every selected worker at once, lines prefixed \\[wN]. The TPU's name may come first:
     `tpurun exec NAME -- CMD`."""
     s, command = name_first(
-        ctx, "exec", command, settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}),
+        ctx,
+        "exec",
+        command,
+        settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}),
         local=local,
     )
     if not command:
@@ -144,11 +147,16 @@ def ssh_cmd(
         list[str] | None,
         typer.Option("--ssh-flag", help="One more option for the system ssh, e.g. '-D 1080' (repeatable)."),
     ] = None,
+    relay: RelayOpt = None,
 ) -> None:
     """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys. The
     TPU's name may come first: `tpurun ssh NAME`."""
     s, command = name_first(
-        ctx, "ssh", command or [], settings.resolve({"tpu": tpu, "project": project, "zone": zone}), ask=True
+        ctx,
+        "ssh",
+        command or [],
+        settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}),
+        ask=True,
     )
     argv = remote.ssh_argv(s, command, worker=worker, forward=forward or [], flags=ssh_flag or [])
     sys.stdout.flush()

@@ -43,13 +43,21 @@ from tpurun.transport.fleet import (
     relay_silence,
     watching,
 )
-from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Runner, Stream, Worker, open_stream
+from tpurun.transport.runner import (
+    INTERNAL_PORT,
+    RUN_GRACE,
+    LineSink,
+    LineSplitter,
+    Runner,
+    Stream,
+    Worker,
+    open_stream,
+)
 from tpurun.transport.ssh import leash_argv
 from tpurun.transport.threads import Reach, Threads
 from tpurun.worker import bundle_name, protocol, relay_wire
 from tpurun.worker.protocol import AgentExit
 
-INTERNAL_PORT = 22  # where a worker's sshd listens inside the slice
 ROUNDS = 3  # how many workers of a group are tried in turn as its root
 START_SECONDS = 60.0  # a root's relay says it started within this
 READY_SECONDS = 180.0  # and its tree stands (or says which workers it could not reach) within this

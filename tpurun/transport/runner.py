@@ -25,6 +25,7 @@ from tpurun.naming import spec_words, worker_name
 
 LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line without newline)
 
+INTERNAL_PORT = 22  # where a worker's sshd listens at its address inside the slice (Worker.internal)
 RUN_GRACE = 3.0  # seconds between SIGTERM and SIGKILL for a command a Runner runs (exec); a job's: protocol.JOB_GRACE
 
 
