@@ -204,7 +204,7 @@ class Local:
         except OSError as exc:
             self.proc = None
             relay.up(relay_wire.frame(relay_wire.ERR, chan, f"cannot start {argv[0]}: {exc.strerror}\n".encode()))
-            relay.up(relay_wire.json_frame_to(relay_wire.EXIT, chan, {"rc": 126 if exc.errno == 13 else 127}))
+            relay.up(relay_wire.json_frame(relay_wire.EXIT, {"rc": 126 if exc.errno == 13 else 127}, chan))
             return
         self.stdin = Outbox(_own(self.proc.stdin), f"in-{chan}")
         threading.Thread(target=self._watch, name=f"local-{chan}", daemon=True).start()
@@ -225,7 +225,7 @@ class Local:
             t.join(DRAIN)
         self.ended = True
         if not self.dropped:
-            self.relay.up(relay_wire.json_frame_to(relay_wire.EXIT, self.chan, {"rc": rc if rc >= 0 else -1}))
+            self.relay.up(relay_wire.json_frame(relay_wire.EXIT, {"rc": rc if rc >= 0 else -1}, self.chan))
         self.relay.routes.pop(self.chan, None)
 
     def _read(self, fd: int, kind: int) -> None:
@@ -465,12 +465,6 @@ class Relay:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
-    def child_of(self, worker: int) -> Child | None:
-        for c in self.children:
-            if worker in c.indexes:
-                return c
-        return None
-
     def open(self, opening: Opening) -> None:
         for chan, (worker, env) in opening.workers.items():
             if worker == self.node.index:
@@ -481,7 +475,7 @@ class Relay:
                 continue
             if c.gone:
                 for chan in part.workers:
-                    self.up(relay_wire.json_frame_to(relay_wire.EXIT, chan, {"error": c.gone}))
+                    self.up(relay_wire.json_frame(relay_wire.EXIT, {"error": c.gone}, chan))
                 continue
             for chan in part.workers:
                 self.routes[chan] = c

@@ -78,11 +78,8 @@ def frame(kind: int, channel: int = 0, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, channel, len(payload)) + payload
 
 
-def json_frame(kind: int, doc: Any) -> bytes:
-    return frame(kind, 0, json.dumps(doc, separators=(",", ":")).encode())
-
-
-def json_frame_to(kind: int, channel: int, doc: Any) -> bytes:
+def json_frame(kind: int, doc: Any, channel: int = 0) -> bytes:
+    """KIND with DOC as its JSON payload (of CHANNEL: an EXIT)."""
     return frame(kind, channel, json.dumps(doc, separators=(",", ":")).encode())
 
 
