@@ -11,6 +11,7 @@ one whose key tpurun pinned for another TPU, is refused.
 
 from __future__ import annotations
 
+import fcntl
 import getpass
 import os
 from pathlib import Path
@@ -53,27 +54,39 @@ def known_hosts_path(home: Path) -> Path:
 
 
 def ensure_key(home: Path) -> tuple[Path, str]:
-    """Path of tpurun's private key (created on first use) and its public key line."""
+    """Path of tpurun's private key (created on first use) and its public key line.
+
+    Safe when several tpurun commands start at once on a new home: one makes the key under a lock, and the private
+    key appears (whole, 0600) only after its public half, so a command that sees one sees both."""
     path = key_path(home)
     pub = path.with_suffix(".pub")
     if not path.exists():
-        # imported here: only the very first command makes a key (20 ms less for every other one)
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
         ssh_dir(home)
-        key = Ed25519PrivateKey.generate()
-        data = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-        )
-        # create 0600 from the start: the key must never be readable by others, not even briefly
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-        pub.write_text(f"{public.decode()} {KEY_COMMENT}\n")
+        with open(path.with_name(".key.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                _make_key(path, pub)
     os.chmod(path, 0o600)
     return path, pub.read_text().strip()
+
+
+def _make_key(path: Path, pub: Path) -> None:
+    # imported here: only the very first command makes a key (20 ms less for every other one)
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    pub.write_text(f"{public.decode()} {KEY_COMMENT}\n")
+    # created 0600 from the start (the key is never readable by others, not even briefly), then moved into place
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(partial, path)
 
 
 def ssh_user() -> str:

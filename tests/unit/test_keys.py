@@ -1,0 +1,31 @@
+"""tpurun's own SSH key: made once, whole and private, even when several commands start at once on a new home."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+MAKE = (
+    "import sys; from pathlib import Path; from tpurun.cloud import keys; print(keys.ensure_key(Path(sys.argv[1]))[1])"
+)
+
+
+def test_commands_started_at_once_share_one_key(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MAKE, str(home)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(8)
+    ]
+    answers = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, [err for _, err in answers]
+    publics = {out.strip() for out, _ in answers}
+    assert len(publics) == 1
+    key = home / "ssh" / "id_ed25519"
+    assert (key.with_suffix(".pub").read_text().strip(),) == tuple(publics)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+    assert sorted(p.name for p in key.parent.iterdir() if p.name.startswith(".id_ed25519")) == []
