@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tpurun.cloud import keys
+
 MAKE = (
     "import sys; from pathlib import Path; from tpurun.cloud import keys; print(keys.ensure_key(Path(sys.argv[1]))[1])"
 )
@@ -29,3 +31,20 @@ def test_commands_started_at_once_share_one_key(tmp_path: Path) -> None:
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
     assert sorted(p.name for p in key.parent.iterdir() if p.name.startswith(".id_ed25519")) == []
+
+
+PIN = (
+    "import sys; from pathlib import Path; from tpurun.cloud import keys\n"
+    "for round in range(40):\n"
+    "    keys.pin_host_keys(Path(sys.argv[1]), {f'tpu.{sys.argv[2]}-{round}': 'ssh-ed25519 AAAA' + sys.argv[2]})\n"
+)
+
+
+def test_pins_made_at_once_are_all_kept(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PIN, str(home), f"n{i}"], stderr=subprocess.PIPE) for i in range(6)
+    ]
+    assert [p.wait(timeout=60) for p in procs] == [0] * 6, [p.stderr.read() for p in procs if p.stderr]
+    pinned = keys.pinned_keys(home)
+    assert pinned == {f"tpu.n{i}-{r}": f"ssh-ed25519 AAAAn{i}" for i in range(6) for r in range(40)}

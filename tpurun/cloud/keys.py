@@ -11,9 +11,11 @@ one whose key tpurun pinned for another TPU, is refused.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import getpass
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from tpurun import config
@@ -45,6 +47,14 @@ def ssh_dir(home: Path) -> Path:
     return _private_dir(home / "ssh")
 
 
+@contextlib.contextmanager
+def _locked(home: Path) -> Iterator[None]:
+    """Held while the key is made or known_hosts rewritten: commands started at once lose nothing to each other."""
+    with open(ssh_dir(home) / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def key_path(home: Path) -> Path:
     return home / "ssh" / "id_ed25519"
 
@@ -61,9 +71,7 @@ def ensure_key(home: Path) -> tuple[Path, str]:
     path = key_path(home)
     pub = path.with_suffix(".pub")
     if not path.exists():
-        ssh_dir(home)
-        with open(path.with_name(".key.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _locked(home):
             if not path.exists():
                 _make_key(path, pub)
     os.chmod(path, 0o600)
@@ -126,25 +134,25 @@ def pin_host_keys(home: Path, hosts: dict[str, str]) -> None:
     """Record HOSTS ({alias: "ssh-ed25519 AAAA..."}) as the only trusted keys for them.
 
     A host's earlier entries are replaced: the guest attributes are the authority. The file is rewritten
-    atomically.
+    atomically, under the lock that keeps two commands pinning at once from dropping each other's keys.
     """
     path = known_hosts_path(home)
-    ssh_dir(home)
-    kept = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            fields = line.split()
-            if fields and fields[0] in hosts:
-                continue
-            kept.append(line)
-    for host, key in sorted(hosts.items()):
-        key_type, key_data = key.split()[:2]
-        kept.append(f"{host} {key_type} {key_data}")
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(kept) + "\n")
-    os.replace(tmp, path)
+    with _locked(home):
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                fields = line.split()
+                if fields and fields[0] in hosts:
+                    continue
+                kept.append(line)
+        for host, key in sorted(hosts.items()):
+            key_type, key_data = key.split()[:2]
+            kept.append(f"{host} {key_type} {key_data}")
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(kept) + "\n")
+        os.replace(tmp, path)
 
 
 def pinned_keys(home: Path) -> dict[str, str]:
