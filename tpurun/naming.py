@@ -218,23 +218,35 @@ def count(n: int, what: str = "worker") -> str:
     return f"{n:,} {what}{'' if n == 1 else 'es' if what.endswith('s') else 's'}"
 
 
-def reason(why: str, name: str) -> str:
-    """WHY without the worker it is about (its NAME, and its address where it follows in brackets): what two
-    workers that failed alike share."""
-    return re.sub(rf"(?<![\w/]){re.escape(name)}(?![\w/])( \([^)]*\))?", "…", why)
+_LABEL = r"(?:s\d+/)?w\d+"  # any worker's label: `w12`, `s3/w12`
+REASONS_UP_TO = 10  # distinct reasons said, one line each; the rest counted in one line
+
+
+def reason(why: str, name: str = "") -> str:
+    """WHY without the workers it is about (its NAME, or any worker's label such as the relay a subtree was lost
+    with, and an address in brackets after one): what two workers that failed alike share."""
+    who = f"{re.escape(name)}|{_LABEL}" if name else _LABEL
+    pattern = rf"(?<![\w/])(?:{who})(?![\w/])( \([^)]*\))?"
+    return re.sub(pattern, "…", why)
 
 
 def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
     """(name, why) FAILURES as one line per distinct reason, the most common first: the first worker's own
-    words, then the workers alike, folded: `… connection refused (and 2,039 more workers alike: w[8-2047])`."""
+    words, then the workers alike, folded: `… connection refused (and 2,039 more workers alike: w[8-2047])`;
+    past REASONS_UP_TO reasons, one line counts the rest."""
     alike: dict[str, list[tuple[str, str]]] = {}
     for name, why in failures:
         alike.setdefault(reason(why, name), []).append((name, why))
     lines = []
-    for group in sorted(alike.values(), key=len, reverse=True):  # stable: ties in the order they came
+    groups = sorted(alike.values(), key=len, reverse=True)  # stable: ties in the order they came
+    for group in groups[:REASONS_UP_TO]:
         first, why = group[0]
         rest = [name for name in dict.fromkeys(name for name, _ in group) if name != first]
         lines.append(why + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else ""))
+    if len(groups) > REASONS_UP_TO:
+        others = list(dict.fromkeys(name for group in groups[REASONS_UP_TO:] for name, _ in group))
+        more = len(groups) - REASONS_UP_TO
+        lines.append(f"{more:,} other reason{'s' if more > 1 else ''} on {count(len(others))}: {which(others)}")
     return lines
 
 

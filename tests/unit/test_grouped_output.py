@@ -53,19 +53,18 @@ def test_2048_workers_fit_a_screen_one_row_per_outcome(capsys):
     assert summarize(results(2048, failed, unreached), False, unreachable=said) == 4
     err = capsys.readouterr().err.splitlines()
     assert len(err) <= SCREEN, err
-    assert err[: grouped.EACH_UP_TO] == [
-        f"error: {refused(w) if w % 2 else f'HOST KEY CHANGED for worker w{w} (x)'}" for w in range(1000, 1008)
-    ]
-    table = err[grouped.EACH_UP_TO :]
+    # as they come: each reason once (a worker's words, the others only counted until the end)
+    assert err[:2] == ["error: HOST KEY CHANGED for worker w1000 (x)", f"error: {refused(1001)}"]
+    table = err[2:]
     assert table[0].split() == ["RESULT", "WORKERS", "WHICH", "TIME"]
     assert table[1].split() == ["exit", "0", "2,005", "w[0-4,6-699,701-999,1040-1999,2001-2047]", "0.1–0.4", "s"]
     assert table[2].split() == ["unreachable", "40", "w[1000-1039]", "-"]
     assert table[3].split() == ["exit", "3", "3", "w[5,700,2000]", "0.1–0.2", "s"]
     # the held reasons, each once: the first worker's words, the others alike folded
     assert table[4:] == [
-        "error: HOST KEY CHANGED for worker w1008 (x) (and 15 more workers alike: "
-        "w[1010,1012,1014,1016,1018,1020,1022,1024,1026,1028,1030,…])",
-        f"error: {refused(1009)} (and 15 more workers alike: w[1011,1013,1015,1017,1019,1021,1023,1025,1027,1029,1031,…])",
+        "error: HOST KEY CHANGED for worker w1002 (x) (and 18 more workers alike: "
+        "w[1004,1006,1008,1010,1012,1014,1016,1018,1020,1022,1024,…])",
+        f"error: {refused(1003)} (and 18 more workers alike: w[1005,1007,1009,1011,1013,1015,1017,1019,1021,1023,1025,…])",
     ]
 
 
@@ -189,3 +188,18 @@ def test_the_same_failure_on_many_workers_is_one_line():
         "w3: agent exited 2",
     ]
     assert each_or_by_reason(failures(2)[:1], among=2048) == [f"w0: {refused(0)}"]
+
+
+def test_subtrees_lost_with_different_relays_are_one_line_and_reasons_are_bounded():
+    from tpurun.naming import REASONS_UP_TO, each_or_by_reason
+
+    lost = [(f"w{w}", f"relay w{w - w % 8 + 1} did not start within 90 s") for w in range(1024) if w % 8]
+    unreached = [
+        (f"w{w}", f"cannot reach worker w{w} (127.77.1.{w % 250}) from relay w{w - 1}: exit 255") for w in (8, 16, 24)
+    ]
+    odd = [(f"w{w}", f"w{w}: odd failure number {w}") for w in range(1024, 1024 + 2 * REASONS_UP_TO)]
+    lines = each_or_by_reason(lost + unreached + odd)
+    assert lines[0] == "relay w1 did not start within 90 s (and 895 more workers alike: " + lines[0].split(": ", 1)[1]
+    assert lines[1].startswith("cannot reach worker w8 (127.77.1.8) from relay w7: exit 255 (and 2 more workers")
+    assert len(lines) == REASONS_UP_TO + 1
+    assert lines[-1] == f"{REASONS_UP_TO + 2} other reasons on {REASONS_UP_TO + 2} workers: w[1032-1043]"

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from tpurun import ui
-from tpurun.naming import EACH_UP_TO, by_reason, fold, which, worker_name
+from tpurun.naming import EACH_UP_TO, by_reason, fold, reason, which, worker_name
 
 PROCESSES_UP_TO = 32  # the same for a job's processes (8 workers of 4 chips)
 
@@ -49,17 +49,21 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
 
 
 class Unreachable:
-    """Why a worker cannot be reached, said on stderr as it comes for the first EACH_UP_TO workers; the others
-    are held and said at the end (`rest`), each reason once (`by_reason`)."""
+    """Why a worker cannot be reached, said on stderr as it comes for the first EACH_UP_TO reasons (once each:
+    what differs only in the workers named is one reason); the others are held and said at the end (`rest`),
+    each reason once (`by_reason`)."""
 
     def __init__(self) -> None:
         self.said: Counter[str] = Counter()
         self.held: Counter[str] = Counter()
+        self.reasons: set[str] = set()
 
     def __call__(self, why: str) -> None:
-        if self.said.total() < EACH_UP_TO:
+        kind = reason(why)
+        if kind not in self.reasons and len(self.reasons) < EACH_UP_TO:
             ui.err().print(f"error: {why}", markup=False)
             self.said[why] += 1
+            self.reasons.add(kind)
         else:
             self.held[why] += 1
 
