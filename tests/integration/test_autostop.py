@@ -6,6 +6,7 @@ The idle periods are seconds long: TPURUN_WATCHDOG_TICK=0.5 (the documented test
 
 from __future__ import annotations
 
+import datetime
 import json
 import signal
 import time
@@ -22,7 +23,7 @@ JOB = (
     "import sys, time\n"
     "print('job running', flush=True)\n"
     "time.sleep(float(sys.argv[1]))\n"
-    "print('job done', flush=True)\n"
+    "print('job done at', time.time(), flush=True)\n"
     "sys.exit(int(sys.argv[2]))\n"
 )
 # holds the TPU's first device file open (as a TPU program does) until killed or the time is up
@@ -84,6 +85,7 @@ def test_idle_node_is_deleted_by_its_own_watchdog(tp, emulator):
 
 def test_not_deleted_while_a_detached_job_runs_then_after_it_plus_the_period(tp, emulator):
     assert tp("create", "busy", "-t", "v4-16").code == 0
+    before = len(emulator.requests())
     r = tp("train", "job.py", "9", "0", "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip()
@@ -101,9 +103,11 @@ def test_not_deleted_while_a_detached_job_runs_then_after_it_plus_the_period(tp,
     assert [(n["name"], n["jobs"]) for n in listed] == [("busy", [job])]
     r = tp("logs", job, "--follow")  # until the job ends
     assert r.code == 0 and "job done" in r.out, r.err
-    ended = time.monotonic()
+    done_at = float(r.out.split("job done at ")[1].split()[0])  # the job's last moment is after this
     _gone_within(emulator, "busy", 30)
-    assert time.monotonic() - ended >= 1.5  # the whole idle period after the job, not before
+    deleted = _deleted_by_vm(emulator, before, "/nodes/busy")["time"]
+    idle = datetime.datetime.fromisoformat(deleted.replace("Z", "+00:00")).timestamp() - done_at
+    assert idle >= 2.0, idle  # the whole idle period after the job, not before
     _nothing_left(emulator)
 
 

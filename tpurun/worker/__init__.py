@@ -1,6 +1,6 @@
 """The programs tpurun ships to workers, stdlib only: the job agent (agent.py, run there with `python3
 agent.py ...`, and what it and tpurun say to each other: protocol.py and protocol_calls.py), the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py) and the
-TPU's watchdog (watchdog.py), which ship as one bundle (below; the watchdog also rides in the startup
+TPU's watchdog (watchdog.py, and metaserver.py: how it reaches the metadata server), which ship as one bundle (below; the watchdog also rides in the startup
 metadata); kill-stale and doctor's probe (probe.py, in the bundle for the watchdog too) and sync's
 receiving end (sync_helper.py), which travel inline on the command line."""
 
@@ -26,6 +26,7 @@ BUNDLE = (
     "protocol.py",
     "protocol_calls.py",
     "hook/sitecustomize.py",
+    "metaserver.py",
     "probe.py",
     "relay.py",
     "relay_wire.py",

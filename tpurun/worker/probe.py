@@ -1,27 +1,25 @@
 """The worker-side program of `tpurun kill-stale` and `tpurun doctor` (stdlib only, Python ≥ 3.8).
 
-tpurun ships this file's source on the command line (`python3 -c SOURCE MODE CONFIG_JSON`, see
-`program_argv`), so a worker needs nothing installed. It prints its answer, a record of this file
-(`KillStaleAnswer`, `DoctorAnswer`), as one JSON document on stdout; tpurun reads it back with the record's
-`from_dict`. Nothing else spells their keys.
+tpurun ships this file's source on the command line (`python3 -c SOURCE MODE CONFIG_JSON`, see `program_argv`),
+so a worker needs nothing installed (the watchdog imports it too, and holds its imports for days: a few are made
+where needed). It prints its answer, a record of this file (`KillStaleAnswer`, `DoctorAnswer`), as one JSON
+document on stdout; tpurun reads it back with the record's `from_dict`. Nothing else spells their keys.
 
 Modes:
-- `kill-stale`: find the processes that hold the TPU -- an open fd on a device file (`/dev/accel*`,
-  `/dev/vfio/*`, read with readlink from /proc/PID/fd, so no lsof is needed), a mapping of a
-  `libtpu*.so` (from /proc/PID/maps), or an open fd on a claim file (`claim_files`: where a `train` about
-  to start holds the worker) -- never this program or its ancestors, never pid 1. Unless dry-run: SIGTERM,
-  wait up to the grace, SIGKILL the rest, verify; then remove stale libtpu lock files if no holder is left.
-- `doctor`: everything `tpurun doctor` judges on a worker: the same holder scan, device files, the
-  versions seen by the user's python (tpurun.job.env_contract.PROBE_SCRIPT run with it), XLA variables in the
-  environment and in the shell files users export them from, free disk, and the worker's clock.
+- `kill-stale`: find the processes that hold the TPU -- an open fd on a device file (`/dev/accel*`, `/dev/vfio/*`,
+  read with readlink from /proc/PID/fd: no lsof needed), a mapping of a `libtpu*.so` (/proc/PID/maps), or an open
+  fd on a claim file (`claim_files`: where a `train` about to start holds the worker) -- never this program or its
+  ancestors, never pid 1. Unless dry-run: SIGTERM, the grace, SIGKILL, verify; stale libtpu locks then removed.
+- `doctor`: all `tpurun doctor` judges on a worker: the holder scan, device files, the versions the user's python
+  sees (env_contract.PROBE_SCRIPT), XLA variables in the environment and shell files, free disk, the clock.
 
-As a non-root user, /proc/PID/fd and /proc/PID/maps of other users' processes cannot be read: the scan is
-then re-run under `sudo -n` (never prompting) and, if that is impossible, the answer says how many processes
-could not be inspected. Unit-tested in tests/unit/test_stale_unit.py and test_probe_records.py.
+Other users' /proc/PID/fd and maps are unreadable to a non-root user: the scan is re-run under `sudo -n` (never
+prompting), else the answer says how many processes could not be inspected (tests/unit/test_stale_unit.py).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import fnmatch
 import glob
@@ -31,11 +29,13 @@ import pwd
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+
+TYPE_CHECKING = False  # typing would cost each watchdog 1.8 MiB
+if TYPE_CHECKING:
+    from typing import Any
 
 DEFAULT_DEVICE_GLOBS = ["/dev/accel*", "/dev/vfio/*"]
 DEFAULT_LIBTPU_GLOB = "libtpu*.so"
@@ -168,11 +168,7 @@ class RuntimePlace(Record):
     tpu_env: int | None
 
 
-class DiskSpace(NamedTuple):
-    """A directory and its free bytes (None: cannot stat it); a two-item list in the JSON."""
-
-    path: str
-    free: int | None
+DiskSpace = collections.namedtuple("DiskSpace", ["path", "free"])  # free: bytes, or None (cannot stat it)
 
 
 class DoctorAnswer(Record):
@@ -490,6 +486,8 @@ def own_source() -> str | None:
 
 def run_as_root(mode: str, cfg: dict) -> tuple[dict | None, str]:
     """Run MODE with CFG under `sudo -n` (never prompts): (its JSON result, or None and why not)."""
+    import subprocess  # here: the watchdog never needs it
+
     source = own_source()
     if source is None:
         return None, "cannot re-run under sudo (program source not found)"
@@ -612,6 +610,8 @@ def runtime_place(given: dict, devices: list[str]) -> RuntimePlace:
 
 def run_python_probe(python: str, probe: str, env: dict | None = None) -> dict:
     """The versions PYTHON sees (tpurun.job.env_contract.PROBE_SCRIPT run with it, ENV's variables added)."""
+    import subprocess  # here: the watchdog never needs it
+
     env = {**os.environ, **(env or {})}
     try:
         proc = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, capture_output=True, timeout=60, env=env)

@@ -25,8 +25,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tarfile
-import tempfile
 import threading
 import time
 
@@ -80,6 +78,8 @@ def child_command(python: str, bundle: str) -> str:
 
 def bundle_tar() -> bytes:
     """This relay's own bundle (every file beside it), as a tar."""
+    import tarfile  # here: only a relay with children sends its bundle (0.8 MiB for each leaf)
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for root, _, files in os.walk(HERE):
@@ -368,15 +368,19 @@ class Relay:
         self.env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}  # what a channel's program sees
         self.routes: dict[int, Any] = {}  # channel -> its Local, or the Child it went to
         self.upbox = Outbox(1, "up", beat=relay_wire.frame(relay_wire.BEAT))
-        self.private = tempfile.mkdtemp(prefix="tpurun-relay-")  # 0700
+        self.private = ""  # 0700: the agent's socket and the children's keys, for a relay with children only
         self.agent: subprocess.Popen | None = None
         self.agent_pid = 0
         self.heard_up = time.monotonic()
-        if plan.get("key") and self.node.children:  # a root with no child needs no key
-            self._hold_key(plan["key"])
-        with open(os.path.join(self.private, "known_hosts"), "w") as f:
-            for c in self.node.children:
-                f.write(f"{c.alias} {c.key}\n")
+        if self.node.children:
+            import tempfile  # here: most relays are leaves (0.7 MiB each)
+
+            self.private = tempfile.mkdtemp(prefix="tpurun-relay-")
+            if plan.get("key"):  # a root with no child needs no key
+                self._hold_key(plan["key"])
+            with open(os.path.join(self.private, "known_hosts"), "w") as f:
+                for c in self.node.children:
+                    f.write(f"{c.alias} {c.key}\n")
         self.children: list[Child] = []
         self._tar: bytes | None = None
 
@@ -527,7 +531,7 @@ class Relay:
             self.agent.kill()
             self.agent.wait()
             self.agent = None
-        if not os.path.isdir(self.private):
+        if not self.private or not os.path.isdir(self.private):
             return
         for name in os.listdir(self.private):
             try:

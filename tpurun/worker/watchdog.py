@@ -33,21 +33,20 @@ guest attribute tpurun/watchdog. Nothing a user can write can stop it: every loo
 from __future__ import annotations
 
 import fcntl
-import http.client
 import json
 import os
 import pwd
-import subprocess
 import sys
 import time
 from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
-    from tpurun.worker import probe
+    from tpurun.worker import metaserver, probe
     from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs
     from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import metaserver  # type: ignore[no-redef]
     import probe  # type: ignore[no-redef]
     from agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs  # type: ignore[no-redef]
     from protocol_calls import ComputeTpu, WatchdogConfig  # type: ignore[no-redef]
@@ -70,45 +69,17 @@ SILENT_TICKS = 3
 QUICK_LOOK = 1.0  # seconds between the cheap looks for a job's start or end between two whole looks
 SETTLE_TICKS = 2  # a `--down` job's end: how long the watchdog leaves the deletion to an attached client
 MAX_USER_FILE = 1 << 20
-MD_ROOT = "/computeMetadata/v1/"
 
 
-# ------------------------------------------------------------------ HTTP: metadata server and API
-
-
-def request(method: str, url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes]:
-    u = urlsplit(url)
-    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    conn = cls(u.hostname or "", u.port, timeout=15)
-    try:
-        conn.request(method, u.path + ("?" + u.query if u.query else ""), body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-NET_ERRORS = (OSError, http.client.HTTPException, ValueError)
-
-
-def _md(path: str) -> str:
-    return f"http://{os.environ.get('GCE_METADATA_HOST') or 'metadata.google.internal'}{MD_ROOT}{path}"
-
-
-def metadata(path: str) -> str | None:
-    try:
-        status, data = request("GET", _md(path), headers={"Metadata-Flavor": "Google"})
-    except NET_ERRORS:
-        return None
-    return data.decode("utf-8", "replace") if status == 200 else None
+# ------------------------------------------------------------------ the metadata server and the API
 
 
 def publish(key: str, value: str) -> None:
     try:
-        request(
-            "PUT", _md(f"instance/guest-attributes/{NAMESPACE}/{key}"), value.encode(), {"Metadata-Flavor": "Google"}
+        metaserver.request(
+            "PUT", metaserver.url(f"instance/guest-attributes/{NAMESPACE}/{key}"), value.encode(), metaserver.ASK
         )
-    except NET_ERRORS:
+    except metaserver.NET_ERRORS:
         pass  # the next tick publishes again
 
 
@@ -237,8 +208,8 @@ def tpurun_work() -> tuple[list[str], list[str]]:
 
 class Watchdog:
     def __init__(self) -> None:
-        self.worker = int((metadata("instance/attributes/agent-worker-number") or "0").strip() or 0)
-        self.slice = int(tpu_env_value(metadata("instance/attributes/tpu-env") or "", "MEGASCALE_SLICE_ID") or 0)
+        self.worker = int((metaserver.text("instance/attributes/agent-worker-number") or "0").strip() or 0)
+        self.slice = int(tpu_env_value(metaserver.text("instance/attributes/tpu-env") or "", "MEGASCALE_SLICE_ID") or 0)
         self.idle_since: float | None = time.time()
         self.roots: list[str] = []
         self.jobs: list[str] = []
@@ -255,7 +226,7 @@ class Watchdog:
     # ---- what every worker does
     def config(self) -> WatchdogConfig | None:
         try:
-            return WatchdogConfig.from_json(metadata(f"instance/attributes/{CONFIG_KEY}") or "")
+            return WatchdogConfig.from_json(metaserver.text(f"instance/attributes/{CONFIG_KEY}") or "")
         except ValueError:
             return None
 
@@ -317,7 +288,7 @@ class Watchdog:
         if now < self._first_until:
             return self._first
         c = compute_of(cfg)
-        me = (metadata("instance/name") or "").strip()
+        me = (metaserver.text("instance/name") or "").strip()
         if c.instance:
             self._first = bool(me) and me == c.instance
         else:
@@ -332,13 +303,13 @@ class Watchdog:
         if not endpoint_ok(endpoint):
             raise ValueError(f"refusing to send the VM's token to {endpoint} (https only, or http on loopback)")
         if time.time() >= self._token_until:
-            tok = json.loads(metadata("instance/service-accounts/default/token") or "{}")
+            tok = json.loads(metaserver.text("instance/service-accounts/default/token") or "{}")
             self._token = str(tok.get("access_token", ""))
             self._token_until = time.time() + max(0, int(tok.get("expires_in", 0)) - 60)
         headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
         data = json.dumps(body).encode() if body is not None else None
         root = "compute/v1" if cfg.compute is not None else "v2"
-        status, raw = request(method, f"{endpoint}/{root}/{path}", data, headers)
+        status, raw = metaserver.request(method, f"{endpoint}/{root}/{path}", data, headers)
         try:
             reply = json.loads(raw.decode() or "{}")
         except ValueError:
@@ -423,7 +394,7 @@ class Watchdog:
         group takes the VM with it: so this VM first leaves its group (abandonInstances), then deletes every
         group, then each resource made with the TPU, and last itself."""
         c = compute_of(cfg)
-        scope, me = compute_scope(cfg), (metadata("instance/name") or "").strip()
+        scope, me = compute_scope(cfg), (metaserver.text("instance/name") or "").strip()
         if not me:
             self.say(f"not deleting: the metadata server did not say this VM's name ({why})", repeat=True)
             return False
@@ -647,6 +618,8 @@ def run() -> int:
 def ensure() -> int:
     """Start `run` in the background unless one runs. It needs root: as another user, through `sudo -n`;
     exit 1 if that is refused."""
+    import subprocess  # here: `run`, on every worker for days, has no use for it (2 MiB each)
+
     if os.geteuid() != 0:
         try:
             argv_ = ["sudo", "-n", sys.executable, os.path.abspath(__file__), "ensure"]
