@@ -342,11 +342,8 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
                 Worker(len(workers), address, port, user, slice=where, host=host, internal=internal, host_key=alias)
             )
     chosen = parse_worker_spec(worker_spec, len(workers), [w.name for w in workers] if endpoints.multislice else None)
-    home = s.home_path
-    runners: list[Runner] = [
-        SshRunner(workers[i], key_path=keys.key_path(home), known_hosts=keys.known_hosts_path(home), node_name=name)
-        for i in chosen
-    ]
+    key, known = keys.key_path(s.home_path), keys.known_hosts_path(s.home_path)
+    runners: list[Runner] = [SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name) for i in chosen]
     return Target(
         name,
         endpoints.accelerator_type,
