@@ -11,7 +11,9 @@ and for each: wall time, client CPU seconds (user+sys) and peak RSS (GNU time), 
 threads and open sockets (its /proc polled every 20 ms). The relayed command's cost should not grow with the
 pod; the straight one's does.
 
-    sudo .venv/bin/python scripts/bench/relay_bench.py [--sizes 32,256,1024] [--reps 3] [--write]
+    sudo .venv/bin/python scripts/bench/relay_bench.py [--sizes 32,256,1024] [--reps 3] [--wan] [--created] [--write]
+
+(`--created`: also a v5p-8192 made by `tpurun create`, its workers running tpurun's watchdog, then `exec`.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -105,11 +109,12 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated commands of " + ", ".join(COMMANDS))
     ap.add_argument("--wan", action="store_true", help="also 32 workers behind the latency proxy at 0 and 50 ms RTT")
+    ap.add_argument("--created", action="store_true", help="also a v5p-8192 made by `tpurun create`, then exec")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[str, Any] = {"machine": common.machine(), "sizes": {}}
     with common.bench_emulator() as bench:
-        bench.server.emu.config.max_workers_per_node = max(sizes + [32])
+        bench.server.emu.config.max_workers_per_node = max(sizes + [32] + ([1024] if args.created else []))
         for size in sizes:
             name = f"relay{size}"
             t0 = time.monotonic()
@@ -138,9 +143,59 @@ def main() -> int:
             bench.delete(bench.nodes[name])
         if args.wan:
             results["wan"] = wan(bench, args.reps)
+        if args.created:
+            results["created"] = created(bench, args.reps)
     text = table(results)
     common.publish(results, text, "relays", "## Relays: the client's cost as the pod grows (#42)", write=args.write)
     return 0
+
+
+def _used_mib() -> float:
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    return (info["MemTotal"] - info["MemAvailable"]) / 1024
+
+
+def _run(argv: list[str], bench: common.Bench) -> dict[str, Any]:
+    """ARGV under GNU time with its stderr kept: wall, client CPU, peak RSS, the lines it printed, its exit code,
+    and this machine's peak memory in use meanwhile (every process of every emulated worker)."""
+    peak, done = [_used_mib()], threading.Event()
+
+    def poll() -> None:
+        while not done.wait(0.5):
+            peak[0] = max(peak[0], _used_mib())
+
+    threading.Thread(target=poll, daemon=True).start()
+    with tempfile.NamedTemporaryFile("r", prefix="bench-time-") as tf:
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            ["/usr/bin/time", "-q", "-f", "%U %S %M", "-o", tf.name, *argv],
+            env=bench.env, cwd=bench.home, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        )  # fmt: skip
+        wall = time.monotonic() - t0
+        user, system, rss = tf.read().split()[-3:]
+    done.set()
+    printed = proc.stdout.splitlines() + proc.stderr.splitlines()
+    return {"wall": wall, "cpu": float(user) + float(system), "rss": int(rss) / 1024, "lines": len(printed),
+            "code": proc.returncode, "peak_used": peak[0], "said": proc.stderr.strip().splitlines()[-3:]}  # fmt: skip
+
+
+def created(bench: common.Bench, reps: int) -> dict[str, Any]:
+    """A v5p-8192 (1,024 hosts) made by `tpurun create`, so that every worker runs tpurun's watchdog as on a real
+    TPU, then `exec -- true` (through relays, as `auto` chooses at that size) REPS + 1 times: the first installs
+    tpurun's bundle on every worker."""
+    name = "made1024"
+    out: dict[str, Any] = {"create": _run([*common.tpurun_bin(), "create", name, "-t", "v5p-8192"], bench)}
+    print(f"  created {name}: {out['create']}", flush=True)
+    bench.nodes[name] = common.Node(name, [])
+    time.sleep(30)  # the watchdogs' first looks
+    out["idle_used"] = _used_mib()
+    out["exec"] = []
+    for _ in range(reps + 1):
+        out["exec"].append(_run([*common.tpurun_bin(), "exec", "--tpu", name, "--", "true"], bench))
+        print(f"  exec on {name}: {out['exec'][-1]}", flush=True)
+    bench.delete(bench.nodes[name])
+    return out
 
 
 def wan(bench: common.Bench, reps: int) -> dict[str, Any]:
@@ -179,7 +234,8 @@ def table(res: dict[str, Any]) -> str:
         common.machine_line(res["machine"]),
         "",
         "Command: `sudo .venv/bin/python scripts/bench/relay_bench.py --sizes "
-        + ",".join(res["sizes"]) + "`; medians of interleaved runs.",
+        + ",".join(res["sizes"]) + (" --wan" if "wan" in res else "") + (" --created" if "created" in res else "")
+        + "`; medians of interleaved runs.",
         "",
         "| workers | command | path | wall (s) | client CPU (s) | client peak RSS (MiB) | peak threads | peak sockets |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -203,6 +259,22 @@ def table(res: dict[str, Any]) -> str:
         ]
         for mode, r in res["wan"].items():
             lines.append(f"| {mode} | {r['0']:.2f} | {r['50']:.2f} | {r['round_trips']:.1f} |")
+    if "created" in res:
+        made = res["created"]
+        lines += [
+            "",
+            "A v5p-8192 (1,024 hosts) made by `tpurun create` (`--created`: every worker runs tpurun's watchdog), "
+            f"this machine using {made['idle_used'] / 1024:.1f} GiB with the pod idle; then `exec -- true`, "
+            "relayed (the first run installs tpurun's bundle on every worker).",
+            "",
+            "| command | exit | wall (s) | client CPU (s) | client peak RSS (MiB) | lines printed | machine's peak memory (GiB) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]  # fmt: skip
+        for what, r in [("create", made["create"]), *(("exec", r) for r in made["exec"])]:
+            lines.append(
+                f"| {what} | {r['code']} | {r['wall']:.1f} | {r['cpu']:.2f} | {r['rss']:.0f} | {r['lines']} | "
+                f"{r['peak_used'] / 1024:.1f} |"
+            )
     return "\n".join(lines)
 
 

@@ -16,6 +16,8 @@ by run (A B A B ..., order rotated each round, one unmeasured warm-up round), me
            client, lost and duplicated lines counted by content (each line carries worker/core/seq)
 * stop     core failure -> last remote process gone, and SIGINT -> last process gone (p50/p95), the
            worker process tables polled every 10 ms through the emulator (each worker's pid namespace)
+* relays   (only when asked, `--only relays`: about 40 minutes) relay_bench.py: exec and kill-stale at 32, 256
+           and 1,024 workers relayed against direct, the WAN rows, and a v5p-8192 made by `tpurun create`
 
 Writes docs/bench/results.json, docs/bench/*.png and the generated sections of docs/benchmarks.md.
 """
@@ -617,7 +619,9 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--sizes", help="comma-separated worker counts (default 8,32,64,128; --quick 8,32)")
     ap.add_argument("--reps", type=int, help="repetitions (default 3 quick, 5 full)")
-    ap.add_argument("--only", help="comma-separated subset of launch,train,wan,sync,logs,stop")
+    ap.add_argument(
+        "--only", help="comma-separated subset of launch,train,wan,sync,logs,stop; or relays (not by default)"
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = ap.parse_args()
     q = args.quick
@@ -643,6 +647,15 @@ def main() -> int:
         "sync": {},
     }
     t0 = time.monotonic()
+    if "relays" in only:  # its own emulator and pods, up to 1,024 workers
+        relay_argv = ["--sizes", "32,256,1024", "--reps", str(min(args.reps, 2)), "--wan", "--created"]
+        here = Path(__file__).resolve().parent
+        subprocess.run(
+            [sys.executable, str(here / "relay_bench.py"), *relay_argv, *([] if args.no_write else ["--write"])]
+        )
+        only.discard("relays")
+        if not only:
+            return 0
     with common.bench_emulator() as bench:
         run = Run(bench, args)
         c = run.c
