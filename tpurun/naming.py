@@ -233,19 +233,22 @@ def reason(why: str, name: str = "") -> str:
 def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
     """(name, why) FAILURES as one line per distinct reason, the most common first: the first worker's own
     words, then the workers alike, folded: `… connection refused (and 2,039 more workers alike: w[8-2047])`;
-    past REASONS_UP_TO reasons, one line counts the rest."""
+    past REASONS_UP_TO reasons (a changed host key is always said), one line counts the rest."""
     alike: dict[str, list[tuple[str, str]]] = {}
     for name, why in failures:
         alike.setdefault(reason(why, name), []).append((name, why))
     lines = []
     groups = sorted(alike.values(), key=len, reverse=True)  # stable: ties in the order they came
-    for group in groups[:REASONS_UP_TO]:
+    # a changed host key is always said: it may be one worker's, the rarest reason of all
+    said = [g for i, g in enumerate(groups) if i < REASONS_UP_TO or "HOST KEY" in g[0][1]]
+    for group in said:
         first, why = group[0]
         rest = [name for name in dict.fromkeys(name for name, _ in group) if name != first]
         lines.append(why + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else ""))
-    if len(groups) > REASONS_UP_TO:
-        others = list(dict.fromkeys(name for group in groups[REASONS_UP_TO:] for name, _ in group))
-        more = len(groups) - REASONS_UP_TO
+    if len(groups) > len(said):
+        unsaid = [g for g in groups if not any(g is s for s in said)]
+        others = list(dict.fromkeys(name for group in unsaid for name, _ in group))
+        more = len(unsaid)
         lines.append(f"{more:,} other reason{'s' if more > 1 else ''} on {count(len(others))}: {which(others)}")
     return lines
 

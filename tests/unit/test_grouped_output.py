@@ -203,3 +203,13 @@ def test_subtrees_lost_with_different_relays_are_one_line_and_reasons_are_bounde
     assert lines[1].startswith("cannot reach worker w8 (127.77.1.8) from relay w7: exit 255 (and 2 more workers")
     assert len(lines) == REASONS_UP_TO + 1
     assert lines[-1] == f"{REASONS_UP_TO + 2} other reasons on {REASONS_UP_TO + 2} workers: w[1032-1043]"
+
+
+def test_a_changed_host_key_is_said_however_many_other_reasons():
+    from tpurun.naming import REASONS_UP_TO, each_or_by_reason
+
+    odd = [(f"w{w}", f"w{w}: odd failure number {w}") for w in range(2 * REASONS_UP_TO)]
+    changed = [("w99", "HOST KEY CHANGED for worker w99 (127.0.0.9): relay w1 refused it")]
+    lines = each_or_by_reason(odd + changed)
+    assert changed[0][1] in lines and len(lines) == REASONS_UP_TO + 2
+    assert lines[-1] == f"{REASONS_UP_TO} other reasons on {REASONS_UP_TO} workers: w[10-19]"

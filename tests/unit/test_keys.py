@@ -48,3 +48,26 @@ def test_pins_made_at_once_are_all_kept(tmp_path: Path) -> None:
     assert [p.wait(timeout=60) for p in procs] == [0] * 6, [p.stderr.read() for p in procs if p.stderr]
     pinned = keys.pinned_keys(home)
     assert pinned == {f"tpu.n{i}-{r}": f"ssh-ed25519 AAAAn{i}" for i in range(6) for r in range(40)}
+
+
+def test_a_connection_gets_its_workers_pinned_key_only_and_survives_a_bad_line(tmp_path: Path) -> None:
+    import paramiko
+
+    from tpurun.transport import ssh
+    from tpurun.transport.runner import Worker
+
+    good = paramiko.Ed25519Key.from_private_key_file(str(keys.ensure_key(tmp_path)[0]))
+    line = f"{good.get_name()} {good.get_base64()}"
+    known = keys.known_hosts_path(tmp_path)
+    known.write_text(
+        f"tpu.n-0 {line}\n"
+        "tpu.n-1 ssh-ed25519 AAAA\n"  # a worker published junk: refused, not a crash
+        f"  tpu.n-2,tpu.n-3 {line}\n"
+        f"@cert-authority tpu.n-4 {line}\n"
+    )
+    for index, pinned in ((0, True), (1, False), (2, True), (3, True), (4, False), (5, False)):
+        client = paramiko.SSHClient()
+        ssh._pin_host_keys(client, known, Worker(index, f"127.0.0.{index + 1}", host_key=f"tpu.n-{index}"))
+        found = client.get_host_keys().lookup(f"127.0.0.{index + 1}")
+        assert (found is not None and found["ssh-ed25519"] == good) == pinned, index
+        assert len(client.get_host_keys().keys()) == int(pinned)  # never another worker's key

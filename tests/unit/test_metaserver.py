@@ -60,3 +60,52 @@ def test_put_then_get_and_statuses(server: str) -> None:
 def test_nothing_listening_is_no_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
     assert metaserver.text("instance/name") is None and metaserver.status("instance/name") is None
+
+
+def _raw_server(answer: bytes) -> tuple[str, threading.Event]:
+    """A server that sends ANSWER to one request and keeps the connection open until told."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(answer)
+        done.wait(30)
+        conn.close()
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", done
+
+
+def test_an_answer_ends_at_its_length_even_on_a_connection_kept_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    host, done = _raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\nhello")
+    monkeypatch.setenv("GCE_METADATA_HOST", host)
+    monkeypatch.setattr(metaserver.socket, "create_connection", _short(metaserver.socket.create_connection))
+    try:
+        assert metaserver.text("instance/name") == "hello"  # not a 2 s wait for a close that never comes
+    finally:
+        done.set()
+
+
+def test_a_chunked_answer_is_refused_not_misread(monkeypatch: pytest.MonkeyPatch) -> None:
+    host, done = _raw_server(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    monkeypatch.setenv("GCE_METADATA_HOST", host)
+    try:
+        with pytest.raises(ValueError, match="chunked"):
+            metaserver.request("GET", metaserver.url("instance/name"), headers=metaserver.ASK)
+    finally:
+        done.set()
+
+
+def test_a_line_break_in_a_header_is_refused() -> None:
+    with pytest.raises(ValueError, match="line break"):
+        metaserver.request("GET", "http://127.0.0.1:9/x", headers={"Authorization": "Bearer a\r\nX-Evil: 1"})
+
+
+def _short(connect):  # type: ignore[no-untyped-def]
+    """create_connection with a 2 s timeout: a read that waits for the close fails instead of passing."""
+    return lambda address, timeout=None: connect(address, timeout=2)

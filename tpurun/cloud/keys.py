@@ -94,6 +94,8 @@ def _make_key(path: Path, pub: Path) -> None:
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # never an empty key after a crash, which a later command would take as made
     os.replace(partial, path)
 
 

@@ -160,7 +160,10 @@ def _pin_host_keys(client: paramiko.SSHClient, known_hosts: Path, worker: Worker
     # the name paramiko checks the server's key under; the key is the one pinned for the worker's identity
     host = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
     for line in lines.get(worker.host_key, []) if worker.host_key else []:
-        entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line.strip())
+        except (paramiko.SSHException, ValueError, TypeError):
+            continue  # a key a worker published that is no key: nothing pinned, so the worker is refused
         if entry is not None and entry.key is not None:
             client.get_host_keys().add(host, entry.key.get_name(), entry.key)
 

@@ -30,20 +30,36 @@ def request(method: str, url: str, body: bytes | None = None, headers: dict | No
             raise ValueError(f"{method} {url}: {exc!r}") from None
         finally:
             conn.close()
-    lines = [f"{method} {target} HTTP/1.0", f"Host: {u.netloc}", f"Content-Length: {len(body or b'')}"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines = [f"{method} {target} HTTP/1.0", f"Host: {u.netloc}", "Connection: close"]
+    lines += [f"Content-Length: {len(body or b'')}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    if any(c in line for line in lines for c in "\r\n\0"):
+        raise ValueError(f"{method} {url}: a line break in the request")
     with socket.create_connection((u.hostname or "", u.port or 80), timeout=15) as sock:
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
-        chunks = []
-        while True:  # an HTTP/1.0 answer ends where the server closes
-            data = sock.recv(1 << 16)
-            if not data:
-                break
-            chunks.append(data)
-    head, sep, rest = b"".join(chunks).partition(b"\r\n\r\n")
+        return _answer(sock, f"{method} {url}")
+
+
+def _answer(sock: socket.socket, what: str) -> tuple[int, bytes]:
+    """(status, body) read from SOCK: its Content-Length's worth, else up to the server's close."""
+    data, size = b"", None
+    while size is None or len(data) < size:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+        if size is None and b"\r\n\r\n" in data:
+            header = data.split(b"\r\n\r\n", 1)[0].lower().split(b"\r\n")
+            fields = dict(line.split(b":", 1) for line in header[1:] if b":" in line)
+            if fields.get(b"transfer-encoding", b"").strip() not in (b"", b"identity"):
+                raise ValueError(f"{what}: a chunked answer to an HTTP/1.0 request")
+            length = fields.get(b"content-length", b"").strip()
+            size = len(data.split(b"\r\n\r\n", 1)[0]) + 4 + int(length) if length.isdigit() else None
+    head, sep, rest = data.partition(b"\r\n\r\n")
     status = head.split(b"\r\n", 1)[0].split()
     if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/") or not status[1].isdigit():
-        raise ValueError(f"{method} {url}: not an HTTP answer")
+        raise ValueError(f"{what}: not an HTTP answer")
+    if size is not None and len(data) < size:
+        raise ValueError(f"{what}: the answer ended early")
     return int(status[1]), rest
 
 
