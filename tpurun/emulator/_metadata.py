@@ -17,6 +17,7 @@ import json
 import re
 import selectors
 import socket
+import sys
 import threading
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -151,6 +152,12 @@ class _Server(ThreadingMixIn, HTTPServer):
     def __init__(self, address: tuple[str, int], source: MetadataSource) -> None:
         self.source = source
         super().__init__(address, _Handler)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that hung up before its answer (one that gave up waiting on a loaded machine) is the client's
+        business, as on the real metadata server; anything else is the emulator's bug and printed."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind does a reverse DNS lookup (getfqdn); skip it.

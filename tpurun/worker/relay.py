@@ -62,12 +62,16 @@ _BOOT = (
     " while k!=85:k,_,n=H.unpack(r(H.size));b=r(n)\n"  # heartbeats come first, then the BUNDLE (U)
     " t=d+'.tmp.%d'%os.getpid();os.makedirs(t)\n"
     " tarfile.open(fileobj=io.BytesIO(b)).extractall(t)\n"
+    " import compileall;compileall.compile_dir(t,quiet=1)\n"  # here, not in every relay's own memory
     " try:os.rename(t,d)\n"
     " except OSError:pass\n"
 )
+# The relay runs as a module imported from its compiled file, not as a script compiled at every start: 5.1 MiB
+# on each worker, not 6.4 (7.2 where the bundle had never been compiled). Its path stays in its command line.
 _CHILD = (
     f'p=$1; n=$2; f="{BIN}/$n/relay.py"; [ -f "$f" ] || "$p" -S -E -c "$3" "$n" || exit {MISSING}; '
-    'exec "$p" -S -E -s "$f"'
+    'exec "$p" -S -E -s -c "import os, sys; sys.path[0] = os.path.dirname(sys.argv[1]); import relay; '
+    'sys.exit(relay.main())" "$f"'
 )
 
 
