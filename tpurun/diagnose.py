@@ -54,9 +54,12 @@ def run_probe(target: Target, mode: str, cfg: dict[str, Any], python: str, timeo
     """The probe in MODE on every reachable worker of TARGET at once, run by PYTHON."""
     run = ProbeRun(errors=target.fleet.connect())
 
+    # the same command line on every worker (relays carry it once per link, not the probe's 30 KB per worker);
+    # on stdin, what tpurun gives every process it starts there of the worker's place (doctor checks it)
+    argv = probe.program_argv(python, mode, cfg | {"vm_env_on_stdin": True})
+
     def call(w: Worker) -> Call:
-        # what tpurun gives every process it starts there of the worker's place (doctor checks it)
-        return Call.command(probe.program_argv(python, mode, cfg | {"vm_env": target.vm_env(w)}))
+        return Call.command(argv, input=json.dumps(target.vm_env(w)).encode())
 
     labels = {w.index: w.label() for w in target.all_workers}
     for index, a in target.fleet.call(call, timeout=timeout).items():

@@ -112,10 +112,15 @@ def test_the_probes_own_answers_read_as_records(tmp_path: Path, python: str | No
         assert answer.to_dict() == data and not answer.free
         assert [(h.pid, h.holds, h.result) for h in answer.holders] == [(holder.pid, [str(dev)], "would kill")]
         assert [(lk.path, lk.result) for lk in answer.locks] == [(str(tmp_path / "lockfile"), "would remove")]
-        argv = probe.program_argv(python, "doctor", dict(cfg, probe='print(\'{"python_version": "3"}\')'))
-        data = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout)
+        # the worker's place comes on stdin (the command line the same on every worker), as diagnose sends it
+        argv = probe.program_argv(
+            python, "doctor", dict(cfg, probe='print(\'{"python_version": "3"}\')', vm_env_on_stdin=True)
+        )
+        place = json.dumps({"TPU_WORKER_ID": "3"})
+        data = json.loads(subprocess.run(argv, input=place, capture_output=True, text=True, timeout=60).stdout)
         doctor = probe.DoctorAnswer.from_dict(data)
         assert doctor.to_dict() == data and doctor.python_probe == {"python_version": "3"}
+        assert doctor.runtime_place.given == {"TPU_WORKER_ID": "3"}
         assert doctor.devices_present == [str(dev)] == doctor.devices_plain and doctor.holders[0].pid == holder.pid
         assert doctor.holders[0].start is None and doctor.disk["tmp"].path == "/tmp"
     finally:

@@ -682,14 +682,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("usage: MODE CONFIG_JSON (MODE: kill-stale, doctor, scan)\n")
         return 2
     cfg = json.loads(args[1])
-    if args[0] == "kill-stale":
-        out = kill_stale(cfg)
-    elif args[0] == "doctor":
-        out = doctor(cfg)
-    else:
-        out = scan(*_scan_cfg(cfg))
-    sys.stdout.write(json.dumps(out) + "\n")
-    sys.stdout.flush()
+    if cfg.pop("vm_env_on_stdin", False):  # each worker's own: the command line stays the same on every worker
+        cfg["vm_env"] = json.loads(sys.stdin.read() or "{}")
+    out = kill_stale(cfg) if args[0] == "kill-stale" else doctor(cfg) if args[0] == "doctor" else scan(*_scan_cfg(cfg))
+    print(json.dumps(out), flush=True)
     return 0
 
 
