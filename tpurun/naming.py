@@ -240,16 +240,17 @@ def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
     lines = []
     groups = sorted(alike.values(), key=len, reverse=True)  # stable: ties in the order they came
     # a changed host key is always said: it may be one worker's, the rarest reason of all
-    said = [g for i, g in enumerate(groups) if i < REASONS_UP_TO or "HOST KEY" in g[0][1]]
+    said: list[list[tuple[str, str]]] = []
+    unsaid: list[list[tuple[str, str]]] = []
+    for i, group in enumerate(groups):
+        (said if i < REASONS_UP_TO or "HOST KEY" in group[0][1] else unsaid).append(group)
     for group in said:
         first, why = group[0]
         rest = [name for name in dict.fromkeys(name for name, _ in group) if name != first]
         lines.append(why + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else ""))
-    if len(groups) > len(said):
-        unsaid = [g for g in groups if not any(g is s for s in said)]
+    if unsaid:
         others = list(dict.fromkeys(name for group in unsaid for name, _ in group))
-        more = len(unsaid)
-        lines.append(f"{more:,} other reason{'s' if more > 1 else ''} on {count(len(others))}: {which(others)}")
+        lines.append(f"{count(len(unsaid), 'other reason')} on {count(len(others))}: {which(others)}")
     return lines
 
 

@@ -159,14 +159,22 @@ def pin_host_keys(home: Path, hosts: dict[str, str]) -> None:
 
 def pinned_keys(home: Path) -> dict[str, str]:
     """{alias: "ssh-ed25519 AAAA..."}: every key pinned, read once."""
-    path = known_hosts_path(home)
-    if not path.exists():
+    return read_pinned(known_hosts_path(home))
+
+
+def read_pinned(path: Path) -> dict[str, str]:
+    """{alias: "ssh-ed25519 AAAA..."} of the known_hosts at PATH ({} where there is none): each name of a line
+    (`a,b`) under its first key; markers such as `@cert-authority` name no host."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
         return {}
     found: dict[str, str] = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         fields = line.split()
-        if len(fields) >= 3:
-            found.setdefault(fields[0], f"{fields[1]} {fields[2]}")
+        if len(fields) >= 3 and not fields[0].startswith(("@", "#")):
+            for name in fields[0].split(","):
+                found.setdefault(name, f"{fields[1]} {fields[2]}")
     return found
 
 

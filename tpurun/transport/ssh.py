@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import config
+from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport._paramiko import paramiko
 from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Run, Runner, Stream, Worker, refuse_nul
@@ -135,37 +136,36 @@ def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
     return t
 
 
-_host_keys_cache: dict[tuple[str, int, int, int], dict[str, list[str]]] = {}
+_host_keys_cache: dict[tuple[str, int, int, int], dict[str, str]] = {}
 _host_keys_lock = threading.Lock()
 
 
 def _pin_host_keys(client: paramiko.SSHClient, known_hosts: Path, worker: Worker) -> None:
-    """Give CLIENT the pinned keys of WORKER only. The file is split into lines by name once per process, and only
-    the worker's own lines are parsed as keys: paramiko's HostKeys merges every line it loads with those before
-    (O(N^2) in the TPUs' workers pinned: 1.8 s of CPU with 2,048 lines, before this command reached anything)."""
+    """Give CLIENT the pinned key of WORKER only. The file is read once per process (`keys.read_pinned`) and only
+    the worker's own key is parsed: paramiko's HostKeys merges every line it loads with those before (O(N^2) in
+    the TPUs' workers pinned: 1.8 s of CPU with 2,048 lines, before this command reached anything)."""
     try:
         st = known_hosts.stat()
     except FileNotFoundError:
         return
     cache_key = (str(known_hosts), st.st_ino, st.st_mtime_ns, st.st_size)
     with _host_keys_lock:
-        lines = _host_keys_cache.get(cache_key)
-        if lines is None:
-            lines = {}
-            for line in known_hosts.read_text().splitlines():
-                for name in line.split(maxsplit=1)[0].split(",") if line.strip() and line[0] != "#" else ():
-                    lines.setdefault(name, []).append(line)
+        pinned = _host_keys_cache.get(cache_key)
+        if pinned is None:
+            pinned = keys.read_pinned(known_hosts)
             _host_keys_cache.clear()
-            _host_keys_cache[cache_key] = lines
-    # the name paramiko checks the server's key under; the key is the one pinned for the worker's identity
-    host = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
-    for line in lines.get(worker.host_key, []) if worker.host_key else []:
-        try:
-            entry = paramiko.hostkeys.HostKeyEntry.from_line(line.strip())
-        except (paramiko.SSHException, ValueError, TypeError):
-            continue  # a key a worker published that is no key: nothing pinned, so the worker is refused
-        if entry is not None and entry.key is not None:
-            client.get_host_keys().add(host, entry.key.get_name(), entry.key)
+            _host_keys_cache[cache_key] = pinned
+    line = pinned.get(worker.host_key) if worker.host_key else None
+    if line is None:
+        return
+    try:
+        entry = paramiko.hostkeys.HostKeyEntry.from_line(f"{worker.host_key} {line}")
+    except (paramiko.SSHException, ValueError, TypeError):
+        return  # a key a worker published that is no key: nothing pinned, so the worker is refused
+    if entry is not None and entry.key is not None:
+        # the name paramiko checks the server's key under; the key is the one pinned for the worker's identity
+        host = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
+        client.get_host_keys().add(host, entry.key.get_name(), entry.key)
 
 
 def readable(chan: paramiko.Channel, timeout: float) -> bool:

@@ -63,18 +63,10 @@ def _answer(sock: socket.socket, what: str) -> tuple[int, bytes]:
     return int(status[1]), rest
 
 
-def url(path: str, host_variable: str = "GCE_METADATA_HOST") -> str:
-    """PATH (`instance/...`) on this VM's metadata server: the host in HOST_VARIABLE (Google's libraries read
-    GCE_METADATA_HOST, the TPU runtimes GCE_METADATA_IP), else metadata.google.internal."""
-    return f"http://{os.environ.get(host_variable) or 'metadata.google.internal'}{ROOT}{path}"
-
-
-def status(path: str, host_variable: str = "GCE_METADATA_HOST") -> int | None:
-    """The HTTP status the metadata server answers for PATH; None when none answers."""
-    try:
-        return request("GET", url(path, host_variable), headers=ASK)[0]
-    except NET_ERRORS:
-        return None
+def url(path: str) -> str:
+    """PATH (`instance/...`) on this VM's metadata server: the host in GCE_METADATA_HOST (as Google's libraries
+    read it), else metadata.google.internal."""
+    return f"http://{os.environ.get('GCE_METADATA_HOST') or 'metadata.google.internal'}{ROOT}{path}"
 
 
 def text(path: str) -> str | None:
