@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,14 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _is_time(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0] == b"/usr/bin/time"
+    except OSError:
+        return False
+
+
 def _threads_sockets(pid: int) -> tuple[int, int]:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -62,26 +71,53 @@ def _threads_sockets(pid: int) -> tuple[int, int]:
         return 0, 0
 
 
-def measured(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """ARGV under GNU time, its peak threads and sockets polled meanwhile."""
+_SS_SOCKET = re.compile(r"^\S+\s+\S+\s+(\S+)\s+(\S+)\s+users:.*?pid=(\d+),")
+
+
+def _tcp_sent(pids: set[int], into: dict[tuple[str, str], int]) -> None:
+    """The bytes each TCP connection of PIDS has sent so far (the kernel's tcp_info, through `ss`), into INTO."""
+    out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
+    which = None
+    for line in out.splitlines():
+        m = _SS_SOCKET.match(line)
+        if m:
+            which = (m.group(1), m.group(2)) if int(m.group(3)) in pids else None
+        elif which and "bytes_sent:" in line:
+            into[which] = int(line.split("bytes_sent:")[1].split()[0])
+
+
+def measured(
+    argv: list[str], env: dict[str, str], cwd: Path | None = None, stdout: Any = None, *, tcp: bool = False
+) -> dict[str, Any]:
+    """ARGV under GNU time, its peak threads and sockets polled meanwhile (every 20 ms); with TCP, also the
+    bytes it sent over TCP (its connections' counters read every 100 ms: a connection's last 100 ms before
+    it closes are not counted)."""
     peak = [0, 0]
+    sent: dict[tuple[str, str], int] = {}
     done = threading.Event()
 
     def poll() -> None:
+        last_ss = 0.0
         while not done.is_set():
-            for p in _children(os.getpid()):  # /usr/bin/time
-                for q in _children(p):  # tpurun
-                    t, s = _threads_sockets(q)
-                    peak[0], peak[1] = max(peak[0], t), max(peak[1], s)
+            pids = set()
+            for p in _children(os.getpid()):  # /usr/bin/time (and the emulator's workers, not measured)
+                if _is_time(p):
+                    pids.update(_children(p))  # tpurun
+            for q in pids:
+                t, s = _threads_sockets(q)
+                peak[0], peak[1] = max(peak[0], t), max(peak[1], s)
+            if tcp and pids and time.monotonic() - last_ss > 0.1:
+                last_ss = time.monotonic()
+                _tcp_sent(pids, sent)
             time.sleep(0.02)
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
-    sample = common.timed(argv, env)
+    sample = common.timed(argv, env, cwd, stdout)
     done.set()
     poller.join()
     return {"wall": sample.wall, "cpu": sample.cpu, "rss": sample.rss_mib, "threads": peak[0], "sockets": peak[1],
-            "code": sample.code}  # fmt: skip
+            "sent": sum(sent.values()), "code": sample.code}  # fmt: skip
 
 
 def made(bench: common.Bench, name: str, accelerator_type: str) -> None:
