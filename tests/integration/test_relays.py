@@ -1,13 +1,14 @@
 """Commands through relays inside the slice, against the same commands straight from this machine, on an
 emulated pod whose relay tree is three levels deep (one root, fan-out 2): the same output, exit codes and files;
 fail-fast, Ctrl-C and a relay killed mid-command leave nothing on any worker; a worker its relay cannot reach
-and a host key that does not match inside the slice are reported as such; no key of tpurun's is left on a
-worker."""
+and a host key that does not match inside the slice are reported as such, and the workers below a relay that
+cannot be reached are reached another way; no key of tpurun's is left on a worker."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -126,7 +127,8 @@ def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(cli, emul
     addresses = [w["address"] for w in emulator.node_info(name)["workers"]]
     # w3's pinned key replaced by another worker's: the relay that reaches w3 must refuse it
     alias3, alias4 = cli.host_key_alias(addresses[3]), cli.host_key_alias(addresses[4])
-    lines = cli.known_hosts.read_text().splitlines()
+    original = cli.known_hosts.read_text()
+    lines = original.splitlines()
     key4 = next(line.split(None, 1)[1] for line in lines if line.startswith(alias4 + " "))
     cli.known_hosts.write_text(
         "\n".join(f"{alias3} {key4}" if line.startswith(alias3 + " ") else line for line in lines) + "\n"
@@ -141,6 +143,14 @@ def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(cli, emul
     assert r.code == 4, r.err
     assert sorted(r.out.split()) == sorted(["[w5]", "here", "[w7]", "here"]), r.out
     assert "cannot reach worker w6" in r.err and "from relay w5" in r.err, r.err
+    # a relay down (w5, which w0 reaches and which relays for w6 and w7): the workers below it are planned anew
+    # under w0, headed by w6; w6 being down too, by w7 alone
+    cli.known_hosts.write_text(original)
+    emulator.kill_worker(name, 5)
+    r = cli("exec", "--relay", "--", "echo", "here")
+    assert r.code == 4, r.err
+    assert sorted(line.split()[0] for line in r.out.splitlines()) == [f"[w{w}]" for w in (0, 1, 2, 3, 4, 7)], r.out
+    assert re.search(r"cannot reach worker w[56] .*from relay w0", r.err) and "w5" in r.err and "w6" in r.err, r.err
 
 
 TRAIN = """import os, sys, time
@@ -152,6 +162,8 @@ if os.environ.get("LOOP"):
     while True:
         print("tick", w, flush=True)
         time.sleep(0.5)
+if w == 6:
+    time.sleep(2)  # the others' lines all said before fail-fast stops them
 sys.exit(3 if w == 6 else 0)
 """
 

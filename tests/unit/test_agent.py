@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -317,6 +318,23 @@ def test_second_start_is_refused_while_a_job_runs(home: Path, tmp_path: Path) ->
     r = agent(home, "start", input=json.dumps(spec))
     assert r.returncode == 0, r.stderr
     agent(home, "stop", "second")
+
+
+def test_a_first_command_runs_in_the_same_process_and_the_rest_only_if_it_succeeded(home: Path, tmp_path: Path) -> None:
+    """`agent.py --first start SPEC ...` (bundle.program_argv): the start, then the rest, in one Python process."""
+    p = script(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
+    spec = {"job_id": "one", "worker": 0, "detach": True, "cores": [core(0, p)]}
+    encoded = base64.b64encode(json.dumps(spec).encode()).decode()
+    r = agent(home, "--first", "start", encoded, "state", "one")
+    assert r.returncode == 0, r.stderr
+    started, st = (json.loads(line) for line in r.stdout.splitlines())
+    assert started["event"] == "started" and st["job_id"] == "one"
+    other = {**spec, "job_id": "two"}
+    r = agent(home, "--first", "start", base64.b64encode(json.dumps(other).encode()).decode(), "jobs")
+    assert r.returncode == 3 and r.stdout == "" and "one" in r.stderr  # refused: `jobs` never ran
+    r = agent(home, "--first", "start", base64.b64encode(b"\xff").decode())
+    assert r.returncode != 0 and "not one" in r.stderr
+    agent(home, "stop", "one")
 
 
 def test_cores_die_with_their_supervisor(home: Path, tmp_path: Path) -> None:

@@ -25,13 +25,8 @@ _INSTALL = (
     '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
 )
 # The one way a bundle program runs on a worker: PYTHON runs FILE of this version's bundle (exit MISSING where it
-# is not installed). With a first command (its word and its input, base64), that runs first with the input on
-# its stdin, on the same channel, and the rest only if it succeeded (a job's start, then its stream), if any.
-_RUN = (
-    f'p=$1; f="{BIN}/$2/$3"; c=$4; i=$5; shift 5; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
-    'if [ -n "$c" ]; then printf %s "$i" | base64 -d | "$p" "$f" "$c" || exit $?; [ $# -gt 0 ] || exit 0; fi; '
-    'exec "$p" "$f" "$@"'
-)
+# is not installed).
+_RUN = f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; exec "$p" "$f" "$@"'
 
 
 def install(runner: Runner) -> None:
@@ -42,10 +37,11 @@ def install(runner: Runner) -> None:
 
 def program_argv(python: str, program: str, *args: str, first: tuple[str, bytes] | None = None) -> list[str]:
     """Run PROGRAM (a file of the bundle, e.g. agent.py) with PYTHON; exits AgentExit.MISSING without the bundle.
-    FIRST: (a command of PROGRAM, its stdin) run before, ARGS only if it succeeded (none: only FIRST runs)."""
-    command, data = first or ("", b"")
-    encoded = base64.b64encode(data).decode()
-    return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, command, encoded, *args]
+    FIRST (agent.py only): a command and its input, run first in the same process, ARGS only if it succeeded
+    (a job's start, then its stream: one Python on the worker, not two); none: only FIRST runs."""
+    if first:
+        args = ("--first", first[0], base64.b64encode(first[1]).decode(), *args)
+    return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, *args]
 
 
 def call_argv(call: Call) -> list[str]:

@@ -11,9 +11,9 @@ goes to the roots that have children only, into an ssh-agent the relays below us
 connect, ended once the tree stands.
 
 `run`, `call`, `open`/`answer`, `follow` and `chorus` (sync) go through the relays; `converse` (download)
-still goes from this machine to every worker (the `Threads` fleet), and a relay lost takes its subtree with
-it (its workers are reported lost, with why) rather than reaching it another way.
-"""
+still goes from this machine to every worker (`Threads`). A worker not reached while the tree is built takes
+none below it along (they are planned anew); a relay lost later takes its subtree with it for the rest of
+the command (reported lost, with why; a job stops)."""
 
 from __future__ import annotations
 
@@ -238,7 +238,8 @@ class Relays(Fleet):
         return dict(unreached)
 
     def _start_links(self, fanout: int) -> None:
-        plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "silence": self.silence}
+        plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "silence": self.silence,
+                       "fanout": fanout}  # fmt: skip
         pending = [link for link in self._links if not link.ready.is_set()]
 
         def start(link: _Link) -> None:

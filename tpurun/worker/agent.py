@@ -11,6 +11,8 @@ and protocol_calls.py's.
 
 Commands (exit codes: protocol.AgentExit):
   start                      a JobSpec (JSON) on stdin; prints a started (or start-failed) event; returns at once
+  --first COMMAND DATA ...   COMMAND with DATA (base64) as its input, then (if it succeeded) the command that
+                             follows, in this one process (a job's start, then its stream: see bundle.program_argv)
   stop JOB [--grace S]       stops every process; returns when none of the job's is left; prints state
   stream JOB [--offsets JSON] [--follow] [--attached]
                              framed records (JSON lines) from the per-slot .rec files
@@ -35,16 +37,15 @@ and takes its chip's slot, with its own files, found at run time; the supervisor
 from __future__ import annotations
 
 import argparse
+import base64
 import io
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 
-import agent_stacks
 import versions
 
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
@@ -72,7 +73,6 @@ from agent_files import (
     write_json_atomic,
     write_state,
 )
-from agent_supervisor import Supervisor
 from protocol import (
     TERMINAL,
     AgentExit,
@@ -94,8 +94,11 @@ from protocol_calls import JobSpec, Preflight
 
 
 def cmd_start(args) -> int:
+    from agent_supervisor import Supervisor  # this command's alone (and the supervisor's, forked from it)
+
     try:
-        spec = JobSpec.from_json(sys.stdin.read())
+        data = sys.stdin.buffer.read() if args.input is None else args.input
+        spec = JobSpec.from_json(data.decode())
     except ValueError as e:
         raise AgentError(f"the job spec on stdin is not one: {e}") from e
     jdir = job_dir(spec.job_id)
@@ -139,6 +142,8 @@ def cmd_start(args) -> int:
         raise AgentError(f"the supervisor of job {spec.job_id} died while starting: {tail}", code=AgentExit.INTERNAL)
     if spec.down and isinstance(msg, Started):
         # `train --down`: the TPU's watchdog deletes it once this job has ended, even with no client left
+        import subprocess
+
         here = os.path.dirname(os.path.abspath(__file__))
         dn = subprocess.DEVNULL
         subprocess.call([sys.executable, os.path.join(here, "watchdog.py"), "ensure"], stdin=dn, stdout=dn, stderr=dn)
@@ -251,6 +256,8 @@ def cmd_preflight(args) -> int:
 
 def cmd_stacks(args) -> int:
     """Every process of the job here with its threads' stacks (JSON: a list of `ProcessStack`s)."""
+    import agent_stacks
+
     st = _load_state(args.job)
     found = agent_stacks.collect(args.job, job_dir(args.job), st, args.timeout)
     print(json.dumps([ps.to_dict() for ps in found]))
@@ -487,7 +494,7 @@ def _silence_stdout() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agent.py", description="tpurun worker agent")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("start", help="start a job from the JSON spec on stdin")
@@ -508,24 +515,43 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stacks", help="the stacks of every thread of every process of a job here")
     p.add_argument("job")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every process's answer")
+    return parser
+
+
+COMMANDS = {
+    "start": cmd_start,
+    "stop": cmd_stop,
+    "stream": cmd_stream,
+    "jobs": cmd_jobs,
+    "preflight": cmd_preflight,
+    "state": cmd_state,
+    "stacks": cmd_stacks,
+}
+
+
+def _command(parser: argparse.ArgumentParser, argv: list[str], given: bytes | None = None) -> int:
+    """The command ARGV, with GIVEN in place of its stdin where it reads one (start)."""
     args = parser.parse_args(argv)
-    commands = {
-        "start": cmd_start,
-        "stop": cmd_stop,
-        "stream": cmd_stream,
-        "jobs": cmd_jobs,
-        "preflight": cmd_preflight,
-        "state": cmd_state,
-        "stacks": cmd_stacks,
-    }
-    if args.command not in commands:
+    if args.command not in COMMANDS:
         parser.print_usage(sys.stderr)
         return AgentExit.USAGE
+    args.input = given
     try:
-        return commands[args.command](args)
+        return COMMANDS[args.command](args)
     except AgentError as e:
         sys.stderr.write(f"tpurun agent: {e}\n")
         return e.code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if argv[:1] == ["--first"] and len(argv) >= 3:  # a first command and its input, then the rest if it succeeded
+        rc = _command(parser, argv[1:2], base64.b64decode(argv[2]))
+        if rc != AgentExit.OK or len(argv) == 3:
+            return rc
+        argv = argv[3:]
+    return _command(parser, argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import time
 import relay_wire
 from relay_wire import Node, Opening
 
+REPLANS = 2  # how many times the workers below a child that cannot be reached are planned anew (Relay.start)
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -309,7 +311,7 @@ class Child:
                 self.link.put(relay_wire.frame(relay_wire.BUNDLE, 0, self.relay.tar()))
             relay = self.relay
             sub = {"node": self.node.to_wire(), "python": relay.python, "bundle": relay.bundle, "timeout": relay.timeout,
-                   "silence": relay.dead}  # fmt: skip
+                   "silence": relay.dead, "fanout": relay.fanout}  # fmt: skip
             self.link.put(relay_wire.json_frame(relay_wire.PLAN, sub))
         elif kind == relay_wire.READY:
             self.unreached = json.loads(payload)["unreached"]
@@ -369,6 +371,7 @@ class Relay:
         self.python, self.bundle = plan["python"], plan["bundle"]
         self.timeout = float(plan.get("timeout", 15))
         self.dead = float(plan.get("silence", relay_wire.DEAD_SECONDS))  # a child silent this long is lost
+        self.fanout = int(plan.get("fanout", 32))  # of the subtrees planned anew (start)
         self.env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}  # what a channel's program sees
         self.routes: dict[int, Any] = {}  # channel -> its Local, or the Child it went to
         self.upbox = Outbox(1, "up", beat=relay_wire.frame(relay_wire.BEAT))
@@ -447,20 +450,40 @@ class Relay:
         return argv + [node.address]
 
     def start(self) -> None:
-        """Reach the children (at once), wait until each answered or failed, and say READY."""
+        """Reach the children (at once), wait until each answered or failed, and say READY. A child that cannot be
+        reached (or start its relay) takes none of the workers below it along: they are planned anew below this
+        relay, headed by the first of them, and so on (REPLANS times at most)."""
         self.children = [Child(self, c) for c in self.node.children]
         unreached: dict[str, str] = {}
-        deadline = time.monotonic() + self.timeout * 4 + 30
-        for c in self.children:
-            while not c.ready.wait(0.2):
-                c.watch()
-                if time.monotonic() > deadline:
-                    c.lose(f"relay {c.node.label} did not start within {self.timeout * 4 + 30:.0f} s")
-            unreached.update(c.unreached)
+        waiting = list(self.children)
+        for attempt in range(REPLANS + 1):
+            again = []
+            deadline = time.monotonic() + self.timeout * 4 + 30
+            for c in waiting:
+                while not c.ready.wait(0.2):
+                    c.watch()
+                    if time.monotonic() > deadline:
+                        c.lose(f"relay {c.node.label} did not start within {self.timeout * 4 + 30:.0f} s")
+                below = c.node.below()
+                if c.gone and below and attempt < REPLANS:
+                    unreached[str(c.node.index)] = c.gone
+                    c.indexes = {c.node.index}  # its channels from now on: the workers below have a new way
+                    again.append(self._replan(below))
+                else:
+                    unreached.update(c.unreached)
+            self.children += again
+            waiting = again
         self.forget()  # every relay below has connected to its children: nobody needs the key any more
         self.heard_up = time.monotonic()
         self.up(relay_wire.json_frame(relay_wire.READY, {"unreached": unreached}))
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def _replan(self, nodes: list[Node]) -> Child:
+        """NODES (a lost child's subtree, without it) as one new child of this relay, its host key pinned here too."""
+        (tree,) = relay_wire.plan(nodes, self.fanout, roots=1)
+        with open(os.path.join(self.private, "known_hosts"), "a") as f:
+            f.write(f"{tree.alias} {tree.key}\n")
+        return Child(self, tree)
 
     def _watch(self) -> None:
         """Children silent too long are given up; a parent silent too long (its heartbeat stopped: it hung,

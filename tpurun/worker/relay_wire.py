@@ -174,6 +174,10 @@ class Node:
     def indexes(self) -> list[int]:
         return [n.index for n in self.walk()]
 
+    def below(self) -> list[Node]:
+        """Every node below this one, childless, in order: what is planned anew when this one cannot be reached."""
+        return [Node(n.index, n.label, n.address, n.port, n.user, n.alias, n.key) for n in self.walk()][1:]
+
 
 def plan(nodes: Sequence[Node], fanout: int, roots: int = 0) -> list[Node]:
     """NODES (childless) as trees: ROOTS (else FANOUT) contiguous groups, each headed by its first node, whose
