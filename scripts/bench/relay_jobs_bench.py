@@ -8,8 +8,9 @@ in-process emulator), runs interleaved between `TPURUN_RELAY=on` and `off`:
            process's first line; beside it `tpurun exec -- python3 -c pass`, the floor the goal is set against
 * chatty   `tpurun train lines.py 200 --cores 1` (200 lines per host): the client's CPU, peak RSS, threads
            and sockets; every line checked by content (lost, duplicated, mangled)
-* logs     `tpurun train lines.py N --cores 4`: lines per second at this machine, every line checked
-* stop     SIGINT to tpurun once every process of `train stopme.py --cores 4` runs: to the last process gone
+* logs     `tpurun train lines.py N --cores 4`: lines per second at this machine (first line to last, and the
+           whole command), every line checked
+* stop     SIGINT to tpurun once every process of `train stopme.py --cores 1` runs: to the last process gone
            from every worker's pid namespace, and to tpurun's exit
 * sync     a first `tpurun sync` of a 100-file tree into a new directory, then a no-op one: the bytes this
            machine sent (the kernel's counters of tpurun's TCP connections, read with `ss`)
@@ -20,11 +21,14 @@ in-process emulator), runs interleaved between `TPURUN_RELAY=on` and `off`:
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +68,22 @@ def _check_lines(text: str, hosts: int, cores: int, lines: int) -> dict[str, int
         "mangled": mangled,
         "out_of_order": sum(v != sorted(v) for v in seen.values()),
     }
+
+
+def _growth(f: Any) -> tuple[threading.Event, list[float]]:
+    """Watch file F grow (every 10 ms) until the event is set: [when it first grew, when it last did]."""
+    done, seen = threading.Event(), []
+
+    def poll() -> None:
+        size = 0
+        while not done.wait(0.01):
+            now = os.fstat(f.fileno()).st_size
+            if now != size:
+                size = now
+                seen[:] = [seen[0] if seen else time.monotonic(), time.monotonic()]
+
+    threading.Thread(target=poll, daemon=True).start()
+    return done, seen
 
 
 class Jobs:
@@ -122,23 +142,41 @@ class Jobs:
             for m, rs in runs.items()
         }
 
-    def logs(self, lines: int) -> dict[str, Any]:
-        out = {}
+    def logs(self, lines: int, cores: int = 4) -> dict[str, Any]:
+        """Every process prints LINES lines at once: lines per second at this machine from the first line's
+        arrival to the last's (the job's start on this 2-core machine is not the client's throughput), and
+        over the whole command; every line checked."""
+        out: dict[str, Any] = {}
+        argv = self.run.train_argv(self.node, "lines.py", str(lines), cores=cores)
         for mode in self._modes(1):
             self._set(mode)
-            r = self.run.logs(self.node, lines)
-            out[mode] = {"lines_per_s": r["lines_per_s_median"]} | {
-                k: r["best"][k] for k in ("expected", "delivered", "lost", "duplicated", "mangled", "cpu", "rss_mib")
-            }
+            path = self.run.work / "logs.out"
+            with path.open("w+") as f:
+                done, seen = _growth(f)
+                got = relay_bench.measured(argv, self.bench.env, self.run.jobs, f)
+                done.set()
+                f.seek(0)
+                checked = _check_lines(f.read(), self.hosts, cores, lines)
+            path.unlink()
+            span = seen[1] - seen[0] if len(seen) == 2 and seen[1] > seen[0] else float("nan")
+            out[mode] = got | checked | {"expected": self.hosts * cores * lines, "span": span,
+                                         "lines_per_s": checked["delivered"] / span,
+                                         "lines_per_s_wall": checked["delivered"] / got["wall"]}  # fmt: skip
+            print(f"  {self.hosts} logs {mode}: {out[mode]}", flush=True)
         return out
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self, cores: int = 1) -> dict[str, Any]:
+        """SIGINT once every process runs: to the last process gone, and to tpurun's exit (medians)."""
         out = {}
         for mode in self._modes(1):
             self._set(mode)
-            got = self.run.stop(self.node, cores=4)["sigint"]
-            out[mode] = {"gone": got["gone"]["median"], "exit": got["exit"]["median"], "runs": got["gone"]["n"],
-                         "left": got["left_after_exit"], "codes": got["exit_codes"]}  # fmt: skip
+            runs = [r for r in (self.run.stop_once(self.node, "sigint", cores) for _ in range(self.reps)) if r]
+            out[mode] = {"cores": cores, "runs": len(runs), "tried": self.reps,
+                         "gone": statistics.median(r["gone"] for r in runs) if runs else None,
+                         "exit": statistics.median(r["exit"] for r in runs) if runs else None,
+                         "left": max((int(r["left_after_exit"]) for r in runs), default=0),
+                         "codes": sorted({int(r["code"]) for r in runs})}  # fmt: skip
+            print(f"  {self.hosts} stop {mode}: {out[mode]}", flush=True)
         return out
 
     def sync(self, tree: Path) -> dict[str, Any]:
@@ -174,7 +212,11 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     only = set(args.only.split(","))
-    res: dict[str, Any] = {"machine": common.machine(), "command": " ".join(sys.argv[1:]), "sizes": {}}
+    res: dict[str, Any] = {"machine": common.machine(), "commands": [], "sizes": {}}
+    saved = common.BENCH_DOCS / "relay-jobs.json"
+    if args.write and saved.exists():  # a run adds its sizes and measures to the last run's
+        res = json.loads(saved.read_text()) | {"machine": res["machine"]}
+    res["commands"].append(" ".join(sys.argv[1:]))
     with common.bench_emulator() as bench:
         bench.server.emu.config.max_workers_per_node = max(sizes)
         run = run_all.Run(bench, argparse.Namespace(reps=args.reps, log_reps=1, stop_reps=args.reps * 2))
@@ -200,7 +242,10 @@ def main() -> int:
                 row["stop"] = jobs.stop()
             if "sync" in only:
                 row["sync"] = jobs.sync(tree)
-            res["sizes"][str(size)] = row
+            res["sizes"][str(size)] = res["sizes"].get(str(size), {}) | row
+            res["sizes"] = dict(sorted(res["sizes"].items(), key=lambda kv: int(kv[0])))
+            if args.write:
+                common.write_json(saved, res)  # kept as it goes: a later size may not fit this machine
             bench.delete(node)
     common.publish(res, table(res), "relay-jobs", "## Relays: jobs and sync as the pod grows (#42)", write=args.write)
     return 0
@@ -215,7 +260,7 @@ def table(res: dict[str, Any]) -> str:
     lines = [
         common.machine_line(res["machine"]),
         "",
-        f"Command: `sudo .venv/bin/python scripts/bench/relay_jobs_bench.py {res['command']}`; medians of interleaved runs.",
+        "Commands: " + "; ".join(f"`sudo .venv/bin/python scripts/bench/relay_jobs_bench.py {c}`" for c in res["commands"]) + ". Medians of interleaved runs.",
     ]  # fmt: skip
     if any("start" in r for r in sizes.values()):
         lines += ["", "`train start.py --cores 1`: invocation to every process started, against `exec -- python3 -c pass` (goal: at most 1.5×).", "",
@@ -237,21 +282,21 @@ def table(res: dict[str, Any]) -> str:
                 lines.append(f"| {size} | {mode}{bad} | {m['wall']:.2f} | {m['cpu']:.2f} | {m['rss']:.0f} | {m['threads']:.0f} | "
                              f"{m['sockets']:.0f} | {m['lost']} / {m['duplicated']} / {m['mangled']} / {m['out_of_order']} |")  # fmt: skip
     if any("logs" in r for r in sizes.values()):
-        lines += ["", "`train lines.py N --cores 4`: lines per second at this machine (goal: 200,000 or more, none lost).", "",
-                  "| workers × cores | path | lines delivered / expected | lines/s | lost / duplicated / mangled | client CPU (s) | client peak RSS (MiB) |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += ["", "`train lines.py N --cores 4`: lines per second at this machine, from the first line's arrival to the last's, and over the whole command (its start included; goal: 200,000 or more, none lost).", "",
+                  "| workers × cores | path | exit | lines delivered / expected | lines/s, first to last | lines/s, whole command | lost / duplicated / mangled | client CPU (s) | client peak RSS (MiB) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for size, r in sizes.items():
             for mode, m in r.get("logs", {}).items():
-                lines.append(f"| {size} × 4 | {mode} | {m['delivered']:,} / {m['expected']:,} | {m['lines_per_s']:,.0f} | "
-                             f"{m['lost']} / {m['duplicated']} / {m['mangled']} | {m['cpu']:.1f} | {m['rss_mib']:.0f} |")  # fmt: skip
+                lines.append(f"| {size} × 4 | {mode} | {m['code']} | {m['delivered']:,} / {m['expected']:,} | {m['lines_per_s']:,.0f} | "
+                             f"{m['lines_per_s_wall']:,.0f} | {m['lost']:,} / {m['duplicated']} / {m['mangled']} | {m['cpu']:.1f} | {m['rss']:.0f} |")  # fmt: skip
     if any("stop" in r for r in sizes.values()):
-        lines += ["", "SIGINT to `train stopme.py --cores 4` once every process runs: to the last process gone from every worker, and to tpurun's exit (medians).", "",
-                  "| workers × cores | path | runs | gone (ms) | exit (ms) | exit codes | processes left at exit |",
+        lines += ["", "SIGINT to `train stopme.py` once every process runs: to the last process gone from every worker, and to tpurun's exit (medians).", "",
+                  "| workers × cores | path | runs (of tried) | gone (ms) | exit (ms) | exit codes | processes left at exit |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for size, r in sizes.items():
             for mode, m in r.get("stop", {}).items():
-                lines.append(f"| {size} × 4 | {mode} | {m['runs']} | {m['gone'] * 1000:.0f} | {m['exit'] * 1000:.0f} | "
-                             f"{', '.join(map(str, m['codes']))} | {m['left']} |")  # fmt: skip
+                lines.append(f"| {size} × {m['cores']} | {mode} | {m['runs']} ({m['tried']}) | {_cell(m['gone'] and m['gone'] * 1000, '{:.0f}')} | "
+                             f"{_cell(m['exit'] and m['exit'] * 1000, '{:.0f}')} | {', '.join(map(str, m['codes']))} | {m['left']} |")  # fmt: skip
     if any("sync" in r for r in sizes.values()):
         lines += ["", f"`sync` of a {TREE_FILES}-file {TREE_MB} MB tree: the bytes this machine sent over TCP (SSH's framing included; a tree's worth per root is about {TREE_MB * 4} MB).", "",
                   "| workers | path | sync | wall (s) | client CPU (s) | client peak RSS (MiB) | bytes sent (MB) | per worker (MB) |",

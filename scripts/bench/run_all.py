@@ -16,8 +16,9 @@ by run (A B A B ..., order rotated each round, one unmeasured warm-up round), me
            client, lost and duplicated lines counted by content (each line carries worker/core/seq)
 * stop     core failure -> last remote process gone, and SIGINT -> last process gone (p50/p95), the
            worker process tables polled every 10 ms through the emulator (each worker's pid namespace)
-* relays   (only when asked, `--only relays`: about 40 minutes) relay_bench.py: exec and kill-stale at 32, 256
-           and 1,024 workers relayed against direct, the WAN rows, and a v5p-8192 made by `tpurun create`
+* relays   (only when asked, `--only relays`: about 90 minutes) relay_bench.py: exec and kill-stale at 32, 256
+           and 1,024 workers relayed against direct, the WAN rows, and a v5p-8192 made by `tpurun create`;
+           relay_jobs_bench.py: train's start, a chatty job, log throughput, stop and sync at 32, 256 and 512
 
 Writes docs/bench/results.json, docs/bench/*.png and the generated sections of docs/benchmarks.md.
 """
@@ -244,7 +245,12 @@ class Run:
                 t_gone = time.time()
                 break
             time.sleep(0.01)
-        code = proc.wait(60)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            print(f"  ! stop {mode}: tpurun did not exit within 60 s", file=sys.stderr)
+            return None
         t_exit = time.time()
         done.wait(5)
         if t_event is None or t_gone is None:
@@ -650,9 +656,11 @@ def main() -> int:
     if "relays" in only:  # its own emulator and pods, up to 1,024 workers
         relay_argv = ["--sizes", "32,256,1024", "--reps", str(min(args.reps, 2)), "--wan", "--created"]
         here = Path(__file__).resolve().parent
-        subprocess.run(
-            [sys.executable, str(here / "relay_bench.py"), *relay_argv, *([] if args.no_write else ["--write"])]
-        )
+        write = [] if args.no_write else ["--write"]
+        subprocess.run([sys.executable, str(here / "relay_bench.py"), *relay_argv, *write])
+        jobs_argv = ["--reps", str(min(args.reps, 2))]
+        subprocess.run([sys.executable, str(here / "relay_jobs_bench.py"), "--sizes", "32,256", *jobs_argv, *write])
+        subprocess.run([sys.executable, str(here / "relay_jobs_bench.py"), "--sizes", "512", "--reps", "1", *write])
         only.discard("relays")
         if not only:
             return 0
