@@ -46,30 +46,6 @@ TREE_FILES, TREE_MB = 100, 10
 CHATTY_LINES = 200
 
 
-def _check_lines(text: str, hosts: int, cores: int, lines: int) -> dict[str, int]:
-    """Every `L w c i` line of a job's output, checked: delivered, lost, duplicated, mangled, out of order."""
-    seen: dict[tuple[int, int], list[int]] = {}
-    mangled = 0
-    for line in text.splitlines():
-        m = run_all.LINE_RE.match(line)
-        if not m:
-            mangled += line.startswith("[w") and " L " in line
-            continue
-        w, c, w2, c2, i = (int(x) for x in m.groups())
-        if (w, c) != (w2, c2):
-            mangled += 1
-            continue
-        seen.setdefault((w, c), []).append(i)
-    want = set(range(lines))
-    return {
-        "delivered": sum(len(v) for v in seen.values()),
-        "lost": sum(lines - len(set(seen.get((w, c), [])) & want) for w in range(hosts) for c in range(cores)),
-        "duplicated": sum(len(v) - len(set(v)) for v in seen.values()),
-        "mangled": mangled,
-        "out_of_order": sum(v != sorted(v) for v in seen.values()),
-    }
-
-
 def _growth(f: Any) -> tuple[threading.Event, list[float]]:
     """Watch file F grow (every 10 ms) until the event is set: [when it first grew, when it last did]."""
     done, seen = threading.Event(), []
@@ -130,7 +106,7 @@ class Jobs:
                 with tempfile.TemporaryFile("w+") as f:
                     got = relay_bench.measured(argv, self.bench.env, self.run.jobs, f)
                     f.seek(0)
-                    got |= _check_lines(f.read(), self.hosts, 1, CHATTY_LINES)
+                    got |= run_all.check_lines(f.read(), self.hosts, 1, CHATTY_LINES)
                 print(f"  {self.hosts} chatty {mode}: {got}", flush=True)
                 if rnd:
                     runs[mode].append(got)
@@ -156,7 +132,7 @@ class Jobs:
                 got = relay_bench.measured(argv, self.bench.env, self.run.jobs, f)
                 done.set()
                 f.seek(0)
-                checked = _check_lines(f.read(), self.hosts, cores, lines)
+                checked = run_all.check_lines(f.read(), self.hosts, cores, lines)
             path.unlink()
             span = seen[1] - seen[0] if len(seen) == 2 and seen[1] > seen[0] else float("nan")
             out[mode] = got | checked | {"expected": self.hosts * cores * lines, "span": span,

@@ -70,6 +70,30 @@ time.sleep(600)
 """
 
 
+def check_lines(text: str, hosts: int, cores: int, lines: int) -> dict[str, int]:
+    """Every `L w c i` line of a job's output, checked: delivered, lost, duplicated, mangled, out of order."""
+    seen: dict[tuple[int, int], list[int]] = {}
+    mangled = 0
+    for line in text.splitlines():
+        m = LINE_RE.match(line)
+        if not m:
+            mangled += line.startswith("[w") and " L " in line  # a line of ours, split/merged/mis-prefixed
+            continue
+        w, c, w2, c2, i = (int(x) for x in m.groups())
+        if (w, c) != (w2, c2):
+            mangled += 1
+            continue
+        seen.setdefault((w, c), []).append(i)
+    want = set(range(lines))
+    return {
+        "delivered": sum(len(v) for v in seen.values()),
+        "lost": sum(lines - len(set(seen.get((w, c), [])) & want) for w in range(hosts) for c in range(cores)),
+        "duplicated": sum(len(v) - len(set(v)) for v in seen.values()),
+        "mangled": mangled,
+        "out_of_order": sum(v != sorted(v) for v in seen.values()),
+    }
+
+
 def pct(values: list[float], q: float) -> float:
     v = sorted(values)
     if not v:
@@ -160,29 +184,15 @@ class Run:
                 s = common.timed_to(
                     self.train_argv(node, "lines.py", str(lines), cores=cores), f, self.bench.env, self.jobs
                 )
-            seen: dict[tuple[int, int], list[int]] = {}
-            bad = 0
-            with out.open() as f:
-                for line in f:
-                    m = LINE_RE.match(line.rstrip("\n"))
-                    if not m:
-                        if line.startswith("[w") and " L " in line:
-                            bad += 1  # a line of ours, mangled (split/merged/mis-prefixed)
-                        continue
-                    w, c, w2, c2, i = (int(x) for x in m.groups())
-                    if (w, c) != (w2, c2):
-                        bad += 1
-                        continue
-                    seen.setdefault((w, c), []).append(i)
             expected = len(node.workers) * cores * lines
-            got = sum(len(v) for v in seen.values())
-            dup = sum(len(v) - len(set(v)) for v in seen.values())
-            lost = sum(
-                lines - len(set(seen.get((w, c), [])) & set(range(lines)))
-                for w in range(len(node.workers))
-                for c in range(cores)
+            c = check_lines(out.read_text(), len(node.workers), cores, lines)
+            got, lost, dup, bad, in_order = (
+                c["delivered"],
+                c["lost"],
+                c["duplicated"],
+                c["mangled"],
+                not c["out_of_order"],
             )
-            in_order = all(v == sorted(v) for v in seen.values())
             r = {
                 "workers": len(node.workers), "cores": cores, "lines_per_core": lines, "expected": expected,
                 "delivered": got, "lost": lost, "duplicated": dup, "mangled": bad, "in_order_per_core": in_order,
