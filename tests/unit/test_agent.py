@@ -25,9 +25,12 @@ def home(tmp_path: Path) -> Path:
     return h
 
 
-def agent(home: Path, *args: str, input: str | None = None, python: str = sys.executable, timeout: float = 60):
+def agent(
+    home: Path, *args: str, input: str | None = None, python: str = sys.executable, timeout: float = 60, **env_: str
+):
     env = {k: v for k, v in os.environ.items() if k != "TPURUN_AGENT_ROOT"}
     env["HOME"] = str(home)
+    env.update(env_)
     return subprocess.run(
         [python, str(AGENT_PATH), *args], input=input, capture_output=True, text=True, env=env, timeout=timeout
     )
@@ -321,20 +324,35 @@ def test_second_start_is_refused_while_a_job_runs(home: Path, tmp_path: Path) ->
 
 
 def test_a_first_command_runs_in_the_same_process_and_the_rest_only_if_it_succeeded(home: Path, tmp_path: Path) -> None:
-    """`agent.py --first start SPEC ...` (bundle.program_argv): the start, then the rest, in one Python process."""
+    """`agent.py --first start ...` (bundle.program_argv): the start, its spec in the environment (never on a
+    command line, which every user of the worker can read), then the rest, in one Python process."""
     p = script(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
-    spec = {"job_id": "one", "worker": 0, "detach": True, "cores": [core(0, p)]}
-    encoded = base64.b64encode(json.dumps(spec).encode()).decode()
-    r = agent(home, "--first", "start", encoded, "state", "one")
+
+    def given(job: str) -> str:
+        spec = {"job_id": job, "worker": 0, "detach": True, "cores": [core(0, p)]}
+        return base64.b64encode(json.dumps(spec).encode()).decode()
+
+    r = agent(home, "--first", "start", "state", "one", TPURUN_FIRST_INPUT=given("one"))
     assert r.returncode == 0, r.stderr
     started, st = (json.loads(line) for line in r.stdout.splitlines())
     assert started["event"] == "started" and st["job_id"] == "one"
-    other = {**spec, "job_id": "two"}
-    r = agent(home, "--first", "start", base64.b64encode(json.dumps(other).encode()).decode(), "jobs")
+    r = agent(home, "--first", "start", "jobs", TPURUN_FIRST_INPUT=given("two"))
     assert r.returncode == 3 and r.stdout == "" and "one" in r.stderr  # refused: `jobs` never ran
-    r = agent(home, "--first", "start", base64.b64encode(b"\xff").decode())
-    assert r.returncode != 0 and "not one" in r.stderr
+    r = agent(home, "--first", "start", TPURUN_FIRST_INPUT="not base64!")
+    assert r.returncode == 2 and r.stderr.strip() == "tpurun agent: TPURUN_FIRST_INPUT is not base64"
     agent(home, "stop", "one")
+
+
+def test_the_shell_that_runs_a_bundle_program_keeps_a_first_input_off_the_command_line(tmp_path: Path) -> None:
+    from tpurun.transport import bundle
+
+    argv = bundle.program_argv("python3", "agent.py", "stream", "J", first=("start", b"SECRET"))
+    fake = tmp_path / ".tpurun" / "bin" / bundle.bundle_name() / "agent.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("import os, sys\nprint(sys.argv[1:], os.environ.get('TPURUN_FIRST_INPUT'))\n")
+    r = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, HOME=str(tmp_path)))
+    secret = base64.b64encode(b"SECRET").decode()
+    assert r.stdout.strip() == f"['--first', 'start', 'stream', 'J'] {secret}", r.stderr
 
 
 def test_cores_die_with_their_supervisor(home: Path, tmp_path: Path) -> None:

@@ -25,8 +25,14 @@ _INSTALL = (
     '[ -d "$d" ] || mv -T "$t" "$d" 2>/dev/null; rm -rf "$t"; [ -f "$d/agent.py" ]'
 )
 # The one way a bundle program runs on a worker: PYTHON runs FILE of this version's bundle (exit MISSING where it
-# is not installed).
-_RUN = f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; exec "$p" "$f" "$@"'
+# is not installed). A first command's input (`--first COMMAND DATA ...`) goes to the program in its environment,
+# which only its own user can read, not on its command line, which everyone on the worker can, for as long as
+# the program runs (a job's stream: days; the spec holds the job's variables).
+_RUN = (
+    f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
+    'if [ "$1" = --first ]; then TPURUN_FIRST_INPUT=$3; export TPURUN_FIRST_INPUT; c=$2; shift 3; '
+    'set -- --first "$c" "$@"; fi; exec "$p" "$f" "$@"'
+)
 
 
 def install(runner: Runner) -> None:

@@ -11,8 +11,8 @@ and protocol_calls.py's.
 
 Commands (exit codes: protocol.AgentExit):
   start                      a JobSpec (JSON) on stdin; prints a started (or start-failed) event; returns at once
-  --first COMMAND DATA ...   COMMAND with DATA (base64) as its input, then (if it succeeded) the command that
-                             follows, in this one process (a job's start, then its stream: see bundle.program_argv)
+  --first COMMAND ...        COMMAND with $TPURUN_FIRST_INPUT (base64) as its input, then (if it succeeded) the
+                             command that follows, in this one process (a start, then its stream: bundle.program_argv)
   stop JOB [--grace S]       stops every process; returns when none of the job's is left; prints state
   stream JOB [--offsets JSON] [--follow] [--attached]
                              framed records (JSON lines) from the per-slot .rec files
@@ -494,6 +494,9 @@ def _silence_stdout() -> None:
         pass
 
 
+FIRST_INPUT = "TPURUN_FIRST_INPUT"  # the first command's input (base64), from bundle.program_argv's shell
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agent.py", description="tpurun worker agent")
     sub = parser.add_subparsers(dest="command")
@@ -546,11 +549,16 @@ def _command(parser: argparse.ArgumentParser, argv: list[str], given: bytes | No
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if argv[:1] == ["--first"] and len(argv) >= 3:  # a first command and its input, then the rest if it succeeded
-        rc = _command(parser, argv[1:2], base64.b64decode(argv[2]))
-        if rc != AgentExit.OK or len(argv) == 3:
+    if argv[:1] == ["--first"] and len(argv) >= 2:  # a first command and its input, then the rest if it succeeded
+        try:
+            given = base64.b64decode(os.environ.pop(FIRST_INPUT, ""), validate=True)
+        except ValueError:
+            sys.stderr.write(f"tpurun agent: {FIRST_INPUT} is not base64\n")
+            return AgentExit.USAGE
+        rc = _command(parser, argv[1:2], given)
+        if rc != AgentExit.OK or len(argv) == 2:
             return rc
-        argv = argv[3:]
+        argv = argv[2:]
     return _command(parser, argv)
 
 

@@ -268,6 +268,8 @@ class Child:
         self.heard = time.monotonic()
         self.err = b""
         self.gone = ""  # why it is lost, once it is
+        self.unstarted = False  # lost before it said READY: never reached, or its relay never stood
+        self.replans = 0  # how many lost heads above it in this relay's list of children (Relay.start)
         argv = relay.ssh_argv(node) + [child_command(relay.python, relay.bundle)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         # its link carries a heartbeat down too: a relay whose parent went silent stops its subtree
@@ -350,6 +352,7 @@ class Child:
         if self.ready.is_set():
             self.relay.up(relay_wire.json_frame(relay_wire.LOST, relay_wire.lost_doc(self.indexes, why)))
         else:
+            self.unstarted = True
             self.unreached = {str(i): why for i in self.indexes}
             self.ready.set()
 
@@ -452,38 +455,44 @@ class Relay:
     def start(self) -> None:
         """Reach the children (at once), wait until each answered or failed, and say READY. A child that cannot be
         reached (or start its relay) takes none of the workers below it along: they are planned anew below this
-        relay, headed by the first of them, and so on (REPLANS times at most)."""
+        relay as soon as it failed, headed by the first of them, and so on (REPLANS times at most), all within
+        the one deadline the parent waits for this relay."""
         self.children = [Child(self, c) for c in self.node.children]
         unreached: dict[str, str] = {}
-        waiting = list(self.children)
-        for attempt in range(REPLANS + 1):
-            again = []
-            deadline = time.monotonic() + self.timeout * 4 + 30
-            for c in waiting:
-                while not c.ready.wait(0.2):
-                    c.watch()
-                    if time.monotonic() > deadline:
-                        c.lose(f"relay {c.node.label} did not start within {self.timeout * 4 + 30:.0f} s")
+        pending = list(self.children)
+        limit = self.timeout * 4 + 30
+        deadline = time.monotonic() + limit
+        while pending:
+            for c in list(pending):
+                c.watch()
+                if not c.ready.is_set() and time.monotonic() > deadline:
+                    c.lose(f"relay {c.node.label} did not start within {limit:.0f} s")
+                if not c.ready.is_set():
+                    continue
+                pending.remove(c)
                 below = c.node.below()
-                if c.gone and below and attempt < REPLANS:
+                if c.unstarted and below and c.replans < REPLANS:
                     unreached[str(c.node.index)] = c.gone
                     c.indexes = {c.node.index}  # its channels from now on: the workers below have a new way
-                    again.append(self._replan(below))
+                    pending.append(self._replan(below, c.replans + 1))
+                    self.children.append(pending[-1])
                 else:
                     unreached.update(c.unreached)
-            self.children += again
-            waiting = again
+            if pending:
+                time.sleep(0.2)
         self.forget()  # every relay below has connected to its children: nobody needs the key any more
         self.heard_up = time.monotonic()
         self.up(relay_wire.json_frame(relay_wire.READY, {"unreached": unreached}))
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def _replan(self, nodes: list[Node]) -> Child:
+    def _replan(self, nodes: list[Node], replans: int) -> Child:
         """NODES (a lost child's subtree, without it) as one new child of this relay, its host key pinned here too."""
         (tree,) = relay_wire.plan(nodes, self.fanout, roots=1)
         with open(os.path.join(self.private, "known_hosts"), "a") as f:
             f.write(f"{tree.alias} {tree.key}\n")
-        return Child(self, tree)
+        child = Child(self, tree)
+        child.replans = replans
+        return child
 
     def _watch(self) -> None:
         """Children silent too long are given up; a parent silent too long (its heartbeat stopped: it hung,
