@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -82,11 +81,7 @@ class Jobs:
         for rnd in range(self.reps + 1):
             for mode in self._modes(rnd):
                 self._set(mode)
-                t0 = time.time()
-                with tempfile.TemporaryFile("w+") as f:
-                    s = common.timed_to(self.run.train_argv(self.node, "start.py"), f, self.bench.env, self.run.jobs)
-                    f.seek(0)
-                    starts = [float(m.group(1)) for m in re.finditer(r"\] S (\S+) \d+ \d+", f.read())]
+                s, t0, starts = self.run.start_times(self.node)
                 py = relay_bench.measured(floor, self.bench.env)
                 ok = s.code == 0 and len(starts) == self.hosts and py["code"] == 0
                 print(f"  {self.hosts} start {mode}: train {max(starts, default=t0) - t0:.2f}s "
@@ -195,7 +190,7 @@ def main() -> int:
     res["commands"].append(" ".join(sys.argv[1:]))
     with common.bench_emulator() as bench:
         bench.server.emu.config.max_workers_per_node = max(sizes)
-        run = run_all.Run(bench, argparse.Namespace(reps=args.reps, log_reps=1, stop_reps=args.reps * 2))
+        run = run_all.Run(bench, argparse.Namespace(reps=args.reps))  # its helpers only, not its own rounds
         tree = bench.state_dir / "tree"
         tree.mkdir()
         sync_bench.make_tree(tree, TREE_FILES, TREE_MB)
@@ -231,6 +226,11 @@ def _cell(x: float | None, fmt: str = "{:.2f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
+def _section(caption: str, columns: list[str]) -> list[str]:
+    """A table's caption and head."""
+    return ["", caption, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def table(res: dict[str, Any]) -> str:
     sizes = res["sizes"]
     lines = [
@@ -239,9 +239,10 @@ def table(res: dict[str, Any]) -> str:
         "Commands: " + "; ".join(f"`sudo .venv/bin/python scripts/bench/relay_jobs_bench.py {c}`" for c in res["commands"]) + ". Medians of interleaved runs.",
     ]  # fmt: skip
     if any("start" in r for r in sizes.values()):
-        lines += ["", "`train start.py --cores 1`: invocation to every process started, against `exec -- python3 -c pass` (goal: at most 1.5×).", "",
-                  "| workers | path | train: every process started (s) | exec python3 -c pass (s) | ratio |",
-                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += _section(
+            "`train start.py --cores 1`: invocation to every process started, against `exec -- python3 -c pass` (goal: at most 1.5×).",
+            ["workers", "path", "train: every process started (s)", "exec python3 -c pass (s)", "ratio"],
+        )  # fmt: skip
         for size, r in sizes.items():
             for mode, m in r.get("start", {}).items():
                 ratio = m["train"] / m["python"] if m["train"] and m["python"] else None
@@ -249,34 +250,38 @@ def table(res: dict[str, Any]) -> str:
                     f"| {size} | {mode} | {_cell(m['train'])} | {_cell(m['python'])} | {_cell(ratio, '{:.2f}×')} |"
                 )
     if any("chatty" in r for r in sizes.values()):
-        lines += ["", f"`train lines.py {CHATTY_LINES} --cores 1` ({CHATTY_LINES} lines per host): this machine's cost (goal: at most 2× from the smallest pod to the largest, relayed).", "",
-                  "| workers | path | wall (s) | client CPU (s) | client peak RSS (MiB) | peak threads | peak sockets | lost / duplicated / mangled / out of order |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += _section(
+            f"`train lines.py {CHATTY_LINES} --cores 1` ({CHATTY_LINES} lines per host): this machine's cost (goal: at most 2× from the smallest pod to the largest, relayed).",
+            ["workers", "path", "wall (s)", "client CPU (s)", "client peak RSS (MiB)", "peak threads", "peak sockets", "lost / duplicated / mangled / out of order"],
+        )  # fmt: skip
         for size, r in sizes.items():
             for mode, m in r.get("chatty", {}).items():
                 bad = f" ({m['failures']} failed)" if m["failures"] else ""
                 lines.append(f"| {size} | {mode}{bad} | {m['wall']:.2f} | {m['cpu']:.2f} | {m['rss']:.0f} | {m['threads']:.0f} | "
                              f"{m['sockets']:.0f} | {m['lost']} / {m['duplicated']} / {m['mangled']} / {m['out_of_order']} |")  # fmt: skip
     if any("logs" in r for r in sizes.values()):
-        lines += ["", "`train lines.py N --cores 4`: lines per second at this machine, from the first line's arrival to the last's, and over the whole command (its start included; goal: 200,000 or more, none lost).", "",
-                  "| workers × cores | path | exit | lines delivered / expected | lines/s, first to last | lines/s, whole command | lost / duplicated / mangled | client CPU (s) | client peak RSS (MiB) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += _section(
+            "`train lines.py N --cores 4`: lines per second at this machine, from the first line's arrival to the last's, and over the whole command (its start included; goal: 200,000 or more, none lost).",
+            ["workers × cores", "path", "exit", "lines delivered / expected", "lines/s, first to last", "lines/s, whole command", "lost / duplicated / mangled", "client CPU (s)", "client peak RSS (MiB)"],
+        )  # fmt: skip
         for size, r in sizes.items():
             for mode, m in r.get("logs", {}).items():
                 lines.append(f"| {size} × 4 | {mode} | {m['code']} | {m['delivered']:,} / {m['expected']:,} | {m['lines_per_s']:,.0f} | "
                              f"{m['lines_per_s_wall']:,.0f} | {m['lost']:,} / {m['duplicated']} / {m['mangled']} | {m['cpu']:.1f} | {m['rss']:.0f} |")  # fmt: skip
     if any("stop" in r for r in sizes.values()):
-        lines += ["", "SIGINT to `train stopme.py` once every process runs: to the last process gone from every worker, and to tpurun's exit (medians).", "",
-                  "| workers × cores | path | runs (of tried) | gone (ms) | exit (ms) | exit codes | processes left at exit |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += _section(
+            "SIGINT to `train stopme.py` once every process runs: to the last process gone from every worker, and to tpurun's exit (medians).",
+            ["workers × cores", "path", "runs (of tried)", "gone (ms)", "exit (ms)", "exit codes", "processes left at exit"],
+        )  # fmt: skip
         for size, r in sizes.items():
             for mode, m in r.get("stop", {}).items():
                 lines.append(f"| {size} × {m['cores']} | {mode} | {m['runs']} ({m['tried']}) | {_cell(m['gone'] and m['gone'] * 1000, '{:.0f}')} | "
                              f"{_cell(m['exit'] and m['exit'] * 1000, '{:.0f}')} | {', '.join(map(str, m['codes']))} | {m['left']} |")  # fmt: skip
     if any("sync" in r for r in sizes.values()):
-        lines += ["", f"`sync` of a {TREE_FILES}-file {TREE_MB} MB tree: the bytes this machine sent over TCP (SSH's framing included; a tree's worth per root is about {TREE_MB * 4} MB).", "",
-                  "| workers | path | sync | wall (s) | client CPU (s) | client peak RSS (MiB) | bytes sent (MB) | per worker (MB) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += _section(
+            f"`sync` of a {TREE_FILES}-file {TREE_MB} MB tree: the bytes this machine sent over TCP (SSH's framing included; a tree's worth per root is about {TREE_MB * 4} MB).",
+            ["workers", "path", "sync", "wall (s)", "client CPU (s)", "client peak RSS (MiB)", "bytes sent (MB)", "per worker (MB)"],
+        )  # fmt: skip
         for size, r in sizes.items():
             for mode, phases in r.get("sync", {}).items():
                 for ph, m in phases.items():

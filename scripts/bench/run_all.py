@@ -150,16 +150,20 @@ class Run:
 
     # ------------------------------------------------------------------ train start-up
 
+    def start_times(self, node: common.Node) -> tuple[common.Sample, float, list[float]]:
+        """`train start.py` once: its sample, when it was invoked, and when each process started (its first line)."""
+        t0 = time.time()
+        with tempfile.TemporaryFile("w+") as f:
+            s = common.timed_to(self.train_argv(node, "start.py"), f, self.bench.env, self.jobs)
+            f.seek(0)
+            return s, t0, [float(m.group(1)) for m in re.finditer(r"\] S (\S+) \d+ \d+", f.read())]
+
     def train_start(self, node: common.Node) -> dict[str, Any]:
         n = len(node.workers)
         out: list[float] = []
         walls: list[common.Sample] = []
         for rnd in range(1 + self.args.reps):
-            t0 = time.time()
-            with tempfile.TemporaryFile("w+") as f:
-                s = common.timed_to(self.train_argv(node, "start.py"), f, self.bench.env, self.jobs)
-                f.seek(0)
-                starts = [float(m.group(1)) for m in re.finditer(r"\] S (\S+) \d+ \d+", f.read())]
+            s, t0, starts = self.start_times(node)
             if len(starts) != n or s.code:
                 print(f"  ! train start: {len(starts)}/{n} cores reported, exit {s.code}", file=sys.stderr)
                 continue
@@ -184,23 +188,16 @@ class Run:
                 s = common.timed_to(
                     self.train_argv(node, "lines.py", str(lines), cores=cores), f, self.bench.env, self.jobs
                 )
-            expected = len(node.workers) * cores * lines
             c = check_lines(out.read_text(), len(node.workers), cores, lines)
-            got, lost, dup, bad, in_order = (
-                c["delivered"],
-                c["lost"],
-                c["duplicated"],
-                c["mangled"],
-                not c["out_of_order"],
-            )
+            in_order, got = not c.pop("out_of_order"), c["delivered"]
             r = {
-                "workers": len(node.workers), "cores": cores, "lines_per_core": lines, "expected": expected,
-                "delivered": got, "lost": lost, "duplicated": dup, "mangled": bad, "in_order_per_core": in_order,
+                "workers": len(node.workers), "cores": cores, "lines_per_core": lines,
+                "expected": len(node.workers) * cores * lines, **c, "in_order_per_core": in_order,
                 "wall": s.wall, "lines_per_s": got / s.wall, "cpu": s.cpu, "rss_mib": s.rss_mib, "exit": s.code,
             }  # fmt: skip
             print(
-                f"  logs: {got}/{expected} lines in {s.wall:.1f}s = {got / s.wall:,.0f} lines/s, lost {lost}, "
-                f"dup {dup}, mangled {bad}, ordered {in_order}, client cpu {s.cpu:.1f}s",
+                f"  logs: {got}/{r['expected']} lines in {s.wall:.1f}s = {got / s.wall:,.0f} lines/s, lost {c['lost']}, "
+                f"dup {c['duplicated']}, mangled {c['mangled']}, ordered {in_order}, client cpu {s.cpu:.1f}s",
                 flush=True,
             )
             runs.append(r)

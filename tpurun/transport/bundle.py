@@ -11,7 +11,7 @@ from tpurun.errors import UnreachableError
 from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Runner, run_capture
 from tpurun.worker import bundle_name, bundle_tar
-from tpurun.worker.protocol import AgentExit
+from tpurun.worker.protocol import FIRST_INPUT, AgentExit
 
 if TYPE_CHECKING:
     from tpurun.targets import Target
@@ -30,7 +30,7 @@ _INSTALL = (
 # the program runs (a job's stream: days; the spec holds the job's variables).
 _RUN = (
     f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
-    'if [ "$1" = --first ]; then TPURUN_FIRST_INPUT=$3; export TPURUN_FIRST_INPUT; c=$2; shift 3; '
+    f'if [ "$1" = --first ]; then {FIRST_INPUT}=$3; export {FIRST_INPUT}; c=$2; shift 3; '
     'set -- --first "$c" "$@"; fi; exec "$p" "$f" "$@"'
 )
 

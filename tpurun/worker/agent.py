@@ -74,6 +74,7 @@ from agent_files import (
     write_state,
 )
 from protocol import (
+    FIRST_INPUT,
     TERMINAL,
     AgentExit,
     Done,
@@ -492,9 +493,6 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except OSError:
         pass
-
-
-FIRST_INPUT = "TPURUN_FIRST_INPUT"  # the first command's input (base64), from bundle.program_argv's shell
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -152,6 +152,9 @@ DEFAULT_PRE_TIMEOUT = 300.0  # seconds a pre-command may take
 DEFAULT_LEASE = 60.0  # an attached job whose client has had no stream for this long is stopped
 HOST = -1  # the slot a host launch's one process per worker is filed under (its files: w<W>.log, .rec)
 HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files under the process
+# `agent.py --first COMMAND ...`: COMMAND's input, base64, in this variable of the agent's environment (which only
+# its user can read, unlike its command line; bundle.program_argv's shell puts it there)
+FIRST_INPUT = "TPURUN_FIRST_INPUT"
 # `tpurun stacks`: the signal on which faulthandler writes a process's stacks. SIGURG (23 on Linux): its default
 # action is to ignore it, so a process that cannot answer (it exec'd another program since) is not harmed; and
 # the agent sends it only to a process whose kernel record says it catches it

@@ -260,7 +260,7 @@ class Local:
 class Child:
     """A child relay, reached with `ssh`, and the subtree below it."""
 
-    def __init__(self, relay: Relay, node: Node) -> None:
+    def __init__(self, relay: Relay, node: Node, replans: int = 0) -> None:
         self.relay, self.node = relay, node
         self.indexes = set(node.indexes())
         self.ready = threading.Event()
@@ -269,7 +269,7 @@ class Child:
         self.err = b""
         self.gone = ""  # why it is lost, once it is
         self.unstarted = False  # lost before it said READY: never reached, or its relay never stood
-        self.replans = 0  # how many lost heads above it in this relay's list of children (Relay.start)
+        self.replans = replans  # how many lost heads it stands in for, one after the other (Relay.start)
         argv = relay.ssh_argv(node) + [child_command(relay.python, relay.bundle)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         # its link carries a heartbeat down too: a relay whose parent went silent stops its subtree
@@ -374,7 +374,7 @@ class Relay:
         self.python, self.bundle = plan["python"], plan["bundle"]
         self.timeout = float(plan.get("timeout", 15))
         self.dead = float(plan.get("silence", relay_wire.DEAD_SECONDS))  # a child silent this long is lost
-        self.fanout = int(plan.get("fanout", 32))  # of the subtrees planned anew (start)
+        self.fanout = int(plan["fanout"])  # of the subtrees planned anew (start)
         self.env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}  # what a channel's program sees
         self.routes: dict[int, Any] = {}  # channel -> its Local, or the Child it went to
         self.upbox = Outbox(1, "up", beat=relay_wire.frame(relay_wire.BEAT))
@@ -490,9 +490,7 @@ class Relay:
         (tree,) = relay_wire.plan(nodes, self.fanout, roots=1)
         with open(os.path.join(self.private, "known_hosts"), "a") as f:
             f.write(f"{tree.alias} {tree.key}\n")
-        child = Child(self, tree)
-        child.replans = replans
-        return child
+        return Child(self, tree, replans)
 
     def _watch(self) -> None:
         """Children silent too long are given up; a parent silent too long (its heartbeat stopped: it hung,

@@ -14,7 +14,8 @@ meant for many workers, such as a sync's stream, crosses each link once), and 0 
 
 Down the tree (the client's side speaks first):
 
-* `PLAN` (JSON, once): the relay's subtree (`Node`), how to reach the children, the first relay's key;
+* `PLAN` (JSON, once): the relay's subtree (`Node`), how to reach the children, the first relay's key, and
+  the fan-out by which the workers below a child it cannot reach are planned anew;
 * `OPEN` (JSON): start a program on some workers (`Opening`), one channel each, stdin open;
 * `INPUT`: bytes for the stdin of a set of channels; `CLOSE`: end their stdin; `DROP`: stop reading them
   and end their stdin, as closing an SSH channel does (what a program does then is its own affair).
