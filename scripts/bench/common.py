@@ -215,16 +215,24 @@ class Bench:
         name = f"bench{workers}"
         t0 = time.monotonic()
         self.tpurun("create", name, "-t", V4_FOR_WORKERS[workers])
-        info = self.server.emu.node_info(f"projects/{PROJECT}/locations/{ZONE}/nodes/{name}")
-        node = Node(name, [w["address"] for w in info["workers"]])
-        # a deleted node's addresses are reused: its lines go (by address, the peers cannot tell VMs apart)
-        fresh = {w["address"]: f"{w['address']} {w['hostKey']}" for w in info["workers"]}
-        old = self.known_hosts.read_text().splitlines() if self.known_hosts.exists() else []
-        kept = [line for line in old if line.split(" ", 1)[0] not in fresh]
-        self.known_hosts.write_text("".join(line + "\n" for line in [*kept, *fresh.values()]))
+        node = Node(name, self.pin_for_peers(name))
         print(f"created {name} ({workers} workers) in {time.monotonic() - t0:.1f}s", flush=True)
         self.nodes[name] = node
         return node
+
+    def pin_for_peers(self, *nodes: str) -> list[str]:
+        """The addresses of NODES' workers (index order, node after node), their host keys pinned in the peers'
+        known_hosts (a deleted node's addresses are reused: its lines go; the peers cannot tell VMs apart)."""
+        workers = [
+            w
+            for n in nodes
+            for w in self.server.emu.node_info(f"projects/{PROJECT}/locations/{ZONE}/nodes/{n}")["workers"]
+        ]
+        fresh = {w["address"]: f"{w['address']} {w['hostKey']}" for w in workers}
+        old = self.known_hosts.read_text().splitlines() if self.known_hosts.exists() else []
+        kept = [line for line in old if line.split(" ", 1)[0] not in fresh]
+        self.known_hosts.write_text("".join(line + "\n" for line in [*kept, *fresh.values()]))
+        return [w["address"] for w in workers]
 
     def delete(self, node: Node) -> None:
         self.tpurun("delete", node.name, "--yes", check=False)

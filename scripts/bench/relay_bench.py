@@ -4,21 +4,27 @@
 For each pod size (one node each, made with `tpurun create` in one in-process emulator), interleaved runs of
 the same command with `--relay` and with `--no-relay`:
 
-* exec     `tpurun exec -- true`
+* exec     `tpurun exec -- true`, and pdsh's `pdsh -R ssh -f 32 -w HOSTS true` (its default fan-out;
+           OpenSSH with tpurun's key and the workers' pinned keys) as the peer
 * jobs     `tpurun kill-stale --dry-run` (an answer from every worker: a `call` of the Fleet)
 
-and for each: wall time, client CPU seconds (user+sys) and peak RSS (GNU time), and the client's peak
-threads and open sockets (its /proc polled every 20 ms). The relayed command's cost should not grow with the
-pod; the straight one's does.
+and for each: wall time, client CPU seconds (user+sys, of every process of the command: pdsh's ssh clients
+too) and peak RSS (GNU time), and the command's peak threads and open sockets (its processes' /proc polled
+every 20 ms). The relayed command's cost should not grow with the pod; the straight one's does. 2,048
+workers are two slices of v5p-8192 (a multislice queued resource): the largest single slice is 1,536.
 
-    sudo .venv/bin/python scripts/bench/relay_bench.py [--sizes 32,256,1024] [--reps 3] [--wan] [--created] [--write]
+    sudo .venv/bin/python scripts/bench/relay_bench.py [--sizes 32,256,1024,2048] [--reps 3] [--wan] [--created]
+        [--only exec] [--modes relay,direct,pdsh] [--write]
 
-(`--created`: also a v5p-8192 made by `tpurun create`, its workers running tpurun's watchdog, then `exec`.)
+(`--created`: also a v5p-8192 made by `tpurun create`, its workers running tpurun's watchdog, then `exec`.
+`--write` adds this run's sizes, commands and paths to the last run's, in docs/bench/relays.json, and draws
+docs/bench/relays.png.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -36,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 
 TYPES = {8: "v4-64", 32: "v4-256", 64: "v4-512", 128: "v4-1024", 256: "v4-2048", 512: "v4-4096", 1024: "v5p-8192"}
+SLICES = {2048: ("v5p-8192", 2)}  # past the largest slice (1,536 hosts): a multislice TPU
 COMMANDS = {"exec": ["exec", "--", "true"], "kill-stale": ["kill-stale", "--dry-run"]}
+MODES = ("relay", "direct", "pdsh")  # pdsh: exec only
+PDSH_FANOUT = 32  # pdsh's default
 
 
 def _children(pid: int) -> list[int]:
@@ -45,6 +54,16 @@ def _children(pid: int) -> list[int]:
             return [int(p) for p in f.read().split()]
     except OSError:
         return []
+
+
+def _tree(pid: int) -> list[int]:
+    """PID's descendants."""
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += _children(p)
+    return out
 
 
 def _is_time(pid: int) -> bool:
@@ -89,7 +108,7 @@ def _tcp_sent(pids: set[int], into: dict[tuple[str, str], int]) -> None:
 def measured(
     argv: list[str], env: dict[str, str], cwd: Path | None = None, stdout: Any = None, *, tcp: bool = False
 ) -> dict[str, Any]:
-    """ARGV under GNU time, its peak threads and sockets polled meanwhile (every 20 ms); with TCP, also the
+    """ARGV under GNU time, the peak threads and sockets of its processes polled meanwhile (every 20 ms); with TCP, also the
     bytes it sent over TCP (its connections' counters read every 100 ms: a connection's last 100 ms before
     it closes are not counted)."""
     peak = [0, 0]
@@ -102,10 +121,9 @@ def measured(
             pids = set()
             for p in _children(os.getpid()):  # /usr/bin/time (and the emulator's workers, not measured)
                 if _is_time(p):
-                    pids.update(_children(p))  # tpurun
-            for q in pids:
-                t, s = _threads_sockets(q)
-                peak[0], peak[1] = max(peak[0], t), max(peak[1], s)
+                    pids.update(_tree(p))  # tpurun, or pdsh and its ssh clients
+            now = [_threads_sockets(q) for q in pids]
+            peak[0], peak[1] = max(peak[0], sum(t for t, _ in now)), max(peak[1], sum(s for _, s in now))
             if tcp and pids and time.monotonic() - last_ss > 0.1:
                 last_ss = time.monotonic()
                 _tcp_sent(pids, sent)
@@ -138,52 +156,158 @@ def made(bench: common.Bench, name: str, accelerator_type: str) -> None:
     bench.tpurun("attach", name)
 
 
+def made_slices(bench: common.Bench, name: str, accelerator_type: str, slices: int) -> list[str]:
+    """A multislice TPU NAME of SLICES slices made through a queued resource (no startup script, as made()),
+    then adopted with `tpurun attach`; its slices' node names."""
+    from google.api_core.exceptions import NotFound
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import tpu_v2
+
+    from tpurun.emulator.pytest_plugin import fast_polling
+
+    client = tpu_v2.TpuClient(
+        transport="rest", client_options={"api_endpoint": bench.endpoint}, credentials=AnonymousCredentials()
+    )
+    parent = f"projects/{common.PROJECT}/locations/{common.ZONE}"
+    spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
+        parent=parent,
+        multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(node_count=slices, node_id_prefix=name),
+        node=tpu_v2.Node(accelerator_type=accelerator_type, runtime_version="tpu-ubuntu2204-base"),
+    )
+    qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]))
+    op = client.create_queued_resource(parent=parent, queued_resource_id=name, queued_resource=qr)
+    op.result(polling=fast_polling().with_timeout(1800))
+    nodes = [f"{name}-{i}" for i in range(slices)]
+    for node in nodes:  # the queued resource is made at once; its slices when it is provisioned
+        while True:
+            try:
+                if client.get_node(name=f"{parent}/nodes/{node}").state == tpu_v2.Node.State.READY:
+                    break
+            except NotFound:
+                pass
+            time.sleep(2)
+    bench.tpurun("attach", name)
+    return nodes
+
+
+def pdsh_argv(bench: common.Bench, hosts: list[str]) -> tuple[list[str], dict[str, str]]:
+    """pdsh running `true` on HOSTS through OpenSSH, with its default fan-out, and its environment."""
+    env = dict(bench.env, PDSH_RCMD_TYPE="ssh")
+    env["PDSH_SSH_ARGS"] = " ".join(bench.ssh_options()) + " -l%u %h"
+    return ["pdsh", "-R", "ssh", "-l", "root", "-f", str(PDSH_FANOUT), "-w", ",".join(hosts), "true"], env
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="32,256,1024")
+    ap.add_argument("--sizes", default="32,256,1024,2048")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated commands of " + ", ".join(COMMANDS))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated paths of " + ", ".join(MODES))
     ap.add_argument("--wan", action="store_true", help="also 32 workers behind the latency proxy at 0 and 50 ms RTT")
     ap.add_argument("--created", action="store_true", help="also a v5p-8192 made by `tpurun create`, then exec")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    results: dict[str, Any] = {"machine": common.machine(), "sizes": {}}
+    results: dict[str, Any] = {"machine": common.machine(), "commands": [], "sizes": {}}
+    saved = common.BENCH_DOCS / "relays.json"
+    if args.write and saved.exists():  # a run adds its sizes, commands and paths to the last run's
+        results = json.loads(saved.read_text()) | {"machine": results["machine"]}
+        results.setdefault("commands", [])
+    results["commands"].append(" ".join(sys.argv[1:]))
     with common.bench_emulator() as bench:
-        bench.server.emu.config.max_workers_per_node = max(sizes + [32] + ([1024] if args.created else []))
+        bench.server.emu.config.max_workers_per_node = max(
+            [s for s in sizes if s in TYPES] + [32] + ([1024] if args.created else [])
+        )
         for size in sizes:
             name = f"relay{size}"
             t0 = time.monotonic()
-            made(bench, name, TYPES[size])
+            if size in SLICES:
+                nodes = made_slices(bench, name, *SLICES[size])
+            else:
+                made(bench, name, TYPES[size])
+                nodes = [name]
+            hosts = bench.pin_for_peers(*nodes)
             print(f"created {name} ({size} workers) in {time.monotonic() - t0:.1f}s", flush=True)
-            bench.nodes[name] = common.Node(name, [])
-            rows: dict[str, Any] = {}
+            bench.nodes[name] = common.Node(name, hosts)
+            rows = results["sizes"].setdefault(str(size), {})
             for what, command in COMMANDS.items():
                 if args.only and what not in args.only.split(","):
                     continue
-                runs: dict[str, list[dict[str, Any]]] = {"relay": [], "direct": []}
-                for rep in range(args.reps + 1):  # the first round warms up, unmeasured
-                    for mode in ("relay", "direct") if rep % 2 else ("direct", "relay"):
-                        flag = "--relay" if mode == "relay" else "--no-relay"
-                        argv = [*common.tpurun_bin(), command[0], "--tpu", name, flag, *command[1:]]
-                        got = measured(argv, bench.env)
-                        if rep:
-                            runs[mode].append(got)
-                        print(f"  {size} {what} {mode}: {got}", flush=True)
-                rows[what] = {
-                    mode: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "rss", "threads", "sockets")}
-                    | {"failures": sum(1 for r in rs if r["code"] not in (0, 1))}
-                    for mode, rs in runs.items()
-                }
-            results["sizes"][str(size)] = rows
+                modes = [m for m in args.modes.split(",") if m != "pdsh" or what == "exec"]
+                rows[what] = rows.get(what, {}) | measure_modes(bench, name, hosts, command, modes, args.reps)
+            if args.write:
+                common.write_json(saved, results)  # kept as it goes: a later size may not fit this machine
             bench.delete(bench.nodes[name])
         if args.wan:
             results["wan"] = wan(bench, args.reps)
         if args.created:
             results["created"] = created(bench, args.reps)
+    results["sizes"] = dict(sorted(results["sizes"].items(), key=lambda kv: int(kv[0])))
+    if args.write:
+        plot(results)
     text = table(results)
     common.publish(results, text, "relays", "## Relays: the client's cost as the pod grows (#42)", write=args.write)
     return 0
+
+
+def measure_modes(
+    bench: common.Bench, name: str, hosts: list[str], command: list[str], modes: list[str], reps: int
+) -> dict[str, Any]:
+    """COMMAND on NAME by each of MODES, interleaved (the order rotated each round), REPS times after one
+    unmeasured round: each mode's medians and its failed runs."""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for rep in range(reps + 1):  # the first round warms up, unmeasured
+        k = rep % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            if mode == "pdsh":
+                argv, env = pdsh_argv(bench, hosts)
+            else:
+                argv, env = (
+                    [
+                        *common.tpurun_bin(),
+                        command[0],
+                        "--tpu",
+                        name,
+                        f"--{'no-' if mode == 'direct' else ''}relay",
+                        *command[1:],
+                    ],
+                    bench.env,
+                )
+            got = measured(argv, env)
+            if rep:
+                runs[mode].append(got)
+            print(f"  {len(hosts)} {command[0]} {mode}: {got}", flush=True)
+    return {
+        mode: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "rss", "threads", "sockets")}
+        | {"failures": sum(1 for r in rs if r["code"] not in (0, 1))}
+        for mode, rs in runs.items()
+    }
+
+
+def plot(res: dict[str, Any]) -> None:
+    """docs/bench/relays.png: `exec -- true`'s cost to this machine against the pod's size, by path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for mode, style in (("relay", "o-"), ("direct", "s--"), ("pdsh", "^:")):
+        rows = [(int(n), r["exec"][mode]) for n, r in res["sizes"].items() if mode in r.get("exec", {})]
+        if not rows:
+            continue
+        xs = [n for n, _ in rows]
+        for ax, key in zip(axes, ("cpu", "rss", "sockets"), strict=True):
+            ax.plot(xs, [r[key] for _, r in rows], style, label=mode)
+    for ax, label in zip(axes, ("client CPU (s, user+sys)", "client peak RSS (MiB)", "peak open sockets"), strict=True):
+        ax.set(xscale="log", yscale="log", xlabel="workers", ylabel=label)
+        ax.set_xticks(sorted(int(n) for n in res["sizes"]), [str(n) for n in sorted(int(n) for n in res["sizes"])])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("`exec -- true`: this machine's cost as the pod grows (pdsh: its ssh clients included)")
+    fig.tight_layout()
+    fig.savefig(common.BENCH_DOCS / "relays.png", dpi=100)
+    plt.close(fig)
 
 
 def _used_mib() -> float:
@@ -269,9 +393,9 @@ def table(res: dict[str, Any]) -> str:
     lines = [
         common.machine_line(res["machine"]),
         "",
-        "Command: `sudo .venv/bin/python scripts/bench/relay_bench.py --sizes "
-        + ",".join(res["sizes"]) + (" --wan" if "wan" in res else "") + (" --created" if "created" in res else "")
-        + "`; medians of interleaved runs.",
+        "Commands: " + "; ".join(f"`sudo .venv/bin/python scripts/bench/relay_bench.py {c}`" for c in res["commands"])
+        + ". Medians of interleaved runs. CPU, RSS, threads and sockets are the command's own processes' (pdsh's: "
+        + f"pdsh and its ssh clients, {PDSH_FANOUT} at once).",
         "",
         "| workers | command | path | wall (s) | client CPU (s) | client peak RSS (MiB) | peak threads | peak sockets |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
