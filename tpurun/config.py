@@ -65,6 +65,11 @@ RETRY_ATTEMPTS = Tunable("TPURUN_RETRY_ATTEMPTS", "6", "attempts of an API call 
 PREEMPT_CHECK = Tunable(
     "TPURUN_PREEMPT_CHECK", "20", "seconds train waits for the API to report a preemption after the workers vanished"
 )
+RECOVER_TIMEOUT = Tunable(
+    "TPURUN_RECOVER_TIMEOUT",
+    "7200",
+    "seconds a restarting train waits for its TPU to be usable again after maintenance or a lost worker",
+)
 WATCHDOG_TICK = Tunable(
     "TPURUN_WATCHDOG_TICK",
     "30",
@@ -139,6 +144,7 @@ ALL = [
     RETRY_DELAY,
     RETRY_ATTEMPTS,
     PREEMPT_CHECK,
+    RECOVER_TIMEOUT,
     NODE_CACHE,
     SSH_USER,
     SSH_RETRIES,

@@ -67,6 +67,7 @@ COMMANDS: dict[str, str] = {
     "stop": "nodes:stop_cmd",
     "start": "nodes:start_cmd",
     "autostop": "nodes:autostop_cmd",
+    "maintenance": "nodes:maintenance_cmd",
     "exec": "remote:exec_cmd",
     "ssh": "remote:ssh_cmd",
     "sync": "sync:sync_cmd",

@@ -332,6 +332,7 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
             "spot/preemptible",
             "slice of",
             "age",
+            "maintenance",
             "autostop",
             "idle",
             "job",
@@ -348,6 +349,7 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
                 _capacity(v),
                 _slice_of(v),
                 v.age(),
+                _maintenance(v),
                 v.activity.autostop_label(v.autostop_setting),
                 v.activity.idle_label(),
                 ", ".join(v.activity.jobs) or "-",
@@ -359,6 +361,15 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
 
 def _capacity(v: provision.NodeView) -> str:
     return "spot" if v.spot else "preemptible" if v.preemptible else "-"
+
+
+def _maintenance(v: provision.NodeView) -> str:
+    """The soonest maintenance announced for V, in a few words (`UNSCHEDULED in 2h13m`), or `-`."""
+    if not v.maintenance:
+        return "-"
+    first = min(v.maintenance, key=lambda m: (m.status != "ONGOING", m.start.timestamp() if m.start else 1e12))
+    more = f" (+{len(v.maintenance) - 1})" if len(v.maintenance) > 1 else ""
+    return f"{first.kind} {first.when()}{more}"
 
 
 def _slice_of(v: provision.NodeView) -> str:
@@ -399,6 +410,7 @@ def _describe_table(view: provision.NodeView) -> None:
         ("created", view.created.isoformat() if view.created else "-"),
         ("runtime version", view.runtime_version or "-"),
         ("queued resource", view.queued_resource or "-"),
+        ("maintenance", "\n".join(m.summary() for m in view.maintenance) or "-"),
         ("autostop", act.autostop_label(view.autostop_setting)),
         ("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy else "")),
         ("jobs", ", ".join(act.jobs) or "-"),
@@ -481,3 +493,39 @@ def autostop_cmd(
     with progress_display() as progress:
         setting = watchdogs.configure(cloud, name, seconds, action, progress, s)
     ui.info(f"{name}: autostop {setting.label()}")
+
+
+def maintenance_cmd(
+    name: NameArg,
+    now: Annotated[
+        bool, typer.Option("--now", help="Start the pending maintenance now (refused while a job runs there).")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="With --now: start it even while a job runs.")] = False,
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show the maintenance announced for a TPU; with --now, start it on your own time.
+
+    Starting maintenance takes the hosts down (a TPU slice is interrupted as a whole) and may leave a large slice
+    unavailable for hours. Cloud TPU starts it on demand for v4, v5p, and v5e/v6e of 2x4 or larger.
+    """
+    from tpurun import maintenance
+
+    provision.validate_name(name)
+    if force and not now:
+        raise UsageError("--force only applies with --now")
+    s = identity.where(settings.resolve({"tpu": name, "project": project, "zone": zone}), name)
+    with progress_display() as progress:
+        result = maintenance.maintenance(s, now=now, force=force, progress=progress)
+    if json_out:
+        ui.print_json(result.to_json())
+        return
+    if not result.windows:
+        ui.info(f"{name}: no maintenance is announced")
+    for m in result.windows:
+        print(f"{name}: {m.summary()}")
+    if result.jobs:
+        ui.warn(f"started anyway (--force): job(s) {', '.join(result.jobs)} will end")
+    if result.started:
+        ui.info(f"maintenance started on {', '.join(result.started)}: `tpurun describe {name}` follows it")

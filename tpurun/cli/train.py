@@ -31,13 +31,13 @@ from tpurun.cli.options import (
 )
 from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table, stacks_report, stop_on_signals
 from tpurun.errors import ExitCode, UsageError
-from tpurun.job import attempt, control, env_contract, launcher, lifecycle, preflight, stacks, status
+from tpurun.job import attempt, control, ends, env_contract, launcher, lifecycle, preflight, stacks, status
 from tpurun.job.attempt import OnHang
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting
 from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed
-from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
+from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch, Notice
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -89,7 +89,27 @@ LaunchOpt = Annotated[
 PrecisionOpt = Annotated[Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")]
 EnvOpt = Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")]
 DetachOpt = Annotated[bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")]
-MaxRestartsOpt = Annotated[int, typer.Option(min=0, help="Recreate a preempted TPU and relaunch, up to N times.")]
+MaxRestartsOpt = Annotated[
+    int,
+    typer.Option(min=0, help="Relaunch after a preemption (the TPU recreated) or a lost worker: up to N times in all."),
+]
+RestartsOpt = Annotated[
+    str,
+    typer.Option(
+        "--restarts",
+        metavar="KIND=N[,KIND=N...]",
+        help="Restart budgets by why the job ended: program, preempted, maintenance, infra (e.g. maintenance=5,program=1).",
+    ),
+]
+OnNoticeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--on-notice",
+        metavar="signal:SIGNAME|file|stop",
+        help="When maintenance or preemption is announced for any worker: signal every process, write the file in "
+        "$TPURUN_NOTICE_FILE, or stop the job (default: signal:SIGTERM for JAX, file otherwise).",
+    ),
+]
 MetricsOpt = Annotated[
     bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")
 ]
@@ -172,6 +192,8 @@ def train_cmd(
     env: EnvOpt = None,
     detach: DetachOpt = False,
     max_restarts: MaxRestartsOpt = 0,
+    restarts: RestartsOpt = "",
+    on_notice: OnNoticeOpt = None,
     metrics: MetricsOpt = False,
     dry_run: DryRunOpt = False,
     python: PythonOpt = None,
@@ -203,6 +225,8 @@ def train_cmd(
         env=launcher.parse_env(env or []),
         detach=detach,
         max_restarts=max_restarts,
+        restarts=restarts,
+        on_notice=on_notice,
         metrics=metrics,
         dry_run=dry_run,
         python=python,
@@ -293,6 +317,9 @@ class TerminalOutput:
 
     def warn(self, text: str) -> None:
         self.renderer.above(lambda: ui.warn(text))
+
+    def notice(self, notice: Notice, worker: str) -> None:
+        self.warn(ends.notice_line(notice, worker))
 
     def hung(self, found: Stacks | None, why: str, quiet: float, stopping: bool) -> None:
         """The job made no progress for QUIET seconds: every process's stacks (FOUND; WHY none), on stderr."""
@@ -427,13 +454,30 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         else:
             print(job.job_id)
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
-    elif state is JobStatus.PREEMPTED:
+    elif state is JobStatus.PREEMPTED and not json_out:
         _preempted(name, job.job_id, spec.max_restarts)
     elif state is JobStatus.UNREACHABLE and spec.detach:
         _unreachable(job, run)
     else:
         _render_ended(result, json_out)
+    told = state is JobStatus.PREEMPTED  # `_preempted` said why
+    if result.end in (ends.EndKind.MAINTENANCE, ends.EndKind.INFRA, ends.EndKind.PREEMPTED) and not told:
+        _say_end(result)
     return result.exit_code
+
+
+def _say_end(result: launcher.JobResult) -> None:
+    """Why the job ended, when a host event or the infrastructure ended it, and its budget's state."""
+    end = result.end
+    assert end is not None and result.run is not None
+    notice = result.run.notice
+    heard = f" (notice: {notice.detail})" if notice is not None and notice.detail else ""
+    _error(f"error: job {result.job.job_id} ended ({end.value}): {end.describe()}{heard}")
+    budgets = result.budgets
+    if budgets is None or not budgets.limit(end):
+        _error(f"hint: {ends.hint(end)}")
+    else:
+        _error(f"error: the {end.value} restart budget is used up ({budgets.left(end)})")
 
 
 def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
@@ -444,6 +488,9 @@ def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
         ui.print_json(
             {
                 "job_id": job.job_id,
+                "end": result.end.value if result.end else None,
+                "restarts": result.budgets.to_dict() if result.budgets else {},
+                "notice": run.notice.to_dict() if run.notice else None,
                 "cores": [
                     {"worker": o.worker, "core": o.slot, "status": o.status, "exit_code": o.exit_code}
                     for o in sorted(run.outcomes.values(), key=lambda o: (o.worker, o.slot))
@@ -534,6 +581,10 @@ def jobs_cmd(
             "created": row.record.created,
             "detached": row.record.detached,
             "command": " ".join(row.record.command),
+            "end": row.record.end or None,
+            "restart": row.record.restart,
+            "restartReason": row.record.restart_reason or None,
+            "notice": row.record.notice or (row.state.notice.to_dict() if row.state.notice else None),
         }
         for row in rows
     ]

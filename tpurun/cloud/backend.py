@@ -114,6 +114,15 @@ class Backend(ABC):
         """Every TPU of the zone this API made (slices of a multislice TPU listed on their own)."""
 
     @abstractmethod
+    def read_maintenance(self, views: list[NodeView]) -> None:
+        """Fill in the maintenance the API announces for VIEWS (its own TPUs) where `find` and `all_tpus` do not
+        read it themselves."""
+
+    @abstractmethod
+    def start_maintenance(self, view: NodeView, progress: Progress) -> list[str]:
+        """Start the maintenance announced for VIEW now, through the API's own method; what it was started on."""
+
+    @abstractmethod
     def create(self, spec: CreateSpec, request: Request, progress: Progress) -> None:
         """Ask for the TPU; unless `spec.wait` is off, return once the API made every VM (or raise)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
+import functools
 import ipaddress
 import logging
 import re
@@ -330,6 +331,83 @@ class Cloud:
         if unreachable:
             log.warning("the Cloud TPU API could not list the nodes of %s", ", ".join(sorted(set(unreachable))))
         return nodes
+
+    # ------------------------------------------------------------------ v2alpha1: maintenance
+
+    @functools.cached_property
+    def alpha(self) -> Any:
+        """Cloud TPU v2alpha1, through Google's discovery-based client and the API description it ships
+        (google-cloud-tpu's v2alpha1 client speaks gRPC only): the maintenance of nodes is read and started
+        through it, the one API version that has those methods (imported on first use)."""
+        from googleapiclient import discovery
+
+        return discovery.build(
+            "tpu",
+            "v2alpha1",
+            credentials=self.credentials,
+            client_options={"api_endpoint": self.endpoint},
+            static_discovery=True,
+            cache_discovery=False,
+        )
+
+    @staticmethod
+    def _execute(request: Any) -> Any:
+        """A discovery request's answer; its HTTP error raised as google-api-core's exception for it (what
+        `call` retries and explains)."""
+        from googleapiclient.errors import HttpError
+
+        try:
+            return request.execute(num_retries=0)
+        except HttpError as exc:
+            raise gexc.from_http_status(exc.status_code, exc.reason or str(exc)) from None
+
+    def get_node_maintenance(self, name: str) -> dict[str, Any] | None:
+        """NAME's `upcomingMaintenance` (the REST resource's JSON), None when none is announced or NAME is gone."""
+        request = self.alpha.projects().locations().nodes().get(name=self.node_path(name))
+        node = self.find(f"read the maintenance of {name}", lambda: self._execute(request))
+        return node.get("upcomingMaintenance") if node else None
+
+    def list_node_maintenance(self) -> dict[str, dict[str, Any]]:
+        """The `upcomingMaintenance` of every node of the zone that has one, by the node's short name."""
+        nodes = self.alpha.projects().locations().nodes()
+
+        def pages() -> list[dict[str, Any]]:
+            found: list[dict[str, Any]] = []
+            request = nodes.list(parent=self.parent)
+            while request is not None:
+                answer = self._execute(request)
+                found += answer.get("nodes", [])
+                request = nodes.list_next(request, answer)
+            return found
+
+        listed = self.call("list the maintenance of nodes", pages)
+        return {short_name(n["name"]): n["upcomingMaintenance"] for n in listed if n.get("upcomingMaintenance")}
+
+    def perform_maintenance(self, name: str) -> None:
+        """Start NAME's pending maintenance now (nodes.performMaintenance) and wait for the API to take it."""
+        request = self.alpha.projects().locations().nodes().performMaintenance(name=self.node_path(name), body={})
+        self._alpha_wait(f"start the maintenance of {name}", request, name)
+
+    def perform_queued_maintenance(self, name: str, node_names: list[str]) -> None:
+        """Start the pending maintenance of the slices NODE_NAMES of queued resource NAME now."""
+        request = (
+            self.alpha.projects()
+            .locations()
+            .queuedResources()
+            .performMaintenanceQueuedResource(name=self.qr_path(name), body={"nodeNames": node_names})
+        )
+        self._alpha_wait(f"start the maintenance of {name}", request, name)
+
+    def _alpha_wait(self, what: str, request: Any, name: str) -> None:
+        """REQUEST's operation, until it is done; its error raised."""
+        op = self.call(what, lambda: self._execute(request), node=name)
+        get = functools.partial(self.alpha.projects().locations().operations().get, name=op["name"])
+        for _ in self.iter_poll():
+            if op.get("done"):
+                break
+            op = self.call(what, lambda: self._execute(get()))
+        if op.get("error"):
+            raise ApiError(f"{what}: {op['error'].get('message', op['error'])}")
 
     def create_node(self, node_id: str, node: tpu_v2.Node) -> Any:
         return self.call(

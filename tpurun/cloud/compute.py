@@ -26,7 +26,7 @@ from tpurun.cloud.client import Cloud, compute_endpoint, short_name
 from tpurun.cloud.compute_calls import ComputeCalls
 from tpurun.cloud.compute_groups import MADE_BY, ComputeGroups
 from tpurun.cloud.multislice import slice_ids
-from tpurun.cloud.views import PREEMPTED, READY, STOPPED, NodeView, WorkerView
+from tpurun.cloud.views import PREEMPTED, READY, STOPPED, Maintenance, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.topology import Topology, vm_topology
@@ -170,6 +170,7 @@ class Compute(Backend):
             id=str(group.id),
             slice_metadata=False,
             slice_of=where[:2] if where else None,
+            maintenance=_maintenance(vms),
         )
 
     def _vm_view(self, vm: compute_v1.Instance, zone: str = "") -> NodeView:
@@ -190,7 +191,26 @@ class Compute(Backend):
             queued_resource="",
             id=str(vm.id),
             slice_metadata=False,
+            maintenance=_maintenance([vm]),
         )
+
+    def start_maintenance(self, view: NodeView, progress: Progress) -> list[str]:
+        """instances.performMaintenance on each VM with maintenance pending."""
+        started = []
+        for m in view.maintenance:
+            if m.status != "PENDING" or not m.where:
+                continue
+            vm = m.where
+            call = functools.partial(
+                self.calls.instances.perform_maintenance_unary, project=self.project, zone=self.zone, instance=vm
+            )
+            self.calls.operate(f"start the maintenance of {vm}", call, 300, tpu=view.name)
+            progress(f"{vm}: maintenance started")
+            started.append(vm)
+        return started
+
+    def read_maintenance(self, views: list[NodeView]) -> None:
+        """Nothing to read: a VM carries its maintenance (`resourceStatus.upcomingMaintenance`), read with it."""
 
     def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
         def read(vm: str) -> dict[tuple[str, str], str]:
@@ -575,6 +595,20 @@ def _vm_state(vm: compute_v1.Instance) -> str:
         spot = vm.scheduling.provisioning_model == "SPOT" or vm.scheduling.preemptible
         return PREEMPTED if spot else STOPPED
     return _STATES.get(vm.status, vm.status)
+
+
+def _maintenance(vms: list[compute_v1.Instance]) -> list[Maintenance]:
+    """What Compute Engine announces for each VM (`resourceStatus.upcomingMaintenance`)."""
+    found = (
+        Maintenance.from_api(
+            compute_v1.UpcomingMaintenance.to_dict(
+                vm.resource_status.upcoming_maintenance, preserving_proto_field_name=False
+            ),
+            vm.name,
+        )
+        for vm in vms
+    )
+    return [m for m in found if m is not None]
 
 
 def _worker(index: int, vm: compute_v1.Instance) -> WorkerView:

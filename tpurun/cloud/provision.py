@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpurun import config, settings
+from tpurun import config, settings, ui
 from tpurun.cloud import autostop, identity, keys, multislice, routing, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
 from tpurun.cloud.client import Cloud
-from tpurun.cloud.views import GONE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
+from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
 from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
@@ -362,7 +362,10 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
 def list_tpus(cloud: Cloud) -> list[NodeView]:
     """The TPUs of the zone (of every zone), whoever made them, in name order."""
     views = sorted(routing.list_all(cloud), key=lambda v: (v.zone, v.name))
-    for v, act in zip(views, autostop.activities([(routing.maker_of(cloud, v), v) for v in views]), strict=True):
+    makers = [routing.maker_of(cloud, v) for v in views]
+    for maker in {id(m): m for m in makers}.values():
+        maker.read_maintenance([v for v, m in zip(views, makers, strict=True) if m is maker])
+    for v, act in zip(views, autostop.activities(list(zip(makers, views, strict=True))), strict=True):
         v.activity = act
     return views
 
@@ -372,6 +375,7 @@ def describe(cloud: Cloud, name: str) -> NodeView:
     if view.gone and not view.slices:
         raise ApiError(f"{name}: the queued resource is {view.state} and none of its slices exists yet")
     view.with_reports(startup_reports(maker, view))
+    maker.read_maintenance([view])
     view.activity = autostop.activity(maker, view)
     return view
 
@@ -468,13 +472,53 @@ def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[
     return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
 
 
-def gone_or_preempted(cloud: Cloud, name: str) -> bool | None:
-    """True when NAME (a slice of it) is preempted or gone, False when it is in another state than READY,
-    None while every slice is READY (the API may not have seen a preemption yet)."""
+WINDOW_MARGIN = 3.0  # seconds past a maintenance window's start by which the API tells it begun
+
+
+def wait_usable(
+    cloud: Cloud, name: str, progress: Callable[[str], None], *, timeout: float, after: float | None = None
+) -> NodeView:
+    """NAME once it can run a job again after a host event: every slice READY, none unhealthy for maintenance,
+    no maintenance under way, and (AFTER: epoch seconds, a maintenance window's start) that window begun (a few
+    seconds past its start: the API tells it begun). ApiError if NAME went (preempted, deleted) or the wait
+    outlasted TIMEOUT."""
+    deadline = time.monotonic() + timeout
+    for _ in cloud.iter_poll():
+        if after is not None and time.time() < after + WINDOW_MARGIN:
+            progress(f"{name}: waiting for its maintenance window to start ({ui.age(after - time.time())})")
+            continue
+        found = routing.locate(cloud, name)
+        if found is None:
+            raise ApiError(f"{name} no longer exists")
+        maker, view = found
+        if set(view.states) & {GONE, PREEMPTED, TERMINATED}:
+            raise ApiError(f"{name} is {view.state}: it will not come back by itself")
+        if view.ready and all(part.health != "UNHEALTHY_MAINTENANCE" for part in view.parts):
+            maker.read_maintenance([view])
+            if not any(m.status == "ONGOING" for m in view.maintenance):
+                return view
+        progress(f"{name}: {view.state}, {view.health}: waiting for it to be usable again")
+        if time.monotonic() > deadline:
+            raise ApiError(f"{name} is not usable after {timeout:.0f} s", hint=f"check `tpurun describe {name}`")
+    raise AssertionError("unreachable")
+
+
+def why_down(cloud: Cloud, name: str) -> str | None:
+    """What the API says of NAME after its workers vanished: PREEMPTED when it (a slice of it) is preempted or
+    gone, MAINTENANCE when a host of it is being maintained (REPAIRING, UNHEALTHY_MAINTENANCE, or maintenance
+    ONGOING), "" when it is in another state than READY, None while every slice is READY (the API may not
+    have seen it yet)."""
     found = routing.locate(cloud, name)
     if found is None:
-        return True
-    states = set(found[1].states)
+        return PREEMPTED
+    maker, view = found
+    states = set(view.states)
     if states & {GONE, PREEMPTED, TERMINATED}:
-        return True
-    return None if states == {READY} else False
+        return PREEMPTED
+    healths = {part.health for part in view.parts}
+    if "REPAIRING" in states or "UNHEALTHY_MAINTENANCE" in healths:
+        return MAINTENANCE
+    if states == {READY}:
+        maker.read_maintenance([view])
+        return MAINTENANCE if any(m.status == "ONGOING" for m in view.maintenance) else None
+    return ""

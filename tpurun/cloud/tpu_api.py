@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from google.cloud import tpu_v2
@@ -14,7 +14,7 @@ from tpurun.cloud import keys, multislice, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, MetadataChange, Progress, Request
 from tpurun.cloud.client import short_name
 from tpurun.cloud.multislice import qr_state
-from tpurun.cloud.views import NodeView, WorkerView
+from tpurun.cloud.views import Maintenance, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, parse_accelerator_type
 from tpurun.worker.protocol_calls import WatchdogConfig
@@ -49,6 +49,43 @@ class TpuApi(Backend):
 
     def all_tpus(self) -> list[NodeView]:
         return [node_view(n) for n in sorted(self.cloud.list_nodes(), key=lambda n: n.name)]
+
+    def start_maintenance(self, view: NodeView, progress: Progress) -> list[str]:
+        """v2alpha1's nodes.performMaintenance on a TPU of one slice; queuedResources.performMaintenanceQueuedResource
+        with the slices that have maintenance pending, on a multislice TPU."""
+        gen, _, size = view.accelerator_type.partition("-")
+        if not (gen in ("v4", "v5p") or (gen in ("v5litepod", "v6e") and size.isdigit() and int(size) >= 8)):
+            raise UsageError(
+                f"Cloud TPU does not start maintenance on demand for {view.accelerator_type}: only for v4, v5p, "
+                "and v5e or v6e of 2x4 (8 chips) or larger; it will start in its window"
+            )
+        pending = [m.where or view.name for m in view.maintenance if m.status == "PENDING"]
+        if view.slices:
+            self.cloud.perform_queued_maintenance(view.name, pending)
+        elif pending:
+            self.cloud.perform_maintenance(view.name)
+        for name in pending:
+            progress(f"{name}: maintenance started")
+        return pending
+
+    def read_maintenance(self, views: list[NodeView]) -> None:
+        """Each node's `upcomingMaintenance`, read through v2alpha1 (google-cloud-tpu's v2 Node lacks the field):
+        one get for one node, one list for more."""
+        parts = [part for v in views for part in v.parts]
+        if not parts:
+            return
+        found: Mapping[str, dict[str, Any] | None]
+        if len(parts) == 1:
+            found = {parts[0].name: self.cloud.get_node_maintenance(parts[0].name)}
+        else:
+            found = self.cloud.list_node_maintenance()
+        for v in views:
+            for part in v.parts:
+                m = found.get(part.name)
+                said = Maintenance.from_api(m, part.name if v.slices else "") if m is not None else None
+                part.maintenance = [said] if said else []
+            if v.slices:
+                v.maintenance = [m for part in v.slices for m in part.maintenance]
 
     def guest_attributes(self, view: NodeView, query_path: str) -> GuestAttributes:
         out: GuestAttributes = []

@@ -19,6 +19,7 @@ PREEMPTED = "PREEMPTED"
 STOPPED = "STOPPED"
 TERMINATED = "TERMINATED"
 GONE = "GONE"  # a slice of the TPU that does not exist (yet, or any more)
+MAINTENANCE = "MAINTENANCE"  # what provision.why_down says of a TPU a host of which is being maintained
 
 
 @dataclass
@@ -34,6 +35,79 @@ class WorkerView:
     @property
     def name(self) -> str:
         return worker_name(self.index, self.slice)
+
+
+@dataclass(frozen=True)
+class Maintenance:
+    """Maintenance an API announces for a TPU's host: a Cloud TPU node's, or a Compute Engine VM's
+    (`upcomingMaintenance` in both)."""
+
+    kind: str  # SCHEDULED or UNSCHEDULED (Compute Engine also MULTIPLE)
+    status: str  # PENDING or ONGOING
+    start: dt.datetime | None
+    end: dt.datetime | None
+    latest_start: dt.datetime | None = None
+    can_reschedule: bool = False
+    where: str = ""  # the VM it is for (Compute Engine), or the slice's node (a multislice TPU)
+
+    @classmethod
+    def from_api(cls, m: dict[str, Any], where: str = "") -> Maintenance | None:
+        """From either API's UpcomingMaintenance as JSON (camelCase); None when it announces nothing."""
+        status = str(m.get("maintenanceStatus") or "")
+        start = _instant(m.get("windowStartTime"))
+        if status in ("", "UNKNOWN", "UNDEFINED_MAINTENANCE_STATUS") and start is None:
+            return None
+        return cls(
+            kind=str(m.get("type") or "UNKNOWN"),
+            status=status or "UNKNOWN",
+            start=start,
+            end=_instant(m.get("windowEndTime")),
+            latest_start=_instant(m.get("latestWindowStartTime")),
+            can_reschedule=bool(m.get("canReschedule")),
+            where=where,
+        )
+
+    def when(self, now: dt.datetime | None = None) -> str:
+        """`ongoing`, `in 2h13m`, `due` (its start passed and it has not begun) or `unknown`."""
+        if self.status == "ONGOING":
+            return "ongoing"
+        if self.start is None:
+            return "unknown"
+        left = (self.start - (now or dt.datetime.now(dt.timezone.utc))).total_seconds()
+        return f"in {ui.age(left)}" if left > 0 else "due"
+
+    def summary(self) -> str:
+        """One line: `UNSCHEDULED maintenance in 2h13m (window 10:00-11:00 UTC, cannot be rescheduled)`."""
+        window = ""
+        if self.start and self.end:
+            fmt = "%Y-%m-%d %H:%M UTC"
+            window = f"{self.start.astimezone(dt.timezone.utc):{fmt}} to {self.end.astimezone(dt.timezone.utc):{fmt}}, "
+        can = "can be rescheduled" if self.can_reschedule else "cannot be rescheduled"
+        where = f"{self.where}: " if self.where else ""
+        return f"{where}{self.kind} maintenance {self.when()} ({window}{can})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.kind,
+            "status": self.status,
+            "windowStartTime": self.start.isoformat() if self.start else None,
+            "windowEndTime": self.end.isoformat() if self.end else None,
+            "latestWindowStartTime": self.latest_start.isoformat() if self.latest_start else None,
+            "canReschedule": self.can_reschedule,
+            **({"on": self.where} if self.where else {}),
+        }
+
+
+def _instant(value: Any) -> dt.datetime | None:
+    """An RFC 3339 timestamp, in UTC; None if unset or unreadable."""
+    if not value:
+        return None
+    if isinstance(value, str):
+        try:
+            value = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
 
 
 @dataclass
@@ -63,6 +137,7 @@ class NodeView:
     # `tpu-env`, `agent-worker-number` and `worker-network-endpoints` do; when not (Compute Engine VMs),
     # a launch gives them those values itself (docs/train.md, "Where the runtimes learn their slice").
     slice_metadata: bool = True
+    maintenance: list[Maintenance] = field(default_factory=list)  # what its API announces, each VM or slice's
 
     @classmethod
     def joined(cls, name: str, slices: list[NodeView], state: str, **fields: Any) -> NodeView:
@@ -88,6 +163,7 @@ class NodeView:
                 "queued_resource": "",
                 "slices": slices,
                 "slice_metadata": first.slice_metadata,
+                "maintenance": [m for v in slices for m in v.maintenance],
                 **fields,
             }
         )
@@ -151,6 +227,7 @@ class NodeView:
         d["autostop"] = None
         if setting is not None:
             d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting.idle else "off"
+        d["maintenance"] = [m.to_dict() for m in self.maintenance]
         d.update(self.activity.to_dict())
         if not full:
             d.pop("watchdog")

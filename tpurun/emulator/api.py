@@ -19,11 +19,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from google.cloud import tpu_v2
+from google.cloud import tpu_v2, tpu_v2alpha1
 
 from tpurun.emulator.compute_api import COMPUTE_PREFIX, add_compute_routes
 from tpurun.emulator.compute_model import compute_body
-from tpurun.emulator.model import ApiError, invalid
+from tpurun.emulator.model import SCHEDULED, UNSCHEDULED, ApiError, invalid
 from tpurun.emulator.routing import SYSTEM_PARAMS, Request, Router, parse_message, render
 from tpurun.emulator.state import Emulator
 
@@ -36,9 +36,10 @@ _PAGE = ("pageSize", "pageToken", "filter", "orderBy")  # the query parameters o
 
 
 def build_api_router(emu: Emulator) -> Router:
-    """The Cloud TPU v2 REST surface, resource by resource, and Compute Engine's under /compute/v1/."""
+    """The Cloud TPU v2 REST surface, resource by resource, what tpurun uses of v2alpha1 (reading nodes and
+    operations, and the maintenance methods only it has), and Compute Engine's under /compute/v1/."""
     r = Router()
-    for add in (_node_routes, _operation_routes, _catalogue_routes, _queued_routes, _location_routes):
+    for add in (_node_routes, _operation_routes, _catalogue_routes, _queued_routes, _location_routes, _v2alpha1_routes):
         add(r, emu)
     add_compute_routes(r, emu)
     return r
@@ -180,6 +181,36 @@ def _location_routes(r: Router, emu: Emulator) -> None:
     r.add("GET", f"/v2/(?P<name>{_PARENT})", lambda q: emu.get_location(q.groups["name"]))
 
 
+def _v2alpha1_routes(r: Router, emu: Emulator) -> None:
+    """Cloud TPU v2alpha1: its nodes and operations read as v2's, and its maintenance methods."""
+    r.add("GET", f"/v2alpha1/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
+    r.add(
+        "GET",
+        f"/v2alpha1/(?P<parent>{_PARENT})/nodes",
+        lambda q: emu.list_nodes(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
+        _PAGE,
+    )
+    r.add("GET", f"/v2alpha1/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
+
+    def perform(q: Request) -> Any:
+        parse_message(tpu_v2alpha1.PerformMaintenanceRequest, q, "")
+        return emu.perform_maintenance(q.groups["name"])
+
+    def simulate(q: Request) -> Any:
+        body = parse_message(tpu_v2alpha1.SimulateMaintenanceEventRequest, q, "")
+        return emu.simulate_maintenance_event(q.groups["name"], list(body.worker_ids))
+
+    def perform_queued(q: Request) -> Any:
+        body = parse_message(tpu_v2alpha1.PerformMaintenanceQueuedResourceRequest, q, "")
+        return emu.perform_queued_maintenance(q.groups["name"], list(body.node_names))
+
+    r.add("POST", f"/v2alpha1/(?P<name>{_PARENT}/nodes/{_ID}):performMaintenance", perform)
+    r.add("POST", f"/v2alpha1/(?P<name>{_PARENT}/nodes/{_ID}):simulateMaintenanceEvent", simulate)
+    queued = f"/v2alpha1/(?P<name>{_PARENT}/queuedResources/{_ID})"
+    r.add("POST", f"{queued}:performMaintenanceQueuedResource", perform_queued)
+    r.add("GET", f"{queued}:getMaintenanceInfo", lambda q: emu.queued_maintenance_info(q.groups["name"]))
+
+
 def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
     r = Router()
     A = ADMIN_PREFIX
@@ -227,9 +258,6 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
                 emu.config.max_workers_per_node = int(d["maxWorkersPerNode"])
         return emu.status()
 
-    def preempt(q: Request) -> Any:
-        return emu.preempt(unquote(q.groups["node"]), force=bool(q.json().get("force")))
-
     def kill_worker(q: Request) -> Any:
         emu.kill_worker(unquote(q.groups["node"]), int(q.groups["i"]))
         return {}
@@ -245,15 +273,38 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
     r.add("POST", f"{A}/delays", delays)
     r.add("POST", f"{A}/capacity", capacity)
     r.add("GET", f"{A}/nodes/(?P<node>.+)", lambda q: emu.node_info(unquote(q.groups["node"])))
-    r.add("POST", f"{A}/nodes/(?P<node>.+):preempt", preempt)
-    r.add(
-        "POST",
-        f"{A}/instances/(?P<instance>.+):preempt",
-        lambda q: emu.preempt_instance(unquote(q.groups["instance"]), force=bool(q.json().get("force"))),
-    )
+    _host_event_routes(r, emu)
     r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):kill", kill_worker)
     r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):kill-sshd", kill_sshd)
     return r
+
+
+def _host_event_routes(r: Router, emu: Emulator) -> None:
+    """Admin: preempt a spot node or VM (after a notice), announce maintenance of a worker."""
+    A = ADMIN_PREFIX
+
+    def preempt(q: Request, instance: bool = False) -> Any:
+        d = q.json()
+        ref = unquote(q.groups["ref"])
+        emu.preempt_after(ref, float(d.get("notice", 0)), force=bool(d.get("force")), instance=instance)
+        return emu.get_instance(emu.find_instance(ref).path) if instance else emu.node_json(emu.find_node(ref))
+
+    def maintenance(q: Request) -> Any:
+        d = q.json()
+        kind = str(d.get("type", UNSCHEDULED))
+        window = emu.announce_maintenance(
+            unquote(q.groups["node"]),
+            int(q.groups["i"]),
+            float(d.get("notice", 0)),
+            float(d.get("duration", emu.config.delays.maintenance)),
+            kind,
+            bool(d.get("canReschedule", kind == SCHEDULED)),
+        )
+        return window.api()
+
+    r.add("POST", f"{A}/nodes/(?P<ref>.+):preempt", preempt)
+    r.add("POST", f"{A}/instances/(?P<ref>.+):preempt", lambda q: preempt(q, instance=True))
+    r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):maintenance", maintenance)
 
 
 def _pid() -> int:
@@ -412,13 +463,25 @@ class AdminClient:
         out: list[dict[str, Any]] = self.call("GET", "requests")["requests"]
         return out
 
-    def preempt(self, node: str, force: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = self.call("POST", f"nodes/{node}:preempt", {"force": force})
+    def preempt(self, node: str, force: bool = False, notice: float = 0.0) -> dict[str, Any]:
+        out: dict[str, Any] = self.call("POST", f"nodes/{node}:preempt", {"force": force, "notice": notice})
         return out
 
-    def preempt_instance(self, instance: str, force: bool = False) -> dict[str, Any]:
-        """Preempt one Compute Engine VM (by name or path): its worker dies, it is TERMINATED."""
-        out: dict[str, Any] = self.call("POST", f"instances/{instance}:preempt", {"force": force})
+    def preempt_instance(self, instance: str, force: bool = False, notice: float = 0.0) -> dict[str, Any]:
+        """Preempt one Compute Engine VM (by name or path) NOTICE seconds after its metadata says so: its worker
+        dies, it is TERMINATED."""
+        out: dict[str, Any] = self.call("POST", f"instances/{instance}:preempt", {"force": force, "notice": notice})
+        return out
+
+    def maintenance(
+        self, node: str, worker: int, notice: float, duration: float | None = None, kind: str = UNSCHEDULED
+    ) -> dict[str, Any]:
+        """Announce maintenance of NODE's (a node's, a MIG's or an instance's) WORKER in NOTICE seconds, its host
+        down for DURATION (the emulator's maintenance delay if None); the window as the APIs show it."""
+        body: dict[str, Any] = {"notice": notice, "type": kind}
+        if duration is not None:
+            body["duration"] = duration
+        out: dict[str, Any] = self.call("POST", f"nodes/{node}/workers/{worker}:maintenance", body)
         return out
 
     def kill_worker(self, node: str, worker: int) -> None:

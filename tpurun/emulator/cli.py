@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import typer
 
-from tpurun import config, errors, ui
+from tpurun import config, errors, naming, ui
 from tpurun.cloud.client import is_emulator
 from tpurun.emulator.api import AdminClient
 from tpurun.emulator.model import ApiError, Delays
@@ -184,6 +184,12 @@ def start(
     delay_queue: Annotated[
         float, typer.Option("--delay-queue", help="Seconds a queued resource waits before provisioning.")
     ] = 2.0,
+    delay_notice: Annotated[
+        float, typer.Option("--delay-notice", help="Seconds a simulated maintenance event is announced ahead.")
+    ] = 60.0,
+    delay_maintenance: Annotated[
+        float, typer.Option("--delay-maintenance", help="Seconds a simulated maintenance keeps the host down.")
+    ] = 5.0,
     capacity: Annotated[
         list[str] | None,
         typer.Option("--capacity", help="Free capacity, e.g. v4=32 (chips) or us-central2-b/v4=4h (hosts)."),
@@ -220,6 +226,8 @@ def start(
         "start": delay_start,
         "update": delay_update,
         "queue": delay_queue,
+        "notice": delay_notice,
+        "maintenance": delay_maintenance,
     }
     assert set(delays) == set(Delays.__dataclass_fields__)
     for k, v in delays.items():
@@ -393,16 +401,50 @@ def tpu_rows(st: dict[str, Any]) -> list[tuple[str, str, str, str, str, int, str
 # ------------------------------------------------------------------ faults
 
 
+def _seconds(text: str) -> float:
+    return float(naming.parse_duration(text))
+
+
 @app.command()
 def preempt(
     ctx: typer.Context,
-    node: Annotated[str, typer.Argument(help="Node id or full name.")],
+    node: Annotated[str, typer.Argument(help="Node id or full name (with --instance: a Compute Engine VM's).")],
     force: Annotated[bool, typer.Option("--force", help="Preempt even an on-demand (non-spot) node.")] = False,
+    notice: Annotated[
+        str, typer.Option("--notice", help="Say so in the workers' metadata (preempted TRUE) this long first: 30s.")
+    ] = "0",
+    instance: Annotated[bool, typer.Option("--instance", help="NODE is a Compute Engine VM.")] = False,
     state_dir: StateDirOpt = None,
 ) -> None:
-    """Preempt a spot/preemptible node: its workers die and it reads PREEMPTED."""
-    _api_call(_admin(ctx, state_dir).preempt, node, force)
-    ui.info(f"{node} preempted")
+    """Preempt a spot/preemptible node (or VM): its workers die and it reads PREEMPTED (a VM: TERMINATED)."""
+    admin = _admin(ctx, state_dir)
+    wait = _seconds(notice)
+    _api_call(admin.preempt_instance if instance else admin.preempt, node, force, wait)
+    ui.info(f"{node} preempted" if not wait else f"{node}: preempted in {wait:g}s (its metadata says so now)")
+
+
+@app.command()
+def maintenance(
+    ctx: typer.Context,
+    node: Annotated[str, typer.Argument(help="Node id or full name, a MIG's name, or a Compute Engine VM's.")],
+    worker: Annotated[int, typer.Option("--worker", min=0, help="The worker whose host is maintained.")] = 0,
+    notice: Annotated[str, typer.Option("--notice", help="How long before the window starts: 30s, 10m, 7d.")] = "60s",
+    duration: Annotated[str, typer.Option("--duration", help="How long the host is down: 30s, 2h.")] = "5s",
+    scheduled: Annotated[
+        bool, typer.Option("--scheduled", help="SCHEDULED maintenance (reschedulable); else UNSCHEDULED.")
+    ] = False,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Announce maintenance of a worker's host (API and metadata), take the host down in its window, bring it back."""
+    window = _api_call(
+        _admin(ctx, state_dir).maintenance,
+        node,
+        worker,
+        _seconds(notice),
+        _seconds(duration),
+        "SCHEDULED" if scheduled else "UNSCHEDULED",
+    )
+    ui.info(f"{node} worker {worker}: maintenance from {window['windowStartTime']} to {window['windowEndTime']}")
 
 
 @app.command("kill-worker")

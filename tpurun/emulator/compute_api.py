@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.cloud import compute_v1
 
+from tpurun.emulator import compute_catalogue
 from tpurun.emulator.compute import ListQuery
 from tpurun.emulator.compute_model import compute_error
 from tpurun.emulator.routing import Request, Router, parse_message
@@ -34,6 +35,42 @@ def _query(q: Request) -> ListQuery:
 def add_compute_routes(r: Router, emu: Emulator) -> None:
     for add in (_operations, _policies, _templates, _instances, _groups, _resize_requests):
         add(r, emu)
+    _catalogue(r)
+
+
+def _catalogue(r: Router) -> None:
+    """Regions, zones, machine types and accelerator types: list and get."""
+    r.add("GET", f"{_P}/regions", lambda q: compute_catalogue.list_regions(_project(q), _query(q)), _LIST)
+    r.add(
+        "GET",
+        f"{_P}/regions/(?P<region>{_ID})",
+        lambda q: compute_catalogue.region_json(_project(q), q.groups["region"]),
+    )
+    r.add("GET", f"{_P}/zones", lambda q: compute_catalogue.list_zones(_project(q), _query(q)), _LIST)
+    zone = f"{_P}/zones/(?P<zone>{_ID})"
+    r.add("GET", zone, lambda q: compute_catalogue.zone_json(_project(q), q.groups["zone"]))
+    r.add(
+        "GET",
+        f"{zone}/machineTypes",
+        lambda q: compute_catalogue.list_machine_types(_project(q), q.groups["zone"], _query(q)),
+        _LIST,
+    )
+    r.add(
+        "GET",
+        f"{zone}/machineTypes/(?P<name>{_ID})",
+        lambda q: compute_catalogue.machine_type_json(_project(q), q.groups["zone"], q.groups["name"]),
+    )
+    r.add(
+        "GET",
+        f"{zone}/acceleratorTypes",
+        lambda q: compute_catalogue.list_accelerator_types(_project(q), q.groups["zone"], _query(q)),
+        _LIST,
+    )
+    r.add(
+        "GET",
+        f"{zone}/acceleratorTypes/(?P<name>{_ID})",
+        lambda q: compute_catalogue.accelerator_type_json(_project(q), q.groups["zone"], q.groups["name"]),
+    )
 
 
 def _operations(r: Router, emu: Emulator) -> None:
@@ -122,6 +159,18 @@ def _instances(r: Router, emu: Emulator) -> None:
         f"{item}/getGuestAttributes",
         lambda q: emu.instance_guest_attributes(q.groups["path"], q.q("queryPath"), q.q("variableKey")),
         ("queryPath", "variableKey"),
+    )
+    r.add(
+        "POST",
+        f"{item}/simulateMaintenanceEvent",
+        lambda q: emu.simulate_instance_maintenance(q.groups["path"]),
+        ("requestId", "withExtendedNotifications"),
+    )
+    r.add(
+        "POST",
+        f"{item}/performMaintenance",
+        lambda q: emu.perform_instance_maintenance(q.groups["path"]),
+        ("requestId",),
     )
 
 

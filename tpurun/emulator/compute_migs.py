@@ -489,17 +489,23 @@ class ManagedGroups(ComputeResources):
         """A spot (or any, with FORCE) VM is preempted: its worker dies and it is TERMINATED, as Compute
         Engine does to a spot VM whose termination action is STOP (a MIG does not remake it here)."""
         rec = self.find_instance(ref)
+        self._check_spot(rec, force)
+        self.hosts.kill_worker(rec.group.key, rec.index)
+        with self.lock:
+            rec.inst.status = "TERMINATED"
+            rec.inst.last_stop_timestamp = now_rfc3339()
+            rec.maintenance = None
+            rec.inst.resource_status.upcoming_maintenance = compute_v1.UpcomingMaintenance()
+        self.log_event("preempt", rec.path)
+        return self.get_instance(rec.path)
+
+    @staticmethod
+    def _check_spot(rec: InstanceRecord, force: bool) -> None:
         spot = rec.inst.scheduling.provisioning_model == "SPOT" or rec.inst.scheduling.preemptible
         if not spot and not force:
             raise ApiError(400, f"{rec.path} is not a spot VM, so Compute Engine would not preempt it; pass force.")
         if rec.inst.status != "RUNNING":
             raise ApiError(400, f"{rec.path} is {rec.inst.status}, not RUNNING.")
-        self.hosts.kill_worker(rec.group.key, rec.index)
-        with self.lock:
-            rec.inst.status = "TERMINATED"
-            rec.inst.last_stop_timestamp = now_rfc3339()
-        self.log_event("preempt", rec.path)
-        return self.get_instance(rec.path)
 
     def find_instance(self, ref: str) -> InstanceRecord:
         """An instance by path or bare name (admin convenience)."""

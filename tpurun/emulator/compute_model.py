@@ -18,7 +18,7 @@ from typing import Any
 
 from google.cloud import compute_v1
 
-from tpurun.emulator.model import ApiError, now_rfc3339, set_enum, to_json
+from tpurun.emulator.model import ApiError, Window, now_rfc3339, set_enum, to_json
 from tpurun.topology import Topology
 
 # the prefix of every link the real API answers with, whichever host the client called
@@ -225,6 +225,7 @@ class InstanceRecord:
     group: Group
     index: int  # its worker in the group
     mig: str = ""  # the path of the MIG that manages it
+    maintenance: Window | None = None  # announced and not over (maintenance.py)
 
 
 @dataclass

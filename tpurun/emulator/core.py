@@ -84,12 +84,13 @@ class Core:
         """Wait SECONDS; False when the emulator is shutting down."""
         return not self._closing.wait(max(0.0, seconds))
 
-    def _new_op(self, project: str, zone: str, verb: str, target: str) -> Operation:
+    def _new_op(self, project: str, zone: str, verb: str, target: str, api: str = "v2") -> Operation:
         op = Operation(
             name=f"projects/{project}/locations/{zone}/operations/operation-{int(time.time() * 1000)}-"
             f"{uuid.uuid4().hex[:24]}",
             verb=verb,
             target=target,
+            api=api,
         )
         with self.lock:
             self.ops[op.name] = op

@@ -146,6 +146,8 @@ class _Worker:
     pid_ns: str | None = None  # "pid:[inode]" of the last boot, for worker_root_pids
     guest: dict[tuple[str, str], str] = field(default_factory=dict)
     users: set[str] = field(default_factory=set)  # root aliases ever created on this worker
+    # what its metadata server says of host events (tpu_vm.HOST_EVENTS' keys): a maintenance notice, preemption
+    events: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -192,6 +194,7 @@ class _WorkerSource:
             address=w.address,
             token=self._hosts.token_for(node.key),
             vm=vm,
+            events=dict(w.events),
         )
 
     def guest_get(self, namespace: str, key: str) -> str | None:
@@ -526,6 +529,19 @@ class WorkerHosts:
         w = self._worker(node_key, index)
         with self._get(node_key).lock:
             self._kill([w])
+
+    def set_events(self, node_key: str, indices: list[int], events: dict[str, str | None]) -> None:
+        """What the metadata servers of the workers at INDICES say of host events from now on (tpu_vm.HOST_EVENTS'
+        keys; None: back to the key's quiet value)."""
+        node = self._get(node_key)
+        with node.guest_lock:
+            for i in indices:
+                w = node.workers[i]
+                for key, value in events.items():
+                    if value is None:
+                        w.events.pop(key, None)
+                    else:
+                        w.events[key] = value
 
     # ------------------------------------------------------------------ keys, queries
     def refresh_ssh_keys(self, node_key: str) -> None:

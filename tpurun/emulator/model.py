@@ -20,6 +20,8 @@ from google.cloud import tpu_v2
 from tpurun.topology import GENERATIONS, Topology
 
 NODE_TYPE = "type.googleapis.com/google.cloud.tpu.v2.Node"
+SCHEDULED, UNSCHEDULED = "SCHEDULED", "UNSCHEDULED"  # a maintenance's type
+PENDING, ONGOING = "PENDING", "ONGOING"  # a maintenance's status
 QR_TYPE = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
 EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
 METADATA_TYPE = "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata"
@@ -158,6 +160,7 @@ class HostsLike(Protocol):
     def workers(self, node_key: str) -> list[Any]: ...
     def startup_log(self, node_key: str, index: int) -> Path: ...
     def worker_root_pids(self, node_key: str, index: int) -> list[int]: ...
+    def set_events(self, node_key: str, indices: list[int], events: dict[str, str | None]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -171,6 +174,8 @@ class Delays:
     start: float = 0.5
     update: float = 0.1
     queue: float = 1.0  # WAITING_FOR_RESOURCES -> PROVISIONING once capacity is free
+    notice: float = 60.0  # a simulated maintenance event's notice (the metadata changes about 60 s ahead)
+    maintenance: float = 5.0  # how long a simulated maintenance keeps the host down
 
     def update_from(self, values: dict[str, Any]) -> None:
         for k, v in values.items():
@@ -320,15 +325,20 @@ class Operation:
     response: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     cancel_requested: bool = False
+    api: str = "v2"  # the API version whose method made it (v2alpha1: the maintenance methods)
+
+    def response_type(self, kind: str) -> str:
+        """The type URL of its response, a KIND (Node, QueuedResource) of its API version."""
+        return f"type.googleapis.com/google.cloud.tpu.{self.api}.{kind}"
 
     def to_json(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "@type": METADATA_TYPE,
+            "@type": METADATA_TYPE.replace(".v2.", f".{self.api}."),
             "createTime": now_rfc3339(self.created),
             "target": self.target,
             "verb": self.verb,
             "cancelRequested": self.cancel_requested,
-            "apiVersion": "v2",
+            "apiVersion": self.api,
         }
         if self.ended is not None:
             meta["endTime"] = now_rfc3339(self.ended)
@@ -338,6 +348,44 @@ class Operation:
         elif self.response is not None:
             out["response"] = self.response
         return out
+
+
+@dataclass
+class Window:
+    """One announced maintenance of one VM."""
+
+    worker: int
+    kind: str  # SCHEDULED | UNSCHEDULED
+    start: float  # epoch seconds
+    length: float  # seconds the host is down
+    can_reschedule: bool = False
+    status: str = PENDING
+    now: threading.Event = field(default_factory=threading.Event)  # start it now (performMaintenance)
+
+    def api(self) -> dict[str, Any]:
+        """The APIs' UpcomingMaintenance (Cloud TPU's and Compute Engine's share these fields)."""
+        return {
+            "type": self.kind,
+            "canReschedule": self.can_reschedule,
+            "windowStartTime": now_rfc3339(self.start),
+            "windowEndTime": now_rfc3339(self.start + self.length),
+            "latestWindowStartTime": now_rfc3339(self.start),
+            "maintenanceStatus": self.status,
+        }
+
+    def metadata(self) -> str:
+        """The metadata server's `upcoming-maintenance` (snake_case)."""
+        a = self.api()
+        return json.dumps(
+            {
+                "type": a["type"],
+                "can_reschedule": a["canReschedule"],
+                "window_start_time": a["windowStartTime"],
+                "window_end_time": a["windowEndTime"],
+                "latest_window_start_time": a["latestWindowStartTime"],
+                "maintenance_status": a["maintenanceStatus"],
+            }
+        )
 
 
 @dataclass
@@ -353,6 +401,7 @@ class NodeRecord:
     holds: bool = True  # counted against zone capacity
     fail_with: ApiError | None = None  # decided at create time: why the create operation will fail
     slice_of: SliceOf | None = None  # set for a node made by a multislice queued resource
+    maintenance: Window | None = None  # announced and not over (maintenance.py)
     lock: threading.RLock = field(default_factory=threading.RLock)  # serialises worker boot/shutdown
 
     @property

@@ -57,7 +57,16 @@ class Nodes(Operations):
 
     def node_json(self, rec: NodeRecord) -> dict[str, Any]:
         with self.lock:
-            return to_json(rec.node)
+            return self._node_dict(rec)
+
+    @staticmethod
+    def _node_dict(rec: NodeRecord) -> dict[str, Any]:
+        """REC as the API answers it (caller holds self.lock): the v2 Node, with its upcoming maintenance (an
+        output field of v2's REST resource that google-cloud-tpu's v2 Node lacks)."""
+        out = to_json(rec.node)
+        if rec.maintenance is not None:
+            out["upcomingMaintenance"] = rec.maintenance.api()
+        return out
 
     def _get_metadata_fn(self, rec: NodeRecord) -> Callable[[], dict[str, str]]:
         def get() -> dict[str, str]:
@@ -230,7 +239,7 @@ class Nodes(Operations):
                 (r for r in self.nodes.values() if r.project == project and (zone == "-" or r.zone == zone)),
                 key=lambda r: r.node.name,
             )
-            return paged("nodes", [to_json(r.node) for r in recs], page_size, page_token, omit_empty=True)
+            return paged("nodes", [self._node_dict(r) for r in recs], page_size, page_token, omit_empty=True)
 
     def delete_node(self, name: str) -> dict[str, Any]:
         rec = self.get_record(name)

@@ -14,37 +14,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from google.cloud import tpu_v2
-
-from tpurun.emulator.compute_migs import ManagedGroups
-from tpurun.emulator.model import ApiError, NodeRecord, set_enum
+from tpurun.emulator.maintenance import HostEvents
+from tpurun.emulator.model import ApiError, NodeRecord
 
 
-class Emulator(ManagedGroups):
+class Emulator(HostEvents):
     """The whole emulated service. Thread-safe: HTTP handler threads and operation threads share it."""
 
     # ------------------------------------------------------------------ faults and admin
-
-    def preempt(self, ref: str, force: bool = False) -> dict[str, Any]:
-        rec = self.find_node(ref)
-        with self.lock:
-            sc = rec.node.scheduling_config
-            if not (sc.spot or sc.preemptible) and not force:
-                raise ApiError(
-                    400,
-                    f"{rec.node.name} is not a spot or preemptible node, so Cloud TPU would not "
-                    "preempt it; pass force to preempt it anyway.",
-                )
-            if rec.state != "READY":
-                raise ApiError(400, f"{rec.node.name} is {rec.state}; only a running node can be preempted.")
-        with rec.lock:
-            self._shutdown(rec, delete=False)
-            with self.lock:
-                rec.set_state("PREEMPTED")
-                set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTH_UNSPECIFIED)
-        self.log_event("preempt", rec.node.name)
-        self._queued_node_changed(rec)
-        return self.node_json(rec)
 
     def check_caller(self, authorization: str, path: str) -> str:
         """Who may call the API. A call without credentials is the emulator's own user (tpurun sends none
@@ -61,7 +38,7 @@ class Emulator(ManagedGroups):
                 "UNAUTHENTICATED",
             )
         project = node.split("/")[1]
-        m = re.match(r"^/(?:v2|compute/v1)/projects/([^/]+)/", path)
+        m = re.match(r"^/(?:v2|v2alpha1|compute/v1)/projects/([^/]+)/", path)
         if m and m.group(1) != project:
             raise ApiError(
                 403,

@@ -141,6 +141,15 @@ class VmIdentity:
     machine_type: str
 
 
+# What a VM's metadata server says of host events, each key's value while nothing is known. `upcoming-maintenance`
+# is JSON (snake_case fields) once a maintenance is announced; before, an error object.
+HOST_EVENTS = {
+    "preempted": "FALSE",
+    "maintenance-event": "NONE",
+    "upcoming-maintenance": json.dumps({"error": "no notifications have been received yet, try again later"}),
+}
+
+
 def metadata_tree(
     attributes: dict[str, str],
     *,
@@ -151,11 +160,12 @@ def metadata_tree(
     address: str,
     token: str,
     vm: VmIdentity | None = None,
+    events: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What one worker's metadata server serves under /computeMetadata/v1/: its ATTRIBUTES, who it is, its
     network and its service account (whose TOKEN the emulated API accepts). A Compute Engine instance (VM) is
     named by its instance name, with the internal DNS name as its hostname; a Cloud TPU API worker's name is
-    its hostname and its machine type the generic TPU VM's."""
+    its hostname and its machine type the generic TPU VM's. EVENTS: what differs from HOST_EVENTS' quiet values."""
     project_number = str(stable_int("project:" + project, 12))
     email = f"{project_number}-compute@developer.gserviceaccount.com"
     account = {
@@ -172,7 +182,7 @@ def metadata_tree(
         "zone": f"projects/{project_number}/zones/{zone}",
         "machine-type": f"projects/{project_number}/machineTypes/tpu-vm",
         "network-interfaces": {"0": {"ip": address, "network": f"projects/{project_number}/networks/default"}},
-        "preempted": "FALSE",
+        **{k: (JsonText(v) if k == "upcoming-maintenance" else v) for k, v in (HOST_EVENTS | (events or {})).items()},
         # the VM's service account: what google-auth's Compute Engine credentials ask for
         "service-accounts": {"default": account, email: account},
     }

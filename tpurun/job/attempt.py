@@ -9,6 +9,8 @@ makes the attempts.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import threading
 import time
 from collections import deque
@@ -69,6 +71,7 @@ class Output(Protocol):
     def waiting(self, waiting: Waiting | None) -> None: ...  # who the processes wait for, now (None: nobody)
     def starting(self, started: int, workers: int) -> None: ...  # each second until every worker started the job
     def hung(self, found: Stacks | None, why: str, quiet: float, stopping: bool) -> None: ...  # see HangWatch
+    def notice(self, notice: protocol.Notice, worker: str) -> None: ...  # a host event announced for WORKER
 
 
 class OnHang(str, Enum):
@@ -78,6 +81,7 @@ class OnHang(str, Enum):
     stop = "stop"  # the same, then stop the job: it ends hung (ExitCode.HUNG)
 
 
+NOTICE_PORTS = (47000, 48000)  # a job's workers hear each other's notices on a port of these, its id's
 DEFAULT_HANG_TIMEOUT = 1800.0  # seconds: a long compile prints nothing for minutes; half an hour of nothing is not that
 
 
@@ -111,6 +115,7 @@ class JobRun:
         cancel: threading.Event | None = None,
         down: bool = False,
         hang: HangWatch | None = None,
+        on_notice: str = "",
     ) -> None:
         self.target = target
         self.job_id = job_id
@@ -140,6 +145,14 @@ class JobRun:
         self.hang = hang
         self.last_activity = time.monotonic()  # a record from any worker: a line, an end, a passage
         self.hung = False  # stopped by --on-hang stop
+        self.notice: protocol.Notice | None = None  # the first notice of a host event its workers heard of
+        self.on_notice = on_notice  # what the job's processes are told of one (ends.on_notice)
+        # the workers' supervisors pass notices on to each other at their internal addresses, signed with this key
+        self.peers = [w.internal or w.address for w in target.all_workers] if len(target.all_workers) > 1 else []
+        self.notice_key = secrets.token_hex(32)
+        self.notice_port = NOTICE_PORTS[0] + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % (
+            NOTICE_PORTS[1] - NOTICE_PORTS[0]
+        )
 
     def job_spec(self, worker: int) -> JobSpec:
         return JobSpec(
@@ -151,6 +164,10 @@ class JobRun:
             down=self.down,
             grace=self.grace,
             pre_commands=self.pre(worker),
+            on_notice=self.on_notice,
+            peers=self.peers,
+            notice_port=self.notice_port,
+            notice_key=self.notice_key,
         )
 
     def _call(self, worker: Worker) -> Call:
@@ -239,6 +256,8 @@ class JobRun:
         if isinstance(rec, protocol.Done):
             w = rec.worker
             origin = rec.state.first_failure
+            if rec.state.notice is not None:
+                self._noticed(rec.state.notice)
             with self.lock:
                 self.ended[w] = rec.state
                 if origin is not None and self.first_failure is None:
@@ -247,12 +266,23 @@ class JobRun:
                 o = self.outcome(w, ps.slot)
                 if o.exit_code is None:
                     o.exit_code, o.status = ps.exit_code, ps.status
+        elif isinstance(rec, protocol.Notice):
+            self._noticed(rec)
         elif isinstance(rec, protocol.StartFailed):
             why = f"{self.target.all_workers[source].name}: the agent could not start the job: {rec.reason}"
             self._lose(source, why)
         elif isinstance(rec, protocol.Started):
             with self.lock:
                 self.started.add(rec.worker)
+
+    def _noticed(self, notice: protocol.Notice) -> None:
+        """The first notice of a host event any worker reports: kept for the job's end, and shown once."""
+        with self.lock:
+            if self.notice is not None:
+                return
+            self.notice = notice
+        workers = self.target.all_workers
+        self.out.notice(notice, workers[notice.worker].name if notice.worker < len(workers) else f"w{notice.worker}")
 
     def _exited(self, w: int, rec: protocol.Exit) -> None:
         o = self.outcome(w, rec.slot)

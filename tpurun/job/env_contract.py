@@ -107,7 +107,15 @@ def explain_core(topology: Topology, core: int) -> str:
 
 
 def _job_env(
-    *, job_id: str, worker: int, num_workers: int, launch: str, master_addr: str, master_port: int, restart_count: int
+    *,
+    job_id: str,
+    worker: int,
+    num_workers: int,
+    launch: str,
+    master_addr: str,
+    master_port: int,
+    restart_count: int,
+    restart_reason: str,
 ) -> dict[str, str]:
     """What every process tpurun starts sees, in either launch model."""
     return {
@@ -116,6 +124,7 @@ def _job_env(
         "TPURUN_NUM_WORKERS": str(num_workers),
         "TPURUN_LAUNCH": launch,
         "TPURUN_RESTART_COUNT": str(restart_count),
+        "TPURUN_RESTART_REASON": restart_reason,  # why the last attempt ended (job.ends' kinds); "" at first
         # worker 0: what torch_xla's xla:// rendezvous and torch.distributed's env:// use
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
@@ -345,6 +354,7 @@ def plan_job(
     extra_env: dict[str, str] | None = None,
     precision: Precision | str = Precision.fp32,
     restart_count: int = 0,
+    restart_reason: str = "",
     tpu_ip: str | None = None,
     oversubscribe: bool = False,
     slice_metadata: bool = True,
@@ -378,6 +388,7 @@ def plan_job(
         single_chip=_single_chip(topology, cores, core) if runtime is Runtime.pjrt and topology else None,
         master_port=master_port,
         restart_count=restart_count,
+        restart_reason=restart_reason,
         tpu_ip=tpu_ip,
         slice_metadata=slice_metadata,
         precision=precision,
@@ -409,6 +420,7 @@ class _JobArgs:
     single_chip: int | None
     master_port: int
     restart_count: int
+    restart_reason: str
     tpu_ip: str | None
     slice_metadata: bool
     precision: Precision
@@ -432,6 +444,7 @@ def _process_env(job: _JobArgs, *, worker: int, slot: int, local_rank: int, rank
         master_addr=job.worker_addresses[0],
         master_port=job.master_port,
         restart_count=job.restart_count,
+        restart_reason=job.restart_reason,
     )
     if topology is not None and not job.slice_metadata:
         # whatever the runtime: `import torch_xla` reads the slice from the metadata where there are chips

@@ -16,8 +16,9 @@ from typing import Any
 
 from tpurun import config
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
-from tpurun.job import env_contract, preflight
+from tpurun.job import ends, env_contract, preflight
 from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
+from tpurun.job.ends import Budgets, EndKind
 from tpurun.job.records import JobRecord, connect, forget, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
@@ -94,6 +95,8 @@ class TrainSpec:
     allow_skew: bool = False  # start even where the workers' Python or decisive packages differ
     hang_timeout: float = DEFAULT_HANG_TIMEOUT  # seconds without progress before --on-hang (0: never)
     on_hang: OnHang = OnHang.report
+    on_notice: str | None = None  # --on-notice as given (ends.on_notice; None: the runtime's default)
+    restarts: str = ""  # --restarts KIND=N,... (ends.Budgets)
     worker: str | None = None  # --worker SPEC: one host alone, as the single-host slice it is on its own (or all)
 
 
@@ -139,6 +142,7 @@ def plan(
     job_id: str,
     restart_count: int = 0,
     framework: env_contract.Framework = env_contract.Framework.torch,
+    restart_reason: str = "",
 ) -> JobPlan:
     python = target.python(spec.python)
     selected, every = len(target.runners), len(target.all_workers)
@@ -186,6 +190,7 @@ def plan(
         extra_env=extra,
         precision=spec.precision,
         restart_count=restart_count,
+        restart_reason=restart_reason,
         tpu_ip=spec.tpu_ip,
         oversubscribe=spec.oversubscribe,
         # one host alone: its metadata describes the whole slice, so the runtimes are given one host's values
@@ -257,6 +262,7 @@ class Job:
     framework: env_contract.Framework = env_contract.Framework.torch  # what the script imports
     skew: preflight.Skew = field(default_factory=lambda: preflight.Skew(()))  # where the workers differ
     claim: preflight.Claim | None = None  # every worker held for this job until it starts (none for --dry-run)
+    restart: tuple[int, str] = (0, "")  # its train's restarts before it, and why the attempt before it ended
 
     def release(self) -> None:
         """Let the workers go that are still held for this job (it started, or never will)."""
@@ -313,7 +319,9 @@ class JobResult:
     state: JobStatus
     run: JobRun | None = None
     setup: SetupResult | None = None
+    end: EndKind | None = None  # why it ended, for every end but FINISHED, RUNNING and BUSY (job.ends)
     restarts: int = 0
+    budgets: Budgets | None = None  # what each kind of end has cost in restarts (lifecycle.train)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -325,6 +333,8 @@ class JobResult:
             return ExitCode.UNREACHABLE if failed is not None and failed.error else ExitCode.PROGRAM_FAILED
         if self.state in _EXIT_OF:
             return _EXIT_OF[self.state]
+        if self.end in (EndKind.PREEMPTED, EndKind.MAINTENANCE):  # its processes ended for a host event
+            return ExitCode.UNREACHABLE
         failure = self.run.first_failure if self.run is not None else None
         if self.state is JobStatus.UNREACHABLE and (self.job.spec.detach or failure is None):
             return ExitCode.UNREACHABLE
@@ -342,7 +352,9 @@ _EXIT_OF = {  # the states whose exit code is theirs alone, whatever else the ru
 }
 
 
-def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, local_dir: Path) -> Job:
+def prepare(
+    spec: TrainSpec, target: Target, restart: int, *, dest: str | None, local_dir: Path, reason: str = ""
+) -> Job:
     """Decide the job: runtime, launch model, every process, the setup. Only --runtime auto (or a real
     start) needs the workers. A real start is refused on a busy TPU, and on skewed workers unless allowed
     (after the setup, when there is one: it may install what differs)."""
@@ -353,13 +365,13 @@ def prepare(spec: TrainSpec, target: Target, restart: int, *, dest: str | None, 
         framework = env_contract.script_framework((local_dir / spec.script).read_text(errors="replace"))
     except OSError:
         framework = env_contract.Framework.torch
-    p = plan(target, spec, job_id, restart_count=restart, framework=framework)
+    p = plan(target, spec, job_id, restart_count=restart, framework=framework, restart_reason=reason)
     python = target.python(spec.python)
     cwd = str(local_dir) if target.local else (dest or sender.default_dest(local_dir))
     setup = plan_setup(
         spec.setup, script=spec.script, python=python, cwd=cwd, local_dir=local_dir, on_tpu=not target.local
     )
-    job = Job(job_id, spec, target, p, python, cwd, setup, framework)
+    job = Job(job_id, spec, target, p, python, cwd, setup, framework, restart=(restart, reason))
     if not spec.dry_run:
         packages = preflight.requirement_names(spec.script, local_dir)
         answers, job.claim = preflight.claim(target, python, packages, job_id)  # refused when another job holds it
@@ -400,7 +412,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
             hint="run the train again",
         )
     specs = job.plan.specs
-    JobRecord(
+    record = JobRecord(
         job_id=job.job_id,
         tpu=target.name,
         workers=[r.worker.index for r in target.runners],
@@ -412,7 +424,10 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         ids=list(target.ids),
         project=target.project,
         zone=target.zone,
-    ).save(home)
+        restart=job.restart[0],
+        restart_reason=job.restart[1],
+    )
+    record.save(home)
     topo = job.plan.topology
     run = JobRun(
         target,
@@ -428,49 +443,62 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         cancel=cancel,
         down=spec.down,
         hang=HangWatch(spec.hang_timeout, spec.on_hang, home) if spec.hang_timeout > 0 else None,
+        on_notice=ends.on_notice(spec.on_notice, job.framework.value),
     )
     run.run()
-    state = _state(run, job, cancel)
+    state, end = _ended(run, job, cancel)
     if state is JobStatus.BUSY and not run.started:
         forget(home, job.job_id)  # refused everywhere it was asked: it started nowhere, so it leaves no record
-    return JobResult(job, state, run=run)
+    elif end is not None or run.notice is not None:
+        record.end = end.value if end is not None else ""
+        record.notice = run.notice.to_dict() if run.notice is not None else None
+        record.save(home)
+    return JobResult(job, state, run=run, end=end)
 
 
-def _state(run: JobRun, job: Job, cancel: threading.Event) -> JobStatus:
+def _ended(run: JobRun, job: Job, cancel: threading.Event) -> tuple[JobStatus, EndKind | None]:
+    """How RUN ended, in the protocol's words, and why (job.ends): a notice the job received decides first,
+    then a stop, a hang, a worker lost (the API says to what), a process failed."""
     if run.busy and not run.unreachable and run.first_failure is None:
-        return JobStatus.BUSY  # refused: another job runs there; nothing was started
+        return JobStatus.BUSY, None  # refused: another job runs there; nothing was started
     if job.spec.detach:
-        return JobStatus.UNREACHABLE if run.unreachable else JobStatus.RUNNING
+        return (JobStatus.UNREACHABLE, EndKind.INFRA) if run.unreachable else (JobStatus.RUNNING, None)
+    notice = EndKind(run.notice.kind.value) if run.notice is not None else None
     if cancel.is_set():
-        return JobStatus.STOPPED
+        return JobStatus.STOPPED, EndKind.USER
     if run.hung:
-        return JobStatus.HUNG
+        return JobStatus.HUNG, notice or EndKind.PROGRAM
+    lost = lost_to(job.target) if run.unreachable and notice is None else notice
     if run.first_failure is not None:
-        return JobStatus.FAILED
+        return (JobStatus.PREEMPTED if lost is EndKind.PREEMPTED else JobStatus.FAILED), lost or EndKind.PROGRAM
     if run.unreachable:
-        return JobStatus.PREEMPTED if preempted(job.target) else JobStatus.UNREACHABLE
-    return JobStatus.FAILED if any(o.failed for o in run.outcomes.values()) else JobStatus.FINISHED
+        return (JobStatus.PREEMPTED if lost is EndKind.PREEMPTED else JobStatus.UNREACHABLE), lost
+    if any(o.failed for o in run.outcomes.values()):
+        return JobStatus.FAILED, notice or EndKind.PROGRAM
+    return JobStatus.FINISHED, notice  # its processes ended well, after a notice: the work was cut short
 
 
-def preempted(target: Target) -> bool:
-    """Whether the API reports TARGET (one of its slices) preempted or gone after its workers vanished; it
-    may say so a little after the workers went, so look for a while (TPURUN_PREEMPT_CHECK)."""
+def lost_to(target: Target) -> EndKind:
+    """Why TARGET's workers vanished, as its API tells (it may say so a little after they went, so look for a
+    while: TPURUN_PREEMPT_CHECK): preempted (or gone), maintenance, else infrastructure."""
     if target.local:
-        return False
-    from tpurun.cloud import provision
+        return EndKind.INFRA
+    from tpurun.cloud import provision, views
 
     deadline = time.monotonic() + config.PREEMPT_CHECK.number()
     try:
         cloud = target.cloud()
     except TpurunError:
-        return False
+        return EndKind.INFRA
     while True:
         try:
-            answer = provision.gone_or_preempted(cloud, target.name)
+            answer = provision.why_down(cloud, target.name)
         except TpurunError:
-            return False
+            return EndKind.INFRA
         if answer is not None or time.monotonic() > deadline:
-            return bool(answer)
+            return {views.PREEMPTED: EndKind.PREEMPTED, views.MAINTENANCE: EndKind.MAINTENANCE}.get(
+                answer or "", EndKind.INFRA
+            )
         time.sleep(1.0)
 
 

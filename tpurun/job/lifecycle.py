@@ -1,6 +1,6 @@
 """A `train` command's whole course around the launcher: the TPU the settings name resolved (again after each
-recreation), the job only shown (--dry-run) or run, relaunched on a recreated TPU after each preemption up
-to --max-restarts, and with --down the TPU armed for deletion before and deleted after."""
+restart), the job only shown (--dry-run) or run, relaunched after each end its restart budget allows (job.ends),
+and with --down the TPU armed for deletion before and deleted after."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import Preempted, TpuBusy, TpurunError, UsageError
+from tpurun.errors import Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.attempt import Output
+from tpurun.job.ends import Budgets, EndKind, on_notice
 from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start
 from tpurun.settings import Settings
 from tpurun.worker.protocol import JobStatus
@@ -45,6 +46,8 @@ def run(
     tpurun be gone when the job ends) and taken down after, whatever became of the job (`take_down`); a launch
     that failed takes the TPU down too, reported through OUT before its error is raised, unless another job
     holds the TPU. The job's result, and with `--down` what became of the TPU."""
+    Budgets.parse(spec.restarts, spec.max_restarts)  # bad input: refused before anything is asked or started
+    on_notice(spec.on_notice, "")
     if spec.down:
         arm_down(s, local=local, out=out)
         if cancel.is_set():  # Ctrl-C while arming: nothing started, nothing deleted
@@ -72,52 +75,101 @@ def train(
     out: Output,
     cancel: threading.Event,
 ) -> JobResult:
-    """SPEC on the TPU S names (or this machine, LOCAL), relaunched on a recreated TPU after each preemption,
-    up to spec.max_restarts times; reported through OUT, stopped by CANCEL."""
-    restarts = 0
+    """SPEC on the TPU S names (or this machine, LOCAL), relaunched after each end its budget allows (job.ends:
+    on a recreated TPU after a preemption, once the TPU is usable again after maintenance or a lost worker, at
+    once after a program failure); reported through OUT, stopped by CANCEL."""
+    budgets = Budgets.parse(spec.restarts, spec.max_restarts)
+    restarts, reason = 0, ""
     while True:
         try:
             target = targets.resolve(s, local=local, worker_spec=_workers(spec), announce=out.info)
             try:
-                job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir)
+                job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir, reason=reason)
             except BaseException:
                 target.close()
                 raise
-        except Preempted as exc:  # preempted before the job started: recovered like one preempted under it
-            if restarts >= spec.max_restarts:
+        except (Preempted, UnreachableError) as exc:  # before the job started: recovered as one that ended so
+            kind = EndKind.PREEMPTED if isinstance(exc, Preempted) else EndKind.INFRA
+            if (kind is EndKind.INFRA and not restarts) or cancel.is_set() or not budgets.spend(kind):
                 raise
-            restarts += 1
+            restarts, reason = restarts + 1, kind.value
             out.warn(exc.message)
-            out.info(f"restart {restarts}/{spec.max_restarts}: recreating {exc.tpu}")
-            _recreate(s, exc.tpu, out)
+            _recover(s, str(s.tpu.value or ""), kind, restarts, budgets, out)
             continue
         try:
-            for kind, text in job.notes():
-                (out.warn if kind == "warn" else out.info)(text)
+            for note_kind, text in job.notes():
+                (out.warn if note_kind == "warn" else out.info)(text)
+            said = threading.Thread(target=_say_maintenance, args=(target, out), daemon=True)
+            if not target.local:  # the API asked beside the start, not before it
+                said.start()
             result = start(job, home=s.home_path, local_dir=local_dir, out=out, cancel=cancel)
+            if said.is_alive():
+                said.join(timeout=10)
         finally:
             job.release()
             target.close()
-        result.restarts = restarts
-        if result.state is not JobStatus.PREEMPTED or restarts >= spec.max_restarts:
+        result.restarts, result.budgets = restarts, budgets
+        end = result.end
+        if end is None or spec.detach or cancel.is_set() or not budgets.spend(end):
             return result
-        out.warn(f"{target.name} was preempted while job {job.job_id} ran")
-        restarts += 1
-        out.info(f"restart {restarts}/{spec.max_restarts}: recreating {target.name}")
-        _recreate(s, target.name, out)
+        restarts, reason = restarts + 1, end.value
+        out.warn(ended_line(end, target.name, job.job_id))
+        notice = result.run.notice if result.run is not None else None
+        _recover(s, target.name, end, restarts, budgets, out, after=notice.deadline if notice else None)
+
+
+def _say_maintenance(target: targets.Target, out: Output) -> None:
+    """Warn of the maintenance the API announces for TARGET: the job may be interrupted by it."""
+    from tpurun.cloud import routing
+
+    try:
+        found = routing.locate(target.cloud(), target.name)
+        if found is None:
+            return
+        maker, view = found
+        maker.read_maintenance([view])
+    except TpurunError:
+        return
+    for m in view.maintenance:
+        out.warn(f"{target.name}: {m.summary()}: a job running then is interrupted (`tpurun maintenance` shows it)")
+
+
+def ended_line(kind: EndKind, name: str, job: str) -> str:
+    """What ended job JOB on NAME, in one line."""
+    return {
+        EndKind.PREEMPTED: f"{name} was preempted while job {job} ran",
+        EndKind.MAINTENANCE: f"a host of {name} went for maintenance while job {job} ran",
+        EndKind.INFRA: f"job {job} lost a worker of {name} (the TPU is neither preempted nor in maintenance)",
+    }.get(kind, f"job {job} on {name} ended: {kind.describe()}")
+
+
+def _recover(
+    s: Settings, name: str, kind: EndKind, restarts: int, budgets: Budgets, out: Output, *, after: float | None = None
+) -> None:
+    """Make NAME fit to run the job again after an end of KIND: recreated after a preemption (a spot TPU cannot
+    be restarted), waited for after maintenance (its window begun, AFTER: when its notice said) or a lost worker,
+    as it is after a program failure."""
+    from tpurun import config
+    from tpurun.cloud import provision
+    from tpurun.cloud.client import Cloud
+
+    what = {EndKind.PREEMPTED: f"recreating {name}", EndKind.PROGRAM: "relaunching"}.get(
+        kind, f"waiting for {name} to be usable again"
+    )
+    out.info(f"restart {budgets.left(kind)}: {what} (the {kind.value} budget; restart {restarts} in all)")
+    if kind is EndKind.PROGRAM or not name:
+        return
+    with out.progress() as progress:
+        if kind is EndKind.PREEMPTED:
+            provision.recreate(Cloud(s), s, name, progress)
+        else:
+            timeout = config.RECOVER_TIMEOUT.number()
+            provision.wait_usable(Cloud(s), name, progress, timeout=timeout, after=after)
 
 
 def _workers(spec: TrainSpec) -> str:
     """The workers a job runs on: every one, or those `--worker` selects (one, or all: launcher.plan)."""
     return spec.worker or "all"
-
-
-def _recreate(s: Settings, name: str, out: Output) -> None:
-    from tpurun.cloud import provision
-    from tpurun.cloud.client import Cloud
-
-    with out.progress() as progress:
-        provision.recreate(Cloud(s), s, name, progress)
 
 
 # ---------------------------------------------------------------------------- --down

@@ -9,6 +9,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tpurun import targets
 from tpurun.errors import ApiError, UnreachableError, UsageError
@@ -36,6 +37,10 @@ class JobRecord:
     ids: list[str] = field(default_factory=list)  # the TPU's identity (its nodes' unique ids); [] for local
     project: str = ""  # where the TPU is ("" for local, and in records older than these fields)
     zone: str = ""
+    restart: int = 0  # the restarts of its `train` before it (TPURUN_RESTART_COUNT)
+    restart_reason: str = ""  # why the attempt before it ended (job.ends' kinds; TPURUN_RESTART_REASON)
+    end: str = ""  # why it ended, as its `train` decided (job.ends' kinds; "" while it runs, or it finished)
+    notice: dict[str, Any] | None = None  # the notice of a host event it got (protocol.Notice's fields)
 
     def target(self, s: Settings, worker: str = "all") -> Target:
         """The workers this job ran on (WORKER: those of them a spec names), on its TPU where it was then

@@ -8,6 +8,7 @@ all at once, per TPU, however many jobs it ran.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ class JobSummary:
     status: JobStatus  # running | failed | lost | stopped | finished | unreachable | unknown | gone
     detail: str = ""  # which worker failed and how; why the state is not known; what became of the TPU
     waiting: Waiting | None = None  # running: the processes that wait at a rendezvous for others (watch)
+    notice: protocol.Notice | None = None  # a host event announced for one of its workers, as an agent recorded it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", JobStatus(self.status))  # its word, however it was given
@@ -65,6 +67,12 @@ def earliest_failure(states: Mapping[K, JobState | None]) -> tuple[K, protocol.F
 def combine(states: Mapping[str, JobState | None]) -> JobSummary:
     """One job's state from every worker's: STATES is {worker name: its agent's state, None where the
     job is unknown there}, in worker order."""
+    notice = next((st.notice for st in states.values() if st is not None and st.notice is not None), None)
+    summary = _combined(states)
+    return summary if notice is None else dataclasses.replace(summary, notice=notice)
+
+
+def _combined(states: Mapping[str, JobState | None]) -> JobSummary:
     found = earliest_failure(states)
     if found is not None:
         name, first = found

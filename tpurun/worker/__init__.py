@@ -21,6 +21,7 @@ BUNDLE = (
     "agent.py",
     "agent_files.py",
     "agent_lines.py",
+    "agent_notices.py",
     "agent_stacks.py",
     "agent_supervisor.py",
     "protocol.py",

@@ -388,12 +388,16 @@ def cmd_stream(args) -> int:
     sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points (the state's), as last sent
     reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
+    told = False  # the job's notice of a host event, sent
     last_touch = 0.0
     try:
         while True:
             st = _load_state(args.job)  # read before draining: lines precede the state that ends a slot
             follow_slots(st)
             got = _drain(readers, out, until_empty=False)
+            if st.notice is not None and not told:
+                told = True
+                out.write(encode(st.notice))
             for s in st.slots:  # compared as read each poll; a record only when they changed
                 if s.passages and sent_passages.get(s.slot) != s.passages:
                     sent_passages[s.slot] = s.passages

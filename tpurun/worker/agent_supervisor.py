@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+import agent_notices
+
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
 from agent_files import (
     FATAL_SIGNALS,
@@ -45,6 +47,7 @@ from protocol import (
     HookStream,
     JobState,
     JobStatus,
+    Notice,
     Passage,
     ProcessStatus,
     SlotState,
@@ -205,6 +208,8 @@ class Supervisor:
         self.stop_deadline: float | None = None
         self.killed = False
         self.saved_at = 0.0
+        self.notice: Notice | None = None  # the first notice of a host event the job got (agent_notices)
+        self.notices: agent_notices.NoticeWatch | None = None  # while the job runs
 
     def snapshot(self) -> list[Slot]:
         with self.slots_lock:
@@ -462,7 +467,7 @@ class Supervisor:
         stopping = self.stop_deadline is not None and self.status == JobStatus.RUNNING
         return JobState(
             self.job, self.worker, self.status, os.getpid(), self.started_at, self.ended_at, stopping, self.detach,
-            self.launch, self.reason, self.first_failure, [c.state() for c in self.snapshot()],
+            self.launch, self.reason, self.first_failure, [c.state() for c in self.snapshot()], notice=self.notice,
         )  # fmt: skip
 
     def save(self) -> None:
@@ -545,6 +550,15 @@ class Supervisor:
             signal_group(c.pgid, signal.SIGTERM)
         signal_pids(job_processes(self.job), signal.SIGTERM)  # those that left their group
 
+    def on_notice(self, notice: Notice) -> None:
+        """A host event announced for a worker of the job (a thread of the NoticeWatch's): told to the processes."""
+        self.notice, self.dirty = notice, True
+        if notice.action == agent_notices.STOP:
+            self.reason = f"{notice.kind.value} notice for worker {notice.worker}"
+            self.stop_requested = True
+        did = agent_notices.deliver(notice, self.job, [c.pgid for c in self.snapshot()], self.jdir)
+        self.log(f"{notice.kind.value} notice for worker {notice.worker} ({notice.detail}): {did}")
+
     def on_exit(self, c: Slot, rc: int) -> None:
         c.exited_at = now()
         c.exit_code = rc
@@ -612,6 +626,8 @@ class Supervisor:
     def finish(self) -> None:
         with self.slots_lock:
             self.closed = True
+        if self.notices is not None:
+            self.notices.stop()
         if self.listener is not None:
             try:
                 self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
@@ -659,8 +675,16 @@ class Supervisor:
             return
         self.use_hook()
         self.open_log_socket()  # a host launch's chip processes, and every process's passages
+        for c in self.snapshot():
+            c.env[agent_notices.NOTICE_FILE] = agent_notices.notice_path(self.jdir)
         self.start_slots()
         self.serve_log_socket()  # threads only now: start_slots forks with a preexec_fn
+        spec = self.spec
+        if spec.on_notice:
+            self.notices = agent_notices.NoticeWatch(
+                self.job, self.worker, spec.on_notice, spec.peers, spec.notice_port, spec.notice_key, self.on_notice
+            )
+            self.notices.start(self.log)
         self.save()
         self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.state() for c in self.snapshot()]))
         self.loop()

@@ -121,6 +121,14 @@ class Event(Word):
     EXIT = "exit"  # `stream`: a process ended, after its last line
     DONE = "done"  # `stream`: the job is over on this worker; its state follows
     PASSAGES = "passages"  # `stream`: a process entered or left a rendezvous point (`Passages`)
+    NOTICE = "notice"  # `stream`: a host event was announced for a worker of the job (`Notice`)
+
+
+class NoticeKind(Word):
+    """What a notice announces for a worker's VM: its host's maintenance, or its preemption."""
+
+    MAINTENANCE = "maintenance"
+    PREEMPTED = "preempted"
 
 
 class Source(Word):
@@ -275,6 +283,33 @@ class StartFailed(RecordBase):
         self.reason = reason
 
 
+class Notice(RecordBase):
+    """A host event announced for WORKER's VM (its metadata server said so, SEEN on that worker's clock) and
+    what the job's processes were told (ACTION, `train --on-notice`'s): by DEADLINE (the window's start, the
+    preemption's end of notice; None: not known) the host may go. DETAIL: the metadata's own words."""
+
+    __slots__ = ("kind", "worker", "seen", "deadline", "action", "detail")
+
+    def __init__(
+        self, kind: NoticeKind, worker: int, seen: float, deadline: float | None, action: str, detail: str = ""
+    ) -> None:
+        self.kind, self.worker, self.seen, self.deadline = kind, worker, seen, deadline
+        self.action, self.detail = action, detail
+
+    def to_dict(self) -> dict[str, Any]:
+        return super().to_dict() | {"kind": self.kind.value}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Notice:
+        """A notice as state.json and the wire have it, or ValueError."""
+        try:
+            deadline = d.get("deadline")
+            return cls(NoticeKind(d["kind"]), int(d["worker"]), float(d["seen"]), _opt(float, deadline),
+                       str(d.get("action") or ""), str(d.get("detail") or ""))  # fmt: skip
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a notice: {str(d)[:100]!r}") from e
+
+
 # ---------------------------------------------------------------- the job's state (state.json)
 # The supervisor writes it, the agent's commands answer with it (`state`, `stop`, `jobs`, preflight's jobs, a
 # `done` record), the watchdog and the client read it: through these records only. A state an older bundle wrote
@@ -386,7 +421,7 @@ class JobState(RecordBase):
 
     __slots__ = (
         "job_id", "worker", "status", "supervisor_pid", "started_at", "ended_at", "stopping", "detach", "launch",
-        "reason", "first_failure", "slots", "supervisor_alive", "status_before_stop",
+        "reason", "first_failure", "slots", "supervisor_alive", "status_before_stop", "notice",
     )  # fmt: skip
 
     def __init__(
@@ -405,6 +440,7 @@ class JobState(RecordBase):
         slots: list[SlotState] | None = None,
         supervisor_alive: bool | None = None,
         status_before_stop: JobStatus | None = None,
+        notice: Notice | None = None,  # the first notice of a host event the job got (agent_notices)
     ) -> None:
         self.job_id = job_id
         self.worker = worker
@@ -420,6 +456,7 @@ class JobState(RecordBase):
         self.slots = [] if slots is None else slots
         self.supervisor_alive = supervisor_alive
         self.status_before_stop = status_before_stop
+        self.notice = notice
 
     def slot(self, slot: int) -> SlotState | None:
         """The entry of the process in SLOT, if it has one."""
@@ -432,7 +469,8 @@ class JobState(RecordBase):
         data["status"] = self.status.value
         data["launch"] = self.launch.value
         data["first_failure"] = None if self.first_failure is None else self.first_failure.to_dict()
-        for f in ("supervisor_alive", "status_before_stop"):  # the readers' additions: absent where not made
+        data["notice"] = None if self.notice is None else self.notice.to_dict()
+        for f in ("supervisor_alive", "status_before_stop", "notice"):  # absent where there is none
             if data[f] is None:
                 del data[f]
         if self.status_before_stop is not None:
@@ -462,6 +500,7 @@ class JobState(RecordBase):
                 [SlotState.from_dict(s) for s in data.get("cores") or []],
                 _opt(bool, data.get("supervisor_alive")),
                 _opt(JobStatus, data.get("status_before_stop")),
+                _opt(Notice.from_dict, data.get("notice")),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a job's state: {str(data)[:100]!r}") from e
@@ -481,7 +520,7 @@ def job_states(raw: bytes | str) -> list[JobState]:
 
 
 if TYPE_CHECKING:
-    Record = Union[Line, Exit, Done, Passages, Started, StartFailed]  # noqa: UP007 (Python 3.8 has no X | Y)
+    Record = Union[Line, Exit, Done, Passages, Started, StartFailed, Notice]  # noqa: UP007 (Python 3.8 has no X | Y)
 
 # The .rec line's fixed start: `stream` splices the worker, slot and offset in front of it without
 # re-encoding, which is what keeps streaming fast; its time starts at _TIME_AT (every source's name has
@@ -545,6 +584,8 @@ def encode(record: Record) -> bytes:
             "c": record.slot,
             "passages": [p.to_dict() for p in record.passages],
         }
+    elif isinstance(record, Notice):
+        data = {"event": Event.NOTICE.value, "notice": record.to_dict()}
     elif isinstance(record, Started):
         data = {
             "event": Event.STARTED.value,
@@ -589,6 +630,8 @@ def decode(raw: bytes | str) -> Record | None:
             return Started(str(data["job"]), int(data["worker"]), int(data["supervisor_pid"]), cores)
         if event == Event.START_FAILED:
             return StartFailed(str(data["job"]), str(data["reason"]))
+        if event == Event.NOTICE:
+            return Notice.from_dict(data["notice"])
     except (KeyError, TypeError, ValueError):
         return None
     return None

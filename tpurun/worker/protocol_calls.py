@@ -62,7 +62,7 @@ class JobSpec(RecordBase):
 
     __slots__ = (
         "job_id", "worker", "cores", "launch", "detach", "down", "grace", "pre_commands", "pre_timeout",
-        "lease_timeout", "allow_concurrent",
+        "lease_timeout", "allow_concurrent", "on_notice", "peers", "notice_port", "notice_key",
     )  # fmt: skip
 
     def __init__(
@@ -78,6 +78,10 @@ class JobSpec(RecordBase):
         pre_timeout: float = DEFAULT_PRE_TIMEOUT,
         lease_timeout: float | None = None,  # attached: DEFAULT_LEASE unless given (0: none)
         allow_concurrent: bool = False,  # start even while another job runs on the worker
+        on_notice: str = "",  # what the job's processes are told of a host event (agent_notices.ACTIONS; "": none)
+        peers: list[str] | None = None,  # every worker's internal address, by worker index: where notices go
+        notice_port: int = 0,  # the port every worker's supervisor hears its peers' notices on
+        notice_key: str = "",  # the job's secret that signs its notices (hex)
     ) -> None:
         self.job_id = job_id
         self.worker = worker
@@ -90,6 +94,10 @@ class JobSpec(RecordBase):
         self.pre_timeout = pre_timeout
         self.lease_timeout = lease_timeout
         self.allow_concurrent = allow_concurrent
+        self.on_notice = on_notice
+        self.peers = [] if peers is None else peers
+        self.notice_port = notice_port
+        self.notice_key = notice_key
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()

@@ -1,0 +1,142 @@
+"""Why a job ended and what it may cost (job.ends), the notice on the wire (protocol.Notice), and a worker's
+notice watch (worker/agent_notices): what the metadata server says, and peers that pass a signed notice on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tpurun.errors import UsageError
+from tpurun.job.ends import Budgets, EndKind, on_notice
+from tpurun.worker import agent_notices, protocol
+from tpurun.worker.protocol import JobState, JobStatus, Notice, NoticeKind
+
+
+def test_budgets_by_kind_and_max_restarts_for_preemption_and_infra_together():
+    b = Budgets.parse("program=1,maintenance=2", max_restarts=2)
+    assert [b.spend(EndKind.PROGRAM), b.spend(EndKind.PROGRAM)] == [True, False]
+    assert [b.spend(EndKind.MAINTENANCE) for _ in range(3)] == [True, True, False]
+    # --max-restarts 2: preemption and infrastructure draw on one budget
+    assert [b.spend(EndKind.PREEMPTED), b.spend(EndKind.INFRA), b.spend(EndKind.PREEMPTED)] == [True, True, False]
+    assert b.left(EndKind.INFRA) == "2/2" and b.left(EndKind.PROGRAM) == "1/1"
+    assert not b.spend(EndKind.USER)
+    # a kind named on its own leaves the shared budget to the other
+    b = Budgets.parse("preempted=1", max_restarts=1)
+    assert [b.spend(EndKind.PREEMPTED), b.spend(EndKind.PREEMPTED)] == [True, False]
+    assert b.spend(EndKind.INFRA) and not b.spend(EndKind.INFRA)
+    assert Budgets.parse("", 0).to_dict()["maintenance"] == {"used": 0, "budget": 0}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("crash=1", "unknown kind 'crash'"),
+        ("program=-1", "cannot be negative"),
+        ("program", "expected KIND=N"),
+        ("user=2", "unknown kind 'user'"),
+    ],
+)
+def test_bad_restarts_are_one_clear_line(text, says):
+    with pytest.raises(UsageError, match=says):
+        Budgets.parse(text)
+
+
+def test_on_notice_choices_and_the_runtimes_default():
+    assert on_notice(None, "jax") == "signal:SIGTERM"
+    assert on_notice(None, "torch") == "file"
+    assert on_notice("signal:usr1", "torch") == "signal:SIGUSR1"
+    assert on_notice("stop", "jax") == "stop"
+    for bad, says in (("signal:SIGNOPE", "unknown signal"), ("signal:KILL", "unknown signal"), ("wave", "bad")):
+        with pytest.raises(UsageError, match=says):
+            on_notice(bad, "torch")
+
+
+def test_a_notice_travels_in_a_record_and_in_the_jobs_state():
+    n = Notice(NoticeKind.MAINTENANCE, 1, 100.5, 160.0, "signal:SIGTERM", "instance/upcoming-maintenance: {}")
+    assert protocol.decode(protocol.encode(n)) == n
+    st = JobState("j", 0, JobStatus.RUNNING, notice=n)
+    again = JobState.from_json(st.to_json())
+    assert again.notice == n
+    assert "notice" not in json.loads(JobState("j", 0, JobStatus.RUNNING).to_json())
+
+
+def _metadata(values: dict[str, str]):
+    return lambda path: values.get(path)
+
+
+def test_what_the_metadata_server_announces():
+    quiet = {
+        "instance/preempted": "FALSE",
+        "instance/maintenance-event": "NONE",
+        "instance/upcoming-maintenance": json.dumps({"error": "no notifications have been received yet"}),
+    }
+    assert agent_notices.look(0, "file", _metadata(quiet)) is None
+    soon = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+    window = {"maintenance_status": "PENDING", "type": "SCHEDULED", "window_start_time": soon}
+    n = agent_notices.look(2, "file", _metadata(quiet | {"instance/upcoming-maintenance": json.dumps(window)}))
+    assert n is not None and n.kind is NoticeKind.MAINTENANCE and n.worker == 2
+    assert n.deadline == pytest.approx(time.time() + 120, abs=2)
+    # a window days ahead is the job's only in its last minutes (LEAD)
+    window["window_start_time"] = "2030-01-01T00:00:00Z"
+    assert (
+        agent_notices.look(2, "file", _metadata(quiet | {"instance/upcoming-maintenance": json.dumps(window)})) is None
+    )
+    n = agent_notices.look(0, "stop", _metadata(quiet | {"instance/preempted": "TRUE"}))
+    assert n is not None and n.kind is NoticeKind.PREEMPTED and n.action == "stop"
+    n = agent_notices.look(
+        0, "file", _metadata(quiet | {"instance/maintenance-event": "TERMINATE_ON_HOST_MAINTENANCE"})
+    )
+    assert n is not None and n.kind is NoticeKind.MAINTENANCE
+    assert agent_notices.look(0, "file", _metadata({})) is None  # no metadata server: nothing announced
+
+
+def test_peers_take_a_notice_signed_with_the_jobs_key_and_only_that():
+    """Three workers' watches on 127.0.0.x: worker 0 tells the others; a notice signed with another key, or
+    for another job, is not taken."""
+    peers = ["127.0.0.71", "127.0.0.72", "127.0.0.73"]
+    key = "ab" * 32
+    got: dict[int, list[Notice]] = {i: [] for i in range(3)}
+    watches = []
+    for i in range(3):
+        w = agent_notices.NoticeWatch("job1", i, "file", peers, 47999, key, got[i].append)
+        w.start(lambda m: None)
+        watches.append(w)
+    try:
+        forged = agent_notices.NoticeWatch("job1", 0, "file", peers, 47999, "cd" * 32, lambda n: None)
+        forged.tell_peers(Notice(NoticeKind.PREEMPTED, 0, time.time(), None, "file"))
+        other = agent_notices.NoticeWatch("job2", 0, "file", peers, 47999, key, lambda n: None)
+        other.tell_peers(Notice(NoticeKind.PREEMPTED, 0, time.time(), None, "file"))
+        time.sleep(0.3)
+        assert got == {0: [], 1: [], 2: []}
+        n = Notice(NoticeKind.MAINTENANCE, 0, time.time(), None, "file", "from w0")
+        watches[0].tell_peers(n)
+        deadline = time.time() + 5
+        while not (got[1] and got[2]) and time.time() < deadline:
+            time.sleep(0.05)
+        assert got[1] == [n] and got[2] == [n] and got[0] == []
+    finally:
+        for w in watches:
+            w.stop()
+
+
+def test_deliver_signals_every_process_group_of_the_job(tmp_path):
+    """signal:SIGUSR1 reaches a process and the child it started (one group); `file` writes the notice."""
+    script = "import signal, subprocess, sys, time\n" + (
+        "signal.signal(signal.SIGUSR1, lambda s, f: (open(sys.argv[1], 'a').write('got\\n'), sys.exit(0)))\n"
+        "time.sleep(30)\n"
+    )
+    marks = [tmp_path / "a", tmp_path / "b"]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(m)], start_new_session=True) for m in marks]
+    time.sleep(0.5)
+    n = Notice(NoticeKind.PREEMPTED, 3, time.time(), None, "signal:SIGUSR1")
+    did = agent_notices.deliver(n, "nojob", [p.pid for p in procs], str(tmp_path))
+    assert "SIGUSR1" in did
+    assert [p.wait(timeout=10) for p in procs] == [0, 0]
+    assert [m.read_text() for m in marks] == ["got\n", "got\n"]
+    n = Notice(NoticeKind.MAINTENANCE, 3, time.time(), 5.0, "file")
+    agent_notices.deliver(n, "nojob", [], str(tmp_path))
+    assert Notice.from_dict(json.loads((tmp_path / "notice.json").read_text())) == n

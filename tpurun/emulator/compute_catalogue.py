@@ -1,0 +1,139 @@
+"""The catalogue Compute Engine clients read before anything else: regions, zones, machine types and
+accelerator types (list and get), in Compute Engine's shapes (a `kind`, a numeric `id`, full `selfLink`s).
+
+The zones are the emulator's (model.ZONES); the machine types are the TPU VM types the emulator boots
+(topology's machine types), each in every zone. Their vCPU and memory figures are the emulator's stand-ins
+(docs/emulator.md), not a promise about any real machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tpurun.emulator.compute import ListQuery, listing, region_of
+from tpurun.emulator.compute_model import compute_error, link
+from tpurun.emulator.model import ZONES
+from tpurun.emulator.tpu_vm import stable_int
+from tpurun.topology import GENERATIONS
+
+_CREATED = "2020-01-01T00:00:00.000-08:00"
+# the accelerator each TPU generation's machine types carry (`accelerators[].guestAcceleratorType`)
+_ACCELERATOR = {"v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpu7x": "tpu7x"}
+_CPUS_PER_CHIP = 52  # a stand-in: tpurun reads chips, never vCPUs or memory
+_MIB_PER_CHIP = 112 * 1024
+
+
+def _regions() -> list[str]:
+    return sorted({region_of(z) for z in ZONES})
+
+
+def _known_zone(zone: str) -> None:
+    if zone not in ZONES:
+        raise compute_error(404, f"The resource 'projects/-/zones/{zone}' was not found", "notFound")
+
+
+def zone_json(project: str, zone: str) -> dict[str, Any]:
+    _known_zone(zone)
+    path = f"projects/{project}/zones/{zone}"
+    return {
+        "kind": "compute#zone",
+        "id": str(stable_int(f"zone:{zone}", 4)),
+        "creationTimestamp": _CREATED,
+        "name": zone,
+        "description": zone,
+        "status": "UP",
+        "region": link(f"projects/{project}/regions/{region_of(zone)}"),
+        "selfLink": link(path),
+        "availableCpuPlatforms": ["AMD Genoa", "Intel Sapphire Rapids"],
+        "supportsPzs": False,
+    }
+
+
+def region_json(project: str, region: str) -> dict[str, Any]:
+    if region not in _regions():
+        raise compute_error(404, f"The resource 'projects/{project}/regions/{region}' was not found", "notFound")
+    return {
+        "kind": "compute#region",
+        "id": str(stable_int(f"region:{region}", 4)),
+        "creationTimestamp": _CREATED,
+        "name": region,
+        "description": region,
+        "status": "UP",
+        "zones": [link(f"projects/{project}/zones/{z}") for z in ZONES if region_of(z) == region],
+        "quotas": [],
+        "selfLink": link(f"projects/{project}/regions/{region}"),
+        "supportsPzs": False,
+    }
+
+
+def _machine_types() -> dict[str, tuple[str, int]]:
+    """Every TPU machine type: (its generation, chips per VM)."""
+    return {mt: (gen, chips) for gen, g in GENERATIONS.items() for mt, chips in g.machine_types.items()}
+
+
+def machine_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
+    _known_zone(zone)
+    known = _machine_types()
+    if name not in known:
+        raise compute_error(
+            404, f"The resource 'projects/{project}/zones/{zone}/machineTypes/{name}' was not found", "notFound"
+        )
+    gen, chips = known[name]
+    return {
+        "kind": "compute#machineType",
+        "id": str(stable_int(f"machineType:{name}", 9)),
+        "creationTimestamp": _CREATED,
+        "name": name,
+        "description": f"{chips} TPU {gen} chip{'s' if chips > 1 else ''}",
+        "guestCpus": _CPUS_PER_CHIP * chips,
+        "memoryMb": _MIB_PER_CHIP * chips,
+        "maximumPersistentDisks": 128,
+        "maximumPersistentDisksSizeGb": "263168",
+        "zone": zone,
+        "selfLink": link(f"projects/{project}/zones/{zone}/machineTypes/{name}"),
+        "isSharedCpu": False,
+        "accelerators": [{"guestAcceleratorType": _ACCELERATOR.get(gen, f"tpu-{gen}"), "guestAcceleratorCount": chips}],
+        "architecture": "X86_64",
+    }
+
+
+def accelerator_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
+    _known_zone(zone)
+    per_vm = {_ACCELERATOR.get(gen, f"tpu-{gen}"): chips for gen, chips in _machine_types().values()}
+    most: dict[str, int] = {}
+    for accel, chips in per_vm.items():
+        most[accel] = max(most.get(accel, 0), chips)
+    if name not in most:
+        raise compute_error(
+            404, f"The resource 'projects/{project}/zones/{zone}/acceleratorTypes/{name}' was not found", "notFound"
+        )
+    return {
+        "kind": "compute#acceleratorType",
+        "id": str(stable_int(f"acceleratorType:{name}", 9)),
+        "creationTimestamp": _CREATED,
+        "name": name,
+        "description": name,
+        "zone": link(f"projects/{project}/zones/{zone}"),
+        "selfLink": link(f"projects/{project}/zones/{zone}/acceleratorTypes/{name}"),
+        "maximumCardsPerInstance": most[name],
+    }
+
+
+def list_zones(project: str, query: ListQuery) -> dict[str, Any]:
+    return listing("compute#zoneList", f"projects/{project}/zones", [zone_json(project, z) for z in ZONES], query)
+
+
+def list_regions(project: str, query: ListQuery) -> dict[str, Any]:
+    items = [region_json(project, r) for r in _regions()]
+    return listing("compute#regionList", f"projects/{project}/regions", items, query)
+
+
+def list_machine_types(project: str, zone: str, query: ListQuery) -> dict[str, Any]:
+    items = [machine_type_json(project, zone, mt) for mt in sorted(_machine_types())]
+    return listing("compute#machineTypeList", f"projects/{project}/zones/{zone}/machineTypes", items, query)
+
+
+def list_accelerator_types(project: str, zone: str, query: ListQuery) -> dict[str, Any]:
+    names = sorted({_ACCELERATOR.get(gen, f"tpu-{gen}") for gen, _ in _machine_types().values()})
+    items = [accelerator_type_json(project, zone, n) for n in names]
+    return listing("compute#acceleratorTypeList", f"projects/{project}/zones/{zone}/acceleratorTypes", items, query)

@@ -1,0 +1,202 @@
+"""A job's notices of host events, on each worker (stdlib only, Python >= 3.8; part of the bundle).
+
+Each worker's supervisor watches its own VM's metadata server once a second: `instance/upcoming-maintenance`
+(maintenance announced for this host), `instance/maintenance-event` (it is starting) and `instance/preempted`
+(this VM is being preempted). A TPU slice is interrupted as a whole when one of its hosts goes, so a notice seen
+on one worker is for the whole job: that worker's supervisor sends it to every other worker of the job, whose
+supervisors listen on the job's notice port at their internal addresses, each notice signed with the job's key
+(HMAC-SHA256; the key reaches the supervisors in the job's spec, readable by the job's user only). Each
+supervisor then tells its processes as the job asked (`ACTIONS`), once; the client, which may be asleep on a
+laptop, has no part in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+if __package__:  # imported by tpurun (its tests) by its package name
+    from tpurun.worker import metaserver
+    from tpurun.worker.agent_files import job_processes, signal_group, signal_pids, write_json_atomic
+    from tpurun.worker.protocol import Notice, NoticeKind
+else:  # on a worker: the bundle's files side by side
+    import metaserver  # type: ignore[no-redef]
+    from agent_files import job_processes, signal_group, signal_pids, write_json_atomic  # type: ignore[no-redef]
+    from protocol import Notice, NoticeKind  # type: ignore[no-redef]
+
+POLL = 1.0  # seconds between two looks at the metadata server
+SEND_TIMEOUT = 5.0  # seconds a peer may take to take a notice
+SENDERS = 32  # peers told at once
+PREEMPT_NOTICE = 30.0  # seconds a spot VM has between its preemption's start and its end
+MAINTENANCE_NOTICE = 60.0  # seconds `maintenance-event` changes before the host goes
+# A window announced days ahead (scheduled maintenance: about 7) is told to the job only in its last LEAD seconds:
+# enough for a step and a checkpoint; `train` says so at its start, `list` and `describe` show it all along.
+LEAD = 600.0
+# `train --on-notice`: signal:NAME (to every process of the job), file (written at TPURUN_NOTICE_FILE), stop
+FILE, STOP, SIGNAL = "file", "stop", "signal:"
+NOTICE_FILE = "TPURUN_NOTICE_FILE"  # where a job's processes find the notice (`--on-notice file`), in their env
+
+
+def notice_path(jdir: str) -> str:
+    return os.path.join(jdir, "notice.json")
+
+
+def deliver(notice: Notice, job: str, groups: list, jdir: str) -> str:
+    """Tell the job's processes (each of its process GROUPS, and those that left them) of NOTICE as its action
+    says; `stop` is the supervisor's to do. What was done, for its log."""
+    action = notice.action
+    if action.startswith(SIGNAL):
+        sig = signal.Signals[action[len(SIGNAL) :]]
+        for pgid in groups:
+            signal_group(pgid, sig)
+        signal_pids(job_processes(job), sig)
+        return f"{sig.name} to every process"
+    if action == FILE:
+        write_json_atomic(notice_path(jdir), notice.to_dict())
+        return f"written to {notice_path(jdir)}"
+    return action or "nothing (no --on-notice)"
+
+
+def _when(text: object) -> float | None:
+    """An RFC 3339 time of the metadata's as epoch seconds; None if there is none."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def look(worker: int, action: str, read=metaserver.text) -> Notice | None:
+    """What this VM's metadata server announces now (READ: a path's value, None when it has none)."""
+    now = time.time()
+    if (read("instance/preempted") or "").strip().upper() == "TRUE":
+        return Notice(NoticeKind.PREEMPTED, worker, now, now + PREEMPT_NOTICE, action, "instance/preempted: TRUE")
+    raw = read("instance/upcoming-maintenance")
+    try:
+        upcoming = json.loads(raw) if raw else None
+    except ValueError:
+        upcoming = None
+    if isinstance(upcoming, dict) and "error" not in upcoming and upcoming.get("maintenance_status"):
+        start = _when(upcoming.get("window_start_time"))
+        if start is None or start - now <= LEAD or upcoming.get("maintenance_status") == "ONGOING":
+            detail = "instance/upcoming-maintenance: " + json.dumps(upcoming, sort_keys=True)
+            return Notice(NoticeKind.MAINTENANCE, worker, now, start, action, detail)
+    event = (read("instance/maintenance-event") or "").strip()
+    if event and event != "NONE":
+        detail = f"instance/maintenance-event: {event}"
+        return Notice(NoticeKind.MAINTENANCE, worker, now, now + MAINTENANCE_NOTICE, action, detail)
+    return None
+
+
+def sign(key: str, body: bytes) -> str:
+    return hmac.new(bytes.fromhex(key), body, hashlib.sha256).hexdigest()
+
+
+class NoticeWatch:
+    """One worker's watch for its job (the supervisor's): ON_NOTICE is called once, with the first notice seen
+    here or heard from a peer."""
+
+    def __init__(self, job: str, worker: int, action: str, peers: list, port: int, key: str, on_notice) -> None:
+        self.job, self.worker, self.action = job, worker, action
+        self.peers, self.port, self.key = peers, port, key
+        self.on_notice = on_notice
+        self.got: Notice | None = None
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.listener: socket.socket | None = None
+
+    def start(self, log) -> None:
+        """Listen for the peers' notices (where the job has peers) and watch the metadata server, on threads."""
+        if self.peers and self.port and self.key and self.worker < len(self.peers):
+            try:
+                self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self.listener.bind((self.peers[self.worker], self.port))
+                self.listener.listen(64)
+            except OSError as e:
+                log(f"cannot hear the job's notices on {self.peers[self.worker]}:{self.port}: {e}")
+                self.listener = None
+        if self.listener is not None:
+            threading.Thread(target=self._hear, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.listener is not None:
+            try:
+                self.listener.close()
+            except OSError:
+                pass
+
+    def _take(self, notice: Notice) -> bool:
+        with self.lock:
+            if self.got is not None:
+                return False
+            self.got = notice
+        self.on_notice(notice)
+        return True
+
+    def _watch(self) -> None:
+        while not self.done.wait(POLL):
+            notice = look(self.worker, self.action)
+            if notice is not None and self._take(notice):
+                self.tell_peers(notice)
+                return
+
+    def tell_peers(self, notice: Notice) -> None:
+        """NOTICE to every other worker's supervisor (a peer that does not answer is passed over)."""
+        body = json.dumps({"job": self.job, "notice": notice.to_dict()}).encode()
+        line = json.dumps({"sig": sign(self.key, body), "body": body.decode()}).encode() + b"\n"
+
+        def send(address: str) -> None:
+            try:
+                with socket.create_connection((address, self.port), timeout=SEND_TIMEOUT) as s:
+                    s.sendall(line)
+            except OSError:
+                pass
+
+        others = [a for i, a in enumerate(self.peers) if i != self.worker]
+        if others and self.key and self.port:
+            with ThreadPoolExecutor(max_workers=min(SENDERS, len(others))) as pool:
+                list(pool.map(send, others))
+
+    def _hear(self) -> None:
+        listener = self.listener
+        assert listener is not None
+        while not self.done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(SEND_TIMEOUT)
+                notice = self._read(conn)
+            if notice is not None:
+                self._take(notice)
+
+    def _read(self, conn: socket.socket) -> Notice | None:
+        """A peer's notice for this job, if it is signed with the job's key; None otherwise."""
+        data = b""
+        try:
+            while not data.endswith(b"\n") and len(data) < 65536:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            msg = json.loads(data)
+            body = str(msg["body"]).encode()
+            if not hmac.compare_digest(sign(self.key, body), str(msg["sig"])):
+                return None
+            inner = json.loads(body)
+            return Notice.from_dict(inner["notice"]) if inner.get("job") == self.job else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
