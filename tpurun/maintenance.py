@@ -58,7 +58,11 @@ def maintenance(
     if not pending:
         said = "under way already" if view.maintenance else "announced"
         raise UsageError(f"{name}: no maintenance is {said}: there is nothing to start")
-    result.jobs = running_jobs(s)
+    try:
+        result.jobs = running_jobs(s)
+    except UsageError:
+        if not force:
+            raise  # forced: started without the workers' word
     if result.jobs and not force:
         raise UsageError(
             f"job(s) {', '.join(result.jobs)} run on {name}: maintenance takes the hosts down and ends them",

@@ -6,6 +6,8 @@ import json
 import re
 import sys
 
+import pytest
+
 from tests.helpers import tpurun
 
 
@@ -238,3 +240,20 @@ def test_a_job_that_makes_no_progress_is_reported_and_stopped_with_124(tmp_path)
     assert "made no progress for 6s and was stopped (--on-hang stop)" in r.err
     dump = next(x for x in r.err.splitlines() if x.startswith("the whole dump: ")).split(": ", 1)[1]
     assert "stuck.py" in open(dump).read()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--restarts", "crash=1"], "unknown kind 'crash' in --restarts"),
+        (["--restarts", "program=-1"], "cannot be negative"),
+        (["--on-notice", "signal:SIGNOPE"], "unknown signal 'SIGNOPE' in --on-notice"),
+    ],
+)
+def test_bad_restart_budgets_and_notices_are_one_line_and_exit_2(tmp_path, args, says):
+    """Refused before anything is asked or started: one line, exit 2, even with a TPU named that does not exist."""
+    (tmp_path / "q.py").write_text("print('hi')\n")
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "TPURUN_TPU": "nowhere"}
+    r = tpurun("train", "q.py", *args, cwd=tmp_path, env=env, timeout=60)
+    assert r.code == 2 and says in r.err and "Traceback" not in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err

@@ -22,6 +22,7 @@ STATE = protocol.JobState(
     "20261125-000000-abcd", 2, protocol.JobStatus.FAILED, 4242, 1764000000.0, 1764000003.0, False, True,
     protocol.Launch.host, "", protocol.FirstFailure(0, 3, 1764000002.0, 2),
     [SLOT, protocol.SlotState(protocol.HOST, protocol.ProcessStatus.KILLED, -15)], False, protocol.JobStatus.RUNNING,
+    protocol.Notice(protocol.NoticeKind.MAINTENANCE, 1, 1764000001.5, 1764000061.0, "signal:SIGTERM", "é {}"),
 )  # fmt: skip
 STARTING = protocol.JobState("20261125-000000-abcd", 0, protocol.JobStatus.STARTING, started_at=1764000000.0)
 
@@ -54,6 +55,7 @@ RECORDS: list[protocol.Record] = [
         [protocol.Passage("jax.distributed.initialize", 1764000000.5, 1764000003.25), protocol.Passage("x", 1.0)],
     ),
     protocol.Passages(0, 2, []),
+    protocol.Notice(protocol.NoticeKind.PREEMPTED, 3, 1764000002.0, None, "file"),
 ]
 
 # The agent's side: the bundle's protocol.py imported the way the agent imports it (its directory first on
@@ -163,7 +165,7 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
     wire = json.loads(back[0])
     assert sorted(wire) == sorted(
         ["job_id", "worker", "status", "supervisor_pid", "started_at", "ended_at", "stopping", "detach", "launch"]
-        + ["reason", "first_failure", "cores", "supervisor_alive", "status_before_stop"]
+        + ["reason", "first_failure", "cores", "supervisor_alive", "status_before_stop", "notice"]
     )
     assert [c["core"] for c in wire["cores"]] == [0, protocol.HOST] and wire["first_failure"]["core"] == 0
     # what the agent's readers add is absent where they did not add it (state.json itself)

@@ -51,3 +51,27 @@ def parsing(**typer_kwargs: Any) -> Callable[[F], F]:
         return fn
 
     return mark
+
+
+# train's answers to host events (docs/maintenance.md)
+MaxRestartsOpt = Annotated[
+    int,
+    typer.Option(min=0, help="Relaunch after a preemption (the TPU recreated) or a lost worker: up to N times in all."),
+]
+RestartsOpt = Annotated[
+    str,
+    typer.Option(
+        "--restarts",
+        metavar="KIND=N[,KIND=N...]",
+        help="Restart budgets by why the job ended: program, preempted, maintenance, infra (e.g. maintenance=5,program=1).",
+    ),
+]
+OnNoticeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--on-notice",
+        metavar="signal:SIGNAME|file|stop",
+        help="When maintenance or preemption is announced for any worker: signal every process, write the file in "
+        "$TPURUN_NOTICE_FILE, or stop the job (default: signal:SIGTERM for JAX, file otherwise).",
+    ),
+]

@@ -21,8 +21,11 @@ from tpurun.cli.options import (
     JobArg,
     JsonOpt,
     LocalOpt,
+    MaxRestartsOpt,
+    OnNoticeOpt,
     ProjectOpt,
     RelayOpt,
+    RestartsOpt,
     TpuOpt,
     WorkerOpt,
     ZoneOpt,
@@ -89,27 +92,6 @@ LaunchOpt = Annotated[
 PrecisionOpt = Annotated[Precision, typer.Option(help="bf16 sets XLA_USE_BF16=1.")]
 EnvOpt = Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE for every core (repeatable).")]
 DetachOpt = Annotated[bool, typer.Option("--detach", help="Start and return the job id; `tpurun logs` reattaches.")]
-MaxRestartsOpt = Annotated[
-    int,
-    typer.Option(min=0, help="Relaunch after a preemption (the TPU recreated) or a lost worker: up to N times in all."),
-]
-RestartsOpt = Annotated[
-    str,
-    typer.Option(
-        "--restarts",
-        metavar="KIND=N[,KIND=N...]",
-        help="Restart budgets by why the job ended: program, preempted, maintenance, infra (e.g. maintenance=5,program=1).",
-    ),
-]
-OnNoticeOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--on-notice",
-        metavar="signal:SIGNAME|file|stop",
-        help="When maintenance or preemption is announced for any worker: signal every process, write the file in "
-        "$TPURUN_NOTICE_FILE, or stop the job (default: signal:SIGTERM for JAX, file otherwise).",
-    ),
-]
 MetricsOpt = Annotated[
     bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")
 ]
@@ -638,7 +620,10 @@ def logs_cmd(
 
 
 def _say_ended(job: str, ended: status.JobSummary) -> None:
-    """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish."""
+    """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish; the notice
+    of a host event it got, if one came."""
+    if ended.notice is not None:
+        ui.warn(ends.notice_line(ended.notice, naming.worker_name(ended.notice.worker)))
     if ended.status is JobStatus.FINISHED:
         return
     if ended.status is JobStatus.FAILED:

@@ -8,6 +8,7 @@ tail), with host keys pinned from guest attributes and tpurun's key in `ssh-keys
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -22,11 +23,14 @@ from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, STOPPED, TER
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
 from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
+from tpurun.worker.protocol import NOTICE_LEAD
 
 __all__ = ["CreateSpec", "NodeView", "validate_name"]  # what the CLI takes from here besides the functions
 
 LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
+
+log = logging.getLogger(__name__)
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:
@@ -364,7 +368,7 @@ def list_tpus(cloud: Cloud) -> list[NodeView]:
     views = sorted(routing.list_all(cloud), key=lambda v: (v.zone, v.name))
     makers = [routing.maker_of(cloud, v) for v in views]
     for maker in {id(m): m for m in makers}.values():
-        maker.read_maintenance([v for v, m in zip(views, makers, strict=True) if m is maker])
+        _read_maintenance(maker, [v for v, m in zip(views, makers, strict=True) if m is maker])
     for v, act in zip(views, autostop.activities(list(zip(makers, views, strict=True))), strict=True):
         v.activity = act
     return views
@@ -375,9 +379,18 @@ def describe(cloud: Cloud, name: str) -> NodeView:
     if view.gone and not view.slices:
         raise ApiError(f"{name}: the queued resource is {view.state} and none of its slices exists yet")
     view.with_reports(startup_reports(maker, view))
-    maker.read_maintenance([view])
+    _read_maintenance(maker, [view])
     view.activity = autostop.activity(maker, view)
     return view
+
+
+def _read_maintenance(maker: Backend, views: list[NodeView]) -> None:
+    """The maintenance MAKER's API announces for VIEWS; a failure to read it (v2alpha1 not allowed, say) leaves it
+    unknown, with a warning, and the rest of the answer stands."""
+    try:
+        maker.read_maintenance(views)
+    except TpurunError as exc:
+        log.warning("the maintenance announced could not be read: %s", exc.message)
 
 
 def startup_reports(maker: Backend, view: NodeView) -> list[startup.StartupReport] | None:
@@ -476,14 +489,23 @@ WINDOW_MARGIN = 3.0  # seconds past a maintenance window's start by which the AP
 
 
 def wait_usable(
-    cloud: Cloud, name: str, progress: Callable[[str], None], *, timeout: float, after: float | None = None
+    cloud: Cloud,
+    name: str,
+    progress: Callable[[str], None],
+    *,
+    timeout: float,
+    after: float | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> NodeView:
     """NAME once it can run a job again after a host event: every slice READY, none unhealthy for maintenance,
-    no maintenance under way, and (AFTER: epoch seconds, a maintenance window's start) that window begun (a few
-    seconds past its start: the API tells it begun). ApiError if NAME went (preempted, deleted) or the wait
-    outlasted TIMEOUT."""
+    no maintenance under way or due within a job's notice lead (it would cut the next run short at once), and
+    (AFTER: epoch seconds, a maintenance window's start) that window begun (a few seconds past its start: the API
+    tells it begun). ApiError if NAME went (preempted, deleted) or the wait outlasted TIMEOUT; KeyboardInterrupt
+    once CANCELLED."""
     deadline = time.monotonic() + timeout
     for _ in cloud.iter_poll():
+        if cancelled():
+            raise KeyboardInterrupt
         if after is not None and time.time() < after + WINDOW_MARGIN:
             progress(f"{name}: waiting for its maintenance window to start ({ui.age(after - time.time())})")
             continue
@@ -495,7 +517,8 @@ def wait_usable(
             raise ApiError(f"{name} is {view.state}: it will not come back by itself")
         if view.ready and all(part.health != "UNHEALTHY_MAINTENANCE" for part in view.parts):
             maker.read_maintenance([view])
-            if not any(m.status == "ONGOING" for m in view.maintenance):
+            soon = time.time() + NOTICE_LEAD
+            if not any(m.status == "ONGOING" or (m.start and m.start.timestamp() <= soon) for m in view.maintenance):
                 return view
         progress(f"{name}: {view.state}, {view.health}: waiting for it to be usable again")
         if time.monotonic() > deadline:

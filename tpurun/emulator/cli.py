@@ -184,12 +184,6 @@ def start(
     delay_queue: Annotated[
         float, typer.Option("--delay-queue", help="Seconds a queued resource waits before provisioning.")
     ] = 2.0,
-    delay_notice: Annotated[
-        float, typer.Option("--delay-notice", help="Seconds a simulated maintenance event is announced ahead.")
-    ] = 60.0,
-    delay_maintenance: Annotated[
-        float, typer.Option("--delay-maintenance", help="Seconds a simulated maintenance keeps the host down.")
-    ] = 5.0,
     capacity: Annotated[
         list[str] | None,
         typer.Option("--capacity", help="Free capacity, e.g. v4=32 (chips) or us-central2-b/v4=4h (hosts)."),
@@ -226,10 +220,8 @@ def start(
         "start": delay_start,
         "update": delay_update,
         "queue": delay_queue,
-        "notice": delay_notice,
-        "maintenance": delay_maintenance,
     }
-    assert set(delays) == set(Delays.__dataclass_fields__)
+    assert set(delays) <= set(Delays.__dataclass_fields__)  # the others (notice, maintenance): `emulator set --delay`
     for k, v in delays.items():
         cmd += [f"--delay-{k}", str(v)]
     for spec in capacity or []:

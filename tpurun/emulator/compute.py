@@ -476,7 +476,9 @@ class ComputeResources(Queued):
     def _forget_group(self, group: Group) -> None:
         """GROUP's instances no longer exist (caller holds self.lock; its hosts are already down)."""
         for path in group.members:
-            self.instances.pop(path, None)
+            gone = self.instances.pop(path, None)
+            if gone is not None:
+                self._drop_maintenance(gone)
         self.groups.pop(group.key, None)
         group.booted = False
 
@@ -539,7 +541,9 @@ class ComputeResources(Queued):
             with self.lock:
                 if staying:
                     for path in going:
-                        self.instances.pop(path, None)
+                        gone = self.instances.pop(path, None)
+                        if gone is not None:
+                            self._drop_maintenance(gone)
                 else:
                     self._forget_group(group)
         self._persist_pids()

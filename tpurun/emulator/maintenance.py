@@ -134,9 +134,11 @@ class HostEvents(ManagedGroups):
 
     def _carry_out(self, host: _Host, window: Window) -> None:
         """Wait for WINDOW's start; take the host down; after its length, boot the slice again."""
-        window.now.wait(max(0.0, window.start - time.time()))
-        if self._closing.is_set():
-            return
+        while not window.now.is_set() and time.time() < window.start:
+            if not self._sleep(min(0.5, window.start - time.time())):
+                return  # the emulator closes
+            if window.now.is_set():
+                break
         with self.lock:
             if self._window(host) is not window:  # the TPU went meanwhile
                 return
@@ -294,14 +296,16 @@ class HostEvents(ManagedGroups):
             key, workers = vm.group.key, [vm.index]
 
             def act() -> None:
-                self.preempt_instance(vm.path, force=True)
+                if self.instances.get(vm.path) is vm and vm.inst.status == "RUNNING":
+                    self.preempt_instance(vm.path, force=True)
         else:
             rec = self.find_node(ref)
             self._check_preemptible(rec, force)
             key, workers = rec.key, list(range(rec.topo.hosts))
 
             def act() -> None:
-                self.preempt(rec.node.name, force=True)
+                if self.nodes.get(rec.node.name) is rec and rec.state == "READY":  # not deleted or remade meanwhile
+                    self.preempt(rec.node.name, force=True)
 
         self.hosts.set_events(key, workers, {"preempted": "TRUE"})
         if notice <= 0:

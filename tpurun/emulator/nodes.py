@@ -60,6 +60,13 @@ class Nodes(Operations):
             return self._node_dict(rec)
 
     @staticmethod
+    def _drop_maintenance(rec: NodeRecord | Any) -> None:
+        """REC (a node or a VM) goes: its announced maintenance with it (caller holds self.lock)."""
+        if rec.maintenance is not None:
+            rec.maintenance.now.set()  # its waiting thread wakes, finds it dropped and ends
+            rec.maintenance = None
+
+    @staticmethod
     def _node_dict(rec: NodeRecord) -> dict[str, Any]:
         """REC as the API answers it (caller holds self.lock): the v2 Node, with its upcoming maintenance (an
         output field of v2's REST resource that google-cloud-tpu's v2 Node lacks)."""
@@ -248,6 +255,7 @@ class Nodes(Operations):
                 raise ApiError(400, f"Node {name} is already being deleted.", "FAILED_PRECONDITION")
             rec.set_state("DELETING")
             set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTH_UNSPECIFIED)
+            self._drop_maintenance(rec)
             op = self._new_op(rec.project, rec.zone, "delete", name)
         self._spawn(self._run_delete, rec, op)
         return op.to_json()
@@ -277,6 +285,7 @@ class Nodes(Operations):
                     "FAILED_PRECONDITION",
                 )
             rec.set_state("STOPPING")
+            self._drop_maintenance(rec)
             op = self._new_op(rec.project, rec.zone, "stop", name)
         self._spawn(self._run_stop, rec, op)
         return op.to_json()

@@ -81,7 +81,9 @@ class OnHang(str, Enum):
     stop = "stop"  # the same, then stop the job: it ends hung (ExitCode.HUNG)
 
 
-NOTICE_PORTS = (47000, 48000)  # a job's workers hear each other's notices on a port of these, its id's
+# a job's workers hear each other's notices on one port of these, its id's: below Linux's ephemeral ports (32768 up),
+# which the workers' own outgoing connections take
+NOTICE_PORTS = (30000, 32000)
 DEFAULT_HANG_TIMEOUT = 1800.0  # seconds: a long compile prints nothing for minutes; half an hour of nothing is not that
 
 

@@ -468,6 +468,10 @@ def _ended(run: JobRun, job: Job, cancel: threading.Event) -> tuple[JobStatus, E
         return JobStatus.STOPPED, EndKind.USER
     if run.hung:
         return JobStatus.HUNG, notice or EndKind.PROGRAM
+    stopped = bool(run.ended) and all(st.status is JobStatus.STOPPED for st in run.ended.values())
+    if stopped and run.first_failure is None and not run.unreachable:  # `tpurun cancel`, or `--on-notice stop`
+        told = run.notice is not None and run.notice.action == ends.STOP
+        return JobStatus.STOPPED, notice if told else EndKind.USER
     lost = lost_to(job.target) if run.unreachable and notice is None else notice
     if run.first_failure is not None:
         return (JobStatus.PREEMPTED if lost is EndKind.PREEMPTED else JobStatus.FAILED), lost or EndKind.PROGRAM
@@ -475,7 +479,10 @@ def _ended(run: JobRun, job: Job, cancel: threading.Event) -> tuple[JobStatus, E
         return (JobStatus.PREEMPTED if lost is EndKind.PREEMPTED else JobStatus.UNREACHABLE), lost
     if any(o.failed for o in run.outcomes.values()):
         return JobStatus.FAILED, notice or EndKind.PROGRAM
-    return JobStatus.FINISHED, notice  # its processes ended well, after a notice: the work was cut short
+    # every process exited 0: done, unless tpurun signalled them for a notice (a JAX job saves at the step its
+    # preemption sync chose, and exits); a script told through the file says it was cut short by exiting non-zero
+    signalled = run.notice is not None and run.notice.action.startswith(ends.SIGNAL)
+    return JobStatus.FINISHED, notice if signalled else None
 
 
 def lost_to(target: Target) -> EndKind:

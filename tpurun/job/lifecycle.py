@@ -21,8 +21,17 @@ from tpurun.worker.protocol import JobStatus
 def dry_run(s: Settings, spec: TrainSpec, *, local: bool, dest: str | None, local_dir: Path, out: Output) -> Job:
     """The job SPEC would be on the TPU S names (or this machine): runtime, launch model, every process's
     argv and environment, the setup; nothing is started."""
+    check(spec)
     with targets.resolve(s, local=local, worker_spec=_workers(spec), announce=out.info) as target:
         return prepare(spec, target, 0, dest=dest, local_dir=local_dir)
+
+
+def check(spec: TrainSpec) -> None:
+    """SPEC's restart budgets and --on-notice, refused (UsageError) before anything is asked or started."""
+    Budgets.parse(spec.restarts, spec.max_restarts)
+    on_notice(spec.on_notice, "")
+    if spec.restarts and spec.detach:
+        raise UsageError("--restarts relaunches an attached job: a detached one is not followed (`tpurun logs`)")
 
 
 class TrainOutput(Output, Protocol):
@@ -46,8 +55,7 @@ def run(
     tpurun be gone when the job ends) and taken down after, whatever became of the job (`take_down`); a launch
     that failed takes the TPU down too, reported through OUT before its error is raised, unless another job
     holds the TPU. The job's result, and with `--down` what became of the TPU."""
-    Budgets.parse(spec.restarts, spec.max_restarts)  # bad input: refused before anything is asked or started
-    on_notice(spec.on_notice, "")
+    check(spec)
     if spec.down:
         arm_down(s, local=local, out=out)
         if cancel.is_set():  # Ctrl-C while arming: nothing started, nothing deleted
@@ -94,7 +102,7 @@ def train(
                 raise
             restarts, reason = restarts + 1, kind.value
             out.warn(exc.message)
-            _recover(s, str(s.tpu.value or ""), kind, restarts, budgets, out)
+            _recover(s, str(s.tpu.value or ""), kind, restarts, budgets, out, cancel=cancel)
             continue
         try:
             for note_kind, text in job.notes():
@@ -115,7 +123,10 @@ def train(
         restarts, reason = restarts + 1, end.value
         out.warn(ended_line(end, target.name, job.job_id))
         notice = result.run.notice if result.run is not None else None
-        _recover(s, target.name, end, restarts, budgets, out, after=notice.deadline if notice else None)
+        after = notice.deadline if notice is not None and end is EndKind.MAINTENANCE else None
+        _recover(s, target.name, end, restarts, budgets, out, after=after, cancel=cancel)
+        if cancel.is_set():
+            return result
 
 
 def _say_maintenance(target: targets.Target, out: Output) -> None:
@@ -144,7 +155,15 @@ def ended_line(kind: EndKind, name: str, job: str) -> str:
 
 
 def _recover(
-    s: Settings, name: str, kind: EndKind, restarts: int, budgets: Budgets, out: Output, *, after: float | None = None
+    s: Settings,
+    name: str,
+    kind: EndKind,
+    restarts: int,
+    budgets: Budgets,
+    out: Output,
+    *,
+    after: float | None = None,
+    cancel: threading.Event,
 ) -> None:
     """Make NAME fit to run the job again after an end of KIND: recreated after a preemption (a spot TPU cannot
     be restarted), waited for after maintenance (its window begun, AFTER: when its notice said) or a lost worker,
@@ -164,7 +183,7 @@ def _recover(
             provision.recreate(Cloud(s), s, name, progress)
         else:
             timeout = config.RECOVER_TIMEOUT.number()
-            provision.wait_usable(Cloud(s), name, progress, timeout=timeout, after=after)
+            provision.wait_usable(Cloud(s), name, progress, timeout=timeout, after=after, cancelled=cancel.is_set)
 
 
 def _workers(spec: TrainSpec) -> str:

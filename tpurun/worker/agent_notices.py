@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -26,20 +27,19 @@ from datetime import datetime
 if __package__:  # imported by tpurun (its tests) by its package name
     from tpurun.worker import metaserver
     from tpurun.worker.agent_files import job_processes, signal_group, signal_pids, write_json_atomic
-    from tpurun.worker.protocol import Notice, NoticeKind
+    from tpurun.worker.protocol import NOTICE_LEAD, Notice, NoticeKind
 else:  # on a worker: the bundle's files side by side
     import metaserver  # type: ignore[no-redef]
     from agent_files import job_processes, signal_group, signal_pids, write_json_atomic  # type: ignore[no-redef]
-    from protocol import Notice, NoticeKind  # type: ignore[no-redef]
+    from protocol import NOTICE_LEAD, Notice, NoticeKind  # type: ignore[no-redef]
 
 POLL = 1.0  # seconds between two looks at the metadata server
 SEND_TIMEOUT = 5.0  # seconds a peer may take to take a notice
 SENDERS = 32  # peers told at once
 PREEMPT_NOTICE = 30.0  # seconds a spot VM has between its preemption's start and its end
 MAINTENANCE_NOTICE = 60.0  # seconds `maintenance-event` changes before the host goes
-# A window announced days ahead (scheduled maintenance: about 7) is told to the job only in its last LEAD seconds:
-# enough for a step and a checkpoint; `train` says so at its start, `list` and `describe` show it all along.
-LEAD = 600.0
+# A window announced days ahead (scheduled maintenance: about 7) is told to the job only in its last NOTICE_LEAD
+# seconds: enough for a step and a checkpoint; `train` says so at its start, `list` and `describe` show it all along.
 # `train --on-notice`: signal:NAME (to every process of the job), file (written at TPURUN_NOTICE_FILE), stop
 FILE, STOP, SIGNAL = "file", "stop", "signal:"
 NOTICE_FILE = "TPURUN_NOTICE_FILE"  # where a job's processes find the notice (`--on-notice file`), in their env
@@ -66,11 +66,12 @@ def deliver(notice: Notice, job: str, groups: list, jdir: str) -> str:
 
 
 def _when(text: object) -> float | None:
-    """An RFC 3339 time of the metadata's as epoch seconds; None if there is none."""
+    """An RFC 3339 time of the metadata's as epoch seconds (its fraction of a second dropped: Python before 3.11
+    reads only 3 or 6 digits of it); None if there is none or it cannot be read."""
     if not isinstance(text, str) or not text:
         return None
     try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(re.sub(r"\.\d+", "", text.strip()).replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
 
@@ -86,8 +87,9 @@ def look(worker: int, action: str, read=metaserver.text) -> Notice | None:
     except ValueError:
         upcoming = None
     if isinstance(upcoming, dict) and "error" not in upcoming and upcoming.get("maintenance_status"):
-        start = _when(upcoming.get("window_start_time"))
-        if start is None or start - now <= LEAD or upcoming.get("maintenance_status") == "ONGOING":
+        start = _when(upcoming.get("window_start_time"))  # unknown: told only once it is under way
+        ongoing = upcoming.get("maintenance_status") == "ONGOING"
+        if ongoing or (start is not None and start - now <= NOTICE_LEAD):
             detail = "instance/upcoming-maintenance: " + json.dumps(upcoming, sort_keys=True)
             return Notice(NoticeKind.MAINTENANCE, worker, now, start, action, detail)
     event = (read("instance/maintenance-event") or "").strip()
@@ -130,16 +132,18 @@ class NoticeWatch:
         threading.Thread(target=self._watch, daemon=True).start()
 
     def stop(self) -> None:
+        """No notice is taken after this (the job is over here)."""
         self.done.set()
         if self.listener is not None:
             try:
-                self.listener.close()
+                self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
             except OSError:
                 pass
+            self.listener.close()
 
     def _take(self, notice: Notice) -> bool:
         with self.lock:
-            if self.got is not None:
+            if self.got is not None or self.done.is_set():
                 return False
             self.got = notice
         self.on_notice(notice)
@@ -148,8 +152,10 @@ class NoticeWatch:
     def _watch(self) -> None:
         while not self.done.wait(POLL):
             notice = look(self.worker, self.action)
-            if notice is not None and self._take(notice):
-                self.tell_peers(notice)
+            if notice is not None and self.got is None and not self.done.is_set():
+                # the peers first, on a thread of their own: telling 2,047 of them must not delay this worker's
+                threading.Thread(target=self.tell_peers, args=(notice,), daemon=True).start()
+                self._take(notice)
                 return
 
     def tell_peers(self, notice: Notice) -> None:

@@ -209,7 +209,7 @@ class Supervisor:
         self.killed = False
         self.saved_at = 0.0
         self.notice: Notice | None = None  # the first notice of a host event the job got (agent_notices)
-        self.notices: agent_notices.NoticeWatch | None = None  # while the job runs
+        self.notices: agent_notices.NoticeWatch | None = None  # its watch, while the job runs
 
     def snapshot(self) -> list[Slot]:
         with self.slots_lock:
@@ -552,10 +552,11 @@ class Supervisor:
 
     def on_notice(self, notice: Notice) -> None:
         """A host event announced for a worker of the job (a thread of the NoticeWatch's): told to the processes."""
+        if self.closed:
+            return
         self.notice, self.dirty = notice, True
         if notice.action == agent_notices.STOP:
-            self.reason = f"{notice.kind.value} notice for worker {notice.worker}"
-            self.stop_requested = True
+            self.reason, self.stop_requested = f"{notice.kind.value} notice for worker {notice.worker}", True
         did = agent_notices.deliver(notice, self.job, [c.pgid for c in self.snapshot()], self.jdir)
         self.log(f"{notice.kind.value} notice for worker {notice.worker} ({notice.detail}): {did}")
 

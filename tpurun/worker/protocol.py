@@ -163,6 +163,7 @@ HOOK_ACCEPTED = b"ok\n"  # the supervisor's answer to a hook connection it files
 # `agent.py --first COMMAND ...`: COMMAND's input, base64, in this variable of the agent's environment (which only
 # its user can read, unlike its command line; bundle.program_argv's shell puts it there)
 FIRST_INPUT = "TPURUN_FIRST_INPUT"
+NOTICE_LEAD = 600.0  # a maintenance window is told to a job in its last seconds before it (agent_notices)
 # `tpurun stacks`: the signal on which faulthandler writes a process's stacks. SIGURG (23 on Linux): its default
 # action is to ignore it, so a process that cannot answer (it exec'd another program since) is not harmed; and
 # the agent sends it only to a process whose kernel record says it catches it
@@ -297,7 +298,9 @@ class Notice(RecordBase):
         self.action, self.detail = action, detail
 
     def to_dict(self) -> dict[str, Any]:
-        return super().to_dict() | {"kind": self.kind.value}
+        data = super().to_dict()
+        data["kind"] = self.kind.value
+        return data
 
     @classmethod
     def from_dict(cls, d: Any) -> Notice:
