@@ -138,18 +138,25 @@ def measured(
             "sent": sum(sent.values()), "code": sample.code}  # fmt: skip
 
 
+def _client(bench: common.Bench) -> Any:
+    """google-cloud-tpu's client on the bench's emulator."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import tpu_v2
+
+    return tpu_v2.TpuClient(
+        transport="rest", client_options={"api_endpoint": bench.endpoint}, credentials=AnonymousCredentials()
+    )
+
+
 def made(bench: common.Bench, name: str, accelerator_type: str) -> None:
     """A READY node made through the Cloud TPU API (no startup script, so no watchdog of tpurun's on each
     worker: a Python process per worker would crowd 1,024 emulated workers out of this machine's memory),
     then adopted with `tpurun attach` (host keys pinned, tpurun's key installed)."""
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import tpu_v2
 
     from tpurun.emulator.pytest_plugin import fast_polling
 
-    client = tpu_v2.TpuClient(
-        transport="rest", client_options={"api_endpoint": bench.endpoint}, credentials=AnonymousCredentials()
-    )
+    client = _client(bench)
     node = tpu_v2.Node(accelerator_type=accelerator_type, runtime_version="tpu-ubuntu2204-base")
     op = client.create_node(parent=f"projects/{common.PROJECT}/locations/{common.ZONE}", node_id=name, node=node)
     op.result(polling=fast_polling().with_timeout(1800))
@@ -160,14 +167,11 @@ def made_slices(bench: common.Bench, name: str, accelerator_type: str, slices: i
     """A multislice TPU NAME of SLICES slices made through a queued resource (no startup script, as made()),
     then adopted with `tpurun attach`; its slices' node names."""
     from google.api_core.exceptions import NotFound
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import tpu_v2
 
     from tpurun.emulator.pytest_plugin import fast_polling
 
-    client = tpu_v2.TpuClient(
-        transport="rest", client_options={"api_endpoint": bench.endpoint}, credentials=AnonymousCredentials()
-    )
+    client = _client(bench)
     parent = f"projects/{common.PROJECT}/locations/{common.ZONE}"
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
         parent=parent,

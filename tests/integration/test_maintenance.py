@@ -165,7 +165,14 @@ def test_each_end_is_classified_and_spends_its_own_budget(cli, emulator):
     assert ends == {0: "program", 1: "preempted", 2: "infra"}, ends
 
 
-def test_compute_engine_notice_file_and_maintenance_now(cli, emulator):
+@pytest.fixture
+def clean(emulator):
+    """What the test leaves in Compute Engine goes when it ends (the CLI fixture deletes Cloud TPU nodes only)."""
+    yield
+    emulator.emu.compute_teardown()
+
+
+def test_compute_engine_notice_file_and_maintenance_now(cli, emulator, clean):
     """A TPU7x slice of 2 VMs through Compute Engine. A detached job runs: `maintenance --now` is refused (it
     names the job) until it is cancelled, and `describe` shows the window. Then a job reading `--on-notice
     file` saves and ends when the maintenance is announced for VM 1, and is relaunched from its checkpoint

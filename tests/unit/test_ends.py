@@ -14,6 +14,7 @@ from tpurun.errors import UsageError
 from tpurun.job.ends import Budgets, EndKind, on_notice
 from tpurun.worker import agent_notices, protocol
 from tpurun.worker.protocol import JobState, JobStatus, Notice, NoticeKind
+from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
 
 
 def test_budgets_by_kind_and_max_restarts_for_preemption_and_infra_together():
@@ -94,30 +95,37 @@ def test_what_the_metadata_server_announces():
     assert agent_notices.look(0, "file", _metadata({})) is None  # no metadata server: nothing announced
 
 
-def test_peers_take_a_notice_signed_with_the_jobs_key_and_only_that():
-    """Three workers' watches on 127.0.0.x: worker 0 tells the others; a notice signed with another key, or
-    for another job, is not taken."""
-    peers = ["127.0.0.71", "127.0.0.72", "127.0.0.73"]
+def _watch_spec(job: str, worker: int, addresses: list[str], key: str) -> JobSpec:
+    """WORKER's spec as the client makes it (JobRun.notice_peers): worker 0 tells every other, the others worker 0."""
+    peers = addresses[1:] if worker == 0 else addresses[:1]
+    return JobSpec(job, worker, [ProcessSpec(0, ["true"], {}, "/")], on_notice="file",
+                   notice_address=addresses[worker], peers=peers, notice_port=31999, notice_key=key)  # fmt: skip
+
+
+def test_a_notice_goes_through_worker_0_to_every_worker_signed_with_the_jobs_key_and_only_that():
+    """Three workers' watches on 127.0.0.x: worker 2 tells worker 0, which tells every other; a notice signed
+    with another key, or for another job, is taken nowhere."""
+    addresses = ["127.0.0.71", "127.0.0.72", "127.0.0.73"]
     key = "ab" * 32
     got: dict[int, list[Notice]] = {i: [] for i in range(3)}
     watches = []
     for i in range(3):
-        w = agent_notices.NoticeWatch("job1", i, "file", peers, 47999, key, got[i].append)
+        w = agent_notices.NoticeWatch(_watch_spec("job1", i, addresses, key), got[i].append)
         w.start(lambda m: None)
         watches.append(w)
     try:
-        forged = agent_notices.NoticeWatch("job1", 0, "file", peers, 47999, "cd" * 32, lambda n: None)
-        forged.tell_peers(Notice(NoticeKind.PREEMPTED, 0, time.time(), None, "file"))
-        other = agent_notices.NoticeWatch("job2", 0, "file", peers, 47999, key, lambda n: None)
-        other.tell_peers(Notice(NoticeKind.PREEMPTED, 0, time.time(), None, "file"))
+        forged = agent_notices.NoticeWatch(_watch_spec("job1", 2, addresses, "cd" * 32), lambda n: None)
+        forged.tell_peers(Notice(NoticeKind.PREEMPTED, 2, time.time(), None, "file"))
+        other = agent_notices.NoticeWatch(_watch_spec("job2", 2, addresses, key), lambda n: None)
+        other.tell_peers(Notice(NoticeKind.PREEMPTED, 2, time.time(), None, "file"))
         time.sleep(0.3)
         assert got == {0: [], 1: [], 2: []}
-        n = Notice(NoticeKind.MAINTENANCE, 0, time.time(), None, "file", "from w0")
-        watches[0].tell_peers(n)
+        n = Notice(NoticeKind.MAINTENANCE, 2, time.time(), None, "file", "from w2")
+        watches[2].tell_peers(n)
         deadline = time.time() + 5
-        while not (got[1] and got[2]) and time.time() < deadline:
+        while not all(got.values()) and time.time() < deadline:
             time.sleep(0.05)
-        assert got[1] == [n] and got[2] == [n] and got[0] == []
+        assert got == {0: [n], 1: [n], 2: [n]}  # each once: worker 2 too, told by worker 0
     finally:
         for w in watches:
             w.stop()

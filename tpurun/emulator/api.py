@@ -30,6 +30,7 @@ from tpurun.emulator.state import Emulator
 ADMIN_PREFIX = "/emulator/v1"
 _PARENT = r"projects/[^/]+/locations/[^/:]+"
 _ID = r"[^/:]+"
+_READ = "(?:v2|v2alpha1)"  # the API versions whose nodes and operations are read alike (v2alpha1: for maintenance)
 
 
 _PAGE = ("pageSize", "pageToken", "filter", "orderBy")  # the query parameters of every list call
@@ -55,11 +56,11 @@ def _node_routes(r: Router, emu: Emulator) -> None:
     )
     r.add(
         "GET",
-        f"/v2/(?P<parent>{_PARENT})/nodes",
+        f"/{_READ}/(?P<parent>{_PARENT})/nodes",
         lambda q: emu.list_nodes(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
         _PAGE,
     )
-    r.add("GET", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
+    r.add("GET", f"/{_READ}/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
     r.add("DELETE", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.delete_node(q.groups["name"]), ("requestId",))
 
     def empty_body(q: Request) -> None:
@@ -93,7 +94,7 @@ def _node_routes(r: Router, emu: Emulator) -> None:
 
 def _operation_routes(r: Router, emu: Emulator) -> None:
     """Long-running operations."""
-    r.add("GET", f"/v2/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
+    r.add("GET", f"/{_READ}/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
     r.add(
         "GET",
         f"/v2/(?P<name>{_PARENT})/operations",
@@ -182,15 +183,7 @@ def _location_routes(r: Router, emu: Emulator) -> None:
 
 
 def _v2alpha1_routes(r: Router, emu: Emulator) -> None:
-    """Cloud TPU v2alpha1: its nodes and operations read as v2's, and its maintenance methods."""
-    r.add("GET", f"/v2alpha1/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
-    r.add(
-        "GET",
-        f"/v2alpha1/(?P<parent>{_PARENT})/nodes",
-        lambda q: emu.list_nodes(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        _PAGE,
-    )
-    r.add("GET", f"/v2alpha1/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
+    """Cloud TPU v2alpha1's maintenance methods (its nodes and operations are read by v2's routes: _READ)."""
 
     def perform(q: Request) -> Any:
         parse_message(tpu_v2alpha1.PerformMaintenanceRequest, q, "")

@@ -11,6 +11,7 @@ from typing import Any
 
 from google.cloud import tpu_v2
 
+from tpurun.emulator.compute_model import InstanceRecord
 from tpurun.emulator.model import (
     EMPTY_TYPE,
     NODE_TYPE,
@@ -60,7 +61,7 @@ class Nodes(Operations):
             return self._node_dict(rec)
 
     @staticmethod
-    def _drop_maintenance(rec: NodeRecord | Any) -> None:
+    def _drop_maintenance(rec: NodeRecord | InstanceRecord) -> None:
         """REC (a node or a VM) goes: its announced maintenance with it (caller holds self.lock)."""
         if rec.maintenance is not None:
             rec.maintenance.now.set()  # its waiting thread wakes, finds it dropped and ends

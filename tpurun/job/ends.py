@@ -79,6 +79,11 @@ class Budgets:
             raise UsageError("--max-restarts cannot be negative")
         return cls(own, max_restarts)
 
+    @property
+    def total(self) -> int:
+        """Restarts of every kind so far (TPURUN_RESTART_COUNT)."""
+        return sum(self.used.values())
+
     def limit(self, kind: EndKind) -> int:
         if kind in self.own:
             return self.own[kind]

@@ -320,7 +320,6 @@ class JobResult:
     run: JobRun | None = None
     setup: SetupResult | None = None
     end: EndKind | None = None  # why it ended, for every end but FINISHED, RUNNING and BUSY (job.ends)
-    restarts: int = 0
     budgets: Budgets | None = None  # what each kind of end has cost in restarts (lifecycle.train)
 
     @property

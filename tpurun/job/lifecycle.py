@@ -87,22 +87,22 @@ def train(
     on a recreated TPU after a preemption, once the TPU is usable again after maintenance or a lost worker, at
     once after a program failure); reported through OUT, stopped by CANCEL."""
     budgets = Budgets.parse(spec.restarts, spec.max_restarts)
-    restarts, reason = 0, ""
+    reason = ""  # why the attempt before ended
     while True:
         try:
             target = targets.resolve(s, local=local, worker_spec=_workers(spec), announce=out.info)
             try:
-                job = prepare(spec, target, restarts, dest=dest, local_dir=local_dir, reason=reason)
+                job = prepare(spec, target, budgets.total, dest=dest, local_dir=local_dir, reason=reason)
             except BaseException:
                 target.close()
                 raise
         except (Preempted, UnreachableError) as exc:  # before the job started: recovered as one that ended so
             kind = EndKind.PREEMPTED if isinstance(exc, Preempted) else EndKind.INFRA
-            if (kind is EndKind.INFRA and not restarts) or cancel.is_set() or not budgets.spend(kind):
+            if (kind is EndKind.INFRA and not budgets.total) or cancel.is_set() or not budgets.spend(kind):
                 raise
-            restarts, reason = restarts + 1, kind.value
+            reason = kind.value
             out.warn(exc.message)
-            _recover(s, str(s.tpu.value or ""), kind, restarts, budgets, out, cancel=cancel)
+            _recover(s, str(s.tpu.value or ""), kind, budgets, out, cancel=cancel)
             continue
         try:
             for note_kind, text in job.notes():
@@ -116,15 +116,15 @@ def train(
         finally:
             job.release()
             target.close()
-        result.restarts, result.budgets = restarts, budgets
+        result.budgets = budgets
         end = result.end
         if end is None or spec.detach or cancel.is_set() or not budgets.spend(end):
             return result
-        restarts, reason = restarts + 1, end.value
+        reason = end.value
         out.warn(ended_line(end, target.name, job.job_id))
         notice = result.run.notice if result.run is not None else None
         after = notice.deadline if notice is not None and end is EndKind.MAINTENANCE else None
-        _recover(s, target.name, end, restarts, budgets, out, after=after, cancel=cancel)
+        _recover(s, target.name, end, budgets, out, after=after, cancel=cancel)
         if cancel.is_set():
             return result
 
@@ -158,7 +158,6 @@ def _recover(
     s: Settings,
     name: str,
     kind: EndKind,
-    restarts: int,
     budgets: Budgets,
     out: Output,
     *,
@@ -175,7 +174,7 @@ def _recover(
     what = {EndKind.PREEMPTED: f"recreating {name}", EndKind.PROGRAM: "relaunching"}.get(
         kind, f"waiting for {name} to be usable again"
     )
-    out.info(f"restart {budgets.left(kind)}: {what} (the {kind.value} budget; restart {restarts} in all)")
+    out.info(f"restart {budgets.left(kind)}: {what} (the {kind.value} budget; restart {budgets.total} in all)")
     if kind is EndKind.PROGRAM or not name:
         return
     with out.progress() as progress:

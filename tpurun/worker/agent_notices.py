@@ -3,11 +3,12 @@
 Each worker's supervisor watches its own VM's metadata server once a second: `instance/upcoming-maintenance`
 (maintenance announced for this host), `instance/maintenance-event` (it is starting) and `instance/preempted`
 (this VM is being preempted). A TPU slice is interrupted as a whole when one of its hosts goes, so a notice seen
-on one worker is for the whole job: that worker's supervisor sends it to every other worker of the job, whose
-supervisors listen on the job's notice port at their internal addresses, each notice signed with the job's key
-(HMAC-SHA256; the key reaches the supervisors in the job's spec, readable by the job's user only). Each
-supervisor then tells its processes as the job asked (`ACTIONS`), once; the client, which may be asleep on a
-laptop, has no part in it.
+on one worker is for the whole job. The supervisors listen on the job's notice port at their internal addresses
+and pass a notice on through worker 0's: a worker tells worker 0, worker 0 tells every other (each spec carries
+only whom its worker tells: one address, or the pod's for worker 0, not every address for every worker). Each
+notice is signed with the job's key (HMAC-SHA256; the key reaches the supervisors in the job's spec, readable by
+the job's user only). Each supervisor then tells its processes as the job asked (`ACTIONS`), once; the client,
+which may be asleep on a laptop, has no part in it.
 """
 
 from __future__ import annotations
@@ -104,12 +105,13 @@ def sign(key: str, body: bytes) -> str:
 
 
 class NoticeWatch:
-    """One worker's watch for its job (the supervisor's): ON_NOTICE is called once, with the first notice seen
-    here or heard from a peer."""
+    """One worker's watch for its job (the supervisor's, from the job's spec): ON_NOTICE is called once, with the
+    first notice seen here or heard from a peer, which is then passed on to the peers this worker tells."""
 
-    def __init__(self, job: str, worker: int, action: str, peers: list, port: int, key: str, on_notice) -> None:
-        self.job, self.worker, self.action = job, worker, action
-        self.peers, self.port, self.key = peers, port, key
+    def __init__(self, spec, on_notice) -> None:
+        self.job, self.worker, self.action = spec.job_id, spec.worker, spec.on_notice
+        self.address, self.peers = spec.notice_address, spec.peers
+        self.port, self.key = spec.notice_port, spec.notice_key
         self.on_notice = on_notice
         self.got: Notice | None = None
         self.lock = threading.Lock()
@@ -118,14 +120,14 @@ class NoticeWatch:
 
     def start(self, log) -> None:
         """Listen for the peers' notices (where the job has peers) and watch the metadata server, on threads."""
-        if self.peers and self.port and self.key and self.worker < len(self.peers):
+        if self.address and self.port and self.key:
             try:
                 self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                self.listener.bind((self.peers[self.worker], self.port))
+                self.listener.bind((self.address, self.port))
                 self.listener.listen(64)
             except OSError as e:
-                log(f"cannot hear the job's notices on {self.peers[self.worker]}:{self.port}: {e}")
+                log(f"cannot hear the job's notices on {self.address}:{self.port}: {e}")
                 self.listener = None
         if self.listener is not None:
             threading.Thread(target=self._hear, daemon=True).start()
@@ -142,24 +144,25 @@ class NoticeWatch:
             self.listener.close()
 
     def _take(self, notice: Notice) -> bool:
+        """NOTICE, the first: passed on to the peers (on a thread of their own: telling 2,047 of them must not
+        delay this worker's processes), then told here."""
         with self.lock:
             if self.got is not None or self.done.is_set():
                 return False
             self.got = notice
+        threading.Thread(target=self.tell_peers, args=(notice,), daemon=True).start()
         self.on_notice(notice)
         return True
 
     def _watch(self) -> None:
         while not self.done.wait(POLL):
             notice = look(self.worker, self.action)
-            if notice is not None and self.got is None and not self.done.is_set():
-                # the peers first, on a thread of their own: telling 2,047 of them must not delay this worker's
-                threading.Thread(target=self.tell_peers, args=(notice,), daemon=True).start()
-                self._take(notice)
+            if notice is not None and self._take(notice):
                 return
 
     def tell_peers(self, notice: Notice) -> None:
-        """NOTICE to every other worker's supervisor (a peer that does not answer is passed over)."""
+        """NOTICE to the supervisors this one tells (a peer that does not answer is passed over); a peer that had
+        it already drops it."""
         body = json.dumps({"job": self.job, "notice": notice.to_dict()}).encode()
         line = json.dumps({"sig": sign(self.key, body), "body": body.decode()}).encode() + b"\n"
 
@@ -170,10 +173,9 @@ class NoticeWatch:
             except OSError:
                 pass
 
-        others = [a for i, a in enumerate(self.peers) if i != self.worker]
-        if others and self.key and self.port:
-            with ThreadPoolExecutor(max_workers=min(SENDERS, len(others))) as pool:
-                list(pool.map(send, others))
+        if self.peers and self.key and self.port:
+            with ThreadPoolExecutor(max_workers=min(SENDERS, len(self.peers))) as pool:
+                list(pool.map(send, self.peers))
 
     def _hear(self) -> None:
         listener = self.listener

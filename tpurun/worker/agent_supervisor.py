@@ -682,9 +682,7 @@ class Supervisor:
         self.serve_log_socket()  # threads only now: start_slots forks with a preexec_fn
         spec = self.spec
         if spec.on_notice:
-            self.notices = agent_notices.NoticeWatch(
-                self.job, self.worker, spec.on_notice, spec.peers, spec.notice_port, spec.notice_key, self.on_notice
-            )
+            self.notices = agent_notices.NoticeWatch(spec, self.on_notice)
             self.notices.start(self.log)
         self.save()
         self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.state() for c in self.snapshot()]))

@@ -62,7 +62,7 @@ class JobSpec(RecordBase):
 
     __slots__ = (
         "job_id", "worker", "cores", "launch", "detach", "down", "grace", "pre_commands", "pre_timeout",
-        "lease_timeout", "allow_concurrent", "on_notice", "peers", "notice_port", "notice_key",
+        "lease_timeout", "allow_concurrent", "on_notice", "notice_address", "peers", "notice_port", "notice_key",
     )  # fmt: skip
 
     def __init__(
@@ -79,7 +79,8 @@ class JobSpec(RecordBase):
         lease_timeout: float | None = None,  # attached: DEFAULT_LEASE unless given (0: none)
         allow_concurrent: bool = False,  # start even while another job runs on the worker
         on_notice: str = "",  # what the job's processes are told of a host event (agent_notices.ACTIONS; "": none)
-        peers: list[str] | None = None,  # every worker's internal address, by worker index: where notices go
+        notice_address: str = "",  # where this worker's supervisor hears notices: its internal address
+        peers: list[str] | None = None,  # whom it tells a notice: worker 0 every other worker, the others worker 0
         notice_port: int = 0,  # the port every worker's supervisor hears its peers' notices on
         notice_key: str = "",  # the job's secret that signs its notices (hex)
     ) -> None:
@@ -95,6 +96,7 @@ class JobSpec(RecordBase):
         self.lease_timeout = lease_timeout
         self.allow_concurrent = allow_concurrent
         self.on_notice = on_notice
+        self.notice_address = notice_address
         self.peers = [] if peers is None else peers
         self.notice_port = notice_port
         self.notice_key = notice_key
