@@ -36,7 +36,7 @@ DOCTOR = probe.DoctorAnswer(
     hostname="t1v-n-0",
     user="root",
     root=True,
-    python_probe={"python": "/usr/bin/python3", "python_version": "3.10.12", "packages": {"jax": None}},
+    python_probe=probe.PythonProbe(python="/usr/bin/python3", python_version="3.10.12", packages={"jax": None}),
     runtime_place=probe.RuntimePlace(given={"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": "0"}, tpu_env=None),
     devices_present=["/dev/accel0", "/dev/accel1"],
     devices_missing=["/dev/accel2"],
@@ -119,7 +119,7 @@ def test_the_probes_own_answers_read_as_records(tmp_path: Path, python: str | No
         place = json.dumps({"TPU_WORKER_ID": "3"})
         data = json.loads(subprocess.run(argv, input=place, capture_output=True, text=True, timeout=60).stdout)
         doctor = probe.DoctorAnswer.from_dict(data)
-        assert doctor.to_dict() == data and doctor.python_probe == {"python_version": "3"}
+        assert doctor.to_dict() == data and doctor.python_probe.python_version == "3"
         assert doctor.runtime_place.given == {"TPU_WORKER_ID": "3"}
         assert doctor.devices_present == [str(dev)] == doctor.devices_plain and doctor.holders[0].pid == holder.pid
         assert doctor.holders[0].start is None and doctor.disk["tmp"].path == "/tmp"

@@ -7,7 +7,7 @@ RUN_DIR keeps it to one per worker.
 
 Every worker, every tick, looks whether it is busy: tpurun work for any user -- a job (an agent state
 under ~USER/.tpurun/jobs whose supervisor lives, or a process carrying TPURUN_JOB_ID) or `train
---setup` (a process carrying TPURUN_ACTIVITY) -- or a process holding a TPU device file (`probe.scan`,
+--setup` (a process carrying TPURUN_ACTIVITY) -- or a process holding a TPU device file (`probe.find_holders`,
 the scan kill-stale uses; a runtime that has initialised the TPU holds them). It publishes that as
 guest attribute tpurun/watch, JSON {"t", "worker", "idle_since", "jobs", "work", "holders"}, which
 `tpurun list` and `describe` read through the API.
@@ -179,8 +179,8 @@ def read_done() -> set[str]:
 def holders() -> int:
     """Processes with a TPU device file open (libtpu holds them once it has initialised the TPU; its
     mappings, which kill-stale also looks at, are not read: that would cost a look many times more)."""
-    scan = probe.scan(probe.DEFAULT_DEVICE_GLOBS, "", [])
-    return sum(1 for h in scan["holders"] if not h["protected"])
+    found = probe.find_holders(probe.DEFAULT_DEVICE_GLOBS, "", [])
+    return sum(1 for h in found.holders if not h.protected)
 
 
 def tpurun_work() -> tuple[list[str], list[str]]:
