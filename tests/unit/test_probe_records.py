@@ -52,7 +52,15 @@ DOCTOR = probe.DoctorAnswer(
 
 SCAN = probe.Scan(holders=[probe.Holder(pid=9, start=1234, holds=["/dev/vfio/0"])], denied=[5], lock_users={"/x": [9]})
 
-RECORDS: list[tuple[str, probe.Record]] = [("kill-stale", KILL_STALE), ("doctor", DOCTOR), ("scan", SCAN)]
+# the user's Python could not run: its answer is only why
+NO_PYTHON = probe.DoctorAnswer(clock=1.0, hostname="h", user="u", python_probe=probe.PythonProbe(error="py: not found"))
+
+RECORDS: list[tuple[str, probe.Record]] = [
+    ("kill-stale", KILL_STALE),
+    ("doctor", DOCTOR),
+    ("doctor", NO_PYTHON),
+    ("scan", SCAN),
+]
 READERS = {"kill-stale": probe.KillStaleAnswer, "doctor": probe.DoctorAnswer, "scan": probe.Scan}
 
 # The worker's side: the probe's source alone (as `program_argv` ships it), reading each line's answer with
@@ -78,6 +86,10 @@ def test_every_record_reads_back_what_it_printed() -> None:
         {"path": "/tmp/libtpu_lockfile", "open_in": []},
         {"path": "/x", "open_in": [7]},
     ]
+    assert NO_PYTHON.to_dict()["python_probe"] == {"error": "py: not found"}
+    assert probe.DoctorAnswer.from_dict(NO_PYTHON.to_dict()).python_probe.error == "py: not found"
+    # what the Python saw, every field the probe script prints, in its order (doctor --json shows it so)
+    assert list(DOCTOR.to_dict()["python_probe"]) == [f for f in probe.PythonProbe.__slots__ if f != "error"]
     read = probe.DoctorAnswer.from_dict(DOCTOR.to_dict())
     assert read.disk["tmp"] == probe.DiskSpace("/tmp", None) and read.env_files[0].line == 12
     assert read.runtime_place.given["TPU_WORKER_ID"] == "0" and read.holders[0].pid == 7
