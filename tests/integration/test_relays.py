@@ -204,6 +204,34 @@ def test_train_and_the_job_commands_through_relays(cli, emulator, pod):
     _nothing_left(emulator, pod, RELAY)
 
 
+COUNT = """import os, time
+w = int(os.environ["TPURUN_WORKER_ID"])
+for i in range(40):
+    print("count", i, "of worker", w, flush=True)
+    time.sleep(0.25)
+"""
+
+
+def test_logs_follow_reaches_the_workers_of_a_lost_relay_from_this_machine(cli, emulator, pod):
+    """`logs --follow` reconnects a dropped stream: a relay killed under it hands the workers below it to this
+    machine, which follows them on from where their lines stopped. Every line arrives once, in order."""
+    (cli.cwd / "count.py").write_text(COUNT)
+    r = cli("train", "--relay", "count.py", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    proc = popen(cli, "logs", "--relay", job, "--follow")
+    seen = read_until(proc, lambda got: len({line.split()[0] for line in got if " count " in line}) == WORKERS)
+    (pid,) = job_pids(emulator, pod, RELAY, [5])  # the follow's relay on w5, which relays for w6 and w7
+    os.kill(pid, signal.SIGKILL)
+    out = proc.stdout.read()  # what readline buffered too (communicate would read past it)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err
+    lines = [*seen, *out.splitlines()]
+    for w in range(WORKERS):
+        said = [line.split(" count ", 1)[1] for line in lines if line.startswith(f"[w{w}]") and " count " in line]
+        assert said == [f"{i} of worker {w}" for i in range(40)], (w, said, err)
+
+
 def test_sync_through_relays_is_sync(cli, emulator, pod):
     tree = cli.cwd / "tree"
     (tree / "sub").mkdir(parents=True)

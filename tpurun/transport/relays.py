@@ -13,7 +13,8 @@ connect, ended once the tree stands.
 `run`, `call`, `open`/`answer`, `follow` and `chorus` (sync) go through the relays; `converse` (download)
 still goes from this machine to every worker (`Threads`). A worker not reached while the tree is built takes
 none below it along (they are planned anew); a relay lost later takes its subtree with it for the rest of
-the command (reported lost, with why; a job stops; a `follow` does not reconnect them, as `Threads` does)."""
+the command (reported lost, with why; a job stops; a `follow` asked to reconnect reaches them from this
+machine instead, as `Threads` reaches a dropped worker again)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,24 @@ class Link:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close_stdin()
+
+
+def _records_to(w: int, take: Take) -> tuple[Callable[[bytes], None], list[bool]]:
+    """What hears the bytes of W's agent `stream` (handing TAKE its records, whole lines only), and the list
+    in which the end of W's part of the job is noted."""
+    buf = bytearray()
+    over: list[bool] = []
+
+    def out(data: bytes) -> None:
+        buf.extend(data)
+        at = buf.rfind(b"\n")
+        if at < 0:
+            return
+        lines = bytes(buf[:at]).split(b"\n")
+        del buf[: at + 1]
+        take(w, watching(w, protocol.decode_lines(lines), over))
+
+    return out, over
 
 
 class Relays(Fleet):
@@ -493,25 +512,20 @@ class Relays(Fleet):
         live: dict[int, int] = {}  # worker -> its stream's channel
         lock = threading.Lock()
         by_index = {w.index: w for w in self.workers}
+        moved: list[int] = []  # lost to the tree, where RECONNECTS asks for more: followed from this machine
+        direct: list[threading.Thread] = []
 
         def make(w: int) -> Chan:
-            buf = bytearray()
             err = bytearray()
-            over: list[bool] = []
-
-            def out(data: bytes) -> None:
-                buf.extend(data)
-                at = buf.rfind(b"\n")
-                if at < 0:
-                    return
-                lines = bytes(buf[:at]).split(b"\n")
-                del buf[: at + 1]
-                take(w, watching(w, protocol.decode_lines(lines), over))
+            out, over = _records_to(w, take)
 
             def end(rc: int | None, why: str) -> None:
                 reopen = False
                 if rc is None:
-                    if not (stop is not None and stop.is_set()):
+                    if reconnects and not (stop is not None and stop.is_set()):
+                        with lock:
+                            moved.append(w)
+                    elif not (stop is not None and stop.is_set()):
                         lost(w, why)
                 else:
                     reopen = ended(w, rc, err.decode("utf-8", "replace"), bool(over))
@@ -532,6 +546,13 @@ class Relays(Fleet):
             while True:
                 with lock:
                     ws, again[:] = list(again), []
+                    far, moved[:] = list(moved), []
+                if far:  # reached again as `Threads` reaches a broken stream's worker, RECONNECTS times
+                    kw = {"lifeline": lifeline, "stop": stop, "reconnects": reconnects, "only": far}
+                    direct.append(
+                        threading.Thread(target=self.direct.follow, args=(call, take, ended, lost), kwargs=kw)
+                    )
+                    direct[-1].start()
                 if ws:
                     opened = self.open_chans({w: bundle.call_argv(call(by_index[w])) for w in ws}, {}, make)
                     with lock:
@@ -549,7 +570,7 @@ class Relays(Fleet):
                     self.act(relay_wire.CLOSE, numbers)  # each agent stops its processes, streams to the end
                     closed = True
                 with lock:
-                    if not live and not again:
+                    if not live and not again and not moved and not any(t.is_alive() for t in direct):
                         return
                 self._raise()
                 time.sleep(0.05)

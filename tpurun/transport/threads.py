@@ -206,7 +206,10 @@ class Threads(Fleet):
         lifeline: threading.Event | None = None,
         stop: threading.Event | None = None,
         reconnects: int = 0,
+        only: Collection[int] | None = None,
     ) -> None:
+        """As `Fleet.follow`; of ONLY's workers (relays hand over those their tree lost), connected or not."""
+
         def one(r: Runner) -> None:
             broken = 0
             installed = False
@@ -233,7 +236,7 @@ class Threads(Fleet):
                         r.close()
                         why = connect_all([r], gate=self.gate).get(r.worker.index)
 
-        each(self._reached(), one, name="follow")
+        each(self._reached(only), one, name="follow")
 
     def converse(
         self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
