@@ -258,15 +258,14 @@ def list_cmd(
     """List the TPUs in the zone (or in every zone), with their state, idleness and jobs."""
     if all_zones and zone:
         raise UsageError("choose one of --zone and --all-zones")
-    cloud, s = cloud_for(project, zone, every_zone=all_zones)
-    views = provision.list_tpus(cloud)
-    others = [] if all_zones else identity.elsewhere(s.home_path, cloud.project, cloud.zone)
+    cloud, _ = cloud_for(project, zone, every_zone=all_zones)
+    listed = provision.list_tpus(cloud)
     if json_out:
-        ui.print_json([v.to_dict() for v in views])
+        ui.print_json(listed.to_dict())
     else:
-        _list_table(views, all_zones)
-    if others:  # after the table, on stderr
-        known = ", ".join(f"{name} ({there})" for name, there in others)
+        _list_table(listed.views, all_zones)
+    if listed.elsewhere:  # after the table, on stderr
+        known = ", ".join(f"{name} ({there})" for name, there in listed.elsewhere)
         ui.info(f"tpurun knows TPUs in other zones too: {known}; `tpurun list --all-zones` lists every zone")
 
 
@@ -467,7 +466,7 @@ def maintenance_cmd(
     provision.validate_name(name)
     if force and not now:
         raise UsageError("--force only applies with --now")
-    s = identity.where(settings.resolve({"tpu": name, "project": project, "zone": zone}), name)
+    s = settings.resolve({"tpu": name, "project": project, "zone": zone})
     with progress_display() as progress:
         result = maintenance.maintenance(s, now=now, force=force, progress=progress)
     if json_out:

@@ -12,13 +12,13 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun import config, settings, ui
 from tpurun.cloud import autostop, identity, keys, multislice, routing, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
-from tpurun.cloud.client import Cloud
+from tpurun.cloud.client import EVERY_ZONE, Cloud
 from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
@@ -457,8 +457,28 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
 # ---------------------------------------------------------------------------- list / describe / delete
 
 
-def list_tpus(cloud: Cloud) -> list[NodeView]:
-    """The TPUs of the zone (of every zone), whoever made them, in name order."""
+@dataclass
+class Listed:
+    """`tpurun list`: the TPUs of the zone (of every zone), and those tpurun knows in the project's other zones."""
+
+    views: list[NodeView]
+    elsewhere: list[tuple[str, str]] = field(default_factory=list)  # (name, zone), outside the zone listed
+
+    def to_dict(self) -> list[dict[str, object]]:
+        """`list --json`: each TPU listed (those of other zones only named, on stderr)."""
+        return [v.to_dict() for v in self.views]
+
+
+def list_tpus(cloud: Cloud) -> Listed:
+    """The TPUs of the zone (of every zone), whoever made them, in name order; listing one zone, the TPUs tpurun
+    remembers (as not deleted) in the project's other zones."""
+    views = _listed(cloud)
+    if cloud.zone == EVERY_ZONE:
+        return Listed(views)
+    return Listed(views, identity.elsewhere(cloud.settings.home_path, cloud.project, cloud.zone))
+
+
+def _listed(cloud: Cloud) -> list[NodeView]:
     views = sorted(routing.list_all(cloud), key=lambda v: (v.zone, v.name))
     makers = [routing.maker_of(cloud, v) for v in views]
     for maker in {id(m): m for m in makers}.values():
