@@ -66,10 +66,10 @@ def check_versions(worker: int, answer: DoctorAnswer, python: str) -> Check:
     """Python present; torch and torch_xla installed for it, with the same major.minor (the torch_xla
     wheel declares no torch dependency, so pip never enforces the pairing)."""
     p = answer.python_probe
-    if p.get("error"):
-        return Check(worker, "python", "fail", p["error"], "install Python 3 there, or pass --python PATH")
-    torch, xla = p.get("torch_version"), p.get("torch_xla_version")
-    head = f"python {p.get('python_version', '?')} ({p.get('python', python)})"
+    if p.error:
+        return Check(worker, "python", "fail", p.error, "install Python 3 there, or pass --python PATH")
+    torch, xla = p.torch_version, p.torch_xla_version
+    head = f"python {p.python_version or '?'} ({p.python or python})"
     if not torch and not xla:
         return Check(
             worker,
@@ -135,18 +135,18 @@ def check_same_versions(skew: Skew, names: dict[int, str]) -> list[Check]:
 
 
 def _tpu_ready(answer: DoctorAnswer) -> bool:
-    return bool(answer.python_probe.get("libtpu_installed")) and bool(answer.devices_present)
+    return bool(answer.python_probe.libtpu_installed) and bool(answer.devices_present)
 
 
 def check_libtpu(worker: int, answer: DoctorAnswer, python: str) -> Check:
     p = answer.python_probe
-    if p.get("error"):
+    if p.error:
         return Check(worker, "libtpu", "warn", "not checked: the python probe failed", "see the python row")
     if not answer.devices_present:
         return Check(worker, "libtpu", "pass", "not needed: no TPU device files here (CPU runtime only)")
-    if p.get("libtpu_installed"):
-        return Check(worker, "libtpu", "pass", f"found: {p.get('libtpu_path')}")
-    xla = p.get("torch_xla_version") or "2.9.0"
+    if p.libtpu_installed:
+        return Check(worker, "libtpu", "pass", f"found: {p.libtpu_path}")
+    xla = p.torch_xla_version or "2.9.0"
     install = "install it with torch_xla's tpu extra: " + _pip(python, f"'torch_xla[tpu]=={xla}'")
     if _emulated(answer):
         return Check(
@@ -279,7 +279,7 @@ def _unset_fix(where: str, name: str) -> str:
 def check_xla_config(worker: int, answer: DoctorAnswer) -> list[Check]:
     """XRT_TPU_CONFIG / PJRT_DEVICE set in a way that cannot work (the seeds' 'Missing XLA configuration')."""
     p = answer.python_probe
-    xla = p.get("torch_xla_version") if not p.get("error") else None
+    xla = p.torch_xla_version if not p.error else None
     v = version_tuple(xla)
     xrt_only_build = bool(xla and "+xrt" in xla)
     found = xla_settings(answer)

@@ -5,7 +5,7 @@ it picks the runners, the transport reaches them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -80,7 +80,7 @@ class Target:
         path = keys.key_path(home)
         if not path.exists():
             raise UsageError(f"no ssh key of tpurun's at {path}", hint=f"`tpurun attach {self.name}` makes one")
-        return Relays(self, key=path.read_text(), pinned=keys.pinned_keys(home), python=self.python())
+        return Relays(self, key=path.read_text(), pins=lambda: keys.pinned_keys(home), python=self.python())
 
     @property
     def relayed(self) -> bool:
@@ -170,8 +170,11 @@ class Target:
         for r in self.runners:
             r.close()
 
-    def connect(self, then: Callable[[Runner], None] | None = None) -> dict[int, str]:
-        """Connect every runner at once; {worker: error} for those that failed.
+    def connect(
+        self, then: Callable[[Runner], None] | None = None, *, only: Collection[int] | None = None
+    ) -> dict[int, str]:
+        """Connect every runner at once (of ONLY: the workers a relay tree is reached through); {worker: error}
+        for those that failed.
 
         Every connection checks the worker's host key under the TPU's identity (its node's unique id), so a
         worker reached is that worker of that TPU. Remembered endpoints save the API call (and importing its
@@ -180,8 +183,12 @@ class Target:
         under the same name is used with its own workers, and a worker refused for its key gets one more
         try with the keys the API publishes now.
         """
-        self.connected = True
-        errors = connect_all(self.runners, then)
+        self.connected = self.connected or only is None
+
+        def chosen(runners: list[Runner]) -> list[Runner]:
+            return [r for r in runners if only is None or r.worker.index in only]
+
+        errors = connect_all(chosen(self.runners), then)
         if not errors or not self.cached or self.refresh is None:
             return errors
         fresh = self.refresh()  # raises when the TPU is gone or not READY any more
@@ -200,7 +207,7 @@ class Target:
         self.runners, self.all_workers, self.nodes, self.cached = runners, fresh.all_workers, fresh.nodes, False
         self.ids, self.accelerator_type, self.slice_metadata = fresh.ids, fresh.accelerator_type, fresh.slice_metadata
         self.topology = fresh.topology
-        return connect_all([r for r in runners if r in fresh.runners], then)
+        return connect_all(chosen([r for r in runners if r in fresh.runners]), then)
 
 
 def _mapped(address: str) -> tuple[str, int]:

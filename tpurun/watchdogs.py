@@ -30,10 +30,7 @@ def configure(
     maker, view = _ready(cloud, name)
     current = autostop.read(view.metadata)
     action = action or (current.action if current else "delete")
-    cannot_stop = maker.cannot_stop(view, "stop")
-    if view.queued_resource and not cannot_stop:
-        cannot_stop = f"{name} came from a queued resource, which Cloud TPU deletes but does not stop"
-    autostop.check_action(action, cannot_stop)
+    autostop.check_action(action, maker.cannot_stop(view, "stop"))
     if idle and any(startup.WATCHDOG_KEY not in part.metadata.get("startup-script", "") for part in view.parts):
         progress(f"{name}: starting the watchdog on every worker")
         failed = _start_watchdogs(s.naming(name, project=cloud.project, zone=cloud.zone, source="autostop"))

@@ -26,6 +26,14 @@ JOB = (
     "print('job done at', time.time(), flush=True)\n"
     "sys.exit(int(sys.argv[2]))\n"
 )
+# runs until the test lets it end (a file in the worker's home), however slow the machine: then as JOB does
+UNTIL = (
+    "import pathlib, sys, time\n"
+    "print('job running', flush=True)\n"
+    "while not (pathlib.Path.home() / 'release').exists():\n"
+    "    time.sleep(0.1)\n"
+    "print('job done at', time.time(), flush=True)\n"
+)
 # holds the TPU's first device file open (as a TPU program does) until killed or the time is up
 HOLD = "import sys, time; f = open('/dev/accel0', 'rb'); print('holding', flush=True); time.sleep(float(sys.argv[1]))"
 
@@ -34,6 +42,7 @@ HOLD = "import sys, time; f = open('/dev/accel0', 'rb'); print('holding', flush=
 def tp(cli):
     cli.env["TPURUN_WATCHDOG_TICK"] = TICK
     (cli.cwd / "job.py").write_text(JOB)
+    (cli.cwd / "until.py").write_text(UNTIL)
     yield cli
 
 
@@ -86,7 +95,7 @@ def test_idle_node_is_deleted_by_its_own_watchdog(tp, emulator):
 def test_not_deleted_while_a_detached_job_runs_then_after_it_plus_the_period(tp, emulator):
     assert tp("create", "busy", "-t", "v4-16").code == 0
     before = len(emulator.requests())
-    r = tp("train", "job.py", "9", "0", "--runtime", "cpu", "--launch", "host", "--detach")
+    r = tp("train", "until.py", "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip()
     r = tp("autostop", "busy", "2s")
@@ -101,6 +110,7 @@ def test_not_deleted_while_a_detached_job_runs_then_after_it_plus_the_period(tp,
     assert r.code == 0 and f"busy: w0 runs job {job}" in r.out, (r.out, r.err)
     listed = json.loads(tp("list", "--json").out)
     assert [(n["name"], n["jobs"]) for n in listed] == [("busy", [job])]
+    assert tp("exec", "--", "touch", "release").code == 0  # the job may end now
     r = tp("logs", job, "--follow")  # until the job ends
     assert r.code == 0 and "job done" in r.out, r.err
     done_at = float(r.out.split("job done at ")[1].split()[0])  # the job's last moment is after this

@@ -133,3 +133,21 @@ def test_a_vm_that_is_not_the_worker_is_refused_even_with_a_key_pinned_for_anoth
     assert sorted(line.split()[0] for line in keys) == [f"tpu.{mm['id']}-0", f"tpu.{mm['id']}-1"]
     del cli.env["TPURUN_ADDRESS_MAP"]
     assert cli("exec", "--tpu", "mm", "--", "true").code == 0
+
+
+def test_through_relays_a_tpu_made_anew_under_the_same_name_is_itself(cli, emulator):
+    """The relays' roots are reached through the target's own connect: a root that does not prove who it is
+    sends tpurun to the API, and the TPU made anew is used with its own workers (and download, which goes
+    from this machine to each worker, reaches them too)."""
+    first = create_node(cli, "anew", "v4-16")
+    assert cli("exec", "--tpu", "anew", "--relay", "--", "true").code == 0  # remembered
+    _delete_behind_tpurun(emulator, "anew")
+    _create_behind_tpurun(cli, emulator, "anew", "v4-16")
+    r = cli("exec", "--tpu", "anew", "--relay", "--", "sh", "-c", "hostname | tee made")
+    assert r.code == 0, r.err
+    second = json.loads(cli("describe", "anew", "--json").out)
+    assert second["id"] != first["id"]
+    assert len([line for line in r.out.splitlines() if line.startswith("[w")]) == 2, r.out
+    r = cli("download", "--tpu", "anew", "--relay", "made", "back")
+    assert r.code == 0, r.err
+    assert sorted(p.parent.name for p in (cli.cwd / "back").glob("*/made")) == ["w0", "w1"]

@@ -11,7 +11,9 @@ import pytest
 
 from tpurun.cloud import autostop
 from tpurun.errors import UsageError
-from tpurun.worker import watchdog
+from tpurun.worker import agent_files, watchdog
+from tpurun.worker.protocol import HOST
+from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("2h", 7200), ("1d", 86400), ("off", 0)])
@@ -67,20 +69,29 @@ def test_setting_round_trip(monkeypatch):
     assert autostop.read({}) is None and autostop.read({autostop.KEY: "not json"}) is None
 
 
+def published(states):
+    """(worker, what it published) as the watchdogs read them: each state through its JSON."""
+    return [(name, watchdog.parse_state(json.dumps(st))) for name, st in states]
+
+
 def test_summarize_idle_since_the_last_worker_became_idle():
     now = 1000.0
-    states = [("w0", {"t": 999, "idle_since": 900, "jobs": []}), ("w1", {"t": 999.5, "idle_since": 950, "jobs": []})]
+    states = published(
+        [("w0", {"t": 999, "idle_since": 900, "jobs": []}), ("w1", {"t": 999.5, "idle_since": 950, "jobs": []})]
+    )
     assert watchdog.summarize(states, now, tick=30) == ([], [], 950)
 
 
 def test_summarize_busy_and_silent_workers():
     now = 1000.0
-    states = [
-        ("w0", {"t": 999, "idle_since": None, "jobs": ["j1"], "holders": 0}),
-        ("w1", {"t": 999, "idle_since": None, "jobs": [], "holders": 2}),
-        ("w2", {"t": 900, "idle_since": 100, "jobs": []}),  # last report 100 s ago: 3 looks of 30 s missed
-        ("w3", None),  # never reported
-    ]
+    states = published(
+        [
+            ("w0", {"t": 999, "idle_since": None, "jobs": ["j1"], "holders": 0}),
+            ("w1", {"t": 999, "idle_since": None, "jobs": [], "holders": 2}),
+            ("w2", {"t": 900, "idle_since": 100, "jobs": []}),  # last report 100 s ago: 3 looks of 30 s missed
+            ("w3", None),  # never reported
+        ]
+    )
     running, busy, _ = watchdog.summarize(states, now, tick=30)
     assert running == ["w0 runs job j1", "w2 has not reported", "w3 has not reported"]
     assert busy == ["w1: 2 process(es) hold the TPU"]
@@ -99,7 +110,8 @@ def test_down_jobs_waits_for_the_settle_time_and_runs_once(tmp_path):
     root = tmp_path / "jobs"
     for name, down in (("a", True), ("b", False), ("c", True), ("d", "yes")):
         (root / name).mkdir(parents=True)
-        (root / name / "spec.json").write_text(json.dumps({"job_id": name, "down": down}))
+        spec = JobSpec(name, 0, [ProcessSpec(HOST, ["python3", "t.py"])], down=down)  # type: ignore[arg-type]
+        (root / name / agent_files.SPEC).write_text(json.dumps(spec.to_dict()))
         (root / name / "state.json").write_text(json.dumps({"status": "finished"}))
     old = time.time() - 10
     for name in "ad":
@@ -111,12 +123,14 @@ def test_down_jobs_waits_for_the_settle_time_and_runs_once(tmp_path):
 
 def test_summarize_counts_setup_as_work_and_unreadable_states_as_silent():
     now = 1000.0
-    states = [
-        ("w0", {"t": 999, "idle_since": None, "jobs": [], "work": ["setup"], "holders": 0}),
-        ("w1", {"t": "soon"}),
-        ("w2", [1]),
-    ]
-    running, busy, _ = watchdog.summarize(states, now, tick=30)  # type: ignore[arg-type]
+    states = published(
+        [
+            ("w0", {"t": 999, "idle_since": None, "jobs": [], "work": ["setup"], "holders": 0}),
+            ("w1", {"t": "soon"}),
+            ("w2", [1]),
+        ]
+    )
+    running, busy, _ = watchdog.summarize(states, now, tick=30)
     assert running == ["w0 runs tpurun setup", "w1 has not reported", "w2 has not reported"] and busy == []
 
 

@@ -21,6 +21,7 @@ from tpurun.job.env_contract import (
     script_framework,
 )
 from tpurun.topology import parse_accelerator_type
+from tpurun.worker.probe import PythonProbe
 
 ADDRESSES = [f"10.130.{i // 200}.{2 + i % 200}" for i in range(64)]
 
@@ -587,7 +588,7 @@ def test_restart_count_and_python_and_port() -> None:
     ],
 )
 def test_pick_runtime(requested: str, probe: dict, runtime: str, why: str) -> None:
-    got, reason = pick_runtime(requested, probe)
+    got, reason = pick_runtime(requested, PythonProbe.from_dict(probe))
     assert got == runtime and why in reason
     assert runtime in reason
 
@@ -602,7 +603,10 @@ def test_probe_script_runs_here() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE_SCRIPT], capture_output=True, text=True, check=True).stdout
     probe = json.loads(out)
     assert {"libtpu_installed", "device_files_present", "torch_xla_version"} <= set(probe)
-    assert pick_runtime("auto", probe)[0] in ("cpu", "pjrt", "xrt")
+    # it prints every field of the answer's record but the error, read back as that record
+    assert list(probe) == [f for f in PythonProbe.__slots__ if f != "error"]
+    assert PythonProbe.from_dict(probe).to_dict() == probe
+    assert pick_runtime("auto", PythonProbe.from_dict(probe))[0] in ("cpu", "pjrt", "xrt")
 
 
 TYPES = ["v2-8", "v2-32", "v3-8", "v3-32", "v3-128", "v4-8", "v4-32", "v4-128", "v5litepod-4", "v5litepod-16",

@@ -36,7 +36,7 @@ DOCTOR = probe.DoctorAnswer(
     hostname="t1v-n-0",
     user="root",
     root=True,
-    python_probe={"python": "/usr/bin/python3", "python_version": "3.10.12", "packages": {"jax": None}},
+    python_probe=probe.PythonProbe(python="/usr/bin/python3", python_version="3.10.12", packages={"jax": None}),
     runtime_place=probe.RuntimePlace(given={"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": "0"}, tpu_env=None),
     devices_present=["/dev/accel0", "/dev/accel1"],
     devices_missing=["/dev/accel2"],
@@ -52,7 +52,15 @@ DOCTOR = probe.DoctorAnswer(
 
 SCAN = probe.Scan(holders=[probe.Holder(pid=9, start=1234, holds=["/dev/vfio/0"])], denied=[5], lock_users={"/x": [9]})
 
-RECORDS: list[tuple[str, probe.Record]] = [("kill-stale", KILL_STALE), ("doctor", DOCTOR), ("scan", SCAN)]
+# the user's Python could not run: its answer is only why
+NO_PYTHON = probe.DoctorAnswer(clock=1.0, hostname="h", user="u", python_probe=probe.PythonProbe(error="py: not found"))
+
+RECORDS: list[tuple[str, probe.Record]] = [
+    ("kill-stale", KILL_STALE),
+    ("doctor", DOCTOR),
+    ("doctor", NO_PYTHON),
+    ("scan", SCAN),
+]
 READERS = {"kill-stale": probe.KillStaleAnswer, "doctor": probe.DoctorAnswer, "scan": probe.Scan}
 
 # The worker's side: the probe's source alone (as `program_argv` ships it), reading each line's answer with
@@ -78,6 +86,10 @@ def test_every_record_reads_back_what_it_printed() -> None:
         {"path": "/tmp/libtpu_lockfile", "open_in": []},
         {"path": "/x", "open_in": [7]},
     ]
+    assert NO_PYTHON.to_dict()["python_probe"] == {"error": "py: not found"}
+    assert probe.DoctorAnswer.from_dict(NO_PYTHON.to_dict()).python_probe.error == "py: not found"
+    # what the Python saw, every field the probe script prints, in its order (doctor --json shows it so)
+    assert list(DOCTOR.to_dict()["python_probe"]) == [f for f in probe.PythonProbe.__slots__ if f != "error"]
     read = probe.DoctorAnswer.from_dict(DOCTOR.to_dict())
     assert read.disk["tmp"] == probe.DiskSpace("/tmp", None) and read.env_files[0].line == 12
     assert read.runtime_place.given["TPU_WORKER_ID"] == "0" and read.holders[0].pid == 7
@@ -119,7 +131,7 @@ def test_the_probes_own_answers_read_as_records(tmp_path: Path, python: str | No
         place = json.dumps({"TPU_WORKER_ID": "3"})
         data = json.loads(subprocess.run(argv, input=place, capture_output=True, text=True, timeout=60).stdout)
         doctor = probe.DoctorAnswer.from_dict(data)
-        assert doctor.to_dict() == data and doctor.python_probe == {"python_version": "3"}
+        assert doctor.to_dict() == data and doctor.python_probe.python_version == "3"
         assert doctor.runtime_place.given == {"TPU_WORKER_ID": "3"}
         assert doctor.devices_present == [str(dev)] == doctor.devices_plain and doctor.holders[0].pid == holder.pid
         assert doctor.holders[0].start is None and doctor.disk["tmp"].path == "/tmp"

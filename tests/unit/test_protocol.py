@@ -82,6 +82,11 @@ for raw in sys.stdin.buffer:
         sys.stdout.buffer.write(protocol_calls.WatchdogConfig.from_json(body.decode()).to_json().encode() + b"\\n")
     elif kind == b"preflight":
         sys.stdout.buffer.write(protocol_calls.Preflight.from_json(body.decode()).to_json().encode() + b"\\n")
+    elif kind == b"watch":
+        sys.stdout.buffer.write(protocol_calls.WatchState.from_json(body).to_json().encode() + b"\\n")
+    elif kind == b"stop":
+        stop = protocol_calls.StopRequest.from_dict(json.loads(body))
+        sys.stdout.buffer.write(json.dumps(stop.to_dict()).encode() + b"\\n")
     elif kind == b"hook":
         slot, stream, pool = protocol.read_hook_header(body)
         sys.stdout.buffer.write(protocol.hook_header(slot, stream, pool))
@@ -170,6 +175,41 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
     assert [c["core"] for c in wire["cores"]] == [0, protocol.HOST] and wire["first_failure"]["core"] == 0
     # what the agent's readers add is absent where they did not add it (state.json itself)
     assert "supervisor_alive" not in json.loads(back[1]) and "status_before_stop" not in json.loads(back[1])
+
+
+# what each worker's watchdog publishes: busy with a `--down` job, idle, and as an older watchdog left it out
+WATCH = [
+    protocol_calls.WatchState(1764000000.5, 3, ["j1", "j2"], ["setup"], 2, None, ["j2"]),
+    protocol_calls.WatchState(1764000000.0, 0, idle_since=1763990000.5),
+]
+
+
+@pytest.mark.parametrize("python", [sys.executable, PY38], ids=["this-python", "python3.8"])
+def test_the_watchdogs_state_and_a_stop_request_round_trip_through_the_agent_side(python: str | None) -> None:
+    if python is None:
+        pytest.skip("no python3.8 here")
+    stop = protocol_calls.StopRequest(2.5, 1764000000.25)
+    lines = [b"watch " + w.to_json().encode() for w in WATCH] + [b"stop " + json.dumps(stop.to_dict()).encode()]
+    r = subprocess.run(
+        [python, "-c", AGENT_SIDE, str(WORKER_DIR)], input=b"\n".join(lines) + b"\n", capture_output=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    back = r.stdout.splitlines()
+    assert [protocol_calls.WatchState.from_json(b) for b in back[:2]] == WATCH
+    assert protocol_calls.StopRequest.from_dict(json.loads(back[2])) == stop
+    # guest attribute tpurun/watch's keys, sorted as the watchdog publishes them
+    assert list(json.loads(back[0])) == ["down", "holders", "idle_since", "jobs", "t", "work", "worker"]
+    assert back[0].decode() == WATCH[0].to_json() and json.loads(back[2]) == {"grace": 2.5, "at": 1764000000.25}
+
+
+def test_a_watchdogs_state_an_older_watchdog_wrote_reads_and_a_broken_one_says_so() -> None:
+    assert protocol_calls.WatchState.from_json('{"t": 5, "jobs": ["j"]}') == protocol_calls.WatchState(5.0, jobs=["j"])
+    for broken in ["", "[1]", "{}", '{"t": "soon"}', '{"t": 1, "holders": "many"}', '{"t": 1, "jobs": 3}']:
+        with pytest.raises(ValueError):
+            protocol_calls.WatchState.from_json(broken)
+    for broken_stop in [{}, {"grace": "long", "at": 1}, [1], None]:
+        with pytest.raises(ValueError):
+            protocol_calls.StopRequest.from_dict(broken_stop)
 
 
 def test_a_job_state_an_older_agent_wrote_reads_and_a_broken_one_says_so() -> None:

@@ -89,11 +89,11 @@ def test_scan_and_kill_on_test_paths(tmp_path):
     other = subprocess.Popen(["sleep", "60"])
     try:
         cfg = {"device_globs": [str(dev)], "libtpu_glob": str(tmp_path / "libtpu*.so"), "lock_globs": [str(lock)]}
-        dry = probe.kill_stale(dict(cfg, dry_run=True))
+        dry = probe.free_tpu(dict(cfg, dry_run=True)).to_dict()
         assert [h["pid"] for h in dry["holders"]] == [holder.pid] and not dry["free"]
         assert dry["holders"][0]["holds"] == [str(dev)] and dry["locks"][0]["result"] == "would remove"
         t0 = time.monotonic()
-        out = probe.kill_stale(dict(cfg, grace=0.5))
+        out = probe.free_tpu(dict(cfg, grace=0.5)).to_dict()
         assert time.monotonic() - t0 >= 0.5
         assert out["free"] and out["holders"][0]["result"] == "killed (SIGKILL)"
         assert out["locks"] == [{"path": str(lock), "result": "removed"}] and not lock.exists()
@@ -108,10 +108,10 @@ def test_lock_kept_while_open(tmp_path):
     lock = tmp_path / "libtpu_lockfile"
     lock.write_text("")
     with open(lock):
-        found = probe.scan([str(tmp_path / "nodev")], str(tmp_path / "x.so"), [str(lock)])
+        found = probe.find_holders([str(tmp_path / "nodev")], str(tmp_path / "x.so"), [str(lock)]).to_dict()
         # this process is an ancestor of nothing here, but it is the scanner itself: protected
         assert found["lock_users"] == {}
-    kept = probe.remove_locks([str(lock)], {str(lock): [123]}, dry_run=False)
+    kept = [lk.to_dict() for lk in probe.unlock([str(lock)], {str(lock): [123]}, dry_run=False)]
     assert kept == [{"path": str(lock), "result": "kept: open in pid 123"}] and lock.exists()
 
 
@@ -176,7 +176,7 @@ def test_same_versions_across_workers():
 
     def probe(**packages):
         p = _probe()
-        p.python_probe["packages"] = {"torch": "2.9.0+cpu", "torch_xla": "2.9.0", "jax": None, **packages}
+        p.python_probe.packages = {"torch": "2.9.0+cpu", "torch_xla": "2.9.0", "jax": None, **packages}
         return p
 
     probes = {0: probe(), 1: probe(), 2: probe(torch_xla="2.8.0"), 3: _python_failed("x")}

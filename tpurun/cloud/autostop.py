@@ -162,10 +162,10 @@ def activity(maker: Backend, view: NodeView) -> Activity:
         return Activity()
     now = time.time()
     running, busy, since = watchdog.summarize(states, now, current.tick)
-    jobs = sorted({j for _, st in states if st for j in st.get("jobs", [])})
-    down = sorted({str(j) for _, st in states if st for j in st.get("down", []) if j in jobs})
+    jobs = sorted({j for _, st in states if st for j in st.jobs})
+    down = sorted({j for _, st in states if st for j in st.down if j in jobs})
     reasons = running + busy
-    times = [float(st["t"]) for _, st in states if st and isinstance(st.get("t"), int | float)]
+    times = [st.t for _, st in states if st]
     return Activity(
         idle_for=None if reasons else max(0.0, now - since),
         jobs=jobs,

@@ -253,6 +253,8 @@ class TpuApi(Backend):
             return f"{view.name} is a multislice TPU; Cloud TPU can {verb} only single-host TPU VMs"
         if not view.id:
             return f"{view.name} is a queued resource {view.state}; Cloud TPU can {verb} only a TPU VM it made"
+        if view.queued_resource:  # as `cannot_stop_asked` says of one asked for
+            return f"{view.name} came from a queued resource, which Cloud TPU deletes but does not {verb}"
         topo = parse_accelerator_type(view.accelerator_type)
         if topo.multi_host:
             return (

@@ -32,6 +32,7 @@ from tpurun.job.runtimes import (
 from tpurun.naming import worker_name
 from tpurun.topology import MEGASCALE_PORT, Topology
 from tpurun.worker import WORKER_DIR
+from tpurun.worker.probe import PythonProbe  # what PROBE_SCRIPT prints
 from tpurun.worker.protocol import HOST, Launch, Word  # the agent's words for how processes are made and where filed
 
 W = TypeVar("W", Runtime, Launch, Precision)
@@ -548,32 +549,33 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def pick_runtime(asked: Runtime | str, probe: dict[str, object]) -> tuple[Runtime, str]:
+def pick_runtime(asked: Runtime | str, probe: PythonProbe) -> tuple[Runtime, str]:
     """(runtime, reason): ASKED unless it is `auto`, which picks from what PROBE_SCRIPT saw on a worker."""
     requested = choice(Runtime, asked, "--runtime")
-    version = probe.get("torch_xla_version")
-    tpu = bool(probe.get("libtpu_installed")) and bool(probe.get("device_files_present"))
+    version = probe.torch_xla_version
+    tpu = bool(probe.libtpu_installed) and bool(probe.device_files_present)
     if requested is not Runtime.auto:
         return requested, f"--runtime {requested} was requested"
     if not tpu:
         missing = []
-        if not probe.get("libtpu_installed"):
+        if not probe.libtpu_installed:
             missing.append("libtpu is not installed")
-        if not probe.get("device_files_present"):
+        if not probe.device_files_present:
             missing.append("no TPU device files (/dev/accel*, /dev/vfio/*)")
         return Runtime.cpu, "auto picked cpu: " + " and ".join(missing)
-    torch_tpu = probe.get("torch_tpu_version")
-    if (not isinstance(version, str) or not version) and isinstance(torch_tpu, str) and torch_tpu:
+    torch_tpu = probe.torch_tpu_version
+    if not version and torch_tpu:
         return Runtime.torchtpu, f"auto picked torchtpu: libtpu and TPU device files present, torch_tpu {torch_tpu}"
-    if not isinstance(version, str) or not version:
+    if not version:
         return Runtime.cpu, "auto picked cpu: TPU present but neither torch_xla nor torch_tpu is installed"
     if _version_tuple(version) < (2, 1):
         return Runtime.xrt, f"auto picked xrt: torch_xla {version} < 2.1 (XRT era) and a TPU is present"
     return Runtime.pjrt, f"auto picked pjrt: libtpu and TPU device files present, torch_xla {version}"
 
 
-# Runs on a worker with its own python3 (any 3.8+); prints one JSON object for pick_runtime and doctor
-# (with the versions of what decides a job, read as the agent's preflight reads them: versions.py first).
+# Runs on a worker with its own python3 (any 3.8+); prints its answer, a `probe.PythonProbe` (every field but
+# `error`, by name), for pick_runtime and doctor (with the versions of what decides a job, read as the agent's
+# preflight reads them: versions.py first).
 PROBE_SCRIPT = (
     (WORKER_DIR / "versions.py").read_text()
     + r"""
@@ -608,18 +610,18 @@ if libtpu is None:
             libtpu = c
             break
 devices = sorted(glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*") if p != "/dev/vfio/vfio"])
-print(json.dumps({
-    "libtpu_installed": libtpu is not None,
-    "libtpu_path": libtpu,
-    "device_files_present": bool(devices),
-    "device_files": devices,
-    "torch_xla_version": version("torch_xla") or version("torch-xla"),
-    "torch_tpu_version": version("torch_tpu") or version("torch-tpu"),
-    "torch_version": version("torch"),
-    "python": sys.executable,
-    "python_version": "%d.%d.%d" % sys.version_info[:3],
-    "packages": installed(DECISIVE),
-}))
+print(json.dumps(dict(
+    libtpu_installed=libtpu is not None,
+    libtpu_path=libtpu,
+    device_files_present=bool(devices),
+    device_files=devices,
+    torch_xla_version=version("torch_xla") or version("torch-xla"),
+    torch_tpu_version=version("torch_tpu") or version("torch-tpu"),
+    torch_version=version("torch"),
+    python=sys.executable,
+    python_version="%d.%d.%d" % sys.version_info[:3],
+    packages=installed(DECISIVE),
+)))
 """
 )
 

@@ -28,6 +28,7 @@ from tpurun.targets import Target
 from tpurun.topology import Topology
 from tpurun.transport.fleet import Call
 from tpurun.transport.runner import worker_names
+from tpurun.worker.probe import PythonProbe
 from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
 
 HINTS = [
@@ -103,7 +104,7 @@ class TrainSpec:
 # ---------------------------------------------------------------------------- planning
 
 
-def probe(target: Target, python: str) -> dict[str, Any]:
+def probe(target: Target, python: str) -> PythonProbe:
     """What worker 0 has: libtpu, device files, torch_xla version (for --runtime auto and hints)."""
     first = target.runners[0].worker
     a = target.fleet.call(Call.command([python, "-c", env_contract.PROBE_SCRIPT]), timeout=120, only=[first.index])
@@ -115,9 +116,9 @@ def probe(target: Target, python: str) -> dict[str, Any]:
             f"cannot run {python} on worker {first.label()}: {answer.err.strip().splitlines()[-1:] or answer.rc}"
         )
     try:
-        return json.loads(answer.out.decode().strip().splitlines()[-1])
+        return PythonProbe.from_dict(json.loads(answer.out.decode().strip().splitlines()[-1]))
     except (ValueError, IndexError):
-        return {}
+        return PythonProbe()
 
 
 @dataclass(frozen=True)

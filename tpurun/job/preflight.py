@@ -156,12 +156,12 @@ def claim(target: Target, python: str, packages: list[str], job_id: str) -> tupl
 
 
 def from_probe(answer: DoctorAnswer) -> Preflight | None:
-    """A doctor probe's answer (env_contract.PROBE_SCRIPT's, its `python_probe`) as a preflight's, to
-    compare the same way; None where the probe failed."""
+    """A doctor probe's answer (what the user's Python sees, its `python_probe`) as a preflight's, to compare the
+    same way; None where the probe failed."""
     p = answer.python_probe
-    if p.get("error") or "python_version" not in p:
+    if p.error or p.python_version is None:
         return None
-    return Preflight([], str(p["python_version"]), str(p.get("python")), dict(p.get("packages") or {}))
+    return Preflight([], str(p.python_version), str(p.python), dict(p.packages or {}))
 
 
 def refuse_if_busy(target: Target, answers: dict[int, Preflight]) -> None:

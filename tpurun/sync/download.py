@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import targets
-from tpurun.errors import ExitCode
+from tpurun.errors import ExitCode, UnreachableError
 from tpurun.settings import Settings
 from tpurun.sync import ignore
 from tpurun.sync.stream import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
@@ -358,15 +358,13 @@ def download(
     progress: Counters | None = None,
     stop: threading.Event | None = None,
 ) -> list[Fetched]:
-    """PATH from every worker of FLEET (connected: the unreached ones are reported as such) to DEST at once: into
-    DEST itself from one worker, into DEST/<worker name> from several."""
+    """PATH from every worker of FLEET (connected here where it is not yet; the unreached ones are reported as
+    such) to DEST at once: into DEST itself from one worker, into DEST/<worker name> from several."""
     progress = progress or Counters()
     stop = stop or threading.Event()
     many = len(fleet.workers) > 1
     fresh = None if os.path.lexists(dest) else dest  # made by this download: left out of git and sync
     got = {w.index: Fetched(w.index, w.name, w.address) for w in fleet.workers}
-    for index, error in fleet.unreached.items():
-        got[index].error, got[index].unreachable = error, True
 
     def one(worker: Worker, opened: Callable[[], Pipe]) -> None:
         g = got[worker.index]
@@ -378,17 +376,19 @@ def download(
             download_stream(stream, g, path, root, outside_home=outside_home, progress=progress, fresh=fresh)
         except (Protocol, KeyError, TypeError, ValueError, struct.error) as exc:
             g.error = f"the worker's download helper answered what this side refuses: {exc}"
-        except (sync_helper.Eof, OSError, EOFError) as exc:
-            if not stop.is_set():
-                why = describe_failure(stream) if stream is not None else str(exc)
+        except (sync_helper.Eof, UnreachableError) as exc:
+            if stream is None:  # not reached, or its helper could not start
+                g.error, g.unreachable = str(exc), True
+            elif not stop.is_set():
+                why = describe_failure(stream)
                 g.unreachable = why.startswith("the connection was lost")  # exit 4, else the helper's own failure
                 g.error = f"{g.name} ({g.address}): {why}" if g.unreachable else why
-        except Exception as exc:  # paramiko errors: this worker fails, not the others
-            g.error, g.unreachable = f"{g.name} ({g.address}): {type(exc).__name__}: {exc}", True
+        except Exception as exc:  # what this side could not take or keep: this worker fails, not the others
+            g.error = f"{g.name} ({g.address}): {type(exc).__name__}: {exc}"
         finally:
             g.seconds = round(time.monotonic() - started, 3)
 
-    fleet.converse(helper_command, one, stop=stop, only=[w for w, g in got.items() if not g.error])
+    fleet.converse(helper_command, one, stop=stop, only=list(got))
     if stop.is_set():
         raise Interrupted()
     return [got[w.index] for w in fleet.workers]
@@ -412,7 +412,6 @@ def download_from(
     from), what landed there that it would send."""
     target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     with target:
-        target.fleet.connect()
         got = download(target.fleet, path, dest, outside_home=outside_home, progress=progress, stop=stop)
     return Downloaded(got, sent_from(got, here) if here is not None else [])
 

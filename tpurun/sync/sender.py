@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import targets
-from tpurun.errors import ExitCode, UsageError
+from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.settings import Settings
 from tpurun.sync import ignore, report, together
 from tpurun.sync.stream import (
@@ -316,12 +316,10 @@ def sync_stream(
         stats.files_sent = result["written"]
         stats.deleted = result["deleted"]
         stats.errors = result["errors"]
-    except (sync_helper.Eof, OSError, EOFError) as exc:
+    except (sync_helper.Eof, UnreachableError):
         if stop.is_set():
             raise Interrupted() from None
-        why = describe_failure(stream)
-        if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError) and why == "the connection was lost":
-            why = f"{why}: {exc}"
+        why = describe_failure(stream)  # the helper's own word where it ended, else the connection's end
         stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
         stats.error = f"{stats.name} ({stats.address}): {why}" if stats.unreachable else why
     finally:
@@ -368,7 +366,9 @@ def sync(
             sync_stream(opened(), st, dest, delete=delete, rules=rules, progress=progress, stop=stop, plan=plan)
         except Interrupted:
             interrupted.set()
-        except Exception as exc:  # paramiko errors, a dropped connection: this worker fails, not the others
+        except TpurunError as exc:  # its helper could not start (unreached, dropped): this worker fails
+            st.error, st.unreachable = str(exc), True
+        except Exception as exc:  # an answer this side cannot take: this worker fails, not the others
             st.error = f"{type(exc).__name__}: {exc}" if not str(exc).strip() == "" else type(exc).__name__
             st.unreachable = True
         finally:

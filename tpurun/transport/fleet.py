@@ -16,8 +16,9 @@ names its worker:
 * `chorus`: a helper program on many workers spoken to all at once, what is said to many said once (sync
   through relays); None from a fleet that converses with each worker instead.
 
-`threads.Threads` is the first implementation: one thread per worker of this machine. Relays (workers that
-reach other workers for tpurun) will be the second; callers hold a `Fleet` and never ask which.
+`threads.Threads` is the first implementation: one thread per worker of this machine. `relays.Relays` is
+the second: this machine reaches a few workers, and relays on them reach the rest. Callers hold a `Fleet`
+and never ask which.
 """
 
 from __future__ import annotations
@@ -258,8 +259,9 @@ class Fleet:
         self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
     ) -> None:
         """TALK with HELPER (its argv given the worker's Python) on each worker of ONLY at once, over its pipe
-        (the one started at `connect`, else a new one; closed after). Setting STOP closes every pipe, which
-        wakes a conversation waiting for a reply."""
+        (the one started at `connect`, else a new one; closed after). A fleet not connected yet is connected
+        here; for a worker that could not be reached, opening its pipe raises UnreachableError. Setting STOP
+        closes every pipe, which wakes a conversation waiting for a reply."""
         raise NotImplementedError
 
     def chorus(

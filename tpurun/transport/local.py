@@ -33,7 +33,10 @@ class LocalRunner(Runner):
         return LocalStream(proc)
 
     def pipe(self, argv: Sequence[str]) -> Pipe:
-        return LocalPipe(argv)
+        try:
+            return LocalPipe(argv)
+        except OSError as exc:
+            raise UnreachableError(f"cannot start {argv[0]} on this machine: {exc.strerror or exc}") from None
 
     def run_to_end(self, run: Run) -> int:
         argv, sink, stop, grace, env = run.argv, run.sink, run.stop, run.grace, run.env
@@ -145,16 +148,25 @@ class LocalPipe:
 
     def send(self, data: bytes) -> None:
         assert self.proc.stdin
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as exc:  # ValueError: written after close
+            raise UnreachableError(f"the helper on this machine ended: {_why(exc)}") from None
 
     def recv(self, n: int) -> bytes:
         assert self.proc.stdout
-        return self.proc.stdout.read1(n)  # type: ignore[attr-defined]
+        try:
+            return self.proc.stdout.read1(n)  # type: ignore[attr-defined,no-any-return]
+        except (OSError, ValueError) as exc:
+            raise UnreachableError(f"the helper on this machine ended: {_why(exc)}") from None
 
     def close_write(self) -> None:
         assert self.proc.stdin
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()
+        except OSError as exc:  # what was still buffered could not go
+            raise UnreachableError(f"the helper on this machine ended: {_why(exc)}") from None
 
     def close(self) -> None:
         # end its input first: the program may clean up itself; kill only if it hangs
@@ -175,3 +187,7 @@ class LocalPipe:
         except subprocess.TimeoutExpired:
             return None, b""
         return rc, self.proc.stderr.read() if self.proc.stderr else b""
+
+
+def _why(exc: Exception) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__

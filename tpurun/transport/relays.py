@@ -13,7 +13,7 @@ connect, ended once the tree stands.
 `run`, `call`, `open`/`answer`, `follow` and `chorus` (sync) go through the relays; `converse` (download)
 still goes from this machine to every worker (`Threads`). A worker not reached while the tree is built takes
 none below it along (they are planned anew); a relay lost later takes its subtree with it for the rest of
-the command (reported lost, with why; a job stops)."""
+the command (reported lost, with why; a job stops; a `follow` does not reconnect them, as `Threads` does)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,12 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 from tpurun.errors import TpurunError, UnreachableError
 from tpurun.transport import bundle
 from tpurun.transport.fleet import (
     Answer,
     Call,
-    Chorus,
     Ended,
     Fleet,
     RunResult,
@@ -43,6 +41,7 @@ from tpurun.transport.fleet import (
     relay_silence,
     watching,
 )
+from tpurun.transport.relay_ends import Chan, RelayChorus, RelaySession
 from tpurun.transport.runner import (
     INTERNAL_PORT,
     RUN_GRACE,
@@ -63,18 +62,7 @@ START_SECONDS = 60.0  # a root's relay says it started within this
 READY_SECONDS = 180.0  # and its tree stands (or says which workers it could not reach) within this
 
 
-@dataclass
-class _Chan:
-    """One channel: the worker it runs on and what hears its bytes and its end."""
-
-    worker: int
-    out: Callable[[bytes], None]
-    err: Callable[[bytes], None]
-    end: Callable[[int | None, str], None]  # (exit code, or None and why it never ran or was lost)
-    link: _Link | None = None
-
-
-class _Link:
+class Link:
     """This machine's link to one root: its relay on an SSH stream, and a thread reading what comes up."""
 
     def __init__(self, tree: Relays, root: relay_wire.Node, runner: Runner) -> None:
@@ -169,14 +157,15 @@ class _Link:
 class Relays(Fleet):
     """This machine, a few roots per slice, and relays below them; see the module's docstring."""
 
-    def __init__(self, reach: Reach, *, key: str, pinned: Mapping[str, str], python: str) -> None:
-        self.reach, self.key, self.pinned, self.python = reach, key, pinned, python
+    def __init__(self, reach: Reach, *, key: str, pins: Callable[[], Mapping[str, str]], python: str) -> None:
+        self.reach, self.key, self.pins, self.python = reach, key, pins, python
+        self.pinned = pins()  # {host key alias: the key pinned for it}, read again for a TPU made anew
         self.direct = Threads(reach)  # for what does not go through relays yet (converse)
         self.connected = False
         self._unreached: dict[int, str] = {}
-        self._links: list[_Link] = []
-        self._link_of: dict[int, _Link] = {}
-        self._chans: dict[int, _Chan] = {}
+        self._links: list[Link] = []
+        self._link_of: dict[int, Link] = {}
+        self._chans: dict[int, Chan] = {}
         self._numbers = itertools.count(1)
         self._idle: list[Callable[[int], None]] = []
         self.gate = threading.BoundedSemaphore(connect_window())
@@ -206,17 +195,21 @@ class Relays(Fleet):
         if self.connected:
             return dict(self._unreached)
         roots, fanout = relay_shape()
-        by_slice: dict[int | None, list[Worker]] = defaultdict(list)
-        for w in self.workers:
-            by_slice[w.slice].append(w)
-        groups = [g for ws in by_slice.values() for g in relay_wire.chunks([self._node(w) for w in ws], roots)]
+        groups = self._groups(roots)
+        before = self.reach.runners
+        # the first heads through the target's own connect: where one does not prove who it is, the API is asked
+        # (a TPU gone is raised, one made anew under the name is used with its own workers)
+        failed = self.reach.connect(only={g[0].index for g in groups})
+        if self.reach.runners is not before:  # made anew: its workers, and the keys pinned for them now
+            self.pinned = self.pins()
+            groups = self._groups(roots)
         runners = {r.worker.index: r for r in self.reach.runners}
         unreached: dict[int, str] = {}
-        for _ in range(ROUNDS):
+        for round in range(ROUNDS):
             if not groups:
                 break
-            heads = [runners[g[0].index] for g in groups]
-            failed = connect_all(heads, gate=self.gate)
+            if round or self.reach.runners is not before:  # (a head connected already is not connected again)
+                failed = connect_all([runners[g[0].index] for g in groups], gate=self.gate)
             again = []
             for g in groups:
                 if g[0].index in failed:
@@ -225,7 +218,7 @@ class Relays(Fleet):
                         again.append(g[1:])
                     continue
                 (tree,) = relay_wire.plan(g, fanout, roots=1)
-                self._links.append(_Link(self, tree, runners[tree.index]))
+                self._links.append(Link(self, tree, runners[tree.index]))
             groups = again
         for g in groups:
             for n in g:
@@ -237,12 +230,19 @@ class Relays(Fleet):
         self._unreached = unreached
         return dict(unreached)
 
+    def _groups(self, roots: int) -> list[Sequence[relay_wire.Node]]:
+        """Each slice's workers in ROOTS groups, each to be reached through its first worker."""
+        by_slice: dict[int | None, list[Worker]] = defaultdict(list)
+        for w in self.workers:
+            by_slice[w.slice].append(w)
+        return [g for ws in by_slice.values() for g in relay_wire.chunks([self._node(w) for w in ws], roots)]
+
     def _start_links(self, fanout: int) -> None:
         plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "silence": self.silence,
                        "fanout": fanout}  # fmt: skip
         pending = [link for link in self._links if not link.ready.is_set()]
 
-        def start(link: _Link) -> None:
+        def start(link: Link) -> None:
             for w in link.workers:
                 self._link_of[w] = link
             try:
@@ -266,7 +266,7 @@ class Relays(Fleet):
                         link.stream.kill()
         self._raise()
 
-    def dispatch(self, link: _Link, kind: int, number: int, payload: bytes) -> None:
+    def dispatch(self, link: Link, kind: int, number: int, payload: bytes) -> None:
         """A frame from LINK's relay."""
         if kind == relay_wire.BEAT:
             return
@@ -290,7 +290,7 @@ class Relays(Fleet):
             doc = json.loads(payload)
             chan.end(doc.get("rc"), doc.get("error", ""))
 
-    def idle(self, link: _Link) -> None:
+    def idle(self, link: Link) -> None:
         for tick in list(self._idle):
             tick(link.root.index)
 
@@ -303,8 +303,8 @@ class Relays(Fleet):
 
     # ------------------------------------------------------------------ channels
 
-    def _open(
-        self, argvs: Mapping[int, Sequence[str]], envs: Mapping[int, Mapping[str, str]], make: Callable[[int], _Chan]
+    def open_chans(
+        self, argvs: Mapping[int, Sequence[str]], envs: Mapping[int, Mapping[str, str]], make: Callable[[int], Chan]
     ) -> dict[int, int]:
         """ARGVS[w] on each worker w (with ENVS[w] added), a channel each, MAKE(w) hearing it: {worker: channel}."""
         numbers: dict[int, int] = {}
@@ -324,7 +324,7 @@ class Relays(Fleet):
                 link.send(relay_wire.json_frame(relay_wire.OPEN, relay_wire.Opening(argv, workers).to_wire()))
         return numbers
 
-    def _act(self, kind: int, numbers: Collection[int], data: bytes = b"") -> None:
+    def act(self, kind: int, numbers: Collection[int], data: bytes = b"") -> None:
         """KIND (INPUT with DATA, CLOSE, DROP) on every channel of NUMBERS still open, one frame per link."""
         by_link: dict[int, list[int]] = defaultdict(list)
         for n in numbers:
@@ -367,7 +367,7 @@ class Relays(Fleet):
         started = time.monotonic()
         lock = threading.Lock()
 
-        def make(w: int) -> _Chan:
+        def make(w: int) -> Chan:
             out = LineSplitter(lambda line: sink(w, "out", line))
             err = LineSplitter(lambda line: sink(w, "err", line))
 
@@ -383,13 +383,13 @@ class Relays(Fleet):
                 if on_exit is not None:
                     on_exit(res)
 
-            return _Chan(w, out.feed, err.feed, end)
+            return Chan(w, out.feed, err.feed, end)
 
-        numbers = self._open(leashed, envs, make)
+        numbers = self.open_chans(leashed, envs, make)
         closed = False
         while len(results) < len(numbers):
             if stop.is_set() and not closed:
-                self._act(relay_wire.CLOSE, numbers.values())  # each leash stops its command's group
+                self.act(relay_wire.CLOSE, numbers.values())  # each leash stops its command's group
                 closed = True
             if self.raised:
                 break
@@ -409,7 +409,7 @@ class Relays(Fleet):
         lock = threading.Lock()
         sent = time.time()
 
-        def make(w: int) -> _Chan:
+        def make(w: int) -> Chan:
             out, err = bytearray(), bytearray()
 
             def end(rc: int | None, why: str) -> None:
@@ -418,22 +418,22 @@ class Relays(Fleet):
                     answers.setdefault(w, Answer(w, rc, bytes(out), text, error=why if rc is None else "",
                                                  sent=sent, answered=time.time()))  # fmt: skip
 
-            return _Chan(w, out.extend, err.extend, end)
+            return Chan(w, out.extend, err.extend, end)
 
-        numbers = self._open({w: bundle.call_argv(c) for w, c in calls.items()}, {}, make)
+        numbers = self.open_chans({w: bundle.call_argv(c) for w, c in calls.items()}, {}, make)
         by_input: dict[bytes, list[int]] = defaultdict(list)
         for w, c in calls.items():
             by_input[c.input].append(numbers[w])
         for data, group in by_input.items():
             if data:
-                self._act(relay_wire.INPUT, group, data)
-        self._act(relay_wire.CLOSE, numbers.values())
+                self.act(relay_wire.INPUT, group, data)
+        self.act(relay_wire.CLOSE, numbers.values())
         deadline = time.monotonic() + timeout
         while len(answers) < len(numbers) and time.monotonic() < deadline and not self.raised:
             time.sleep(0.02)
         self._raise()
         late = [n for w, n in numbers.items() if w not in answers]
-        self._act(relay_wire.DROP, late)
+        self.act(relay_wire.DROP, late)
         for n in late:
             self._chans.pop(n, None)
         time.sleep(0.05 if late else 0)  # an answer being handed over as the time ran out lands first
@@ -446,26 +446,26 @@ class Relays(Fleet):
 
     def open(self, call: Call) -> dict[int, Session | str]:
         workers = self._reached()
-        sessions: dict[int, _RelaySession] = {}
+        sessions: dict[int, RelaySession] = {}
 
-        def make(w: int) -> _Chan:
-            s = sessions[w] = _RelaySession(self, w)
-            return _Chan(w, s.took, s.took_err, s.ended_with)
+        def make(w: int) -> Chan:
+            s = sessions[w] = RelaySession(self, w)
+            return Chan(w, s.took, s.took_err, s.ended_with)
 
-        numbers = self._open({w.index: bundle.call_argv(call) for w in workers}, {}, make)
+        numbers = self.open_chans({w.index: bundle.call_argv(call) for w in workers}, {}, make)
         for w, n in numbers.items():
             sessions[w].number = n
         if call.input:
-            self._act(relay_wire.INPUT, numbers.values(), call.input)
+            self.act(relay_wire.INPUT, numbers.values(), call.input)
         return {w: (s if s.error == "" else s.error) for w, s in sessions.items()}
 
     def answer(self, sessions: Mapping[int, Session], say: bytes | None, wait: float) -> dict[int, str | Exception]:
-        mine = {w: s for w, s in sessions.items() if isinstance(s, _RelaySession)}
+        mine = {w: s for w, s in sessions.items() if isinstance(s, RelaySession)}
         numbers = [s.number for s in mine.values()]
         if say is None:
-            self._act(relay_wire.CLOSE, numbers)
+            self.act(relay_wire.CLOSE, numbers)
         else:
-            self._act(relay_wire.INPUT, numbers, say)
+            self.act(relay_wire.INPUT, numbers, say)
         got: dict[int, str | Exception] = {}
         deadline = time.monotonic() + wait
         for w, s in mine.items():
@@ -494,7 +494,7 @@ class Relays(Fleet):
         lock = threading.Lock()
         by_index = {w.index: w for w in self.workers}
 
-        def make(w: int) -> _Chan:
+        def make(w: int) -> Chan:
             buf = bytearray()
             err = bytearray()
             over: list[bool] = []
@@ -520,7 +520,7 @@ class Relays(Fleet):
                     if reopen:
                         again.append(w)
 
-            return _Chan(w, out, err.extend, end)
+            return Chan(w, out, err.extend, end)
 
         def tick(source: int) -> None:
             take(source, [])
@@ -533,20 +533,20 @@ class Relays(Fleet):
                 with lock:
                     ws, again[:] = list(again), []
                 if ws:
-                    opened = self._open({w: bundle.call_argv(call(by_index[w])) for w in ws}, {}, make)
+                    opened = self.open_chans({w: bundle.call_argv(call(by_index[w])) for w in ws}, {}, make)
                     with lock:
                         live.update({w: n for w, n in opened.items() if n in self._chans})
                     if closed:  # the lifeline was cut before: these streams hear it too
-                        self._act(relay_wire.CLOSE, list(opened.values()))
+                        self.act(relay_wire.CLOSE, list(opened.values()))
                 if stop is not None and stop.is_set():
                     with lock:
                         numbers = list(live.values())
-                    self._act(relay_wire.DROP, numbers)  # a viewer only ends its own streams: the job goes on
+                    self.act(relay_wire.DROP, numbers)  # a viewer only ends its own streams: the job goes on
                     return
                 if lifeline is not None and lifeline.is_set() and not closed:
                     with lock:
                         numbers = list(live.values())
-                    self._act(relay_wire.CLOSE, numbers)  # each agent stops its processes, streams to the end
+                    self.act(relay_wire.CLOSE, numbers)  # each agent stops its processes, streams to the end
                     closed = True
                 with lock:
                     if not live and not again:
@@ -559,140 +559,18 @@ class Relays(Fleet):
     def converse(
         self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
     ) -> None:
-        """From this machine to each worker (download): not through the relays."""
-        if not self.direct.reach.connected:
-            self.direct.connect()
-        self.direct.converse(helper, talk, stop=stop, only=[w for w in only if w not in self.direct.unreached])
+        """From this machine to each worker (download): not through the relays (a root the tree reached keeps
+        its one connection)."""
+        self.direct.converse(helper, talk, stop=stop, only=only)
 
     def chorus(
         self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event
-    ) -> _RelayChorus:
+    ) -> RelayChorus:
         if not self.connected:
             self.connect()
-        return _RelayChorus(self, helper(self.python), [w.index for w in self._reached(only)])
+        return RelayChorus(self, helper(self.python), [w.index for w in self._reached(only)])
 
     def close(self) -> None:
         for link in self._links:
             link.close()
         self.direct.close()
-
-
-class _RelaySession(Session):
-    """A program left running on one worker through the relays, its stdin open."""
-
-    def __init__(self, tree: Relays, worker: int) -> None:
-        self.tree, self.worker = tree, worker
-        self.number = 0
-        self.buf = bytearray()
-        self.err = bytearray()
-        self.rc: int | None = None
-        self.error = ""
-        self.done = threading.Event()
-        self.changed = threading.Condition()
-        self.waited = 0.0
-
-    def took(self, data: bytes) -> None:
-        with self.changed:
-            self.buf.extend(data)
-            self.changed.notify_all()
-
-    def took_err(self, data: bytes) -> None:
-        self.err.extend(data)
-
-    def ended_with(self, rc: int | None, why: str) -> None:
-        with self.changed:
-            self.rc, self.error = rc, why
-            self.done.set()
-            self.changed.notify_all()
-
-    def wait_line(self, deadline: float) -> str | None:
-        self.waited = max(0.0, deadline - time.monotonic())
-        with self.changed:
-            while b"\n" not in self.buf:
-                if self.done.is_set():
-                    return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.tree._act(relay_wire.DROP, [self.number])
-                    why = f"its agent did not answer within {self.waited:.0f} s"
-                    self.rc, self.error = None, why
-                    self.done.set()
-                    raise UnreachableError(why)
-                self.changed.wait(min(left, 0.2))
-            line, _, rest = bytes(self.buf).partition(b"\n")
-            self.buf[:] = rest
-            return line.decode()
-
-    def line(self, say: bytes | None, wait: float) -> str | None:
-        if say is None:
-            self.tree._act(relay_wire.CLOSE, [self.number])
-        else:
-            self.tree._act(relay_wire.INPUT, [self.number], say)
-        return self.wait_line(time.monotonic() + wait)
-
-    def alive(self) -> bool:
-        return not self.done.is_set()
-
-    def ended(self) -> tuple[int, str]:
-        self.done.wait()
-        if self.rc is None:
-            return -1, self.error
-        return self.rc, self.err.decode("utf-8", "replace")
-
-    def release(self) -> None:
-        self.tree._act(relay_wire.CLOSE, [self.number])
-
-    def wait_end(self, deadline: float) -> None:
-        self.done.wait(max(0.0, deadline - time.monotonic()))
-
-
-class _RelayChorus(Chorus):
-    """A helper on many workers through the relays: `say` is one frame per root's link for all it reaches."""
-
-    def __init__(self, tree: Relays, argv: Sequence[str], workers: list[int]) -> None:
-        self.tree = tree
-        self.changed = threading.Condition()
-        self.out: dict[int, bytearray] = {}
-        self.err: dict[int, bytearray] = {}
-        self.ends: dict[int, tuple[int | None, bytes]] = {}
-        self.failed: dict[int, str] = {}
-        self.why: dict[int, str] = {}  # why the connection to a worker's helper was lost
-
-        def make(w: int) -> _Chan:
-            out, err = self.out.setdefault(w, bytearray()), self.err.setdefault(w, bytearray())
-
-            def took(data: bytes) -> None:
-                with self.changed:
-                    out.extend(data)
-                    self.changed.notify_all()
-
-            def end(rc: int | None, why: str) -> None:
-                with self.changed:  # a connection lost: why, in place of the helper's stderr
-                    self.ends[w] = (rc, bytes(err) if rc is not None else why.encode())
-                    self.why[w] = why
-                    self.changed.notify_all()
-
-            return _Chan(w, took, err.extend, end)
-
-        self.numbers = tree._open({w: argv for w in workers}, {}, make)
-        self.workers = [w for w in workers if w not in self.ends]
-        self.failed = {w: self.why.get(w, "") for w, (rc, _) in self.ends.items() if rc is None}
-
-    def say(self, workers: Collection[int], data: bytes) -> None:
-        self.tree._act(relay_wire.INPUT, [self.numbers[w] for w in workers if w not in self.ends], data)
-
-    def heard(self, wait: float) -> dict[int, bytes]:
-        with self.changed:
-            if not any(self.out.values()):
-                self.changed.wait(wait)
-            got = {w: bytes(b) for w, b in self.out.items() if b}
-            for b in self.out.values():
-                b.clear()
-            return got
-
-    def ended(self, worker: int) -> tuple[int | None, bytes] | None:
-        with self.changed:  # not while what it wrote before its end waits to be heard
-            return None if self.out.get(worker) else self.ends.get(worker)
-
-    def close(self) -> None:
-        self.tree._act(relay_wire.CLOSE, list(self.numbers.values()))

@@ -173,7 +173,8 @@ class Runner:
 
 
 class Stream:
-    """One long-running command on a worker whose stdin stays open: closing it is the stop signal."""
+    """One long-running command on a worker whose stdin stays open: closing it is the stop signal. Its methods
+    raise UnreachableError when the connection has gone, never the transport's own errors."""
 
     def write(self, data: bytes) -> None:
         raise NotImplementedError
@@ -196,7 +197,9 @@ class Stream:
 
 
 class Pipe(Protocol):
-    """A program on a worker as a byte pipe (sync's helper speaks its protocol over one)."""
+    """A program on a worker as a byte pipe (sync's helper speaks its protocol over one). Its methods raise
+    UnreachableError when the program or the connection has gone (`ended` says which); never the transport's
+    own errors."""
 
     def send(self, data: bytes) -> None: ...
     def recv(self, n: int) -> bytes: ...

@@ -235,6 +235,11 @@ class SshRunner(Runner):
         return f" of {self.node_name}" if self.node_name else ""
 
     def connect(self) -> None:
+        if self.client is not None:
+            transport = self.client.get_transport()
+            if transport is not None and transport.is_active():
+                return  # connected already (a relay's root, reached again for a conversation of its own)
+            self.close()  # a connection that dropped: its client and its liveness go with it
         self.refused_key = False
         client = paramiko.SSHClient()
         # only tpurun's pinned keys; never the user's known_hosts, never trust on first use
@@ -412,6 +417,10 @@ class SshStream(Stream):
             pass
 
     def read(self, timeout: float = 0.1) -> bytes | None:
+        with _converted(self.worker, self.liveness):
+            return self._read(timeout)
+
+    def _read(self, timeout: float) -> bytes | None:
         while self.chan.recv_stderr_ready():
             self.err += self.chan.recv_stderr(65536)
         if self.chan.recv_ready():
@@ -451,6 +460,7 @@ class SshPipe:
     reader then sees)."""
 
     def __init__(self, runner: SshRunner, argv: Sequence[str]) -> None:
+        self.worker, self.liveness = runner.worker, runner.liveness
         self.chan = runner.transport().open_session()
         command = shlex.join(argv)
         try:
@@ -469,13 +479,16 @@ class SshPipe:
             self.chan.exec_command(command)
 
     def send(self, data: bytes) -> None:
-        send_all(self.chan, data)
+        with _converted(self.worker, self.liveness):
+            send_all(self.chan, data)
 
     def recv(self, n: int) -> bytes:
-        return self.chan.recv(n)
+        with _converted(self.worker, self.liveness):
+            return self.chan.recv(n)
 
     def close_write(self) -> None:
-        self.chan.shutdown_write()
+        with _converted(self.worker, self.liveness):
+            self.chan.shutdown_write()
 
     def close(self) -> None:
         self.chan.close()

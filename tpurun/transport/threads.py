@@ -35,7 +35,9 @@ class Reach(Protocol):
     runners: list[Runner]
     connected: bool  # connect was called
 
-    def connect(self, then: Callable[[Runner], None] | None = None) -> dict[int, str]: ...
+    def connect(
+        self, then: Callable[[Runner], None] | None = None, *, only: Collection[int] | None = None
+    ) -> dict[int, str]: ...
 
 
 class Threads(Fleet):
@@ -236,13 +238,18 @@ class Threads(Fleet):
     def converse(
         self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
     ) -> None:
+        if not self.reach.connected:
+            self.connect(helper=helper)
         pipes: dict[int, Pipe] = {}
         shut: set[int] = set()  # the pipes the stop closed
+        unreached = self.unreached
 
         def one(r: Runner) -> None:
             w = r.worker.index
 
             def opened() -> Pipe:
+                if w in unreached:
+                    raise UnreachableError(unreached[w])
                 early = self._helpers.pop(w, None)
                 if isinstance(early, BaseException):
                     raise early
@@ -264,7 +271,7 @@ class Threads(Fleet):
                         shut.add(w)
                         pipe.close()
 
-        each(self._reached(only), one, name="converse", tick=close_on_stop)
+        each([r for r in self.reach.runners if r.worker.index in only], one, name="converse", tick=close_on_stop)
 
     def close(self) -> None:
         for r in self.reach.runners:

@@ -52,7 +52,9 @@ import versions
 from agent_files import (
     CHUNK,
     POLL,
+    SPEC,
     STATE,
+    STOP,
     AgentError,
     agent_root,
     claim,
@@ -64,7 +66,7 @@ from agent_files import (
     log_base,
     now,
     pid_alive,
-    read_json,
+    read_spec,
     root_lock,
     running_jobs,
     signal_group,
@@ -89,7 +91,7 @@ from protocol import (
     encode,
     frame_recs,
 )
-from protocol_calls import JobSpec, Preflight
+from protocol_calls import JobSpec, Preflight, StopRequest
 
 # ---------------------------------------------------------------- commands
 
@@ -112,7 +114,7 @@ def cmd_start(args) -> int:
         if os.path.exists(os.path.join(jdir, STATE)):
             raise AgentError(f"job {spec.job_id} already exists on this worker")
         os.makedirs(jdir, exist_ok=True)
-        write_json_atomic(os.path.join(jdir, "spec.json"), spec.to_dict())
+        write_json_atomic(os.path.join(jdir, SPEC), spec.to_dict())
         starting = JobState(spec.job_id, spec.worker, JobStatus.STARTING, started_at=now(), launch=spec.launch)
         write_state(jdir, starting)
         if holder is not None and holder.get("job_id") == spec.job_id:
@@ -202,9 +204,9 @@ def _load_state(job: str) -> JobState:
 
 def _load_spec(jdir: str) -> JobSpec:
     try:
-        return JobSpec.from_dict(read_json(os.path.join(jdir, "spec.json")))
+        return read_spec(jdir)
     except ValueError as e:
-        raise AgentError(f"{jdir}/spec.json: {e}", code=AgentExit.INTERNAL) from e
+        raise AgentError(f"{jdir}/{SPEC}: {e}", code=AgentExit.INTERNAL) from e
 
 
 def cmd_state(args) -> int:
@@ -281,7 +283,7 @@ def stop_job(job: str, grace: float | None) -> JobState:
             st = _load_state(job)
         sup = st.supervisor_pid
     if sup and pid_alive(sup):
-        write_json_atomic(os.path.join(jdir, "stop.json"), {"grace": grace, "at": now()})
+        write_json_atomic(os.path.join(jdir, STOP), StopRequest(grace, now()).to_dict())
         try:
             os.kill(sup, signal.SIGTERM)
         except ProcessLookupError:

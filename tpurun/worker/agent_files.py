@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator
 
 if __package__:  # imported by tpurun (the emulator, the watchdog's tests) by its package name
     from tpurun.worker.protocol import HOST, TERMINAL, AgentExit, JobState, JobStatus
+    from tpurun.worker.protocol_calls import JobSpec, StopRequest
 else:  # the bundle on a worker, whose files sit side by side
     from protocol import HOST, TERMINAL, AgentExit, JobState, JobStatus  # type: ignore[no-redef]
+    from protocol_calls import JobSpec, StopRequest  # type: ignore[no-redef]
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 POLL = 0.02  # seconds between checks when nothing happens (supervisor and stream)
@@ -34,6 +36,8 @@ FATAL_SIGNALS = {
 # for a job about to start, and naming it; the kernel drops the lock when that process ends, however it ends.
 CLAIM = ".claim"
 STATE = "state.json"  # in a job's directory: its `JobState`, which the supervisor writes
+SPEC = "spec.json"  # in a job's directory: its `JobSpec`, which `start` writes
+STOP = "stop.json"  # in a job's directory: a `StopRequest`, which `stop` writes before it signals the supervisor
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 
 
@@ -329,6 +333,20 @@ def read_state(path: str) -> JobState | None:
     data = read_json(path)
     try:
         return None if data is None else JobState.from_dict(data)
+    except ValueError:
+        return None
+
+
+def read_spec(jdir: str, limit: int = 16 << 20) -> JobSpec:
+    """The spec of the job in JDIR (its SPEC file, read as `read_json` reads: LIMIT bytes at most), or ValueError."""
+    return JobSpec.from_dict(read_json(os.path.join(jdir, SPEC), limit))
+
+
+def read_stop(jdir: str) -> StopRequest | None:
+    """The stop asked of the job in JDIR (its STOP file), or None where none was asked (or it is not one)."""
+    data = read_json(os.path.join(jdir, STOP))
+    try:
+        return None if data is None else StopRequest.from_dict(data)
     except ValueError:
         return None
 

@@ -31,7 +31,7 @@ from agent_files import (
     of_job,
     pdeathsig_preexec,
     pid_alive,
-    read_json,
+    read_stop,
     signal_group,
     signal_pids,
     watch_exit,
@@ -536,10 +536,8 @@ class Supervisor:
         was decided before (None: cleaning up what ended processes left, not an end of its own)."""
         if self.stop_deadline is not None:
             return
-        grace = self.grace
-        req = read_json(os.path.join(self.jdir, "stop.json"))
-        if req and req.get("grace") is not None:
-            grace = float(req["grace"])
+        asked = read_stop(self.jdir)  # `agent.py stop`'s grace, else the spec's
+        grace = self.grace if asked is None else asked.grace
         self.outcome = self.outcome or status
         self.reason = self.reason or reason
         self.stop_deadline = now() + grace

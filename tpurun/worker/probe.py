@@ -2,8 +2,8 @@
 
 tpurun ships this file's source on the command line (`python3 -c SOURCE MODE CONFIG_JSON`, see `program_argv`),
 so a worker needs nothing installed (the watchdog imports it too, and holds its imports for days: a few are made
-where needed). It prints its answer, a record of this file (`KillStaleAnswer`, `DoctorAnswer`), as one JSON
-document on stdout; tpurun reads it back with the record's `from_dict`. Nothing else spells their keys.
+where needed). It prints its answer, a record of this file (`KillStaleAnswer`, `DoctorAnswer`, `Scan`), as one
+JSON document on stdout; tpurun reads it back with the record's `from_dict`. Nothing else spells their keys.
 
 Modes:
 - `kill-stale`: find the processes that hold the TPU -- an open fd on a device file (`/dev/accel*`, `/dev/vfio/*`,
@@ -11,7 +11,7 @@ Modes:
   fd on a claim file (`claim_files`: where a `train` about to start holds the worker) -- never this program or its
   ancestors, never pid 1. Unless dry-run: SIGTERM, the grace, SIGKILL, verify; stale libtpu locks then removed.
 - `doctor`: all `tpurun doctor` judges on a worker: the holder scan, device files, the versions the user's python
-  sees (env_contract.PROBE_SCRIPT), XLA variables in the environment and shell files, free disk, the clock.
+  sees (a `PythonProbe`), XLA variables in the environment and shell files, free disk, the clock.
 
 Other users' /proc/PID/fd and maps are unreadable to a non-root user: the scan is re-run under `sudo -n` (never
 prompting), else the answer says how many processes could not be inspected (tests/unit/test_stale_unit.py).
@@ -171,23 +171,47 @@ class RuntimePlace(Record):
 DiskSpace = collections.namedtuple("DiskSpace", ["path", "free"])  # free: bytes, or None (cannot stat it)
 
 
+class PythonProbe(Record):
+    """What a Python sees, env_contract.PROBE_SCRIPT's answer run with it (for `--runtime auto`, and doctor): libtpu,
+    TPU device files, versions (None: not installed), the decisive PACKAGES'; or ERROR alone, why it did not run."""
+
+    __slots__: tuple[str, ...] = ("libtpu_installed", "libtpu_path", "device_files_present", "device_files")
+    __slots__ += ("torch_xla_version", "torch_tpu_version", "torch_version", "python", "python_version", "packages")
+    __slots__ += ("error",)
+    libtpu_installed: bool | None
+    libtpu_path: str | None
+    device_files_present: bool | None
+    device_files: list[str] | None
+    torch_xla_version: str | None
+    torch_tpu_version: str | None
+    torch_version: str | None
+    python: str | None
+    python_version: str | None
+    packages: dict[str, str | None] | None
+    error: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": self.error} if self.error is not None else {f: getattr(self, f) for f in self.__slots__[:-1]}
+
+
 class DoctorAnswer(Record):
-    """`doctor` on one worker, all tpurun.health judges: PYTHON_PROBE is env_contract.PROBE_SCRIPT's answer with the
-    user's Python ({"error": ...}: it could not run); CLOCK the worker's clock first thing, ELAPSED until the answer."""
+    """`doctor` on one worker, all tpurun.health judges: PYTHON_PROBE what the user's Python sees; CLOCK the
+    worker's clock first thing, ELAPSED until the answer."""
 
     __slots__: tuple[str, ...] = ("clock", "hostname", "user", "root", "python_probe", "runtime_place")
     __slots__ += ("devices_present", "devices_missing", "devices_plain", "holders", "scan_note", "locks", "env")
     __slots__ += ("env_files", "disk", "elapsed")
-    _DEFAULTS = {"root": False, "python_probe": {}, "runtime_place": RuntimePlace(), "scan_note": "", "env": {}}
+    _DEFAULTS = {"root": False, "python_probe": PythonProbe(), "runtime_place": RuntimePlace(), "scan_note": ""}
     _DEFAULTS.update({f: [] for f in ("devices_present", "devices_missing", "devices_plain", "holders", "locks")})
-    _DEFAULTS.update(env_files=[], disk={}, elapsed=0.0)
-    _READ = {"runtime_place": RuntimePlace.from_dict, "holders": _list_of(Holder), "locks": _list_of(LockFile)}
-    _READ.update(env_files=_list_of(EnvExport), disk=lambda d: {k: DiskSpace(*v) for k, v in d.items()})
+    _DEFAULTS.update(env={}, env_files=[], disk={}, elapsed=0.0)
+    _READ = dict(python_probe=PythonProbe.from_dict, runtime_place=RuntimePlace.from_dict, holders=_list_of(Holder))
+    _READ.update(locks=_list_of(LockFile), env_files=_list_of(EnvExport))
+    _READ.update(disk=lambda d: {k: DiskSpace(*v) for k, v in d.items()})
     clock: float
     hostname: str
     user: str
     root: bool
-    python_probe: dict[str, Any]
+    python_probe: PythonProbe
     runtime_place: RuntimePlace
     devices_present: list[str]
     devices_missing: list[str]
@@ -323,11 +347,6 @@ def _user(uid: int | None) -> str:
         return str(uid)
 
 
-def scan(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> dict:
-    """`find_holders`'s answer as its JSON (the watchdog's look, and the probe's `scan` mode)."""
-    return find_holders(device_globs, libtpu_glob, lock_paths).to_dict()
-
-
 def find_holders(device_globs: list[str], libtpu_glob: str, lock_paths: list[str]) -> Scan:
     """Every process holding the TPU, the processes that could not be inspected, who has each lock file open.
     An empty LIBTPU_GLOB skips the mappings (the watchdog's cheaper look: open device files only)."""
@@ -446,11 +465,6 @@ def lock_files(globs: list[str], home: str) -> list[str]:
     return found
 
 
-def remove_locks(paths: list[str], lock_users: dict[str, list[int]], dry_run: bool) -> list[dict]:
-    """`unlock`'s answer as its JSON."""
-    return [lock.to_dict() for lock in unlock(paths, lock_users, dry_run)]
-
-
 def unlock(paths: list[str], lock_users: dict[str, list[int]], dry_run: bool) -> list[LockFile]:
     """Remove the lock files PATHS nobody has open (with DRY_RUN: say which would go)."""
     out = []
@@ -512,11 +526,6 @@ def _scan_cfg(cfg: dict) -> tuple[list[str], str, list[str]]:
     home = cfg.get("home") or os.path.expanduser("~")
     locks = lock_files(cfg.get("lock_globs") or DEFAULT_LOCK_GLOBS, home)
     return cfg.get("device_globs") or DEFAULT_DEVICE_GLOBS, cfg.get("libtpu_glob") or DEFAULT_LIBTPU_GLOB, locks
-
-
-def kill_stale(cfg: dict) -> dict:
-    """The `kill-stale` mode's answer as its JSON."""
-    return free_tpu(cfg).to_dict()
 
 
 def free_tpu(cfg: dict) -> KillStaleAnswer:
@@ -608,32 +617,27 @@ def runtime_place(given: dict, devices: list[str]) -> RuntimePlace:
     return RuntimePlace(given=given, tpu_env=metadata_status("tpu-env") if asked else None)
 
 
-def run_python_probe(python: str, probe: str, env: dict | None = None) -> dict:
-    """The versions PYTHON sees (tpurun.job.env_contract.PROBE_SCRIPT run with it, ENV's variables added)."""
+def run_python_probe(python: str, probe: str, env: dict | None = None) -> PythonProbe:
+    """What PYTHON sees (PROBE, tpurun.job.env_contract.PROBE_SCRIPT, run with it, ENV's variables added)."""
     import subprocess  # here: the watchdog never needs it
 
     env = {**os.environ, **(env or {})}
     try:
         proc = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, capture_output=True, timeout=60, env=env)
     except FileNotFoundError:
-        return {"error": f"{python}: not found"}
+        return PythonProbe(error=f"{python}: not found")
     except PermissionError:
-        return {"error": f"{python}: not executable"}
+        return PythonProbe(error=f"{python}: not executable")
     except subprocess.TimeoutExpired:
-        return {"error": f"{python} did not answer within 60 s"}
+        return PythonProbe(error=f"{python} did not answer within 60 s")
     lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
     if proc.returncode != 0 or not lines:
         err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-        return {"error": f"{python} failed: {err[-1] if err else 'exit ' + str(proc.returncode)}"}
+        return PythonProbe(error=f"{python} failed: {err[-1] if err else 'exit ' + str(proc.returncode)}")
     try:
-        return json.loads(lines[-1])
+        return PythonProbe.from_dict(json.loads(lines[-1]))
     except ValueError:
-        return {"error": f"{python} printed no probe result"}
-
-
-def doctor(cfg: dict) -> dict:
-    """The `doctor` mode's answer as its JSON."""
-    return examine(cfg).to_dict()
+        return PythonProbe(error=f"{python} printed no probe result")
 
 
 def examine(cfg: dict) -> DoctorAnswer:
@@ -684,8 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads(args[1])
     if cfg.pop("vm_env_on_stdin", False):  # each worker's own: the command line stays the same on every worker
         cfg["vm_env"] = json.loads(sys.stdin.read() or "{}")
-    out = kill_stale(cfg) if args[0] == "kill-stale" else doctor(cfg) if args[0] == "doctor" else scan(*_scan_cfg(cfg))
-    print(json.dumps(out), flush=True)
+    run = {"kill-stale": free_tpu, "doctor": examine, "scan": lambda c: find_holders(*_scan_cfg(c))}[args[0]]
+    print(json.dumps(run(cfg).to_dict()), flush=True)
     return 0
 
 

@@ -1,9 +1,11 @@
 """The agent's protocol, its commands' documents: what `agent.py start` reads on stdin (a `JobSpec`: one
-`ProcessSpec` per process), what `preflight` answers before a job (`Preflight`: the jobs there, each a `JobState`)
-and what `stacks` answers (a `ProcessStack` per process); and what tpurun tells the TPU's watchdog (its
-`WatchdogConfig`, in node metadata). The words, the job's state, the records `stream` sends
-and the hook's connections are protocol.py's; this module imports it (the bundle's files sit side by side on a
-worker; tpurun imports both as `tpurun.worker.protocol_calls` and `tpurun.worker.protocol`).
+`ProcessSpec` per process, kept in the job's directory), what `stop` leaves there for the supervisor (a
+`StopRequest`), what `preflight` answers before a job (`Preflight`: the jobs there, each a `JobState`) and what
+`stacks` answers (a `ProcessStack` per process); what tpurun tells the TPU's watchdog (its `WatchdogConfig`, in
+node metadata) and what each worker's watchdog publishes (its `WatchState`, a guest attribute). The words, the
+job's state, the records `stream` sends and the hook's connections are protocol.py's; this module imports it (the
+bundle's files sit side by side on a worker; tpurun imports both as `tpurun.worker.protocol_calls` and
+`tpurun.worker.protocol`).
 
 Part of the agent bundle (stdlib only, Python >= 3.8); its records are protocol.py's kind (`RecordBase`)."""
 
@@ -129,6 +131,25 @@ class JobSpec(RecordBase):
             return cls(cores=cores, launch=launch, **data)
         except TypeError as e:
             raise ValueError(f"the job spec is malformed: {e}") from e
+
+
+class StopRequest(RecordBase):
+    """What `agent.py stop` leaves in the job's directory (agent_files.STOP) before it signals the job's supervisor,
+    which reads it then: GRACE, the seconds between SIGTERM and SIGKILL; AT, when it was asked (the worker's clock)."""
+
+    __slots__ = ("grace", "at")
+
+    def __init__(self, grace: float, at: float) -> None:
+        self.grace = grace
+        self.at = at
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StopRequest:
+        """The request, or ValueError."""
+        try:
+            return cls(float(data["grace"]), float(data["at"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a stop request: {str(data)[:100]!r}") from e
 
 
 # ---------------------------------------------------------------- preflight (before a job starts)
@@ -340,3 +361,45 @@ class WatchdogConfig(RecordBase):
             return cls(str(data.get("endpoint") or ""), nodes, compute, idle, action, tick)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a watchdog configuration: {text[:100]!r}") from e
+
+
+class WatchState(RecordBase):
+    """What each worker's watchdog publishes at every look (guest attribute tpurun/watch, JSON), read by the deciding
+    worker's watchdog and by `tpurun list` and `describe`: T, the look's time (the worker's clock); the WORKER; the
+    JOBS running there, and DOWN, those of them started with `train --down`; other tpurun WORK (`setup`); HOLDERS,
+    how many processes hold the TPU; IDLE_SINCE, since when none of these was there (None: not idle)."""
+
+    __slots__ = ("t", "worker", "jobs", "work", "holders", "idle_since", "down")
+
+    def __init__(
+        self,
+        t: float,
+        worker: int = 0,
+        jobs: list[str] | None = None,
+        work: list[str] | None = None,
+        holders: int = 0,
+        idle_since: float | None = None,
+        down: list[str] | None = None,
+    ) -> None:
+        self.t = t
+        self.worker = worker
+        self.jobs = [] if jobs is None else jobs
+        self.work = [] if work is None else work
+        self.holders = holders
+        self.idle_since = idle_since
+        self.down = [] if down is None else down
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WatchState:
+        """The state (what an older watchdog left out read as none), or ValueError."""
+        data = json.loads(text)
+        try:
+            since = data.get("idle_since")
+            jobs, work, down = ([str(j) for j in data.get(k) or []] for k in ("jobs", "work", "down"))
+            worker, holders = int(data.get("worker") or 0), int(data.get("holders") or 0)
+            return cls(float(data["t"]), worker, jobs, work, holders, None if since is None else float(since), down)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a watchdog's state: {str(text)[:100]!r}") from e

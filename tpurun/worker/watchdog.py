@@ -7,10 +7,10 @@ RUN_DIR keeps it to one per worker.
 
 Every worker, every tick, looks whether it is busy: tpurun work for any user -- a job (an agent state
 under ~USER/.tpurun/jobs whose supervisor lives, or a process carrying TPURUN_JOB_ID) or `train
---setup` (a process carrying TPURUN_ACTIVITY) -- or a process holding a TPU device file (`probe.scan`,
+--setup` (a process carrying TPURUN_ACTIVITY) -- or a process holding a TPU device file (`probe.find_holders`,
 the scan kill-stale uses; a runtime that has initialised the TPU holds them). It publishes that as
-guest attribute tpurun/watch, JSON {"t", "worker", "idle_since", "jobs", "work", "holders"}, which
-`tpurun list` and `describe` read through the API.
+guest attribute tpurun/watch, a `protocol_calls.WatchState`, which `tpurun list` and `describe` read
+through the API.
 
 Worker 0 of the first node named in the config decides. The config is the node's metadata attribute
 `tpurun-autostop`, a `protocol_calls.WatchdogConfig` (its keys are written there only), read again at every
@@ -42,14 +42,14 @@ from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import metaserver, probe
-    from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs
-    from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig
+    from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, read_spec, running_jobs
+    from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig, WatchState
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import metaserver  # type: ignore[no-redef]
     import probe  # type: ignore[no-redef]
-    from agent_files import STATE, duration, job_running, mtimes, read_json, running_jobs  # type: ignore[no-redef]
-    from protocol_calls import ComputeTpu, WatchdogConfig  # type: ignore[no-redef]
+    from agent_files import STATE, duration, job_running, mtimes, read_spec, running_jobs  # type: ignore[no-redef]
+    from protocol_calls import ComputeTpu, WatchdogConfig, WatchState  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
 CONFIG_KEY = "tpurun-autostop"
@@ -97,32 +97,26 @@ def tpu_env_value(text: str, key: str) -> str:
     return found[0].strip().strip("'\"") if found else ""
 
 
-def summarize(states: list[tuple[str, dict | None]], now: float, tick: float) -> tuple[list[str], list[str], float]:
-    """Workers' published states -> (why a job still runs: a worker runs one or has not reported; which
-    workers' TPU is held; since when every worker has been idle, the latest of their idle times)."""
+def summarize(
+    states: list[tuple[str, WatchState | None]], now: float, tick: float
+) -> tuple[list[str], list[str], float]:
+    """Workers' published states (None: nothing, or nothing readable) -> (why a job still runs: a worker runs one
+    or has not reported; which workers' TPU is held; since when every worker has been idle, the latest of their
+    idle times)."""
     running, busy, since = [], [], 0.0
     if not states:
         running.append("no worker to look at")
     for name, st in states:
-        try:
-            if not isinstance(st, dict):
-                raise TypeError
-            t, idle_since = float(st["t"]), st.get("idle_since")
-            jobs, work = list(st.get("jobs") or []), list(st.get("work") or [])
-            since_w = None if idle_since is None else float(idle_since)
-        except (TypeError, KeyError, ValueError):
-            running.append(f"{name} has not reported")  # nothing, or nothing readable
-            continue
-        if now - t > SILENT_TICKS * tick:
+        if st is None or now - st.t > SILENT_TICKS * tick:
             running.append(f"{name} has not reported")
-        elif jobs:
-            running.append(f"{name} runs job {jobs[0]}")
-        elif work:
-            running.append(f"{name} runs tpurun {work[0]}")
-        elif since_w is None:
-            busy.append(f"{name}: {st.get('holders')} process(es) hold the TPU")
+        elif st.jobs:
+            running.append(f"{name} runs job {st.jobs[0]}")
+        elif st.work:
+            running.append(f"{name} runs tpurun {st.work[0]}")
+        elif st.idle_since is None:
+            busy.append(f"{name}: {st.holders} process(es) hold the TPU")
         else:
-            since = max(since, since_w)
+            since = max(since, st.idle_since)
     return running, busy, since
 
 
@@ -139,14 +133,17 @@ def job_roots() -> list[str]:
     return roots
 
 
+def started_down(jdir: str) -> bool:
+    """The job in JDIR was started with `train --down` (its spec says so; a spec that is not one does not)."""
+    try:
+        return read_spec(jdir, MAX_USER_FILE).down is True
+    except ValueError:
+        return False
+
+
 def down_pending(roots: list[str], running: list[str]) -> list[str]:
     """The RUNNING jobs started with `train --down`: the TPU is deleted when they end."""
-    return sorted(
-        name
-        for root in roots
-        for name in running
-        if (read_json(os.path.join(root, name, "spec.json"), MAX_USER_FILE) or {}).get("down") is True
-    )
+    return sorted(name for root in roots for name in running if started_down(os.path.join(root, name)))
 
 
 def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str]) -> list[str]:
@@ -156,8 +153,7 @@ def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str
     for root in roots:
         for name in sorted(os.listdir(root)):
             jdir = os.path.join(root, name)
-            spec = read_json(os.path.join(jdir, "spec.json"), MAX_USER_FILE)
-            if not spec or spec.get("down") is not True or name in running or jdir in done:
+            if name in running or jdir in done or not started_down(jdir):
                 continue
             try:
                 ended = os.lstat(os.path.join(jdir, STATE)).st_mtime
@@ -179,8 +175,8 @@ def read_done() -> set[str]:
 def holders() -> int:
     """Processes with a TPU device file open (libtpu holds them once it has initialised the TPU; its
     mappings, which kill-stale also looks at, are not read: that would cost a look many times more)."""
-    scan = probe.scan(probe.DEFAULT_DEVICE_GLOBS, "", [])
-    return sum(1 for h in scan["holders"] if not h["protected"])
+    found = probe.find_holders(probe.DEFAULT_DEVICE_GLOBS, "", [])
+    return sum(1 for h in found.holders if not h.protected)
 
 
 def tpurun_work() -> tuple[list[str], list[str]]:
@@ -253,10 +249,9 @@ class Watchdog:
             self.idle_since = None
         elif self.idle_since is None:
             self.idle_since = now
-        state = {"t": round(now, 1), "worker": self.worker, "jobs": self.jobs, "work": work, "holders": held}
-        state["idle_since"] = None if self.idle_since is None else round(self.idle_since, 1)
-        state["down"] = down_pending(self.roots, self.jobs)
-        publish(STATE_KEY, json.dumps(state, sort_keys=True))
+        down = down_pending(self.roots, self.jobs)
+        since = None if self.idle_since is None else round(self.idle_since, 1)
+        publish(STATE_KEY, WatchState(round(now, 1), self.worker, self.jobs, work, held, since, down).to_json())
 
     def say(self, text: str, *, repeat: bool = False) -> None:
         """A decision (or why none is taken): to LOG and guest attribute tpurun/watchdog, once per change."""
@@ -316,11 +311,11 @@ class Watchdog:
             reply = {}
         return status, reply if isinstance(reply, dict) else {}
 
-    def reports(self, cfg: WatchdogConfig) -> tuple[list[dict], list[tuple[str, dict | None]]]:
+    def reports(self, cfg: WatchdogConfig) -> tuple[list[dict], list[tuple[str, WatchState | None]]]:
         """Every node of the config (as the API shows it) and every worker's last published state; a node
         that is not READY counts as one worker that has not reported."""
         nodes: list[dict] = []
-        states: list[tuple[str, dict | None]] = []
+        states: list[tuple[str, WatchState | None]] = []
         many = len(cfg.nodes) > 1
         for s, name in enumerate(cfg.nodes):
             status, node = self.api(cfg, "GET", str(name))
@@ -361,14 +356,14 @@ class Watchdog:
             if not token:
                 return int(got.get("targetSize") or 0), names
 
-    def vm_state(self, cfg: WatchdogConfig, vm: str) -> dict | None:
+    def vm_state(self, cfg: WatchdogConfig, vm: str) -> WatchState | None:
         status, got = self.api(
             cfg, "GET", f"{compute_scope(cfg)}/instances/{vm}/getGuestAttributes?queryPath={NAMESPACE}/{STATE_KEY}"
         )
         items = (got.get("queryValue") or {}).get("items") or [] if status == 200 else []
         return parse_state(next((i.get("value") for i in items if i.get("key") == STATE_KEY), None))
 
-    def compute_reports(self, cfg: WatchdogConfig) -> list[tuple[str, dict | None]]:
+    def compute_reports(self, cfg: WatchdogConfig) -> list[tuple[str, WatchState | None]]:
         """Every VM's last published state; a group short of its VMs counts as one VM that has not reported."""
         c = compute_of(cfg)
         if c.instance:
@@ -378,7 +373,7 @@ class Watchdog:
                 raise OSError(f"GET instance {vm}: HTTP {status} {error_of(got)}")
             return [("w0", self.vm_state(cfg, vm) if got.get("status") == "RUNNING" else None)]
         many = len(c.groups) > 1
-        states: list[tuple[str, dict | None]] = []
+        states: list[tuple[str, WatchState | None]] = []
         for s, group in enumerate(c.groups):
             size, vms = self.group_vms(cfg, group)  # the group's target size, and its VMs
             if not size or len(vms) < size:
@@ -566,7 +561,7 @@ def error_of(reply: dict) -> str:
     return str(err.get("message", "")) if isinstance(err, dict) else ""
 
 
-def _state_of(entries: list, worker: int) -> dict | None:
+def _state_of(entries: list, worker: int) -> WatchState | None:
     """Worker WORKER's published state in a getGuestAttributes reply (one entry per worker, in order)."""
     try:
         items = entries[worker]["queryValue"]["items"]
@@ -575,13 +570,12 @@ def _state_of(entries: list, worker: int) -> dict | None:
         return None
 
 
-def parse_state(value: object) -> dict | None:
+def parse_state(value: object) -> WatchState | None:
     """A worker's published state (guest attribute tpurun/watch), or None if there is none or it is not one."""
     try:
-        state = json.loads(value) if isinstance(value, str) and value else None
+        return WatchState.from_json(value) if isinstance(value, str) and value else None
     except ValueError:
         return None
-    return state if isinstance(state, dict) else None
 
 
 # ------------------------------------------------------------------ running it
