@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from tpurun import config, health, targets
 from tpurun.cloud import keys, startup
-from tpurun.errors import TpurunError
+from tpurun.errors import ExitCode, TpurunError
 from tpurun.job import env_contract, preflight
 from tpurun.settings import Settings
 from tpurun.targets import Target
@@ -159,6 +159,14 @@ class KillStale:
             if h.pid in w.answer.survivors
         ]
 
+    @property
+    def exit_code(self) -> ExitCode:
+        """`kill-stale`'s exit code: 4 where a worker could not be reached, else 1 where a process still holds a
+        TPU (with --dry-run: where one was found), else 0."""
+        if self.unreachable:
+            return ExitCode.UNREACHABLE
+        return ExitCode.PROGRAM_FAILED if self.held() else ExitCode.OK
+
     def to_json(self) -> dict[str, Any]:
         return {
             "tpu": self.tpu,
@@ -223,6 +231,24 @@ class Doctor:
     @property
     def failed(self) -> bool:
         return bool(self.summary["fail"])
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """`doctor`'s exit code: 4 where a worker could not be reached, else 1 where a check failed, else 0."""
+        return ExitCode.UNREACHABLE if self.unreachable else ExitCode.PROGRAM_FAILED if self.failed else ExitCode.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        """`doctor --json`: every check of every worker, each worker's probe, who differs, the exit code."""
+        return {
+            "tpu": self.tpu,
+            "accelerator_type": self.accelerator_type,
+            "python": self.python,
+            "summary": self.summary,
+            "exit_code": self.exit_code,
+            "checks": [c.to_dict() for c in self.checks],
+            "workers": {str(i): self.probes[i].to_dict() for i in sorted(self.probes)},
+            "skew": self.skew.to_json(),
+        }
 
 
 def doctor(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpurun import targets
-from tpurun.cloud import routing
+from tpurun.cloud import identity, routing
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import Maintenance
 from tpurun.errors import ApiError, TpurunError, UsageError
@@ -40,11 +40,12 @@ class MaintenanceResult:
 def maintenance(
     s: Settings, *, now: bool = False, force: bool = False, progress: Callable[[str], None] = lambda _: None
 ) -> MaintenanceResult:
-    """The maintenance announced for the TPU S names; with NOW, started at once (refused while a job runs
-    there, unless FORCE)."""
+    """The maintenance announced for the TPU S names (where tpurun made or last reached it, unless a zone is
+    chosen: `identity.where`); with NOW, started at once (refused while a job runs there, unless FORCE)."""
     name = str(s.tpu.value or "")
     if not name:
         raise UsageError("no TPU named: give one (NAME, --tpu or a default TPU)")
+    s = identity.where(s, name)
     cloud = Cloud(s)
     found = routing.locate(cloud, name)
     if found is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tpurun import targets
 from tpurun.cloud import keys
-from tpurun.errors import UnreachableError, UsageError
+from tpurun.errors import ExitCode, UnreachableError, UsageError
 from tpurun.settings import Settings
 from tpurun.transport.fleet import RunResult
 from tpurun.transport.runner import INTERNAL_PORT, RUN_GRACE, LineSink, refuse_nul
@@ -21,6 +21,19 @@ from tpurun.transport.runner import INTERNAL_PORT, RUN_GRACE, LineSink, refuse_n
 class ExecResult:
     results: list[RunResult]  # one per selected worker, in worker order; unreachable ones never ran
     names: Mapping[int, str] = field(default_factory=dict)  # worker index -> its name (w3, s1/w1)
+    interrupted: bool = False  # Ctrl-C (or SIGTERM) stopped it
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """`exec`'s exit code (docs/contract.md): 130 interrupted, else 4 where a worker could not be reached, else
+        1 where the command failed on a worker, else 0."""
+        if self.interrupted:
+            return ExitCode.INTERRUPTED
+        if any(r.exit_code is None for r in self.results):
+            return ExitCode.UNREACHABLE
+        if any(r.exit_code != 0 for r in self.results):
+            return ExitCode.PROGRAM_FAILED
+        return ExitCode.OK
 
 
 def exec_everywhere(
@@ -36,11 +49,13 @@ def exec_everywhere(
     announce: Callable[[str], None] | None = None,
     name_workers: Callable[[Mapping[int, str]], None] | None = None,
     unreachable: Callable[[str], None] | None = None,
+    interrupted: threading.Event | None = None,
 ) -> ExecResult:
     """COMMAND (argv, never through a shell) at once on every worker of the TPU S names (or this machine, LOCAL)
     that WORKER_SPEC selects, its lines to SINK. ANNOUNCE hears where it runs where that needs saying (this
     machine; one worker of a pod on its own), NAME_WORKERS the workers' names before any line, UNREACHABLE why a
-    worker cannot be reached once every connection was tried.
+    worker cannot be reached once every connection was tried. STOP stops every worker's command (fail-fast sets it
+    too); INTERRUPTED, set by Ctrl-C alone, makes it an interrupted exec.
 
     Each worker's command starts the moment that worker has proved who it is, not once every worker has:
     waiting for the slowest handshake cost every command about half a round trip (docs/benchmarks.md)."""
@@ -58,7 +73,7 @@ def exec_everywhere(
         results = target.fleet.run(
             command, sink, stop=stop, fail_fast=fail_fast, grace=grace, env=target.vm_env, unreached=unreachable
         )
-    return ExecResult(results, target.worker_names)
+    return ExecResult(results, target.worker_names, interrupted=interrupted is not None and interrupted.is_set())
 
 
 def _ssh_options(home: Path, alias: str) -> list[str]:

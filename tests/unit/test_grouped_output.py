@@ -28,16 +28,16 @@ def results(n: int, failed: set[int] = frozenset(), unreached: set[int] = frozen
 
 
 def test_one_worker_says_only_what_failed(capsys):
-    assert summarize(results(1), False) == 0
+    assert summarize(results(1)) == 0
     assert capsys.readouterr().err == ""
-    assert summarize(results(1, failed={0}), False) == 1
+    assert summarize(results(1, failed={0})) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "error: the command failed on w0 with exit code 3"
     assert "w0      exit 3  0.1 s" in err
 
 
 def test_eight_workers_keep_a_row_each(capsys):
-    assert summarize(results(8, failed={3, 5}), False) == 1
+    assert summarize(results(8, failed={3, 5})) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[0].split() == ["WORKER", "RESULT", "TIME"]
     assert [line.split()[0] for line in err[1:9]] == [f"w{w}" for w in range(8)]
@@ -50,7 +50,7 @@ def test_2048_workers_fit_a_screen_one_row_per_outcome(capsys):
     for r in results(2048, failed, unreached).results:
         if r.exit_code is None:
             said(r.error)  # as the fleet reports them, in worker order, once every connection was tried
-    assert summarize(results(2048, failed, unreached), False, unreachable=said) == 4
+    assert summarize(results(2048, failed, unreached), unreachable=said) == 4
     err = capsys.readouterr().err.splitlines()
     assert len(err) <= SCREEN, err
     # as they come: each reason once (a worker's words, the others only counted until the end)
@@ -71,13 +71,13 @@ def test_2048_workers_fit_a_screen_one_row_per_outcome(capsys):
 def test_workers_lost_after_their_start_are_in_the_summary_only(capsys):
     said = grouped.Unreachable()  # nothing said at connect: every worker was reached
     lost = ExecResult([RunResult(w, None, error="relay w5 went away") for w in range(3)])
-    assert summarize(lost, False, unreachable=said) == 4
+    assert summarize(lost, unreachable=said) == 4
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")] == []
 
 
 def test_2048_workers_lost_after_their_start_say_why_once(capsys):
     lost = results(2048, unreached=set(range(64, 128)))
-    assert summarize(lost, False, unreachable=grouped.Unreachable()) == 4
+    assert summarize(lost, unreachable=grouped.Unreachable()) == 4
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert errors == [
         "error: HOST KEY CHANGED for worker w64 (x) (and 31 more workers alike: "
@@ -87,7 +87,7 @@ def test_2048_workers_lost_after_their_start_say_why_once(capsys):
 
 
 def test_2048_workers_failing_name_them_folded(capsys):
-    assert summarize(results(2048, failed=set(range(2048))), False) == 1
+    assert summarize(results(2048, failed=set(range(2048)))) == 1
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "RESULT  WORKERS  WHICH      TIME",
@@ -97,7 +97,7 @@ def test_2048_workers_failing_name_them_folded(capsys):
 
 
 def test_by_worker_is_a_row_each_at_any_size(capsys):
-    summarize(results(2048, failed={9}), False, by_worker=True)
+    summarize(results(2048, failed={9}), by_worker=True)
     assert len(capsys.readouterr().err.splitlines()) == 1 + 2048 + 1
 
 

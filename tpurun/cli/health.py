@@ -25,7 +25,6 @@ from tpurun.cli.options import (
     relay_flag,
 )
 from tpurun.cli.output import skew_table
-from tpurun.errors import ExitCode
 from tpurun.naming import EACH_UP_TO, each_or_by_reason, which
 
 
@@ -58,7 +57,8 @@ def kill_stale_cmd(
         ui.print_json(result.to_json())
     else:
         _render_kill_stale(result.workers, dry_run)
-    raise typer.Exit(_kill_stale_exit(result))
+    _kill_stale_end(result)
+    raise typer.Exit(result.exit_code)
 
 
 def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -> None:
@@ -103,24 +103,23 @@ def _render_kill_stale(workers: list[diagnose.KillStaleWorker], dry_run: bool) -
         ui.info(f"{which(names)}: {text}")
 
 
-def _kill_stale_exit(result: diagnose.KillStale) -> int:
+def _kill_stale_end(result: diagnose.KillStale) -> None:
+    """Why kill-stale did not leave the TPU free: the workers it could not reach, else what still holds it (with
+    --dry-run: the command that stops what was found)."""
     for line in each_or_by_reason([(w.name, w.error) for w in result.unreachable], len(result.workers)):
         ui.err().print(f"error: {line}", markup=False)
-    if result.unreachable:
-        return ExitCode.UNREACHABLE
     held = result.held()
-    if not held:
-        return ExitCode.OK
+    if result.unreachable or not held:
+        return
     w, h = held[0]
     if result.dry_run:
         ui.info(f"run `{diagnose.kill_stale_command(result.local, result.tpu)}` to stop them")
-        return ExitCode.PROGRAM_FAILED
+        return
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
     ui.err().print(
         f"error: the TPU is still held on {w.name} by pid {h.pid} ({_short(h.command)}){more}",
         markup=False,
     )
-    return ExitCode.PROGRAM_FAILED
 
 
 # ------------------------------------------------------------------ doctor
@@ -145,26 +144,14 @@ def doctor_cmd(
     s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)})
     result = diagnose.doctor(s, local=local, worker_spec=worker, python=python, announce=ui.info, warn=ui.warn)
     total = result.summary
-    code = ExitCode.UNREACHABLE if result.unreachable else ExitCode.PROGRAM_FAILED if result.failed else ExitCode.OK
     if json_out:
-        ui.print_json(
-            {
-                "tpu": result.tpu,
-                "accelerator_type": result.accelerator_type,
-                "python": result.python,
-                "summary": total,
-                "exit_code": code,
-                "checks": [c.to_dict() for c in result.checks],
-                "workers": {str(i): result.probes[i].to_dict() for i in sorted(result.probes)},
-                "skew": result.skew.to_json(),
-            }
-        )
+        ui.print_json(result.to_dict())
     else:
         _checks(result)
         if result.skew:
             skew_table(result.skew)
         ui.info(f"{total['pass']} passed, {total['warn']} warnings, {total['fail']} failed")
-    raise typer.Exit(code)
+    raise typer.Exit(result.exit_code)
 
 
 def _checks(result: diagnose.Doctor) -> None:

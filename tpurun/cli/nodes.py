@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
@@ -15,7 +15,7 @@ from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import WorkerView
-from tpurun.errors import ExitCode, ProgramFailed, TpurunError, UsageError
+from tpurun.errors import ExitCode, UsageError
 from tpurun.naming import EACH_UP_TO, which
 
 
@@ -207,74 +207,26 @@ def create_cmd(
         wait=not no_wait,
         timeout=timeout,
     )
-    provision.prepare_create(spec)  # every local check before settings or the API are touched
-    cloud, s = cloud_for(project, zone)
-    result = _create(cloud, s, spec, delete_on_failure=delete_on_failure, json_out=json_out)
-    view = result.view if isinstance(result, provision.CreateResult) else result
-    if isinstance(result, provision.CreateResult) and result.default_in is not None:
-        ui.info(f"{name} is now the default TPU here (recorded in {result.default_in})")
-    if json_out:
-        ui.print_json(view.to_dict(full=True))
-        return
-    _workers_table(view)
-
-
-def _create(
-    cloud: Cloud, s: settings.Settings, spec: provision.CreateSpec, *, delete_on_failure: bool, json_out: bool
-) -> provision.CreateResult | provision.NodeView:
-    """SPEC made; a failed startup shows the workers' table, and with DELETE_ON_FAILURE deletes the TPU. Ctrl-C
-    once it was asked for deletes what was asked for; a second Ctrl-C (caught here: wherever it came, it came
-    while the first one's CreateInterrupted was on its way or handled) stops at once, naming what deletes it."""
+    s = settings.resolve({"project": project, "zone": zone})
     try:
-        try:
-            with progress_display() as progress:
-                return provision.create(cloud, s, spec, progress)
-        except provision.CreateInterrupted as stopped:
-            _take_back(cloud, s, stopped)
-    except KeyboardInterrupt as again:
-        first = again.__context__
-        while first is not None and not isinstance(first, provision.CreateInterrupted):
-            first = first.__context__
-        if first is None:
-            raise
-        raise TpurunError(
-            f"interrupted again: stopped before {spec.name} was deleted",
-            hint=f"{_delete_command(cloud, spec.name)} deletes what is left of it",
-            exit_code=ExitCode.INTERRUPTED,
-        ) from None
+        with progress_display() as progress:
+            created = provision.create(s, spec, progress, delete_on_failure=delete_on_failure, announce=ui.info)
     except provision.StartupFailed as exc:
         if not json_out:
             _workers_table(exc.view)
-        if not delete_on_failure:
-            raise
-        with progress_display() as progress:
-            provision.take_down(cloud, s, spec.name, progress, "`tpurun create --delete-on-failure`")
-        raise ProgramFailed(exc.message, hint=f"{spec.name} was deleted (--delete-on-failure)") from None
-
-
-def _delete_command(cloud: Cloud, name: str) -> str:
-    """The command that deletes NAME (what is left of it), wherever it is run."""
-    return f"`tpurun delete {name} --yes --project {cloud.project} --zone {cloud.zone}`"
-
-
-def _take_back(cloud: Cloud, s: settings.Settings, stopped: provision.CreateInterrupted) -> NoReturn:
-    """Ctrl-C once create asked for the TPU: delete what it asked for and wait until it is gone, exit 130."""
-    name = stopped.name
-    ui.info(
-        f"interrupted: deleting what this create asked for ({stopped.what}) and waiting until it is gone; "
-        "Ctrl-C again stops at once"
-    )
-    try:
-        with progress_display() as progress:
-            also = provision.take_back(cloud, s, stopped, progress)
-    except TpurunError as exc:
-        raise TpurunError(
-            f"interrupted, and {name} could not be deleted: {exc.message}",
-            hint=f"{_delete_command(cloud, name)} deletes what is left of it",
-            exit_code=exc.exit_code,
-        ) from None
-    ui.info(" and ".join([f"deleted {name}", *also]) if also is not None else f"nothing of {name} had been made yet")
-    raise typer.Exit(ExitCode.INTERRUPTED)
+        raise
+    if created.view is None:  # interrupted: what it had asked for was deleted
+        also = created.taken_back
+        ui.info(
+            " and ".join([f"deleted {name}", *also]) if also is not None else f"nothing of {name} had been made yet"
+        )
+        raise typer.Exit(created.exit_code)
+    if isinstance(created.made, provision.CreateResult) and created.made.default_in is not None:
+        ui.info(f"{name} is now the default TPU here (recorded in {created.made.default_in})")
+    if json_out:
+        ui.print_json(created.view.to_dict(full=True))
+        return
+    _workers_table(created.view)
 
 
 def attach_cmd(
@@ -306,15 +258,14 @@ def list_cmd(
     """List the TPUs in the zone (or in every zone), with their state, idleness and jobs."""
     if all_zones and zone:
         raise UsageError("choose one of --zone and --all-zones")
-    cloud, s = cloud_for(project, zone, every_zone=all_zones)
-    views = provision.list_tpus(cloud)
-    others = [] if all_zones else identity.elsewhere(s.home_path, cloud.project, cloud.zone)
+    cloud, _ = cloud_for(project, zone, every_zone=all_zones)
+    listed = provision.list_tpus(cloud)
     if json_out:
-        ui.print_json([v.to_dict() for v in views])
+        ui.print_json(listed.to_dict())
     else:
-        _list_table(views, all_zones)
-    if others:  # after the table, on stderr
-        known = ", ".join(f"{name} ({there})" for name, there in others)
+        _list_table(listed.views, all_zones)
+    if listed.elsewhere:  # after the table, on stderr
+        known = ", ".join(f"{name} ({there})" for name, there in listed.elsewhere)
         ui.info(f"tpurun knows TPUs in other zones too: {known}; `tpurun list --all-zones` lists every zone")
 
 
@@ -438,7 +389,7 @@ def delete_cmd(
         if not sys.stdin.isatty():
             raise UsageError(f"refusing to delete {name} without confirmation: pass --yes")
         if not typer.confirm(f"Delete {name} in {cloud.project}/{cloud.zone}?", default=False):
-            raise typer.Exit(1)
+            raise typer.Exit(ExitCode.USAGE)  # declined: nothing was deleted, as without --yes and no terminal
     with progress_display() as progress:
         deleted = provision.delete(cloud, s, name, progress)
     ui.info(" and ".join([f"deleted {name}", *deleted.also]))
@@ -515,7 +466,7 @@ def maintenance_cmd(
     provision.validate_name(name)
     if force and not now:
         raise UsageError("--force only applies with --now")
-    s = identity.where(settings.resolve({"tpu": name, "project": project, "zone": zone}), name)
+    s = settings.resolve({"tpu": name, "project": project, "zone": zone})
     with progress_display() as progress:
         result = maintenance.maintenance(s, now=now, force=force, progress=progress)
     if json_out:

@@ -57,14 +57,17 @@ class LineWriter:
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
-    """SIGINT and SIGTERM set STOP (remote groups are then stopped) instead of killing tpurun outright."""
+def stop_on_signals(stop: threading.Event, interrupted: threading.Event | None = None) -> Iterator[dict[str, bool]]:
+    """SIGINT and SIGTERM set STOP (remote groups are then stopped) instead of killing tpurun outright, and
+    INTERRUPTED (which, unlike STOP, nothing but a signal sets: exec's fail-fast sets STOP too)."""
     seen = {"interrupted": False}
 
     def handler(signum: int, frame: object) -> None:
         if seen["interrupted"]:
             ui.info("still stopping remote processes… (they are killed after the grace period)")
         seen["interrupted"] = True
+        if interrupted is not None:
+            interrupted.set()
         stop.set()
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -77,15 +80,14 @@ def stop_on_signals(stop: threading.Event) -> Iterator[dict[str, bool]]:
 
 def summarize(
     done: ExecResult,
-    interrupted: bool,
     names: Mapping[int, str] | None = None,
     command: Sequence[str] = (),
     *,
     by_worker: bool = False,
     unreachable: Unreachable | None = None,
-) -> int:
-    """Print the summary of an exec of COMMAND on stderr and return the exit code (README: 0, 1, 4, 130): a row
-    per worker for a few workers or BY_WORKER, else a row per outcome; the reasons UNREACHABLE held back."""
+) -> ExitCode:
+    """Print the summary of an exec of COMMAND on stderr and return its exit code, DONE's: a row per worker for a
+    few workers or BY_WORKER, else a row per outcome; the reasons UNREACHABLE held back; why it failed."""
     results = done.results
     names = names or {}
 
@@ -107,29 +109,25 @@ def summarize(
         grouped.table(None, ["result", "workers", "which", "time"], rows)
     rows_say_why = by_worker or len(results) <= EACH_UP_TO
     (unreachable or Unreachable()).rest([(name(r), r.error) for r in unreached], every=not rows_say_why)
-    if interrupted:
-        return ExitCode.INTERRUPTED
-    if unreached:
-        return ExitCode.UNREACHABLE
-    if failed:
-        codes = sorted({r.exit_code for r in failed if r.exit_code is not None})
-        where = listed([name(r) for r in sorted(failed, key=lambda r: r.worker)])
-        if len(results) == 1:
-            scope = where
-        elif len(failed) == len(results):
-            scope = f"every worker ({where})"
-        else:
-            scope = f"{len(failed):,} of {len(results):,} workers ({where})"
-        said = f"exit code {codes[0]}" if len(codes) == 1 else "exit codes " + ", ".join(map(str, codes))
-        ui.err().print(f"error: the command failed on {scope} with {said}", markup=False)
-        if 127 in codes and len(command) == 1 and SHELL_WORDS.search(command[0]):
-            ui.err().print(
-                "hint: exec runs its command without a shell, so the whole string was taken as one program's name; "
-                f"for pipes, redirections or variables: tpurun exec -- bash -c {shlex.quote(command[0])}",
-                markup=False,
-            )
-        return ExitCode.PROGRAM_FAILED
-    return ExitCode.OK
+    if done.exit_code is not ExitCode.PROGRAM_FAILED:
+        return done.exit_code
+    codes = sorted({r.exit_code for r in failed if r.exit_code is not None})
+    where = listed([name(r) for r in sorted(failed, key=lambda r: r.worker)])
+    if len(results) == 1:
+        scope = where
+    elif len(failed) == len(results):
+        scope = f"every worker ({where})"
+    else:
+        scope = f"{len(failed):,} of {len(results):,} workers ({where})"
+    said = f"exit code {codes[0]}" if len(codes) == 1 else "exit codes " + ", ".join(map(str, codes))
+    ui.err().print(f"error: the command failed on {scope} with {said}", markup=False)
+    if 127 in codes and len(command) == 1 and SHELL_WORDS.search(command[0]):
+        ui.err().print(
+            "hint: exec runs its command without a shell, so the whole string was taken as one program's name; "
+            f"for pipes, redirections or variables: tpurun exec -- bash -c {shlex.quote(command[0])}",
+            markup=False,
+        )
+    return done.exit_code
 
 
 def _status(r: RunResult, reason: bool = True) -> str:

@@ -110,21 +110,22 @@ def exec_cmd(
         raise UsageError("give a command after --, e.g. `tpurun exec -- hostname`")
     writer = LineWriter(colour=not ui.is_plain())
     gathered = Gathered()
-    stop = threading.Event()
+    stop, interrupted = threading.Event(), threading.Event()
     unreachable = Unreachable()
 
     def name_workers(names: Mapping[int, str]) -> None:
         writer.names = names
 
-    with stop_on_signals(stop) as seen:
+    with stop_on_signals(stop, interrupted):
         done = remote.exec_everywhere(
             s, command, gathered if gather else writer, local=local, worker_spec=worker, stop=stop,
             fail_fast=fail_fast, grace=grace, announce=ui.info, name_workers=name_workers, unreachable=unreachable,
+            interrupted=interrupted,
         )  # fmt: skip
         if gather:
             gathered.print(done.names)
-        code = summarize(done, seen["interrupted"], done.names, command, by_worker=by_worker, unreachable=unreachable)
-    raise typer.Exit(code)
+        summarize(done, done.names, command, by_worker=by_worker, unreachable=unreachable)
+    raise typer.Exit(done.exit_code)
 
 
 @parsing(cls=AsTyped, context_settings={"allow_interspersed_args": False})

@@ -77,7 +77,7 @@ class _Bar:
         self.bar.stop()
 
 
-def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float, manifest_info: dict) -> int:
+def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float, manifest_info: dict) -> None:
     if json_out:
         ui.print_json(
             {
@@ -91,14 +91,11 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
         _synced(stats, dest)
         if any(not s.error for s in stats):
             ui.info(f"synced {manifest_info['src']} to {dest} in {elapsed:.1f} s: {report.totals(stats).line()}")
-    unreachable = failed = False
     said = []
     for s in stats:
         label = f"{s.name} ({s.address})"
         if s.error:
             said.append((s.name, f"{label}: {s.error}" if not s.unreachable else s.error))
-            unreachable = unreachable or s.unreachable
-            failed = True
         if s.errors:
             path, kind, message = s.errors[0]
             where = f"{s.dest}/{path}" if s.dest else path
@@ -106,12 +103,8 @@ def _report(stats: list[WorkerStats], dest: str, json_out: bool, elapsed: float,
             verb = {**verbs, ErrorKind.DELETE: "cannot delete"}.get(kind, "cannot sync")
             more = f" (and {len(s.errors) - 1} more files)" if len(s.errors) > 1 else ""
             said.append((s.name, f"{label}: {verb} {where}: {message}{more}"))
-            failed = True
     for line in each_or_by_reason(said, len(stats)):
         ui.err().print(f"error: {line}", markup=False)
-    if unreachable:
-        return ExitCode.UNREACHABLE
-    return ExitCode.PROGRAM_FAILED if failed else ExitCode.OK
 
 
 def _synced(stats: list[WorkerStats], dest: str) -> None:
@@ -187,7 +180,6 @@ def sync_cmd(
     source = source.resolve()
     destination = dest or default_dest(source)
     s = _named_tpu_or_local(tpu, project, zone, local, "sync copies a directory to a TPU's workers", relay)
-    on_needs = report.size_check(source, ui.warn)
     started = time.monotonic()
     stop = threading.Event()
     progress = Counters()
@@ -195,14 +187,15 @@ def sync_cmd(
         pushed = _transfer(
             lambda: sync_dir(
                 s, source, destination, local=local, worker_spec=worker, announce=ui.info, excludes=exclude or [],
-                delete=delete, progress=progress, stop=stop, on_needs=on_needs,
+                delete=delete, progress=progress, stop=stop, warn=ui.warn,
             ),
             progress, "sync", json_out, seen, "nothing half-written is left on the workers",
         )  # fmt: skip
         elapsed = time.monotonic() - started
     m = pushed.manifest
     info = {"src": str(source), "files": len(m.files) + len(m.links), "bytes": m.total_bytes, "hashed": m.hashed}
-    raise typer.Exit(_report(pushed.stats, pushed.dest, json_out, elapsed, info))
+    _report(pushed.stats, pushed.dest, json_out, elapsed, info)
+    raise typer.Exit(pushed.exit_code)
 
 
 def _transfer(
@@ -257,13 +250,13 @@ def download_cmd(
         got = _transfer(
             lambda: download.download_from(
                 s, path, into, local=local, worker_spec=worker, announce=ui.info, outside_home=outside_home,
-                progress=progress, stop=stop,
+                progress=progress, stop=stop, here=Path.cwd(),
             ),
             progress, "download", json_out, seen, "no half-written file is left here",
         )  # fmt: skip
-    code = _report_download(got, json_out, time.monotonic() - started, into)
+    _report_download(got.workers, json_out, time.monotonic() - started, into)
     _say_where(got)
-    raise typer.Exit(code)
+    raise typer.Exit(got.exit_code)
 
 
 def _shown(path: str | Path) -> str:
@@ -272,10 +265,10 @@ def _shown(path: str | Path) -> str:
     return str(path) if rel.startswith("..") else rel
 
 
-def _say_where(got: list[download.Fetched]) -> None:
+def _say_where(done: download.Downloaded) -> None:
     """One line on what the download means for git and the next sync: the directory it made and left out of
     both, or what it put here that the next `train` from here would send."""
-    marked = sorted({g.marked for g in got if g.marked})
+    marked = sorted({g.marked for g in done.workers if g.marked})
     if marked:
         where = listed([_shown(m) + "/" for m in marked])
         it, its = ("it", "its") if len(marked) == 1 else ("them", "each one's")
@@ -283,7 +276,7 @@ def _say_where(got: list[download.Fetched]) -> None:
             f"{where}: made by this download, so git and `tpurun sync`/`train` leave {it} out "
             f"({its} .gitignore says so; delete that file to include {it})"
         )
-    sent = download.sent_from(got, Path.cwd())
+    sent = done.sent
     if sent:
         rules = " ".join(shlex.quote(ignore.pattern(p)) for p in sent)
         ui.warn(
@@ -292,29 +285,24 @@ def _say_where(got: list[download.Fetched]) -> None:
         )
 
 
-def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float, into: Path) -> int:
+def _report_download(got: list[download.Fetched], json_out: bool, elapsed: float, into: Path) -> None:
     if json_out:
         ui.print_json({"seconds": round(elapsed, 3), "workers": [g.to_json() for g in got]})
     else:
         _fetched(got, into)
-    code = ExitCode.OK
     said = []
     for g in got:
         if g.error:
             label = "" if g.unreachable else f"{g.name} ({g.address}): "
             said.append((g.name, f"{label}{g.error}"))
-            code = max(code, ExitCode.UNREACHABLE if g.unreachable else ExitCode.PROGRAM_FAILED)
         for rel, message in g.errors[:3]:
             said.append((g.name, f"{g.name}: {rel}: {message}"))
-            code = max(code, ExitCode.PROGRAM_FAILED)
         if len(g.errors) > 3:
             said.append((g.name, f"{g.name}: and {len(g.errors) - 3} more files"))
     for line in each_or_by_reason(said, len(got)):
         ui.err().print(f"error: {line}", markup=False)
     if any(g.outside_home for g in got):
         ui.err().print("hint: pass --outside-home to download a path outside the workers' home", markup=False)
-        code = max(code, ExitCode.USAGE)  # an unreachable worker's 4 stays
-    return code
 
 
 def _fetched(got: list[download.Fetched], into: Path) -> None:

@@ -240,14 +240,14 @@ def _run(
     cancel = threading.Event()
     try:
         with stop_on_signals(cancel):
-            result, down = lifecycle.run(s, spec, local=local, dest=dest, local_dir=Path.cwd(), out=out, cancel=cancel)
+            trained = lifecycle.run(s, spec, local=local, dest=dest, local_dir=Path.cwd(), out=out, cancel=cancel)
     except preflight.VersionSkew as exc:
         skew_table(exc.skew)
         raise
-    code = _render(result, json_out)
-    if down is not None:
-        code = _render_down(down, code)
-    return code
+    _render(trained.result, json_out)
+    if trained.down is not None:
+        _render_down(trained.down)
+    return trained.exit_code
 
 
 def _hang_timeout(text: str | None, detach: bool) -> float:
@@ -261,18 +261,16 @@ def _hang_timeout(text: str | None, detach: bool) -> float:
     return float(naming.parse_duration(text))
 
 
-def _render_down(down: lifecycle.Down, code: int) -> int:
-    """What became of a `--down` job's TPU; the exit code CODE, or the deletion's when the job succeeded."""
+def _render_down(down: lifecycle.Down) -> None:
+    """What became of a `--down` job's TPU."""
     if down.to_watchdog:
         ui.info(f"{down.name} will be deleted when job {down.job} ends, by the watchdog on the TPU (--down)")
     elif down.busy:
         ui.warn(f"--down: {down.name} is kept, another job runs on it")
     elif down.error is not None:
         _error(f"error: --down: {down.name} was not deleted: {down.error.message}")
-        return code or down.error.exit_code
     else:
         ui.info(f"deleted {down.name} (--down)")
-    return code
 
 
 WAIT_REPEAT = 30.0  # seconds between repeats of an unchanged "waiting at" line, where it cannot stay live
@@ -370,7 +368,7 @@ class TerminalOutput:
         return progress_display()
 
     def down(self, down: lifecycle.Down) -> None:
-        _render_down(down, ExitCode.OK)
+        _render_down(down)
 
 
 def _notes(job: launcher.Job) -> None:
@@ -379,25 +377,14 @@ def _notes(job: launcher.Job) -> None:
 
 
 def _print_dry_run(job: launcher.Job, json_out: bool) -> None:
-    p, setup = job.plan, job.setup
-    rows = launcher.dry_run_rows(job.target, p.specs)
+    shown = job.dry_run()
     if json_out:
-        ui.print_json(
-            {
-                "job_id": job.job_id,
-                "runtime": p.runtime,
-                "reason": p.runtime_reason,
-                "launch": p.launch,
-                "launch_reason": p.launch_reason,
-                "processes": rows,
-                "setup": {"commands": list(setup.commands), "key": setup.key} if setup else None,
-            }
-        )
+        ui.print_json(shown)
         return
-    print(p.launch_reason)
-    if setup:
-        print(f"setup (key {setup.key}, skipped where it ran before): {setup.describe()}")
-    for row in rows:
+    print(shown["launch_reason"])
+    if job.setup:
+        print(f"setup (key {job.setup.key}, skipped where it ran before): {job.setup.describe()}")
+    for row in shown["processes"]:
         print(f"[{row['name']}] {row['address']}: {shlex.join(row['command'])}")
         for k, v in sorted(row["env"].items()):
             print(f"    {k}={v}")
@@ -407,8 +394,8 @@ def _error(text: str) -> None:
     ui.err().print(text, markup=False)
 
 
-def _render(result: launcher.JobResult, json_out: bool) -> int:
-    """What the job's end means for the user: messages on stderr, the summary; its exit code is the library's."""
+def _render(result: launcher.JobResult, json_out: bool) -> None:
+    """What the job's end means for the user: messages on stderr, the summary (its exit code is the result's)."""
     job, run, state = result.job, result.run, result.state
     name, spec = job.target.name, job.spec
     if state is JobStatus.FAILED and run is None:  # its setup failed: the job did not start
@@ -417,15 +404,15 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
         w = job.target.all_workers[bad.worker]
         if bad.error:
             _error(f"error: setup could not run on {w.label()}: {bad.error}")
-            return result.exit_code
+            return
         tail = "\n".join("    " + line for line in result.setup.last_lines.get(bad.worker, [])) or "    (no output)"
         _error(
             f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
         )
-        return result.exit_code
+        return
     if state is JobStatus.STOPPED and run is None:
         _error("error: interrupted during setup; the job did not start")
-        return result.exit_code
+        return
     assert run is not None
     if state is JobStatus.BUSY:
         workers = listed([job.target.all_workers[w].name for w in sorted(run.busy)], ",")
@@ -445,7 +432,6 @@ def _render(result: launcher.JobResult, json_out: bool) -> int:
     told = state is JobStatus.PREEMPTED  # `_preempted` said why
     if result.end in (ends.EndKind.MAINTENANCE, ends.EndKind.INFRA, ends.EndKind.PREEMPTED) and not told:
         _say_end(result)
-    return result.exit_code
 
 
 def _say_end(result: launcher.JobResult) -> None:
@@ -553,25 +539,8 @@ def jobs_cmd(
     """Jobs started with `train` (attached and detached), each with its state over every worker: a failure on
     any worker is failed, naming it; a job whose TPU was deleted is gone."""
     rows = status.jobs(settings.resolve({"relay": relay_flag(relay)}), tpu, project=project, zone=zone, prune=prune)
-    data = [
-        {
-            "job_id": row.record.job_id,
-            "tpu": row.record.tpu,
-            "status": row.state.status,
-            "detail": row.state.detail,
-            "waiting": row.state.waiting.to_dict() if row.state.waiting else None,
-            "created": row.record.created,
-            "detached": row.record.detached,
-            "command": " ".join(row.record.command),
-            "end": row.record.end or None,
-            "restart": row.record.restart,
-            "restartReason": row.record.restart_reason or None,
-            "notice": row.record.notice or (row.state.notice.to_dict() if row.state.notice else None),
-        }
-        for row in rows
-    ]
     if json_out:
-        ui.print_json(data)
+        ui.print_json([row.to_dict() for row in rows])
         return
     ui.table(
         None,
@@ -666,7 +635,7 @@ def stacks_cmd(
     """The stack of every thread of every process of a job on every worker, at once: grouped by where each
     process's main thread stands, the odd ones out first; the whole dump kept on disk."""
     s = settings.resolve({"relay": relay_flag(relay)})
-    found = stacks.collect(s, job or stacks.latest_job(s), worker=worker)
+    found = stacks.collect(s, job, worker=worker)
     over = not found.groups and not found.unread
     if json_out:
         ui.print_json(found.to_json())
@@ -681,5 +650,4 @@ def stacks_cmd(
         )
         return
     ui.info(f"the whole dump: {found.path}")
-    if found.errors:
-        raise typer.Exit(ExitCode.UNREACHABLE)
+    raise typer.Exit(found.exit_code)

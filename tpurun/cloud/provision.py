@@ -12,13 +12,13 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun import config, settings, ui
 from tpurun.cloud import autostop, identity, keys, multislice, routing, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
-from tpurun.cloud.client import Cloud
+from tpurun.cloud.client import EVERY_ZONE, Cloud
 from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
@@ -73,9 +73,9 @@ class CreateResult:
     default_in: Path | None = None  # the tpurun.toml that now names it this directory's default TPU (`create`)
 
 
-def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
-    """Everything that can be checked without the API. (Without CLOUD, the watchdog's setting is made for a
-    stand-in project: the same checks, before settings.)"""
+def prepare_create(spec: CreateSpec) -> Request:
+    """Everything that can be checked without the API, before the settings' project and zone are: the watchdog's
+    setting made for a stand-in of the TPU's resources, of their size (`_watched` sets the TPU's own)."""
     validate_name(spec.name)
     topo = shape_of(spec)
     kind = routing.backend_for(topo, spec.backend)
@@ -114,15 +114,24 @@ def prepare_create(spec: CreateSpec, cloud: Cloud | None = None) -> Request:
         raise UsageError("--autostop-action needs --autostop")
     action = spec.autostop_action or "delete"
     autostop.check_action(action, maker.cannot_stop_asked(spec, topo))
-    nodes = multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
-    resources = (
-        routing.of_kind(cloud, kind).watchdog_resources(spec.name, nodes, topo.multi_host, None)
-        if cloud
-        else autostop.stand_in(nodes)
-    )
-    watch = autostop.metadata(resources, idle, action)
+    watch = autostop.metadata(autostop.stand_in(_nodes(spec)), idle, action)
     metadata = startup.compose_metadata(user_script=user_script, setup=spec.setup, code=code, data=data, extra=watch)
     return Request(topo, kind, metadata, labels, valid_until, max_run)
+
+
+def _nodes(spec: CreateSpec) -> list[str]:
+    """The Cloud TPU nodes (or slices) SPEC makes: NAME, or each slice of a multislice TPU."""
+    return multislice.slice_ids(spec.name, spec.slices) if spec.slices > 1 else [spec.name]
+
+
+def _watched(cloud: Cloud, spec: CreateSpec, request: Request) -> None:
+    """REQUEST's watchdog setting made for the TPU's own resources where CLOUD says (in place of the stand-in's)."""
+    resources = routing.of_kind(cloud, request.backend).watchdog_resources(
+        spec.name, _nodes(spec), request.topology.multi_host, None
+    )
+    idle = autostop.parse_idle(spec.autostop) if spec.autostop else 0
+    request.metadata.update(autostop.metadata(resources, idle, spec.autostop_action or "delete"))
+    startup.check_limits(request.metadata)
 
 
 def shape_of(spec: CreateSpec) -> Topology:
@@ -152,13 +161,74 @@ class CreateInterrupted(TpurunError):
         self.name, self.kind, self.what = name, kind, what
 
 
+@dataclass
+class Created:
+    """What `tpurun create` came to: the TPU made (MADE: with its startup reports, or, without waiting, its view as
+    the API has it), or, after Ctrl-C, what it had asked for deleted (MADE None)."""
+
+    name: str
+    made: CreateResult | NodeView | None = None
+    taken_back: list[str] | None = None  # interrupted: what went besides the TPU; None when nothing of it was made
+
+    @property
+    def view(self) -> NodeView | None:
+        return self.made.view if isinstance(self.made, CreateResult) else self.made
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """0 made; 130 interrupted (what it had asked for deleted)."""
+        return ExitCode.INTERRUPTED if self.made is None else ExitCode.OK
+
+
 def create(
-    cloud: Cloud, s: settings.Settings, spec: CreateSpec, progress: Callable[[str], None]
+    s: settings.Settings,
+    spec: CreateSpec,
+    progress: Callable[[str], None],
+    *,
+    delete_on_failure: bool = False,
+    announce: Callable[[str], None] | None = None,
+) -> Created:
+    """`tpurun create`: SPEC checked before the settings' project and zone are (bad input creates nothing), then
+    made there (`make`). Ctrl-C once it was asked for deletes what was asked for and waits until it is gone
+    (ANNOUNCE hears that it begins); a second Ctrl-C stops at once, raising an error that names the command that
+    deletes what is left. A failed startup raises StartupFailed, after deleting the TPU with DELETE_ON_FAILURE."""
+    request = prepare_create(spec)
+    cloud = Cloud(s)
+    try:
+        try:
+            return Created(spec.name, made=make(cloud, s, spec, request, progress))
+        except CreateInterrupted as stopped:
+            if announce is not None:
+                announce(
+                    f"interrupted: deleting what this create asked for ({stopped.what}) and waiting until it is "
+                    "gone; Ctrl-C again stops at once"
+                )
+            return Created(spec.name, taken_back=_taken_back(cloud, s, stopped, progress))
+    except KeyboardInterrupt as again:  # wherever it came, it came while the first one's was on its way or handled
+        first = again.__context__
+        while first is not None and not isinstance(first, CreateInterrupted):
+            first = first.__context__
+        if first is None:
+            raise
+        raise TpurunError(
+            f"interrupted again: stopped before {spec.name} was deleted",
+            hint=f"{delete_command(cloud, spec.name)} deletes what is left of it",
+            exit_code=ExitCode.INTERRUPTED,
+        ) from None
+    except StartupFailed as failed:
+        if not delete_on_failure:
+            raise
+        take_down(cloud, s, spec.name, progress, "`tpurun create --delete-on-failure`")
+        raise StartupFailed(failed.message, view=failed.view, reports=failed.reports, deleted=True) from None
+
+
+def make(
+    cloud: Cloud, s: settings.Settings, spec: CreateSpec, request: Request, progress: Callable[[str], None]
 ) -> CreateResult | NodeView:
-    """Make the TPU; with `spec.wait`, return once every worker finished its startup script (else its view
-    as the API has it). Ctrl-C once the name is known to be free (whatever exists of it then is what this
-    create asked for) raises CreateInterrupted."""
-    request = prepare_create(spec, cloud)
+    """Make the TPU SPEC asks for (REQUEST: `prepare_create`'s); with `spec.wait`, return once every worker
+    finished its startup script (else its view as the API has it). Ctrl-C once the name is known to be free
+    (whatever exists of it then is what this create asked for) raises CreateInterrupted."""
+    _watched(cloud, spec, request)
     home = s.home_path
     identity.forget(home, cloud.project, cloud.zone, spec.name)  # a new TPU: a new identity
     _, public = keys.ensure_key(home)
@@ -183,6 +253,25 @@ def create(
     if not s.tpu.value:  # no TPU named here yet: this one becomes the directory's default
         made.default_in = settings.write_project_setting("tpu", spec.name)
     return made
+
+
+def delete_command(cloud: Cloud, name: str) -> str:
+    """The command that deletes NAME (what is left of it), wherever it is run."""
+    return f"`tpurun delete {name} --yes --project {cloud.project} --zone {cloud.zone}`"
+
+
+def _taken_back(
+    cloud: Cloud, s: settings.Settings, stopped: CreateInterrupted, progress: Callable[[str], None]
+) -> list[str] | None:
+    """`take_back`, its failure an error that names the command deleting what is left (exit as the failure's)."""
+    try:
+        return take_back(cloud, s, stopped, progress)
+    except TpurunError as exc:
+        raise TpurunError(
+            f"interrupted, and {stopped.name} could not be deleted: {exc.message}",
+            hint=f"{delete_command(cloud, stopped.name)} deletes what is left of it",
+            exit_code=exc.exit_code,
+        ) from None
 
 
 def take_back(
@@ -288,12 +377,17 @@ def _raise_if_startup_failed(view: NodeView, reports: list[startup.StartupReport
 
 
 class StartupFailed(ProgramFailed):
-    def __init__(self, message: str, *, view: NodeView, reports: list[startup.StartupReport]) -> None:
-        super().__init__(
-            message,
-            hint=f"{view.name} is still running, and billing: `tpurun delete {view.name} --yes` deletes it "
-            "(`tpurun create --delete-on-failure` does that at once); fix the script and create it again",
+    """A worker's startup script failed: VIEW is the TPU then, kept (billing) or, DELETED, deleted
+    (`create --delete-on-failure`)."""
+
+    def __init__(
+        self, message: str, *, view: NodeView, reports: list[startup.StartupReport], deleted: bool = False
+    ) -> None:
+        kept = (
+            f"{view.name} is still running, and billing: `tpurun delete {view.name} --yes` deletes it "
+            "(`tpurun create --delete-on-failure` does that at once); fix the script and create it again"
         )
+        super().__init__(message, hint=f"{view.name} was deleted (--delete-on-failure)" if deleted else kept)
         self.view = view
         self.reports = reports
 
@@ -363,8 +457,28 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
 # ---------------------------------------------------------------------------- list / describe / delete
 
 
-def list_tpus(cloud: Cloud) -> list[NodeView]:
-    """The TPUs of the zone (of every zone), whoever made them, in name order."""
+@dataclass
+class Listed:
+    """`tpurun list`: the TPUs of the zone (of every zone), and those tpurun knows in the project's other zones."""
+
+    views: list[NodeView]
+    elsewhere: list[tuple[str, str]] = field(default_factory=list)  # (name, zone), outside the zone listed
+
+    def to_dict(self) -> list[dict[str, object]]:
+        """`list --json`: each TPU listed (those of other zones only named, on stderr)."""
+        return [v.to_dict() for v in self.views]
+
+
+def list_tpus(cloud: Cloud) -> Listed:
+    """The TPUs of the zone (of every zone), whoever made them, in name order; listing one zone, the TPUs tpurun
+    remembers (as not deleted) in the project's other zones."""
+    views = _listed(cloud)
+    if cloud.zone == EVERY_ZONE:
+        return Listed(views)
+    return Listed(views, identity.elsewhere(cloud.settings.home_path, cloud.project, cloud.zone))
+
+
+def _listed(cloud: Cloud) -> list[NodeView]:
     views = sorted(routing.list_all(cloud), key=lambda v: (v.zone, v.name))
     makers = [routing.maker_of(cloud, v) for v in views]
     for maker in {id(m): m for m in makers}.values():

@@ -270,6 +270,20 @@ class Job:
         if self.claim is not None:
             self.claim.release()
 
+    def dry_run(self) -> dict[str, Any]:
+        """What `train --dry-run` shows of the job (its --json document): the runtime and launch model and why,
+        each process tpurun would start (`dry_run_rows`), the setup."""
+        p, setup = self.plan, self.setup
+        return {
+            "job_id": self.job_id,
+            "runtime": p.runtime,
+            "reason": p.runtime_reason,
+            "launch": p.launch,
+            "launch_reason": p.launch_reason,
+            "processes": dry_run_rows(self.target, p.specs),
+            "setup": {"commands": list(setup.commands), "key": setup.key} if setup else None,
+        }
+
     def notes(self) -> list[tuple[str, str]]:
         """(info|warn, text): what the user is told before the job starts."""
         t, p = self.target, self.plan

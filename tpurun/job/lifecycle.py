@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tpurun import targets
-from tpurun.errors import Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.attempt import Output
 from tpurun.job.ends import Budgets, EndKind, on_notice
 from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start
@@ -50,7 +50,7 @@ def run(
     local_dir: Path,
     out: TrainOutput,
     cancel: threading.Event,
-) -> tuple[JobResult, Down | None]:
+) -> Trained:
     """A `train` command: `train`, and with `--down` its TPU armed before (so its watchdog deletes it should
     tpurun be gone when the job ends) and taken down after, whatever became of the job (`take_down`); a launch
     that failed takes the TPU down too, reported through OUT before its error is raised, unless another job
@@ -70,7 +70,24 @@ def run(
         if spec.down:  # the launch itself failed (a worker unreachable, ...): --down holds
             out.down(take_down(s, None, out))
         raise
-    return result, take_down(s, result, out) if spec.down else None
+    return Trained(result, take_down(s, result, out) if spec.down else None)
+
+
+@dataclass
+class Trained:
+    """A `train` command's end: its job's (RESULT), and with `--down` what became of its TPU (DOWN)."""
+
+    result: JobResult
+    down: Down | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """`train`'s exit code: the job's end's (`JobResult.exit_code`); after a job that succeeded, a `--down`
+        that could not delete the TPU gives its error's."""
+        code = self.result.exit_code
+        if code is ExitCode.OK and self.down is not None and self.down.error is not None:
+            return self.down.error.exit_code
+        return code
 
 
 def train(

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpurun.errors import UnreachableError, UsageError
+from tpurun.errors import ExitCode, UnreachableError, UsageError
 from tpurun.job.env_contract import process_name
 from tpurun.job.records import JobRecord, connect, list_records
 from tpurun.naming import each_or_by_reason
@@ -85,6 +85,11 @@ class Stacks:
     path: Path
     errors: dict[str, str] = field(default_factory=dict)  # worker name -> why it could not be asked
 
+    @property
+    def exit_code(self) -> ExitCode:
+        """`stacks`' exit code: 4 where a worker could not be asked, else 0 (a job with no process left included)."""
+        return ExitCode.UNREACHABLE if self.errors else ExitCode.OK
+
     def summary(self) -> str:
         """One line: `31 processes in all_reduce at train.py:88 · w17/c2 at data.py:40 (time.sleep(60))`."""
         parts = []
@@ -129,14 +134,14 @@ def latest_job(s: Settings) -> str:
     return max(records, key=lambda r: (r.created, r.job_id)).job_id
 
 
-def collect(s: Settings, job_id: str, *, worker: str = "all") -> Stacks:
-    """Every process of JOB_ID on WORKER (a --worker spec) with its stacks, grouped; the whole dump written
-    under tpurun's home."""
-    record = JobRecord.load(s.home_path, job_id)
+def collect(s: Settings, job_id: str | None, *, worker: str = "all") -> Stacks:
+    """Every process of JOB_ID (None: `latest_job`) on WORKER (a --worker spec) with its stacks, grouped; the
+    whole dump written under tpurun's home."""
+    record = JobRecord.load(s.home_path, job_id or latest_job(s))
     target = record.target(s, worker)
     try:
         connect(target, record)
-        return gather(target, record.python, job_id, s.home_path)
+        return gather(target, record.python, record.job_id, s.home_path)
     finally:
         target.close()
 

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tpurun import naming
 from tpurun.errors import NoSuchTpu, TpurunError
@@ -50,6 +50,25 @@ class JobSummary:
 class JobRow:
     record: JobRecord
     state: JobSummary
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job in `jobs --json`: its record, its state over every worker; its notice the record's (what ended
+        its `train`), else the one an agent recorded."""
+        record, state = self.record, self.state
+        return {
+            "job_id": record.job_id,
+            "tpu": record.tpu,
+            "status": state.status,
+            "detail": state.detail,
+            "waiting": state.waiting.to_dict() if state.waiting else None,
+            "created": record.created,
+            "detached": record.detached,
+            "command": " ".join(record.command),
+            "end": record.end or None,
+            "restart": record.restart,
+            "restartReason": record.restart_reason or None,
+            "notice": record.notice or (state.notice.to_dict() if state.notice else None),
+        }
 
 
 def earliest_failure(states: Mapping[K, JobState | None]) -> tuple[K, protocol.FirstFailure | None] | None:

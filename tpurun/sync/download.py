@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import targets
-from tpurun.errors import UnreachableError
+from tpurun.errors import ExitCode, UnreachableError
 from tpurun.settings import Settings
 from tpurun.sync import ignore
 from tpurun.sync.stream import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
@@ -64,6 +64,28 @@ class Fetched:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class Downloaded:
+    """What `tpurun download` did on every selected worker, and what of it a sync from here would send."""
+
+    workers: list[Fetched]  # one per selected worker, in worker order
+    sent: list[str] = field(default_factory=list)  # landed here, and sent by the next sync from here (`sent_from`)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """`download`'s exit code: 4 where a worker could not be reached; else 2 where a PATH outside a worker's
+        home was refused; else 1 where a worker or a file could not be downloaded; else 0."""
+        code = ExitCode.OK
+        for g in self.workers:
+            if g.error:
+                code = max(code, ExitCode.UNREACHABLE if g.unreachable else ExitCode.PROGRAM_FAILED)
+            if g.errors:
+                code = max(code, ExitCode.PROGRAM_FAILED)
+        if any(g.outside_home for g in self.workers):
+            code = max(code, ExitCode.USAGE)  # an unreachable worker's 4 stays
+        return code
 
 
 def local_root(dest: Path, worker_name: str, many: bool) -> Path:
@@ -383,12 +405,15 @@ def download_from(
     outside_home: bool,
     progress: Counters,
     stop: threading.Event,
-) -> list[Fetched]:
+    here: Path | None = None,
+) -> Downloaded:
     """PATH to DEST from every worker of the TPU S names (or this machine, LOCAL) that WORKER_SPEC selects, as
-    download(); ANNOUNCE hears that it is this machine."""
+    download(); ANNOUNCE hears that it is this machine. With HERE (the directory the next sync or train is run
+    from), what landed there that it would send."""
     target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     with target:
-        return download(target.fleet, path, dest, outside_home=outside_home, progress=progress, stop=stop)
+        got = download(target.fleet, path, dest, outside_home=outside_home, progress=progress, stop=stop)
+    return Downloaded(got, sent_from(got, here) if here is not None else [])
 
 
 def sent_from(got: Sequence[Fetched], here: Path) -> list[str]:

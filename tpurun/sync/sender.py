@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import targets
-from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.settings import Settings
-from tpurun.sync import ignore, together
+from tpurun.sync import ignore, report, together
 from tpurun.sync.stream import (
     CHUNK,
     GROUP_WAIT,
@@ -387,6 +387,14 @@ class Pushed:
     stats: list[WorkerStats]  # one per selected worker, in worker order
     dest: str = ""  # where it went on every worker (`sync_dir`: on this machine, for --local, as a path)
 
+    @property
+    def exit_code(self) -> ExitCode:
+        """`sync`'s exit code: 4 where a worker could not be reached, else 1 where a worker or a file could not be
+        synced, else 0."""
+        if any(s.error and s.unreachable for s in self.stats):
+            return ExitCode.UNREACHABLE
+        return ExitCode.PROGRAM_FAILED if any(s.error or s.errors for s in self.stats) else ExitCode.OK
+
 
 def push(
     target: Target,
@@ -437,10 +445,12 @@ def sync_dir(
     delete: bool = False,
     progress: Counters | None = None,
     stop: threading.Event | None = None,
-    on_needs: Needs | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Pushed:
     """`tpurun sync`: SRC to DEST on every worker of the TPU S names (or this machine, LOCAL: DEST checked not
-    to be SRC or in it) that WORKER_SPEC selects, as `push`; ANNOUNCE hears that it is this machine."""
+    to be SRC or in it) that WORKER_SPEC selects, as `push`; ANNOUNCE hears that it is this machine, WARN that a
+    worker is sent more than TPURUN_SYNC_WARN_MB (a bad limit refused before anything is asked)."""
+    on_needs = report.size_check(src, warn) if warn is not None else None
     target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     if target.local:
         dest = str(check_local_dest(src, dest))
