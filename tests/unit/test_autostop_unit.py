@@ -121,6 +121,18 @@ def test_down_jobs_waits_for_the_settle_time_and_runs_once(tmp_path):
     assert watchdog.down_jobs([str(root)], [], 0, {str(root / "a")}) == [str(root / "c")]
 
 
+def test_a_down_job_of_a_newer_agent_is_seen_by_an_older_watchdog(tmp_path):
+    """The watchdog runs from the bundle the TPU booted with; a newer tpurun's agent may write spec fields it
+    does not know: the job is still one started with --down, and the TPU is still deleted after it."""
+    jdir = tmp_path / "jobs" / "new"
+    jdir.mkdir(parents=True)
+    spec = JobSpec("new", 0, [ProcessSpec(HOST, ["python3", "t.py"])], down=True).to_dict()
+    (jdir / agent_files.SPEC).write_text(json.dumps({**spec, "a_field_of_tomorrow": 1}))
+    assert watchdog.down_pending([str(tmp_path / "jobs")], ["new"]) == ["new"]
+    (jdir / agent_files.SPEC).write_text("not json")
+    assert watchdog.down_pending([str(tmp_path / "jobs")], ["new"]) == []
+
+
 def test_summarize_counts_setup_as_work_and_unreadable_states_as_silent():
     now = 1000.0
     states = published(

@@ -218,7 +218,11 @@ def create(
     except StartupFailed as failed:
         if not delete_on_failure:
             raise
-        take_down(cloud, s, spec.name, progress, "`tpurun create --delete-on-failure`")
+        try:
+            take_down(cloud, s, spec.name, progress, "`tpurun create --delete-on-failure`")
+        except TpurunError as exc:  # the failure still shown (and the TPU as kept, billing)
+            why = f"{failed.message}; and --delete-on-failure could not delete it: {exc.message}"
+            raise StartupFailed(why, view=failed.view, reports=failed.reports) from None
         raise StartupFailed(failed.message, view=failed.view, reports=failed.reports, deleted=True) from None
 
 

@@ -362,17 +362,16 @@ def download(
     such) to DEST at once: into DEST itself from one worker, into DEST/<worker name> from several."""
     progress = progress or Counters()
     stop = stop or threading.Event()
-    many = len(fleet.workers) > 1
     fresh = None if os.path.lexists(dest) else dest  # made by this download: left out of git and sync
-    got = {w.index: Fetched(w.index, w.name, w.address) for w in fleet.workers}
+    got: dict[int, Fetched] = {}  # made as each worker is reached (connecting may find a TPU made anew)
 
     def one(worker: Worker, opened: Callable[[], Pipe]) -> None:
-        g = got[worker.index]
+        g = got[worker.index] = Fetched(worker.index, worker.name, worker.address)
         started = time.monotonic()
         stream: Pipe | None = None
         try:
             stream = opened()
-            root = local_root(dest, worker.name, many)
+            root = local_root(dest, worker.name, len(fleet.workers) > 1)
             download_stream(stream, g, path, root, outside_home=outside_home, progress=progress, fresh=fresh)
         except (Protocol, KeyError, TypeError, ValueError, struct.error) as exc:
             g.error = f"the worker's download helper answered what this side refuses: {exc}"
@@ -380,7 +379,7 @@ def download(
             if stream is None:  # not reached, or its helper could not start
                 g.error, g.unreachable = str(exc), True
             elif not stop.is_set():
-                why = describe_failure(stream)
+                why = describe_failure(stream, exc)
                 g.unreachable = why.startswith("the connection was lost")  # exit 4, else the helper's own failure
                 g.error = f"{g.name} ({g.address}): {why}" if g.unreachable else why
         except Exception as exc:  # what this side could not take or keep: this worker fails, not the others
@@ -388,7 +387,7 @@ def download(
         finally:
             g.seconds = round(time.monotonic() - started, 3)
 
-    fleet.converse(helper_command, one, stop=stop, only=list(got))
+    fleet.converse(helper_command, one, stop=stop)
     if stop.is_set():
         raise Interrupted()
     return [got[w.index] for w in fleet.workers]

@@ -316,10 +316,10 @@ def sync_stream(
         stats.files_sent = result["written"]
         stats.deleted = result["deleted"]
         stats.errors = result["errors"]
-    except (sync_helper.Eof, UnreachableError):
+    except (sync_helper.Eof, UnreachableError) as exc:
         if stop.is_set():
             raise Interrupted() from None
-        why = describe_failure(stream)  # the helper's own word where it ended, else the connection's end
+        why = describe_failure(stream, exc)  # the helper's own word where it ended, else the connection's end
         stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
         stats.error = f"{stats.name} ({stats.address}): {why}" if stats.unreachable else why
     finally:

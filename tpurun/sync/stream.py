@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun.errors import UnreachableError
 from tpurun.sync import ignore
 from tpurun.transport.runner import Pipe
 from tpurun.worker import sync_helper
@@ -102,9 +103,13 @@ def helper_command(python: str = "python3") -> tuple[str, ...]:
     return (python, "-I", "-S", "-c", f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))")
 
 
-def describe_failure(stream: Pipe) -> str:
-    """Why a helper's stream ended early, in one line (its exit code and last stderr line)."""
-    return why_ended(*stream.ended())
+def describe_failure(stream: Pipe, cause: Exception | None = None) -> str:
+    """Why a helper's stream ended early, in one line (its exit code and last stderr line; where the connection,
+    not the helper, ended, what the transport said of it: CAUSE, an UnreachableError)."""
+    why = why_ended(*stream.ended())
+    if why == "the connection was lost" and isinstance(cause, UnreachableError):
+        why = f"{why} ({cause})"
+    return why
 
 
 def why_ended(rc: int | None, err: bytes) -> str:

@@ -256,9 +256,14 @@ class Fleet:
         raise NotImplementedError
 
     def converse(
-        self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
+        self,
+        helper: Callable[[str], Sequence[str]],
+        talk: Talk,
+        *,
+        stop: threading.Event,
+        only: Collection[int] | None = None,
     ) -> None:
-        """TALK with HELPER (its argv given the worker's Python) on each worker of ONLY at once, over its pipe
+        """TALK with HELPER (its argv given the worker's Python) on each worker (of ONLY) at once, over its pipe
         (the one started at `connect`, else a new one; closed after). A fleet not connected yet is connected
         here; for a worker that could not be reached, opening its pipe raises UnreachableError. Setting STOP
         closes every pipe, which wakes a conversation waiting for a reply."""

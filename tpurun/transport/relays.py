@@ -61,6 +61,7 @@ from tpurun.worker.protocol import AgentExit
 ROUNDS = 3  # how many workers of a group are tried in turn as its root
 START_SECONDS = 60.0  # a root's relay says it started within this
 READY_SECONDS = 180.0  # and its tree stands (or says which workers it could not reach) within this
+STOP_SECONDS = 5.0  # a follow from this machine of workers the tree lost ends within this once told
 
 
 class Link:
@@ -513,7 +514,8 @@ class Relays(Fleet):
         lock = threading.Lock()
         by_index = {w.index: w for w in self.workers}
         moved: list[int] = []  # lost to the tree, where RECONNECTS asks for more: followed from this machine
-        direct: list[threading.Thread] = []
+        here: list[threading.Thread] = []
+        halt = threading.Event()  # ends those (STOP, or this follow's end)
 
         def make(w: int) -> Chan:
             err = bytearray()
@@ -548,11 +550,7 @@ class Relays(Fleet):
                     ws, again[:] = list(again), []
                     far, moved[:] = list(moved), []
                 if far:  # reached again as `Threads` reaches a broken stream's worker, RECONNECTS times
-                    kw = {"lifeline": lifeline, "stop": stop, "reconnects": reconnects, "only": far}
-                    direct.append(
-                        threading.Thread(target=self.direct.follow, args=(call, take, ended, lost), kwargs=kw)
-                    )
-                    direct[-1].start()
+                    here.append(self._follow_here(far, (call, take, ended, lost), lifeline, halt, reconnects))
                 if ws:
                     opened = self.open_chans({w: bundle.call_argv(call(by_index[w])) for w in ws}, {}, make)
                     with lock:
@@ -563,22 +561,53 @@ class Relays(Fleet):
                     with lock:
                         numbers = list(live.values())
                     self.act(relay_wire.DROP, numbers)  # a viewer only ends its own streams: the job goes on
-                    return
+                    return  # (and those followed from here end too)
                 if lifeline is not None and lifeline.is_set() and not closed:
                     with lock:
                         numbers = list(live.values())
                     self.act(relay_wire.CLOSE, numbers)  # each agent stops its processes, streams to the end
                     closed = True
                 with lock:
-                    if not live and not again and not moved and not any(t.is_alive() for t in direct):
+                    if not live and not again and not moved and not any(t.is_alive() for t in here):
                         return
                 self._raise()
                 time.sleep(0.05)
         finally:
             self._idle.remove(tick)
+            halt.set()
+            for t in here:
+                t.join(STOP_SECONDS)
+
+    def _follow_here(
+        self,
+        workers: list[int],
+        args: tuple[Callable[[Worker], Call], Take, Ended, Callable[[int, str], None]],
+        lifeline: threading.Event | None,
+        halt: threading.Event,
+        reconnects: int,
+    ) -> threading.Thread:
+        """`follow` (ARGS) of WORKERS, which the tree lost, from this machine on a thread of its own: each worker
+        connected first (a failure is one of its RECONNECTS tries), ended by HALT; what it raises is raised
+        where the operation waits."""
+
+        def run() -> None:
+            try:
+                connect_all([r for r in self.reach.runners if r.worker.index in workers], gate=self.gate)
+                self.direct.follow(*args, lifeline=lifeline, stop=halt, reconnects=reconnects, only=workers)
+            except BaseException as exc:
+                self.raised.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True, name="follow-here")
+        thread.start()
+        return thread
 
     def converse(
-        self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
+        self,
+        helper: Callable[[str], Sequence[str]],
+        talk: Talk,
+        *,
+        stop: threading.Event,
+        only: Collection[int] | None = None,
     ) -> None:
         """From this machine to each worker (download): not through the relays (a root the tree reached keeps
         its one connection)."""

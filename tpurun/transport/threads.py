@@ -239,7 +239,12 @@ class Threads(Fleet):
         each(self._reached(only), one, name="follow")
 
     def converse(
-        self, helper: Callable[[str], Sequence[str]], talk: Talk, *, stop: threading.Event, only: Collection[int]
+        self,
+        helper: Callable[[str], Sequence[str]],
+        talk: Talk,
+        *,
+        stop: threading.Event,
+        only: Collection[int] | None = None,
     ) -> None:
         if not self.reach.connected:
             self.connect(helper=helper)
@@ -274,7 +279,8 @@ class Threads(Fleet):
                         shut.add(w)
                         pipe.close()
 
-        each([r for r in self.reach.runners if r.worker.index in only], one, name="converse", tick=close_on_stop)
+        chosen = [r for r in self.reach.runners if only is None or r.worker.index in only]
+        each(chosen, one, name="converse", tick=close_on_stop)
 
     def close(self) -> None:
         for r in self.reach.runners:

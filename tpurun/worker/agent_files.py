@@ -342,6 +342,14 @@ def read_spec(jdir: str, limit: int = 16 << 20) -> JobSpec:
     return JobSpec.from_dict(read_json(os.path.join(jdir, SPEC), limit))
 
 
+def started_down(jdir: str, limit: int = 16 << 20) -> bool:
+    """Whether the job in JDIR was started with `train --down` (its spec's `JobSpec.down`), read from that field
+    alone: the TPU's watchdog may be older than the agent that wrote the spec, whose other fields it need not
+    know (a spec that is not one says no)."""
+    data = read_json(os.path.join(jdir, SPEC), limit)
+    return isinstance(data, dict) and data.get("down") is True
+
+
 def read_stop(jdir: str) -> StopRequest | None:
     """The stop asked of the job in JDIR (its STOP file), or None where none was asked (or it is not one)."""
     data = read_json(os.path.join(jdir, STOP))

@@ -42,13 +42,13 @@ from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import metaserver, probe
-    from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, read_spec, running_jobs
+    from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, running_jobs, started_down
     from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig, WatchState
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import metaserver  # type: ignore[no-redef]
     import probe  # type: ignore[no-redef]
-    from agent_files import STATE, duration, job_running, mtimes, read_spec, running_jobs  # type: ignore[no-redef]
+    from agent_files import STATE, duration, job_running, mtimes, running_jobs, started_down  # type: ignore[no-redef]
     from protocol_calls import ComputeTpu, WatchdogConfig, WatchState  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
@@ -133,17 +133,9 @@ def job_roots() -> list[str]:
     return roots
 
 
-def started_down(jdir: str) -> bool:
-    """The job in JDIR was started with `train --down` (its spec says so; a spec that is not one does not)."""
-    try:
-        return read_spec(jdir, MAX_USER_FILE).down is True
-    except ValueError:
-        return False
-
-
 def down_pending(roots: list[str], running: list[str]) -> list[str]:
     """The RUNNING jobs started with `train --down`: the TPU is deleted when they end."""
-    return sorted(name for root in roots for name in running if started_down(os.path.join(root, name)))
+    return sorted(name for root in roots for name in running if started_down(os.path.join(root, name), MAX_USER_FILE))
 
 
 def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str]) -> list[str]:
@@ -153,7 +145,7 @@ def down_jobs(roots: list[str], running: list[str], settle: float, done: set[str
     for root in roots:
         for name in sorted(os.listdir(root)):
             jdir = os.path.join(root, name)
-            if name in running or jdir in done or not started_down(jdir):
+            if name in running or jdir in done or not started_down(jdir, MAX_USER_FILE):
                 continue
             try:
                 ended = os.lstat(os.path.join(jdir, STATE)).st_mtime
