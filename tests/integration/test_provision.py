@@ -60,6 +60,12 @@ def test_failing_startup_on_one_worker_shows_its_tail(cli):
     r = cli("create", "broken2", "-t", "v4-16", "--startup-script", str(script), "--delete-on-failure")
     assert r.code == 1 and "disk quota boom on worker 1" in r.err and "broken2 was deleted" in r.err, r.err
     assert not any(n.name.endswith("/broken2") for n in cli.emulator.client().list_nodes(parent=cli.emulator.parent))
+    cli.emulator.fail_api(100, 403, match="DELETE /v2/")  # --delete-on-failure cannot delete: both are said
+    r = cli("create", "broken3", "-t", "v4-16", "--startup-script", str(script), "--delete-on-failure")
+    assert r.code == 1 and "disk quota boom on worker 1" in r.err and "Traceback" not in r.err, r.err
+    assert "--delete-on-failure could not delete broken3" in r.err.splitlines()[-1], r.err
+    assert "`tpurun delete broken3 --yes` deletes what is left of it" in r.err.splitlines()[-1], r.err
+    assert any(n.name.endswith("/broken3") for n in cli.emulator.client().list_nodes(parent=cli.emulator.parent))
 
 
 def test_spot_node_preempted_shows_in_list(cli, emulator):

@@ -220,9 +220,13 @@ def create(
             raise
         try:
             take_down(cloud, s, spec.name, progress, "`tpurun create --delete-on-failure`")
-        except TpurunError as exc:  # the failure still shown (and the TPU as kept, billing)
-            why = f"{failed.message}; and --delete-on-failure could not delete it: {exc.message}"
-            raise StartupFailed(why, view=failed.view, reports=failed.reports) from None
+        except (TpurunError, OSError) as exc:  # the startup's failure still said, and what is left of the TPU
+            why = exc.message if isinstance(exc, TpurunError) else str(exc)
+            hint = (
+                f"--delete-on-failure could not delete {spec.name}: {why}; "
+                f"`tpurun delete {spec.name} --yes` deletes what is left of it"
+            )
+            raise StartupFailed(failed.message, view=failed.view, reports=failed.reports, hint=hint) from None
         raise StartupFailed(failed.message, view=failed.view, reports=failed.reports, deleted=True) from None
 
 
@@ -385,13 +389,19 @@ class StartupFailed(ProgramFailed):
     (`create --delete-on-failure`)."""
 
     def __init__(
-        self, message: str, *, view: NodeView, reports: list[startup.StartupReport], deleted: bool = False
+        self,
+        message: str,
+        *,
+        view: NodeView,
+        reports: list[startup.StartupReport],
+        deleted: bool = False,
+        hint: str | None = None,
     ) -> None:
         kept = (
             f"{view.name} is still running, and billing: `tpurun delete {view.name} --yes` deletes it "
             "(`tpurun create --delete-on-failure` does that at once); fix the script and create it again"
         )
-        super().__init__(message, hint=f"{view.name} was deleted (--delete-on-failure)" if deleted else kept)
+        super().__init__(message, hint=hint or (f"{view.name} was deleted (--delete-on-failure)" if deleted else kept))
         self.view = view
         self.reports = reports
 

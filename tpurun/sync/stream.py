@@ -108,7 +108,10 @@ def describe_failure(stream: Pipe, cause: Exception | None = None) -> str:
     not the helper, ended, what the transport said of it: CAUSE, an UnreachableError)."""
     why = why_ended(*stream.ended())
     if why == "the connection was lost" and isinstance(cause, UnreachableError):
-        why = f"{why} ({cause})"
+        said = str(cause)
+        if said.startswith("worker ") and "): " in said:  # the worker is named by the caller already
+            said = said.split("): ", 1)[1]
+        why = f"{why} ({said})"
     return why
 
 

@@ -567,16 +567,18 @@ class Relays(Fleet):
                         numbers = list(live.values())
                     self.act(relay_wire.CLOSE, numbers)  # each agent stops its processes, streams to the end
                     closed = True
+                self._raise()  # (also what a follow from here raised before it ended)
                 with lock:
                     if not live and not again and not moved and not any(t.is_alive() for t in here):
-                        return
-                self._raise()
+                        break
                 time.sleep(0.05)
         finally:
             self._idle.remove(tick)
             halt.set()
+            deadline = time.monotonic() + STOP_SECONDS
             for t in here:
-                t.join(STOP_SECONDS)
+                t.join(max(0.0, deadline - time.monotonic()))
+        self._raise()
 
     def _follow_here(
         self,

@@ -228,6 +228,8 @@ class Threads(Fleet):
                 except TpurunError as exc:
                     why: str | None = str(exc)
                     while why is not None:  # reach it again (a failed try is a drop too), RECONNECTS times
+                        if stop is not None and stop.is_set():
+                            return  # stopped here: no one waits for this worker any more
                         broken += 1
                         if broken > reconnects:
                             lost(r.worker.index, why)
