@@ -11,10 +11,14 @@ import time
 import pytest
 
 from tpurun.errors import UsageError
+from tpurun.job.attempt import JobRun
 from tpurun.job.ends import Budgets, EndKind, on_notice
+from tpurun.job.env_contract import SlotSpec
+from tpurun.targets import Target
+from tpurun.transport.runner import Worker
 from tpurun.worker import agent_notices, protocol
-from tpurun.worker.protocol import JobState, JobStatus, Notice, NoticeKind
-from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
+from tpurun.worker.protocol import JobState, JobStatus, Launch, Notice, NoticeKind
+from tpurun.worker.protocol_calls import JobSpec
 
 
 def test_budgets_by_kind_and_max_restarts_for_preemption_and_infra_together():
@@ -96,10 +100,25 @@ def test_what_the_metadata_server_announces():
 
 
 def _watch_spec(job: str, worker: int, addresses: list[str], key: str) -> JobSpec:
-    """WORKER's spec as the client makes it (JobRun.notice_peers): worker 0 tells every other, the others worker 0."""
-    peers = addresses[1:] if worker == 0 else addresses[:1]
-    return JobSpec(job, worker, [ProcessSpec(0, ["true"], {}, "/")], on_notice="file",
-                   notice_address=addresses[worker], peers=peers, notice_port=31999, notice_key=key)  # fmt: skip
+    """WORKER's spec as the client makes it (`JobRun.job_spec`: worker 0 tells every other, the others worker 0),
+    signed with KEY and listening on a port of its own."""
+    workers = [Worker(i, a) for i, a in enumerate(addresses)]
+    specs = [[SlotSpec(i, 0, 0, i, {}, ["true"])] for i in range(len(workers))]
+    run = JobRun(Target("t", None, [], workers, False), job, specs, None, cwd="/", python="python3",  # type: ignore[arg-type]
+                 detach=True, grace=1, pre=lambda w: [], launch=Launch.host, on_notice="file")  # fmt: skip
+    run.notice_key, run.notice_port = key, 31999
+    return run.job_spec(worker)
+
+
+def test_a_job_on_one_worker_of_the_pod_tells_no_other_worker():
+    """`train --worker 1` on a three-host pod: worker 1 runs the job alone, so its notices stay there (the pod's
+    worker 0 runs no supervisor of this job to tell)."""
+    workers = [Worker(i, f"127.0.0.{71 + i}") for i in range(3)]
+    specs: list[list[SlotSpec]] = [[], [SlotSpec(1, 0, 0, 0, {}, ["true"])], []]
+    run = JobRun(Target("t", None, [], workers, False), "alone", specs, None, cwd="/", python="python3",  # type: ignore[arg-type]
+                 detach=True, grace=1, pre=lambda w: [], launch=Launch.host, on_notice="file")  # fmt: skip
+    spec = run.job_spec(1)
+    assert (spec.peers, spec.notice_address) == ([], "")
 
 
 def test_a_notice_goes_through_worker_0_to_every_worker_signed_with_the_jobs_key_and_only_that():

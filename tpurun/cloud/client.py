@@ -398,13 +398,16 @@ class Cloud:
         )
         self._alpha_wait(f"start the maintenance of {name}", request, name)
 
-    def _alpha_wait(self, what: str, request: Any, name: str) -> None:
-        """REQUEST's operation, until it is done; its error raised."""
+    def _alpha_wait(self, what: str, request: Any, name: str, timeout: float = 1800) -> None:
+        """REQUEST's operation, until it is done (ApiError after TIMEOUT, as `wait`); its error raised."""
         op = self.call(what, lambda: self._execute(request), node=name)
         get = functools.partial(self.alpha.projects().locations().operations().get, name=op["name"])
+        deadline = time.monotonic() + timeout
         for _ in self.iter_poll():
             if op.get("done"):
                 break
+            if time.monotonic() > deadline:
+                raise ApiError(f"{what}: not done after {timeout:.0f} s", hint=f"`tpurun describe {name}` shows it")
             op = self.call(what, lambda: self._execute(get()))
         if op.get("error"):
             raise ApiError(f"{what}: {op['error'].get('message', op['error'])}")

@@ -26,7 +26,7 @@ from tpurun.cloud.client import Cloud, compute_endpoint, short_name
 from tpurun.cloud.compute_calls import ComputeCalls
 from tpurun.cloud.compute_groups import MADE_BY, ComputeGroups
 from tpurun.cloud.multislice import slice_ids
-from tpurun.cloud.views import PREEMPTED, READY, STOPPED, Maintenance, NodeView, WorkerView
+from tpurun.cloud.views import PREEMPTED, READY, STOPPED, Maintenance, NodeView, WorkerView, instant
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.topology import Topology, vm_topology
@@ -163,7 +163,7 @@ class Compute(Backend):
             workers=workers,
             spot=props.scheduling.provisioning_model == "SPOT",
             preemptible=bool(props.scheduling.preemptible),
-            created=_time(group.creation_timestamp),
+            created=instant(group.creation_timestamp),
             labels=dict(props.labels),
             metadata=_metadata(vms[0].metadata if vms else props.metadata),
             queued_resource="",
@@ -185,7 +185,7 @@ class Compute(Backend):
             workers=[_worker(0, vm)],
             spot=vm.scheduling.provisioning_model == "SPOT",
             preemptible=bool(vm.scheduling.preemptible),
-            created=_time(vm.creation_timestamp),
+            created=instant(vm.creation_timestamp),
             labels=dict(vm.labels),
             metadata=_metadata(vm.metadata),
             queued_resource="",
@@ -673,12 +673,3 @@ def _remade(vm: compute_v1.Instance, zone: str) -> compute_v1.Instance:
         labels=dict(vm.labels),
     )
     return compute_v1.Instance(name=vm.name, description=vm.description, **_instance_fields(props, zone))
-
-
-def _time(stamp: str) -> Any:
-    import datetime as dt
-
-    try:
-        return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
-    except ValueError:
-        return None

@@ -54,15 +54,15 @@ class Maintenance:
     def from_api(cls, m: dict[str, Any], where: str = "") -> Maintenance | None:
         """From either API's UpcomingMaintenance as JSON (camelCase); None when it announces nothing."""
         status = str(m.get("maintenanceStatus") or "")
-        start = _instant(m.get("windowStartTime"))
+        start = instant(m.get("windowStartTime"))
         if status in ("", "UNKNOWN", "UNDEFINED_MAINTENANCE_STATUS") and start is None:
             return None
         return cls(
             kind=str(m.get("type") or "UNKNOWN"),
             status=status or "UNKNOWN",
             start=start,
-            end=_instant(m.get("windowEndTime")),
-            latest_start=_instant(m.get("latestWindowStartTime")),
+            end=instant(m.get("windowEndTime")),
+            latest_start=instant(m.get("latestWindowStartTime")),
             can_reschedule=bool(m.get("canReschedule")),
             where=where,
         )
@@ -98,7 +98,7 @@ class Maintenance:
         }
 
 
-def _instant(value: Any) -> dt.datetime | None:
+def instant(value: Any) -> dt.datetime | None:
     """An RFC 3339 timestamp, in UTC; None if unset or unreadable."""
     if not value:
         return None

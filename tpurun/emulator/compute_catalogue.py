@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tpurun.emulator.compute import ListQuery, listing, region_of
-from tpurun.emulator.compute_model import compute_error, link
+from tpurun.emulator.compute_model import link, not_found
 from tpurun.emulator.model import ZONES
 from tpurun.emulator.tpu_vm import stable_int
 from tpurun.topology import GENERATIONS
@@ -27,13 +27,18 @@ def _regions() -> list[str]:
     return sorted({region_of(z) for z in ZONES})
 
 
-def _known_zone(zone: str) -> None:
+def _known_zone(project: str, zone: str) -> None:
     if zone not in ZONES:
-        raise compute_error(404, f"The resource 'projects/-/zones/{zone}' was not found", "notFound")
+        raise not_found(f"projects/{project}/zones/{zone}")
+
+
+def _accelerator(gen: str) -> str:
+    """The accelerator type Compute Engine names a TPU generation's chips by."""
+    return _ACCELERATOR.get(gen, f"tpu-{gen}")
 
 
 def zone_json(project: str, zone: str) -> dict[str, Any]:
-    _known_zone(zone)
+    _known_zone(project, zone)
     path = f"projects/{project}/zones/{zone}"
     return {
         "kind": "compute#zone",
@@ -51,7 +56,7 @@ def zone_json(project: str, zone: str) -> dict[str, Any]:
 
 def region_json(project: str, region: str) -> dict[str, Any]:
     if region not in _regions():
-        raise compute_error(404, f"The resource 'projects/{project}/regions/{region}' was not found", "notFound")
+        raise not_found(f"projects/{project}/regions/{region}")
     return {
         "kind": "compute#region",
         "id": str(stable_int(f"region:{region}", 4)),
@@ -72,12 +77,10 @@ def _machine_types() -> dict[str, tuple[str, int]]:
 
 
 def machine_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
-    _known_zone(zone)
+    _known_zone(project, zone)
     known = _machine_types()
     if name not in known:
-        raise compute_error(
-            404, f"The resource 'projects/{project}/zones/{zone}/machineTypes/{name}' was not found", "notFound"
-        )
+        raise not_found(f"projects/{project}/zones/{zone}/machineTypes/{name}")
     gen, chips = known[name]
     return {
         "kind": "compute#machineType",
@@ -92,21 +95,18 @@ def machine_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
         "zone": zone,
         "selfLink": link(f"projects/{project}/zones/{zone}/machineTypes/{name}"),
         "isSharedCpu": False,
-        "accelerators": [{"guestAcceleratorType": _ACCELERATOR.get(gen, f"tpu-{gen}"), "guestAcceleratorCount": chips}],
+        "accelerators": [{"guestAcceleratorType": _accelerator(gen), "guestAcceleratorCount": chips}],
         "architecture": "X86_64",
     }
 
 
 def accelerator_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
-    _known_zone(zone)
-    per_vm = {_ACCELERATOR.get(gen, f"tpu-{gen}"): chips for gen, chips in _machine_types().values()}
-    most: dict[str, int] = {}
-    for accel, chips in per_vm.items():
-        most[accel] = max(most.get(accel, 0), chips)
+    _known_zone(project, zone)
+    most: dict[str, int] = {}  # each accelerator's chips on its largest machine type
+    for gen, chips in _machine_types().values():
+        most[_accelerator(gen)] = max(most.get(_accelerator(gen), 0), chips)
     if name not in most:
-        raise compute_error(
-            404, f"The resource 'projects/{project}/zones/{zone}/acceleratorTypes/{name}' was not found", "notFound"
-        )
+        raise not_found(f"projects/{project}/zones/{zone}/acceleratorTypes/{name}")
     return {
         "kind": "compute#acceleratorType",
         "id": str(stable_int(f"acceleratorType:{name}", 9)),
@@ -134,6 +134,6 @@ def list_machine_types(project: str, zone: str, query: ListQuery) -> dict[str, A
 
 
 def list_accelerator_types(project: str, zone: str, query: ListQuery) -> dict[str, Any]:
-    names = sorted({_ACCELERATOR.get(gen, f"tpu-{gen}") for gen, _ in _machine_types().values()})
+    names = sorted({_accelerator(gen) for gen, _ in _machine_types().values()})
     items = [accelerator_type_json(project, zone, n) for n in names]
     return listing("compute#acceleratorTypeList", f"projects/{project}/zones/{zone}/acceleratorTypes", items, query)

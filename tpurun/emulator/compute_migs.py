@@ -494,7 +494,7 @@ class ManagedGroups(ComputeResources):
         with self.lock:
             rec.inst.status = "TERMINATED"
             rec.inst.last_stop_timestamp = now_rfc3339()
-            rec.maintenance = None
+            self._drop_maintenance(rec)  # its waiting thread woken, not left asleep until the window
             rec.inst.resource_status.upcoming_maintenance = compute_v1.UpcomingMaintenance()
         self.log_event("preempt", rec.path)
         return self.get_instance(rec.path)

@@ -269,7 +269,7 @@ class HostEvents(ManagedGroups):
             self._shutdown(rec, delete=False)
             with self.lock:
                 rec.set_state("PREEMPTED")
-                rec.maintenance = None
+                self._drop_maintenance(rec)  # its waiting thread woken, not left asleep until the window
                 set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTH_UNSPECIFIED)
         self.log_event("preempt", rec.node.name)
         self._queued_node_changed(rec)

@@ -150,7 +150,8 @@ class JobRun:
         self.notice: protocol.Notice | None = None  # the first notice of a host event its workers heard of
         self.on_notice = on_notice  # what the job's processes are told of one (ends.on_notice)
         # the workers' supervisors pass notices on to each other at their internal addresses, signed with this key
-        self.addresses = [w.internal or w.address for w in target.all_workers]
+        # (the workers the job runs on: every one, or the one `--worker` chose; the first of them is the hub)
+        self.addresses = {i: w.internal or w.address for i, w in enumerate(target.all_workers) if specs[i]}
         self.notice_key = secrets.token_hex(32)
         self.notice_port = NOTICE_PORTS[0] + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % (
             NOTICE_PORTS[1] - NOTICE_PORTS[0]
@@ -167,18 +168,20 @@ class JobRun:
             grace=self.grace,
             pre_commands=self.pre(worker),
             on_notice=self.on_notice,
-            notice_address=self.addresses[worker] if len(self.addresses) > 1 else "",
+            notice_address=self.addresses.get(worker, "") if len(self.addresses) > 1 else "",
             peers=self.notice_peers(worker),
             notice_port=self.notice_port,
             notice_key=self.notice_key,
         )
 
     def notice_peers(self, worker: int) -> list[str]:
-        """Whom WORKER's supervisor tells a notice: worker 0 tells every other worker, any other worker worker 0
-        (so no spec carries every address but worker 0's, and relays do not carry the pod's addresses per worker)."""
+        """Whom WORKER's supervisor tells a notice: the job's first worker (the hub) tells every other worker of the
+        job, any other the hub (so no spec carries every address but the hub's, and relays do not carry the pod's
+        addresses per worker)."""
         if len(self.addresses) < 2:
             return []
-        return self.addresses[1:] if worker == 0 else self.addresses[:1]
+        hub, *rest = self.addresses
+        return [self.addresses[w] for w in rest] if worker == hub else [self.addresses[hub]]
 
     def _call(self, worker: Worker) -> Call:
         """WORKER's part of the job: the agent's `start` with its spec, then (attached) its `stream`, whose stdin

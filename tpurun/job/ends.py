@@ -24,6 +24,7 @@ from enum import Enum
 from tpurun import ui
 from tpurun.errors import UsageError
 from tpurun.worker.protocol import Notice
+from tpurun.worker.protocol_calls import ON_FILE, ON_SIGNAL, ON_STOP
 
 
 class EndKind(str, Enum):
@@ -46,8 +47,6 @@ _DESCRIBE = {
 }
 RESTARTABLE = (EndKind.PROGRAM, EndKind.PREEMPTED, EndKind.MAINTENANCE, EndKind.INFRA)
 SHARED = (EndKind.PREEMPTED, EndKind.INFRA)  # what --max-restarts counts, together
-# `train --on-notice`: what the job's processes are told when a host event is announced (agent_notices.ACTIONS)
-SIGNAL, FILE, STOP = "signal:", "file", "stop"
 _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(-?\d+)\s*$")
 
 
@@ -125,9 +124,9 @@ def notice_line(notice: Notice, worker: str) -> str:
         left = notice.deadline - time.time()
         when = f" (the host may go in {ui.age(left)})" if left > 0 else " (the host may go now)"
     action = notice.action or "none"
-    told = {"file": "written to the file in $TPURUN_NOTICE_FILE", "stop": "stopping the job"}.get(action)
-    if told is None and action.startswith("signal:"):
-        told = f"{action[len('signal:') :]} to every process"
+    told = {ON_FILE: "written to the file in $TPURUN_NOTICE_FILE", ON_STOP: "stopping the job"}.get(action)
+    if told is None and action.startswith(ON_SIGNAL):
+        told = f"{action[len(ON_SIGNAL) :]} to every process"
     return f"{notice.kind.value} announced for {worker}{when}: {told or action} (--on-notice {action})"
 
 
@@ -136,16 +135,16 @@ def on_notice(text: str | None, framework: str) -> str:
     default fits the runtime: a JAX job gets SIGTERM, which is what JAX's preemption sync listens for (its
     notifier is the "sigterm" one); any other job gets the file, which harms no script that does not read it."""
     if text is None:
-        return f"{SIGNAL}SIGTERM" if framework == "jax" else FILE
+        return f"{ON_SIGNAL}SIGTERM" if framework == "jax" else ON_FILE
     word = text.strip()
-    if word in (FILE, STOP):
+    if word in (ON_FILE, ON_STOP):
         return word
-    if word.lower().startswith(SIGNAL):
-        name = word[len(SIGNAL) :].strip().upper()
+    if word.lower().startswith(ON_SIGNAL):
+        name = word[len(ON_SIGNAL) :].strip().upper()
         name = name if name.startswith("SIG") else "SIG" + name
         if name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"):
-            return SIGNAL + name
+            return ON_SIGNAL + name
         raise UsageError(
-            f"unknown signal {word[len(SIGNAL) :]!r} in --on-notice: e.g. signal:SIGTERM or signal:SIGUSR1"
+            f"unknown signal {word[len(ON_SIGNAL) :]!r} in --on-notice: e.g. signal:SIGTERM or signal:SIGUSR1"
         )
     raise UsageError(f"bad --on-notice {text!r}: expected signal:SIGNAME, file or stop")

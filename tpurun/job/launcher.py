@@ -30,6 +30,7 @@ from tpurun.transport.fleet import Call
 from tpurun.transport.runner import worker_names
 from tpurun.worker.probe import PythonProbe
 from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
+from tpurun.worker.protocol_calls import ON_SIGNAL, ON_STOP
 
 HINTS = [
     (
@@ -484,7 +485,7 @@ def _ended(run: JobRun, job: Job, cancel: threading.Event) -> tuple[JobStatus, E
         return JobStatus.HUNG, notice or EndKind.PROGRAM
     stopped = bool(run.ended) and all(st.status is JobStatus.STOPPED for st in run.ended.values())
     if stopped and run.first_failure is None and not run.unreachable:  # `tpurun cancel`, or `--on-notice stop`
-        told = run.notice is not None and run.notice.action == ends.STOP
+        told = run.notice is not None and run.notice.action == ON_STOP
         return JobStatus.STOPPED, notice if told else EndKind.USER
     lost = lost_to(job.target) if run.unreachable and notice is None else notice
     if run.first_failure is not None:
@@ -495,7 +496,7 @@ def _ended(run: JobRun, job: Job, cancel: threading.Event) -> tuple[JobStatus, E
         return JobStatus.FAILED, notice or EndKind.PROGRAM
     # every process exited 0: done, unless tpurun signalled them for a notice (a JAX job saves at the step its
     # preemption sync chose, and exits); a script told through the file says it was cut short by exiting non-zero
-    signalled = run.notice is not None and run.notice.action.startswith(ends.SIGNAL)
+    signalled = run.notice is not None and run.notice.action.startswith(ON_SIGNAL)
     return JobStatus.FINISHED, notice if signalled else None
 
 

@@ -29,14 +29,14 @@ class LocalRunner(Runner):
                 list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
             )
         except OSError as exc:
-            raise UnreachableError(f"cannot start {argv[0]} on this machine: {exc.strerror or exc}") from None
+            raise UnreachableError(f"cannot start {argv[0]} on this machine: {_why(exc)}") from None
         return LocalStream(proc)
 
     def pipe(self, argv: Sequence[str]) -> Pipe:
         try:
             return LocalPipe(argv)
         except OSError as exc:
-            raise UnreachableError(f"cannot start {argv[0]} on this machine: {exc.strerror or exc}") from None
+            raise UnreachableError(f"cannot start {argv[0]} on this machine: {_why(exc)}") from None
 
     def run_to_end(self, run: Run) -> int:
         argv, sink, stop, grace, env = run.argv, run.sink, run.stop, run.grace, run.env
@@ -109,7 +109,7 @@ class LocalStream(Stream):
             self.proc.stdin.write(data)
             self.proc.stdin.flush()
         except OSError as exc:
-            raise UnreachableError(f"the program on this machine ended: {exc.strerror or exc}") from None
+            raise UnreachableError(f"the program on this machine ended: {_why(exc)}") from None
 
     def close_stdin(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:

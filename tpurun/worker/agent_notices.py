@@ -7,7 +7,7 @@ on one worker is for the whole job. The supervisors listen on the job's notice p
 and pass a notice on through worker 0's: a worker tells worker 0, worker 0 tells every other (each spec carries
 only whom its worker tells: one address, or the pod's for worker 0, not every address for every worker). Each
 notice is signed with the job's key (HMAC-SHA256; the key reaches the supervisors in the job's spec, readable by
-the job's user only). Each supervisor then tells its processes as the job asked (`ACTIONS`), once; the client,
+the job's user only). Each supervisor then tells its processes as the job asked (`protocol_calls.ON_SIGNAL`, `ON_FILE`, `ON_STOP`), once; the client,
 which may be asleep on a laptop, has no part in it.
 """
 
@@ -29,10 +29,12 @@ if __package__:  # imported by tpurun (its tests) by its package name
     from tpurun.worker import metaserver
     from tpurun.worker.agent_files import job_processes, signal_group, signal_pids, write_json_atomic
     from tpurun.worker.protocol import NOTICE_LEAD, Notice, NoticeKind
+    from tpurun.worker.protocol_calls import ON_FILE, ON_SIGNAL
 else:  # on a worker: the bundle's files side by side
     import metaserver  # type: ignore[no-redef]
     from agent_files import job_processes, signal_group, signal_pids, write_json_atomic  # type: ignore[no-redef]
     from protocol import NOTICE_LEAD, Notice, NoticeKind  # type: ignore[no-redef]
+    from protocol_calls import ON_FILE, ON_SIGNAL  # type: ignore[no-redef]
 
 POLL = 1.0  # seconds between two looks at the metadata server
 SEND_TIMEOUT = 5.0  # seconds a peer may take to take a notice
@@ -41,8 +43,6 @@ PREEMPT_NOTICE = 30.0  # seconds a spot VM has between its preemption's start an
 MAINTENANCE_NOTICE = 60.0  # seconds `maintenance-event` changes before the host goes
 # A window announced days ahead (scheduled maintenance: about 7) is told to the job only in its last NOTICE_LEAD
 # seconds: enough for a step and a checkpoint; `train` says so at its start, `list` and `describe` show it all along.
-# `train --on-notice`: signal:NAME (to every process of the job), file (written at TPURUN_NOTICE_FILE), stop
-FILE, STOP, SIGNAL = "file", "stop", "signal:"
 NOTICE_FILE = "TPURUN_NOTICE_FILE"  # where a job's processes find the notice (`--on-notice file`), in their env
 
 
@@ -54,13 +54,13 @@ def deliver(notice: Notice, job: str, groups: list, jdir: str) -> str:
     """Tell the job's processes (each of its process GROUPS, and those that left them) of NOTICE as its action
     says; `stop` is the supervisor's to do. What was done, for its log."""
     action = notice.action
-    if action.startswith(SIGNAL):
-        sig = signal.Signals[action[len(SIGNAL) :]]
+    if action.startswith(ON_SIGNAL):
+        sig = signal.Signals[action[len(ON_SIGNAL) :]]
         for pgid in groups:
             signal_group(pgid, sig)
         signal_pids(job_processes(job), sig)
         return f"{sig.name} to every process"
-    if action == FILE:
+    if action == ON_FILE:
         write_json_atomic(notice_path(jdir), notice.to_dict())
         return f"written to {notice_path(jdir)}"
     return action or "nothing (no --on-notice)"

@@ -60,7 +60,7 @@ from protocol import (
     read_hook_header,
     read_task_end,
 )
-from protocol_calls import JobSpec, ProcessSpec
+from protocol_calls import ON_STOP, JobSpec, ProcessSpec
 
 # ---------------------------------------------------------------- the supervisor
 
@@ -553,7 +553,7 @@ class Supervisor:
         if self.closed:
             return
         self.notice, self.dirty = notice, True
-        if notice.action == agent_notices.STOP:
+        if notice.action == ON_STOP:
             self.reason, self.stop_requested = f"{notice.kind.value} notice for worker {notice.worker}", True
         did = agent_notices.deliver(notice, self.job, [c.pgid for c in self.snapshot()], self.jdir)
         self.log(f"{notice.kind.value} notice for worker {notice.worker} ({notice.detail}): {did}")

@@ -58,6 +58,11 @@ class ProcessSpec(RecordBase):
         return cls(data["core"], data["argv"], data.get("env"), data.get("cwd", "~"))
 
 
+# `train --on-notice` (JobSpec.on_notice): signal:NAME to every process of the job, file (the notice written where
+# its processes' TPURUN_NOTICE_FILE says), stop (the job)
+ON_SIGNAL, ON_FILE, ON_STOP = "signal:", "file", "stop"
+
+
 class JobSpec(RecordBase):
     """What `agent.py start` reads on stdin: one worker's part of a job (CORES: one ProcessSpec per slot,
     under the wire's name)."""
@@ -80,7 +85,7 @@ class JobSpec(RecordBase):
         pre_timeout: float = DEFAULT_PRE_TIMEOUT,
         lease_timeout: float | None = None,  # attached: DEFAULT_LEASE unless given (0: none)
         allow_concurrent: bool = False,  # start even while another job runs on the worker
-        on_notice: str = "",  # what the job's processes are told of a host event (agent_notices.ACTIONS; "": none)
+        on_notice: str = "",  # what its processes are told of a host event (ON_SIGNAL+NAME, ON_FILE, ON_STOP; "": none)
         notice_address: str = "",  # where this worker's supervisor hears notices: its internal address
         peers: list[str] | None = None,  # whom it tells a notice: worker 0 every other worker, the others worker 0
         notice_port: int = 0,  # the port every worker's supervisor hears its peers' notices on
