@@ -405,12 +405,14 @@ def check_ssh(worker: int, error: str | None, detail: str = "") -> Check:
 
 def check_startup(worker: int, report: Any, log_cmd: str) -> Check:
     """REPORT: a tpurun.cloud.startup.StartupReport (None: the API could not be asked)."""
+    from tpurun.cloud.startup import StartupStatus
+
     if report is None:
         return Check(worker, "startup script", "warn", "could not read the guest attributes")
-    if report.status == "done":
+    if report.status is StartupStatus.DONE:
         took = f" in {report.duration:.0f} s" if report.duration is not None else ""
         return Check(worker, "startup script", "pass", f"finished{took}")
-    if report.status == "failed":
+    if report.status is StartupStatus.FAILED:
         tail = report.tail.strip().splitlines()[-1:] if report.tail else []
         return Check(
             worker,
@@ -419,7 +421,7 @@ def check_startup(worker: int, report: Any, log_cmd: str) -> Check:
             f"failed with exit code {report.exit_code} in step '{report.step}'" + (f": {tail[0]}" if tail else ""),
             f"read its log: `{log_cmd}`; fix the script, then `tpurun stop`/`start` (or recreate) to rerun it",
         )
-    if report.status == "running":
+    if report.status is StartupStatus.RUNNING:
         return Check(worker, "startup script", "warn", f"still running (step '{report.step}')", f"wait, or `{log_cmd}`")
     return Check(worker, "startup script", "warn", "no tpurun startup report (the node was not created by tpurun?)")
 

@@ -355,7 +355,7 @@ def wait_startup(
     for _ in cloud.iter_poll(max(config.POLL_INTERVAL.number(), 0.2)):
         reports = [startup.parse_report(a) for a in maker.guest_attributes(view, startup.NAMESPACE + "/")]
         done = sum(r.finished for r in reports)
-        failed = [i for i, r in enumerate(reports) if r.status == "failed"]
+        failed = [i for i, r in enumerate(reports) if r.status is startup.StartupStatus.FAILED]
         steps = ", ".join(sorted({r.step or r.status for r in reports if not r.finished})) or "-"
         progress(f"{name}: startup finished on {done}/{n} workers (running: {steps})")
         if done == n or failed:
@@ -371,7 +371,7 @@ def wait_startup(
 
 def _raise_if_startup_failed(view: NodeView, reports: list[startup.StartupReport]) -> None:
     for w, r in zip(view.workers, reports, strict=True):
-        if r.status == "failed":
+        if r.status is startup.StartupStatus.FAILED:
             failed_items = "; ".join(v for v in r.data.values() if v.startswith("failed"))
             detail = f" ({failed_items})" if failed_items else ""
             tail = "\n".join("    " + line for line in r.tail.splitlines()[-20:])

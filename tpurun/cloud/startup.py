@@ -13,6 +13,7 @@ import io
 import re
 import tarfile
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from tpurun.errors import UsageError
@@ -123,7 +124,7 @@ ga()  { curl -sf -m 10 -X PUT -H 'Metadata-Flavor: Google' --data-binary "$2" \
 RUN_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
 START=$(date +%s)
 ga startup-run "$RUN_ID"
-ga startup-status running
+ga startup-status @RUNNING@
 ga startup-step boot
 
 run_steps() {
@@ -174,9 +175,9 @@ ga startup-exit-code "$RC"
 ga startup-duration "$(( $(date +%s) - START ))"
 if [ "$RC" -ne 0 ]; then
   ga startup-tail "$(tail -n 20 "$LOG")"
-  ga startup-status failed
+  ga startup-status @FAILED@
 else
-  ga startup-status done
+  ga startup-status @DONE@
 fi
 # The TPU's watchdog (autostop, train --down), once the steps are done, whatever they did.
 if md @WATCHDOG_KEY@ > "$WORK/watchdog" 2>/dev/null; then
@@ -193,11 +194,27 @@ exit "$RC"
 )
 
 
+class StartupStatus(str, Enum):
+    """How far a worker's startup wrapper has come, as it reports it (guest attribute `startup-status`)."""
+
+    PENDING = "pending"  # nothing reported yet
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_WRAPPER = _WRAPPER.replace("@RUNNING@", StartupStatus.RUNNING).replace("@FAILED@", StartupStatus.FAILED)
+_WRAPPER = _WRAPPER.replace("@DONE@", StartupStatus.DONE)
+
+
 @dataclass(frozen=True)
 class StartupReport:
     """What one worker's startup wrapper reported."""
 
-    status: str  # "pending" (nothing yet), "running", "done", "failed"
+    status: StartupStatus
     run_id: str = ""
     step: str = ""
     exit_code: int | None = None
@@ -207,7 +224,14 @@ class StartupReport:
 
     @property
     def finished(self) -> bool:
-        return self.status in ("done", "failed")
+        return self.status in (StartupStatus.DONE, StartupStatus.FAILED)
+
+
+def _status(word: str) -> StartupStatus:
+    try:
+        return StartupStatus(word)
+    except ValueError:  # nothing yet (or a word of no wrapper's)
+        return StartupStatus.PENDING
 
 
 def parse_report(attrs: dict[tuple[str, str], str]) -> StartupReport:
@@ -217,7 +241,7 @@ def parse_report(attrs: dict[tuple[str, str], str]) -> StartupReport:
     code = get("startup-exit-code")
     duration = get("startup-duration")
     return StartupReport(
-        status=get("startup-status") or "pending",
+        status=_status(get("startup-status")),
         run_id=get("startup-run"),
         step=get("startup-step"),
         exit_code=int(code) if code.lstrip("-").isdigit() else None,
