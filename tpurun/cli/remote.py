@@ -36,8 +36,18 @@ class AsTyped(TyperCommand):
     cannot tell `exec NAME -- CMD` from `exec -- NAME -- CMD`."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # the parser's context (typer's own click)
+        args = _name_after_options(args)
         ctx.meta[TYPED] = list(args)
         return super().parse_args(ctx, args)
+
+
+def _name_after_options(args: list[str]) -> list[str]:
+    """gcloud's order with options after the TPU's name, `ssh NAME --worker 1 -- CMD`, as tpurun reads it: the
+    name moved to just before `--`, after the options (the parser stops at the first word that is not one)."""
+    if "--" not in args or len(args) < 2 or args[0].startswith("-") or not args[1].startswith("-"):
+        return args
+    end = args.index("--")
+    return [*args[1:end], args[0], *args[end:]]
 
 
 def name_first(
