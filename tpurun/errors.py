@@ -12,8 +12,9 @@ class ExitCode(IntEnum):
     PROGRAM_FAILED = 1  # the user's program (or its --setup) failed
     USAGE = 2  # bad usage or input: nothing was created or started
     API = 3  # the Cloud API refused or failed; or no such TPU
-    UNREACHABLE = 4  # a worker could not be reached (or the TPU was preempted)
+    UNREACHABLE = 4  # a worker could not be reached
     INTERNAL = 70  # a bug in tpurun: an exception it did not expect (sysexits' EX_SOFTWARE)
+    TEMPFAIL = 75  # a job cut short by preemption, maintenance or a lost worker, no restart left (sysexits' EX_TEMPFAIL)
     HUNG = 124  # `train --on-hang stop`: stopped after --hang-timeout without progress (as timeout(1) exits)
     INTERRUPTED = 130
 

@@ -134,6 +134,12 @@ def test_cancel_of_an_ended_job_says_it_had_ended(tmp_path):
     r = tpurun("cancel", job, cwd=tmp_path, env=env, timeout=120)
     assert r.code == 0, r.err
     assert "had already ended (finished)" in r.err and "stopped on" not in r.err, r.err
+    # --tpu, as `exec` and `jobs` take it, checked against the job's record
+    r = tpurun("logs", job, "--tpu", "local", cwd=tmp_path, env=env, timeout=120)
+    assert r.code == 0 and "done" in r.out, r.err
+    for verb in ("logs", "cancel"):
+        r = tpurun(verb, job, "--tpu", "pod", cwd=tmp_path, env=env, timeout=120)
+        assert r.code == 2 and f"job {job} ran on local, not on pod" in r.err and "Traceback" not in r.err, r.err
 
 
 def test_jobs_never_cuts_a_status(tmp_path):
@@ -150,8 +156,8 @@ def test_jobs_never_cuts_a_status(tmp_path):
     r = tpurun("jobs", "--json", cwd=tmp_path, env=env, timeout=60)
     assert r.code == 0, r.err
     (row,) = json.loads(r.out)
-    assert row["status"] == "unknown" and row["detail"].rstrip().endswith((".", ")", "`")), row
-    assert len(row["detail"]) > 60, row["detail"]
+    assert row["status"] == "unknown" and row["seen"].rstrip().endswith((".", ")", "`")), row
+    assert len(row["seen"]) > 60, row["seen"]
 
 
 def test_a_default_tpu_without_project_names_local_as_a_way_out(tmp_path):

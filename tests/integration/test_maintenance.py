@@ -143,7 +143,7 @@ def test_maintenance_notice_jax_sync_checkpoint_and_restart(cli, emulator):
 def test_each_end_is_classified_and_spends_its_own_budget(cli, emulator):
     """A spot v4-16: a program failure (restarted: program=1), a preemption announced in the workers' metadata
     first (the job told, the TPU recreated: preempted=1), then a killed worker with no budget left for it: the
-    job ends as infra, exit 4, and says which budget ran out."""
+    job ends lost (the infra budget's), exit 75, and says which budget ran out."""
     cli.env["TPURUN_PREEMPT_CHECK"] = "3"
     create_node(cli, "ends", "v4-16", "--spot")
     (cli.cwd / "ends.py").write_text(EVERY_END)
@@ -156,13 +156,13 @@ def test_each_end_is_classified_and_spends_its_own_budget(cli, emulator):
     lines += read_until(proc, lambda ls: sum("attempt 2 after preempted" in x for x in ls) == 2, timeout=300)
     emulator.kill_worker(emulator.node_name("ends"), 1)
     out, err = finish(proc, timeout=240)
-    assert proc.returncode == 4, err[-3000:]
+    assert proc.returncode == 75, err[-3000:]
     assert "restart 1/1: relaunching (the program budget" in err
     assert "preempted announced for" in err and "ends was preempted while job" in err
     assert "restart 1/1: recreating ends (the preempted budget" in err, err
-    assert "ended (infra)" in err and "--max-restarts N (or --restarts infra=N)" in err, err
-    ends = {j["restart"]: j["end"] for j in json.loads(cli("jobs", "--json").out)}
-    assert ends == {0: "program", 1: "preempted", 2: "infra"}, ends
+    assert "ended (lost)" in err and "--max-restarts N (or --restarts infra=N)" in err, err
+    ends = {j["restart"]: (j["status"], j["end"]) for j in json.loads(cli("jobs", "--json").out)}
+    assert ends == {0: ("failed", "failed"), 1: ("preempted", "preempted"), 2: ("lost", "lost")}, ends
 
 
 @pytest.fixture

@@ -224,7 +224,7 @@ def test_a_worker_killed_in_one_slice_stops_the_job_on_every_slice(cli, emulator
     read_until(proc, _every_worker(r"tick"), timeout=120)
     emulator.kill_worker(emulator.node_name("kl-1"), 0)
     out, err = finish(proc)
-    assert proc.returncode == 4, err
+    assert proc.returncode == 75, err  # a worker lost: the job cut short by the infrastructure
     assert "lost worker s1/w0" in err and "Traceback" not in err, err
     for node in ("kl-0", "kl-1"):
         deadline = time.monotonic() + 30

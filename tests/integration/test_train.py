@@ -300,7 +300,7 @@ def test_logs_follow_ends_as_the_job_did_naming_the_first_failure_as_jobs_and_tr
     job = detached("sleepy.py")
     assert cli("cancel", job).code == 0
     r = cli("logs", job, "--follow")
-    assert r.code == 130 and f"job {job} was stopped before it finished" in r.err, r.err
+    assert r.code == 130 and f"job {job} ended (stopped): stopped by the user" in r.err, r.err
 
     (cli.cwd / "fine.py").write_text("print('fine', flush=True)\n")
     job = detached("fine.py")

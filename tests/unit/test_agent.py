@@ -364,8 +364,15 @@ def test_cores_die_with_their_supervisor(home: Path, tmp_path: Path) -> None:
         time.sleep(0.05)
     assert not any(live_group_members(c["pid"]) for c in msg["cores"])
     assert state(home, "j8")["status"] == "lost"
+    # a follower is told the job's end at once: nobody will write the rest (it waited forever before)
+    r = agent(home, "stream", "j8", "--follow", timeout=30)
+    done = [json.loads(line) for line in r.stdout.splitlines() if '"done"' in line]
+    assert r.returncode == 0 and done and done[-1]["state"]["status"] == "lost", r.stdout[-500:]
+    # a stop of a job that ended lost takes what it left behind and keeps its end
     r = agent(home, "stop", "j8")
-    assert r.returncode == 0 and json.loads(r.stdout)["status"] == "stopped"
+    answer = json.loads(r.stdout)
+    assert r.returncode == 0 and (answer["status"], answer["status_before_stop"]) == ("lost", "lost")
+    assert state(home, "j8")["status"] == "lost"
 
 
 def test_a_supervisor_that_wrote_its_last_state_and_exited_is_not_lost(tmp_path: Path, monkeypatch) -> None:

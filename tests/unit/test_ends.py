@@ -12,7 +12,7 @@ import pytest
 
 from tpurun.errors import UsageError
 from tpurun.job.attempt import JobRun
-from tpurun.job.ends import Budgets, EndKind, on_notice
+from tpurun.job.ends import Budgets, End, on_notice
 from tpurun.job.env_contract import SlotSpec
 from tpurun.targets import Target
 from tpurun.transport.runner import Worker
@@ -23,16 +23,17 @@ from tpurun.worker.protocol_calls import JobSpec
 
 def test_budgets_by_kind_and_max_restarts_for_preemption_and_infra_together():
     b = Budgets.parse("program=1,maintenance=2", max_restarts=2)
-    assert [b.spend(EndKind.PROGRAM), b.spend(EndKind.PROGRAM)] == [True, False]
-    assert [b.spend(EndKind.MAINTENANCE) for _ in range(3)] == [True, True, False]
+    assert [b.spend(End.FAILED), b.spend(End.FAILED)] == [True, False]
+    assert [b.spend(End.MAINTENANCE) for _ in range(3)] == [True, True, False]
     # --max-restarts 2: preemption and infrastructure draw on one budget
-    assert [b.spend(EndKind.PREEMPTED), b.spend(EndKind.INFRA), b.spend(EndKind.PREEMPTED)] == [True, True, False]
-    assert b.left(EndKind.INFRA) == "2/2" and b.left(EndKind.PROGRAM) == "1/1"
-    assert not b.spend(EndKind.USER)
+    assert [b.spend(End.PREEMPTED), b.spend(End.LOST), b.spend(End.PREEMPTED)] == [True, True, False]
+    assert b.left(End.LOST) == "2/2" and b.left(End.FAILED) == "1/1"
+    assert not b.spend(End.STOPPED) and not b.spend(End.FINISHED)
+    assert b.spend(End.MAINTENANCE) is False and b.left(End.HUNG) == "1/1"  # a hang draws on the program's
     # a kind named on its own leaves the shared budget to the other
     b = Budgets.parse("preempted=1", max_restarts=1)
-    assert [b.spend(EndKind.PREEMPTED), b.spend(EndKind.PREEMPTED)] == [True, False]
-    assert b.spend(EndKind.INFRA) and not b.spend(EndKind.INFRA)
+    assert [b.spend(End.PREEMPTED), b.spend(End.PREEMPTED)] == [True, False]
+    assert b.spend(End.LOST) and not b.spend(End.LOST)
     assert Budgets.parse("", 0).to_dict()["maintenance"] == {"used": 0, "budget": 0}
 
 

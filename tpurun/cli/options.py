@@ -33,6 +33,9 @@ GraceOpt = Annotated[
 # arguments: metavars in capitals, as the docs write them
 NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The TPU: a node, or a multislice TPU.")]
 JobArg = Annotated[str, typer.Argument(metavar="JOB", help="A job id (from `tpurun jobs`).")]
+JobTpuOpt = Annotated[
+    str | None, typer.Option("--tpu", help="The TPU the job ran on (its record knows it; checked when given).")
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

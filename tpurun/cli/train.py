@@ -19,6 +19,7 @@ from tpurun.cli import grouped
 from tpurun.cli.options import (
     GraceOpt,
     JobArg,
+    JobTpuOpt,
     JsonOpt,
     LocalOpt,
     MaxRestartsOpt,
@@ -36,11 +37,12 @@ from tpurun.cli.output import LineWriter, Renderer, progress_display, skew_table
 from tpurun.errors import ExitCode, UsageError
 from tpurun.job import attempt, control, ends, env_contract, launcher, lifecycle, preflight, stacks, status
 from tpurun.job.attempt import OnHang
+from tpurun.job.ends import End
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting
 from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed
-from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch, Notice
+from tpurun.worker.protocol import JOB_GRACE, Launch, Notice
 
 
 def _check_inputs(script: str, cores: int | None, core: int | None) -> None:
@@ -396,69 +398,63 @@ def _error(text: str) -> None:
 
 def _render(result: launcher.JobResult, json_out: bool) -> None:
     """What the job's end means for the user: messages on stderr, the summary (its exit code is the result's)."""
-    job, run, state = result.job, result.run, result.state
-    name, spec = job.target.name, job.spec
-    if state is JobStatus.FAILED and run is None:  # its setup failed: the job did not start
-        assert result.setup is not None and result.setup.failed is not None
-        bad = result.setup.failed
-        w = job.target.all_workers[bad.worker]
-        if bad.error:
-            _error(f"error: setup could not run on {w.label()}: {bad.error}")
-            return
-        tail = "\n".join("    " + line for line in result.setup.last_lines.get(bad.worker, [])) or "    (no output)"
-        _error(
-            f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
-        )
+    job, run, end = result.job, result.run, result.end
+    if run is None:  # it ended in its setup: the job did not start
+        _render_setup(result)
         return
-    if state is JobStatus.STOPPED and run is None:
-        _error("error: interrupted during setup; the job did not start")
-        return
-    assert run is not None
-    if state is JobStatus.BUSY:
+    if result.busy:
         workers = listed([job.target.all_workers[w].name for w in sorted(run.busy)], ",")
-        _error(f"error: {name} is busy on {workers}: {run.busy[min(run.busy)]}")
-    elif state is JobStatus.RUNNING:  # --detach
+        _error(f"error: {job.target.name} is busy on {workers}: {run.busy[min(run.busy)]}")
+    elif end is None:  # --detach: started and left running
         if json_out:
-            ui.print_json({"job_id": job.job_id, "detached": True})
+            ui.print_json({"job_id": job.job_id, "detached": True, "logs": _logs_where(job)})
         else:
             print(job.job_id)
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
-    elif state is JobStatus.PREEMPTED and not json_out:
-        _preempted(name, job.job_id, spec.max_restarts)
-    elif state is JobStatus.UNREACHABLE and spec.detach:
+    elif job.spec.detach:  # a worker could not be reached to start it there
         _unreachable(job, run)
     else:
-        _render_ended(result, json_out)
-    told = state is JobStatus.PREEMPTED  # `_preempted` said why
-    if result.end in (ends.EndKind.MAINTENANCE, ends.EndKind.INFRA, ends.EndKind.PREEMPTED) and not told:
-        _say_end(result)
+        _render_ended(result, end, json_out)
 
 
-def _say_end(result: launcher.JobResult) -> None:
-    """Why the job ended, when a host event or the infrastructure ended it, and its budget's state."""
-    end = result.end
-    assert end is not None and result.run is not None
-    notice = result.run.notice
-    heard = f" (notice: {notice.detail})" if notice is not None and notice.detail else ""
-    _error(f"error: job {result.job.job_id} ended ({end.value}): {end.describe()}{heard}")
-    budgets = result.budgets
-    if budgets is None or not budgets.limit(end):
-        _error(f"hint: {ends.hint(end)}")
-    else:
-        _error(f"error: the {end.value} restart budget is used up ({budgets.left(end)})")
+def _render_setup(result: launcher.JobResult) -> None:
+    """A job that ended in its setup: why it did not start."""
+    job = result.job
+    if result.end is End.STOPPED:
+        _error("error: interrupted during setup; the job did not start")
+        return
+    assert result.setup is not None and result.setup.failed is not None
+    bad = result.setup.failed
+    w = job.target.all_workers[bad.worker]
+    if bad.error:
+        _error(f"error: setup could not run on {w.label()}: {bad.error}")
+        return
+    tail = "\n".join("    " + line for line in result.setup.last_lines.get(bad.worker, [])) or "    (no output)"
+    _error(
+        f"error: setup failed on {w.label()} (exit code {bad.exit_code}); the job did not start; its last lines:\n{tail}"
+    )
 
 
-def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
+def _logs_where(job: launcher.Job) -> dict[str, str]:
+    """Where a job's lines are, for --json (which prints none of them): the command that shows them, and the
+    directory of its log files on each worker."""
+    return {"command": f"tpurun logs {job.job_id}", "files": f"~/.tpurun/jobs/{job.job_id}/ on each worker"}
+
+
+def _render_ended(result: launcher.JobResult, end: End, json_out: bool) -> None:
     """An attached job that ran: every process's end (the summary, or --json), then why it did not succeed."""
-    job, run, state = result.job, result.run, result.state
+    job, run = result.job, result.run
     assert run is not None
     if json_out:
         ui.print_json(
             {
                 "job_id": job.job_id,
-                "end": result.end.value if result.end else None,
+                "end": end.value,
+                "exit_code": int(result.exit_code),
+                "detail": run.failure_detail() if end is End.FAILED else "",
                 "restarts": result.budgets.to_dict() if result.budgets else {},
                 "notice": run.notice.to_dict() if run.notice else None,
+                "logs": _logs_where(job),
                 "cores": [
                     {"worker": o.worker, "core": o.slot, "status": o.status, "exit_code": o.exit_code}
                     for o in sorted(run.outcomes.values(), key=lambda o: (o.worker, o.slot))
@@ -467,15 +463,12 @@ def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
         )
     else:
         _summary(run)
-    if state is JobStatus.STOPPED:
-        return
-    if state is JobStatus.HUNG:
+    if end is End.HUNG:
         _error(
             f"error: job {job.job_id} made no progress for {ui.age(job.spec.hang_timeout)} and was "
             "stopped (--on-hang stop); its stacks are above"
         )
-        return
-    if run.first_failure is not None:
+    elif end is End.FAILED and run.first_failure is not None:
         f = run.first_failure
         tail = "\n".join("    " + line for line in list(f.last_lines))
         _error(
@@ -486,9 +479,27 @@ def _render_ended(result: launcher.JobResult, json_out: bool) -> None:
         hint = launcher.hint_for(list(f.last_lines), python=run.python, local=job.target.local)
         if hint:
             _error(f"hint: {hint}")
-        return
-    if state is JobStatus.UNREACHABLE:
+    elif end.cut_short:
+        _say_end(result, end)
+    elif end is End.FAILED:
         _unreachable(job, run)
+
+
+def _say_end(result: launcher.JobResult, end: End) -> None:
+    """Why the infrastructure ended the job (preemption, maintenance, a lost worker), the workers it lost, and
+    its restart budget's state."""
+    run = result.run
+    assert run is not None
+    notice = run.notice
+    heard = f" (notice: {notice.detail})" if notice is not None and notice.detail else ""
+    _error(f"error: job {result.job.job_id} on {result.job.target.name} ended ({end}): {end.describe()}{heard}")
+    if end is End.LOST:  # which workers; a preempted or maintained TPU's are all of its hosts that went
+        _unreachable(result.job, run)
+    budgets = result.budgets
+    if budgets is None or not budgets.limit(end):
+        _error(f"hint: {ends.hint(end)}")
+    else:
+        _error(f"error: the {end.cause} restart budget is used up ({budgets.left(end)})")
 
 
 def _unreachable(job: launcher.Job, run: attempt.JobRun) -> None:
@@ -496,17 +507,6 @@ def _unreachable(job: launcher.Job, run: attempt.JobRun) -> None:
     failures = [(job.target.all_workers[w].name, why) for w, why in sorted(run.unreachable.items())]
     for line in each_or_by_reason(failures):
         _error(f"error: {line}")
-
-
-def _preempted(name: str, job_id: str, max_restarts: int) -> None:
-    if max_restarts:
-        _error(f"error: {name} was preempted and --max-restarts {max_restarts} is used up")
-    else:
-        _error(
-            f"error: {name} was preempted while job {job_id} ran: its processes are gone on every worker "
-            "(--max-restarts 0)"
-        )
-        _error("hint: `tpurun train ... --max-restarts N` recreates a preempted node and relaunches the job")
 
 
 def _summary(run: attempt.JobRun) -> None:
@@ -557,7 +557,7 @@ def jobs_cmd(
             for row in rows
         ],  # fmt: skip
     )
-    gone = sum(1 for row in rows if row.state.status is JobStatus.GONE)
+    gone = sum(1 for row in rows if row.state.gone)
     if prune and gone:
         ui.info(f"forgot {gone} job(s) of TPUs that no longer exist")
     elif gone:
@@ -572,6 +572,7 @@ def logs_cmd(
         int | None,
         typer.Option("--tail", min=0, help="Only the last N lines of each process so far (then --follow goes on)."),
     ] = None,
+    tpu: JobTpuOpt = None,
     relay: RelayOpt = None,
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
@@ -579,37 +580,45 @@ def logs_cmd(
     out = TerminalOutput(colour=not ui.is_plain(), quiet=False, chatter=ui.state.debug)
     stop = threading.Event()
     with stop_on_signals(stop):
-        result = control.logs(s, job, out, stop, worker=worker, follow=follow, tail=tail)
+        result = control.logs(s, job, out, stop, worker=worker, follow=follow, tail=tail, tpu=tpu)
     if not result.interrupted:
         for line in each_or_by_reason([(name, f"{name}: {why}") for name, why in result.errors.items()]):
             _error(f"error: {line}")
-    if result.ended is not None and not result.errors and not result.interrupted:
+        if result.errors and not result.missing:
+            _error("hint: every other worker's lines are above; `--worker` reads the workers you choose")
+    if result.ended is not None and not result.interrupted:
         _say_ended(job, result.ended)
     raise typer.Exit(result.exit_code)
 
 
 def _say_ended(job: str, ended: status.JobSummary) -> None:
-    """How a job followed to its end by `logs --follow` ended, said on stderr where it did not finish; the notice
-    of a host event it got, if one came."""
+    """How a job ended, said on stderr where it did not finish (as `jobs` says it); the notice of a host event it
+    got, if one came."""
     if ended.notice is not None:
         ui.warn(ends.notice_line(ended.notice, naming.worker_name(ended.notice.worker)))
-    if ended.status is JobStatus.FINISHED:
+    end = ended.end
+    if end is None or end is End.FINISHED:
         return
-    if ended.status is JobStatus.FAILED:
+    if end is End.FAILED:
         _error(f"error: job {job} failed: {ended.detail} failed first")
-    elif ended.status is JobStatus.LOST:
-        _error(f"error: job {job} was lost: {ended.detail}")
     else:
-        _error(f"error: job {job} was stopped before it finished ({ended.label()})")
+        detail = f" ({ended.detail})" if ended.detail else ""
+        _error(f"error: job {job} ended ({end}): {end.describe()}{detail}")
+    if ended.running:
+        _error(f"hint: `tpurun cancel {job}` stops what of it still runs")
 
 
 def cancel_cmd(
     job: JobArg,
     grace: GraceOpt = JOB_GRACE,
+    tpu: JobTpuOpt = None,
     relay: RelayOpt = None,
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
-    result = control.cancel(settings.resolve({"relay": relay_flag(relay)}), job, grace)
+    result = control.cancel(settings.resolve({"relay": relay_flag(relay)}), job, grace, tpu=tpu)
+    if result.end is not None:
+        ui.info(f"job {job} had already ended ({result.end}): nothing to stop")
+        return
     if result.missing:
         missing = listed(result.missing)
         ui.warn(f"job {job} is not on {missing}: it never started there, or its files were removed")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tpurun.errors import TpurunError
-from tpurun.job import env_contract, stacks, status, watch
+from tpurun.job import ends, env_contract, stacks, status, watch
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting, Watch
 from tpurun.targets import Target
@@ -308,11 +308,21 @@ class JobRun:
                     if self.first_failure is None:
                         self.first_failure = o
             name = env_contract.process_name(w, rec.slot, self.target.all_workers[w].name)
-            self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
+            # after a notice a process that ends is its notice's doing, not a failure of the program (ends.judge)
+            how = "ended after the notice" if self.notice is not None else "failed"
+            self.out.info(f"{name} {how} ({o.ending}): stopping the job everywhere")
             self.stop.set()
         elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
             with self.lock:
                 self.first_failure = o  # its worker's agent reported the killed sibling first
+
+    def failure_detail(self) -> str:
+        """Which process failed first and how (ends.failure), "" where none did."""
+        f = self.first_failure
+        if f is None:
+            return ""
+        code = None if f.status is ProcessStatus.DIED else f.exit_code
+        return ends.failure(self.target.all_workers[f.worker].name, f.slot, code)
 
     def outcome(self, w: int, slot: int) -> SlotOutcome:
         """W's SLOT, also one the script's spawner made after the start (a host launch's chips)."""

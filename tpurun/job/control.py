@@ -10,21 +10,22 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from tpurun import targets
 from tpurun.errors import ExitCode, UnreachableError, UsageError
 from tpurun.job import watch
-from tpurun.job.records import JobRecord, connect
-from tpurun.job.status import JobSummary, combine
+from tpurun.job.ends import End
+from tpurun.job.records import JobRecord, connect, same_tpu
+from tpurun.job.status import JobSummary, combine, settle
 from tpurun.job.watch import Waiting, Watch
 from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
 from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Worker, worker_names
 from tpurun.worker import protocol
-from tpurun.worker.protocol import AgentExit
+from tpurun.worker.protocol import AgentExit, JobState, JobStatus
 
 RECONNECTS = 5  # a worker's stream is opened again this many times after it broke, a second apart
 
@@ -43,22 +44,19 @@ class LogsResult:
     interrupted: bool = False  # the caller's stop was set
     errors: dict[str, str] = field(default_factory=dict)  # worker name -> why its lines could not all be read
     missing: bool = False  # the job is not on some worker it ran on (its files are gone)
-    ended: JobSummary | None = None  # followed to its end on every worker shown: how it ended there
+    ended: JobSummary | None = None  # followed to its end on every worker, or ended before: how (its record's end)
 
     @property
     def exit_code(self) -> ExitCode:
-        """`logs`' exit code: 130 stopped; 2 where the job is not on a worker, 4 where one could not be read;
-        followed to its end, the code `train` gives that end (0, 1 failed, 4 lost, 130 stopped before the end)."""
+        """`logs`' exit code: 130 stopped; 2 where the job is not on a worker, 4 where one could not be read (every
+        other worker's lines shown); followed to its end, the code `train` gives that end (ends.End)."""
         if self.interrupted:
             return ExitCode.INTERRUPTED
         if self.errors:
             return ExitCode.USAGE if self.missing else ExitCode.UNREACHABLE
-        if self.ended is None or self.ended.status is protocol.JobStatus.FINISHED:
+        if self.ended is None or self.ended.end is None:
             return ExitCode.OK
-        return _ENDED_EXIT.get(self.ended.status, ExitCode.INTERRUPTED)
-
-
-_ENDED_EXIT = {protocol.JobStatus.FAILED: ExitCode.PROGRAM_FAILED, protocol.JobStatus.LOST: ExitCode.UNREACHABLE}
+        return self.ended.end.exit_code
 
 
 def logs(
@@ -70,17 +68,20 @@ def logs(
     worker: str = "all",
     follow: bool = False,
     tail: int | None = None,
+    tpu: str | None = None,
 ) -> LogsResult:
     """Every line of every process of JOB_ID on WORKER (a --worker spec) to LINES: the last TAIL of each
     process (all without TAIL) in time order, then, with FOLLOW, new ones as they come until the job ends
-    or STOP is set."""
-    record = JobRecord.load(s.home_path, job_id)
+    on every worker (lost included) or STOP is set. A worker that cannot be reached is named in the result's
+    errors; every other's lines are shown. TPU: the TPU the caller says the job ran on (checked)."""
+    record = JobRecord.load(s.home_path, job_id, tpu)
     target = record.target(s, worker)
     names = worker_names(target.all_workers)
     lines.name_workers(names)
     viewer = _Viewer(record, target, lines, stop, follow and tail is None)
     try:
-        connect(target, record)
+        viewer.errors.update(target.fleet.connect())
+        same_tpu(target, record)
         with watch.reporting(viewer.watch, lines.waiting) if viewer.follow else contextlib.nullcontext():
             viewer.view()
         replay = sorted(viewer.replay)
@@ -95,14 +96,32 @@ def logs(
         lines.flush()
     finally:
         target.close()
-    shown = [r.worker.index for r in target.runners]
-    over = follow and not stop.is_set() and all(w in viewer.ended for w in shown)
+    ended = None
+    if follow and not stop.is_set() and (viewer.lost or all(w in viewer.ended for w in viewer.shown)):
+        running = JobState(job_id, 0, JobStatus.RUNNING)  # a part not ended where another was lost
+        ended = combine({names[w]: viewer.ended.get(w, running) for w in viewer.shown})
+        if worker != "all":  # some workers' parts alone: the job's end is its record's, if written
+            ended = replace(ended, end=record.end, detail=record.detail if record.end else "")
+        else:
+            ended = settle(s.home_path, record, ended)
     return LogsResult(
         interrupted=stop.is_set(),
         errors={names[w]: why for w, why in sorted(viewer.errors.items())},
         missing=bool(viewer.missing),
-        ended=combine({names[w]: viewer.ended[w] for w in shown}) if over else None,
+        ended=ended,
     )
+
+
+class _Halt(threading.Event):
+    """Set by the viewer when the job's end is known before every stream ended (a part of it lost), or by the
+    caller's STOP: either ends a follow."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        super().__init__()
+        self.stop = stop
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.stop.is_set()
 
 
 def _last_lines(rows: list[tuple[float, int, int, int, str]], n: int) -> list[tuple[float, int, int, int, str]]:
@@ -133,11 +152,14 @@ class _Viewer:
         self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
         self.lock = threading.Lock()
         self.watch = Watch([r.worker for r in target.runners])  # who waits for whom, among the workers shown
+        self.shown = [r.worker.index for r in target.runners]
+        self.lost = False  # a worker's part of the job was lost (its supervisor gone): the job's end is known
+        self.halt = _Halt(stop)
 
     def view(self) -> None:
         """Every shown worker's records, from the offsets shown so far, until each is done (or without follow,
-        has sent what it has), the job's end or STOP."""
-        self.target.fleet.follow(self._call, self._take, self._ended, self._lost, stop=self.stop, reconnects=RECONNECTS)
+        has sent what it has), the job's end (a part of it lost included) or STOP."""
+        self.target.fleet.follow(self._call, self._take, self._ended, self._lost, stop=self.halt, reconnects=RECONNECTS)
 
     def _call(self, worker: Worker) -> Call:
         """One `agent stream` from the offsets WORKER's lines were shown up to."""
@@ -156,7 +178,10 @@ class _Viewer:
         return self.follow
 
     def _lost(self, w: int, why: str) -> None:
+        """W could not be reached again: its part's end cannot be followed, so the follow ends with the others'
+        lines shown so far (it would wait forever for an end it cannot see)."""
         self.errors[w] = why
+        self.halt.set()
 
     def _take(self, _source: int, recs: Iterable[protocol.Record]) -> None:
         """A read's worth of records, each of the worker it names: a follow's lines to LINES at once (a run of
@@ -168,6 +193,9 @@ class _Viewer:
             if isinstance(rec, protocol.Done):
                 self.done.add(rec.worker)
                 self.ended[rec.worker] = rec.state
+                if rec.state.status is JobStatus.LOST and self.follow:
+                    self.lost = True  # the other parts cannot finish without it: the follow ends here
+                    self.halt.set()
             elif isinstance(rec, protocol.Passages):
                 self.watch.take(rec)
             elif isinstance(rec, protocol.Line):
@@ -194,13 +222,17 @@ class CancelResult:
     stopped: int  # workers where the job still ran when the stop came
     ended: dict[str, protocol.JobStatus]  # worker name -> how the job had already ended there
     missing: list[str] = field(default_factory=list)  # workers it was to run on that have no trace of it
+    end: End | None = None  # how the job had ended, as its record keeps it: nothing was asked of the workers
 
 
-def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
+def cancel(s: Settings, job_id: str, grace: float, tpu: str | None = None) -> CancelResult:
     """Stop JOB_ID on every worker it ran on (SIGTERM, SIGKILL after GRACE seconds); returns when none of its
     processes is left anywhere, or raises UnreachableError naming the workers where that is not known, and
-    UsageError when no worker has the job (it never started)."""
-    record = JobRecord.load(s.home_path, job_id)
+    UsageError when no worker has the job (it never started). A job whose record keeps its end has ended: nothing
+    is done, and its end is said. TPU: the TPU the caller says the job ran on (checked)."""
+    record = JobRecord.load(s.home_path, job_id, tpu)
+    if record.end is not None:
+        return CancelResult(stopped=0, ended={}, end=record.end)
     target = record.target(s)
     results: dict[int, tuple[int, str]] = {}
     before: dict[int, protocol.JobStatus | None] = {}  # worker -> the job's status there when the stop came
@@ -233,5 +265,5 @@ def cancel(s: Settings, job_id: str, grace: float) -> CancelResult:
             "were removed; nothing to stop",
             hint="`tpurun jobs` lists the jobs",
         )
-    ended = {names[w]: st for w, st in before.items() if st is not None and st in protocol.ENDED}
+    ended = {names[w]: st for w, st in before.items() if st is not None and st in protocol.TERMINAL}
     return CancelResult(stopped=len(target.runners) - len(ended) - len(missing), ended=ended, missing=missing)

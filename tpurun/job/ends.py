@@ -1,16 +1,20 @@
-"""Why a job ended, decided from facts, and how many restarts each kind of end may cost.
+"""How a job ended: one word for it (`End`), decided from facts in one place (`judge`), told the same by `train`,
+`jobs`, `logs`, every `--json` and the exit code; and how many restarts each cause of an end may cost.
 
-Every end of a job that did not finish is one of five kinds (docs/maintenance.md has the table and the facts
-behind each row):
+| end | what happened | exit code | restart budget (`--restarts`) |
+| --- | --- | --- | --- |
+| finished | every process exited 0 | 0 | - |
+| failed | a process of the job failed on its own (the program) | 1 | program |
+| hung | no progress for `--hang-timeout`, stopped (`--on-hang stop`) | 124 | program |
+| stopped | the user stopped it (Ctrl-C, SIGTERM, `tpurun cancel`) | 130 | - |
+| preempted | its TPU (a slice, a VM of it) was preempted, or is gone | 75 | preempted |
+| maintenance | a host of it went for maintenance | 75 | maintenance |
+| lost | a worker was lost with no preemption or maintenance to explain it | 75 | infra |
 
-* program      a process of the job failed, or hung, on its own
-* preempted    its TPU (a slice of it, a VM of it) was preempted, or is gone
-* maintenance  a host of it went for maintenance
-* infra        a worker was lost, SSH went, the TPU is unhealthy, with no preemption or maintenance to explain it
-* user         the user stopped it (Ctrl-C, SIGTERM, `tpurun cancel`)
-
-A notice the job received (maintenance or preemption announced for one of its workers) decides the kind before
-anything else: the processes it stopped exit non-zero or by a signal, which is not the program's failure.
+A notice the job received (maintenance or preemption announced for one of its workers) decides before anything
+else: the processes it told or stopped exit non-zero or by a signal, which is not the program's failure; whatever
+`--on-notice` said, such an end is the notice's. 75 is sysexits' EX_TEMPFAIL: the job was cut short by the
+infrastructure and its restart budget did not cover it; running it again is the remedy (docs/train.md).
 """
 
 from __future__ import annotations
@@ -22,97 +26,177 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tpurun import ui
-from tpurun.errors import UsageError
-from tpurun.worker.protocol import Notice
+from tpurun.errors import ExitCode, UsageError
+from tpurun.worker.protocol import HOST, Notice, NoticeKind
 from tpurun.worker.protocol_calls import ON_FILE, ON_SIGNAL, ON_STOP
 
 
-class EndKind(str, Enum):
-    PROGRAM = "program"
+class End(str, Enum):
+    """How a job ended (the table above)."""
+
+    FINISHED = "finished"
+    FAILED = "failed"
+    HUNG = "hung"
+    STOPPED = "stopped"
     PREEMPTED = "preempted"
     MAINTENANCE = "maintenance"
-    INFRA = "infra"
-    USER = "user"
+    LOST = "lost"
+
+    def __str__(self) -> str:
+        return self.value
 
     def describe(self) -> str:
-        return _DESCRIBE[self]
+        return _ROWS[self][2]
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return _ROWS[self][1]
+
+    @property
+    def cause(self) -> str:
+        """The restart budget an end of this kind draws on (`--restarts` names it; `TPURUN_RESTART_REASON`),
+        "" where none may be restarted."""
+        return _ROWS[self][0]
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether the infrastructure, not the program nor the user, ended the job."""
+        return self.exit_code is ExitCode.TEMPFAIL
+
+    @classmethod
+    def of_notice(cls, kind: NoticeKind) -> End:
+        return cls.PREEMPTED if kind is NoticeKind.PREEMPTED else cls.MAINTENANCE
+
+    @classmethod
+    def read(cls, word: str) -> End | None:
+        """An end as a job's record keeps it; None for "" (not ended, or not known). Records written before the
+        ends had one word kept the cause there: read as the end it stood for."""
+        if not word:
+            return None
+        return cls(_OLD.get(word, word))
 
 
-_DESCRIBE = {
-    EndKind.PROGRAM: "a process of the job failed",
-    EndKind.PREEMPTED: "its TPU was preempted",
-    EndKind.MAINTENANCE: "a host of its TPU went for maintenance",
-    EndKind.INFRA: "a worker was lost (the TPU is neither preempted nor in maintenance)",
-    EndKind.USER: "stopped by the user",
+_ROWS = {  # end: (its restart budget, its exit code, what it means)
+    End.FINISHED: ("", ExitCode.OK, "every process exited 0"),
+    End.FAILED: ("program", ExitCode.PROGRAM_FAILED, "a process of the job failed"),
+    End.HUNG: ("program", ExitCode.HUNG, "it made no progress for --hang-timeout and was stopped"),
+    End.STOPPED: ("", ExitCode.INTERRUPTED, "stopped by the user"),
+    End.PREEMPTED: ("preempted", ExitCode.TEMPFAIL, "its TPU was preempted"),
+    End.MAINTENANCE: ("maintenance", ExitCode.TEMPFAIL, "a host of its TPU went for maintenance"),
+    End.LOST: ("infra", ExitCode.TEMPFAIL, "a worker was lost (the TPU is neither preempted nor in maintenance)"),
 }
-RESTARTABLE = (EndKind.PROGRAM, EndKind.PREEMPTED, EndKind.MAINTENANCE, EndKind.INFRA)
-SHARED = (EndKind.PREEMPTED, EndKind.INFRA)  # what --max-restarts counts, together
+_OLD = {"program": "failed", "user": "stopped", "infra": "lost"}
+CAUSES = {row[0]: end for end, row in _ROWS.items() if row[0] and end is not End.HUNG}  # program -> FAILED, ...
+SHARED = ("preempted", "infra")  # what --max-restarts counts, together
 _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(-?\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What is known of an ended attempt or of a job's states, for `judge`."""
+
+    notice: Notice | None = None  # the first notice of a host event any worker heard of
+    user: bool = False  # the user stopped it (Ctrl-C here, or every worker says stopped on request)
+    hung: bool = False  # --on-hang stop stopped it
+    failed: bool = False  # a process failed on its own (its exit code not 0, or it died)
+    lost: End | None = None  # a worker was lost (a supervisor, a VM, SSH): what the API says of it (LOST if nothing)
+    all_zero: bool = False  # every process exited 0
+
+
+def judge(f: Facts) -> End:
+    """The one end of a job from what is known of it. A stop the user asked for is theirs; a notice decides next
+    (a job it cut short is never a program failure, however its script exited; only a job that finished by itself
+    after a notice it was merely told of through the file is finished); then a hang, a lost worker (the API's
+    word for it: preempted or maintenance outrank a failure its loss caused), a failure."""
+    if f.user:
+        return End.STOPPED
+    if f.notice is not None:
+        if f.all_zero and f.lost is None and not f.hung and f.notice.action == ON_FILE:
+            return End.FINISHED
+        return End.of_notice(f.notice.kind)
+    if f.hung:
+        return End.HUNG
+    if f.lost in (End.PREEMPTED, End.MAINTENANCE):
+        return f.lost
+    if f.failed:
+        return End.FAILED
+    if f.lost is not None:
+        return f.lost
+    return End.FINISHED if f.all_zero else End.STOPPED
 
 
 @dataclass
 class Budgets:
-    """How many restarts each kind of end may cost a job: `--restarts KIND=N,...` for a kind on its own, and
+    """How many restarts each cause of an end may cost a job: `--restarts CAUSE=N,...` for a cause on its own, and
     `--max-restarts N` for preemption and infrastructure together (where `--restarts` does not name them)."""
 
-    own: dict[EndKind, int] = field(default_factory=dict)
+    own: dict[str, int] = field(default_factory=dict)
     shared: int = 0
-    used: Counter[EndKind] = field(default_factory=Counter)
+    used: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def parse(cls, text: str, max_restarts: int = 0) -> Budgets:
-        """`program=1,preempted=3` (kinds: program, preempted, maintenance, infra); UsageError otherwise."""
-        own: dict[EndKind, int] = {}
+        """`program=1,preempted=3` (causes: program, preempted, maintenance, infra); UsageError otherwise."""
+        own: dict[str, int] = {}
         for item in filter(None, (t.strip() for t in text.split(","))) if text else ():
             m = _ITEM.match(item)
             if not m:
                 raise UsageError(f"bad --restarts item {item!r}: expected KIND=N, e.g. preempted=3")
             kind, n = m.group(1), int(m.group(2))
-            if kind not in {k.value for k in RESTARTABLE}:
-                known = ", ".join(k.value for k in RESTARTABLE)
-                raise UsageError(f"unknown kind {kind!r} in --restarts: the kinds are {known}")
+            if kind not in CAUSES:
+                raise UsageError(f"unknown kind {kind!r} in --restarts: the kinds are {', '.join(CAUSES)}")
             if n < 0:
                 raise UsageError(f"--restarts {kind}={n}: a number of restarts cannot be negative")
-            own[EndKind(kind)] = n
+            own[kind] = n
         if max_restarts < 0:
             raise UsageError("--max-restarts cannot be negative")
         return cls(own, max_restarts)
 
     @property
     def total(self) -> int:
-        """Restarts of every kind so far (TPURUN_RESTART_COUNT)."""
+        """Restarts of every cause so far (TPURUN_RESTART_COUNT)."""
         return sum(self.used.values())
 
-    def limit(self, kind: EndKind) -> int:
-        if kind in self.own:
-            return self.own[kind]
-        return self.shared if kind in SHARED else 0
+    def limit(self, end: End) -> int:
+        cause = end.cause
+        if cause in self.own:
+            return self.own[cause]
+        return self.shared if cause in SHARED else 0
 
-    def spent(self, kind: EndKind) -> int:
-        if kind in self.own or kind not in SHARED:
-            return self.used[kind]
-        return sum(self.used[k] for k in SHARED if k not in self.own)
+    def spent(self, end: End) -> int:
+        cause = end.cause
+        if cause in self.own or cause not in SHARED:
+            return self.used[cause]
+        return sum(self.used[c] for c in SHARED if c not in self.own)
 
-    def spend(self, kind: EndKind) -> bool:
-        """Count one restart for KIND if its budget allows it; False (nothing counted) when it is used up."""
-        if kind not in RESTARTABLE or self.spent(kind) >= self.limit(kind):
+    def spend(self, end: End) -> bool:
+        """Count one restart for END's cause if its budget allows it; False (nothing counted) when it is used up,
+        or END is not restarted (finished, stopped)."""
+        if not end.cause or self.spent(end) >= self.limit(end):
             return False
-        self.used[kind] += 1
+        self.used[end.cause] += 1
         return True
 
-    def left(self, kind: EndKind) -> str:
-        """`1/3`: restarts KIND has cost of its budget."""
-        return f"{self.spent(kind)}/{self.limit(kind)}"
+    def left(self, end: End) -> str:
+        """`1/3`: restarts END's cause has cost of its budget."""
+        return f"{self.spent(end)}/{self.limit(end)}"
 
     def to_dict(self) -> dict[str, dict[str, int]]:
-        return {k.value: {"used": self.spent(k), "budget": self.limit(k)} for k in RESTARTABLE}
+        return {cause: {"used": self.spent(end), "budget": self.limit(end)} for cause, end in CAUSES.items()}
 
 
-def hint(kind: EndKind) -> str:
-    """How to let KIND's ends be restarted."""
-    if kind in SHARED:
-        return f"--max-restarts N (or --restarts {kind.value}=N) relaunches after such an end"
-    return f"--restarts {kind.value}=N relaunches after such an end"
+def failure(worker: str, slot: int | None, code: int | None) -> str:
+    """Which process failed first and how, as every view names it: `w0/c3: exit code 1` (a host launch's process
+    `w0`; a process that died without a code, its name alone)."""
+    where = worker if slot is None or slot == HOST else f"{worker}/c{slot}"
+    return where + (f": exit code {code}" if code is not None else "")
+
+
+def hint(end: End) -> str:
+    """How to let END's kind of end be restarted."""
+    if end.cause in SHARED:
+        return f"--max-restarts N (or --restarts {end.cause}=N) relaunches after such an end"
+    return f"--restarts {end.cause}=N relaunches after such an end"
 
 
 def notice_line(notice: Notice, worker: str) -> str:

@@ -18,7 +18,7 @@ from tpurun import config
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
 from tpurun.job import ends, env_contract, preflight
 from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
-from tpurun.job.ends import Budgets, EndKind
+from tpurun.job.ends import Budgets, End
 from tpurun.job.records import JobRecord, connect, forget, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
@@ -29,8 +29,7 @@ from tpurun.topology import Topology
 from tpurun.transport.fleet import Call
 from tpurun.transport.runner import worker_names
 from tpurun.worker.probe import PythonProbe
-from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch
-from tpurun.worker.protocol_calls import ON_SIGNAL, ON_STOP
+from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch, ProcessStatus
 
 HINTS = [
     (
@@ -326,45 +325,29 @@ class Job:
 
 @dataclass
 class JobResult:
-    """How a `train`'s job ended, in the protocol's words: FINISHED; FAILED (a process failed, the first named by
-    RUN's first_failure; or its setup failed, and RUN is None); STOPPED (Ctrl-C or SIGTERM, during the setup when
-    RUN is None); UNREACHABLE (a worker could not be reached or vanished); PREEMPTED; BUSY (another job holds the
-    TPU: nothing started); RUNNING (`--detach`: started and left running); HUNG (stopped by `--on-hang stop`)."""
+    """How a `train`'s job ended: its END (job.ends), None only where it did not end here: started and left
+    running (`--detach`), or refused on a BUSY TPU before anything started. RUN is None where the job ended in its
+    setup (failed or stopped)."""
 
     job: Job
-    state: JobStatus
+    end: End | None
     run: JobRun | None = None
     setup: SetupResult | None = None
-    end: EndKind | None = None  # why it ended, for every end but FINISHED, RUNNING and BUSY (job.ends)
-    budgets: Budgets | None = None  # what each kind of end has cost in restarts (lifecycle.train)
+    busy: bool = False  # another job holds the TPU: nothing of this one started
+    budgets: Budgets | None = None  # what each cause of an end has cost in restarts (lifecycle.train)
 
     @property
     def exit_code(self) -> ExitCode:
-        """The exit code this end of the job gives `train` (docs/contract.md): a setup that could not run on a
-        worker is 4 and one that failed 1; a stop (Ctrl-C, --on-hang stop), a busy TPU, a detached start and a
-        preemption have one code each; an unreachable worker is 4 unless a process had failed first (1)."""
-        if self.state is JobStatus.FAILED and self.run is None:  # its setup failed: the job did not start
-            failed = self.setup.failed if self.setup is not None else None
-            return ExitCode.UNREACHABLE if failed is not None and failed.error else ExitCode.PROGRAM_FAILED
-        if self.state in _EXIT_OF:
-            return _EXIT_OF[self.state]
-        if self.end in (EndKind.PREEMPTED, EndKind.MAINTENANCE):  # its processes ended for a host event
-            return ExitCode.UNREACHABLE
-        failure = self.run.first_failure if self.run is not None else None
-        if self.state is JobStatus.UNREACHABLE and (self.job.spec.detach or failure is None):
-            return ExitCode.UNREACHABLE
-        if failure is not None or self.state is JobStatus.FAILED:
-            return ExitCode.PROGRAM_FAILED
-        return ExitCode.OK
-
-
-_EXIT_OF = {  # the states whose exit code is theirs alone, whatever else the run says
-    JobStatus.STOPPED: ExitCode.INTERRUPTED,
-    JobStatus.BUSY: ExitCode.USAGE,
-    JobStatus.RUNNING: ExitCode.OK,  # --detach: started and left running
-    JobStatus.PREEMPTED: ExitCode.UNREACHABLE,
-    JobStatus.HUNG: ExitCode.HUNG,
-}
+        """The exit code this end gives `train` (docs/train.md has the table): the end's own; a busy TPU is 2, a
+        detached start 0 and, where a worker could not be reached to start it there, 4; a setup that could not run
+        on a worker 4."""
+        if self.busy:
+            return ExitCode.USAGE
+        if self.run is None and self.setup is not None and self.setup.failed is not None and self.setup.failed.error:
+            return ExitCode.UNREACHABLE  # the setup could not run on a worker: the job did not start
+        if self.job.spec.detach and self.run is not None and self.run.unreachable:
+            return ExitCode.UNREACHABLE  # not started everywhere
+        return ExitCode.OK if self.end is None else self.end.exit_code
 
 
 def prepare(
@@ -409,9 +392,9 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
     if job.setup:
         res = run_setup(job, out, cancel)
         if res.failed is not None:  # (its fail-fast also sets CANCEL: a failure comes first)
-            return JobResult(job, JobStatus.FAILED, setup=res)
+            return JobResult(job, End.FAILED, setup=res)
         if cancel.is_set():
-            return JobResult(job, JobStatus.STOPPED, setup=res)
+            return JobResult(job, End.STOPPED, setup=res)
         job.skew = preflight.compare(
             target, preflight.ask(target, job.python, preflight.requirement_names(spec.script, local_dir))
         )
@@ -461,66 +444,59 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         on_notice=ends.on_notice(spec.on_notice, job.framework.value),
     )
     run.run()
-    state, end = _ended(run, job, cancel)
-    if state is JobStatus.BUSY and not run.started:
+    busy = bool(run.busy) and not run.unreachable and run.first_failure is None
+    end = None if busy or spec.detach and not run.unreachable else _ended(run, job, cancel)
+    if busy and not run.started:
         forget(home, job.job_id)  # refused everywhere it was asked: it started nowhere, so it leaves no record
-    elif end is not None or run.notice is not None:
-        record.end = end.value if end is not None else ""
-        record.notice = run.notice.to_dict() if run.notice is not None else None
+    elif end is not None:
+        record.ended(end, run.failure_detail(), run.notice)
         record.save(home)
-    return JobResult(job, state, run=run, end=end)
+    return JobResult(job, end, run=run, busy=busy)
 
 
-def _ended(run: JobRun, job: Job, cancel: threading.Event) -> tuple[JobStatus, EndKind | None]:
-    """How RUN ended, in the protocol's words, and why (job.ends): a notice the job received decides first,
-    then a stop, a hang, a worker lost (the API says to what), a process failed."""
-    if run.busy and not run.unreachable and run.first_failure is None:
-        return JobStatus.BUSY, None  # refused: another job runs there; nothing was started
-    if job.spec.detach:
-        return (JobStatus.UNREACHABLE, EndKind.INFRA) if run.unreachable else (JobStatus.RUNNING, None)
-    notice = EndKind(run.notice.kind.value) if run.notice is not None else None
-    if cancel.is_set():
-        return JobStatus.STOPPED, EndKind.USER
-    if run.hung:
-        return JobStatus.HUNG, notice or EndKind.PROGRAM
+def _ended(run: JobRun, job: Job, cancel: threading.Event) -> End:
+    """How RUN ended (job.ends.judge): the user's stop, a notice, a hang, a worker lost (the API says to what), a
+    process failed."""
+    lost = None
+    if run.unreachable and not cancel.is_set() and run.notice is None:
+        lost = lost_to(job.target)
+    elif run.unreachable:
+        lost = End.LOST
+    every = run.outcomes.values()
     stopped = bool(run.ended) and all(st.status is JobStatus.STOPPED for st in run.ended.values())
-    if stopped and run.first_failure is None and not run.unreachable:  # `tpurun cancel`, or `--on-notice stop`
-        told = run.notice is not None and run.notice.action == ON_STOP
-        return JobStatus.STOPPED, notice if told else EndKind.USER
-    lost = lost_to(job.target) if run.unreachable and notice is None else notice
-    if run.first_failure is not None:
-        return (JobStatus.PREEMPTED if lost is EndKind.PREEMPTED else JobStatus.FAILED), lost or EndKind.PROGRAM
-    if run.unreachable:
-        return (JobStatus.PREEMPTED if lost is EndKind.PREEMPTED else JobStatus.UNREACHABLE), lost
-    if any(o.failed for o in run.outcomes.values()):
-        return JobStatus.FAILED, notice or EndKind.PROGRAM
-    # every process exited 0: done, unless tpurun signalled them for a notice (a JAX job saves at the step its
-    # preemption sync chose, and exits); a script told through the file says it was cut short by exiting non-zero
-    signalled = run.notice is not None and run.notice.action.startswith(ON_SIGNAL)
-    return JobStatus.FINISHED, notice if signalled else None
+    return ends.judge(
+        ends.Facts(
+            notice=run.notice,
+            user=cancel.is_set() or (stopped and not (run.first_failure or run.unreachable or run.notice or run.hung)),
+            hung=run.hung,
+            # a process that failed on its own; one the job's stop killed is not a failure of the program
+            failed=run.first_failure is not None
+            or any(o.failed and o.status is not ProcessStatus.KILLED for o in every),
+            lost=lost,
+            all_zero=bool(every) and all(o.exit_code == 0 for o in every),
+        )
+    )
 
 
-def lost_to(target: Target) -> EndKind:
+def lost_to(target: Target) -> End:
     """Why TARGET's workers vanished, as its API tells (it may say so a little after they went, so look for a
     while: TPURUN_PREEMPT_CHECK): preempted (or gone), maintenance, else infrastructure."""
     if target.local:
-        return EndKind.INFRA
+        return End.LOST
     from tpurun.cloud import provision, views
 
     deadline = time.monotonic() + config.PREEMPT_CHECK.number()
     try:
         cloud = target.cloud()
     except TpurunError:
-        return EndKind.INFRA
+        return End.LOST
     while True:
         try:
             answer = provision.why_down(cloud, target.name)
         except TpurunError:
-            return EndKind.INFRA
+            return End.LOST
         if answer is not None or time.monotonic() > deadline:
-            return {views.PREEMPTED: EndKind.PREEMPTED, views.MAINTENANCE: EndKind.MAINTENANCE}.get(
-                answer or "", EndKind.INFRA
-            )
+            return {views.PREEMPTED: End.PREEMPTED, views.MAINTENANCE: End.MAINTENANCE}.get(answer or "", End.LOST)
         time.sleep(1.0)
 
 

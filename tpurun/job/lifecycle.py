@@ -12,10 +12,9 @@ from typing import Protocol
 from tpurun import targets
 from tpurun.errors import ExitCode, Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
 from tpurun.job.attempt import Output
-from tpurun.job.ends import Budgets, EndKind, on_notice
+from tpurun.job.ends import Budgets, End, on_notice
 from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start
 from tpurun.settings import Settings
-from tpurun.worker.protocol import JobStatus
 
 
 def dry_run(s: Settings, spec: TrainSpec, *, local: bool, dest: str | None, local_dir: Path, out: Output) -> Job:
@@ -114,10 +113,10 @@ def train(
                 target.close()
                 raise
         except (Preempted, UnreachableError) as exc:  # before the job started: recovered as one that ended so
-            kind = EndKind.PREEMPTED if isinstance(exc, Preempted) else EndKind.INFRA
-            if (kind is EndKind.INFRA and not budgets.total) or cancel.is_set() or not budgets.spend(kind):
+            kind = End.PREEMPTED if isinstance(exc, Preempted) else End.LOST
+            if (kind is End.LOST and not budgets.total) or cancel.is_set() or not budgets.spend(kind):
                 raise
-            reason = kind.value
+            reason = kind.cause
             out.warn(exc.message)
             _recover(s, str(s.tpu.value or ""), kind, budgets, out, cancel=cancel)
             continue
@@ -137,13 +136,11 @@ def train(
         end = result.end
         if end is None or spec.detach or cancel.is_set() or not budgets.spend(end):
             return result
-        reason = end.value
+        reason = end.cause
         out.warn(ended_line(end, target.name, job.job_id))
         notice = result.run.notice if result.run is not None else None
-        after = notice.deadline if notice is not None and end is EndKind.MAINTENANCE else None
-        _recover(s, target.name, end, budgets, out, after=after, cancel=cancel)
-        if cancel.is_set():
-            return result
+        after = notice.deadline if notice is not None and end is End.MAINTENANCE else None
+        _recover(s, target.name, end, budgets, out, after=after, cancel=cancel)  # KeyboardInterrupt once stopped
 
 
 def _say_maintenance(target: targets.Target, out: Output) -> None:
@@ -162,19 +159,19 @@ def _say_maintenance(target: targets.Target, out: Output) -> None:
         out.warn(f"{target.name}: {m.summary()}: a job running then is interrupted (`tpurun maintenance` shows it)")
 
 
-def ended_line(kind: EndKind, name: str, job: str) -> str:
+def ended_line(end: End, name: str, job: str) -> str:
     """What ended job JOB on NAME, in one line."""
     return {
-        EndKind.PREEMPTED: f"{name} was preempted while job {job} ran",
-        EndKind.MAINTENANCE: f"a host of {name} went for maintenance while job {job} ran",
-        EndKind.INFRA: f"job {job} lost a worker of {name} (the TPU is neither preempted nor in maintenance)",
-    }.get(kind, f"job {job} on {name} ended: {kind.describe()}")
+        End.PREEMPTED: f"{name} was preempted while job {job} ran",
+        End.MAINTENANCE: f"a host of {name} went for maintenance while job {job} ran",
+        End.LOST: f"job {job} lost a worker of {name} (the TPU is neither preempted nor in maintenance)",
+    }.get(end, f"job {job} on {name} ended ({end}): {end.describe()}")
 
 
 def _recover(
     s: Settings,
     name: str,
-    kind: EndKind,
+    kind: End,
     budgets: Budgets,
     out: Output,
     *,
@@ -188,18 +185,27 @@ def _recover(
     from tpurun.cloud import provision
     from tpurun.cloud.client import Cloud
 
-    what = {EndKind.PREEMPTED: f"recreating {name}", EndKind.PROGRAM: "relaunching"}.get(
-        kind, f"waiting for {name} to be usable again"
-    )
-    out.info(f"restart {budgets.left(kind)}: {what} (the {kind.value} budget; restart {budgets.total} in all)")
-    if kind is EndKind.PROGRAM or not name:
-        return
-    with out.progress() as progress:
-        if kind is EndKind.PREEMPTED:
-            provision.recreate(Cloud(s), s, name, progress)
-        else:
-            timeout = config.RECOVER_TIMEOUT.number()
-            provision.wait_usable(Cloud(s), name, progress, timeout=timeout, after=after, cancelled=cancel.is_set)
+    program = kind.cause == End.FAILED.cause  # failed or hung: the TPU is as it was
+    if kind is End.PREEMPTED:
+        what = f"recreating {name}"
+    else:
+        what = "relaunching" if program else f"waiting for {name} to be usable again"
+    out.info(f"restart {budgets.left(kind)}: {what} (the {kind.cause} budget; restart {budgets.total} in all)")
+    try:
+        if program or not name:
+            return
+        with out.progress() as progress:
+            if kind is End.PREEMPTED:
+                provision.recreate(Cloud(s), s, name, progress)
+            else:
+                timeout = config.RECOVER_TIMEOUT.number()
+                provision.wait_usable(Cloud(s), name, progress, timeout=timeout, after=after, cancelled=cancel.is_set)
+    except KeyboardInterrupt:
+        cancel.set()
+    finally:
+        if cancel.is_set():  # Ctrl-C (or SIGTERM) during the wait: said, and nothing relaunched
+            out.warn(f"interrupted while {what}: the job was not relaunched")
+            raise KeyboardInterrupt
 
 
 def _workers(spec: TrainSpec) -> str:
@@ -243,10 +249,10 @@ def take_down(s: Settings, result: JobResult | None, out: Output) -> Down:
     name = s.tpu.value
     assert name, "--down is refused without a TPU"
     job = result.job.job_id if result is not None else ""
-    if result is not None and result.state is JobStatus.RUNNING:
-        return Down(name, job, to_watchdog=True)
-    if result is not None and result.state is JobStatus.BUSY:
+    if result is not None and result.busy:
         return Down(name, job, busy=True)
+    if result is not None and result.end is None:  # --detach: started and left running
+        return Down(name, job, to_watchdog=True)
     cloud = Cloud(s)
     by = f"`tpurun train --down` (job {job})" if job else "`tpurun train --down`"
     try:

@@ -13,9 +13,11 @@ from typing import Any
 
 from tpurun import targets
 from tpurun.errors import ApiError, UnreachableError, UsageError
+from tpurun.job.ends import End
 from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
 from tpurun.targets import Target
+from tpurun.worker.protocol import Notice
 
 
 def new_job_id() -> str:
@@ -39,8 +41,18 @@ class JobRecord:
     zone: str = ""
     restart: int = 0  # the restarts of its `train` before it (TPURUN_RESTART_COUNT)
     restart_reason: str = ""  # why the attempt before it ended (job.ends' kinds; TPURUN_RESTART_REASON)
-    end: str = ""  # why it ended, as its `train` decided (job.ends' kinds; "" while it runs, or it finished)
+    end: End | None = None  # how it ended, written once when it is known (by its `train`, or the first view that
+    # saw it ended on every worker) and never after: later events (a worker lost, the TPU gone) do not rewrite it
+    detail: str = ""  # which process failed first, and how (ends.failure), for an end that names one
     notice: dict[str, Any] | None = None  # the notice of a host event it got (protocol.Notice's fields)
+
+    def ended(self, end: End, detail: str = "", notice: Notice | None = None) -> bool:
+        """Write down how the job ended, once: False (nothing changed) where its end is written already."""
+        if self.end is not None:
+            return False
+        self.end, self.detail = end, detail
+        self.notice = notice.to_dict() if notice is not None else None
+        return True
 
     def target(self, s: Settings, worker: str = "all") -> Target:
         """The workers this job ran on (WORKER: those of them a spec names), on its TPU where it was then
@@ -70,7 +82,17 @@ class JobRecord:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, home: Path, job_id: str) -> JobRecord:
+    def load(cls, home: Path, job_id: str, tpu: str | None = None) -> JobRecord:
+        """JOB_ID's record; with TPU, UsageError unless the job ran on the TPU of that name."""
+        record = cls._load(home, job_id)
+        if tpu and tpu != record.tpu:
+            raise UsageError(
+                f"job {job_id} ran on {record.tpu}, not on {tpu}", hint=f"`tpurun jobs --tpu {tpu}` lists its jobs"
+            )
+        return record
+
+    @classmethod
+    def _load(cls, home: Path, job_id: str) -> JobRecord:
         path = home / "jobs" / f"{job_id}.json"
         if not job_id or "/" in job_id or not path.is_file():
             known = sorted(p.stem for p in (home / "jobs").glob("*.json")) if (home / "jobs").is_dir() else []
@@ -78,6 +100,7 @@ class JobRecord:
             raise UsageError(f"unknown job {job_id!r}", hint=hint)
         data = json.loads(path.read_text())
         data["cores"] = {int(k): v for k, v in data["cores"].items()}
+        data["end"] = End.read(data.get("end") or "")
         return cls(**data)
 
 
@@ -90,7 +113,7 @@ def list_records(home: Path) -> list[JobRecord]:
     d = home / "jobs"
     if not d.is_dir():
         return []
-    return [JobRecord.load(home, p.stem) for p in sorted(d.glob("*.json"))]
+    return [JobRecord._load(home, p.stem) for p in sorted(d.glob("*.json"))]
 
 
 def connect(target: Target, record: JobRecord | None = None) -> None:
@@ -99,7 +122,13 @@ def connect(target: Target, record: JobRecord | None = None) -> None:
     if errors:
         names = target.worker_names
         raise UnreachableError("; ".join(each_or_by_reason([(names[i], errors[i]) for i in sorted(errors)])))
-    if record is not None and target.other_than(record.ids):
+    if record is not None:
+        same_tpu(target, record)
+
+
+def same_tpu(target: Target, record: JobRecord) -> None:
+    """ApiError unless TARGET is the TPU RECORD's job ran on (not another one made since under its name)."""
+    if target.other_than(record.ids):
         raise ApiError(
             f"job {record.job_id} ran on the TPU {record.tpu} with node id {', '.join(record.ids)}, which no longer "
             f"exists: the TPU named {record.tpu} now is another one (node id {', '.join(target.ids)}), without "

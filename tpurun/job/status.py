@@ -1,21 +1,22 @@
-"""A job's state over every worker, for `jobs`: each worker's agent keeps its own; tpurun combines them.
-
-A failure anywhere makes the job failed, naming the worker (and chip and exit code) that failed first; a
-job whose TPU no longer exists is `gone`, and `jobs --prune` forgets it. Its words are the protocol's
-`JobStatus`, the agent's and tpurun's in one vocabulary. One connection round and one agent call per worker,
-all at once, per TPU, however many jobs it ran.
+"""A job's state over every worker, for `jobs` and `logs`: each worker's agent keeps its own; tpurun judges the job's
+one end from them (job.ends.judge, as `train` does from what it saw) and writes it in the job's record the first time
+it sees it, never again: what a later look cannot see (a worker unreachable, the TPU gone) is said beside the end,
+not instead of it. One connection round and one agent call per worker, all at once, per TPU, however many jobs it
+ran.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from tpurun import naming
 from tpurun.errors import NoSuchTpu, TpurunError
+from tpurun.job import ends
+from tpurun.job.ends import End
 from tpurun.job.records import JobRecord, forget, list_records
 from tpurun.job.watch import Waiting, Watch
 from tpurun.settings import Settings
@@ -27,23 +28,33 @@ from tpurun.worker.protocol import JobState, JobStatus
 K = TypeVar("K")
 
 ACTIVE = (JobStatus.STARTING, JobStatus.RUNNING)
+RUNNING = "running"  # a job's status while it has not ended (its end's word once it has)
+UNKNOWN = "unknown"  # neither: where its end is not known and it runs nowhere that could be asked
 
 
 @dataclass(frozen=True)
 class JobSummary:
-    """A job's state over every worker (each worker's agent knows its own `JobStatus`)."""
+    """A job's state over every worker: how it ended (END), else whether it runs; what of it cannot be seen now
+    (SEEN, said beside); the TPU it ran on GONE."""
 
-    status: JobStatus  # running | failed | lost | stopped | finished | unreachable | unknown | gone
-    detail: str = ""  # which worker failed and how; why the state is not known; what became of the TPU
+    end: End | None = None
+    running: bool = False  # processes of it run on some worker
+    detail: str = ""  # which process failed first (ends.failure); why a worker's part is lost; where it runs not
+    seen: str = ""  # what this look could not see: workers unreachable now, the TPU deleted
+    gone: bool = False  # the TPU it ran on no longer exists (`jobs --prune` forgets it)
     waiting: Waiting | None = None  # running: the processes that wait at a rendezvous for others (watch)
     notice: protocol.Notice | None = None  # a host event announced for one of its workers, as an agent recorded it
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "status", JobStatus(self.status))  # its word, however it was given
+    @property
+    def status(self) -> str:
+        """The job's state in one word: its end's (also where a part lost leaves others running: DETAIL says
+        so), else running, else unknown."""
+        return self.end.value if self.end is not None else RUNNING if self.running else UNKNOWN
 
     def label(self) -> str:
         detail = "; ".join(d for d in (self.detail, self.waiting.text() if self.waiting else "") if d)
-        return f"{self.status} ({detail})" if detail else self.status
+        text = f"{self.status} ({detail})" if detail else self.status
+        return f"{text} [{self.seen}]" if self.seen else text
 
 
 @dataclass(frozen=True)
@@ -52,19 +63,21 @@ class JobRow:
     state: JobSummary
 
     def to_dict(self) -> dict[str, Any]:
-        """The job in `jobs --json`: its record, its state over every worker; its notice the record's (what ended
-        its `train`), else the one an agent recorded."""
+        """The job in `jobs --json`: its record, its state; its notice the record's (what ended it), else the one
+        an agent recorded."""
         record, state = self.record, self.state
         return {
             "job_id": record.job_id,
             "tpu": record.tpu,
             "status": state.status,
+            "end": state.end.value if state.end is not None else None,
+            "exit_code": int(state.end.exit_code) if state.end is not None else None,
             "detail": state.detail,
+            "seen": state.seen or None,
             "waiting": state.waiting.to_dict() if state.waiting else None,
             "created": record.created,
             "detached": record.detached,
             "command": " ".join(record.command),
-            "end": record.end or None,
             "restart": record.restart,
             "restartReason": record.restart_reason or None,
             "notice": record.notice or (state.notice.to_dict() if state.notice else None),
@@ -84,81 +97,95 @@ def earliest_failure(states: Mapping[K, JobState | None]) -> tuple[K, protocol.F
 
 
 def combine(states: Mapping[str, JobState | None]) -> JobSummary:
-    """One job's state from every worker's: STATES is {worker name: its agent's state, None where the
-    job is unknown there}, in worker order."""
+    """One job's state from every worker's: STATES is {worker name: its agent's state, None where the job is
+    unknown there}, in worker order. Its end (ends.judge) once every worker's part has ended, or once one part is
+    lost (a slice is interrupted as a whole: the other parts cannot finish, though they may run on)."""
     notice = next((st.notice for st in states.values() if st is not None and st.notice is not None), None)
-    summary = _combined(states)
-    return summary if notice is None else dataclasses.replace(summary, notice=notice)
-
-
-def _combined(states: Mapping[str, JobState | None]) -> JobSummary:
-    found = earliest_failure(states)
-    if found is not None:
-        name, first = found
-        where = f"{name}/c{first.slot}" if first is not None and first.slot != protocol.HOST else name
-        code = first.exit_code if first is not None else None
-        return JobSummary(JobStatus.FAILED, where + (f": exit code {code}" if code is not None else ""))
-    lost = [name for name, st in states.items() if st is not None and st.status == JobStatus.LOST]
-    if lost:
-        return JobSummary(JobStatus.LOST, f"{', '.join(lost)}: its supervisor is gone")
     missing = [name for name, st in states.items() if st is None]
-    if any(st is not None and st.status in ACTIVE for st in states.values()):
-        return JobSummary(JobStatus.RUNNING, f"not on {', '.join(missing)}" if missing else "")
-    if missing:
-        return JobSummary(JobStatus.UNKNOWN, f"no trace on {', '.join(missing)}")
-    ended = {st.status for st in states.values() if st is not None}  # only FINISHED and STOPPED are left
-    return JobSummary(JobStatus.FINISHED if ended == {JobStatus.FINISHED} else JobStatus.STOPPED)
+    active = [name for name, st in states.items() if st is not None and st.status in ACTIVE]
+    lost = [name for name, st in states.items() if st is not None and st.status is JobStatus.LOST]
+    if active and not lost:
+        return JobSummary(running=True, detail=f"not on {', '.join(missing)}" if missing else "", notice=notice)
+    if missing and not lost:
+        return JobSummary(detail=f"no trace on {', '.join(missing)}", notice=notice)
+    ended = [st for st in states.values() if st is not None and st.status not in ACTIVE]
+    found = earliest_failure(states)
+    end = ends.judge(
+        ends.Facts(
+            notice=notice,
+            user=notice is None and all(st.status is JobStatus.STOPPED for st in ended),
+            failed=found is not None,
+            lost=End.LOST if lost else None,
+            all_zero=all(st.status is JobStatus.FINISHED for st in ended),
+        )
+    )
+    details = []
+    if end is End.FAILED and found is not None:
+        name, first = found
+        details.append(ends.failure(name, first.slot, first.exit_code) if first is not None else name)
+    elif lost:
+        details.append(f"{naming.listed(lost)}: its supervisor is gone")
+    if active:
+        details.append(f"still running on {naming.listed(active)}")
+    return JobSummary(end, running=bool(active), detail="; ".join(details), notice=notice)
 
 
-def _rows(s: Settings, records: list[JobRecord]) -> list[JobRow]:
-    """Every job of RECORDS with its state over every worker, asking each TPU once."""
-    groups: dict[tuple[str, str, str, tuple[str, ...]], list[JobRecord]] = {}
-    for r in records:
-        groups.setdefault(r.where(), []).append(r)
-    rows: dict[str, JobSummary] = {}
-    for (tpu, _, _, ids), group in groups.items():
-        rows.update(_tpu_states(s, tpu, list(ids), group))
-    return [JobRow(r, rows[r.job_id]) for r in records]
+def settle(home: Path, record: JobRecord, summary: JobSummary) -> JobSummary:
+    """SUMMARY, what a look saw of RECORD's job, with the end the record keeps where it has one; else, where the look
+    saw it ended on every worker, that end, written in the record now, once (under HOME)."""
+    if record.end is not None:
+        return replace(summary, end=record.end, running=False, detail=record.detail, waiting=None)
+    if summary.end is not None and not summary.running and record.ended(summary.end, summary.detail, summary.notice):
+        record.save(home)
+    return summary
 
 
 def jobs(
     s: Settings, tpu: str | None = None, *, project: str | None = None, zone: str | None = None, prune: bool = False
 ) -> list[JobRow]:
-    """The jobs started from this machine (S: its settings, for tpurun's home) (on TPU, in PROJECT and ZONE when given; else everywhere), with
-    their states; with PRUNE, the records of jobs whose TPU no longer exists are forgotten (and still
-    returned, this once)."""
+    """The jobs started from this machine (S: its settings, for tpurun's home) (on TPU, in PROJECT and ZONE when
+    given; else everywhere), with their states, asking each TPU once; with PRUNE, the records of jobs whose TPU no
+    longer exists are forgotten (and still returned, this once)."""
 
     def chosen(r: JobRecord) -> bool:
         return (not tpu or r.tpu == tpu) and (not project or r.project == project) and (not zone or r.zone == zone)
 
     home = s.home_path
-    rows = _rows(s, [r for r in list_records(home) if chosen(r)])
+    records = [r for r in list_records(home) if chosen(r)]
+    groups: dict[tuple[str, str, str, tuple[str, ...]], list[JobRecord]] = {}
+    for r in records:
+        groups.setdefault(r.where(), []).append(r)
+    seen: dict[str, JobSummary] = {}
+    for (name, _, _, ids), group in groups.items():
+        seen.update(_tpu_states(s, name, list(ids), group))
+    rows = [JobRow(r, settle(home, r, seen[r.job_id])) for r in records]
     if prune:
         for row in rows:
-            if row.state.status is JobStatus.GONE:
+            if row.state.gone:
                 forget(home, row.record.job_id)
     return rows
 
 
 def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -> dict[str, JobSummary]:
-    """The state of every job of GROUP, all run on the TPU TPU whose nodes had IDS."""
+    """What one look sees of every job of GROUP, all run on the TPU TPU whose nodes had IDS."""
 
-    def every(status: JobStatus, detail: str) -> dict[str, JobSummary]:
-        return {r.job_id: JobSummary(status, detail) for r in group}
+    def every(seen: str, gone: bool = False) -> dict[str, JobSummary]:
+        return {r.job_id: JobSummary(seen=seen, gone=gone) for r in group}
 
     every_worker = replace(group[0], workers=sorted({w for r in group for w in r.workers}))
     target: Target | None = None
     try:
         target = every_worker.target(s)
-        errors = target.fleet.connect()
+        errors = dict(target.fleet.connect())
         if target.other_than(ids):
-            return every(JobStatus.GONE, f"TPU {tpu} deleted; another has its name")
+            return every(f"TPU {tpu} deleted; another has its name", gone=True)
         answers = target.fleet.call(Call.program_of(group[-1].python, "agent.py", "jobs"), timeout=30)
+        errors.update({w: a.error for w, a in answers.items() if a.rc is None})
         listed = {w: _agent_jobs(a) for w, a in answers.items()}
     except NoSuchTpu:
-        return every(JobStatus.GONE, f"TPU {tpu} deleted")
+        return every(f"TPU {tpu} deleted", gone=True)
     except TpurunError as exc:
-        return every(JobStatus.UNKNOWN, exc.message)
+        return every(exc.message)
     finally:
         if target is not None:
             target.close()
@@ -166,11 +193,12 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
     out = {}
     for r in group:
         unreachable = [names.get(w, str(w)) for w in r.workers if w in errors]
-        if unreachable:
-            out[r.job_id] = JobSummary(JobStatus.UNREACHABLE, naming.listed(unreachable))
-            continue
-        summary = combine({names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers})
-        if summary.status is JobStatus.RUNNING:
+        states = {names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers if w not in errors}
+        summary = combine(states)
+        if unreachable:  # the others' parts alone tell no end: said beside whatever the record keeps
+            summary = JobSummary(running=summary.running, notice=summary.notice)
+            summary = replace(summary, seen=f"{naming.listed(unreachable)} unreachable now")
+        elif summary.running and summary.end is None:
             summary = replace(summary, waiting=_waiting(target, r, listed))
         out[r.job_id] = summary
     return out

@@ -312,9 +312,11 @@ def stop_job(job: str, grace: float | None) -> JobState:
                 raise AgentError(f"processes of job {job} survive SIGKILL: {left + marked}", code=AgentExit.INTERNAL)
         time.sleep(POLL)
     if st.status not in TERMINAL or st.status == JobStatus.LOST:
-        # The supervisor did not write the end (it was killed): record it ourselves.
-        st.status = JobStatus.STOPPED
-        st.ended_at = now()
+        # The supervisor did not write the end (it was killed): record it ourselves. A lost job stays lost: its end
+        # came before this stop, which only took what it left behind.
+        if st.status != JobStatus.LOST:
+            st.status = JobStatus.STOPPED
+        st.ended_at = st.ended_at or now()
         for s in st.slots:
             if s.status == ProcessStatus.RUNNING:
                 s.status, s.ended_at = ProcessStatus.KILLED, now()
@@ -410,7 +412,9 @@ def cmd_stream(args) -> int:
                     _drain(readers, out, only=c)
                     out.write(encode(Exit(worker, c, ended[c].exit_code, ended[c].status)))
                     reported[c] = ended[c].ended_at
-            over = st.status in TERMINAL and all(c in reported for c in slots)
+            # over once every process's end was sent; a lost job's at once (its supervisor, which would have
+            # written the rest, is gone: no more will come, and a follower must not wait for it)
+            over = st.status in TERMINAL and (st.status == JobStatus.LOST or all(c in reported for c in slots))
             if over:
                 _drain(readers, out)
                 out.write(encode(Done(worker, st)))

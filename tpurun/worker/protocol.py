@@ -77,28 +77,19 @@ class Launch(Word):
 
 
 class JobStatus(Word):
-    """A job's state, in one vocabulary: on one worker (state.json's "status": the agent's words, first), over every
-    worker (`jobs`), and as `train` saw it end (its result). The agent writes only the first six."""
+    """A job's state on one worker (state.json's "status"), as its agent writes it. How the whole job ended is
+    tpurun's to judge from every worker's (job/ends.py's `End`)."""
 
     STARTING = "starting"  # `start` wrote the spec; the supervisor is not up yet
     RUNNING = "running"  # until every process is gone, even while it stops; a `train --detach` job once started
     FINISHED = "finished"  # every process exited 0
-    STOPPED = "stopped"  # stopped on request (cancel, Ctrl-C, the client gone)
+    STOPPED = "stopped"  # stopped on request (cancel, Ctrl-C, the client gone, `--on-notice stop`)
     FAILED = "failed"  # a process failed, or the job could not start (its pre-commands, `train --setup`)
-    LOST = "lost"  # the supervisor was killed: nobody watches the processes any more
-    # tpurun's words, over every worker
-    UNREACHABLE = "unreachable"  # a worker could not be reached, or vanished while the job ran
-    UNKNOWN = "unknown"  # no trace of the job on a worker, or its TPU could not be asked
-    GONE = "gone"  # the TPU it ran on no longer exists (`jobs --prune` forgets it)
-    # `train`'s, for how its job ended
-    BUSY = "busy"  # another job holds the TPU: nothing of this one started
-    PREEMPTED = "preempted"  # its TPU was preempted under it (and `--max-restarts` is used up)
-    HUNG = "hung"  # no progress for `--hang-timeout`: stopped (`--on-hang stop`)
+    LOST = "lost"  # the supervisor was killed (or its host went down): nobody watches the processes any more
 
 
+# the states of a job's part that has ended on its worker (`cancel` finding it there has nothing to stop)
 TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED, JobStatus.LOST})
-# how a job can have ended by itself before a stop reached it (`cancel` says it had nothing to stop)
-ENDED = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED})
 
 
 class ProcessStatus(Word):
