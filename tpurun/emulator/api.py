@@ -252,11 +252,11 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
         return emu.status()
 
     def kill_worker(q: Request) -> Any:
-        emu.kill_worker(unquote(q.groups["node"]), int(q.groups["i"]))
+        emu.kill_worker(unquote(q.groups["node"]), int(q.groups["i"]), q.json().get("zone") or None)
         return {}
 
     def kill_sshd(q: Request) -> Any:
-        emu.kill_sshd(unquote(q.groups["node"]), int(q.groups["i"]))
+        emu.kill_sshd(unquote(q.groups["node"]), int(q.groups["i"]), q.json().get("zone") or None)
         return {}
 
     r.add("GET", f"{A}/requests", log)
@@ -292,6 +292,7 @@ def _host_event_routes(r: Router, emu: Emulator) -> None:
             float(d.get("duration", emu.config.delays.maintenance)),
             kind,
             bool(d.get("canReschedule", kind == SCHEDULED)),
+            d.get("zone") or None,
         )
         return window.api()
 
@@ -467,21 +468,29 @@ class AdminClient:
         return out
 
     def maintenance(
-        self, node: str, worker: int, notice: float, duration: float | None = None, kind: str = UNSCHEDULED
+        self,
+        node: str,
+        worker: int,
+        notice: float,
+        duration: float | None = None,
+        kind: str = UNSCHEDULED,
+        zone: str | None = None,
     ) -> dict[str, Any]:
-        """Announce maintenance of NODE's (a node's, a MIG's or an instance's) WORKER in NOTICE seconds, its host
-        down for DURATION (the emulator's maintenance delay if None); the window as the APIs show it."""
-        body: dict[str, Any] = {"notice": notice, "type": kind}
+        """Announce maintenance of NODE's (a node's, a MIG's or an instance's, in ZONE if given) WORKER (as tpurun
+        numbers workers) in NOTICE seconds, its host down for DURATION (the emulator's maintenance delay if None);
+        the window as the APIs show it."""
+        body: dict[str, Any] = {"notice": notice, "type": kind, "zone": zone}
         if duration is not None:
             body["duration"] = duration
         out: dict[str, Any] = self.call("POST", f"nodes/{node}/workers/{worker}:maintenance", body)
         return out
 
-    def kill_worker(self, node: str, worker: int) -> None:
-        self.call("POST", f"nodes/{node}/workers/{worker}:kill", {})
+    def kill_worker(self, node: str, worker: int, zone: str | None = None) -> None:
+        """Kill worker WORKER (as tpurun numbers workers) of NODE: a node, a MIG or a lone VM, in ZONE if given."""
+        self.call("POST", f"nodes/{node}/workers/{worker}:kill", {"zone": zone})
 
-    def kill_sshd(self, node: str, worker: int) -> None:
-        self.call("POST", f"nodes/{node}/workers/{worker}:kill-sshd", {})
+    def kill_sshd(self, node: str, worker: int, zone: str | None = None) -> None:
+        self.call("POST", f"nodes/{node}/workers/{worker}:kill-sshd", {"zone": zone})
 
     def fail_api(self, count: int, code: int, match: str = "", message: str = "") -> None:
         self.call("POST", "fail-api", {"count": count, "code": code, "match": match, "message": message})
