@@ -26,7 +26,7 @@ from tpurun.cloud.client import Cloud, compute_endpoint, short_name
 from tpurun.cloud.compute_calls import ComputeCalls
 from tpurun.cloud.compute_groups import MADE_BY, ComputeGroups
 from tpurun.cloud.multislice import slice_ids
-from tpurun.cloud.views import PREEMPTED, READY, STOPPED, Maintenance, NodeView, WorkerView, instant
+from tpurun.cloud.views import PREEMPTED, READY, REPAIRING, STOPPED, Maintenance, NodeView, WorkerView, instant
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.topology import Topology, vm_topology
@@ -49,7 +49,7 @@ _STATES = {
     "PENDING_STOP": "STOPPING",
     "SUSPENDING": "STOPPING",
     "SUSPENDED": STOPPED,
-    "REPAIRING": "REPAIRING",
+    "REPAIRING": REPAIRING,  # its host is being maintained or repaired: as Cloud TPU says of a node
     "DEPROVISIONING": "DELETING",
 }
 
@@ -144,7 +144,8 @@ class Compute(Backend):
         if len(vms) < group.target_size or not group.status.is_stable:
             waiting = group.status.bulk_instance_operation.in_progress and not vms
             state = "WAITING_FOR_RESOURCES" if waiting else "CREATING"
-            state = next((s for s in states if s in (PREEMPTED, STOPPED)), state)
+            # what has befallen a VM says more than what the group is at (it may be remaking it)
+            state = next((s for s in states if s in (PREEMPTED, STOPPED, REPAIRING)), state)
         else:
             state = next((s for s in states if s != READY), READY)
         props = template.properties

@@ -19,7 +19,7 @@ from tpurun import config, settings, ui
 from tpurun.cloud import autostop, identity, keys, multislice, routing, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
 from tpurun.cloud.client import EVERY_ZONE, Cloud
-from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, STOPPED, TERMINATED, NodeView
+from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, REPAIRING, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
 from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
@@ -667,7 +667,7 @@ def why_down(cloud: Cloud, name: str) -> str | None:
     if states & {GONE, PREEMPTED, TERMINATED}:
         return PREEMPTED
     healths = {part.health for part in view.parts}
-    if "REPAIRING" in states or "UNHEALTHY_MAINTENANCE" in healths:
+    if REPAIRING in states or "UNHEALTHY_MAINTENANCE" in healths:
         return MAINTENANCE
     if states == {READY}:
         maker.read_maintenance([view])

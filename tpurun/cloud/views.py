@@ -18,6 +18,7 @@ READY = "READY"
 PREEMPTED = "PREEMPTED"
 STOPPED = "STOPPED"
 TERMINATED = "TERMINATED"
+REPAIRING = "REPAIRING"  # a host of the TPU is being maintained or repaired (either API)
 GONE = "GONE"  # a slice of the TPU that does not exist (yet, or any more)
 MAINTENANCE = "MAINTENANCE"  # what provision.why_down says of a TPU a host of which is being maintained
 

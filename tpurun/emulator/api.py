@@ -1,4 +1,5 @@
-"""HTTP front of the emulator: the Cloud TPU v2 REST surface plus an admin interface.
+"""HTTP front of the emulator: the Cloud TPU v2 REST surface (v2alpha1's, made of it, in alpha_api.py) plus an
+admin interface.
 
 The REST routes are the ones google-cloud-tpu's REST transport calls (see its
 `services/tpu/transports/rest_base.py`); bodies are parsed with the package's own proto-plus
@@ -19,8 +20,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from google.cloud import tpu_v2, tpu_v2alpha1
+from google.cloud import tpu_v2
 
+from tpurun.emulator.alpha_api import add_v2alpha1_routes
 from tpurun.emulator.compute_api import COMPUTE_PREFIX, add_compute_routes
 from tpurun.emulator.compute_model import compute_body
 from tpurun.emulator.model import SCHEDULED, UNSCHEDULED, ApiError, invalid
@@ -30,18 +32,18 @@ from tpurun.emulator.state import Emulator
 ADMIN_PREFIX = "/emulator/v1"
 _PARENT = r"projects/[^/]+/locations/[^/:]+"
 _ID = r"[^/:]+"
-_READ = "(?:v2|v2alpha1)"  # the API versions whose nodes and operations are read alike (v2alpha1: for maintenance)
 
 
 _PAGE = ("pageSize", "pageToken", "filter", "orderBy")  # the query parameters of every list call
 
 
 def build_api_router(emu: Emulator) -> Router:
-    """The Cloud TPU v2 REST surface, resource by resource, what tpurun uses of v2alpha1 (reading nodes and
-    operations, and the maintenance methods only it has), and Compute Engine's under /compute/v1/."""
+    """The Cloud TPU v2 REST surface, resource by resource; v2alpha1's, the same and its own methods (alpha_api);
+    and Compute Engine's under /compute/v1/."""
     r = Router()
-    for add in (_node_routes, _operation_routes, _catalogue_routes, _queued_routes, _location_routes, _v2alpha1_routes):
+    for add in (_node_routes, _operation_routes, _catalogue_routes, _queued_routes, _location_routes):
         add(r, emu)
+    add_v2alpha1_routes(r, emu)  # after v2's: it serves each of them again
     add_compute_routes(r, emu)
     return r
 
@@ -56,11 +58,11 @@ def _node_routes(r: Router, emu: Emulator) -> None:
     )
     r.add(
         "GET",
-        f"/{_READ}/(?P<parent>{_PARENT})/nodes",
+        f"/v2/(?P<parent>{_PARENT})/nodes",
         lambda q: emu.list_nodes(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
         _PAGE,
     )
-    r.add("GET", f"/{_READ}/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
+    r.add("GET", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
     r.add("DELETE", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.delete_node(q.groups["name"]), ("requestId",))
 
     def empty_body(q: Request) -> None:
@@ -94,7 +96,7 @@ def _node_routes(r: Router, emu: Emulator) -> None:
 
 def _operation_routes(r: Router, emu: Emulator) -> None:
     """Long-running operations."""
-    r.add("GET", f"/{_READ}/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
+    r.add("GET", f"/v2/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
     r.add(
         "GET",
         f"/v2/(?P<name>{_PARENT})/operations",
@@ -182,28 +184,6 @@ def _location_routes(r: Router, emu: Emulator) -> None:
     r.add("GET", f"/v2/(?P<name>{_PARENT})", lambda q: emu.get_location(q.groups["name"]))
 
 
-def _v2alpha1_routes(r: Router, emu: Emulator) -> None:
-    """Cloud TPU v2alpha1's maintenance methods (its nodes and operations are read by v2's routes: _READ)."""
-
-    def perform(q: Request) -> Any:
-        parse_message(tpu_v2alpha1.PerformMaintenanceRequest, q, "")
-        return emu.perform_maintenance(q.groups["name"])
-
-    def simulate(q: Request) -> Any:
-        body = parse_message(tpu_v2alpha1.SimulateMaintenanceEventRequest, q, "")
-        return emu.simulate_maintenance_event(q.groups["name"], list(body.worker_ids))
-
-    def perform_queued(q: Request) -> Any:
-        body = parse_message(tpu_v2alpha1.PerformMaintenanceQueuedResourceRequest, q, "")
-        return emu.perform_queued_maintenance(q.groups["name"], list(body.node_names))
-
-    r.add("POST", f"/v2alpha1/(?P<name>{_PARENT}/nodes/{_ID}):performMaintenance", perform)
-    r.add("POST", f"/v2alpha1/(?P<name>{_PARENT}/nodes/{_ID}):simulateMaintenanceEvent", simulate)
-    queued = f"/v2alpha1/(?P<name>{_PARENT}/queuedResources/{_ID})"
-    r.add("POST", f"{queued}:performMaintenanceQueuedResource", perform_queued)
-    r.add("GET", f"{queued}:getMaintenanceInfo", lambda q: emu.queued_maintenance_info(q.groups["name"]))
-
-
 def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
     r = Router()
     A = ADMIN_PREFIX
@@ -252,11 +232,11 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
         return emu.status()
 
     def kill_worker(q: Request) -> Any:
-        emu.kill_worker(unquote(q.groups["node"]), int(q.groups["i"]))
+        emu.kill_worker(unquote(q.groups["node"]), int(q.groups["i"]), q.json().get("zone") or None)
         return {}
 
     def kill_sshd(q: Request) -> Any:
-        emu.kill_sshd(unquote(q.groups["node"]), int(q.groups["i"]))
+        emu.kill_sshd(unquote(q.groups["node"]), int(q.groups["i"]), q.json().get("zone") or None)
         return {}
 
     r.add("GET", f"{A}/requests", log)
@@ -292,6 +272,7 @@ def _host_event_routes(r: Router, emu: Emulator) -> None:
             float(d.get("duration", emu.config.delays.maintenance)),
             kind,
             bool(d.get("canReschedule", kind == SCHEDULED)),
+            d.get("zone") or None,
         )
         return window.api()
 
@@ -467,21 +448,29 @@ class AdminClient:
         return out
 
     def maintenance(
-        self, node: str, worker: int, notice: float, duration: float | None = None, kind: str = UNSCHEDULED
+        self,
+        node: str,
+        worker: int,
+        notice: float,
+        duration: float | None = None,
+        kind: str = UNSCHEDULED,
+        zone: str | None = None,
     ) -> dict[str, Any]:
-        """Announce maintenance of NODE's (a node's, a MIG's or an instance's) WORKER in NOTICE seconds, its host
-        down for DURATION (the emulator's maintenance delay if None); the window as the APIs show it."""
-        body: dict[str, Any] = {"notice": notice, "type": kind}
+        """Announce maintenance of NODE's (a node's, a MIG's or an instance's, in ZONE if given) WORKER (as tpurun
+        numbers workers) in NOTICE seconds, its host down for DURATION (the emulator's maintenance delay if None);
+        the window as the APIs show it."""
+        body: dict[str, Any] = {"notice": notice, "type": kind, "zone": zone}
         if duration is not None:
             body["duration"] = duration
         out: dict[str, Any] = self.call("POST", f"nodes/{node}/workers/{worker}:maintenance", body)
         return out
 
-    def kill_worker(self, node: str, worker: int) -> None:
-        self.call("POST", f"nodes/{node}/workers/{worker}:kill", {})
+    def kill_worker(self, node: str, worker: int, zone: str | None = None) -> None:
+        """Kill worker WORKER (as tpurun numbers workers) of NODE: a node, a MIG or a lone VM, in ZONE if given."""
+        self.call("POST", f"nodes/{node}/workers/{worker}:kill", {"zone": zone})
 
-    def kill_sshd(self, node: str, worker: int) -> None:
-        self.call("POST", f"nodes/{node}/workers/{worker}:kill-sshd", {})
+    def kill_sshd(self, node: str, worker: int, zone: str | None = None) -> None:
+        self.call("POST", f"nodes/{node}/workers/{worker}:kill-sshd", {"zone": zone})
 
     def fail_api(self, count: int, code: int, match: str = "", message: str = "") -> None:
         self.call("POST", "fail-api", {"count": count, "code": code, "match": match, "message": message})

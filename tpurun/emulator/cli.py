@@ -59,6 +59,12 @@ StateDirOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+ZoneOpt = Annotated[
+    str | None, typer.Option("--zone", help="The zone the TPU is in, where its name is in more than one.")
+]
+# a TPU and one of its workers, as tpurun names them: a Compute Engine group's workers are numbered by their VMs' names
+TpuArg = Annotated[str, typer.Argument(help="A node's id or full name, a managed instance group's or a VM's name.")]
+WorkerHelp = "The worker, as tpurun numbers them (wN)."
 
 
 def default_state_dir() -> Path:
@@ -418,13 +424,14 @@ def preempt(
 @app.command()
 def maintenance(
     ctx: typer.Context,
-    node: Annotated[str, typer.Argument(help="Node id or full name, a MIG's name, or a Compute Engine VM's.")],
-    worker: Annotated[int, typer.Option("--worker", min=0, help="The worker whose host is maintained.")] = 0,
+    node: TpuArg,
+    worker: Annotated[int, typer.Option("--worker", min=0, help=WorkerHelp)] = 0,
     notice: Annotated[str, typer.Option("--notice", help="How long before the window starts: 30s, 10m, 7d.")] = "60s",
     duration: Annotated[str, typer.Option("--duration", help="How long the host is down: 30s, 2h.")] = "5s",
     scheduled: Annotated[
         bool, typer.Option("--scheduled", help="SCHEDULED maintenance (reschedulable); else UNSCHEDULED.")
     ] = False,
+    zone: ZoneOpt = None,
     state_dir: StateDirOpt = None,
 ) -> None:
     """Announce maintenance of a worker's host (API and metadata), take the host down in its window, bring it back."""
@@ -435,6 +442,7 @@ def maintenance(
         _seconds(notice),
         _seconds(duration),
         "SCHEDULED" if scheduled else "UNSCHEDULED",
+        zone,
     )
     ui.info(f"{node} worker {worker}: maintenance from {window['windowStartTime']} to {window['windowEndTime']}")
 
@@ -442,24 +450,26 @@ def maintenance(
 @app.command("kill-worker")
 def kill_worker(
     ctx: typer.Context,
-    node: Annotated[str, typer.Argument(help="Node id or full name.")],
-    worker: Annotated[int, typer.Argument(help="Worker index.")],
+    node: TpuArg,
+    worker: Annotated[int, typer.Argument(min=0, help=WorkerHelp)],
+    zone: ZoneOpt = None,
     state_dir: StateDirOpt = None,
 ) -> None:
     """Kill one worker's whole host (every process on it), as if the VM crashed."""
-    _api_call(_admin(ctx, state_dir).kill_worker, node, worker)
+    _api_call(_admin(ctx, state_dir).kill_worker, node, worker, zone)
     ui.info(f"worker {worker} of {node} killed")
 
 
 @app.command("kill-sshd")
 def kill_sshd(
     ctx: typer.Context,
-    node: Annotated[str, typer.Argument(help="Node id or full name.")],
-    worker: Annotated[int, typer.Argument(help="Worker index.")],
+    node: TpuArg,
+    worker: Annotated[int, typer.Argument(min=0, help=WorkerHelp)],
+    zone: ZoneOpt = None,
     state_dir: StateDirOpt = None,
 ) -> None:
     """Kill one worker's sshd (its other processes keep running): new ssh connections fail."""
-    _api_call(_admin(ctx, state_dir).kill_sshd, node, worker)
+    _api_call(_admin(ctx, state_dir).kill_sshd, node, worker, zone)
     ui.info(f"sshd of worker {worker} of {node} killed")
 
 

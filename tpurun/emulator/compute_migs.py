@@ -237,9 +237,10 @@ class ManagedGroups(ComputeResources):
         igm = compute_v1.InstanceGroupManager(rec.igm)
         made = [self.instances[p] for p in self._managed(rec) if p in self.instances]
         running = sum(1 for r in made if r.inst.status == "RUNNING")
-        creating = len(self._managed(rec)) - running if not rec.deleting else 0
+        idle = sum(1 for r in made if not _acted_on(r))  # a VM whose host is repaired is no action of the group's
+        creating = len(self._managed(rec)) - idle if not rec.deleting else 0
         actions = {name: 0 for name in compute_v1.InstanceGroupManagerActionsSummary.meta.fields}
-        actions["none"], actions["creating"] = running, creating
+        actions["none"], actions["creating"] = idle, creating
         if rec.deleting:
             actions["deleting"] = len(made)
         igm.current_actions = compute_v1.InstanceGroupManagerActionsSummary(actions)
@@ -300,7 +301,7 @@ class ManagedGroups(ComputeResources):
                     mi["instance"] = made.inst.self_link
                     mi["id"] = str(made.inst.id)
                     mi["instanceStatus"] = made.inst.status
-                    if made.inst.status != "RUNNING" and not rec.deleting:
+                    if _acted_on(made) and not rec.deleting:
                         mi["currentAction"] = "CREATING"
                 elif rec.last_failure is not None:
                     mi["lastAttempt"] = {"errors": rec.last_failure.errors()}
@@ -503,19 +504,31 @@ class ManagedGroups(ComputeResources):
     def _check_spot(rec: InstanceRecord, force: bool) -> None:
         spot = rec.inst.scheduling.provisioning_model == "SPOT" or rec.inst.scheduling.preemptible
         if not spot and not force:
-            raise ApiError(400, f"{rec.path} is not a spot VM, so Compute Engine would not preempt it; pass force.")
+            raise ApiError(
+                400, f"{rec.path} is not a spot VM, so Compute Engine would not preempt it; pass --force to preempt it anyway."
+            )
         if rec.inst.status != "RUNNING":
             raise ApiError(400, f"{rec.path} is {rec.inst.status}, not RUNNING.")
 
-    def find_instance(self, ref: str) -> InstanceRecord:
-        """An instance by path or bare name (admin convenience)."""
+    def find_instance(self, ref: str, zone: str | None = None) -> InstanceRecord:
+        """An instance by path or bare name, in ZONE if given (admin convenience)."""
         with self.lock:
-            if ref in self.instances:
-                return self.instances[ref]
-            hits = [r for p, r in self.instances.items() if p.rsplit("/", 1)[-1] == ref]
+            hits = [
+                r
+                for p, r in self.instances.items()
+                if ref in (p, p.rsplit("/", 1)[-1]) and zone in (None, r.group.zone)
+            ]
         if len(hits) != 1:
-            raise ApiError(404 if not hits else 400, f"no single instance named '{ref}'")
+            where = f" in zone {zone}" if zone else ""
+            raise ApiError(404 if not hits else 400, f"no single instance named '{ref}'{where}")
         return hits[0]
+
+    def by_worker_number(self, rec: MigRecord) -> list[InstanceRecord]:
+        """The VMs REC manages in the order tpurun numbers a group's workers, w0 …: by name (a group names its
+        VMs at random, so their order of making says nothing to anyone reading the API)."""
+        with self.lock:
+            made = [self.instances[p] for p in self._managed(rec) if p in self.instances]
+        return sorted(made, key=lambda r: r.inst.name)
 
     def compute_status(self) -> dict[str, Any]:
         """What the admin status shows of Compute Engine (caller holds self.lock)."""
@@ -569,6 +582,13 @@ class ManagedGroups(ComputeResources):
                 self.instances,
             ):
                 table.clear()
+
+
+def _acted_on(vm: InstanceRecord) -> bool:
+    """Whether the group is still at work on VM (making it, or making it run again). A VM under host
+    maintenance is REPAIRING, which is Compute Engine's doing, not the group's: its action stays NONE and the
+    group stable, as while it runs."""
+    return vm.inst.status not in ("RUNNING", "REPAIRING")
 
 
 def _counts(made: list[InstanceRecord]) -> compute_v1.InstanceGroupManagerStatusInstanceStatusSummary:

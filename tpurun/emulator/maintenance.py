@@ -38,53 +38,83 @@ TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"  # what `maintenance-event` says onc
 
 
 @dataclass
-class _Host:
+class Host:
     """Where a host event lands: a Cloud TPU node's worker, or a Compute Engine instance (alone or in a MIG)."""
 
     key: str  # WorkerHosts' node
-    worker: int
+    worker: int  # WorkerHosts' index of the worker (a MIG's: in the order its VMs were made)
     node: NodeRecord | None = None
     vm: InstanceRecord | None = None
+    number: int | None = None  # the worker as tpurun numbers it (wN), where it differs from WORKER
 
     @property
     def name(self) -> str:
         return self.node.node.name if self.node else self.vm.path  # type: ignore[union-attr]
 
     @property
+    def label(self) -> str:
+        """The host in the event log: its TPU and worker, as tpurun numbers it (a group's: its VM named too)."""
+        if self.number is None:
+            return f"{self.name} worker {self.worker}"
+        return f"{self.vm.mig} worker {self.number} ({self.name.rsplit('/', 1)[-1]})"  # type: ignore[union-attr]
+
+    @property
     def lock(self) -> threading.RLock:
         return self.node.lock if self.node else self.vm.group.lock  # type: ignore[union-attr]
+
+    @property
+    def running(self) -> bool:
+        """Its worker is up (the node booted, the VM RUNNING or under maintenance)."""
+        if self.node is not None:
+            return self.node.booted
+        return self.vm.group.booted and self.vm.inst.status in ("RUNNING", "REPAIRING")  # type: ignore[union-attr]
+
+
+def _named(ref: str, path: str) -> bool:
+    """Whether REF names the resource at PATH: its whole path or its last part."""
+    return ref in (path, path.rsplit("/", 1)[-1])
 
 
 class HostEvents(ManagedGroups):
     # ------------------------------------------------------------------ where
 
-    def _host(self, ref: str, worker: int) -> _Host:
-        """A node's worker, a MIG's instance (by its worker index) or a lone instance (worker 0), by name."""
-        try:
-            rec = self.find_node(ref)
-        except ApiError:
-            rec = None
-        if rec is not None:
+    def _host(self, ref: str, worker: int, zone: str | None = None) -> Host:
+        """A node's worker, a MIG's VM or a lone VM (worker 0), by name (in ZONE if given); WORKER as tpurun
+        numbers workers (a MIG's by its VMs' names). A name in several zones needs ZONE."""
+        with self.lock:
+            nodes = [r for r in self.nodes.values() if _named(ref, r.node.name) and zone in (None, r.zone)]
+            migs = [m for p, m in self.migs.items() if _named(ref, p) and zone in (None, m.zone)]
+            vms = [v for p, v in self.instances.items() if _named(ref, p) and zone in (None, v.group.zone)]
+        found = len(nodes) + len(migs) + len(vms)
+        if found != 1:
+            where = f" in zone {zone}" if zone else ""
+            if not found:
+                raise ApiError(404, f"no TPU named '{ref}'{where}", "NOT_FOUND")
+            zones = sorted({r.zone for r in nodes} | {m.zone for m in migs} | {v.group.zone for v in vms})
+            raise ApiError(400, f"'{ref}' names a TPU in each of {', '.join(zones)}: give its zone")
+        if nodes:
+            rec = nodes[0]
             if not 0 <= worker < rec.topo.hosts:
                 raise ApiError(400, f"{rec.node.name} has workers 0-{rec.topo.hosts - 1}, not {worker}.")
-            return _Host(rec.key, worker, node=rec)
-        with self.lock:
-            migs = [m for p, m in self.migs.items() if p.rsplit("/", 1)[-1] == ref or p == ref]
-        if migs:
-            group = migs[0].group
-            if not 0 <= worker < len(group.members):
-                raise ApiError(400, f"{migs[0].path} has workers 0-{len(group.members) - 1}, not {worker}.")
-            return _Host(group.key, worker, vm=self.instances[group.members[worker]])
-        vm = self.find_instance(ref)
-        if worker != vm.index:
-            raise ApiError(400, f"{vm.path} is worker {vm.index} of its slice, not {worker}.")
-        return _Host(vm.group.key, worker, vm=vm)
+            return Host(rec.key, worker, node=rec)
+        if vms and not vms[0].mig:
+            if worker != 0:
+                raise ApiError(400, f"{vms[0].path} is a TPU of one VM: its worker is 0, not {worker}.")
+            return Host(vms[0].group.key, vms[0].index, vm=vms[0])
+        mig = migs[0] if migs else self.migs[vms[0].mig]
+        ordered = self.by_worker_number(mig)
+        if not 0 <= worker < len(ordered):
+            raise ApiError(400, f"{mig.path} has workers 0-{len(ordered) - 1}, not {worker}.")
+        vm = ordered[worker]
+        if vms and vm is not vms[0]:
+            raise ApiError(400, f"{vms[0].path} is worker {ordered.index(vms[0])} of {mig.path}, not {worker}.")
+        return Host(mig.group.key, vm.index, vm=vm, number=worker)
 
-    def _window(self, host: _Host) -> Window | None:
+    def _window(self, host: Host) -> Window | None:
         rec = host.node or host.vm
         return rec.maintenance  # type: ignore[union-attr]
 
-    def _show(self, host: _Host, window: Window | None) -> None:
+    def _show(self, host: Host, window: Window | None) -> None:
         """Put WINDOW (None: none) in the API's view of HOST and in its worker's metadata (caller holds self.lock)."""
         if host.node is not None:
             host.node.maintenance = window
@@ -114,25 +144,35 @@ class HostEvents(ManagedGroups):
     # ------------------------------------------------------------------ maintenance
 
     def announce_maintenance(
-        self, ref: str, worker: int, notice: float, length: float, kind: str = UNSCHEDULED, can_reschedule: bool = False
+        self,
+        ref: str,
+        worker: int,
+        notice: float,
+        length: float,
+        kind: str = UNSCHEDULED,
+        can_reschedule: bool = False,
+        zone: str | None = None,
     ) -> Window:
-        """Maintenance of REF's WORKER in NOTICE seconds, its host down for LENGTH seconds (admin)."""
+        """Maintenance of REF's WORKER (in ZONE, if given) in NOTICE seconds, its host down for LENGTH seconds
+        (admin)."""
         if kind not in (SCHEDULED, UNSCHEDULED):
             raise ApiError(400, f"unknown maintenance type '{kind}' (SCHEDULED or UNSCHEDULED)")
         if notice < 0 or length < 0:
             raise ApiError(400, "notice and duration cannot be negative")
-        host = self._host(ref, worker)
+        return self._announce(self._host(ref, worker, zone), notice, length, kind, can_reschedule)
+
+    def _announce(self, host: Host, notice: float, length: float, kind: str, can_reschedule: bool) -> Window:
         with self.lock:
             ready = host.node.state == "READY" if host.node else host.vm.inst.status == "RUNNING"  # type: ignore[union-attr]
             if not ready or self._window(host) is not None:
                 raise ApiError(400, f"{host.name} is not running, or has a maintenance announced already.")
-            window = Window(worker, kind, time.time() + notice, length, can_reschedule)
+            window = Window(host.worker, kind, time.time() + notice, length, can_reschedule)
             self._show(host, window)
-        self.log_event("maintenance", f"{host.name} worker {worker}: {kind} in {notice:g}s for {length:g}s")
+        self.log_event("maintenance", f"{host.label}: {kind} in {notice:g}s for {length:g}s")
         self._spawn(self._carry_out, host, window)
         return window
 
-    def _carry_out(self, host: _Host, window: Window) -> None:
+    def _carry_out(self, host: Host, window: Window) -> None:
         """Wait for WINDOW's start; take the host down; after its length, boot the slice again."""
         while not window.now.is_set() and time.time() < window.start:
             if not self._sleep(min(0.5, window.start - time.time())):
@@ -149,7 +189,7 @@ class HostEvents(ManagedGroups):
                 set_enum(host.node.node, "health", tpu_v2.Node.Health.UNHEALTHY_MAINTENANCE)
             else:
                 host.vm.inst.status = "REPAIRING"  # type: ignore[union-attr]
-        self.log_event("maintenance", f"{host.name} worker {host.worker}: down")
+        self.log_event("maintenance", f"{host.label}: down")
         with host.lock:
             try:
                 self.hosts.kill_worker(host.key, host.worker)
@@ -159,7 +199,7 @@ class HostEvents(ManagedGroups):
             return
         self._bring_back(host, window)
 
-    def _bring_back(self, host: _Host, window: Window) -> None:
+    def _bring_back(self, host: Host, window: Window) -> None:
         with self.lock:
             if self._window(host) is not window:
                 return
@@ -174,9 +214,9 @@ class HostEvents(ManagedGroups):
         else:
             self._boot_group(host.vm.group)  # type: ignore[union-attr]
         self.hosts.set_events(host.key, everyone, {"maintenance-event": None, "upcoming-maintenance": None})
-        self.log_event("maintenance", f"{host.name} worker {host.worker}: back")
+        self.log_event("maintenance", f"{host.label}: back")
 
-    def _start_now(self, host: _Host) -> None:
+    def _start_now(self, host: Host) -> None:
         with self.lock:
             window = self._window(host)
             if window is None or window.status != PENDING:
@@ -190,7 +230,7 @@ class HostEvents(ManagedGroups):
         rec = self.get_record(name)
         with self.lock:
             window = rec.maintenance
-        self._start_now(_Host(rec.key, window.worker if window else 0, node=rec))
+        self._start_now(Host(rec.key, window.worker if window else 0, node=rec))
         return self._done_op(rec, "performMaintenance")
 
     def simulate_maintenance_event(self, name: str, worker_ids: list[str]) -> dict[str, Any]:
@@ -247,7 +287,8 @@ class HostEvents(ManagedGroups):
         """Compute Engine instances.simulateMaintenanceEvent: a TPU VM (onHostMaintenance TERMINATE) is taken
         down for maintenance after the emulator's notice delay."""
         rec = self._record(path)
-        self.announce_maintenance(path, rec.index, self.config.delays.notice, self.config.delays.maintenance)
+        delays = self.config.delays
+        self._announce(Host(rec.group.key, rec.index, vm=rec), delays.notice, delays.maintenance, UNSCHEDULED, False)
         return self._quick(
             self._operation(rec.path.rsplit("/instances/", 1)[0], "simulateMaintenanceEvent", path, rec.inst.id)
         )
@@ -255,7 +296,7 @@ class HostEvents(ManagedGroups):
     def perform_instance_maintenance(self, path: str) -> dict[str, Any]:
         """Compute Engine instances.performMaintenance: the instance's pending maintenance starts now."""
         rec = self._record(path)
-        self._start_now(_Host(rec.group.key, rec.index, vm=rec))
+        self._start_now(Host(rec.group.key, rec.index, vm=rec))
         return self._quick(
             self._operation(rec.path.rsplit("/instances/", 1)[0], "performMaintenance", path, rec.inst.id)
         )
@@ -282,7 +323,7 @@ class HostEvents(ManagedGroups):
                 raise ApiError(
                     400,
                     f"{rec.node.name} is not a spot or preemptible node, so Cloud TPU would not "
-                    "preempt it; pass force to preempt it anyway.",
+                    "preempt it; pass --force to preempt it anyway.",
                 )
             if rec.state != "READY":
                 raise ApiError(400, f"{rec.node.name} is {rec.state}; only a running node can be preempted.")

@@ -44,14 +44,16 @@ class Nodes(Operations):
             raise not_found(name)
         return rec
 
-    def find_node(self, ref: str) -> NodeRecord:
-        """A node by full name or bare id (admin convenience)."""
+    def find_node(self, ref: str, zone: str | None = None) -> NodeRecord:
+        """A node by full name or bare id, in ZONE if given (admin convenience)."""
         with self.lock:
-            if ref in self.nodes:
+            if ref in self.nodes and zone in (None, self.nodes[ref].zone):
                 return self.nodes[ref]
-            hits = [r for r in self.nodes.values() if r.node.name.rsplit("/", 1)[-1] == ref]
+            hits = [
+                r for r in self.nodes.values() if r.node.name.rsplit("/", 1)[-1] == ref and zone in (None, r.zone)
+            ]
         if not hits:
-            raise ApiError(404, f"no node named '{ref}'", "NOT_FOUND")
+            raise ApiError(404, f"no node named '{ref}'" + (f" in zone {zone}" if zone else ""), "NOT_FOUND")
         if len(hits) > 1:
             raise ApiError(400, f"'{ref}' is ambiguous: {', '.join(h.node.name for h in hits)}; give the full name")
         return hits[0]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tpurun.emulator.maintenance import HostEvents
-from tpurun.emulator.model import ApiError, NodeRecord
+from tpurun.emulator.maintenance import Host, HostEvents
+from tpurun.emulator.model import ApiError
 
 
 class Emulator(HostEvents):
@@ -48,24 +48,26 @@ class Emulator(HostEvents):
             )
         return f"vm:{node}"
 
-    def kill_worker(self, ref: str, index: int) -> None:
-        rec = self._worker_check(ref, index)
-        self.hosts.kill_worker(rec.key, index)
-        self.log_event("kill-worker", f"{rec.node.name} worker {index}")
+    def kill_worker(self, ref: str, index: int, zone: str | None = None) -> None:
+        """Fault: worker INDEX of REF (a node, a MIG or a lone VM; as tpurun numbers workers) dies whole."""
+        host = self._running_host(ref, index, zone)
+        with host.lock:
+            self.hosts.kill_worker(host.key, host.worker)
+        self.log_event("kill-worker", host.label)
         self._persist_pids()
 
-    def kill_sshd(self, ref: str, index: int) -> None:
-        rec = self._worker_check(ref, index)
-        self.hosts.kill_sshd(rec.key, index)
-        self.log_event("kill-sshd", f"{rec.node.name} worker {index}")
+    def kill_sshd(self, ref: str, index: int, zone: str | None = None) -> None:
+        """Fault: worker INDEX of REF takes no new ssh connection; its processes live on."""
+        host = self._running_host(ref, index, zone)
+        self.hosts.kill_sshd(host.key, host.worker)
+        self.log_event("kill-sshd", host.label)
 
-    def _worker_check(self, ref: str, index: int) -> NodeRecord:
-        rec = self.find_node(ref)
-        if not rec.booted:
-            raise ApiError(400, f"{rec.node.name} is {rec.state}: its workers are not running.")
-        if not 0 <= index < rec.topo.hosts:
-            raise ApiError(400, f"{rec.node.name} has workers 0..{rec.topo.hosts - 1}, not {index}.")
-        return rec
+    def _running_host(self, ref: str, index: int, zone: str | None) -> Host:
+        host = self._host(ref, index, zone)
+        if not host.running:
+            state = host.node.state if host.node else host.vm.inst.status  # type: ignore[union-attr]
+            raise ApiError(400, f"{host.name} is {state}: its workers are not running.")
+        return host
 
     def node_info(self, ref: str) -> dict[str, Any]:
         rec = self.find_node(ref)
