@@ -74,6 +74,34 @@ while True:
 """
 
 
+# Three processes on each worker, each counting its SIGUSR1 handler's runs: the host process, a child of its in its
+# process group, and a child that left the group (setsid). A notice must reach each of them once.
+COUNT_USR1 = """\
+import os, signal, time
+
+w = os.environ["TPURUN_WORKER_ID"]
+role = "host"
+if os.fork() == 0:
+    role = "child"
+elif os.fork() == 0:
+    os.setsid()
+    role = "setsid"
+runs = 0
+
+
+def on_usr1(signum, frame):
+    global runs
+    runs += 1
+    print(f"USR1 w{w} {role} run {runs}", flush=True)
+
+
+signal.signal(signal.SIGUSR1, on_usr1)
+print(f"ready w{w} {role}", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
 def _saved(lines: list[str], word: str) -> dict[str, int]:
     """{worker: the step it saved at} from the lines `SYNC w0 saved at step 12` (WORD: SYNC or NOTICE)."""
     found = {}
@@ -216,3 +244,26 @@ def test_compute_engine_notice_file_and_maintenance_now(cli, emulator, clean):
     for w in ("w0", "w1"):
         assert any(f"start {w} restart 1 reason maintenance from {saved[w]}" in x for x in lines), lines[-20:]
     assert "restart 1/1: waiting for iron to be usable again" in err
+
+
+def test_a_preemption_notice_signals_each_process_once(cli, emulator):
+    """A spot v4-16 and `--on-notice signal:SIGUSR1`: on every worker the host process, a child in its group and
+    a child that left it (setsid) each run their handler exactly once (each process was signalled through its
+    group and again by its pid before), until the host goes. The notice's deadline is the metadata's, which
+    gives none for a preemption (`instance/preempted` is TRUE, and that is all)."""
+    cli.env["TPURUN_PREEMPT_CHECK"] = "3"
+    create_node(cli, "once", "v4-16", "--spot")
+    (cli.cwd / "count.py").write_text(COUNT_USR1)
+    proc = popen(cli, "--plain", "train", "count.py", "--runtime", "cpu", "--launch", "host",
+                 "--on-notice", "signal:SIGUSR1")  # fmt: skip
+    roles = [(w, r) for w in (0, 1) for r in ("host", "child", "setsid")]
+    lines = read_until(proc, lambda ls: all(any(f"ready w{w} {r}" in x for x in ls) for w, r in roles), timeout=240)
+    emulator.admin.preempt(emulator.node_name("once"), notice=4)
+    out, err = finish(proc, timeout=240)  # ended by the host going, seconds after every process was told
+    lines += out.splitlines()
+    runs = [m.groups() for x in lines for m in [re.search(r"USR1 w(\d) (\w+) run (\d+)", x)] if m]
+    assert sorted(runs) == sorted((str(w), r, "1") for w, r in roles), (runs, err[-2000:])
+    assert "preempted announced for" in err and "SIGUSR1 to every process" in err, err
+    (job,) = json.loads(cli("jobs", "--json").out)
+    assert job["notice"]["kind"] == "preempted" and job["notice"]["deadline"] is None, job["notice"]
+    assert job["notice"]["detail"].startswith("instance/preempted: TRUE"), job["notice"]

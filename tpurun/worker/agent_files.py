@@ -180,6 +180,26 @@ def signal_pids(pids: list[int], sig: int) -> None:
             pass
 
 
+def signal_job(job: str, groups: list, sig: int) -> None:
+    """SIG to every process of JOB once: to each of its process GROUPS (the pgids the supervisor started) as a
+    whole, then by pid to those of its processes that were outside them (they left with setsid, or joined a
+    group of their own). Those are picked in one look at /proc made before the groups are signalled: a process
+    seen in a group then gets the group's signal and not a second one (a handler that puts its default back
+    and saves would die of the second), and one that appears after the look (a child a handler started, with
+    setsid or not) was born after the notice and is not told of it. A group's signal reaches a process the
+    kernel is forking in it meanwhile, as killpg's does."""
+    pgids = {g for g in groups if g}
+    outside = [pid for pid in job_processes(job) if not _in_groups(pid, pgids)]
+    for pgid in sorted(pgids):
+        signal_group(pgid, sig)
+    signal_pids(outside, sig)
+
+
+def _in_groups(pid: int, pgids: set) -> bool:
+    stat = _proc_stat(pid)
+    return stat is not None and len(stat) > 2 and stat[2].isdigit() and int(stat[2]) in pgids
+
+
 def now() -> float:
     return time.time()
 

@@ -33,6 +33,7 @@ from agent_files import (
     pid_alive,
     read_stop,
     signal_group,
+    signal_job,
     signal_pids,
     watch_exit,
     write_state,
@@ -542,11 +543,12 @@ class Supervisor:
         self.reason = self.reason or reason
         self.stop_deadline = now() + grace
         self.log(f"stopping ({reason}): SIGTERM to every process, SIGKILL after {grace:.1f} s")
-        for c in self.snapshot():
+        slots = self.snapshot()
+        for c in slots:
             if c.status == ProcessStatus.RUNNING:
                 c.signalled = True
-            signal_group(c.pgid, signal.SIGTERM)
-        signal_pids(job_processes(self.job), signal.SIGTERM)  # those that left their group
+        # once to each process, those that left their group too: a SIGTERM handler that saves is not cut short
+        signal_job(self.job, [c.pgid for c in slots], signal.SIGTERM)
 
     def on_notice(self, notice: Notice) -> None:
         """A host event announced for a worker of the job (a thread of the NoticeWatch's): told to the processes."""
@@ -563,8 +565,9 @@ class Supervisor:
         c.exit_code = rc
         c.status = ProcessStatus.KILLED if c.signalled else ProcessStatus.EXITED
         self.log(f"slot {c.index} exited with {rc}")
-        # Whatever the process left behind in its group (children, data loaders) would hold the TPU.
-        if group_members(c.pgid):
+        # Whatever the process left behind in its group (children, data loaders) would hold the TPU. Not during a
+        # stop: they had its SIGTERM once already, and its SIGKILL comes after the grace.
+        if self.stop_deadline is None and group_members(c.pgid):
             signal_group(c.pgid, signal.SIGTERM)
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
