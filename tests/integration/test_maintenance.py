@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -95,7 +96,13 @@ def on_usr1(signum, frame):
     print(f"USR1 w{w} {role} run {runs}", flush=True)
 
 
+def on_term(signum, frame):  # the job's stop: after every SIGUSR1 sent before (lower signals are handled first)
+    print(f"stopped w{w} {role} after {runs} run(s)", flush=True)
+    os._exit(0)
+
+
 signal.signal(signal.SIGUSR1, on_usr1)
+signal.signal(signal.SIGTERM, on_term)
 print(f"ready w{w} {role}", flush=True)
 while True:
     time.sleep(0.1)
@@ -249,21 +256,22 @@ def test_compute_engine_notice_file_and_maintenance_now(cli, emulator, clean):
 def test_a_preemption_notice_signals_each_process_once(cli, emulator):
     """A spot v4-16 and `--on-notice signal:SIGUSR1`: on every worker the host process, a child in its group and
     a child that left it (setsid) each run their handler exactly once (each process was signalled through its
-    group and again by its pid before), until the host goes. The notice's deadline is the metadata's, which
-    gives none for a preemption (`instance/preempted` is TRUE, and that is all)."""
-    cli.env["TPURUN_PREEMPT_CHECK"] = "3"
+    group and again by its pid before), as each says when the job is then stopped. The notice's deadline is the
+    metadata's, which gives none for a preemption (`instance/preempted` is TRUE, and that is all)."""
     create_node(cli, "once", "v4-16", "--spot")
     (cli.cwd / "count.py").write_text(COUNT_USR1)
     proc = popen(cli, "--plain", "train", "count.py", "--runtime", "cpu", "--launch", "host",
                  "--on-notice", "signal:SIGUSR1")  # fmt: skip
     roles = [(w, r) for w in (0, 1) for r in ("host", "child", "setsid")]
     lines = read_until(proc, lambda ls: all(any(f"ready w{w} {r}" in x for x in ls) for w, r in roles), timeout=240)
-    emulator.admin.preempt(emulator.node_name("once"), notice=4)
-    out, err = finish(proc, timeout=240)  # ended by the host going, seconds after every process was told
+    emulator.admin.preempt(emulator.node_name("once"), notice=3600)  # told now; the host stays for the test
+    lines += read_until(proc, lambda ls: all(any(f"USR1 w{w} {r}" in x for x in ls) for w, r in roles), timeout=60)
+    proc.send_signal(signal.SIGINT)  # the job stopped: each process says how often its handler ran
+    out, err = finish(proc, timeout=120)
     lines += out.splitlines()
-    runs = [m.groups() for x in lines for m in [re.search(r"USR1 w(\d) (\w+) run (\d+)", x)] if m]
-    assert sorted(runs) == sorted((str(w), r, "1") for w, r in roles), (runs, err[-2000:])
+    stopped = {m.groups() for x in lines for m in [re.search(r"stopped w(\d) (\w+) after (\d+) run", x)] if m}
+    assert stopped == {(str(w), r, "1") for w, r in roles}, (sorted(stopped), lines[-20:], err[-2000:])
     assert "preempted announced for" in err and "SIGUSR1 to every process" in err, err
     (job,) = json.loads(cli("jobs", "--json").out)
     assert job["notice"]["kind"] == "preempted" and job["notice"]["deadline"] is None, job["notice"]
-    assert job["notice"]["detail"].startswith("instance/preempted: TRUE"), job["notice"]
+    assert job["notice"]["detail"] == "instance/preempted: TRUE", job["notice"]
