@@ -207,6 +207,7 @@ class Supervisor:
         self.ended_at: float | None = None
         self.stop_requested = False
         self.stop_deadline: float | None = None
+        self.stop_told: set = set()  # the processes the stop's SIGTERM was sent to (never twice)
         self.killed = False
         self.saved_at = 0.0
         self.notice: Notice | None = None  # the first notice of a host event the job got (agent_notices)
@@ -543,12 +544,10 @@ class Supervisor:
         self.reason = self.reason or reason
         self.stop_deadline = now() + grace
         self.log(f"stopping ({reason}): SIGTERM to every process, SIGKILL after {grace:.1f} s")
-        slots = self.snapshot()
-        for c in slots:
-            if c.status == ProcessStatus.RUNNING:
-                c.signalled = True
+        for c in self.snapshot():
+            c.signalled = c.signalled or c.status == ProcessStatus.RUNNING
         # once to each process, those that left their group too: a SIGTERM handler that saves is not cut short
-        signal_job(self.job, [c.pgid for c in slots], signal.SIGTERM)
+        self.stop_told = signal_job(self.job, [c.pgid for c in self.snapshot()], signal.SIGTERM)
 
     def on_notice(self, notice: Notice) -> None:
         """A host event announced for a worker of the job (a thread of the NoticeWatch's): told to the processes."""
@@ -565,10 +564,11 @@ class Supervisor:
         c.exit_code = rc
         c.status = ProcessStatus.KILLED if c.signalled else ProcessStatus.EXITED
         self.log(f"slot {c.index} exited with {rc}")
-        # Whatever the process left behind in its group (children, data loaders) would hold the TPU. Not during a
-        # stop: they had its SIGTERM once already, and its SIGKILL comes after the grace.
-        if self.stop_deadline is None and group_members(c.pgid):
-            signal_group(c.pgid, signal.SIGTERM)
+        # What the process left in its group (children, data loaders) would hold the TPU; in a stop, those its
+        # SIGTERM did not reach (born since): the others are not sent it twice.
+        left = [p for p in group_members(c.pgid) if p not in self.stop_told]
+        self.stop_told.update(left if self.stop_deadline is not None else [])
+        signal_pids(left, signal.SIGTERM)
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return
