@@ -76,6 +76,13 @@ WATCHDOG_TICK = Tunable(
     "seconds between two looks of a TPU's watchdog (autostop, train --down), written into the setting at create "
     "or `tpurun autostop`; the shortest --autostop is two of them. Testing: 0.5 lets tests use --autostop 2s",
 )
+WATCHDOG_SILENT = Tunable(
+    "TPURUN_WATCHDOG_SILENT",
+    "300",
+    "seconds a worker's watchdog may go without reporting before the deciding one asks the API (and the VM's "
+    "address) whether its VM is still there; one found dead keeps the TPU busy no longer (docs/cost-safety.md). "
+    "Written into the setting at create or `tpurun autostop`",
+)
 EMULATOR_SLOTS = Tunable(
     "TPURUN_EMULATOR_SLOTS",
     "",

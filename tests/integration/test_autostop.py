@@ -198,6 +198,33 @@ def test_autostop_off_disarms_and_setting_it_again_arms(tp, emulator):
     _nothing_left(emulator)
 
 
+def test_a_dead_worker_keeps_its_tpu_busy_no_longer(tp, emulator):
+    """A v4-16 whose worker 1 dies (its whole VM: `emulator kill-worker`): its watchdog goes silent. Past the bound
+    (TPURUN_WATCHDOG_SILENT) the deciding watchdog asks the API (the node READY: it has no word of one VM) and
+    knocks at the VM's address: nothing takes the connection, so w1 is dead, which `describe` and `list` say
+    instead of "busy"; and autostop deletes the TPU its only busy worker was keeping."""
+    tp.env["TPURUN_WATCHDOG_SILENT"] = "3"
+    assert tp("create", "dead", "-t", "v4-16").code == 0
+    emulator.kill_worker(emulator.node_name("dead"), 1)
+    assert tp("autostop", "dead", "1h").code == 0  # armed, with a period this test does not wait for
+    deadline = time.monotonic() + 60
+    while not (d := _describe(tp, "dead"))["silent"] or " dead: " not in d["silent"][0]:
+        assert time.monotonic() < deadline, d
+        time.sleep(0.2)
+    (said,) = d["silent"]
+    assert said.startswith("w1 dead: silent for ") and "its VM takes no connection at " in said, said
+    assert "the API says its node is READY" in said and d["busy"] is None and d["idleSeconds"] is not None, d
+    (listed,) = json.loads(tp("list", "--json").out)
+    assert listed["silent"] == [said] or listed["silent"][0].startswith("w1 dead: "), listed
+    shown = tp("list")
+    assert "w1 dead: silent for" in shown.out and "busy" not in shown.out, shown.out
+    before = len(emulator.requests())
+    assert tp("autostop", "dead", "2s").code == 0
+    _gone_within(emulator, "dead", 60)
+    _deleted_by_vm(emulator, before, "/nodes/dead")
+    _nothing_left(emulator)
+
+
 def test_autostop_on_a_node_tpurun_did_not_create(tp, emulator, tpu_node):
     """No tpurun startup wrapper there: `autostop` starts the watchdog on every worker over SSH first."""
     node = tpu_node("v4-16")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -69,6 +70,40 @@ n, why = os.environ["TPURUN_RESTART_COUNT"], os.environ["TPURUN_RESTART_REASON"]
 print(f"attempt {n} after {why or '-'} w{os.environ['TPURUN_WORKER_ID']}", flush=True)
 if n == "0":
     sys.exit(3)
+while True:
+    time.sleep(0.1)
+"""
+
+
+# Three processes on each worker, each counting its SIGUSR1 handler's runs: the host process, a child of its in its
+# process group, and a child that left the group (setsid). A notice must reach each of them once.
+COUNT_USR1 = """\
+import os, signal, time
+
+w = os.environ["TPURUN_WORKER_ID"]
+role = "host"
+if os.fork() == 0:
+    role = "child"
+elif os.fork() == 0:
+    os.setsid()
+    role = "setsid"
+runs = 0
+
+
+def on_usr1(signum, frame):
+    global runs
+    runs += 1
+    print(f"USR1 w{w} {role} run {runs}", flush=True)
+
+
+def on_term(signum, frame):  # the job's stop: after every SIGUSR1 sent before (lower signals are handled first)
+    print(f"stopped w{w} {role} after {runs} run(s)", flush=True)
+    os._exit(0)
+
+
+signal.signal(signal.SIGUSR1, on_usr1)
+signal.signal(signal.SIGTERM, on_term)
+print(f"ready w{w} {role}", flush=True)
 while True:
     time.sleep(0.1)
 """
@@ -216,3 +251,28 @@ def test_compute_engine_notice_file_and_maintenance_now(cli, emulator, clean):
     for w in ("w0", "w1"):
         assert any(f"start {w} restart 1 reason maintenance from {saved[w]}" in x for x in lines), lines[-20:]
     assert "restart 1/1: waiting for iron to be usable again" in err
+
+
+def test_a_preemption_notice_signals_each_process_once(cli, emulator):
+    """A spot v4-16 and `--on-notice signal:SIGUSR1`: on every worker the host process, a child in its group and
+    a child that left it (setsid) each run their handler exactly once (each process was signalled through its
+    group and again by its pid before), as each says when the job is then stopped. The notice's deadline is the
+    metadata's, which gives none for a preemption (`instance/preempted` is TRUE, and that is all)."""
+    create_node(cli, "once", "v4-16", "--spot")
+    (cli.cwd / "count.py").write_text(COUNT_USR1)
+    proc = popen(cli, "--plain", "train", "count.py", "--runtime", "cpu", "--launch", "host",
+                 "--on-notice", "signal:SIGUSR1")  # fmt: skip
+    roles = [(w, r) for w in (0, 1) for r in ("host", "child", "setsid")]
+    lines = read_until(proc, lambda ls: all(any(f"ready w{w} {r}" in x for x in ls) for w, r in roles), timeout=240)
+    emulator.admin.preempt(emulator.node_name("once"), notice=3600)  # told now; the host stays for the test
+    lines += read_until(proc, lambda ls: all(any(f"USR1 w{w} {r}" in x for x in ls) for w, r in roles), timeout=60)
+    proc.send_signal(signal.SIGINT)  # the job stopped: each process says how often its handler ran
+    out, err = finish(proc, timeout=120)
+    lines += out.splitlines()
+    # (the three processes of a worker share its stdout: their lines may run into each other)
+    stopped = set(re.findall(r"stopped w(\d) (\w+) after (\d+) run", "\n".join(lines)))
+    assert stopped == {(str(w), r, "1") for w, r in roles}, (sorted(stopped), lines[-20:], err[-2000:])
+    assert "preempted announced for" in err and "SIGUSR1 to every process" in err, err
+    (job,) = json.loads(cli("jobs", "--json").out)
+    assert job["notice"]["kind"] == "preempted" and job["notice"]["deadline"] is None, job["notice"]
+    assert job["notice"]["detail"] == "instance/preempted: TRUE", job["notice"]

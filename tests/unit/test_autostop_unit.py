@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 import pytest
 
 from tpurun.cloud import autostop
 from tpurun.errors import UsageError
-from tpurun.worker import agent_files, watchdog
+from tpurun.worker import agent_files, watchdog, watchdog_silent
 from tpurun.worker.protocol import HOST
 from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
 
@@ -79,7 +80,8 @@ def test_summarize_idle_since_the_last_worker_became_idle():
     states = published(
         [("w0", {"t": 999, "idle_since": 900, "jobs": []}), ("w1", {"t": 999.5, "idle_since": 950, "jobs": []})]
     )
-    assert watchdog.summarize(states, now, tick=30) == ([], [], 950)
+    seen = watchdog.summarize(states, now, tick=30)
+    assert (seen.running, seen.busy, seen.since) == ([], [], 950)
 
 
 def test_summarize_busy_and_silent_workers():
@@ -92,9 +94,50 @@ def test_summarize_busy_and_silent_workers():
             ("w3", None),  # never reported
         ]
     )
-    running, busy, _ = watchdog.summarize(states, now, tick=30)
-    assert running == ["w0 runs job j1", "w2 has not reported", "w3 has not reported"]
-    assert busy == ["w1: 2 process(es) hold the TPU"]
+    seen = watchdog.summarize(states, now, tick=30)
+    assert seen.running == ["w0 runs job j1", "w2 silent for 1m40s", "w3 has not reported"]
+    assert seen.busy == ["w1: 2 process(es) hold the TPU"]
+    assert seen.silent == ["w2 silent for 1m40s", "w3 has not reported"] and seen.dead == []
+
+
+def test_a_silent_worker_found_dead_keeps_nothing_busy():
+    """The deciding watchdog's verdicts, published with its state: a dead VM's worker no longer runs anything, its
+    work ended with its last report; a silent VM that still answers stays busy, said as it is."""
+    now = 1000.0
+    states = published(
+        [
+            ("w0", {"t": 999, "idle_since": 700, "jobs": [], "silent": {
+                "w1": {"since": 800, "dead": True, "vm": "takes no connection at 10.0.0.3:22 (refused)"}}}),
+            ("w1", {"t": 800, "idle_since": None, "jobs": ["j1"]}),
+        ]
+    )  # fmt: skip
+    verdicts = watchdog_silent.verdicts_in(states)
+    seen = watchdog.summarize(states, now, tick=30, verdicts=verdicts)
+    assert seen.running == [] and seen.since == 800
+    assert seen.dead == ["w1 dead: silent for 3m20s; its VM takes no connection at 10.0.0.3:22 (refused)"]
+    verdicts["w1"].dead, verdicts["w1"].vm = False, "answers at 10.0.0.3:22 (its watchdog does not report)"
+    seen = watchdog.summarize(states, now, tick=30, verdicts=verdicts)
+    assert seen.running == ["w1 silent for 3m20s; its VM answers at 10.0.0.3:22 (its watchdog does not report)"]
+
+
+def test_what_the_api_and_the_address_say_of_a_silent_vm():
+    """A node gone or unresponsive is dead by the API's word; a READY node's VM by whether its address takes a
+    connection (a real listener, and a port nothing listens on)."""
+    node = {"state": "READY", "health": "HEALTHY", "networkEndpoints": [{"ipAddress": "127.0.0.1"}]}
+    with socket.socket() as listener, socket.socket() as closed:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        up, down = (lambda a, p=s.getsockname()[1]: watchdog_silent.knock(a, p) for s in (listener, closed))
+        assert not watchdog_silent.node_verdict(node, 0, 1.0, up).dead
+        v = watchdog_silent.node_verdict(node, 0, 1.0, down)
+        assert v.dead and "127.0.0.1:22 (refused)" in v.vm and "READY" in v.vm
+    assert watchdog_silent.node_verdict({**node, "state": "PREEMPTED"}, 0, 1.0).dead
+    assert watchdog_silent.node_verdict({**node, "health": "TIMEOUT"}, 0, 1.0).dead
+    assert not watchdog_silent.node_verdict({**node, "state": "REPAIRING"}, None, 1.0).dead  # maintenance: waits
+    assert watchdog_silent.vm_verdict(404, {}, 1.0).dead
+    assert watchdog_silent.vm_verdict(200, {"status": "TERMINATED"}, 1.0).dead
+    assert not watchdog_silent.vm_verdict(200, {"status": "STAGING"}, 1.0).dead
 
 
 def test_tpu_env_value_and_duration():
@@ -142,13 +185,13 @@ def test_summarize_counts_setup_as_work_and_unreadable_states_as_silent():
             ("w2", [1]),
         ]
     )
-    running, busy, _ = watchdog.summarize(states, now, tick=30)
-    assert running == ["w0 runs tpurun setup", "w1 has not reported", "w2 has not reported"] and busy == []
+    seen = watchdog.summarize(states, now, tick=30)
+    assert seen.running == ["w0 runs tpurun setup", "w1 has not reported", "w2 has not reported"] and seen.busy == []
 
 
 def test_no_worker_to_look_at_is_never_idle():
-    running, busy, since = watchdog.summarize([], 1000.0, tick=30)
-    assert running == ["no worker to look at"] and since == 0
+    seen = watchdog.summarize([], 1000.0, tick=30)
+    assert seen.running == ["no worker to look at"] and seen.since == 0
 
 
 def test_the_token_goes_to_https_or_loopback_only():

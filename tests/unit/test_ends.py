@@ -93,6 +93,7 @@ def test_what_the_metadata_server_announces():
     )
     n = agent_notices.look(0, "stop", _metadata(quiet | {"instance/preempted": "TRUE"}))
     assert n is not None and n.kind is NoticeKind.PREEMPTED and n.action == "stop"
+    assert n.deadline is None  # the metadata says TRUE and nothing of when: no deadline is made up
     n = agent_notices.look(
         0, "file", _metadata(quiet | {"instance/maintenance-event": "TERMINATE_ON_HOST_MAINTENANCE"})
     )

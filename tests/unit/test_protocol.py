@@ -164,7 +164,7 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
     assert protocol_calls.Preflight.from_json(back[3].decode()) == pre
     assert [protocol_calls.WatchdogConfig.from_json(b.decode()) for b in back[4:]] == WATCHDOG
     # the Cloud TPU API's resources are its nodes; a Compute Engine TPU's, its VM or its groups and what goes with them
-    assert [sorted(json.loads(b)) for b in back[4:6]] == [["action", "endpoint", "idle", "nodes", "tick"]] * 2
+    assert [sorted(json.loads(b)) for b in back[4:6]] == [["action", "endpoint", "idle", "nodes", "silent", "tick"]] * 2
     assert json.loads(back[6])["compute"] == {"project": "p", "zone": "z", "name": "t", "instance": "t"}
     # state.json's keys as docs/train.md names them: each process under "cores", its slot under "core"
     wire = json.loads(back[0])
@@ -181,6 +181,10 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
 WATCH = [
     protocol_calls.WatchState(1764000000.5, 3, ["j1", "j2"], ["setup"], 2, None, ["j2"]),
     protocol_calls.WatchState(1764000000.0, 0, idle_since=1763990000.5),
+    # the deciding watchdog's, with its verdict on a silent worker
+    protocol_calls.WatchState(
+        1764000000.0, 0, idle_since=1763990000.5, silent={"w5": protocol_calls.Silent(1763999700.0, True, "is gone")}
+    ),
 ]
 
 
@@ -195,11 +199,12 @@ def test_the_watchdogs_state_and_a_stop_request_round_trip_through_the_agent_sid
     )
     assert r.returncode == 0, r.stderr.decode()
     back = r.stdout.splitlines()
-    assert [protocol_calls.WatchState.from_json(b) for b in back[:2]] == WATCH
-    assert protocol_calls.StopRequest.from_dict(json.loads(back[2])) == stop
+    assert [protocol_calls.WatchState.from_json(b) for b in back[:3]] == WATCH
+    assert protocol_calls.StopRequest.from_dict(json.loads(back[3])) == stop
     # guest attribute tpurun/watch's keys, sorted as the watchdog publishes them
-    assert list(json.loads(back[0])) == ["down", "holders", "idle_since", "jobs", "t", "work", "worker"]
-    assert back[0].decode() == WATCH[0].to_json() and json.loads(back[2]) == {"grace": 2.5, "at": 1764000000.25}
+    assert list(json.loads(back[0])) == ["down", "holders", "idle_since", "jobs", "silent", "t", "work", "worker"]
+    assert back[0].decode() == WATCH[0].to_json() and json.loads(back[3]) == {"grace": 2.5, "at": 1764000000.25}
+    assert json.loads(back[2])["silent"] == {"w5": {"since": 1763999700.0, "dead": True, "vm": "is gone"}}
 
 
 def test_a_watchdogs_state_an_older_watchdog_wrote_reads_and_a_broken_one_says_so() -> None:

@@ -363,7 +363,7 @@ def _describe_table(view: provision.NodeView) -> None:
         ("queued resource", view.queued_resource or "-"),
         ("maintenance", "\n".join(m.summary() for m in view.maintenance) or "-"),
         ("autostop", act.autostop_label(view.autostop_setting)),
-        ("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy else "")),
+        ("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy and act.why_busy not in act.silent else "")),
         ("jobs", ", ".join(act.jobs) or "-"),
         ("watchdog", act.decision or "-"),
     ]

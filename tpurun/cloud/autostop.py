@@ -20,7 +20,7 @@ from tpurun import config, ui
 from tpurun.cloud import startup
 from tpurun.errors import TpurunError, UsageError
 from tpurun.naming import parse_duration
-from tpurun.worker import bundle_metadata, watchdog
+from tpurun.worker import bundle_metadata, watchdog, watchdog_silent
 from tpurun.worker.protocol_calls import DEFAULT_TICK, WatchdogConfig
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def check_action(action: str, cannot_stop: str = "") -> None:
 def setting(resources: WatchdogConfig, idle: int, action: str = "delete") -> str:
     """The `tpurun-autostop` metadata value: the watchdog's RESOURCES (the API and the TPU's resources, from the
     backend's `watchdog_resources`), the idle period, the action and the watchdog's tick."""
-    return resources.set(idle, action, tick()).to_json()
+    return resources.set(idle, action, tick(), config.WATCHDOG_SILENT.number()).to_json()
 
 
 def stand_in(nodes: list[str]) -> WatchdogConfig:
@@ -115,11 +115,16 @@ class Activity:
     reported: bool = False  # some worker runs a watchdog
     age: float | None = None  # seconds since the oldest report used was published
     down: list[str] = field(default_factory=list)  # running `train --down` jobs: the TPU goes when they end
+    silent: list[str] = field(default_factory=list)  # a line on each worker that has not reported (dead or not)
 
     def idle_label(self) -> str:
+        """Idle for how long, or busy; a silent worker said as what it is (`w5 dead: silent for 6m; its VM ...`),
+        not as work."""
         if not self.reported:
             return "-"
         state = "busy" if self.idle_for is None else ui.age(self.idle_for)
+        if self.silent:
+            state = f"{state}, {self.silent[0]}" + (f" (+{len(self.silent) - 1} silent)" if len(self.silent) > 1 else "")
         return f"{state} ({ui.age(self.age)} ago)" if self.age is not None else state
 
     def autostop_label(self, setting: Setting | None) -> str:
@@ -136,6 +141,7 @@ class Activity:
             "watchdog": self.decision or None,
             "reportedSecondsAgo": None if self.age is None else round(self.age, 1),
             "down": self.down,
+            "silent": self.silent,
         }
 
 
@@ -161,11 +167,11 @@ def activity(maker: Backend, view: NodeView) -> Activity:
     if not any(st for _, st in states):
         return Activity()
     now = time.time()
-    running, busy, since = watchdog.summarize(states, now, current.tick)
-    jobs = sorted({j for _, st in states if st for j in st.jobs})
+    seen = watchdog_silent.summarize(states, now, current.tick, watchdog_silent.verdicts_in(states))
+    jobs = sorted({j for name, st in states if st and name not in seen.gone for j in st.jobs})  # a dead VM runs none
     down = sorted({j for _, st in states if st for j in st.down if j in jobs})
-    reasons = running + busy
-    times = [st.t for _, st in states if st]
+    reasons, since = seen.running + seen.busy, seen.since
+    times = [st.t for name, st in states if st and name not in seen.gone]
     return Activity(
         idle_for=None if reasons else max(0.0, now - since),
         jobs=jobs,
@@ -174,6 +180,7 @@ def activity(maker: Backend, view: NodeView) -> Activity:
         reported=True,
         age=max(0.0, now - min(times)) if times else None,
         down=down,
+        silent=seen.silent,
     )
 
 

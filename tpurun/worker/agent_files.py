@@ -180,6 +180,34 @@ def signal_pids(pids: list[int], sig: int) -> None:
             pass
 
 
+def signal_job(job: str, groups: list, sig: int) -> set:
+    """SIG to every process of JOB once: to each of its process GROUPS (the pgids the supervisor started) as a
+    whole, then by pid to those of its processes that were outside them (they left with setsid, or joined a
+    group of their own). Both are picked in one look at /proc made before the groups are signalled: a process
+    seen in a group then gets the group's signal and not a second one (a handler that puts its default back
+    and saves would die of the second), and one that appears after the look (a child a handler started, with
+    setsid or not) was born after the signal and is not sent it. A group's signal reaches a process the kernel
+    is forking in it meanwhile, as killpg's does. The pids the look found, for whoever must not signal them
+    again."""
+    pgids = {g for g in groups if g}
+    inside, outside = set(), []
+    me = os.getpid()
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit() or int(name) == me:
+            continue
+        pid, stat = int(name), _proc_stat(int(name))
+        if stat is None or len(stat) < 3 or stat[0] in ("Z", "X"):
+            continue
+        if stat[2].isdigit() and int(stat[2]) in pgids:
+            inside.add(pid)
+        elif of_job(pid, job):
+            outside.append(pid)
+    for pgid in sorted(pgids):
+        signal_group(pgid, sig)
+    signal_pids(outside, sig)
+    return inside | set(outside)
+
+
 def now() -> float:
     return time.time()
 

@@ -27,19 +27,22 @@ from datetime import datetime
 
 if __package__:  # imported by tpurun (its tests) by its package name
     from tpurun.worker import metaserver
-    from tpurun.worker.agent_files import job_processes, signal_group, signal_pids, write_json_atomic
+    from tpurun.worker.agent_files import signal_job, write_json_atomic
     from tpurun.worker.protocol import NOTICE_LEAD, Notice, NoticeKind
     from tpurun.worker.protocol_calls import ON_FILE, ON_SIGNAL
 else:  # on a worker: the bundle's files side by side
     import metaserver  # type: ignore[no-redef]
-    from agent_files import job_processes, signal_group, signal_pids, write_json_atomic  # type: ignore[no-redef]
+    from agent_files import signal_job, write_json_atomic  # type: ignore[no-redef]
     from protocol import NOTICE_LEAD, Notice, NoticeKind  # type: ignore[no-redef]
     from protocol_calls import ON_FILE, ON_SIGNAL  # type: ignore[no-redef]
 
 POLL = 1.0  # seconds between two looks at the metadata server
 SEND_TIMEOUT = 5.0  # seconds a peer may take to take a notice
 SENDERS = 32  # peers told at once
-PREEMPT_NOTICE = 30.0  # seconds a spot VM has between its preemption's start and its end
+# A preemption's notice carries no deadline: the metadata server says `instance/preempted` TRUE and nothing of
+# when the VM goes. What Google documents instead: a spot or preemptible VM is sent the ACPI soft power-off when
+# `preempted` turns TRUE (after the VM's `preemptionNoticeDuration`, a Compute Engine setting tpurun never makes:
+# 0 by default) and is powered off at most 30 s later (docs/maintenance.md).
 MAINTENANCE_NOTICE = 60.0  # seconds `maintenance-event` changes before the host goes
 # A window announced days ahead (scheduled maintenance: about 7) is told to the job only in its last NOTICE_LEAD
 # seconds: enough for a step and a checkpoint; `train` says so at its start, `list` and `describe` show it all along.
@@ -51,14 +54,12 @@ def notice_path(jdir: str) -> str:
 
 
 def deliver(notice: Notice, job: str, groups: list, jdir: str) -> str:
-    """Tell the job's processes (each of its process GROUPS, and those that left them) of NOTICE as its action
-    says; `stop` is the supervisor's to do. What was done, for its log."""
+    """Tell the job's processes (each of its process GROUPS, and those that left them: each process once) of
+    NOTICE as its action says; `stop` is the supervisor's to do. What was done, for its log."""
     action = notice.action
     if action.startswith(ON_SIGNAL):
         sig = signal.Signals[action[len(ON_SIGNAL) :]]
-        for pgid in groups:
-            signal_group(pgid, sig)
-        signal_pids(job_processes(job), sig)
+        signal_job(job, groups, sig)
         return f"{sig.name} to every process"
     if action == ON_FILE:
         write_json_atomic(notice_path(jdir), notice.to_dict())
@@ -81,7 +82,7 @@ def look(worker: int, action: str, read=metaserver.text) -> Notice | None:
     """What this VM's metadata server announces now (READ: a path's value, None when it has none)."""
     now = time.time()
     if (read("instance/preempted") or "").strip().upper() == "TRUE":
-        return Notice(NoticeKind.PREEMPTED, worker, now, now + PREEMPT_NOTICE, action, "instance/preempted: TRUE")
+        return Notice(NoticeKind.PREEMPTED, worker, now, None, action, "instance/preempted: TRUE")
     raw = read("instance/upcoming-maintenance")
     try:
         upcoming = json.loads(raw) if raw else None

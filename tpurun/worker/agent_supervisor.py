@@ -33,6 +33,7 @@ from agent_files import (
     pid_alive,
     read_stop,
     signal_group,
+    signal_job,
     signal_pids,
     watch_exit,
     write_state,
@@ -206,6 +207,7 @@ class Supervisor:
         self.ended_at: float | None = None
         self.stop_requested = False
         self.stop_deadline: float | None = None
+        self.stop_told: set = set()  # the processes the stop's SIGTERM was sent to (never twice)
         self.killed = False
         self.saved_at = 0.0
         self.notice: Notice | None = None  # the first notice of a host event the job got (agent_notices)
@@ -543,10 +545,9 @@ class Supervisor:
         self.stop_deadline = now() + grace
         self.log(f"stopping ({reason}): SIGTERM to every process, SIGKILL after {grace:.1f} s")
         for c in self.snapshot():
-            if c.status == ProcessStatus.RUNNING:
-                c.signalled = True
-            signal_group(c.pgid, signal.SIGTERM)
-        signal_pids(job_processes(self.job), signal.SIGTERM)  # those that left their group
+            c.signalled = c.signalled or c.status == ProcessStatus.RUNNING
+        # once to each process, those that left their group too: a SIGTERM handler that saves is not cut short
+        self.stop_told = signal_job(self.job, [c.pgid for c in self.snapshot()], signal.SIGTERM)
 
     def on_notice(self, notice: Notice) -> None:
         """A host event announced for a worker of the job (a thread of the NoticeWatch's): told to the processes."""
@@ -563,9 +564,11 @@ class Supervisor:
         c.exit_code = rc
         c.status = ProcessStatus.KILLED if c.signalled else ProcessStatus.EXITED
         self.log(f"slot {c.index} exited with {rc}")
-        # Whatever the process left behind in its group (children, data loaders) would hold the TPU.
-        if group_members(c.pgid):
-            signal_group(c.pgid, signal.SIGTERM)
+        # What the process left in its group (children, data loaders) would hold the TPU; in a stop, those its
+        # SIGTERM did not reach (born since): the others are not sent it twice.
+        left = [p for p in group_members(c.pgid) if p not in self.stop_told]
+        self.stop_told.update(left if self.stop_deadline is not None else [])
+        signal_pids(left, signal.SIGTERM)
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return

@@ -284,6 +284,9 @@ class ProcessStack(RecordBase):
 # ---------------------------------------------------------------- the watchdog's configuration (node metadata)
 
 DEFAULT_TICK = 30.0  # seconds between the watchdog's looks, where its configuration names none
+# seconds a worker's watchdog may stay silent before the deciding one asks whether its VM is still there
+# (tpurun.config.WATCHDOG_SILENT; docs/cost-safety.md)
+DEFAULT_SILENT = 300.0
 
 
 class ComputeTpu(RecordBase):
@@ -314,9 +317,9 @@ class WatchdogConfig(RecordBase):
     """What tpurun tells the TPU's watchdog (node metadata `tpurun-autostop`, JSON; read again at every look): its
     *resources*, what it calls and deletes (the API's ENDPOINT, and the Cloud TPU API's NODES by full name, or the
     Compute Engine TPU, COMPUTE), and its setting: IDLE seconds (0: autostop off), the ACTION then ("delete" or
-    "stop"), TICK seconds between looks."""
+    "stop"), TICK seconds between looks, SILENT seconds a worker may not report before its VM is looked at."""
 
-    __slots__ = ("endpoint", "nodes", "compute", "idle", "action", "tick")
+    __slots__ = ("endpoint", "nodes", "compute", "idle", "action", "tick", "silent")
 
     def __init__(
         self,
@@ -326,6 +329,7 @@ class WatchdogConfig(RecordBase):
         idle: int = 0,
         action: str = "delete",
         tick: float = DEFAULT_TICK,
+        silent: float = DEFAULT_SILENT,
     ) -> None:
         self.endpoint = endpoint
         self.nodes = [] if nodes is None else nodes
@@ -333,10 +337,11 @@ class WatchdogConfig(RecordBase):
         self.idle = idle
         self.action = action
         self.tick = tick
+        self.silent = silent
 
-    def set(self, idle: int, action: str, tick: float) -> WatchdogConfig:
+    def set(self, idle: int, action: str, tick: float, silent: float = DEFAULT_SILENT) -> WatchdogConfig:
         """These resources with this setting."""
-        return WatchdogConfig(self.endpoint, self.nodes, self.compute, idle, action, tick)
+        return WatchdogConfig(self.endpoint, self.nodes, self.compute, idle, action, tick, silent)
 
     def to_json(self) -> str:
         data = self.to_dict()
@@ -363,18 +368,39 @@ class WatchdogConfig(RecordBase):
             tick = min(3600.0, max(0.2, float(data.get("tick") or DEFAULT_TICK)))
             nodes = [str(n) for n in data.get("nodes") or []]
             idle, action = int(data.get("idle") or 0), str(data.get("action") or "delete")
-            return cls(str(data.get("endpoint") or ""), nodes, compute, idle, action, tick)
+            silent = max(0.0, float(data.get("silent") or DEFAULT_SILENT))  # an older tpurun's setting: the default
+            return cls(str(data.get("endpoint") or ""), nodes, compute, idle, action, tick, silent)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a watchdog configuration: {text[:100]!r}") from e
+
+
+class Silent(RecordBase):
+    """What the deciding watchdog found of a worker that has not reported since SINCE (its last report, or when the
+    decider first missed it), for longer than its bound: DEAD (the API says its VM is gone, stopped, preempted or
+    unresponsive, or it takes no connection at its address) or not; VM, what was found, in words that follow "its
+    VM" or stand alone ("does not answer at 10.0.0.5:22; the API says its node is READY")."""
+
+    __slots__ = ("since", "dead", "vm")
+
+    def __init__(self, since: float, dead: bool, vm: str) -> None:
+        self.since, self.dead, self.vm = since, dead, vm
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Silent:
+        try:
+            return cls(float(d["since"]), bool(d["dead"]), str(d.get("vm") or ""))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a silent worker's verdict: {str(d)[:100]!r}") from e
 
 
 class WatchState(RecordBase):
     """What each worker's watchdog publishes at every look (guest attribute tpurun/watch, JSON), read by the deciding
     worker's watchdog and by `tpurun list` and `describe`: T, the look's time (the worker's clock); the WORKER; the
     JOBS running there, and DOWN, those of them started with `train --down`; other tpurun WORK (`setup`); HOLDERS,
-    how many processes hold the TPU; IDLE_SINCE, since when none of these was there (None: not idle)."""
+    how many processes hold the TPU; IDLE_SINCE, since when none of these was there (None: not idle). The deciding
+    worker's adds SILENT: what it found of each worker silent for longer than the configuration's bound, by name."""
 
-    __slots__ = ("t", "worker", "jobs", "work", "holders", "idle_since", "down")
+    __slots__ = ("t", "worker", "jobs", "work", "holders", "idle_since", "down", "silent")
 
     def __init__(
         self,
@@ -385,6 +411,7 @@ class WatchState(RecordBase):
         holders: int = 0,
         idle_since: float | None = None,
         down: list[str] | None = None,
+        silent: dict[str, Silent] | None = None,
     ) -> None:
         self.t = t
         self.worker = worker
@@ -393,9 +420,12 @@ class WatchState(RecordBase):
         self.holders = holders
         self.idle_since = idle_since
         self.down = [] if down is None else down
+        self.silent = {} if silent is None else silent
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        data = self.to_dict()
+        data["silent"] = {name: v.to_dict() for name, v in self.silent.items()}
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WatchState:
@@ -405,6 +435,8 @@ class WatchState(RecordBase):
             since = data.get("idle_since")
             jobs, work, down = ([str(j) for j in data.get(k) or []] for k in ("jobs", "work", "down"))
             worker, holders = int(data.get("worker") or 0), int(data.get("holders") or 0)
-            return cls(float(data["t"]), worker, jobs, work, holders, None if since is None else float(since), down)
+            silent = {str(k): Silent.from_dict(v) for k, v in (data.get("silent") or {}).items()}
+            idle = None if since is None else float(since)
+            return cls(float(data["t"]), worker, jobs, work, holders, idle, down, silent)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a watchdog's state: {str(text)[:100]!r}") from e

@@ -26,7 +26,8 @@ endpoint. Its first VM decides (the lone VM, or the first by name of the first g
 tpurun/watch (instances.getGuestAttributes); to delete, it leaves its group, deletes the groups and what
 was made with them, then itself (`compute_delete` says why in that order).
 A worker that has not reported for SILENT_TICKS ticks, and a node that is not READY, count as busy:
-work it cannot see is never deleted. Every decision is a line in LOG on the deciding worker and in
+work it cannot see is never deleted; until, past the configuration's `silent` bound, the API (or its address)
+says the VM is dead (watchdog_silent.py). Every decision is a line in LOG on the deciding worker and in
 guest attribute tpurun/watchdog. Nothing a user can write can stop it: every look's failure is logged.
 """
 
@@ -43,13 +44,15 @@ from urllib.parse import urlsplit
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import metaserver, probe
     from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, running_jobs, started_down
-    from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig, WatchState
+    from tpurun.worker.protocol_calls import ComputeTpu, Silent, WatchdogConfig, WatchState
+    from tpurun.worker.watchdog_silent import Missed, node_verdict, summarize, vm_verdict
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import metaserver  # type: ignore[no-redef]
     import probe  # type: ignore[no-redef]
     from agent_files import STATE, duration, job_running, mtimes, running_jobs, started_down  # type: ignore[no-redef]
-    from protocol_calls import ComputeTpu, WatchdogConfig, WatchState  # type: ignore[no-redef]
+    from protocol_calls import ComputeTpu, Silent, WatchdogConfig, WatchState  # type: ignore[no-redef]
+    from watchdog_silent import Missed, node_verdict, summarize, vm_verdict  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
 CONFIG_KEY = "tpurun-autostop"
@@ -65,7 +68,6 @@ OPERATION_TIMEOUT = 1800.0
 LEAVE_TIMEOUT = 600.0
 WORK_MARKERS = (b"TPURUN_JOB_ID=", b"TPURUN_ACTIVITY=")  # in a process's environment: tpurun work
 UNSET_TICK = 5.0  # no setting yet (started by `tpurun autostop` just before it writes one): look again soon
-SILENT_TICKS = 3
 QUICK_LOOK = 1.0  # seconds between the cheap looks for a job's start or end between two whole looks
 SETTLE_TICKS = 2  # a `--down` job's end: how long the watchdog leaves the deletion to an attached client
 MAX_USER_FILE = 1 << 20
@@ -95,29 +97,6 @@ def tpu_env_value(text: str, key: str) -> str:
     """One value of the `tpu-env` attribute (YAML lines `KEY: 'value'`)."""
     found = [v for k, sep, v in (line.partition(":") for line in text.splitlines()) if sep and k.strip() == key]
     return found[0].strip().strip("'\"") if found else ""
-
-
-def summarize(
-    states: list[tuple[str, WatchState | None]], now: float, tick: float
-) -> tuple[list[str], list[str], float]:
-    """Workers' published states (None: nothing, or nothing readable) -> (why a job still runs: a worker runs one
-    or has not reported; which workers' TPU is held; since when every worker has been idle, the latest of their
-    idle times)."""
-    running, busy, since = [], [], 0.0
-    if not states:
-        running.append("no worker to look at")
-    for name, st in states:
-        if st is None or now - st.t > SILENT_TICKS * tick:
-            running.append(f"{name} has not reported")
-        elif st.jobs:
-            running.append(f"{name} runs job {st.jobs[0]}")
-        elif st.work:
-            running.append(f"{name} runs tpurun {st.work[0]}")
-        elif st.idle_since is None:
-            busy.append(f"{name}: {st.holders} process(es) hold the TPU")
-        else:
-            since = max(since, st.idle_since)
-    return running, busy, since
 
 
 # ------------------------------------------------------------------ this worker
@@ -210,6 +189,9 @@ class Watchdog:
         self._idle_looks = 0  # looks in a row that found the TPU idle for the whole period
         self._first = False  # on Compute Engine: this VM decides (asked of the API now and then)
         self._first_until = 0.0
+        self.silent: dict[str, Silent] = {}  # the decider's verdicts on silent workers, published with its state
+        self._missed = Missed()
+        self._where: dict[str, tuple] = {}  # each worker's VM as the API shows it: ("node", node, w) or ("vm", name)
 
     # ---- what every worker does
     def config(self) -> WatchdogConfig | None:
@@ -243,7 +225,8 @@ class Watchdog:
             self.idle_since = now
         down = down_pending(self.roots, self.jobs)
         since = None if self.idle_since is None else round(self.idle_since, 1)
-        publish(STATE_KEY, WatchState(round(now, 1), self.worker, self.jobs, work, held, since, down).to_json())
+        state = WatchState(round(now, 1), self.worker, self.jobs, work, held, since, down, self.silent)
+        publish(STATE_KEY, state.to_json())
 
     def say(self, text: str, *, repeat: bool = False) -> None:
         """A decision (or why none is taken): to LOG and guest attribute tpurun/watchdog, once per change."""
@@ -317,11 +300,13 @@ class Watchdog:
             workers = len(node.get("networkEndpoints") or [])
             if node.get("state") != "READY" or not workers:
                 states.append((f"s{s}" if many else str(name).rsplit("/", 1)[-1], None))
+                self._where[states[-1][0]] = ("node", node, None)
                 continue
             status, got = self.api(cfg, "POST", f"{name}:getGuestAttributes", {"queryPath": f"{NAMESPACE}/{STATE_KEY}"})
             entries = got.get("guestAttributes", []) if status == 200 else []
             for w in range(workers):
                 states.append((f"s{s}/w{w}" if many else f"w{w}", _state_of(entries, w)))
+                self._where[states[-1][0]] = ("node", node, w)
         return nodes, states
 
     # ---- the same on Compute Engine: a VM, or managed instance groups (one per slice)
@@ -363,6 +348,7 @@ class Watchdog:
             status, got = self.api(cfg, "GET", f"{compute_scope(cfg)}/instances/{vm}")
             if status != 200:
                 raise OSError(f"GET instance {vm}: HTTP {status} {error_of(got)}")
+            self._where["w0"] = ("vm", vm)
             return [("w0", self.vm_state(cfg, vm) if got.get("status") == "RUNNING" else None)]
         many = len(c.groups) > 1
         states: list[tuple[str, WatchState | None]] = []
@@ -373,6 +359,7 @@ class Watchdog:
                 continue
             for w, vm in enumerate(sorted(vms)):
                 states.append((f"s{s}/w{w}" if many else f"w{w}", self.vm_state(cfg, vm)))
+                self._where[states[-1][0]] = ("vm", vm)
         return states
 
     def compute_delete(self, cfg: WatchdogConfig, why: str) -> bool:
@@ -469,7 +456,9 @@ class Watchdog:
         else:
             nodes, states = self.reports(cfg)
         now = time.time()
-        running, busy, since = summarize(states, now, tick)
+        self.silent = self.judge(cfg, states, now)
+        seen = summarize(states, now, tick, self.silent)
+        running, busy, since = seen.running, seen.busy, seen.since
         if down:
             job = os.path.basename(down[0])
             if running:
@@ -485,10 +474,35 @@ class Watchdog:
             self._idle_looks += 1
             if self._idle_looks >= 2:  # on two looks in a row: no worker's state is a look behind
                 why = f"idle for {duration(now - since)} on all {len(states)} workers (autostop {duration(idle)})"
+                if seen.dead:
+                    why = f"idle for {duration(now - since)}, {'; '.join(seen.dead)} (autostop {duration(idle)})"
                 self.act(cfg, nodes, cfg.action, why)
         else:
             self._idle_looks = 0
             self.say(f"idle since {time.strftime('%H:%M:%S', time.gmtime(since))}Z; autostop after {duration(idle)}")
+
+    def judge(self, cfg: WatchdogConfig, states: list[tuple[str, WatchState | None]], now: float) -> dict:
+        """A verdict on each worker silent for longer than the configuration's bound: what the API says of its VM,
+        and whether its address takes a connection (asked of many at once: each may take KNOCK_TIMEOUT)."""
+        asked = []
+        for name, st in states:
+            since = self._missed.silent_since(name, st, cfg.tick, now)
+            if since is not None and now - since > cfg.silent and name in self._where:
+                asked.append((name, since))
+        if not asked:
+            return {}
+        from concurrent.futures import ThreadPoolExecutor  # only when a worker is silent
+
+        def verdict(item: tuple[str, float]) -> Silent:
+            name, since = item
+            where = self._where[name]
+            if where[0] == "node":
+                return node_verdict(where[1], where[2], since)
+            status, vm = self.api(cfg, "GET", f"{compute_scope(cfg)}/instances/{where[1]}")
+            return vm_verdict(status, vm, since)
+
+        with ThreadPoolExecutor(max_workers=min(16, len(asked))) as pool:
+            return {name: v for (name, _), v in zip(asked, pool.map(verdict, asked))}  # noqa: B905 - 3.8: no strict
 
     def act(self, cfg: WatchdogConfig, nodes: list[dict], action: str, why: str) -> bool:
         self._quiet_until = time.time() + 20 * cfg.tick  # the operation runs (or failed): not again meanwhile
