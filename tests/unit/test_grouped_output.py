@@ -229,6 +229,12 @@ def test_a_relay_lost_with_its_subtree_is_named_once_with_its_workers(capsys):
     err = capsys.readouterr().err.splitlines()
     assert [line.split()[:2] for line in err[5:9]] == [[f"w{w}", "unreachable"] for w in range(4, 8)], err
     assert [line for line in err if "went away" in line] == [f"error: {why}"], err
+    # lost while the tree was being built: said as it came, once, for all four
+    said = grouped.Unreachable()
+    for _ in range(4):
+        said(why)
+    assert summarize(lost, unreachable=said) == 4
+    assert [line for line in capsys.readouterr().err.splitlines() if "went away" in line] == [f"error: {why}"]
     # a root's subtree of a 2,048-worker slice: one line, which names them itself (not "and 511 more alike")
     big = lost_with("relay w512 went away", [f"w{w}" for w in range(512, 1024)])
     many = ExecResult(

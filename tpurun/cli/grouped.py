@@ -73,6 +73,8 @@ class Unreachable:
         ALSO those reasons whatever EVERY."""
         said, held, rest = Counter(self.said), Counter(self.held), []
         for name, why in failures:
+            if why in also and self.said[why]:
+                continue  # a relay's subtree: said already, in words that name every worker of it
             if said[why] > 0:
                 said[why] -= 1
             elif every or held[why] > 0 or why in also:

@@ -13,7 +13,7 @@ connect, ended once the tree stands.
 `run`, `call`, `open`/`answer`, `follow` and `chorus` (sync) go through the relays; `converse` (download)
 still goes from this machine to every worker (`Threads`). A worker not reached while the tree is built takes
 none below it along (they are planned anew); a relay lost later takes its subtree with it for the rest of
-the command (reported lost, with why; a job stops; a `follow` asked to reconnect reaches them from this
+the command (reported lost, with why and the workers it took named once, `lost_with`; a job stops; a `follow` asked to reconnect reaches them from this
 machine instead, as `Threads` reaches a dropped worker again)."""
 
 from __future__ import annotations
