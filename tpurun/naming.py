@@ -247,6 +247,8 @@ def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
     for group in said:
         first, why = group[0]
         rest = [name for name in dict.fromkeys(name for name, _ in group) if name != first]
+        if names_them(group):
+            rest = []  # (a relay lost with its subtree: the reason names its workers itself)
         lines.append(why + (f" (and {count(len(rest), 'more worker')} alike: {which(rest)})" if rest else ""))
     if unsaid:
         others = list(dict.fromkeys(name for group in unsaid for name, _ in group))
@@ -254,8 +256,17 @@ def by_reason(failures: Sequence[tuple[str, str]]) -> list[str]:
     return lines
 
 
+def names_them(group: Sequence[tuple[str, str]], least: int = 1) -> bool:
+    """Whether the (name, why) of GROUP, of at least LEAST workers, are one reason in the same words that names
+    every worker of the group, folded (what a relay lost with its subtree tells each worker of it)."""
+    whys = {why for _, why in group}
+    names = list(dict.fromkeys(name for name, _ in group))
+    return len(names) >= least and len(whys) == 1 and which(names) in whys.pop()
+
+
 def each_or_by_reason(failures: Sequence[tuple[str, str]], among: int = 0) -> list[str]:
     """(name, why) FAILURES as lines: one each where they come from a few workers (EACH_UP_TO; AMONG: the
-    workers asked, where more than those named), else one per distinct reason (`by_reason`)."""
+    workers asked, where more than those named; the same words of several said once), else one per distinct
+    reason (`by_reason`)."""
     few = max(among, len({name for name, _ in failures})) <= EACH_UP_TO
-    return [why for _, why in failures] if few else by_reason(failures)
+    return list(dict.fromkeys(why for _, why in failures)) if few else by_reason(failures)

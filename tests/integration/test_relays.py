@@ -84,6 +84,14 @@ def test_fail_fast_and_ctrl_c_leave_nothing(cli, emulator, pod):
     _nothing_left(emulator, pod, RELAY)
 
 
+def _lost_with_w5(err: str, why: str) -> None:
+    """ERR says WHY w5's relay was lost, and the workers it took along, once; their rows say unreachable."""
+    (said,) = [line for line in err.splitlines() if why in line]
+    assert said.startswith(f"error: {why}") and said.endswith("; w[5-7] unreachable through it"), err
+    rows = {line.split()[0]: line.split()[1] for line in err.splitlines() if re.match(r"^w\d ", line)}
+    assert [rows[f"w{w}"] for w in range(5, 8)] == ["unreachable"] * 3, err
+
+
 def test_a_relay_killed_mid_command_loses_its_subtree_and_leaves_nothing(cli, emulator, pod):
     proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 12; echo slept")
     read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
@@ -94,8 +102,7 @@ def test_a_relay_killed_mid_command_loses_its_subtree_and_leaves_nothing(cli, em
     assert sorted(line.split()[0] for line in out.splitlines() if line.endswith("slept")) == [
         f"[w{w}]" for w in range(5)
     ]
-    lost = [line for line in err.splitlines() if "relay w5 went away" in line]
-    assert sorted(line.split()[0] for line in lost) == ["w5", "w6", "w7"], err
+    _lost_with_w5(err, "relay w5 went away")
     _nothing_left(emulator, pod, "sleep 12")  # the lost ones' commands went with their relay
     r = cli("exec", "--relay", "--", "true")  # and the next command reaches them again
     assert r.code == 0, r.err
@@ -110,8 +117,7 @@ def test_a_hung_relay_is_given_up_and_the_workers_below_it_stop(cli, emulator, p
     try:
         out, err = proc.communicate(timeout=90)
         assert proc.returncode == 4, err
-        lost = [line for line in err.splitlines() if "relay w5 stopped answering for 3 s" in line]
-        assert sorted(line.split()[0] for line in lost) == ["w5", "w6", "w7"], err
+        _lost_with_w5(err, "relay w5 stopped answering for 3 s")
         deadline = time.monotonic() + 30
         while job_pids(emulator, pod, "sleep 20", [6, 7]):  # below it: their relays heard no parent, and ended
             assert time.monotonic() < deadline
@@ -266,3 +272,53 @@ def test_ssh_through_a_relay_reaches_a_worker_this_machine_cannot(cli, emulator,
     r = cli("ssh", "--relay", "--worker", "5", "--", "sh", "-c", 'echo "$(hostname) $1"', "sh", "a  b")
     assert r.code == 0, r.err
     assert r.out.strip().endswith("-w-5 a  b"), r.out
+
+
+ROOTED = {"TPURUN_RELAY_ROOTS": "2", "TPURUN_RELAY_FANOUT": "32"}  # w0 reaches w1-w3, w4 (a root) w5-w7
+SUBTREE = re.compile(r"^error: relay w4 went away.*; w\[4-7\] unreachable through it$")
+
+
+def test_a_lost_root_relay_is_named_once_with_its_workers(cli, emulator, pod):
+    """A root's relay (one this machine reaches itself) killed under a job, an exec and a follow: the error names
+    the relay and the workers it took once, and no row says they run; `logs --follow` goes on without them."""
+    cli.env.update(ROOTED)
+    (cli.cwd / "t.py").write_text(TRAIN)
+    proc = popen(cli, "train", "--relay", "t.py", "--runtime", "cpu", "--launch", "host", "--env", "LOOP=1")
+    read_until(proc, lambda seen: len({line.split()[0] for line in seen if " tick " in line}) == WORKERS, timeout=90)
+    (pid,) = job_pids(emulator, pod, RELAY, [4])
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 4, err
+    (said,) = [line for line in err.splitlines() if line.startswith("error:") and "w4" in line]
+    assert SUBTREE.match(said), err
+    rows = {line.split()[0]: line.split()[1] for line in err.splitlines() if re.match(r"^w\d ", line)}
+    assert [rows[f"w{w}"] for w in range(4, 8)] == ["unreachable"] * 4 and "running" not in rows.values(), err
+
+    proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 12; echo slept")
+    read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
+    (pid,) = job_pids(emulator, pod, RELAY, [4])
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 4, err
+    assert sorted(line.split()[0] for line in out.splitlines() if line.endswith("slept")) == [
+        f"[w{w}]" for w in range(4)
+    ]
+    (said,) = [line for line in err.splitlines() if "went away" in line]  # under the rows, not in each
+    assert SUBTREE.match(said), err
+    rows = {line.split()[0]: line.split()[1:] for line in err.splitlines() if re.match(r"^w\d ", line)}
+    assert [rows[f"w{w}"] for w in range(4, 8)] == [["unreachable", "0.0", "s"]] * 4, err
+    _nothing_left(emulator, pod, "sleep 12")
+
+    (cli.cwd / "count.py").write_text(COUNT)
+    r = cli("train", "--relay", "count.py", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    proc = popen(cli, "logs", "--relay", r.out.strip().splitlines()[-1], "--follow")
+    seen = read_until(proc, lambda got: len({line.split()[0] for line in got if " count " in line}) == WORKERS)
+    (pid,) = job_pids(emulator, pod, RELAY, [4])
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err
+    for w in range(WORKERS):  # the root's workers followed from this machine on, every line once
+        lines = [*seen, *out.splitlines()]
+        said = [line.split(" count ", 1)[1] for line in lines if line.startswith(f"[w{w}]") and " count " in line]
+        assert said == [f"{i} of worker {w}" for i in range(40)], (w, said, err)

@@ -213,3 +213,33 @@ def test_a_changed_host_key_is_said_however_many_other_reasons():
     lines = each_or_by_reason(odd + changed)
     assert changed[0][1] in lines and len(lines) == REASONS_UP_TO + 2
     assert lines[-1] == f"{REASONS_UP_TO} other reasons on {REASONS_UP_TO} workers: w[10-19]"
+
+
+def test_a_relay_lost_with_its_subtree_is_named_once_with_its_workers(capsys):
+    from tpurun.naming import each_or_by_reason
+    from tpurun.transport.relays import lost_with
+
+    why = lost_with("relay w4 went away", [f"w{w}" for w in range(4, 8)])
+    assert why == "relay w4 went away; w[4-7] unreachable through it"
+    assert lost_with("relay w7 went away", ["w7"]) == "relay w7 went away"  # a leaf's relay is only itself
+    assert each_or_by_reason([(f"w{w}", why) for w in range(4, 8)]) == [why]  # a few: once, not once each
+    # the rows of exec's summary say unreachable; why, once, under them
+    lost = ExecResult([RunResult(w, 0) for w in range(4)] + [RunResult(w, None, error=why) for w in range(4, 8)])
+    assert summarize(lost, unreachable=grouped.Unreachable()) == 4
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split()[:2] for line in err[5:9]] == [[f"w{w}", "unreachable"] for w in range(4, 8)], err
+    assert [line for line in err if "went away" in line] == [f"error: {why}"], err
+    # lost while the tree was being built: said as it came, once, for all four
+    said = grouped.Unreachable()
+    for _ in range(4):
+        said(why)
+    assert summarize(lost, unreachable=said) == 4
+    assert [line for line in capsys.readouterr().err.splitlines() if "went away" in line] == [f"error: {why}"]
+    # a root's subtree of a 2,048-worker slice: one line, which names them itself (not "and 511 more alike")
+    big = lost_with("relay w512 went away", [f"w{w}" for w in range(512, 1024)])
+    many = ExecResult(
+        [RunResult(w, None, error=big) if 512 <= w < 1024 else RunResult(w, 0, duration=0.1) for w in range(2048)]
+    )
+    assert summarize(many, unreachable=grouped.Unreachable()) == 4
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == ["error: relay w512 went away; w[512-1023] unreachable through it"]

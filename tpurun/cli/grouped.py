@@ -9,7 +9,7 @@ import contextlib
 import sys
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from tpurun import ui
@@ -67,14 +67,17 @@ class Unreachable:
         else:
             self.held[why] += 1
 
-    def rest(self, failures: Sequence[tuple[str, str]], every: bool) -> None:
+    def rest(self, failures: Sequence[tuple[str, str]], every: bool, also: Collection[str] = ()) -> None:
         """The held reasons, with their workers' names from FAILURES ((name, why) of each unreachable worker,
-        in order); EVERY: also those of the workers lost after their start (no row of the summary says why)."""
+        in order); EVERY: also those of the workers lost after their start (no row of the summary says why), and
+        ALSO those reasons whatever EVERY."""
         said, held, rest = Counter(self.said), Counter(self.held), []
         for name, why in failures:
+            if why in also and self.said[why]:
+                continue  # a relay's subtree: said already, in words that name every worker of it
             if said[why] > 0:
                 said[why] -= 1
-            elif every or held[why] > 0:
+            elif every or held[why] > 0 or why in also:
                 held[why] -= 1
                 rest.append((name, why))
         for line in by_reason(rest):

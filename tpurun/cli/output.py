@@ -20,7 +20,7 @@ from tpurun.errors import ExitCode
 from tpurun.job.env_contract import process_name
 from tpurun.job.preflight import Skew
 from tpurun.job.stacks import Stacks
-from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed, which, worker_name
+from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed, names_them, which, worker_name
 from tpurun.remote import ExecResult, RunResult
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
@@ -96,10 +96,15 @@ def summarize(
 
     unreached = [r for r in results if r.exit_code is None]
     failed = [r for r in results if r.exit_code not in (0, None)]
+    failures = [(name(r), r.error) for r in unreached]
+    # a relay lost with its subtree: its reason names them all, said once under the rows rather than in each
+    subtrees = {why for why in {e for _, e in failures} if names_them([f for f in failures if f[1] == why], 2)}
     if by_worker or len(results) <= EACH_UP_TO:
         if len(results) > 1 or failed or unreached:
             grouped.table(
-                None, ["worker", "result", "time"], [(name(r), _status(r), f"{r.duration:.1f} s") for r in results]
+                None,
+                ["worker", "result", "time"],
+                [(name(r), _status(r, reason=r.error not in subtrees), f"{r.duration:.1f} s") for r in results],
             )
     else:
         rows = []
@@ -108,7 +113,7 @@ def summarize(
             rows.append((status, f"{len(members):,}", which([name(r) for r in members]), time))
         grouped.table(None, ["result", "workers", "which", "time"], rows)
     rows_say_why = by_worker or len(results) <= EACH_UP_TO
-    (unreachable or Unreachable()).rest([(name(r), r.error) for r in unreached], every=not rows_say_why)
+    (unreachable or Unreachable()).rest(failures, every=not rows_say_why, also=subtrees)
     if done.exit_code is not ExitCode.PROGRAM_FAILED:
         return done.exit_code
     codes = sorted({r.exit_code for r in failed if r.exit_code is not None})

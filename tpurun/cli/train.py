@@ -456,7 +456,7 @@ def _render_ended(result: launcher.JobResult, end: End, json_out: bool) -> None:
                 "notice": run.notice.to_dict() if run.notice else None,
                 "logs": _logs_where(job),
                 "cores": [
-                    {"worker": o.worker, "core": o.slot, "status": o.status, "exit_code": o.exit_code}
+                    {"worker": o.worker, "core": o.slot, "status": o.shown_status, "exit_code": o.exit_code}
                     for o in sorted(run.outcomes.values(), key=lambda o: (o.worker, o.slot))
                 ],
             }
@@ -513,7 +513,7 @@ def _summary(run: attempt.JobRun) -> None:
     ended = [
         (
             env_contract.process_name(w, slot, run.target.all_workers[w].name),
-            o.status,
+            o.shown_status,
             o.exit_code,
             o.ended,
             o.last_lines[-1] if o.last_lines else "",

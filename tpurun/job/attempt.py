@@ -44,6 +44,13 @@ class SlotOutcome:
     started: float = 0.0
     ended: float = 0.0
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    lost: bool = False  # its worker was lost (its connection, or the relay that reached it) before its end was heard
+
+    @property
+    def shown_status(self) -> str:
+        """Its status as the job's summary shows it: the agent's word, or `unreachable` where its worker was lost
+        before its end was heard (what became of it is not known here: not `running`)."""
+        return UNREACHABLE if self.lost else str(self.status)
 
     @property
     def failed(self) -> bool:
@@ -55,6 +62,9 @@ class SlotOutcome:
         if self.status is ProcessStatus.DIED:
             return "no exit status: it died, killed by a signal or crashed"
         return f"exit code {self.exit_code}"
+
+
+UNREACHABLE = str(protocol.JobStatus.UNREACHABLE)
 
 
 class Output(Protocol):
@@ -195,6 +205,15 @@ class JobRun:
             self.unreachable[w] = why
         self.stop.set()
 
+    def _lost(self, w: int, why: str) -> None:
+        """W's stream lost for WHY (W, or the relay that reached it, gone): its processes whose end was not heard
+        are unreachable, not running."""
+        with self.lock:
+            for o in self.outcomes.values():
+                if o.worker == w and o.status in (ProcessStatus.PENDING, ProcessStatus.RUNNING):
+                    o.lost = True
+        self._lose(w, why)
+
     def _read(self, source: int, recs: Iterable[protocol.Record]) -> None:
         """A read's worth of records from SOURCE's stream; idle: what is buffered is shown now, not when the
         next line comes."""
@@ -215,7 +234,7 @@ class JobRun:
             self.stop.set()
         elif not (self.detach and rc == 0):
             detail = err.splitlines()[-1] if err else f"connection closed (exit {rc})"
-            self._lose(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
+            self._lost(w, f"lost worker {self.target.all_workers[w].label()}: {detail}")
         return False
 
     def _take(self, source: int, recs: Iterable[protocol.Record]) -> bool:
@@ -334,7 +353,7 @@ class JobRun:
     def run(self) -> None:
         with watch.reporting(self.watch, self._tick):
             lifeline = None if self.detach else self.stop  # closed: the agents stop the job and stream to its end
-            self.target.fleet.follow(self._call, self._read, self._ended, self._lose, lifeline=lifeline)
+            self.target.fleet.follow(self._call, self._read, self._ended, self._lost, lifeline=lifeline)
         self.out.flush()
         # the first failure by the agents' own account, as `jobs` and `logs` name it (records came in the
         # order the workers' streams delivered them, not always the order the processes failed in)

@@ -13,7 +13,7 @@ connect, ended once the tree stands.
 `run`, `call`, `open`/`answer`, `follow` and `chorus` (sync) go through the relays; `converse` (download)
 still goes from this machine to every worker (`Threads`). A worker not reached while the tree is built takes
 none below it along (they are planned anew); a relay lost later takes its subtree with it for the rest of
-the command (reported lost, with why; a job stops; a `follow` asked to reconnect reaches them from this
+the command (reported lost, with why and the workers it took named once, `lost_with`; a job stops; a `follow` asked to reconnect reaches them from this
 machine instead, as `Threads` reaches a dropped worker again)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from tpurun.errors import TpurunError, UnreachableError
+from tpurun.naming import which
 from tpurun.transport import bundle
 from tpurun.transport.fleet import (
     Answer,
@@ -137,10 +138,10 @@ class Link:
     def lose(self, why: str) -> None:
         if not self.gone:
             self.gone = why
+            told = self.tree.lost_workers(self.workers, why)
             if not self.ready.is_set():
-                self.unreached = {w: why for w in self.workers}
+                self.unreached = told
                 self.ready.set()
-            self.tree.lost_workers(self.workers, why)
 
     def send(self, data: bytes) -> None:
         if self.gone or self.stream is None:
@@ -154,6 +155,15 @@ class Link:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close_stdin()
+
+
+def lost_with(why: str, names: Sequence[str]) -> str:
+    """WHY a relay was lost, with the NAMES of the workers it took along (itself and those it reached), folded:
+    said once for its whole subtree, not once per worker, and what each of their rows says (a relay of one worker
+    is only itself)."""
+    if len(names) < 2:
+        return why
+    return f"{why}; {which(names)} unreachable through it"
 
 
 def _records_to(w: int, take: Take) -> tuple[Callable[[bytes], None], list[bool]]:
@@ -314,12 +324,17 @@ class Relays(Fleet):
         for tick in list(self._idle):
             tick(link.root.index)
 
-    def lost_workers(self, workers: Collection[int], why: str) -> None:
-        for w in workers:
-            self._unreached.setdefault(w, why)
+    def lost_workers(self, workers: Collection[int], why: str) -> dict[int, str]:
+        """WORKERS, a relay's subtree, lost with it for WHY: each of those not lost before is told WHY with the
+        subtree named once in it (`lost_with`), and its channels end so; what each was told."""
+        fresh = [w for w in workers if w not in self._unreached]
+        told = lost_with(why, [w.name for w in self.workers if w.index in fresh])
+        for w in fresh:
+            self._unreached.setdefault(w, told)
         for number, chan in list(self._chans.items()):
             if chan.worker in workers and self._chans.pop(number, None) is not None:
-                chan.end(None, why)
+                chan.end(None, self._unreached.get(chan.worker, told))
+        return {w: self._unreached.get(w, told) for w in workers}
 
     # ------------------------------------------------------------------ channels
 
