@@ -64,7 +64,7 @@ class SlotOutcome:
         return f"exit code {self.exit_code}"
 
 
-UNREACHABLE = str(protocol.JobStatus.UNREACHABLE)
+UNREACHABLE = "unreachable"  # a process whose worker was lost before its end was heard (tpurun's word, not the agent's)
 
 
 class Output(Protocol):
