@@ -225,9 +225,11 @@ def test_compute_engine_notice_file_and_maintenance_now(cli, emulator, clean):
     assert "iron: iron-" in r.err and "UNSCHEDULED maintenance in" in r.err, r.err  # train says so at its start
     refused = cli("maintenance", "iron", "--now")
     assert refused.code == 2 and job in refused.err and "Traceback" not in refused.err, refused.err
-    assert cli("cancel", job).code == 0
-    started = cli("maintenance", "iron", "--now")
-    assert started.code == 0 and "maintenance started on iron-" in started.err, started.err
+    started = cli("maintenance", "iron", "--now", "--force", "--json")  # stdout: its JSON alone
+    assert started.code == 0, started.err
+    said = json.loads(started.out)
+    assert said["jobsStopped"] == [job] and said["started"][0].startswith("iron-"), said
+    assert cli("cancel", job).code == 0  # what the host going left of it
     deadline = time.time() + 60
     while time.time() < deadline:
         d = json.loads(cli("describe", "iron", "--json").out)

@@ -43,7 +43,7 @@ def test_the_first_failure_is_the_earliest_any_agent_saw_not_the_first_worker():
 
 def test_lost_running_unknown_finished_stopped():
     lost = combine({"w0": _st("stopped"), "w1": _st("lost")})
-    assert (lost.status, lost.detail) == ("lost", "w1: its supervisor is gone")
+    assert (lost.status, lost.detail) == ("lost", "supervisor gone on w1")
     assert combine({"w0": _st("running"), "w1": _st("lost")}).status == "running"  # w0's part goes on
     assert combine({"w0": _st("running"), "w1": _st("finished")}) == JobSummary(running=True)
     assert combine({"w0": _st("running"), "w1": None}) == JobSummary(running=True, detail="not on w1")

@@ -585,6 +585,8 @@ def logs_cmd(
         for line in each_or_by_reason([(name, f"{name}: {why}") for name, why in result.errors.items()]):
             _error(f"error: {line}")
         if result.errors and not result.missing:
+            if result.notice is not None and result.ended is None:  # why a worker may be gone now
+                ui.warn(ends.notice_line(result.notice, naming.worker_name(result.notice.worker)))
             _error("hint: every other worker's lines are above; `--worker` reads the workers you choose")
     if result.ended is not None and not result.interrupted:
         _say_ended(job, result.ended)

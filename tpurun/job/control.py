@@ -45,6 +45,7 @@ class LogsResult:
     errors: dict[str, str] = field(default_factory=dict)  # worker name -> why its lines could not all be read
     missing: bool = False  # the job is not on some worker it ran on (its files are gone)
     ended: JobSummary | None = None  # followed to its end on every worker, or ended before: how (its record's end)
+    notice: protocol.Notice | None = None  # a host event the job was told of (why a worker may be unreachable)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -100,15 +101,16 @@ def logs(
     if follow and not stop.is_set() and (viewer.lost or all(w in viewer.ended for w in viewer.shown)):
         running = JobState(job_id, 0, JobStatus.RUNNING)  # a part not ended where another was lost
         ended = combine({names[w]: viewer.ended.get(w, running) for w in viewer.shown})
-        if worker != "all":  # some workers' parts alone: the job's end is its record's, if written
-            ended = replace(ended, end=record.end, detail=record.detail if record.end else "")
-        else:
+        if worker == "all":
             ended = settle(s.home_path, record, ended)
+        elif record.end is not None:  # some workers' parts alone: the job's end is its record's where written
+            ended = replace(ended, end=record.end, detail=record.detail)
     return LogsResult(
         interrupted=stop.is_set(),
         errors={names[w]: why for w, why in sorted(viewer.errors.items())},
         missing=bool(viewer.missing),
         ended=ended,
+        notice=viewer.notice,
     )
 
 
@@ -155,6 +157,7 @@ class _Viewer:
         self.shown = [r.worker.index for r in target.runners]
         self.lost = False  # a worker's part of the job was lost (its supervisor gone): the job's end is known
         self.halt = _Halt(stop)
+        self.notice: protocol.Notice | None = None  # a host event the job was told of, as a stream said
 
     def view(self) -> None:
         """Every shown worker's records, from the offsets shown so far, until each is done (or without follow,
@@ -198,6 +201,8 @@ class _Viewer:
                     self.halt.set()
             elif isinstance(rec, protocol.Passages):
                 self.watch.take(rec)
+            elif isinstance(rec, protocol.Notice):
+                self.notice = self.notice or rec
             elif isinstance(rec, protocol.Line):
                 w = rec.worker
                 if self.follow:

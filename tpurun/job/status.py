@@ -124,7 +124,7 @@ def combine(states: Mapping[str, JobState | None]) -> JobSummary:
         name, first = found
         details.append(ends.failure(name, first.slot, first.exit_code) if first is not None else name)
     elif lost:
-        details.append(f"{naming.listed(lost)}: its supervisor is gone")
+        details.append(f"supervisor gone on {naming.listed(lost)}")
     if active:
         details.append(f"still running on {naming.listed(active)}")
     return JobSummary(end, running=bool(active), detail="; ".join(details), notice=notice)
