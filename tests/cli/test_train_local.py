@@ -128,9 +128,13 @@ def test_lightning_example_trains_under_tpurun(tmp_path):
 def test_cancel_of_an_ended_job_says_it_had_ended(tmp_path):
     env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
     (tmp_path / "q.py").write_text("print('done')\n")
-    r = tpurun("train", "q.py", "--runtime", "cpu", cwd=tmp_path, env=env, timeout=120)
+    r = tpurun("train", "q.py", "--runtime", "cpu", "--json", cwd=tmp_path, env=env, timeout=120)
     assert r.code == 0, r.err
-    job = re.search(r"job (\S+):", r.err).group(1)
+    said = json.loads(r.out)  # its end, and where the lines it does not print went
+    job = said["job_id"]
+    assert (said["end"], said["exit_code"], said["logs"]["command"]) == ("finished", 0, f"tpurun logs {job}"), said
+    (row,) = json.loads(tpurun("jobs", "--json", cwd=tmp_path, env=env, timeout=60).out)
+    assert (row["job_id"], row["status"], row["end"], row["exit_code"]) == (job, "finished", "finished", 0), row
     r = tpurun("cancel", job, cwd=tmp_path, env=env, timeout=120)
     assert r.code == 0, r.err
     assert "had already ended (finished)" in r.err and "stopped on" not in r.err, r.err

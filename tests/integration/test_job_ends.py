@@ -49,6 +49,17 @@ def _ticking(lines: list[str]) -> bool:
     return all(any(f"tick 3 w{w}" in x for x in lines) for w in (0, 1))
 
 
+def _running(cli) -> str:
+    """The job that runs, once its processes on both workers have printed (read through `logs`)."""
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        running = [j["job_id"] for j in json.loads(cli("jobs", "--json").out) if j["status"] == "running"]
+        if running and _ticking(cli("--plain", "logs", running[0]).out.splitlines()):
+            return running[0]
+        time.sleep(0.2)
+    raise AssertionError("no job started")
+
+
 def _row(cli, job: str) -> dict:
     return next(j for j in json.loads(cli("jobs", "--json").out) if j["job_id"] == job)
 
@@ -69,12 +80,21 @@ def test_a_job_a_notice_cut_short_ends_as_maintenance_everywhere_whatever_on_not
     node = emulator.node_name("told")
     (cli.cwd / "noticed.py").write_text(NOTICED)
     for action in ("signal:SIGUSR1", "file", "stop"):
-        proc = popen(cli, "--plain", "train", "noticed.py", "--runtime", "cpu", "--launch", "host", "--on-notice", action)
-        lines = read_until(proc, _ticking, timeout=180)
+        json_out = action == "stop"  # this once `train --json`, which prints no line of the program's
+        proc = popen(
+            cli, "--plain", "train", "noticed.py", "--runtime", "cpu", "--launch", "host", "--on-notice", action,
+            *(["--json"] if json_out else []),
+        )  # fmt: skip
+        lines = [] if json_out else read_until(proc, _ticking, timeout=180)
+        if json_out:
+            _running(cli)
         emulator.admin.maintenance(node, 1, notice=2, duration=1)
         out, err = finish(proc, timeout=240)
         lines += out.splitlines()
         assert proc.returncode == 75, (action, err[-3000:])
+        if json_out:
+            said = json.loads(out)
+            assert (said["end"], said["exit_code"], said["notice"]["kind"]) == ("maintenance", 75, "maintenance"), said
         assert "ended (maintenance): a host of its TPU went for maintenance" in err, (action, err[-3000:])
         assert "failed first" not in err and "failed (exit code" not in err, (action, err[-3000:])
         if action != "stop":  # the script itself saved and exited 3, told as the notice's doing
