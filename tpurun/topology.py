@@ -64,6 +64,9 @@ def _v5p_shapes() -> dict[int, str]:
     return dict(sorted(shapes.items()))
 
 
+# v5e and v6e slices: the same sizes (in chips) and shapes, up to a 16x16 pod (docs/topology.md)
+_LITE_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
 GENERATIONS: dict[str, Generation] = {
     g.name: g
     for g in [
@@ -137,16 +140,7 @@ GENERATIONS: dict[str, Generation] = {
             default_runtime="v2-alpha-tpuv5-lite",
             single_host_max_chips=8,
             alias="v5e",
-            shapes={
-                1: "1x1",
-                4: "2x2",
-                8: "2x4",
-                16: "4x4",
-                32: "4x8",
-                64: "8x8",
-                128: "8x16",
-                256: "16x16",
-            },
+            shapes=_LITE_SHAPES,
             pci_ids=("0x0063", "0x0063"),
         ),
         Generation(
@@ -175,16 +169,7 @@ GENERATIONS: dict[str, Generation] = {
             default_runtime="v2-alpha-tpuv6e",
             single_host_max_chips=8,
             alias="trillium",
-            shapes={
-                1: "1x1",
-                4: "2x2",
-                8: "2x4",
-                16: "4x4",
-                32: "4x8",
-                64: "8x8",
-                128: "8x16",
-                256: "16x16",
-            },
+            shapes=_LITE_SHAPES,
             pci_ids=("0x006f", "0x00d1"),
             machine_types={"ct6e-standard-1t": 1, "ct6e-standard-4t": 4, "ct6e-standard-8t": 8},
             image_family="ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
