@@ -526,63 +526,25 @@ def test_restart_count_and_python_and_port() -> None:
     assert s.argv == ["/opt/py/bin/python", "train.py", "--epochs", "2"]
 
 
+def _probe(libtpu: bool = True, devices: bool = True, **versions: str | None) -> dict:
+    """What the runtime probe prints of a worker's Python: libtpu, the TPU device files, the versions of torch_xla
+    and torch_tpu it imports (one not named: not printed)."""
+    return {"libtpu_installed": libtpu, "device_files_present": devices, **versions}
+
+
 @pytest.mark.parametrize(
     ("requested", "probe", "runtime", "why"),
     [
-        (
-            "auto",
-            {"libtpu_installed": True, "device_files_present": True, "torch_xla_version": "2.9.0"},
-            "pjrt",
-            "libtpu",
-        ),
-        (
-            "auto",
-            {"libtpu_installed": True, "device_files_present": True, "torch_xla_version": "2.0.0+xrt"},
-            "xrt",
-            "< 2.1",
-        ),
-        ("auto", {"libtpu_installed": True, "device_files_present": True, "torch_xla_version": "1.13"}, "xrt", "< 2.1"),
-        (
-            "auto",
-            {"libtpu_installed": True, "device_files_present": False, "torch_xla_version": "2.9.0"},
-            "cpu",
-            "device files",
-        ),
-        (
-            "auto",
-            {"libtpu_installed": False, "device_files_present": True, "torch_xla_version": "2.9.0"},
-            "cpu",
-            "libtpu is not",
-        ),
-        (
-            "auto",
-            {"libtpu_installed": True, "device_files_present": True, "torch_xla_version": None},
-            "cpu",
-            "neither torch_xla nor torch_tpu is installed",
-        ),
-        (
-            "auto",
-            {"libtpu_installed": True, "device_files_present": True, "torch_tpu_version": "0.2.0"},
-            "torchtpu",
-            "torch_tpu 0.2.0",
-        ),
-        (  # both (not in one environment as released): torch_xla's, as before TorchTPU; --runtime torchtpu says
-            "auto",
-            {
-                "libtpu_installed": True,
-                "device_files_present": True,
-                "torch_xla_version": "2.9.0",
-                "torch_tpu_version": "0.2.0",
-            },
-            "pjrt",
-            "torch_xla 2.9.0",
-        ),
-        (
-            "auto",
-            {"libtpu_installed": False, "device_files_present": False, "torch_tpu_version": "0.2.0"},
-            "cpu",
-            "libtpu is not",
-        ),
+        ("auto", _probe(torch_xla_version="2.9.0"), "pjrt", "libtpu"),
+        ("auto", _probe(torch_xla_version="2.0.0+xrt"), "xrt", "< 2.1"),
+        ("auto", _probe(torch_xla_version="1.13"), "xrt", "< 2.1"),
+        ("auto", _probe(devices=False, torch_xla_version="2.9.0"), "cpu", "device files"),
+        ("auto", _probe(libtpu=False, torch_xla_version="2.9.0"), "cpu", "libtpu is not"),
+        ("auto", _probe(torch_xla_version=None), "cpu", "neither torch_xla nor torch_tpu is installed"),
+        ("auto", _probe(torch_tpu_version="0.2.0"), "torchtpu", "torch_tpu 0.2.0"),
+        # both (not in one environment as released): torch_xla's, as before TorchTPU; --runtime torchtpu says
+        ("auto", _probe(torch_xla_version="2.9.0", torch_tpu_version="0.2.0"), "pjrt", "torch_xla 2.9.0"),
+        ("auto", _probe(libtpu=False, devices=False, torch_tpu_version="0.2.0"), "cpu", "libtpu is not"),
         ("pjrt", {}, "pjrt", "requested"),
         ("torchtpu", {}, "torchtpu", "requested"),
     ],
