@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -48,6 +49,17 @@ def build_api_router(emu: Emulator) -> Router:
     return r
 
 
+def _list_and_get(r: Router, collection: str, list_them: Callable[..., Any], get_one: Callable[[str], Any]) -> None:
+    """A collection's List (a page of it under its location) and Get (one of it by its full name)."""
+    r.add(
+        "GET",
+        f"/v2/(?P<parent>{_PARENT})/{collection}",
+        lambda q: list_them(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
+        _PAGE,
+    )
+    r.add("GET", f"/v2/(?P<name>{_PARENT}/{collection}/{_ID})", lambda q: get_one(q.groups["name"]))
+
+
 def _node_routes(r: Router, emu: Emulator) -> None:
     """Nodes: create, list, get, delete, stop, start, update, guest attributes."""
     r.add(
@@ -56,13 +68,7 @@ def _node_routes(r: Router, emu: Emulator) -> None:
         lambda q: emu.create_node(q.groups["parent"], q.q("nodeId"), parse_message(tpu_v2.Node, q, "node")),
         ("nodeId", "requestId"),
     )
-    r.add(
-        "GET",
-        f"/v2/(?P<parent>{_PARENT})/nodes",
-        lambda q: emu.list_nodes(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        _PAGE,
-    )
-    r.add("GET", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.get_node(q.groups["name"]))
+    _list_and_get(r, "nodes", emu.list_nodes, emu.get_node)
     r.add("DELETE", f"/v2/(?P<name>{_PARENT}/nodes/{_ID})", lambda q: emu.delete_node(q.groups["name"]), ("requestId",))
 
     def empty_body(q: Request) -> None:
@@ -96,13 +102,7 @@ def _node_routes(r: Router, emu: Emulator) -> None:
 
 def _operation_routes(r: Router, emu: Emulator) -> None:
     """Long-running operations."""
-    r.add("GET", f"/v2/(?P<name>{_PARENT}/operations/{_ID})", lambda q: emu.get_operation(q.groups["name"]))
-    r.add(
-        "GET",
-        f"/v2/(?P<name>{_PARENT})/operations",
-        lambda q: emu.list_operations(q.groups["name"], q.q_int("pageSize"), q.q("pageToken")),
-        _PAGE,
-    )
+    _list_and_get(r, "operations", emu.list_operations, emu.get_operation)
 
     def op_delete(q: Request) -> Any:
         emu.delete_operation(q.groups["name"])
@@ -118,22 +118,8 @@ def _operation_routes(r: Router, emu: Emulator) -> None:
 
 def _catalogue_routes(r: Router, emu: Emulator) -> None:
     """Accelerator types and runtime versions."""
-    r.add(
-        "GET",
-        f"/v2/(?P<parent>{_PARENT})/acceleratorTypes",
-        lambda q: emu.list_accelerator_types(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        _PAGE,
-    )
-    r.add(
-        "GET", f"/v2/(?P<name>{_PARENT}/acceleratorTypes/{_ID})", lambda q: emu.get_accelerator_type(q.groups["name"])
-    )
-    r.add(
-        "GET",
-        f"/v2/(?P<parent>{_PARENT})/runtimeVersions",
-        lambda q: emu.list_runtime_versions(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        _PAGE,
-    )
-    r.add("GET", f"/v2/(?P<name>{_PARENT}/runtimeVersions/{_ID})", lambda q: emu.get_runtime_version(q.groups["name"]))
+    _list_and_get(r, "acceleratorTypes", emu.list_accelerator_types, emu.get_accelerator_type)
+    _list_and_get(r, "runtimeVersions", emu.list_runtime_versions, emu.get_runtime_version)
 
 
 def _queued_routes(r: Router, emu: Emulator) -> None:
@@ -146,13 +132,7 @@ def _queued_routes(r: Router, emu: Emulator) -> None:
         ),
         ("queuedResourceId", "requestId"),
     )
-    r.add(
-        "GET",
-        f"/v2/(?P<parent>{_PARENT})/queuedResources",
-        lambda q: emu.list_queued_resources(q.groups["parent"], q.q_int("pageSize"), q.q("pageToken")),
-        _PAGE,
-    )
-    r.add("GET", f"/v2/(?P<name>{_PARENT}/queuedResources/{_ID})", lambda q: emu.get_queued_resource(q.groups["name"]))
+    _list_and_get(r, "queuedResources", emu.list_queued_resources, emu.get_queued_resource)
     r.add(
         "DELETE",
         f"/v2/(?P<name>{_PARENT}/queuedResources/{_ID})",

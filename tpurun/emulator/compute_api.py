@@ -49,28 +49,17 @@ def _catalogue(r: Router) -> None:
     r.add("GET", f"{_P}/zones", lambda q: compute_catalogue.list_zones(_project(q), _query(q)), _LIST)
     zone = f"{_P}/zones/(?P<zone>{_ID})"
     r.add("GET", zone, lambda q: compute_catalogue.zone_json(_project(q), q.groups["zone"]))
-    r.add(
-        "GET",
-        f"{zone}/machineTypes",
-        lambda q: compute_catalogue.list_machine_types(_project(q), q.groups["zone"], _query(q)),
-        _LIST,
+    per_zone = (
+        ("machineTypes", compute_catalogue.list_machine_types, compute_catalogue.machine_type_json),
+        ("acceleratorTypes", compute_catalogue.list_accelerator_types, compute_catalogue.accelerator_type_json),
     )
-    r.add(
-        "GET",
-        f"{zone}/machineTypes/(?P<name>{_ID})",
-        lambda q: compute_catalogue.machine_type_json(_project(q), q.groups["zone"], q.groups["name"]),
-    )
-    r.add(
-        "GET",
-        f"{zone}/acceleratorTypes",
-        lambda q: compute_catalogue.list_accelerator_types(_project(q), q.groups["zone"], _query(q)),
-        _LIST,
-    )
-    r.add(
-        "GET",
-        f"{zone}/acceleratorTypes/(?P<name>{_ID})",
-        lambda q: compute_catalogue.accelerator_type_json(_project(q), q.groups["zone"], q.groups["name"]),
-    )
+    for kind, list_them, get_one in per_zone:
+        r.add("GET", f"{zone}/{kind}", lambda q, f=list_them: f(_project(q), q.groups["zone"], _query(q)), _LIST)
+        r.add(
+            "GET",
+            f"{zone}/{kind}/(?P<name>{_ID})",
+            lambda q, f=get_one: f(_project(q), q.groups["zone"], q.groups["name"]),
+        )
 
 
 def _operations(r: Router, emu: Emulator) -> None:
