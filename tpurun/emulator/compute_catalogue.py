@@ -37,38 +37,48 @@ def _accelerator(gen: str) -> str:
     return _ACCELERATOR.get(gen, f"tpu-{gen}")
 
 
+def _entry(kind: str, name: str, path: str, id_digits: int, **fields: Any) -> dict[str, Any]:
+    """One entry of the catalogue as Compute Engine writes it: its kind, an id of its own that stays the same,
+    when it was made, its name, FIELDS and its own link."""
+    return {
+        "kind": f"compute#{kind}",
+        "id": str(stable_int(f"{kind}:{name}", id_digits)),
+        "creationTimestamp": _CREATED,
+        "name": name,
+        **fields,
+        "selfLink": link(path),
+    }
+
+
 def zone_json(project: str, zone: str) -> dict[str, Any]:
     _known_zone(project, zone)
-    path = f"projects/{project}/zones/{zone}"
-    return {
-        "kind": "compute#zone",
-        "id": str(stable_int(f"zone:{zone}", 4)),
-        "creationTimestamp": _CREATED,
-        "name": zone,
-        "description": zone,
-        "status": "UP",
-        "region": link(f"projects/{project}/regions/{region_of(zone)}"),
-        "selfLink": link(path),
-        "availableCpuPlatforms": ["AMD Genoa", "Intel Sapphire Rapids"],
-        "supportsPzs": False,
-    }
+    return _entry(
+        "zone",
+        zone,
+        f"projects/{project}/zones/{zone}",
+        4,
+        description=zone,
+        status="UP",
+        region=link(f"projects/{project}/regions/{region_of(zone)}"),
+        availableCpuPlatforms=["AMD Genoa", "Intel Sapphire Rapids"],
+        supportsPzs=False,
+    )
 
 
 def region_json(project: str, region: str) -> dict[str, Any]:
     if region not in _regions():
         raise not_found(f"projects/{project}/regions/{region}")
-    return {
-        "kind": "compute#region",
-        "id": str(stable_int(f"region:{region}", 4)),
-        "creationTimestamp": _CREATED,
-        "name": region,
-        "description": region,
-        "status": "UP",
-        "zones": [link(f"projects/{project}/zones/{z}") for z in ZONES if region_of(z) == region],
-        "quotas": [],
-        "selfLink": link(f"projects/{project}/regions/{region}"),
-        "supportsPzs": False,
-    }
+    return _entry(
+        "region",
+        region,
+        f"projects/{project}/regions/{region}",
+        4,
+        description=region,
+        status="UP",
+        zones=[link(f"projects/{project}/zones/{z}") for z in ZONES if region_of(z) == region],
+        quotas=[],
+        supportsPzs=False,
+    )
 
 
 def _machine_types() -> dict[str, tuple[str, int]]:
@@ -82,22 +92,21 @@ def machine_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
     if name not in known:
         raise not_found(f"projects/{project}/zones/{zone}/machineTypes/{name}")
     gen, chips = known[name]
-    return {
-        "kind": "compute#machineType",
-        "id": str(stable_int(f"machineType:{name}", 9)),
-        "creationTimestamp": _CREATED,
-        "name": name,
-        "description": f"{chips} TPU {gen} chip{'s' if chips > 1 else ''}",
-        "guestCpus": _CPUS_PER_CHIP * chips,
-        "memoryMb": _MIB_PER_CHIP * chips,
-        "maximumPersistentDisks": 128,
-        "maximumPersistentDisksSizeGb": "263168",
-        "zone": zone,
-        "selfLink": link(f"projects/{project}/zones/{zone}/machineTypes/{name}"),
-        "isSharedCpu": False,
-        "accelerators": [{"guestAcceleratorType": _accelerator(gen), "guestAcceleratorCount": chips}],
-        "architecture": "X86_64",
-    }
+    return _entry(
+        "machineType",
+        name,
+        f"projects/{project}/zones/{zone}/machineTypes/{name}",
+        9,
+        description=f"{chips} TPU {gen} chip{'s' if chips > 1 else ''}",
+        guestCpus=_CPUS_PER_CHIP * chips,
+        memoryMb=_MIB_PER_CHIP * chips,
+        maximumPersistentDisks=128,
+        maximumPersistentDisksSizeGb="263168",
+        zone=zone,
+        isSharedCpu=False,
+        accelerators=[{"guestAcceleratorType": _accelerator(gen), "guestAcceleratorCount": chips}],
+        architecture="X86_64",
+    )
 
 
 def accelerator_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
@@ -107,16 +116,15 @@ def accelerator_type_json(project: str, zone: str, name: str) -> dict[str, Any]:
         most[_accelerator(gen)] = max(most.get(_accelerator(gen), 0), chips)
     if name not in most:
         raise not_found(f"projects/{project}/zones/{zone}/acceleratorTypes/{name}")
-    return {
-        "kind": "compute#acceleratorType",
-        "id": str(stable_int(f"acceleratorType:{name}", 9)),
-        "creationTimestamp": _CREATED,
-        "name": name,
-        "description": name,
-        "zone": link(f"projects/{project}/zones/{zone}"),
-        "selfLink": link(f"projects/{project}/zones/{zone}/acceleratorTypes/{name}"),
-        "maximumCardsPerInstance": most[name],
-    }
+    return _entry(
+        "acceleratorType",
+        name,
+        f"projects/{project}/zones/{zone}/acceleratorTypes/{name}",
+        9,
+        description=name,
+        zone=link(f"projects/{project}/zones/{zone}"),
+        maximumCardsPerInstance=most[name],
+    )
 
 
 def list_zones(project: str, query: ListQuery) -> dict[str, Any]:
