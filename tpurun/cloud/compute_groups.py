@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from google.cloud import compute_v1
 
@@ -154,27 +155,26 @@ class ComputeGroups:
                 type_="HIGH_THROUGHPUT", accelerator_topology=topo.topology
             ),
         )
-        self.calls.operate(
-            f"create workload policy {name}",
-            lambda: self.calls.policies.insert_unary(
-                project=self.project, region=self.region, resource_policy_resource=policy
-            ),
-            300,
-            started=started,
+        self._regional(
+            f"create workload policy {name}", self.calls.policies.insert_unary, started, resource_policy_resource=policy
         )
         return self.policy_path(name)
 
     def make_template(self, name: str, props: compute_v1.InstanceProperties, started: Callable[[], None]) -> str:
         template = compute_v1.InstanceTemplate(name=name, description=MADE_BY + name, properties=props)
-        self.calls.operate(
+        self._regional(
             f"create instance template {name}",
-            lambda: self.calls.templates.insert_unary(
-                project=self.project, region=self.region, instance_template_resource=template
-            ),
-            300,
-            started=started,
+            self.calls.templates.insert_unary,
+            started,
+            instance_template_resource=template,
         )
         return self.template_path(name)
+
+    def _regional(
+        self, what: str, call: Callable[..., Any], started: Callable[[], None] | None = None, **args: Any
+    ) -> None:
+        """CALL on a regional resource of the TPU (its template, its workload policy) run to its end, said as WHAT."""
+        self.calls.operate(what, lambda: call(project=self.project, region=self.region, **args), 300, started=started)
 
     def policy_path(self, name: str) -> str:
         return f"projects/{self.project}/regions/{self.region}/resourcePolicies/{name}"
@@ -199,15 +199,7 @@ class ComputeGroups:
             self.calls.deleted(what, op, functools.partial(self.get_group, name), on_poll)
 
     def delete_template(self, name: str) -> None:
-        self.calls.operate(
-            f"delete instance template {name}",
-            lambda: self.calls.templates.delete_unary(project=self.project, region=self.region, instance_template=name),
-            300,
-        )
+        self._regional(f"delete instance template {name}", self.calls.templates.delete_unary, instance_template=name)
 
     def delete_policy(self, name: str) -> None:
-        self.calls.operate(
-            f"delete workload policy {name}",
-            lambda: self.calls.policies.delete_unary(project=self.project, region=self.region, resource_policy=name),
-            300,
-        )
+        self._regional(f"delete workload policy {name}", self.calls.policies.delete_unary, resource_policy=name)
