@@ -230,17 +230,11 @@ class ComputeResources(Queued):
                 )
             if wp.max_topology_distance:
                 raise compute_error(400, "acceleratorTopology and maxTopologyDistance cannot both be set.", "invalid")
-        path = f"projects/{project}/regions/{region}/resourcePolicies/{policy.name}"
-        with self.lock:
-            if path in self.policies:
-                raise already_exists(path)
-            stored = compute_v1.ResourcePolicy(policy)
-            stamp(stored, "resourcePolicy", path)
-            stored.region = link(f"projects/{project}/regions/{region}")
-            stored.status = "READY"
-            op = self._operation(f"projects/{project}/regions/{region}", "insert", path, stored.id)
-            self.policies[path] = stored
-        return self._quick(op)
+        scope = f"projects/{project}/regions/{region}"
+        stored = compute_v1.ResourcePolicy(policy, region=link(scope), status="READY")
+        return self._insert_at_once(
+            self.policies, scope, f"{scope}/resourcePolicies/{policy.name}", stored, "resourcePolicy"
+        )
 
     def get_policy(self, path: str) -> dict[str, Any]:
         return to_json(self._lookup(self.policies, path))
@@ -253,6 +247,16 @@ class ComputeResources(Queued):
 
     def delete_policy(self, path: str) -> dict[str, Any]:
         return self._delete_unused(self.policies, path, "resource_policy", self._policy_user)
+
+    def _insert_at_once(self, table: dict[str, Any], scope: str, path: str, stored: Any, kind: str) -> dict[str, Any]:
+        """STORED, a KIND the API makes at once (a policy, a template), kept at PATH; refused where PATH is taken."""
+        with self.lock:
+            if path in table:
+                raise already_exists(path)
+            stamp(stored, kind, path)
+            op = self._operation(scope, "insert", path, stored.id)
+            table[path] = stored
+        return self._quick(op)
 
     def _delete_unused(
         self, table: dict[str, Any], path: str, kind: str, user_of: Callable[[str], str]
@@ -280,17 +284,12 @@ class ComputeResources(Queued):
         check_name(template.name)
         self._check_properties(template.properties, "resource.properties")
         scope = f"projects/{project}/regions/{region}" if region else f"projects/{project}/global"
-        path = f"{scope}/instanceTemplates/{template.name}"
-        with self.lock:
-            if path in self.templates:
-                raise already_exists(path)
-            stored = compute_v1.InstanceTemplate(template)
-            stamp(stored, "instanceTemplate", path)
-            if region:
-                stored.region = link(f"projects/{project}/regions/{region}")
-            op = self._operation(scope, "insert", path, stored.id)
-            self.templates[path] = stored
-        return self._quick(op)
+        stored = compute_v1.InstanceTemplate(template)
+        if region:
+            stored.region = link(scope)
+        return self._insert_at_once(
+            self.templates, scope, f"{scope}/instanceTemplates/{template.name}", stored, "instanceTemplate"
+        )
 
     @staticmethod
     def _check_properties(props: compute_v1.InstanceProperties | compute_v1.Instance, where: str) -> Topology:
