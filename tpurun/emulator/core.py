@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from google.cloud import tpu_v2
 
@@ -31,12 +31,16 @@ from tpurun.emulator.model import (
     Operation,
     QueuedRecord,
     invalid,
+    not_found,
     now_rfc3339,
     slots_for,
+    split_name,
     worker_address,
 )
 from tpurun.errors import UsageError
 from tpurun.topology import GENERATIONS, Topology, parse_accelerator_type
+
+R = TypeVar("R")
 
 
 class Core:
@@ -83,6 +87,16 @@ class Core:
     def _sleep(self, seconds: float) -> bool:
         """Wait SECONDS; False when the emulator is shutting down."""
         return not self._closing.wait(max(0.0, seconds))
+
+    def _found(self, table: dict[str, R], name: str, collection: str) -> R:
+        """The record of NAME (projects/P/locations/Z/COLLECTION/ID) in TABLE: a malformed name is a 400 and an
+        unknown one a 404, as the API answers."""
+        with self.lock:
+            rec = table.get(name)
+        if rec is None:
+            split_name(name, collection)
+            raise not_found(name)
+        return rec
 
     def _new_op(self, project: str, zone: str, verb: str, target: str, api: str = "v2") -> Operation:
         op = Operation(

@@ -21,11 +21,9 @@ from tpurun.emulator.model import (
     SliceOf,
     check_zone,
     invalid,
-    not_found,
     paged,
     set_enum,
     slots_for,
-    split_name,
     split_parent,
     to_json,
 )
@@ -37,12 +35,7 @@ class Nodes(Operations):
     # ------------------------------------------------------------------ nodes
 
     def get_record(self, name: str) -> NodeRecord:
-        with self.lock:
-            rec = self.nodes.get(name)
-        if rec is None:
-            split_name(name, "nodes")
-            raise not_found(name)
-        return rec
+        return self._found(self.nodes, name, "nodes")
 
     def find_node(self, ref: str, zone: str | None = None) -> NodeRecord:
         """A node by full name or bare id, in ZONE if given (admin convenience)."""

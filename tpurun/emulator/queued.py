@@ -22,9 +22,7 @@ from tpurun.emulator.model import (
     SliceOf,
     check_zone,
     invalid,
-    not_found,
     paged,
-    split_name,
     split_parent,
     to_json,
 )
@@ -117,12 +115,7 @@ class Queued(Nodes):
         return [f"{prefix}-{i}" for i in range(ms.node_count)]
 
     def get_qr_record(self, name: str) -> QueuedRecord:
-        with self.lock:
-            rec = self.queued.get(name)
-        if rec is None:
-            split_name(name, "queuedResources")
-            raise not_found(name)
-        return rec
+        return self._found(self.queued, name, "queuedResources")
 
     def get_queued_resource(self, name: str) -> dict[str, Any]:
         rec = self.get_qr_record(name)
