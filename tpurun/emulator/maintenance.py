@@ -31,6 +31,7 @@ from tpurun.emulator.model import (
     NodeRecord,
     Operation,
     Window,
+    failed_precondition,
     set_enum,
 )
 
@@ -220,7 +221,7 @@ class HostEvents(ManagedGroups):
         with self.lock:
             window = self._window(host)
             if window is None or window.status != PENDING:
-                raise ApiError(400, f"{host.name} has no pending maintenance.", "FAILED_PRECONDITION")
+                raise failed_precondition(f"{host.name} has no pending maintenance.")
         window.now.set()
 
     # ------------------------------------------------------------------ the APIs' methods
@@ -259,7 +260,7 @@ class HostEvents(ManagedGroups):
                 window.now.set()
                 started += 1
         if not started:
-            raise ApiError(400, f"{name} has no slice with pending maintenance.", "FAILED_PRECONDITION")
+            raise failed_precondition(f"{name} has no slice with pending maintenance.")
         op = self._new_op(qr.project, qr.zone, "performMaintenanceQueuedResource", name, api="v2alpha1")
         self._finish(op, {"@type": op.response_type("QueuedResource"), **self.get_queued_resource(name)})
         return op.to_json()

@@ -133,6 +133,11 @@ def invalid(message: str) -> ApiError:
     return ApiError(400, message, "INVALID_ARGUMENT")
 
 
+def failed_precondition(message: str) -> ApiError:
+    """The resource is not in a state the call can act on (the API's 400 FAILED_PRECONDITION)."""
+    return ApiError(400, message, "FAILED_PRECONDITION")
+
+
 class HostsLike(Protocol):
     """What the model needs from hosts.WorkerHosts (kept structural so tests can use a fake)."""
 

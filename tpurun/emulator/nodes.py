@@ -20,6 +20,7 @@ from tpurun.emulator.model import (
     Operation,
     SliceOf,
     check_zone,
+    failed_precondition,
     invalid,
     paged,
     set_enum,
@@ -248,12 +249,17 @@ class Nodes(Operations):
         rec = self.get_record(name)
         with self.lock:
             if rec.state == "DELETING":
-                raise ApiError(400, f"Node {name} is already being deleted.", "FAILED_PRECONDITION")
+                raise failed_precondition(f"Node {name} is already being deleted.")
             rec.set_state("DELETING")
             set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTH_UNSPECIFIED)
             self._drop_maintenance(rec)
-            op = self._new_op(rec.project, rec.zone, "delete", name)
-        self._spawn(self._run_delete, rec, op)
+        return self._node_operation(rec, "delete", self._run_delete)
+
+    def _node_operation(self, rec: NodeRecord, verb: str, run: Callable[..., None], *args: Any) -> dict[str, Any]:
+        """The operation VERB on REC's node, answered now and carried out by RUN(REC, the operation, *ARGS) on a
+        thread of its own (the caller, holding the lock, has checked it may begin and set the node's new state)."""
+        op = self._new_op(rec.project, rec.zone, verb, rec.node.name)
+        self._spawn(run, rec, op, *args)
         return op.to_json()
 
     def _run_delete(self, rec: NodeRecord, op: Operation) -> None:
@@ -275,16 +281,10 @@ class Nodes(Operations):
                     f"{rec.topo.hosts} workers. Only single-host TPU VMs can be stopped; delete the slice instead."
                 )
             if rec.state != "READY":
-                raise ApiError(
-                    400,
-                    f"Node {name} is in state {rec.state}; only a READY node can be stopped.",
-                    "FAILED_PRECONDITION",
-                )
+                raise failed_precondition(f"Node {name} is in state {rec.state}; only a READY node can be stopped.")
             rec.set_state("STOPPING")
             self._drop_maintenance(rec)
-            op = self._new_op(rec.project, rec.zone, "stop", name)
-        self._spawn(self._run_stop, rec, op)
-        return op.to_json()
+        return self._node_operation(rec, "stop", self._run_stop)
 
     def _run_stop(self, rec: NodeRecord, op: Operation) -> None:
         self._sleep(self.config.delays.stop)
@@ -300,18 +300,12 @@ class Nodes(Operations):
         rec = self.get_record(name)
         with self.lock:
             if rec.state != "STOPPED":
-                raise ApiError(
-                    400,
-                    f"Node {name} is in state {rec.state}; only a STOPPED node can be started.",
-                    "FAILED_PRECONDITION",
-                )
+                raise failed_precondition(f"Node {name} is in state {rec.state}; only a STOPPED node can be started.")
             rec.set_state("STARTING")
             rec.holds = False
             fail = None if self._fits(rec.zone, rec.topo) else self._no_capacity(rec.zone)
             rec.holds = True
-            op = self._new_op(rec.project, rec.zone, "start", name)
-        self._spawn(self._run_start, rec, op, fail)
-        return op.to_json()
+        return self._node_operation(rec, "start", self._run_start, fail)
 
     def _run_start(self, rec: NodeRecord, op: Operation, fail: ApiError | None) -> None:
         self._sleep(self.config.delays.start)
@@ -357,12 +351,8 @@ class Nodes(Operations):
             self._validate_metadata(dict(node.metadata))
         with self.lock:
             if rec.state not in ("READY", "STOPPED"):
-                raise ApiError(
-                    400, f"Node {name} is in state {rec.state}; it cannot be updated now.", "FAILED_PRECONDITION"
-                )
-            op = self._new_op(rec.project, rec.zone, "update", name)
-        self._spawn(self._run_update, rec, op, node, fields)
-        return op.to_json()
+                raise failed_precondition(f"Node {name} is in state {rec.state}; it cannot be updated now.")
+        return self._node_operation(rec, "update", self._run_update, node, fields)
 
     def _run_update(self, rec: NodeRecord, op: Operation, node: tpu_v2.Node, fields: list[str]) -> None:
         self._sleep(self.config.delays.update)
@@ -398,10 +388,8 @@ class Nodes(Operations):
         rec = self.get_record(name)
         with self.lock:
             if rec.state != "READY" or not rec.booted:
-                raise ApiError(
-                    400,
-                    f"Node {name} is in state {rec.state}; guest attributes are available only while it is READY.",
-                    "FAILED_PRECONDITION",
+                raise failed_precondition(
+                    f"Node {name} is in state {rec.state}; guest attributes are available only while it is READY."
                 )
         per_worker = self.hosts.guest_attributes(rec.key)
         wanted: set[int] | None = None

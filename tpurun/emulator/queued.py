@@ -21,6 +21,7 @@ from tpurun.emulator.model import (
     QueuedRecord,
     SliceOf,
     check_zone,
+    failed_precondition,
     invalid,
     paged,
     split_parent,
@@ -137,11 +138,9 @@ class Queued(Nodes):
         with self.lock:
             live = [n for n in rec.node_names if n in self.nodes]
             if live and not force:
-                raise ApiError(
-                    400,
+                raise failed_precondition(
                     f"Queued resource {name} is in state {rec.state} and still has nodes ({', '.join(live)}); "
-                    "delete them first or set force=true.",
-                    "FAILED_PRECONDITION",
+                    "delete them first or set force=true."
                 )
             rec.set_state("DELETING")
             op = self._new_op(rec.project, rec.zone, "delete", name)
@@ -166,16 +165,12 @@ class Queued(Nodes):
         rec = self.get_qr_record(name)
         with self.lock:
             if rec.state not in ("FAILED", "SUSPENDED"):
-                raise ApiError(
-                    400,
+                raise failed_precondition(
                     f"Queued resource {name} is in state {rec.state}; only FAILED or SUSPENDED "
-                    "queued resources can be reset.",
-                    "FAILED_PRECONDITION",
+                    "queued resources can be reset."
                 )
             if any(n in self.nodes for n in rec.node_names):
-                raise ApiError(
-                    400, f"Queued resource {name} still has nodes; delete them first.", "FAILED_PRECONDITION"
-                )
+                raise failed_precondition(f"Queued resource {name} still has nodes; delete them first.")
             rec.node_names = []
             rec.waiting_since = time.time()
             rec.set_state("WAITING_FOR_RESOURCES")
