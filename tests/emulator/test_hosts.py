@@ -252,8 +252,9 @@ def test_faults_stop_start_and_close(tmp_path: Path) -> None:
     env.hosts = WorkerHosts(tmp_path / "state")
     md = {"ssh-keys": f"root:{pub}", "startup-script": "#!/usr/bin/python3\nimport os; print('py', os.getpid())\n"}
     node = "fault-node"
-    try:
-        ws = env.hosts.boot_node(
+
+    def boot() -> list[WorkerInfo]:  # the node's first boot, and its boot again after its stop
+        return env.hosts.boot_node(
             node,
             SLOT + 1,
             num_workers=2,
@@ -261,6 +262,9 @@ def test_faults_stop_start_and_close(tmp_path: Path) -> None:
             accelerator_type="v5litepod-16",
             get_metadata=lambda: md,
         )
+
+    try:
+        ws = boot()
         env.pin(ws)
         assert env.ssh(ws[0], "ls /dev/vfio").stdout.split() == ["0", "1", "2", "3", "vfio"]
         assert env.ssh(ws[0], "test ! -e /dev/accel0 && echo ok").stdout.strip() == "ok"
@@ -291,14 +295,7 @@ def test_faults_stop_start_and_close(tmp_path: Path) -> None:
         env.ssh(ws[0], "echo x > /tmp/gone")
         env.hosts.shutdown_node(node)
         assert all(w.init_pid is None for w in env.hosts.workers(node))
-        ws2 = env.hosts.boot_node(
-            node,
-            SLOT + 1,
-            num_workers=2,
-            generation="v5litepod",
-            accelerator_type="v5litepod-16",
-            get_metadata=lambda: md,
-        )
+        ws2 = boot()
         assert [w.host_key for w in ws2] == [w.host_key for w in ws]
         # /tmp is the worker's own and empty after a reboot, except for where this machine's Python
         # lives when it is under /tmp (a venv of a clone in /tmp): the read-only "image" (tpu_vm.image_paths)
