@@ -223,6 +223,9 @@ def test_code_too_big_refused_with_sync_hint(cli, emulator):
         (["create", "ok", "-t", "v4-8", "--data", "ftp://x=/y"], "bad --data"),
         (["create", "-bad", "-t", "v4-8"], ""),
         (["create", "ok", "-t", "v4-8", "--valid-until", "3h"], "--queued"),
+        (["create", "z", "-t", "v4-16", "--slices", "0"], "'--slices': 0 is not in the range x>=1"),
+        (["create", "z", "-t", "v3-32", "--slices", "2"], "v4 and newer"),
+        (["create", "z", "-t", "v2-8", "--slices", "3"], "v4 and newer"),
     ],
 )
 def test_bad_input_creates_nothing(cli, emulator, args, needle):
