@@ -21,6 +21,14 @@ class Cli:
     env: dict[str, str]
     emulator: Any = None
 
+    @classmethod
+    def under(cls, root: Path, emulator: Any) -> Cli:
+        """One for EMULATOR whose HOME and project directory are made under ROOT."""
+        home, work = root / "home", root / "project"
+        home.mkdir()
+        work.mkdir()
+        return cls(work, home, cli_env(emulator, home), emulator)
+
     def __call__(self, *args: str, timeout: float = 180, input: str | None = None) -> Result:
         return tpurun(*args, cwd=self.cwd, env=self.env, timeout=timeout, input=input)
 
@@ -80,13 +88,8 @@ def cli_env(emulator, home: Path) -> dict[str, str]:
 
 @pytest.fixture
 def cli(emulator, tmp_path) -> Cli:
-    home = tmp_path / "home"
-    work = tmp_path / "project"
-    home.mkdir()
-    work.mkdir()
-    env = cli_env(emulator, home)
     try:
-        yield Cli(work, home, env, emulator)
+        yield Cli.under(tmp_path, emulator)
     finally:
         emulator.restore()
         delete_every_tpu(emulator)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.helpers import assert_clean_error, by_tag, create_node, delete_every_tpu
-from tests.integration.conftest import Cli, cli_env
+from tests.integration.conftest import Cli
 
 pytestmark = pytest.mark.integration
 
@@ -21,11 +21,7 @@ FAR = "us-central1-c"  # where the lone VM `quad` is; the group `quad` is in the
 
 @pytest.fixture(scope="module")
 def place(emulator, tmp_path_factory) -> Iterator[Cli]:
-    root = tmp_path_factory.mktemp("faults")
-    home, work = root / "home", root / "project"
-    home.mkdir()
-    work.mkdir()
-    cli = Cli(work, home, cli_env(emulator, home), emulator)
+    cli = Cli.under(tmp_path_factory.mktemp("faults"), emulator)
     try:
         assert emulator.zone != FAR
         create_node(cli, "quad", "tpu7x-32")

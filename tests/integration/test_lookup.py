@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 
 from tests.helpers import Result, assert_clean_error, create_node, delete_every_tpu, tpurun
-from tests.integration.conftest import Cli, cli_env
+from tests.integration.conftest import Cli
 from tpurun.emulator.pytest_plugin import fast_polling
 
 pytestmark = pytest.mark.integration
@@ -32,13 +32,9 @@ FORM = "`tpurun exec --tpu NAME -- CMD`"
 @pytest.fixture(scope="module")
 def place(emulator, tmp_path_factory) -> Iterator[Cli]:
     """The project directory: its zone in tpurun.toml (TPURUN_ZONE unset), `demo` there, `one` in FAR."""
-    root = tmp_path_factory.mktemp("lookup")
-    home, work = root / "home", root / "project"
-    home.mkdir()
-    work.mkdir()
-    env = cli_env(emulator, home)
-    env.pop("TPURUN_ZONE")
-    cli = Cli(work, home, env, emulator)
+    cli = Cli.under(tmp_path_factory.mktemp("lookup"), emulator)
+    cli.env.pop("TPURUN_ZONE")
+    work = cli.cwd
     (work / "tpurun.toml").write_text(f'zone = "{emulator.zone}"\n')
     try:
         assert emulator.zone != FAR
