@@ -72,8 +72,7 @@ def render(res: dict[str, Any]) -> str:
         return f"{a['median'] / b['median']:.2f}x" if a and b else "-"
 
     lines = [
-        f"Measured {res['machine']['date']} on {common.machine_line(res['machine'])}; {res['reps']} rounds, "
-        f"order rotated each round; `{res['command']}` ({res['seconds']:.0f} s).",
+        common.measured(res, f"{res['reps']} rounds, order rotated each round"),
         "",
         "| type | VMs | made by | create to usable, ms | first `exec -- true`, ms | train: every process started, "
         "ms | train: tpurun exit, ms | create / Cloud TPU API | started / Cloud TPU API |",
@@ -96,14 +95,11 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     t0 = time.monotonic()
-    res: dict[str, Any] = {"machine": common.machine(), "reps": args.reps}
-    res["command"] = "sudo .venv/bin/python scripts/bench/backends_bench.py " + " ".join(sys.argv[1:])
+    res = common.record(__file__, reps=args.reps)
     cases = [(b, k) for k in SIZES for b in BACKENDS]
     samples: dict[str, dict[str, list[float]]] = {f"{b} {k}": {} for b, k in cases}
     with common.bench_emulator() as bench:
-        jobs = bench.home / "jobs"
-        jobs.mkdir()
-        (jobs / "start.py").write_text(START)
+        jobs = bench.job_dir(start=START)
         for rnd in range(args.reps):
             for backend, kind in cases[rnd % len(cases) :] + cases[: rnd % len(cases)]:
                 got = run(bench, jobs, backend, kind)

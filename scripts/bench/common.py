@@ -65,6 +65,18 @@ def machine_line(m: dict[str, Any]) -> str:
     return f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['kernel']}, Python {m['python']}, {m['date']}"
 
 
+def record(script: str, **fields: Any) -> dict[str, Any]:
+    """What a benchmark's results start with: the machine, FIELDS, and the command that ran SCRIPT (its __file__)."""
+    command = f"sudo .venv/bin/python scripts/bench/{Path(script).name} " + " ".join(sys.argv[1:])
+    return {"machine": machine(), **fields, "command": command}
+
+
+def measured(res: dict[str, Any], how: str) -> str:
+    """The line above a benchmark's table: when, on what machine, HOW (its rounds), the command, how long."""
+    m = res["machine"]
+    return f"Measured {m['date']} on {machine_line(m)}; {how}; `{res['command']}` ({res['seconds']:.0f} s)."
+
+
 @dataclass
 class Sample:
     wall: float
@@ -201,6 +213,14 @@ class Bench:
             "-o", "ConnectTimeout=10",
             "-o", "LogLevel=ERROR",
         ]  # fmt: skip
+
+    def job_dir(self, **scripts: str) -> Path:
+        """A directory of job SCRIPTS (file name without ".py" -> source) to `tpurun train` from."""
+        jobs = self.home / "jobs"
+        jobs.mkdir()
+        for name, source in scripts.items():
+            (jobs / f"{name}.py").write_text(source)
+        return jobs
 
     def tpurun(self, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
         r = subprocess.run(

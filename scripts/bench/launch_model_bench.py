@@ -191,8 +191,7 @@ class LaunchBench:
 
 def render(res: dict[str, Any]) -> str:
     lines = [
-        f"Measured {res['machine']['date']} on {common.machine_line(res['machine'])}; {res['reps']} interleaved "
-        f"repetitions after one warm-up round; `{res['command']}` ({res['seconds']:.0f} s).",
+        common.measured(res, f"{res['reps']} interleaved repetitions after one warm-up round"),
         "",
         "| workers | chips | chip launch (before) | host launch (now) | floor: the spawner by `tpurun exec` | host / chip | host / floor |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -226,13 +225,9 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     t0 = time.monotonic()
-    res: dict[str, Any] = {"machine": common.machine(), "reps": args.reps, "start": {}}
-    res["command"] = "sudo .venv/bin/python scripts/bench/launch_model_bench.py " + " ".join(sys.argv[1:])
+    res = common.record(__file__, reps=args.reps, start={})
     with common.bench_emulator() as bench:
-        jobs = bench.home / "jobs"
-        jobs.mkdir()
-        (jobs / "chip.py").write_text(CHIP)
-        (jobs / "host.py").write_text(HOST)
+        jobs = bench.job_dir(chip=CHIP, host=HOST)
         lb = LaunchBench(bench, args, jobs)
         for size in [int(x) for x in args.sizes.split(",")]:
             node = bench.create(size)

@@ -72,8 +72,7 @@ def render(res: dict[str, Any]) -> str:
 
     base = res["sizes"]["1"]
     lines = [
-        f"Measured {res['machine']['date']} on {common.machine_line(res['machine'])}; {res['reps']} rounds, sizes "
-        f"rotated each round; `{res['command']}` ({res['seconds']:.0f} s).",
+        common.measured(res, f"{res['reps']} rounds, sizes rotated each round"),
         "",
         "| slices of v4-16 | workers | create to usable, ms | first `exec -- true`, ms | train: every process "
         "started, ms | train: tpurun exit, ms | create / 1 slice | started / 1 slice |",
@@ -96,13 +95,10 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     t0 = time.monotonic()
-    res: dict[str, Any] = {"machine": common.machine(), "reps": args.reps, "sizes": {}}
-    res["command"] = "sudo .venv/bin/python scripts/bench/multislice_bench.py " + " ".join(sys.argv[1:])
+    res = common.record(__file__, reps=args.reps, sizes={})
     samples: dict[int, dict[str, list[float]]] = {n: {"create": [], "exec": [], "started": [], "exit": []} for n in SLICES}
     with common.bench_emulator() as bench:
-        jobs = bench.home / "jobs"
-        jobs.mkdir()
-        (jobs / "start.py").write_text(START)
+        jobs = bench.job_dir(start=START)
         for rnd in range(args.reps):
             order = SLICES[rnd % len(SLICES) :] + SLICES[: rnd % len(SLICES)]
             for n in order:

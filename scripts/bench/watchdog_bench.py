@@ -141,8 +141,7 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     t0 = time.monotonic()
-    res: dict[str, Any] = {"machine": common.machine(), "procs": args.procs}
-    res["command"] = "sudo .venv/bin/python scripts/bench/watchdog_bench.py " + " ".join(sys.argv[1:])
+    res = common.record(__file__, procs=args.procs)
     with common.bench_emulator() as bench:
         bench.tpurun("create", "wd", "-t", "v4-8", "--autostop", "1d", env={**bench.env, "TPURUN_WATCHDOG_TICK": "1"})
         bench.nodes["wd"] = common.Node("wd", [])
@@ -151,9 +150,7 @@ def main() -> int:
         time.sleep(2)
         res["fast"] = {**measure(pid, args.window), "tick": 1.0}
         print("booted worker:", res["fast"], flush=True)
-        jobs = bench.home / "jobs"
-        jobs.mkdir()
-        (jobs / "sleepers.py").write_text(SLEEPERS)
+        jobs = bench.job_dir(sleepers=SLEEPERS)
         env = {**bench.env, "TPURUN_TPU": "wd"}
         argv = [*common.tpurun_bin(), "train", "sleepers.py", str(args.procs), "--runtime", "cpu", "--launch", "host"]
         argv.append("--detach")
