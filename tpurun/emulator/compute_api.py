@@ -54,12 +54,15 @@ def _catalogue(r: Router) -> None:
         ("acceleratorTypes", compute_catalogue.list_accelerator_types, compute_catalogue.accelerator_type_json),
     )
     for kind, list_them, get_one in per_zone:
-        r.add("GET", f"{zone}/{kind}", lambda q, f=list_them: f(_project(q), q.groups["zone"], _query(q)), _LIST)
-        r.add(
-            "GET",
-            f"{zone}/{kind}/(?P<name>{_ID})",
-            lambda q, f=get_one: f(_project(q), q.groups["zone"], q.groups["name"]),
-        )
+
+        def listed(q: Request, list_them: Any = list_them) -> Any:
+            return list_them(_project(q), q.groups["zone"], _query(q))
+
+        def one(q: Request, get_one: Any = get_one) -> Any:
+            return get_one(_project(q), q.groups["zone"], q.groups["name"])
+
+        r.add("GET", f"{zone}/{kind}", listed, _LIST)
+        r.add("GET", f"{zone}/{kind}/(?P<name>{_ID})", one)
 
 
 def _operations(r: Router, emu: Emulator) -> None:
