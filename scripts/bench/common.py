@@ -214,6 +214,15 @@ class Bench:
             "-o", "LogLevel=ERROR",
         ]  # fmt: skip
 
+    def behind(self, group: Any, node: Node) -> tuple[dict[str, str], list[str]]:
+        """NODE's workers reached through proxies of GROUP (a latency_proxy.ProxyGroup), their host keys pinned for
+        the peers under the proxies' addresses: tpurun's environment for that, and the proxies' addresses."""
+        from tpurun.testing.latency_proxy import address_map_env, pin_proxies, proxy_workers
+
+        mapping = proxy_workers(group, [(a, 22) for a in node.workers])
+        pin_proxies(self.known_hosts, mapping)
+        return dict(self.env, TPURUN_ADDRESS_MAP=address_map_env(mapping)), [mapping[a] for a in node.workers]
+
     def job_dir(self, **scripts: str) -> Path:
         """A directory of job SCRIPTS (file name without ".py" -> source) to `tpurun train` from."""
         jobs = self.home / "jobs"
@@ -280,23 +289,7 @@ def bench_emulator() -> Iterator[Bench]:
     emu = Emulator(hosts, EmulatorConfig(state_dir=state_dir / "emu", delays=Delays(0, 0, 0, 0, 0, 0)))
     server = EmulatorServer(emu)
     server.start_thread()
-    env = dict(os.environ)
-    env.pop("TPURUN_TPU", None)
-    env.pop("TPURUN_ADDRESS_MAP", None)
-    env.update(
-        {
-            "TPURUN_API_ENDPOINT": server.endpoint,
-            "TPURUN_PROJECT": PROJECT,
-            "TPURUN_ZONE": ZONE,
-            "HOME": str(home),
-            "XDG_CONFIG_HOME": str(home / ".config"),
-            "TPURUN_HOME": str(home / ".tpurun"),
-            "TPURUN_POLL_INTERVAL": "0.1",
-            "TPURUN_RETRY_DELAY": "0.05",
-            "TPURUN_SSH_USER": "root",
-        }
-    )
-    bench = Bench(server.endpoint, home, env, server, state_dir)
+    bench = Bench(server.endpoint, home, client_env(home, TPURUN_API_ENDPOINT=server.endpoint), server, state_dir)
     try:
         yield bench
     finally:
@@ -308,6 +301,26 @@ def bench_emulator() -> Iterator[Bench]:
             print(f"warning: the emulator left things behind: {left}", file=sys.stderr)
         else:
             shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def client_env(home: Path, **more: str) -> dict[str, str]:
+    """This process's environment for a tpurun whose HOME is HOME, in the bench project and zone, polling fast,
+    with MORE; a TPU or an address map the caller's shell names left out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TPURUN_TPU", "TPURUN_ADDRESS_MAP")}
+    env.update(
+        {
+            "TPURUN_PROJECT": PROJECT,
+            "TPURUN_ZONE": ZONE,
+            "HOME": str(home),
+            "XDG_CONFIG_HOME": str(home / ".config"),
+            "TPURUN_HOME": str(home / ".tpurun"),
+            "TPURUN_POLL_INTERVAL": "0.1",
+            "TPURUN_RETRY_DELAY": "0.05",
+            "TPURUN_SSH_USER": "root",
+            **more,
+        }
+    )
+    return env
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -122,17 +122,14 @@ def launch(bench: common.Bench, sizes: list[int], reps: int) -> dict[str, Any]:
 
 
 def wan(bench: common.Bench, reps: int) -> dict[str, Any]:
-    from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, pin_proxies, proxy_workers
+    from tpurun.testing.latency_proxy import ProxyGroup
 
     c = Contenders(bench)
     node = bench.create(8)
     group = ProxyGroup(rtt=0.0)
     out: dict[str, Any] = {}
     try:
-        mapping = proxy_workers(group, [(a, 22) for a in node.workers])
-        pin_proxies(bench.known_hosts, mapping)
-        env = dict(bench.env, TPURUN_ADDRESS_MAP=address_map_env(mapping))
-        proxied = [mapping[a] for a in node.workers]
+        env, proxied = bench.behind(group, node)
         for rtt_ms in RTTS_MS:
             group.set_rtt(rtt_ms / 1000)
             out[str(rtt_ms)] = common.interleave(

@@ -408,7 +408,7 @@ class Run:
     # ------------------------------------------------------------------ WAN
 
     def wan(self, node: common.Node) -> dict[str, Any]:
-        from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, pin_proxies, proxy_workers
+        from tpurun.testing.latency_proxy import ProxyGroup
 
         b = self.bench
         group = ProxyGroup(rtt=0.0)
@@ -417,10 +417,7 @@ class Run:
         counter = [0]
         out: dict[str, Any] = {}
         try:
-            mapping = proxy_workers(group, [(a, 22) for a in node.workers])
-            pin_proxies(b.known_hosts, mapping)
-            env = dict(b.env, TPURUN_ADDRESS_MAP=address_map_env(mapping))
-            proxied = [mapping[a] for a in node.workers]
+            env, proxied = b.behind(group, node)
 
             def sync_one() -> common.Sample:
                 counter[0] += 1

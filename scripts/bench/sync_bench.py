@@ -58,19 +58,7 @@ def main() -> int:
     home, project, state = tmp / "home", tmp / "tree", tmp / "emu"
     home.mkdir()
     project.mkdir()
-    env = dict(os.environ)
-    env.pop("TPURUN_TPU", None)
-    env.update(
-        {
-            "HOME": str(home),
-            "XDG_CONFIG_HOME": str(home / ".config"),
-            "TPURUN_HOME": str(home / ".tpurun"),
-            "TPURUN_SSH_USER": "root",
-            "TPURUN_POLL_INTERVAL": "0.1",
-            "TPURUN_PROJECT": "bench-project",
-            "TPURUN_ZONE": "us-central2-b",
-        }
-    )
+    env = common.client_env(home)
     tpurun = [sys.executable, "-m", "tpurun"]
     r = sh([*tpurun, "emulator", "start", "--state-dir", str(state)], env)
     if r.returncode:
