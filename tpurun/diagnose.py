@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tpurun import config, health, targets
+from tpurun import config, health
 from tpurun.cloud import keys, startup
 from tpurun.errors import ExitCode, TpurunError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import Call
+from tpurun.fleet.targets import Target
 from tpurun.job import env_contract, preflight
 from tpurun.settings import Settings
-from tpurun.targets import Target
-from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Runner, Worker
 from tpurun.worker import agent_files, probe
 

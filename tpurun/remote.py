@@ -9,11 +9,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tpurun import targets
 from tpurun.cloud import keys
 from tpurun.errors import ExitCode, UnreachableError, UsageError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import RunResult
 from tpurun.settings import Settings
-from tpurun.transport.fleet import RunResult
 from tpurun.transport.runner import INTERNAL_PORT, RUN_GRACE, LineSink, refuse_nul
 
 

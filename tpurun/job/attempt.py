@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Protocol
 
 from tpurun.errors import TpurunError
+from tpurun.fleet.interface import Call
+from tpurun.fleet.targets import Target
 from tpurun.job import ends, env_contract, stacks, status, watch
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting, Watch
-from tpurun.targets import Target
-from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Worker
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tpurun import targets
 from tpurun.errors import ExitCode, UnreachableError, UsageError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import Call
 from tpurun.job import watch
 from tpurun.job.ends import End
 from tpurun.job.records import JobRecord, connect, same_tpu
@@ -22,7 +23,6 @@ from tpurun.job.status import JobSummary, combine, settle
 from tpurun.job.watch import Waiting, Watch
 from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
-from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Worker, worker_names
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit, JobState, JobStatus

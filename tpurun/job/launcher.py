@@ -16,6 +16,8 @@ from typing import Any
 
 from tpurun import config
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun.fleet.interface import Call
+from tpurun.fleet.targets import Target
 from tpurun.job import ends, env_contract, preflight
 from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
 from tpurun.job.ends import Budgets, End
@@ -24,9 +26,7 @@ from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.naming import each_or_by_reason, listed
 from tpurun.sync import report, sender
-from tpurun.targets import Target
 from tpurun.topology import Topology
-from tpurun.transport.fleet import Call
 from tpurun.transport.runner import worker_names
 from tpurun.worker.probe import PythonProbe
 from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch, ProcessStatus

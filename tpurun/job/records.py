@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpurun import targets
 from tpurun.errors import ApiError, UnreachableError, UsageError
+from tpurun.fleet import targets
+from tpurun.fleet.targets import Target
 from tpurun.job.ends import End
 from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
-from tpurun.targets import Target
 from tpurun.worker.protocol import Notice
 
 

@@ -26,9 +26,8 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from tpurun.errors import TpurunError, UnreachableError
-from tpurun.naming import which
-from tpurun.transport import bundle
-from tpurun.transport.fleet import (
+from tpurun.fleet import bundle
+from tpurun.fleet.interface import (
     Answer,
     Call,
     Ended,
@@ -43,7 +42,9 @@ from tpurun.transport.fleet import (
     relay_silence,
     watching,
 )
-from tpurun.transport.relay_ends import Chan, RelayChorus, RelaySession
+from tpurun.fleet.relay_ends import Chan, RelayChorus, RelaySession
+from tpurun.fleet.threads import Reach, Threads
+from tpurun.naming import which
 from tpurun.transport.runner import (
     INTERNAL_PORT,
     RUN_GRACE,
@@ -55,7 +56,6 @@ from tpurun.transport.runner import (
     open_stream,
 )
 from tpurun.transport.ssh import leash_argv
-from tpurun.transport.threads import Reach, Threads
 from tpurun.worker import bundle_name, protocol, relay_wire
 from tpurun.worker.protocol import AgentExit
 
