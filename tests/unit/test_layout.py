@@ -307,6 +307,22 @@ def cloud_reaching_workers(package: Path) -> list[str]:
     ]
 
 
+def runners_outside_the_fleet(package: Path) -> list[str]:
+    """A worker's runner taken outside the fan-out (`target.runners`): callers reach workers through the
+    target's `Fleet` only, and take from the target the `Worker` records they count and name (`workers`), so
+    whether a fleet connects from this machine or through relays is never theirs to know."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "fleet":
+            continue
+        out += [
+            f"{path.relative_to(package.parent)}:{node.lineno}: .runners"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr == "runners"
+        ]
+    return out
+
+
 def library_settings_resolved(package: Path) -> list[str]:
     """Settings resolved (flags, environment, files) outside the command line: each command resolves them
     once and passes them down, so one command never sees two answers."""
@@ -391,6 +407,7 @@ RULES = {
     "renamed import": renamed_imports,
     "cli imports transport": cli_transport_imports,
     "cloud reaches workers": cloud_reaching_workers,
+    "runners outside the fleet": runners_outside_the_fleet,
     "library resolves settings": library_settings_resolved,
     "cli resolves targets": cli_targets_resolved,
     "module size": long_modules,
@@ -407,6 +424,7 @@ PLANTED: dict[str, tuple[str, str | Callable[[str], str]]] = {
     "renamed import": ("cli/health.py", "from tpurun.job import launcher as train\n"),
     "cli imports transport": ("cli/remote.py", "from tpurun.fleet.interface import Call\n"),
     "cloud reaches workers": ("cloud/backend.py", "from tpurun.transport.runner import Worker\n"),
+    "runners outside the fleet": ("job/attempt.py", "def planted(target):\n    return len(target.runners)\n"),
     "library resolves settings": ("job/launcher.py", "from tpurun.settings import resolve\n"),
     "cli resolves targets": ("cli/health.py", "from tpurun.fleet.targets import resolve\n"),
     # one line over each limit: a module of 701 lines, a function of 81 from its `def` to its last line

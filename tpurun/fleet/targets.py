@@ -126,6 +126,12 @@ class Target:
         )
 
     @property
+    def workers(self) -> list[Worker]:
+        """The selected workers, in order: what a caller counts, names and addresses in its messages (reaching
+        them is the fleet's). Read anew each time: `connect` may find the TPU made anew, with other workers."""
+        return [r.worker for r in self.runners]
+
+    @property
     def worker_names(self) -> dict[int, str]:
         """How each worker is shown: w3, or s1/w1 in a multislice TPU."""
         return worker_names(self.all_workers)
