@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tpurun import config, health, targets
+from tpurun import config, health
 from tpurun.cloud import keys, startup
 from tpurun.errors import ExitCode, TpurunError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import Call
+from tpurun.fleet.targets import Target
 from tpurun.job import env_contract, preflight
 from tpurun.settings import Settings
-from tpurun.targets import Target
-from tpurun.transport.fleet import Call
-from tpurun.transport.runner import Runner, Worker
+from tpurun.transport.runner import Worker
 from tpurun.worker import agent_files, probe
 
 A = TypeVar("A")
@@ -202,8 +203,7 @@ def kill_stale(
         run = run_probe(target, "kill-stale", cfg, target.python(), timeout=grace + 120)
     answers = read_answers(run, probe.KillStaleAnswer.from_dict)
     workers = [
-        KillStaleWorker(r.worker.index, r.worker.name, r.worker.address, answers.get(r.worker.index))
-        for r in target.runners
+        KillStaleWorker(w.index, w.name, w.address, answers.get(w.index)) for w in target.workers
     ]
     for w in workers:
         w.error = run.errors.get(w.index, "")
@@ -272,20 +272,20 @@ def doctor(
         run = run_probe(target, "doctor", cfg, "python3" if not target.local else sys.executable, timeout=120)
     probes = read_answers(run, probe.DoctorAnswer.from_dict)
     checks: list[health.Check] = []
-    for r in target.runners:
-        checks += _worker_rows(target, r, run, probes.get(r.worker.index), reports, home, py, kill_stale_cmd)
+    for w in target.workers:
+        checks += _worker_rows(target, w, run, probes.get(w.index), reports, home, py, kill_stale_cmd)
     answers = {w: a for w, a in ((w, preflight.from_probe(p)) for w, p in probes.items()) if a is not None}
     skew = preflight.compare(target, answers)
     if len(answers) > 1:
         checks += health.check_same_versions(skew, {w: target.all_workers[w].name for w in sorted(answers)})
-    order = {r.worker.index: n for n, r in enumerate(target.runners)}
+    order = {w.index: n for n, w in enumerate(target.workers)}
     checks.sort(key=lambda c: order.get(c.worker, 0))  # stable: each worker's rows stay in check order
     return Doctor(target.name, target.accelerator_type, py, checks, probes, bool(run.errors), target.worker_names, skew)
 
 
 def _worker_rows(
     target: Target,
-    r: Runner,
+    w: Worker,
     run: ProbeRun,
     answer: probe.DoctorAnswer | None,
     reports: list[startup.StartupReport] | None,
@@ -293,16 +293,16 @@ def _worker_rows(
     python: str,
     kill_stale_cmd: str,
 ) -> list[health.Check]:
-    i = r.worker.index
+    i = w.index
     checks = []
     if target.local:
         checks.append(health.Check(i, "ssh", "pass", "this machine (no ssh)"))
     else:
-        pinned = keys.pinned_key(home, r.worker.host_key)
-        detail = f"reachable, host key pinned as {r.worker.host_key} ({pinned.split()[0]})" if pinned else "reachable"
+        pinned = keys.pinned_key(home, w.host_key)
+        detail = f"reachable, host key pinned as {w.host_key} ({pinned.split()[0]})" if pinned else "reachable"
         checks.append(health.check_ssh(i, run.errors.get(i), detail))
     if reports is not None:
-        which = r.worker.name if r.worker.slice is not None else str(i)
+        which = w.name if w.slice is not None else str(i)
         log_cmd = f"tpurun ssh --tpu {target.name} --worker {which} -- cat {startup.LOG_PATH}"
         checks.append(health.check_startup(i, reports[i] if i < len(reports) else None, log_cmd))
     if answer is None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tpurun import targets
 from tpurun.cloud import identity, routing
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import Maintenance
 from tpurun.errors import ApiError, TpurunError, UsageError
+from tpurun.fleet import targets
 from tpurun.job import preflight
 from tpurun.job.records import connect
 from tpurun.job.status import ACTIVE

@@ -9,11 +9,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tpurun import targets
 from tpurun.cloud import keys
 from tpurun.errors import ExitCode, UnreachableError, UsageError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import RunResult
 from tpurun.settings import Settings
-from tpurun.transport.fleet import RunResult
 from tpurun.transport.runner import INTERNAL_PORT, RUN_GRACE, LineSink, refuse_nul
 
 
@@ -62,7 +62,7 @@ def exec_everywhere(
     target = targets.resolve(s, local=local, worker_spec=worker_spec, announce=announce)
     one = target.alone
     if one is not None and announce is not None:
-        name = target.runners[0].worker.name
+        name = target.workers[0].name
         announce(f"{name} alone: its runtime sees the {one.name} single-host slice it is on its own (docs/remote.md)")
     if name_workers is not None:
         name_workers(target.worker_names)
@@ -98,9 +98,9 @@ def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: li
     home = s.home_path
     target = targets.resolve(s, worker_spec=worker)
     with target:
-        if len(target.runners) != 1:
+        if len(target.workers) != 1:
             raise UsageError(f"--worker {worker}: name one worker")
-        w = target.runners[0].worker
+        w = target.workers[0]
         # --relay: through the first worker of its slice, to its address inside the slice
         via = next(x for x in target.all_workers if x.slice == w.slice) if s.relay_mode == "on" else None
         via = via if via is not None and via.index != w.index else None

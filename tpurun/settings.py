@@ -245,7 +245,7 @@ def resolve(
 def write_project_setting(key: str, value: str, directory: Path | None = None) -> Path:
     """Set KEY in the nearest tpurun.toml (or create one in DIRECTORY), keeping other lines. One this makes in a
     git repository is left out of git (a line in the repository's info/exclude): `create` and `attach` add
-    nothing to `git status`; sync never sends it to the workers (tpurun.sync.ignore)."""
+    nothing to `git status`; sync never sends it to the workers (tpurun.ignore)."""
     directory = directory or Path.cwd()
     path = find_project_file(directory) or directory / PROJECT_FILE
     existed = path.exists()
@@ -263,7 +263,7 @@ def write_project_setting(key: str, value: str, directory: Path | None = None) -
         lines.insert(insert_at, new_line)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     if not existed:
-        from tpurun.sync import ignore  # (imported here: pathspec only when a settings file is made)
+        from tpurun import ignore  # (imported here: pathspec only when a settings file is made)
 
         ignore.keep_out_of_git(path)
     return path

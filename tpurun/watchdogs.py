@@ -49,8 +49,7 @@ def configure(
 def _start_watchdogs(s: Settings) -> dict[int, str]:
     """The watchdog started on every worker of the TPU S names: {worker: why not} where it could not be."""
     # imported here: only a TPU tpurun did not create needs its workers reached (paramiko loaded) for this
-    from tpurun import targets
-    from tpurun.transport import bundle
+    from tpurun.fleet import bundle, targets
 
     with targets.resolve(s) as target:
         return bundle.start_watchdogs(target)

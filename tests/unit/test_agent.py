@@ -344,7 +344,7 @@ def test_a_first_command_runs_in_the_same_process_and_the_rest_only_if_it_succee
 
 
 def test_the_shell_that_runs_a_bundle_program_keeps_a_first_input_off_the_command_line(tmp_path: Path) -> None:
-    from tpurun.transport import bundle
+    from tpurun.fleet import bundle
 
     argv = bundle.program_argv("python3", "agent.py", "stream", "J", first=("start", b"SECRET"))
     fake = tmp_path / ".tpurun" / "bin" / bundle.bundle_name() / "agent.py"

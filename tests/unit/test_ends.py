@@ -11,10 +11,10 @@ import time
 import pytest
 
 from tpurun.errors import UsageError
+from tpurun.fleet.targets import Target
 from tpurun.job.attempt import JobRun
 from tpurun.job.ends import Budgets, End, on_notice
 from tpurun.job.env_contract import SlotSpec
-from tpurun.targets import Target
 from tpurun.transport.runner import Worker
 from tpurun.worker import agent_notices, protocol
 from tpurun.worker.protocol import JobState, JobStatus, Launch, Notice, NoticeKind

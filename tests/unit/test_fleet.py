@@ -10,10 +10,10 @@ import time
 import pytest
 
 from tpurun.errors import UnreachableError, UsageError
-from tpurun.transport.fleet import Call, connect_all, connect_window
+from tpurun.fleet.interface import Call, connect_all, connect_window
+from tpurun.fleet.threads import Threads
 from tpurun.transport.local import LocalRunner
 from tpurun.transport.runner import Runner, Worker
-from tpurun.transport.threads import Threads
 from tpurun.worker import protocol
 
 

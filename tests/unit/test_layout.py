@@ -135,8 +135,8 @@ def import_cycles(package: Path) -> list[str]:
     included: a lazy import points one way (downwards) like any other, and only defers the cost of loading.
     The lazy imports that stay are all for speed, each to a module below its importer: `cloud/routing.py`
     loads a backend's module (and its API's client: Compute Engine's takes a second) only when that API is
-    asked; `targets.py`, `job/`, `diagnose.py` and `cli/output.py` load the cloud layer (google-cloud-tpu) only
-    when a command asks the API, so `exec` and `train` on remembered workers never do; `watchdogs.py` loads `targets`
+    asked; `fleet/targets.py`, `job/`, `diagnose.py` and `cli/output.py` load the cloud layer (google-cloud-tpu)
+    only when a command asks the API, so `exec` and `train` on remembered workers never do; `watchdogs.py` loads `targets`
     (paramiko) only when a worker must be reached; `settings.py` loads `sync/ignore.py` (pathspec) only when
     it makes a settings file; and the like for rich, cryptography and other libraries. An import under `if
     TYPE_CHECKING:` only names a type and is not counted."""
@@ -170,6 +170,51 @@ def import_cycles(package: Path) -> list[str]:
         if mod not in done:
             visit(mod, [mod])
     return [" -> ".join((*c, c[0])) for c in sorted(found)]
+
+
+def _unit(package: Path, module: str) -> str:
+    """The part of the package MODULE belongs to: its folder (`fleet/`), or itself at the top level (`remote`)."""
+    parts = module.split(".")[1:]
+    if parts and (package / parts[0]).is_dir():
+        return parts[0] + "/"
+    return parts[0] if parts else "__init__"
+
+
+def folder_cycles(package: Path) -> list[str]:
+    """Circles among the package's folders (each taken as one, with the top-level modules each its own) through
+    every import, those in a function and those under `if TYPE_CHECKING:` too: a folder stands above or below
+    another, and a type named across the line is as much a dependency for the reader as a call. Each step of a
+    circle is shown with one import that makes it."""
+    edges: dict[str, dict[str, str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        unit = _unit(package, _module_name(package, path))
+        for line, module in _imports_of(path):
+            if module.split(".")[0] != package.name or module == package.name:
+                continue
+            other = _unit(package, module)
+            if other != unit:
+                where = f"{path.relative_to(package)}:{line}: {module}"
+                edges.setdefault(unit, {}).setdefault(other, where)
+    found: set[tuple[str, ...]] = set()
+
+    def visit(unit: str, path: list[str]) -> None:
+        for other in sorted(edges.get(unit, ())):
+            if other in path:
+                cycle = path[path.index(other) :]
+                start = cycle.index(min(cycle))
+                found.add(tuple(cycle[start:] + cycle[:start]))
+            elif other not in done:
+                visit(other, [*path, other])
+        done.add(unit)
+
+    done: set[str] = set()
+    for unit in sorted(edges):
+        if unit not in done:
+            visit(unit, [unit])
+    return [
+        " -> ".join(f"{a} ({edges[a][b]})" for a, b in zip(c, (*c[1:], c[0]), strict=True)) + f" -> {c[0]}"
+        for c in sorted(found)
+    ]
 
 
 def private_imports(package: Path) -> list[str]:
@@ -237,27 +282,45 @@ def _imports_of(path: Path) -> list[tuple[int, str]]:
 
 
 def cli_transport_imports(package: Path) -> list[str]:
-    """The command line reaching into the transport: it parses, calls the library and renders; connecting,
-    fanning out and running on workers are the library's."""
-    transport = f"{package.name}.transport"
+    """The command line reaching into the transport or the fan-out: it parses, calls the library and renders;
+    connecting, fanning out and running on workers are the library's. Of `fleet/` it may ask `targets` only
+    whether a word names a TPU (`tpurun ssh NAME` against `tpurun ssh -- CMD`)."""
+    below = [f"{package.name}.transport", f"{package.name}.fleet"]
+    allowed = {f"{package.name}.fleet", f"{package.name}.fleet.targets"}  # the package itself: only a docstring
     return [
         f"{path.relative_to(package.parent)}:{line}: {module}"
         for path in sorted((package / "cli").rglob("*.py"))
         for line, module in _imports_of(path)
-        if module == transport or module.startswith(transport + ".")
+        if any(module == b or module.startswith(b + ".") for b in below) and module not in allowed
     ]
 
 
 def cloud_reaching_workers(package: Path) -> list[str]:
     """The cloud layer reaching workers: it asks the APIs about TPUs, never a worker; what reaches workers
-    (the transport, the targets, the jobs, the watchdogs' setup) stands above it, even in a function."""
-    above = [f"{package.name}.{m}" for m in ("transport", "targets", "job", "watchdogs")]
+    (the transport, the fleet and its targets, the jobs, the watchdogs' setup) stands above it, even in a function."""
+    above = [f"{package.name}.{m}" for m in ("transport", "fleet", "job", "watchdogs")]
     return [
         f"{path.relative_to(package.parent)}:{line}: {module}"
         for path in sorted((package / "cloud").rglob("*.py"))
         for line, module in _imports_of(path)
         if any(module == a or module.startswith(a + ".") for a in above)
     ]
+
+
+def runners_outside_the_fleet(package: Path) -> list[str]:
+    """A worker's runner taken outside the fan-out (`target.runners`): callers reach workers through the
+    target's `Fleet` only, and take from the target the `Worker` records they count and name (`workers`), so
+    whether a fleet connects from this machine or through relays is never theirs to know."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "fleet":
+            continue
+        out += [
+            f"{path.relative_to(package.parent)}:{node.lineno}: .runners"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr == "runners"
+        ]
+    return out
 
 
 def library_settings_resolved(package: Path) -> list[str]:
@@ -289,7 +352,7 @@ def library_settings_resolved(package: Path) -> list[str]:
 def cli_targets_resolved(package: Path) -> list[str]:
     """The command line resolving which workers a command acts on: every command that reaches workers hands
     the library its settings and worker spec, and the library resolves them, one way for every command."""
-    targets = f"{package.name}.targets"
+    targets = f"{package.name}.fleet.targets"
     out = []
     for path in sorted((package / "cli").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -338,11 +401,13 @@ def long_functions(package: Path) -> list[str]:
 
 RULES = {
     "import circle": import_cycles,
+    "folder circle": folder_cycles,
     "private name": private_imports,
     "bundle beyond stdlib": bundle_imports,
     "renamed import": renamed_imports,
     "cli imports transport": cli_transport_imports,
     "cloud reaches workers": cloud_reaching_workers,
+    "runners outside the fleet": runners_outside_the_fleet,
     "library resolves settings": library_settings_resolved,
     "cli resolves targets": cli_targets_resolved,
     "module size": long_modules,
@@ -352,13 +417,16 @@ RULES = {
 # where each rule's violation is planted, and what: the text itself, or made from the module's own text
 PLANTED: dict[str, tuple[str, str | Callable[[str], str]]] = {
     "import circle": ("transport/runner.py", "from tpurun.transport.ssh import SshRunner\n"),
+    # a type named across folders, under TYPE_CHECKING (the module rule lets it pass: see below)
+    "folder circle": ("transport/runner.py", "if TYPE_CHECKING:\n    from tpurun.fleet.targets import Target\n"),
     "private name": ("cli/train.py", "from tpurun.transport.ssh import _fast_transport\n"),
     "bundle beyond stdlib": ("worker/protocol.py", "import paramiko\n"),
     "renamed import": ("cli/health.py", "from tpurun.job import launcher as train\n"),
-    "cli imports transport": ("cli/remote.py", "from tpurun.transport.fleet import Call\n"),
+    "cli imports transport": ("cli/remote.py", "from tpurun.fleet.interface import Call\n"),
     "cloud reaches workers": ("cloud/backend.py", "from tpurun.transport.runner import Worker\n"),
+    "runners outside the fleet": ("job/attempt.py", "def planted(target):\n    return len(target.runners)\n"),
     "library resolves settings": ("job/launcher.py", "from tpurun.settings import resolve\n"),
-    "cli resolves targets": ("cli/health.py", "from tpurun.targets import resolve\n"),
+    "cli resolves targets": ("cli/health.py", "from tpurun.fleet.targets import resolve\n"),
     # one line over each limit: a module of 701 lines, a function of 81 from its `def` to its last line
     "module size": ("job/status.py", lambda text: "#\n" * (MAX_MODULE_LINES + 1 - len(text.splitlines()))),
     "function size": ("job/status.py", "def planted():\n" + "    pass\n" * MAX_FUNCTION_LINES),
@@ -398,6 +466,22 @@ def test_a_circle_through_a_function_local_import_is_found(tmp_path: Path) -> No
     assert any("tpurun.cloud.backend" in f and "tpurun.cloud.compute" in f for f in found), found
     target.write_text(text + "\nif TYPE_CHECKING:\n    from tpurun.cloud.compute import Compute\n")
     assert import_cycles(copy) == []
+
+
+def test_a_folder_circle_through_a_type_is_found(tmp_path: Path) -> None:
+    """The transport (one worker's connection) stands below the fleet that builds on it. A type of the fleet
+    named in the transport under `if TYPE_CHECKING:` is no circle of modules at run time, but it is one of
+    folders, and is found with the import that makes each step; in a function it is found as well."""
+    copy = tmp_path / "tpurun"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / "transport" / "ssh.py"
+    text = target.read_text()
+    target.write_text(text + "\nif TYPE_CHECKING:\n    from tpurun.fleet.targets import Target\n")
+    assert import_cycles(copy) == []
+    found = folder_cycles(copy)
+    assert any(f.startswith("fleet/ (") and "transport/ssh.py" in f and "tpurun.fleet.targets" in f for f in found)
+    target.write_text(text + "\n\ndef planted() -> object:\n    from tpurun.fleet import interface\n\n    return interface\n")
+    assert any("transport/ssh.py" in f for f in folder_cycles(copy))
 
 
 def test_the_size_rules_allow_their_limits(tmp_path: Path) -> None:

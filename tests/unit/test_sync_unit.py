@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpurun import config
+from tpurun import config, ignore
 from tpurun.errors import UsageError
-from tpurun.sync import ignore, report, sender
+from tpurun.sync import report, sender
 from tpurun.sync.sender import FrameReader, build_manifest, deletions, frame, helper_command
 from tpurun.transport.local import LocalRunner
 from tpurun.worker import sync_helper

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
-from tpurun import remote, settings, targets, ui
+from tpurun import remote, settings, ui
 from tpurun.cli.grouped import Gathered, Unreachable
 from tpurun.cli.options import (
     GraceOpt,
@@ -26,6 +26,7 @@ from tpurun.cli.options import (
 )
 from tpurun.cli.output import LineWriter, stop_on_signals, summarize
 from tpurun.errors import TpurunError, UsageError
+from tpurun.fleet import targets
 from tpurun.naming import EACH_UP_TO, NAME_RE
 
 TYPED = "tpurun.typed"  # the key of the command line as typed, in the parser's context

@@ -14,13 +14,13 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from tpurun import settings, ui
+from tpurun import ignore, settings, ui
 from tpurun.cli import grouped
 from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, RelayOpt, TpuOpt, WorkerOpt, ZoneOpt, relay_flag
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed, which
-from tpurun.sync import download, ignore, report
+from tpurun.sync import download, report
 from tpurun.sync.sender import default_dest, sync_dir
 from tpurun.sync.stream import Counters, Interrupted, WorkerStats
 from tpurun.worker.sync_helper import ErrorKind

@@ -12,7 +12,7 @@ One JSON file per TPU, `$TPURUN_HOME/nodes/PROJECT--ZONE--NAME.json` (0600 in a 
 - `deleted`, `by`: once tpurun itself deleted the TPU, when and how (a tombstone: no addresses left).
 
 Host keys are pinned per worker identity (`keys.host_key_alias`), so reaching a worker proves, in the SSH
-handshake, that the VM answering at a remembered address is that worker of that TPU; tpurun.targets
+handshake, that the VM answering at a remembered address is that worker of that TPU; tpurun.fleet.targets
 asks the API again whenever a worker cannot prove it.
 """
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from tpurun import ignore
 from tpurun.errors import UsageError
-from tpurun.sync import ignore
 
 NAMESPACE = "tpurun"
 LOG_PATH = "/tmp/tpurun-startup.log"  # per worker (each has its own /tmp); rewritten at every boot

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Protocol
 
 from tpurun.errors import TpurunError
+from tpurun.fleet.interface import Call
+from tpurun.fleet.targets import Target
 from tpurun.job import ends, env_contract, stacks, status, watch
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting, Watch
-from tpurun.targets import Target
-from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Worker
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
@@ -153,7 +153,7 @@ class JobRun:
         self.stop = threading.Event()
         self.started_at = time.monotonic()
         self.lock = threading.Lock()
-        self.watch = Watch([r.worker for r in target.runners])  # what each process last did, who waits for whom
+        self.watch = Watch(target.workers)  # what each process last did, who waits for whom
         self.hang = hang
         self.last_activity = time.monotonic()  # a record from any worker: a line, an end, a passage
         self.hung = False  # stopped by --on-hang stop
@@ -367,8 +367,8 @@ class JobRun:
         if not self.all_started:
             with self.lock:
                 started = len(self.started)
-            self.all_started = started >= len(self.target.runners)
-            self.out.starting(started, len(self.target.runners))
+            self.all_started = started >= len(self.target.workers)
+            self.out.starting(started, len(self.target.workers))
         self.out.waiting(waiting)
         h = self.hang
         if h is None or h.timeout <= 0 or self.detach or self.stop.is_set():

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tpurun import targets
 from tpurun.errors import ExitCode, UnreachableError, UsageError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import Call
 from tpurun.job import watch
 from tpurun.job.ends import End
 from tpurun.job.records import JobRecord, connect, same_tpu
@@ -22,7 +23,6 @@ from tpurun.job.status import JobSummary, combine, settle
 from tpurun.job.watch import Waiting, Watch
 from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
-from tpurun.transport.fleet import Call
 from tpurun.transport.runner import Worker, worker_names
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit, JobState, JobStatus
@@ -153,8 +153,8 @@ class _Viewer:
         self.missing: set[int] = set()  # workers without the job
         self.replay: list[tuple[float, int, int, int, str]] = []  # (time, worker, slot, offset, line)
         self.lock = threading.Lock()
-        self.watch = Watch([r.worker for r in target.runners])  # who waits for whom, among the workers shown
-        self.shown = [r.worker.index for r in target.runners]
+        self.watch = Watch(target.workers)  # who waits for whom, among the workers shown
+        self.shown = [w.index for w in target.workers]
         self.lost = False  # a worker's part of the job was lost (its supervisor gone): the job's end is known
         self.halt = _Halt(stop)
         self.notice: protocol.Notice | None = None  # a host event the job was told of, as a stream said
@@ -264,11 +264,11 @@ def cancel(s: Settings, job_id: str, grace: float, tpu: str | None = None) -> Ca
     ]
     if failures:
         raise UnreachableError("could not stop the job everywhere: " + "; ".join(each_or_by_reason(failures)))
-    if len(missing) == len(target.runners):
+    if len(missing) == len(target.workers):
         raise UsageError(
             f"job {job_id} is on none of its workers ({', '.join(missing)}): it never started, or its files there "
             "were removed; nothing to stop",
             hint="`tpurun jobs` lists the jobs",
         )
     ended = {names[w]: st for w, st in before.items() if st is not None and st in protocol.TERMINAL}
-    return CancelResult(stopped=len(target.runners) - len(ended) - len(missing), ended=ended, missing=missing)
+    return CancelResult(stopped=len(target.workers) - len(ended) - len(missing), ended=ended, missing=missing)

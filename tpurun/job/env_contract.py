@@ -27,10 +27,9 @@ from tpurun.job.runtimes import (
     jax_cpu_env,
     runtime_env,
     torchtpu_env,
-    vm_env,
 )
 from tpurun.naming import worker_name
-from tpurun.topology import MEGASCALE_PORT, Topology
+from tpurun.topology import MEGASCALE_PORT, Topology, vm_env
 from tpurun.worker import WORKER_DIR
 from tpurun.worker.probe import PythonProbe  # what PROBE_SCRIPT prints
 from tpurun.worker.protocol import HOST, Launch, Word  # the agent's words for how processes are made and where filed
@@ -369,7 +368,7 @@ def plan_job(
     (WORKER_ADDRESSES slice-major): each slice gets its own TPU variables, every process the MEGASCALE
     ones that join the slices. `slice_metadata`: whether the VMs' metadata server tells the runtimes their
     place in the slice (a Cloud TPU API node's does, a Compute Engine VM's does not: then every process is
-    given those values, see runtimes.vm_env).
+    given those values, see topology.vm_env).
     """
     num_workers = len(worker_addresses)
     runtime, launch = choice(Runtime, runtime, "--runtime"), choice(Launch, launch, "--launch")

@@ -16,6 +16,8 @@ from typing import Any
 
 from tpurun import config
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun.fleet.interface import Call
+from tpurun.fleet.targets import Target
 from tpurun.job import ends, env_contract, preflight
 from tpurun.job.attempt import DEFAULT_HANG_TIMEOUT, HangWatch, JobRun, OnHang, Output
 from tpurun.job.ends import Budgets, End
@@ -24,9 +26,7 @@ from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
 from tpurun.naming import each_or_by_reason, listed
 from tpurun.sync import report, sender
-from tpurun.targets import Target
 from tpurun.topology import Topology
-from tpurun.transport.fleet import Call
 from tpurun.transport.runner import worker_names
 from tpurun.worker.probe import PythonProbe
 from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch, ProcessStatus
@@ -106,7 +106,7 @@ class TrainSpec:
 
 def probe(target: Target, python: str) -> PythonProbe:
     """What worker 0 has: libtpu, device files, torch_xla version (for --runtime auto and hints)."""
-    first = target.runners[0].worker
+    first = target.workers[0]
     a = target.fleet.call(Call.command([python, "-c", env_contract.PROBE_SCRIPT]), timeout=120, only=[first.index])
     answer = a[first.index]
     if answer.rc is None:
@@ -146,7 +146,7 @@ def plan(
     restart_reason: str = "",
 ) -> JobPlan:
     python = target.python(spec.python)
-    selected, every = len(target.runners), len(target.all_workers)
+    selected, every = len(target.workers), len(target.all_workers)
     if spec.worker is not None and selected not in (1, every):
         raise UsageError(
             f"--worker {spec.worker} selects {selected} of {every} workers: a job runs on every worker of the TPU "
@@ -172,7 +172,7 @@ def plan(
         extra.setdefault("TPURUN_METRICS", "1")
     # the workers reach each other inside the VPC: internal addresses (external ones take SSH only, by the
     # default firewall rules), whatever address tpurun itself connects to
-    workers = [target.runners[0].worker] if alone else target.all_workers
+    workers = [target.workers[0]] if alone else target.all_workers
     addresses = [w.internal or w.address for w in workers]
     slice_size = sum(1 for w in target.all_workers if w.slice == 0) if target.slices > 1 else None
     specs = env_contract.plan_job(
@@ -413,7 +413,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
     record = JobRecord(
         job_id=job.job_id,
         tpu=target.name,
-        workers=[r.worker.index for r in target.runners],
+        workers=[w.index for w in target.workers],
         cores={w: [c.slot for c in per] for w, per in enumerate(specs)},
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
         detached=spec.detach,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from tpurun import targets
 from tpurun.errors import ExitCode, Preempted, TpuBusy, TpurunError, UnreachableError, UsageError
+from tpurun.fleet import targets
 from tpurun.job.attempt import Output
 from tpurun.job.ends import Budgets, End, on_notice
 from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start

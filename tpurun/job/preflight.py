@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpurun.errors import TpuBusy, TpurunError, UnreachableError, UsageError
+from tpurun.fleet.interface import Call, Session
+from tpurun.fleet.targets import Target
 from tpurun.job.setup import REQUIREMENTS
 from tpurun.job.status import ACTIVE
 from tpurun.naming import each_or_by_reason, listed
-from tpurun.targets import Target
-from tpurun.transport.fleet import Call, Session
 from tpurun.worker.protocol_calls import Preflight
 
 if TYPE_CHECKING:

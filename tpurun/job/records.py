@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpurun import targets
 from tpurun.errors import ApiError, UnreachableError, UsageError
+from tpurun.fleet import targets
+from tpurun.fleet.targets import Target
 from tpurun.job.ends import End
 from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
-from tpurun.targets import Target
 from tpurun.worker.protocol import Notice
 
 
@@ -62,7 +62,7 @@ class JobRecord:
         spec = ",".join(str(w) for w in self.workers) if worker == "all" else worker
         where = s.naming(self.tpu, project=self.project, zone=self.zone, source="the job's record")
         target = targets.resolve(where, worker_spec=spec)
-        outside = [r.worker.name for r in target.runners if r.worker.index not in self.workers]
+        outside = [w.name for w in target.workers if w.index not in self.workers]
         if outside:
             target.close()
             raise UsageError(f"--worker {worker}: job {self.job_id} did not run on {', '.join(outside)}")

@@ -112,38 +112,6 @@ def _pjrt_host_env(single_chip: int | None) -> dict[str, str]:
     return env
 
 
-def vm_env(
-    topology: Topology, host: int, slice_addresses: list[str], *, slices: int = 1, slice_id: int = 0
-) -> dict[str, str]:
-    """What a Cloud TPU VM's metadata server tells every runtime of its place in the slice (`tpu-env`,
-    `agent-worker-number`, `worker-network-endpoints`), under the names the runtimes read from the environment
-    instead (the ones GKE gives a TPU container). Given to every process tpurun starts on a VM whose metadata
-    does not say it (Compute Engine's: `import torch_xla` fails there without them) and to one host run alone.
-    Host-level names only: a script's spawner still derives each chip process's own (xmp.spawn's
-    configure_topology sets TPU_PROCESS_BOUNDS and the rest only where they are unset)."""
-    return {
-        # torch_xla reads the variables below instead of the metadata server (tpu.build_tpu_env_from_vars),
-        # and jax's cluster detection skips its metadata cluster (GceTpuCluster) for the env one (GkeTpuCluster)
-        "TPU_SKIP_MDS_QUERY": "1",
-        "TPU_ACCELERATOR_TYPE": topology.name,
-        "TPU_WORKER_ID": str(host),
-        "TPU_WORKER_HOSTNAMES": ",".join(slice_addresses),
-        "TPU_HOST_BOUNDS": topology.host_bounds,
-        "TPU_CHIPS_PER_HOST_BOUNDS": topology.chips_per_host_bounds,
-        "TPU_TOPOLOGY": topology.topology,
-        # jax looks these up in the environment, then in `tpu-env` (six tries, 3 s, each)
-        "MEGASCALE_NUM_SLICES": str(slices),
-        "MEGASCALE_SLICE_ID": str(slice_id),
-    }
-
-
-def single_host_env(alone: Topology, address: str) -> dict[str, str]:
-    """One host of a pod on its own, at ADDRESS: the variables of ALONE, the single-host slice it is
-    (`Target.alone`), so neither torch_xla nor jax waits for the other hosts the VM's metadata lists
-    (pytorch/xla #7714, jax #22436)."""
-    return vm_env(alone, 0, [address])
-
-
 def _mul_bounds(a: str, b: str) -> str:
     return ",".join(str(int(x) * int(y)) for x, y in zip(a.split(","), b.split(","), strict=True))
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpurun.transport.fleet import Fleet, RunResult
+from tpurun.fleet.interface import Fleet, RunResult
 from tpurun.transport.runner import LineSink, Worker
 
 REQUIREMENTS = "requirements.txt"

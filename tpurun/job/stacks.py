@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun.errors import ExitCode, UnreachableError, UsageError
+from tpurun.fleet.interface import Call
+from tpurun.fleet.targets import Target
 from tpurun.job.env_contract import process_name
 from tpurun.job.records import JobRecord, connect, list_records
 from tpurun.naming import each_or_by_reason
 from tpurun.settings import Settings
-from tpurun.targets import Target
-from tpurun.transport.fleet import Call
 from tpurun.worker.protocol_calls import ProcessStack
 
 ASK_TIMEOUT = 10.0  # seconds a worker's agent waits for its processes' answers

@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 
 from tpurun import naming
 from tpurun.errors import NoSuchTpu, TpurunError
+from tpurun.fleet.interface import Answer, Call
+from tpurun.fleet.targets import Target
 from tpurun.job import ends
 from tpurun.job.ends import End
 from tpurun.job.records import JobRecord, forget, list_records
 from tpurun.job.watch import Waiting, Watch
 from tpurun.settings import Settings
-from tpurun.targets import Target
-from tpurun.transport.fleet import Answer, Call
 from tpurun.worker import protocol
 from tpurun.worker.protocol import JobState, JobStatus
 

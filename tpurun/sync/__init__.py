@@ -1,2 +1,3 @@
-"""`tpurun sync`: ignore rules (ignore.py) and the sender that builds the manifest and streams what changed
-to every worker's helper (sender.py; the helper itself is tpurun/worker/sync_helper.py)."""
+"""`tpurun sync`: the sender that builds the manifest and streams what changed to every worker's helper
+(sender.py; the helper itself is tpurun/worker/sync_helper.py), and download; which files travel is
+tpurun/ignore.py's."""

@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpurun import targets
+from tpurun import ignore
 from tpurun.errors import ExitCode, UnreachableError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import Fleet
 from tpurun.settings import Settings
-from tpurun.sync import ignore
 from tpurun.sync.stream import Counters, FrameReader, Interrupted, describe_failure, frame, helper_command
-from tpurun.transport.fleet import Fleet
 from tpurun.transport.runner import Pipe, Worker
 from tpurun.worker import sync_helper
 

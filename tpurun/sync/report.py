@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpurun import config, ui
+from tpurun import config, ignore, ui
 from tpurun.errors import UsageError
-from tpurun.sync import ignore
 from tpurun.sync.stream import Manifest, Needs, WorkerStats
 
 LARGEST = 3  # files the warning names at most: the largest, each more than 1/SHARE of what a worker is sent

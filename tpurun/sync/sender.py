@@ -30,10 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tpurun import targets
+from tpurun import ignore
 from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun.fleet import targets
+from tpurun.fleet.interface import Fleet
+from tpurun.fleet.targets import Target
 from tpurun.settings import Settings
-from tpurun.sync import ignore, report, together
+from tpurun.sync import report, together
 from tpurun.sync.stream import (
     CHUNK,
     GROUP_WAIT,
@@ -51,8 +54,6 @@ from tpurun.sync.stream import (
     frame,
     helper_command,
 )
-from tpurun.targets import Target
-from tpurun.transport.fleet import Fleet
 from tpurun.transport.runner import Pipe, Worker
 from tpurun.worker import sync_helper
 

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun import ignore
 from tpurun.errors import UnreachableError
-from tpurun.sync import ignore
 from tpurun.transport.runner import Pipe
 from tpurun.worker import sync_helper
 

@@ -12,7 +12,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tpurun.sync import ignore
+from tpurun import ignore
+from tpurun.fleet.interface import Chorus
 from tpurun.sync.stream import (
     GROUP_WAIT,
     Counters,
@@ -25,7 +26,6 @@ from tpurun.sync.stream import (
     frame,
     why_ended,
 )
-from tpurun.transport.fleet import Chorus
 from tpurun.worker import sync_helper
 
 

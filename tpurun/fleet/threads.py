@@ -9,8 +9,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from tpurun.errors import TpurunError, UnreachableError
-from tpurun.transport import bundle
-from tpurun.transport.fleet import (
+from tpurun.fleet import bundle
+from tpurun.fleet.interface import (
     Answer,
     Call,
     Ended,

@@ -13,15 +13,14 @@ from tpurun import config, settings
 from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
 from tpurun.errors import Preempted, TpurunError, UnreachableError, UsageError
-from tpurun.job.runtimes import single_host_env, vm_env
+from tpurun.fleet.interface import Fleet, connect_all
+from tpurun.fleet.relays import Relays
+from tpurun.fleet.threads import Threads
 from tpurun.naming import NAME_RE
-from tpurun.topology import Topology, one_host, parse_accelerator_type
-from tpurun.transport.fleet import Fleet, connect_all
+from tpurun.topology import Topology, one_host, parse_accelerator_type, single_host_env, vm_env
 from tpurun.transport.local import LocalRunner
-from tpurun.transport.relays import Relays
 from tpurun.transport.runner import Runner, Worker, parse_worker_spec, worker_names
 from tpurun.transport.ssh import SshRunner
-from tpurun.transport.threads import Threads
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud  # not at run time: exec and train load the API clients only when asked
@@ -109,7 +108,7 @@ class Target:
     def vm_env(self, worker: Worker) -> dict[str, str]:
         """What the runtimes on WORKER must be told of its place because its VM's metadata does not say it
         (a Compute Engine VM), or says the whole slice's where the worker runs alone (`alone`); {} where the
-        metadata is right. Every process tpurun starts on a worker gets it (runtimes.vm_env)."""
+        metadata is right. Every process tpurun starts on a worker gets it (topology.vm_env)."""
         if self.alone is not None:
             return single_host_env(self.alone, worker.internal or worker.address)
         if self.topology is None or self.slice_metadata:
@@ -125,6 +124,12 @@ class Target:
             slices=len(places.addresses),
             slice_id=slice_id,
         )
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The selected workers, in order: what a caller counts, names and addresses in its messages (reaching
+        them is the fleet's). Read anew each time: `connect` may find the TPU made anew, with other workers."""
+        return [r.worker for r in self.runners]
 
     @property
     def worker_names(self) -> dict[int, str]:

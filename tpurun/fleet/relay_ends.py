@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tpurun.errors import UnreachableError
-from tpurun.transport.fleet import Chorus, Session
+from tpurun.fleet.interface import Chorus, Session
 from tpurun.worker import relay_wire
 
 if TYPE_CHECKING:
-    from tpurun.transport.relays import Link, Relays
+    from tpurun.fleet.relays import Link, Relays
 
 
 @dataclass

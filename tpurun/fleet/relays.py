@@ -25,10 +25,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from tpurun.errors import TpurunError, UnreachableError
-from tpurun.naming import which
-from tpurun.transport import bundle
-from tpurun.transport.fleet import (
+from tpurun import config
+from tpurun.errors import TpurunError, UnreachableError, UsageError
+from tpurun.fleet import bundle
+from tpurun.fleet.interface import (
     Answer,
     Call,
     Ended,
@@ -39,11 +39,11 @@ from tpurun.transport.fleet import (
     Talk,
     connect_all,
     connect_window,
-    relay_shape,
-    relay_silence,
     watching,
 )
-from tpurun.transport.relay_ends import Chan, RelayChorus, RelaySession
+from tpurun.fleet.relay_ends import Chan, RelayChorus, RelaySession
+from tpurun.fleet.threads import Reach, Threads
+from tpurun.naming import which
 from tpurun.transport.runner import (
     INTERNAL_PORT,
     RUN_GRACE,
@@ -55,7 +55,6 @@ from tpurun.transport.runner import (
     open_stream,
 )
 from tpurun.transport.ssh import leash_argv
-from tpurun.transport.threads import Reach, Threads
 from tpurun.worker import bundle_name, protocol, relay_wire
 from tpurun.worker.protocol import AgentExit
 
@@ -63,6 +62,28 @@ ROUNDS = 3  # how many workers of a group are tried in turn as its root
 START_SECONDS = 60.0  # a root's relay says it started within this
 READY_SECONDS = 180.0  # and its tree stands (or says which workers it could not reach) within this
 STOP_SECONDS = 5.0  # a follow from this machine of workers the tree lost ends within this once told
+
+
+def relay_silence() -> float:
+    """Seconds of silence after which a relay is given up (TPURUN_RELAY_TIMEOUT)."""
+    try:
+        seconds = config.RELAY_TIMEOUT.number()
+    except ValueError:
+        raise UsageError("TPURUN_RELAY_TIMEOUT must be seconds") from None
+    if seconds < 2:
+        raise UsageError("TPURUN_RELAY_TIMEOUT must be 2 seconds or more (relays say something every second)")
+    return seconds
+
+
+def relay_shape() -> tuple[int, int]:
+    """(roots per slice, fan-out): TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT."""
+    try:
+        roots, fanout = config.RELAY_ROOTS.integer(), config.RELAY_FANOUT.integer()
+    except ValueError:
+        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers") from None
+    if roots < 1 or fanout < 2:
+        raise UsageError("TPURUN_RELAY_ROOTS must be 1 or more, TPURUN_RELAY_FANOUT 2 or more (1 makes a chain)")
+    return roots, fanout
 
 
 class Link:

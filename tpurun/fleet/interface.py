@@ -45,28 +45,6 @@ def connect_window() -> int:
     return window
 
 
-def relay_silence() -> float:
-    """Seconds of silence after which a relay is given up (TPURUN_RELAY_TIMEOUT)."""
-    try:
-        seconds = config.RELAY_TIMEOUT.number()
-    except ValueError:
-        raise UsageError("TPURUN_RELAY_TIMEOUT must be seconds") from None
-    if seconds < 2:
-        raise UsageError("TPURUN_RELAY_TIMEOUT must be 2 seconds or more (relays say something every second)")
-    return seconds
-
-
-def relay_shape() -> tuple[int, int]:
-    """(roots per slice, fan-out): TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT."""
-    try:
-        roots, fanout = config.RELAY_ROOTS.integer(), config.RELAY_FANOUT.integer()
-    except ValueError:
-        raise UsageError("TPURUN_RELAY_ROOTS and TPURUN_RELAY_FANOUT must be whole numbers") from None
-    if roots < 1 or fanout < 2:
-        raise UsageError("TPURUN_RELAY_ROOTS must be 1 or more, TPURUN_RELAY_FANOUT 2 or more (1 makes a chain)")
-    return roots, fanout
-
-
 @dataclass
 class RunResult:
     """How `run` went on one worker."""

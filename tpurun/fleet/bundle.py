@@ -8,13 +8,13 @@ import base64
 from typing import TYPE_CHECKING
 
 from tpurun.errors import UnreachableError
-from tpurun.transport.fleet import Call
+from tpurun.fleet.interface import Call
 from tpurun.transport.runner import Runner, run_capture
 from tpurun.worker import bundle_name, bundle_tar
 from tpurun.worker.protocol import FIRST_INPUT, AgentExit
 
 if TYPE_CHECKING:
-    from tpurun.targets import Target
+    from tpurun.fleet.targets import Target
 
 BIN = "$HOME/.tpurun/bin"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
 
