@@ -288,7 +288,7 @@ def test_a_lost_root_relay_is_named_once_with_its_workers(cli, emulator, pod):
     (pid,) = job_pids(emulator, pod, RELAY, [4])
     os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 4, err
+    assert proc.returncode == 75 and "ended (lost)" in err, err  # cut short by the infrastructure
     (said,) = [line for line in err.splitlines() if line.startswith("error:") and "w4" in line]
     assert SUBTREE.match(said), err
     rows = {line.split()[0]: line.split()[1] for line in err.splitlines() if re.match(r"^w\d ", line)}

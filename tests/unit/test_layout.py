@@ -137,7 +137,7 @@ def import_cycles(package: Path) -> list[str]:
     loads a backend's module (and its API's client: Compute Engine's takes a second) only when that API is
     asked; `fleet/targets.py`, `job/`, `diagnose.py` and `cli/output.py` load the cloud layer (google-cloud-tpu)
     only when a command asks the API, so `exec` and `train` on remembered workers never do; `watchdogs.py` loads `targets`
-    (paramiko) only when a worker must be reached; `settings.py` loads `sync/ignore.py` (pathspec) only when
+    (paramiko) only when a worker must be reached; `settings.py` loads `ignore.py` (pathspec) only when
     it makes a settings file; and the like for rich, cryptography and other libraries. An import under `if
     TYPE_CHECKING:` only names a type and is not counted."""
     name = package.name
