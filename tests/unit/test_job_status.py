@@ -44,7 +44,9 @@ def test_the_first_failure_is_the_earliest_any_agent_saw_not_the_first_worker():
 def test_lost_running_unknown_finished_stopped():
     lost = combine({"w0": _st("stopped"), "w1": _st("lost")})
     assert (lost.status, lost.detail) == ("lost", "supervisor gone on w1")
-    assert combine({"w0": _st("running"), "w1": _st("lost")}).status == "running"  # w0's part goes on
+    # a part lost ends the job (its other parts cannot finish), though w0's processes run on: said beside
+    on = combine({"w0": _st("running"), "w1": _st("lost")})
+    assert (on.status, on.running, on.detail) == ("lost", True, "supervisor gone on w1; still running on w0")
     assert combine({"w0": _st("running"), "w1": _st("finished")}) == JobSummary(running=True)
     assert combine({"w0": _st("running"), "w1": None}) == JobSummary(running=True, detail="not on w1")
     assert combine({"w0": _st("finished"), "w1": None}) == JobSummary(detail="no trace on w1")

@@ -8,7 +8,7 @@ import time
 
 from tests.helpers import python_up
 from tpurun import health
-from tpurun.cloud.startup import StartupReport
+from tpurun.cloud.startup import StartupReport, StartupStatus
 from tpurun.worker import probe
 
 
@@ -249,10 +249,10 @@ def test_disk_clock_startup_ssh():
     assert health.check_clock(0, 1.05, 0.1).status == "pass"  # within the measurement's error
     assert health.check_clock(0, -400.0, 0.1).status == "fail"
     assert health.check_clock(0, None).status == "pass"
-    assert health.check_startup(0, StartupReport("done", duration=3), "log").status == "pass"
-    failed = health.check_startup(0, StartupReport("failed", exit_code=2, step="setup", tail="a\nboom"), "cat log")
+    assert health.check_startup(0, StartupReport(StartupStatus.DONE, duration=3), "log").status == "pass"
+    failed = health.check_startup(0, StartupReport(StartupStatus.FAILED, exit_code=2, step="setup", tail="a\nboom"), "cat log")
     assert failed.status == "fail" and "boom" in failed.detail and "cat log" in failed.fix
-    assert health.check_startup(0, StartupReport("running"), "x").status == "warn"
+    assert health.check_startup(0, StartupReport(StartupStatus.RUNNING), "x").status == "warn"
     assert health.check_ssh(1, "cannot reach worker w1").status == "fail"
     assert health.summary([health.Check(0, "a", "pass", ""), health.Check(0, "b", "fail", "")]) == {
         "pass": 1,
