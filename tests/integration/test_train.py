@@ -96,14 +96,19 @@ def test_client_sigkill_stops_attached_job(cli, emulator):
     assert job_pids(emulator, "killc", "sleepy.py") == []
 
 
+def _detached(cli, source: str, cores: int) -> str:
+    """SOURCE as slow.py, started detached on CORES cores of the default TPU: its job id."""
+    (cli.cwd / "slow.py").write_text(source)
+    r = cli("train", "slow.py", "--runtime", "cpu", "--cores", str(cores), "--python", "python3", "--detach")
+    assert r.code == 0, r.err
+    return r.out.strip().splitlines()[-1]
+
+
 def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
     create_node(cli, "det")
-    (cli.cwd / "slow.py").write_text(
-        "import os, time\nfor i in range(30):\n    print(f'tick {i}', flush=True); time.sleep(0.1)\n"
+    job = _detached(
+        cli, "import os, time\nfor i in range(30):\n    print(f'tick {i}', flush=True); time.sleep(0.1)\n", 2
     )
-    r = cli("train", "slow.py", "--runtime", "cpu", "--cores", "2", "--python", "python3", "--detach")
-    assert r.code == 0, r.err
-    job = r.out.strip().splitlines()[-1]
     # a follower that is SIGKILLed half-way does not stop a detached job
     proc = popen(cli, "logs", job, "--follow", stderr=None)
     read_until(proc, lambda lines: len(lines) == 1)
@@ -242,12 +247,7 @@ def test_digits_example_trains_across_two_workers(cli):
 
 def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, emulator):
     create_node(cli, "view")
-    (cli.cwd / "slow.py").write_text(
-        "import time\nfor i in range(600):\n    print('tick', i, flush=True); time.sleep(0.1)\n"
-    )
-    r = cli("train", "slow.py", "--runtime", "cpu", "--cores", "1", "--python", "python3", "--detach")
-    assert r.code == 0, r.err
-    job = r.out.strip().splitlines()[-1]
+    job = _detached(cli, "import time\nfor i in range(600):\n    print('tick', i, flush=True); time.sleep(0.1)\n", 1)
     proc = popen(cli, "logs", job, "--follow")
     (first,) = read_until(proc, lambda lines: len(lines) == 1)
     assert "tick" in first

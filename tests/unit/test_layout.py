@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -64,16 +64,18 @@ def test_the_repository_names_no_path_outside_itself():
 def test_no_caller_asks_which_runner_it_has():
     """Runners are polymorphic (run, stream, pipe): only tpurun/transport/ may look at their types."""
     pattern = re.compile(r"isinstance\([^)]*\b(SshRunner|LocalRunner|SshStream|LocalStream|SshPipe|LocalPipe)\b")
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if "transport" in path.relative_to(PACKAGE).parts:
-            continue
-        offenders += [
-            f"{path.relative_to(ROOT)}:{n}"
-            for n, line in enumerate(path.read_text().splitlines(), 1)
-            if pattern.search(line)
-        ]
-    assert offenders == []
+    assert _lines_outside(pattern, ("transport",)) == []
+
+
+def _lines_outside(pattern: re.Pattern[str], folders: tuple[str, ...]) -> list[str]:
+    """The lines of the package's modules outside FOLDERS that PATTERN finds."""
+    return [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] not in folders
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
 
 
 def test_every_module_of_the_map_exists():
@@ -90,16 +92,7 @@ def test_no_caller_asks_which_api_made_a_tpu():
         r"\.backend\b\s*(==|!=|in\b)|Kind\.(TPU_API|COMPUTE)\b|\b(tpu_v2|compute_v1)\b|"
         r"cloud\.(tpu_api|compute)\b|import (TpuApi|Compute)\b"
     )
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.relative_to(PACKAGE).parts[0] in ("cloud", "emulator"):
-            continue
-        offenders += [
-            f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-            for n, line in enumerate(path.read_text().splitlines(), 1)
-            if asks.search(line)
-        ]
-    assert offenders == []
+    assert _lines_outside(asks, ("cloud", "emulator")) == []
 
 
 # ---------------------------------------------------------------------------- static rules
@@ -153,23 +146,28 @@ def import_cycles(package: Path) -> list[str]:
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name.split(".")[0] == name)
         graph[_module_name(package, path)] = deps
-    found: set[tuple[str, ...]] = set()
+    return [" -> ".join((*c, c[0])) for c in sorted(_circles(graph))]
 
-    def visit(mod: str, path: list[str]) -> None:
-        for dep in sorted(graph.get(mod, ())):
-            if dep in path:
-                cycle = path[path.index(dep) :]
+
+def _circles(graph: Mapping[str, Iterable[str]]) -> set[tuple[str, ...]]:
+    """Every circle in GRAPH (a node: the nodes it points to), each once, starting at its least node."""
+    found: set[tuple[str, ...]] = set()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for other in sorted(graph.get(node, ())):
+            if other in path:
+                cycle = path[path.index(other) :]
                 start = cycle.index(min(cycle))
                 found.add(tuple(cycle[start:] + cycle[:start]))
-            elif dep in graph and dep not in done:
-                visit(dep, [*path, dep])
-        done.add(mod)
+            elif other in graph and other not in done:
+                visit(other, [*path, other])
+        done.add(node)
 
-    done: set[str] = set()
-    for mod in sorted(graph):
-        if mod not in done:
-            visit(mod, [mod])
-    return [" -> ".join((*c, c[0])) for c in sorted(found)]
+    for node in sorted(graph):
+        if node not in done:
+            visit(node, [node])
+    return found
 
 
 def _unit(package: Path, module: str) -> str:
@@ -195,25 +193,9 @@ def folder_cycles(package: Path) -> list[str]:
             if other != unit:
                 where = f"{path.relative_to(package)}:{line}: {module}"
                 edges.setdefault(unit, {}).setdefault(other, where)
-    found: set[tuple[str, ...]] = set()
-
-    def visit(unit: str, path: list[str]) -> None:
-        for other in sorted(edges.get(unit, ())):
-            if other in path:
-                cycle = path[path.index(other) :]
-                start = cycle.index(min(cycle))
-                found.add(tuple(cycle[start:] + cycle[:start]))
-            elif other not in done:
-                visit(other, [*path, other])
-        done.add(unit)
-
-    done: set[str] = set()
-    for unit in sorted(edges):
-        if unit not in done:
-            visit(unit, [unit])
     return [
         " -> ".join(f"{a} ({edges[a][b]})" for a, b in zip(c, (*c[1:], c[0]), strict=True)) + f" -> {c[0]}"
-        for c in sorted(found)
+        for c in sorted(_circles(edges))
     ]
 
 
@@ -323,52 +305,41 @@ def runners_outside_the_fleet(package: Path) -> list[str]:
     return out
 
 
+def _resolves(path: Path, package: Path, name: str, module: str) -> list[str]:
+    """Where PATH calls `NAME.resolve` or imports `resolve` from MODULE."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        called = (
+            isinstance(node, ast.Attribute)
+            and node.attr == "resolve"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == name
+        )
+        imported = (
+            isinstance(node, ast.ImportFrom) and node.module == module and any(a.name == "resolve" for a in node.names)
+        )
+        if called or imported:
+            out.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name}.resolve")
+    return out
+
+
 def library_settings_resolved(package: Path) -> list[str]:
     """Settings resolved (flags, environment, files) outside the command line: each command resolves them
     once and passes them down, so one command never sees two answers."""
-    settings = f"{package.name}.settings"
     out = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package)
-        if rel.parts[0] == "cli" or rel == Path("settings.py"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            called = (
-                isinstance(node, ast.Attribute)
-                and node.attr == "resolve"
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "settings"
-            )
-            imported = (
-                isinstance(node, ast.ImportFrom)
-                and node.module == settings
-                and any(a.name == "resolve" for a in node.names)
-            )
-            if called or imported:
-                out.append(f"{path.relative_to(package.parent)}:{node.lineno}: settings.resolve")
+        if rel.parts[0] != "cli" and rel != Path("settings.py"):
+            out += _resolves(path, package, "settings", f"{package.name}.settings")
     return out
 
 
 def cli_targets_resolved(package: Path) -> list[str]:
     """The command line resolving which workers a command acts on: every command that reaches workers hands
     the library its settings and worker spec, and the library resolves them, one way for every command."""
-    targets = f"{package.name}.fleet.targets"
     out = []
     for path in sorted((package / "cli").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            called = (
-                isinstance(node, ast.Attribute)
-                and node.attr == "resolve"
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "targets"
-            )
-            imported = (
-                isinstance(node, ast.ImportFrom)
-                and node.module == targets
-                and any(a.name == "resolve" for a in node.names)
-            )
-            if called or imported:
-                out.append(f"{path.relative_to(package.parent)}:{node.lineno}: targets.resolve")
+        out += _resolves(path, package, "targets", f"{package.name}.fleet.targets")
     return out
 
 
@@ -480,7 +451,9 @@ def test_a_folder_circle_through_a_type_is_found(tmp_path: Path) -> None:
     assert import_cycles(copy) == []
     found = folder_cycles(copy)
     assert any(f.startswith("fleet/ (") and "transport/ssh.py" in f and "tpurun.fleet.targets" in f for f in found)
-    target.write_text(text + "\n\ndef planted() -> object:\n    from tpurun.fleet import interface\n\n    return interface\n")
+    target.write_text(
+        text + "\n\ndef planted() -> object:\n    from tpurun.fleet import interface\n\n    return interface\n"
+    )
     assert any("transport/ssh.py" in f for f in folder_cycles(copy))
 
 
