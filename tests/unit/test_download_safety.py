@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tpurun.sync import download
-from tpurun.sync.sender import Counters, frame
+from tpurun.sync.stream import Counters, frame
 from tpurun.worker import sync_helper
 
 

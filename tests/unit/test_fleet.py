@@ -124,6 +124,58 @@ def test_converse_speaks_to_each_workers_helper_over_its_pipe():
     assert heard == {0: b"to 0\n", 2: b"to 2\n"}
 
 
+def test_chorus_says_once_to_many_and_hears_each_and_its_end():
+    fleet = Threads(Pod(3))
+    # each helper answers what it was told, and ends after 4 bytes with a word on stderr
+    chorus = fleet.chorus(
+        lambda _python: ["sh", "-c", 'head -c 4; echo "bye" >&2; exit 3'], only=[0, 2], stop=threading.Event()
+    )
+    assert chorus.workers == [0, 2] and chorus.failed == {}
+    chorus.say([0, 2], b"ab")
+    chorus.say([2], b"cd")
+    chorus.say([0], b"xy")
+    heard: dict[int, bytes] = {0: b"", 2: b""}
+    deadline = time.monotonic() + 10
+    while chorus.ended(0) is None or chorus.ended(2) is None:
+        assert time.monotonic() < deadline
+        for w, data in chorus.heard(0.1).items():
+            heard[w] += data
+    assert heard == {0: b"abxy", 2: b"abcd"}
+    assert chorus.ended(0) == chorus.ended(2) == (3, b"bye\n")
+    chorus.say([0, 2], b"to no one")  # they ended: nothing waits
+    chorus.close()
+    failed = Threads(Pod(2)).chorus(lambda _python: ["/nonexistent/helper"], only=[1], stop=threading.Event())
+    assert failed.workers == [] and "cannot start /nonexistent/helper" in failed.failed[1]
+
+
+def test_chorus_holds_a_bounded_outbox_for_a_worker_that_does_not_read_and_stop_ends_the_wait(tmp_path):
+    fleet = Threads(Pod(1))
+    stop = threading.Event()
+    go = tmp_path / "go"  # the helper reads nothing until then
+    helper = ["sh", "-c", f'while [ ! -e "{go}" ]; do sleep 0.05; done; exec cat >/dev/null']
+    chorus = fleet.chorus(lambda _python: helper, only=[0], stop=stop)
+    said: list[int] = []
+
+    def say() -> None:
+        for i in range(100):  # 100 MB to a helper that reads nothing
+            chorus.say([0], b"x" * (1 << 20))
+            said.append(i)
+
+    t = threading.Thread(target=say, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(said) < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t.join(0.5)  # (what it said in the meantime, were nothing bounded: hundreds of MB)
+    assert t.is_alive() and len(said) < 12, "what waits for one worker is bounded"
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+    go.touch()
+    chorus.close()
+
+
 class _Slow(Runner):
     """A worker whose connect takes a while and notes how many connects were in flight at once."""
 

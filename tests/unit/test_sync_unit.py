@@ -7,10 +7,12 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import stat as stat_mod
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,9 +22,13 @@ from hypothesis import strategies as st
 
 from tpurun import config, ignore
 from tpurun.errors import UsageError
-from tpurun.sync import report, sender
-from tpurun.sync.sender import FrameReader, build_manifest, deletions, frame, helper_command
+from tpurun.fleet.interface import connect_all
+from tpurun.fleet.threads import Threads
+from tpurun.sync import report, sender, together
+from tpurun.sync.sender import build_manifest
+from tpurun.sync.stream import FrameReader, Interrupted, WorkerStats, deletions, frame, helper_command
 from tpurun.transport.local import LocalRunner
+from tpurun.transport.runner import Pipe, Worker
 from tpurun.worker import sync_helper
 
 
@@ -243,113 +249,149 @@ def _tree(tmp_path: Path, n: int, size: int) -> Path:
     return src
 
 
-def _collect(plan, worker: int, out: dict, leave_after: int | None = None) -> None:
-    fan, feed = plan.feed(worker)
-    got = []
-    for seg in feed:
-        got.append(seg)
-        if leave_after is not None and len(got) >= leave_after:
-            fan.leave(worker)  # a worker whose connection dropped
-            break
-    out[worker] = got
+class _Worker(LocalRunner):
+    """This machine as one worker of a pod, with a home of its own (its helper's `~/p` is its own); its helper's
+    command runs through WRAP, a shell line ("$@" is the command): how this worker's link behaves."""
+
+    def __init__(self, index: int, home: Path, wrap: str = 'exec "$@"') -> None:
+        super().__init__(Worker(index, "127.0.0.1"))
+        self.home, self.wrap = home, wrap
+
+    def pipe(self, argv) -> Pipe:
+        return super().pipe(["env", f"HOME={self.home}", "sh", "-c", self.wrap, "helper", *argv])
+
+
+class _Pod:
+    """What `Threads` stands on: these workers, connected at the first operation."""
+
+    def __init__(self, runners: list[_Worker]) -> None:
+        self.runners, self.connected = runners, False
+
+    def connect(self, then=None, *, only=None) -> dict[int, str]:
+        self.connected = True
+        return connect_all(self.runners, then)
+
+
+def _pod(tmp_path: Path, n: int, wraps: dict[int, str] | None = None) -> tuple[Threads, list[Path]]:
+    homes = [tmp_path / f"home{i}" for i in range(n)]
+    for home in homes:
+        home.mkdir()
+    wraps = wraps or {}
+    return Threads(_Pod([_Worker(i, home, wraps.get(i, 'exec "$@"')) for i, home in enumerate(homes)])), homes
+
+
+def _has_all(src: Path, home: Path) -> bool:
+    dest = home / "p"
+    return all((dest / f.name).is_file() and (dest / f.name).read_bytes() == f.read_bytes() for f in src.iterdir())
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["raised"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _link(carries: int = 1 << 62, pause: float = 0.0) -> str:
+    """A worker's link, as the shell line its helper runs through: it passes what comes as it comes, PAUSE
+    seconds after each read of up to 64 kB, and drops after CARRIES bytes."""
+    code = (
+        "import sys, time\n"
+        f"n = {carries}\n"
+        "while n > 0 and (d := sys.stdin.buffer.read1(min(n, 65536))):\n"
+        f"    sys.stdout.buffer.write(d); sys.stdout.buffer.flush(); n -= len(d); time.sleep({pause})\n"
+    )
+    return f'{shlex.quote(sys.executable)} -c {shlex.quote(code)} | "$@"'
 
 
 def test_workers_that_need_the_same_files_share_one_read(tmp_path, monkeypatch):
-    import threading
-
-    from tpurun.sync import sender as sync
-
-    src = _tree(tmp_path, 40, 100_000)  # enough segments to fill the bounded queues many times over
+    monkeypatch.setattr(together, "GROUP_WAIT", 60.0)  # every worker's needs are heard before data goes
+    src = _tree(tmp_path, 40, 100_000)
+    fleet, homes = _pod(tmp_path, 4)
+    (homes[3] / "p").mkdir()
+    for i in range(35):  # a worker that has most files already: a group, and a read, of its own
+        shutil.copy2(src / f"f{i}.bin", homes[3] / "p" / f"f{i}.bin")
     manifest = build_manifest(src)
     opened: list[str] = []
     real_open = open
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
-    stop = threading.Event()
-    plan = sync.Plan(manifest, src, expected=4, stop=stop)
-    everything = list(range(len(manifest.files)))
-    for w in (0, 1, 2):
-        plan.arrive(w, everything)
-    plan.arrive(3, everything[:5])  # a worker that already has most files: its own reader
-    out: dict = {}
-    threads = [threading.Thread(target=_collect, args=(plan, w, out)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    data = {w: b"".join(s.data for s in segs) for w, segs in out.items()}
-    assert data[0] == data[1] == data[2]
-    assert sum(s.files for s in out[0]) == 40 and sum(s.nbytes for s in out[0]) == 40 * 100_000
-    assert sum(s.files for s in out[3]) == 5
+    stats = sender.sync(fleet, src, "~/p", manifest=manifest)
+    monkeypatch.undo()
+    assert [(s.error, s.errors, s.files_sent) for s in stats] == [("", [], 40)] * 3 + [("", [], 5)]
+    assert [s.bytes_sent for s in stats] == [40 * 100_000] * 3 + [5 * 100_000]
     reads = [p for p in opened if p.startswith(str(src))]
     assert len(reads) == 40 + 5, "each file read once per group of workers, not once per worker"
-    # the stream a helper receives: every needed file framed and verified
-    chunks = [data[0], b""]
-    reader = FrameReader(lambda n: chunks.pop(0))
-    kinds = [reader.read_frame()[0] for _ in range(40 * 3)]
-    assert kinds.count(b"F") == 40 and kinds.count(b"Z") == 40
+    assert all(_has_all(src, home) for home in homes)
 
 
-def test_a_member_that_leaves_does_not_hold_back_the_group(tmp_path):
-    import threading
-
-    from tpurun.sync import sender as sync
-
-    src = _tree(tmp_path, 60, 200_000)  # more segments than a queue holds
-    manifest = build_manifest(src)
-    plan = sync.Plan(manifest, src, expected=2, stop=threading.Event())
-    everything = list(range(len(manifest.files)))
-    plan.arrive(0, everything)
-    plan.arrive(1, everything)
-    out: dict = {}
-    t0 = threading.Thread(target=_collect, args=(plan, 0, out))
-    t1 = threading.Thread(target=_collect, args=(plan, 1, out, 2))
-    t0.start()
-    t1.start()
-    t0.join(30)
-    t1.join(30)
-    assert not t0.is_alive(), "the remaining worker was blocked by the one that left"
-    assert sum(s.files for s in out[0]) == 60
-    assert len(out[1]) == 2
+def test_a_worker_whose_link_drops_does_not_hold_back_its_group(tmp_path):
+    src = _tree(tmp_path, 60, 200_000)  # more than a worker's outbox holds
+    # worker 1's link carries 3 MB, then drops: its helper sees the stream end, and what is written to it fails
+    fleet, homes = _pod(tmp_path, 3, {1: _link(carries=3_000_000)})
+    t, out = _in_thread(lambda: sender.sync(fleet, src, "~/p", manifest=build_manifest(src)))
+    t.join(60)
+    assert not t.is_alive(), "the others were held back by the worker whose link dropped"
+    stats = out["value"]
+    assert [bool(s.error) for s in stats] == [False, True, False], stats
+    assert stats[1].error == "the sync helper ended unexpectedly (exit 3)", stats[1]
+    assert _has_all(src, homes[0]) and _has_all(src, homes[2])
+    assert not _half_written(homes[1])
 
 
 def test_a_straggler_gets_its_own_reader_instead_of_holding_back_the_rest(tmp_path, monkeypatch):
-    import threading
-    import time as _time
-
-    from tpurun.sync import sender as sync
-
-    monkeypatch.setattr(sync, "GROUP_WAIT", 0.2)
+    monkeypatch.setattr(together, "GROUP_WAIT", 0.2)
     src = _tree(tmp_path, 3, 1000)
-    manifest = build_manifest(src)
-    plan = sync.Plan(manifest, src, expected=2, stop=threading.Event())
-    everything = list(range(len(manifest.files)))
-    plan.arrive(0, everything)
-    out: dict = {}
-    t0 = _time.monotonic()
-    _collect(plan, 0, out)  # worker 1 never replied: worker 0 starts after GROUP_WAIT, alone
-    assert _time.monotonic() - t0 < 10 and sum(s.files for s in out[0]) == 3
-    plan.arrive(1, everything)  # the straggler arrives late: a reader of its own
-    _collect(plan, 1, out)
-    assert b"".join(s.data for s in out[1]) == b"".join(s.data for s in out[0])
-    assert plan.tees[0] is not plan.tees[1]
+    go = tmp_path / "go"
+    # worker 2's helper starts only once the test says so
+    fleet, homes = _pod(tmp_path, 3, {2: f'while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.05; done; exec "$@"'})
+    t, out = _in_thread(lambda: sender.sync(fleet, src, "~/p", manifest=build_manifest(src)))
+    deadline = time.monotonic() + 30
+    while not (_has_all(src, homes[0]) and _has_all(src, homes[1])):
+        assert time.monotonic() < deadline, "the others waited for the straggler"
+        time.sleep(0.05)
+    go.touch()
+    t.join(30)
+    assert not t.is_alive() and "raised" not in out
+    assert [(s.error, s.files_sent) for s in out["value"]] == [("", 3)] * 3
+    assert _has_all(src, homes[2])
 
 
-def test_stop_ends_every_feed_with_interrupted(tmp_path):
-    import threading
-
-    from tpurun.sync import sender as sync
-
-    src = _tree(tmp_path, 30, 200_000)
-    manifest = build_manifest(src)
+def test_stop_ends_the_sync_with_interrupted_and_nothing_half_written(tmp_path):
+    src = _tree(tmp_path, 30, 2_000_000)
+    fleet, homes = _pod(tmp_path, 2, {0: _link(pause=0.01), 1: _link(pause=0.01)})
     stop = threading.Event()
-    plan = sync.Plan(manifest, src, expected=1, stop=stop)
-    plan.arrive(0, list(range(len(manifest.files))))
-    _fan, feed = plan.feed(0)
-    next(feed)
+    t, out = _in_thread(lambda: sender.sync(fleet, src, "~/p", manifest=build_manifest(src), stop=stop))
+    deadline = time.monotonic() + 30
+    while not _half_written(homes[0]):
+        assert time.monotonic() < deadline and t.is_alive(), "the sync never started streaming"
+        time.sleep(0.02)
     stop.set()
-    with pytest.raises(sync.Interrupted):
-        for _ in feed:
-            pass
+    t.join(30)
+    assert not t.is_alive() and isinstance(out.get("raised"), Interrupted), out
+    deadline = time.monotonic() + 30
+    while any(_half_written(home) for home in homes):
+        assert time.monotonic() < deadline, "a half-written file was left"
+        time.sleep(0.05)
+    for home in homes:
+        whole = [n for n in _names(home / "p") if n.endswith(".bin")]  # under its real name: whole or absent
+        assert len(whole) < 30, "the sync finished before it was stopped: nothing was tested"
+        assert all((home / "p" / name).read_bytes() == (src / name).read_bytes() for name in whole)
+
+
+def _names(d: Path) -> list[str]:
+    return os.listdir(d) if d.is_dir() else []
+
+
+def _half_written(home: Path) -> list[str]:
+    """The temp files of the helper in HOME's `~/p` (not the mark that one may be left, which stays)."""
+    return [n for n in _names(home / "p") if n.startswith(sync_helper.TMP_PREFIX) and n != sync_helper.BUSY_NAME]
 
 
 def test_walk_lists_files_and_symlinks_skips_directory_links_and_specials(tmp_path):
@@ -454,8 +496,8 @@ def test_size_warning_names_the_largest_files_and_its_command_leaves_them_out(tm
 
 
 def test_totals_speak_of_the_worker_sent_the_most():
-    def st(worker: int, sent: int, nbytes: int, total: int = 10, error: str = "") -> sender.WorkerStats:
-        return sender.WorkerStats(worker, "10.0.0.1", f"w{worker}", files_total=total, files_sent=sent,
+    def st(worker: int, sent: int, nbytes: int, total: int = 10, error: str = "") -> WorkerStats:
+        return WorkerStats(worker, "10.0.0.1", f"w{worker}", files_total=total, files_sent=sent,
                                   bytes_sent=nbytes, error=error)  # fmt: skip
 
     assert report.totals([st(0, 3, 4_200_000), st(1, 3, 4_200_000)]).line() == (

@@ -13,8 +13,7 @@ names its worker:
   stops the job there, a broken stream is opened again where asked;
 * `converse`: a helper program on every worker spoken to over a byte `Pipe` (sync pushes one stream to
   many, download pulls), helpers started as soon as each worker is connected;
-* `chorus`: a helper program on many workers spoken to all at once, what is said to many said once (sync
-  through relays); None from a fleet that converses with each worker instead.
+* `chorus`: a helper program on many workers spoken to all at once, what is said to many said once (sync).
 
 `threads.Threads` is the first implementation: one thread per worker of this machine. `relays.Relays` is
 the second: this machine reaches a few workers, and relays on them reach the rest. Callers hold a `Fleet`
@@ -127,14 +126,16 @@ class Session:
 
 class Chorus:
     """A helper program on many workers spoken to all at once (`Fleet.chorus`): what is said to many is said
-    once (down each relay's link once, however many workers below it hear it), and what they answer is read
-    as it comes, keyed by worker."""
+    once (down each relay's link once, however many workers below it hear it; read once and left for each
+    worker's own writer on this machine), and what they answer is read as it comes, keyed by worker. `say`
+    may be called from several threads at once, for different workers."""
 
     workers: list[int]  # the workers whose helper started
     failed: dict[int, str]  # {worker: why its helper could not start}
 
     def say(self, workers: Collection[int], data: bytes) -> None:
-        """DATA to the helper of each of WORKERS (those still running)."""
+        """DATA to the helper of each of WORKERS (those still running), in the order said. It may wait while
+        one of them is far behind (what waits for each worker is bounded), never for a connection's write."""
         raise NotImplementedError
 
     def heard(self, wait: float) -> dict[int, bytes]:
@@ -142,12 +143,22 @@ class Chorus:
         raise NotImplementedError
 
     def ended(self, worker: int) -> tuple[int | None, bytes] | None:
-        """None while WORKER's helper runs; then (its exit code, or None where the connection ended; stderr)."""
+        """None while WORKER's helper runs; then (its exit code, or None where the connection ended; stderr, or
+        why the connection ended, in a line that does not name the worker)."""
         raise NotImplementedError
 
     def close(self) -> None:
         """End every helper's stdin (and stop reading them)."""
         raise NotImplementedError
+
+
+def lost_connection(cause: BaseException | None) -> str:
+    """Why a helper's connection, not the helper, ended, in one line that leaves its worker for the caller to
+    name: what the transport said of it (CAUSE, an UnreachableError), where it said anything."""
+    said = str(cause) if isinstance(cause, UnreachableError) else ""
+    if said.startswith("worker ") and "): " in said:  # the worker is named by the caller already
+        said = said.split("): ", 1)[1]
+    return f"the connection was lost ({said})" if said else "the connection was lost"
 
 
 # A read's worth of records from a worker's stream: SOURCE is the worker the stream belongs to (for a record
@@ -247,12 +258,11 @@ class Fleet:
         closes every pipe, which wakes a conversation waiting for a reply."""
         raise NotImplementedError
 
-    def chorus(
-        self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event
-    ) -> Chorus | None:
-        """HELPER (its argv given the worker's Python) on each worker of ONLY, spoken to at once (a `Chorus`);
-        None where this fleet speaks to each worker on its own instead (`converse`)."""
-        return None
+    def chorus(self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event) -> Chorus:
+        """HELPER (its argv given the worker's Python) on each reached worker of ONLY, spoken to at once (a
+        `Chorus`; the helpers `connect` started are used). A fleet not connected yet is connected here. Setting
+        STOP ends a `say` that waits for a worker."""
+        raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError

@@ -1,10 +1,12 @@
 """The first `Fleet`: one thread of this machine per worker, each on that worker's own connection, joined
-in short waits so Ctrl-C stays live; at most `connect_window()` workers being connected to at once."""
+in short waits so Ctrl-C stays live; at most `connect_window()` workers being connected to at once. Its
+`chorus` is a `PipeChorus`: each worker's helper over its own pipe, a reader and a writer thread each."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
@@ -13,6 +15,7 @@ from tpurun.fleet import bundle
 from tpurun.fleet.interface import (
     Answer,
     Call,
+    Chorus,
     Ended,
     Fleet,
     RecordStream,
@@ -23,6 +26,7 @@ from tpurun.fleet.interface import (
     connect_all,
     connect_window,
     each,
+    lost_connection,
     watching,
 )
 from tpurun.transport.runner import RUN_GRACE, LineSink, Pipe, Runner, Stream, Worker, open_stream, run_capture
@@ -284,9 +288,145 @@ class Threads(Fleet):
         chosen = [r for r in self.reach.runners if only is None or r.worker.index in only]
         each(chosen, one, name="converse", tick=close_on_stop)
 
+    def chorus(
+        self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event
+    ) -> PipeChorus:
+        """Each worker's helper over its own pipe (the one started at `connect`, else a new one, opened at once)."""
+        if not self.reach.connected:
+            self.connect(helper=helper)
+        pipes: dict[int, Pipe] = {}
+        failed: dict[int, str] = {}
+
+        def one(r: Runner) -> None:
+            w = r.worker.index
+            early = self._helpers.pop(w, None)
+            try:
+                if isinstance(early, BaseException):
+                    raise early
+                pipes[w] = early or r.pipe(helper(r.python))
+            except Exception as exc:  # this worker's helper could not start: its failure, not the others'
+                failed[w] = str(exc) or type(exc).__name__
+
+        reached = self._reached(only)
+        each(reached, one, name="chorus")
+        return PipeChorus({r.worker.index: pipes[r.worker.index] for r in reached if r.worker.index in pipes},
+                          failed, stop)  # fmt: skip
+
     def close(self) -> None:
         for r in self.reach.runners:
             r.close()
+
+
+OUTBOX_BYTES = 8 << 20  # what may wait for one worker's pipe: a few of sync's segments, whatever the tree's size
+
+
+class _Outbox:
+    """What is still to be written to one worker's pipe: at most OUTBOX_BYTES (a larger piece alone)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.items: deque[bytes] = deque()
+        self.size = 0
+        self.shut = False  # nothing more goes: its pipe failed, or the chorus closed
+
+    def put(self, data: bytes, stop: threading.Event) -> None:
+        with self.cond:
+            while self.size and self.size + len(data) > OUTBOX_BYTES and not self.shut and not stop.is_set():
+                self.cond.wait(0.1)
+            if not self.shut and not stop.is_set():
+                self.items.append(data)
+                self.size += len(data)
+                self.cond.notify_all()
+
+    def take(self) -> bytes | None:
+        """The next piece to write (waiting for one); None once shut."""
+        with self.cond:
+            while not self.items and not self.shut:
+                self.cond.wait()
+            if self.shut:
+                return None
+            data = self.items.popleft()
+            self.size -= len(data)
+            self.cond.notify_all()
+            return data
+
+    def close(self) -> None:
+        with self.cond:
+            self.shut = True
+            self.items.clear()
+            self.cond.notify_all()
+
+
+class PipeChorus(Chorus):
+    """A helper on each of many workers over its own pipe (`Threads.chorus`). A reader thread per pipe gathers
+    what its helper writes; a writer thread per pipe writes what `say` left in its bounded outbox, so `say`
+    waits for no worker's connection, only for a worker a whole outbox behind (which must then pace what is
+    said to it, or memory would fill). STOP ends the saying."""
+
+    def __init__(self, pipes: Mapping[int, Pipe], failed: Mapping[int, str], stop: threading.Event) -> None:
+        self.pipes = dict(pipes)
+        self.workers = list(pipes)
+        self.failed = dict(failed)
+        self.stop = stop
+        self.changed = threading.Condition()
+        self.out: dict[int, bytearray] = {w: bytearray() for w in pipes}
+        self.ends: dict[int, tuple[int | None, bytes]] = {}
+        self.outboxes = {w: _Outbox() for w in pipes}
+        self.causes: dict[int, BaseException] = {}  # what a writer ran into (its reader says why it ended)
+        for w, pipe in self.pipes.items():
+            threading.Thread(target=self._read, args=(w, pipe), daemon=True, name=f"chorus-read-w{w}").start()
+            threading.Thread(target=self._write, args=(w, pipe), daemon=True, name=f"chorus-write-w{w}").start()
+
+    def _write(self, w: int, pipe: Pipe) -> None:
+        outbox = self.outboxes[w]
+        while (data := outbox.take()) is not None:
+            try:
+                pipe.send(data)
+            except TpurunError as exc:  # the helper or the connection ended: its reader hears how
+                self.causes.setdefault(w, exc)
+                outbox.close()
+
+    def _read(self, w: int, pipe: Pipe) -> None:
+        cause: BaseException | None = None
+        try:
+            while data := pipe.recv(1 << 16):
+                with self.changed:
+                    self.out[w].extend(data)
+                    self.changed.notify_all()
+        except TpurunError as exc:
+            cause = exc
+        self.outboxes[w].close()
+        rc, err = pipe.ended()
+        if rc is None:  # the connection, not the helper, ended: why, in place of its stderr
+            err = lost_connection(cause or self.causes.get(w)).encode()
+        with self.changed:
+            self.ends[w] = (rc, err)
+            self.changed.notify_all()
+
+    def say(self, workers: Collection[int], data: bytes) -> None:
+        for w in workers:
+            outbox = self.outboxes.get(w)
+            if outbox is not None:
+                outbox.put(data, self.stop)
+
+    def heard(self, wait: float) -> dict[int, bytes]:
+        with self.changed:
+            if not any(self.out.values()):
+                self.changed.wait(wait)
+            got = {w: bytes(b) for w, b in self.out.items() if b}
+            for b in self.out.values():
+                b.clear()
+            return got
+
+    def ended(self, worker: int) -> tuple[int | None, bytes] | None:
+        with self.changed:  # not while what it wrote before its end waits to be heard
+            return None if self.out.get(worker) else self.ends.get(worker)
+
+    def close(self) -> None:
+        """Every pipe closed: each helper's stdin ends (what was not written yet is dropped)."""
+        for w, pipe in self.pipes.items():
+            self.outboxes[w].close()
+            pipe.close()
 
 
 def _pump(

@@ -1,15 +1,16 @@
 """`tpurun sync`: an incremental, content-checked copy of a directory to every selected worker at once.
 
-The sending side. Per worker, over one SSH channel (or a local subprocess), it runs the stdlib-only
-helper `tpurun.worker.sync_helper` (shipped inline on the command line, nothing installed on workers) and
-speaks the framed protocol documented there:
+The sending side: the manifest (every file to send, its sha256 from a cache where its size and mtime are
+known), then the conversation with every worker's helper, `tpurun.worker.sync_helper` (shipped inline on
+the command line, nothing installed on workers), held with all of them at once by `together` through the
+fleet's chorus, in the framed protocol documented there:
 
     manifest (one frame)  ->  paths the worker needs (+ extra paths for --delete)  ->
     every needed file in one stream, then deletions, then end  ->  result
 
-so the round trips do not grow with the number of files. The exec request is pipelined with the
-manifest (no wait for the server's reply), so a sync costs: channel open, manifest -> needs,
-data -> result.
+so the round trips do not grow with the number of files. The helpers start while the manifest is built
+(`push`), their exec requests pipelined (no wait for the server's reply), so a sync costs: channel open,
+manifest -> needs, data -> result.
 
 Local hashes are cached under $TPURUN_HOME/sync-cache keyed by (path, size, mtime_ns), so a no-op
 sync of a big tree stats files and hashes nothing; the helper keeps the same kind of cache in dest.
@@ -20,18 +21,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tpurun import ignore
-from tpurun.errors import ExitCode, TpurunError, UnreachableError, UsageError
+from tpurun.errors import ExitCode, UsageError
 from tpurun.fleet import targets
 from tpurun.fleet.interface import Fleet
 from tpurun.fleet.targets import Target
@@ -39,23 +39,13 @@ from tpurun.settings import Settings
 from tpurun.sync import report, together
 from tpurun.sync.stream import (
     CHUNK,
-    GROUP_WAIT,
     Counters,
     FileEntry,
-    FrameReader,
-    Interrupted,
     Manifest,
     Needs,
-    Segment,
     WorkerStats,
-    data_segments,
-    deletions,
-    describe_failure,
-    frame,
     helper_command,
 )
-from tpurun.transport.runner import Pipe, Worker
-from tpurun.worker import sync_helper
 
 RACY_SECONDS = 2.0  # a file modified this recently may change again within the same mtime tick
 
@@ -139,195 +129,6 @@ def build_manifest(src: Path, excludes: Sequence[str] = (), cache_dir: Path | No
     return m
 
 
-_END = Segment(b"")
-QUEUE_DEPTH = 8  # segments queued per worker: a few MB, whatever the tree's size
-
-
-class Tee:
-    """One reader for every worker that needs the same files: each file is read and hashed once and
-    its segments go to every member's bounded queue, so N workers cost one read, not N. The group
-    moves at its slowest member's pace; a member that fails leaves and no longer holds it back."""
-
-    def __init__(self, segments: Iterator[Segment], members: Sequence[int], stop: threading.Event) -> None:
-        self.queues: dict[int, queue.Queue[Segment]] = {m: queue.Queue(QUEUE_DEPTH) for m in members}
-        self.gone: set[int] = set()
-        self.error: BaseException | None = None
-        self.stop = stop
-        self.segments = segments
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"sync-read-w{members[0]}")
-        self.thread.start()
-
-    def _put(self, member: int, seg: Segment) -> None:
-        q = self.queues[member]
-        while member not in self.gone and not self.stop.is_set():
-            try:
-                q.put(seg, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def _run(self) -> None:
-        try:
-            for seg in self.segments:
-                for m in self.queues:
-                    self._put(m, seg)
-                if self.stop.is_set() or len(self.gone) == len(self.queues):
-                    return
-        except Interrupted:
-            return
-        except BaseException as exc:  # a bug in the reader: every member reports it
-            self.error = exc
-        finally:
-            for m in self.queues:
-                self._put(m, _END)
-
-    def leave(self, member: int) -> None:
-        self.gone.add(member)
-
-    def feed(self, member: int) -> Iterator[Segment]:
-        q = self.queues[member]
-        while True:
-            try:
-                seg = q.get(timeout=0.1)
-            except queue.Empty:
-                if self.stop.is_set():
-                    raise Interrupted() from None
-                continue
-            if seg is _END:
-                if self.stop.is_set():
-                    raise Interrupted()
-                if self.error is not None:
-                    raise self.error
-                return
-            yield seg
-
-
-class Plan:
-    """Puts workers with the same needs into one Tee. Every worker thread calls arrive() once (with
-    None when it dropped out before its reply); feed() waits until all have arrived or GROUP_WAIT has
-    passed since the first did, so one slow worker does not hold the others back for long. ON_NEEDS hears
-    what the workers that answered need, once, before any data goes."""
-
-    def __init__(
-        self, manifest: Manifest, src: Path, expected: int, stop: threading.Event, on_needs: Needs | None = None
-    ) -> None:
-        self.manifest, self.src, self.expected, self.stop = manifest, src, expected, stop
-        self.on_needs = on_needs
-        self.cond = threading.Condition()
-        self.arrived: dict[int, tuple[int, ...] | None] = {}
-        self.first = 0.0
-        self.tees: dict[int, Tee] = {}
-        self._manifest_frame: bytes | None = None
-
-    def manifest_frame(self, dest: str, delete: bool) -> bytes:
-        """The M frame, encoded and compressed once for every worker (18 ms for 5,000 files)."""
-        with self.cond:
-            if self._manifest_frame is None:
-                self._manifest_frame = frame(
-                    sync_helper.Frame.MANIFEST, sync_helper.pack_json(self.manifest.to_wire(dest, delete))
-                )
-            return self._manifest_frame
-
-    def arrive(self, worker: int, need: Sequence[int] | None) -> None:
-        with self.cond:
-            self.first = self.first or time.monotonic()
-            self.arrived[worker] = tuple(need) if need is not None else None
-            self.cond.notify_all()
-
-    def drop(self, worker: int) -> None:
-        with self.cond:
-            if worker not in self.arrived:
-                self.arrived[worker] = None
-                self.cond.notify_all()
-
-    def _assign(self) -> None:
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for w, need in self.arrived.items():
-            if need is not None and w not in self.tees:
-                groups.setdefault(need, []).append(w)
-        for need, members in groups.items():
-            fan = Tee(data_segments(self.manifest, self.src, need, self.stop), members, self.stop)
-            self.tees.update((m, fan) for m in members)
-
-    def feed(self, worker: int) -> tuple[Tee, Iterator[Segment]]:
-        needs: list[tuple[int, ...]] | None = None
-        with self.cond:
-            while worker not in self.tees:
-                if self.stop.is_set():
-                    raise Interrupted()
-                if len(self.arrived) >= self.expected or time.monotonic() - self.first > GROUP_WAIT:
-                    if not self.tees and self.on_needs is not None:  # the first data to go: say what goes
-                        needs = [n for n in self.arrived.values() if n is not None]
-                    self._assign()
-                else:
-                    self.cond.wait(0.05)
-            fan = self.tees[worker]
-        if needs is not None and self.on_needs is not None:
-            self.on_needs(self.manifest, needs)
-        return fan, fan.feed(worker)
-
-
-def sync_stream(
-    stream: Pipe,
-    stats: WorkerStats,
-    dest: str,
-    *,
-    delete: bool,
-    rules: ignore.Rules,
-    progress: Counters,
-    stop: threading.Event,
-    plan: Plan,
-) -> None:
-    """The whole protocol with one helper; fills STATS (errors included). The manifest and the data come
-    from PLAN; the caller calls plan.drop() when this returns (a worker that never answered)."""
-    manifest = plan.manifest
-    reader = FrameReader(stream.recv)
-    stats.files_total = len(manifest.files) + len(manifest.links)
-    fan: Tee | None = None
-    try:
-        stream.send(plan.manifest_frame(dest, delete))
-        kind, payload = reader.read_frame()
-        reply = sync_helper.unpack_json(payload)
-        if kind == sync_helper.Frame.REFUSED:
-            stats.error = str(reply.get("error"))
-            return
-        if kind != sync_helper.Frame.NEED:
-            raise sync_helper.Eof()
-        stats.dest = reply.get("dest", "")
-        need: list[int] = reply["need"]
-        stats.files_needed = len(need)
-        stats.bytes_needed = sum(manifest.files[i].size for i in need)
-        progress.plan(len(need), stats.bytes_needed)
-        plan.arrive(stats.worker, need)
-        fan, segments = plan.feed(stats.worker)
-        for seg in segments:
-            stream.send(seg.data)
-            stats.bytes_sent += seg.nbytes
-            progress.sent(seg.files, seg.nbytes)
-        tail = b""
-        if delete:
-            doomed = deletions(reply.get("extra", []), rules)
-            if doomed:
-                tail += frame(sync_helper.Frame.DELETE, sync_helper.pack_json(doomed))
-        stream.send(tail + frame(sync_helper.Frame.END))
-        kind, payload = reader.read_frame()
-        if kind != sync_helper.Frame.RESULT:
-            raise sync_helper.Eof()
-        result = sync_helper.unpack_json(payload)
-        stats.files_sent = result["written"]
-        stats.deleted = result["deleted"]
-        stats.errors = result["errors"]
-    except (sync_helper.Eof, UnreachableError) as exc:
-        if stop.is_set():
-            raise Interrupted() from None
-        why = describe_failure(stream, exc)  # the helper's own word where it ended, else the connection's end
-        stats.unreachable = why.startswith("the connection was lost")  # exit 4, not "your program failed"
-        stats.error = f"{stats.name} ({stats.address}): {why}" if stats.unreachable else why
-    finally:
-        if fan is not None:
-            fan.leave(stats.worker)
-
-
 def sync(
     fleet: Fleet,
     src: Path,
@@ -341,7 +142,8 @@ def sync(
     on_needs: Needs | None = None,
 ) -> list[WorkerStats]:
     """Sync MANIFEST of SRC to DEST on every worker of FLEET at once (connected: the unreached ones are reported
-    as such), over each worker's helper (started at connect, else here). ON_NEEDS: see Plan."""
+    as such), over each worker's helper (started at connect, else here), through the fleet's chorus
+    (`together`). ON_NEEDS hears what the workers need before any data goes."""
     progress = progress or Counters()
     stop = stop or threading.Event()
     rules = ignore.Rules(src, excludes)
@@ -349,36 +151,12 @@ def sync(
     for index, error in fleet.unreached.items():
         stats[index].error = error
         stats[index].unreachable = True
-    interrupted = threading.Event()
     todo = [w for w, st in stats.items() if not st.error]
     chorus = fleet.chorus(helper_command, only=todo, stop=stop)
-    if chorus is not None:  # every worker at once, each group's data said once for all (relays)
-        together.sync_together(
-            chorus, stats, manifest, src, dest, delete=delete, rules=rules, progress=progress, stop=stop,
-            on_needs=on_needs,
-        )  # fmt: skip
-        return [stats[w.index] for w in fleet.workers]
-    plan = Plan(manifest, src, len(todo), stop, on_needs)
-
-    def one(worker: Worker, opened: Callable[[], Pipe]) -> None:
-        st = stats[worker.index]
-        started = time.monotonic()
-        try:
-            sync_stream(opened(), st, dest, delete=delete, rules=rules, progress=progress, stop=stop, plan=plan)
-        except Interrupted:
-            interrupted.set()
-        except TpurunError as exc:  # its helper could not start (unreached, dropped): this worker fails
-            st.error, st.unreachable = str(exc), True
-        except Exception as exc:  # an answer this side cannot take: this worker fails, not the others
-            st.error = f"{type(exc).__name__}: {exc}" if not str(exc).strip() == "" else type(exc).__name__
-            st.unreachable = True
-        finally:
-            plan.drop(worker.index)  # no-op when it arrived: its group must not wait for it
-            st.seconds = round(time.monotonic() - started, 3)
-
-    fleet.converse(helper_command, one, stop=stop, only=todo)
-    if interrupted.is_set() or stop.is_set():
-        raise Interrupted()
+    together.sync_together(
+        chorus, stats, manifest, src, dest, delete=delete, rules=rules, progress=progress, stop=stop,
+        on_needs=on_needs,
+    )  # fmt: skip
     return [stats[w.index] for w in fleet.workers]
 
 

@@ -1,7 +1,7 @@
-"""The pieces of a sync's sending side that every way of sending is made of: the frames, the manifest, the
-needed files' data cut into segments, the helper's command line, a worker's stats, the progress counters, and
-why a helper ended early. `sender` holds each worker's conversation on its own (`Fleet.converse`), `together`
-every worker's at once (`Fleet.chorus`, through relays)."""
+"""The pieces a sync's sending side and a download are made of: the frames, the manifest, the needed files'
+data cut into segments, the helper's command line, a worker's stats, the progress counters, and why a helper
+ended early. `together` holds every worker's conversation of a sync at once (`Fleet.chorus`), `download` each
+worker's on its own (`Fleet.converse`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import ignore
-from tpurun.errors import UnreachableError
+from tpurun.fleet.interface import lost_connection
 from tpurun.transport.runner import Pipe
 from tpurun.worker import sync_helper
 
@@ -106,13 +106,8 @@ def helper_command(python: str = "python3") -> tuple[str, ...]:
 def describe_failure(stream: Pipe, cause: Exception | None = None) -> str:
     """Why a helper's stream ended early, in one line (its exit code and last stderr line; where the connection,
     not the helper, ended, what the transport said of it: CAUSE, an UnreachableError)."""
-    why = why_ended(*stream.ended())
-    if why == "the connection was lost" and isinstance(cause, UnreachableError):
-        said = str(cause)
-        if said.startswith("worker ") and "): " in said:  # the worker is named by the caller already
-            said = said.split("): ", 1)[1]
-        why = f"{why} ({said})"
-    return why
+    rc, err = stream.ended()
+    return why_ended(rc, err) if rc is not None or err.strip() else lost_connection(cause)
 
 
 def why_ended(rc: int | None, err: bytes) -> str:

@@ -143,21 +143,26 @@ class LocalPipe:
     """ARGV as a subprocess of this machine (the one-host pod)."""
 
     def __init__(self, argv: Sequence[str]) -> None:
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # unbuffered: a buffered stdin's lock, held by a write blocked on a program that reads nothing, would hold
+        # up `close` from another thread too
+        self.proc = subprocess.Popen(
+            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0
+        )
         assert self.proc.stdin and self.proc.stdout
 
     def send(self, data: bytes) -> None:
         assert self.proc.stdin
+        view = memoryview(data)
         try:
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
+            while view:
+                view = view[self.proc.stdin.write(view) or 0 :]
         except (OSError, ValueError) as exc:  # ValueError: written after close
             raise UnreachableError(f"the helper on this machine ended: {_why(exc)}") from None
 
     def recv(self, n: int) -> bytes:
         assert self.proc.stdout
         try:
-            return self.proc.stdout.read1(n)  # type: ignore[attr-defined,no-any-return]
+            return self.proc.stdout.read(n) or b""  # (unbuffered: what one read gives, b"" at its end)
         except (OSError, ValueError) as exc:
             raise UnreachableError(f"the helper on this machine ended: {_why(exc)}") from None
 

@@ -88,7 +88,7 @@ class Eof(Exception):
     """The client went away (killed, connection dropped) in the middle of the protocol."""
 
 
-# ------------------------------------------------------------------ framing (mirrored in tpurun.sync.sender)
+# ------------------------------------------------------------------ framing (mirrored in tpurun.sync.stream)
 
 
 def read_exact(stream, n: int) -> bytes:
