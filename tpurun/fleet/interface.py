@@ -133,6 +133,13 @@ class Chorus:
     workers: list[int]  # the workers whose helper started
     failed: dict[int, str]  # {worker: why its helper could not start}
 
+    def __init__(self) -> None:
+        # what each implementation's readers fill, under CHANGED (notified at each change): each worker's helper's
+        # output not heard yet, and how each ended
+        self.changed = threading.Condition()
+        self.out: dict[int, bytearray] = {}
+        self.ends: dict[int, tuple[int | None, bytes]] = {}
+
     def say(self, workers: Collection[int], data: bytes) -> None:
         """DATA to the helper of each of WORKERS (those still running), in the order said. It may wait while
         one of them is far behind (what waits for each worker is bounded), never for a connection's write."""
@@ -140,12 +147,19 @@ class Chorus:
 
     def heard(self, wait: float) -> dict[int, bytes]:
         """What each worker's helper wrote since the last call ({} when nothing came within WAIT seconds)."""
-        raise NotImplementedError
+        with self.changed:
+            if not any(self.out.values()):
+                self.changed.wait(wait)
+            got = {w: bytes(b) for w, b in self.out.items() if b}
+            for b in self.out.values():
+                b.clear()
+            return got
 
     def ended(self, worker: int) -> tuple[int | None, bytes] | None:
         """None while WORKER's helper runs; then (its exit code, or None where the connection ended; stderr, or
         why the connection ended, in a line that does not name the worker)."""
-        raise NotImplementedError
+        with self.changed:  # not while what it wrote before its end waits to be heard
+            return None if self.out.get(worker) else self.ends.get(worker)
 
     def close(self) -> None:
         """End every helper's stdin (and stop reading them)."""

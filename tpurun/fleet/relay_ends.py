@@ -103,11 +103,9 @@ class RelayChorus(Chorus):
     """A helper on many workers through the relays: `say` is one frame per root's link for all it reaches."""
 
     def __init__(self, tree: Relays, argv: Sequence[str], workers: list[int]) -> None:
+        super().__init__()
         self.tree = tree
-        self.changed = threading.Condition()
-        self.out: dict[int, bytearray] = {}
         self.err: dict[int, bytearray] = {}
-        self.ends: dict[int, tuple[int | None, bytes]] = {}
         self.failed: dict[int, str] = {}
         self.why: dict[int, str] = {}  # why the connection to a worker's helper was lost
 
@@ -133,19 +131,6 @@ class RelayChorus(Chorus):
 
     def say(self, workers: Collection[int], data: bytes) -> None:
         self.tree.act(relay_wire.INPUT, [self.numbers[w] for w in workers if w not in self.ends], data)
-
-    def heard(self, wait: float) -> dict[int, bytes]:
-        with self.changed:
-            if not any(self.out.values()):
-                self.changed.wait(wait)
-            got = {w: bytes(b) for w, b in self.out.items() if b}
-            for b in self.out.values():
-                b.clear()
-            return got
-
-    def ended(self, worker: int) -> tuple[int | None, bytes] | None:
-        with self.changed:  # not while what it wrote before its end waits to be heard
-            return None if self.out.get(worker) else self.ends.get(worker)
 
     def close(self) -> None:
         self.tree.act(relay_wire.CLOSE, list(self.numbers.values()))

@@ -367,10 +367,9 @@ class PipeChorus(Chorus):
         self.pipes = dict(pipes)
         self.workers = list(pipes)
         self.failed = dict(failed)
+        super().__init__()
         self.stop = stop
-        self.changed = threading.Condition()
-        self.out: dict[int, bytearray] = {w: bytearray() for w in pipes}
-        self.ends: dict[int, tuple[int | None, bytes]] = {}
+        self.out.update((w, bytearray()) for w in pipes)
         self.outboxes = {w: _Outbox() for w in pipes}
         self.causes: dict[int, BaseException] = {}  # what a writer ran into (its reader says why it ended)
         for w, pipe in self.pipes.items():
@@ -408,19 +407,6 @@ class PipeChorus(Chorus):
             outbox = self.outboxes.get(w)
             if outbox is not None:
                 outbox.put(data, self.stop)
-
-    def heard(self, wait: float) -> dict[int, bytes]:
-        with self.changed:
-            if not any(self.out.values()):
-                self.changed.wait(wait)
-            got = {w: bytes(b) for w, b in self.out.items() if b}
-            for b in self.out.values():
-                b.clear()
-            return got
-
-    def ended(self, worker: int) -> tuple[int | None, bytes] | None:
-        with self.changed:  # not while what it wrote before its end waits to be heard
-            return None if self.out.get(worker) else self.ends.get(worker)
 
     def close(self) -> None:
         """Every pipe closed: each helper's stdin ends (what was not written yet is dropped)."""
