@@ -405,14 +405,14 @@ def _render(result: launcher.JobResult, json_out: bool) -> None:
     if result.busy:
         workers = listed([job.target.all_workers[w].name for w in sorted(run.busy)], ",")
         _error(f"error: {job.target.name} is busy on {workers}: {run.busy[min(run.busy)]}")
+    elif job.spec.detach and run.unreachable:  # a worker could not be reached to start it there
+        _unreachable(job, run)
     elif end is None:  # --detach: started and left running
         if json_out:
             ui.print_json({"job_id": job.job_id, "detached": True, "logs": _logs_where(job)})
         else:
             print(job.job_id)
         ui.info(f"detached: `tpurun logs {job.job_id} --follow` to watch, `tpurun cancel {job.job_id}` to stop")
-    elif job.spec.detach:  # a worker could not be reached to start it there
-        _unreachable(job, run)
     else:
         _render_ended(result, end, json_out)
 

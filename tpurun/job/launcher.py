@@ -445,7 +445,8 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
     )
     run.run()
     busy = bool(run.busy) and not run.unreachable and run.first_failure is None
-    end = None if busy or spec.detach and not run.unreachable else _ended(run, job, cancel)
+    # a detached job has no end here (not even where a worker could not be reached to start it: the others run on)
+    end = None if busy or spec.detach else _ended(run, job, cancel)
     if busy and not run.started:
         forget(home, job.job_id)  # refused everywhere it was asked: it started nowhere, so it leaves no record
     elif end is not None:

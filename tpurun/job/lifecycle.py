@@ -251,7 +251,8 @@ def take_down(s: Settings, result: JobResult | None, out: Output) -> Down:
     job = result.job.job_id if result is not None else ""
     if result is not None and result.busy:
         return Down(name, job, busy=True)
-    if result is not None and result.end is None:  # --detach: started and left running
+    started = result is not None and result.run is not None and not result.run.unreachable
+    if result is not None and result.end is None and started:  # --detach: started and left running
         return Down(name, job, to_watchdog=True)
     cloud = Cloud(s)
     by = f"`tpurun train --down` (job {job})" if job else "`tpurun train --down`"
