@@ -305,8 +305,8 @@ def test_a_lost_root_relay_is_named_once_with_its_workers(cli, emulator, pod):
     ]
     (said,) = [line for line in err.splitlines() if "went away" in line]  # under the rows, not in each
     assert SUBTREE.match(said), err
-    rows = {line.split()[0]: line.split()[1:] for line in err.splitlines() if re.match(r"^w\d ", line)}
-    assert [rows[f"w{w}"] for w in range(4, 8)] == [["unreachable", "0.0", "s"]] * 4, err
+    rows = {line.split()[0]: line.split()[1] for line in err.splitlines() if re.match(r"^w\d ", line)}
+    assert [rows[f"w{w}"] for w in range(4, 8)] == ["unreachable"] * 4, err  # (its time is the loss's, not asserted)
     _nothing_left(emulator, pod, "sleep 12")
 
     (cli.cwd / "count.py").write_text(COUNT)
