@@ -192,20 +192,20 @@ def _recover(
         what = "relaunching" if program else f"waiting for {name} to be usable again"
     out.info(f"restart {budgets.left(kind)}: {what} (the {kind.cause} budget; restart {budgets.total} in all)")
     try:
-        if program or not name:
-            return
-        with out.progress() as progress:
-            if kind is End.PREEMPTED:
-                provision.recreate(Cloud(s), s, name, progress)
-            else:
-                timeout = config.RECOVER_TIMEOUT.number()
-                provision.wait_usable(Cloud(s), name, progress, timeout=timeout, after=after, cancelled=cancel.is_set)
+        if not program and name:
+            with out.progress() as progress:
+                if kind is End.PREEMPTED:
+                    provision.recreate(Cloud(s), s, name, progress)
+                else:
+                    timeout = config.RECOVER_TIMEOUT.number()
+                    provision.wait_usable(
+                        Cloud(s), name, progress, timeout=timeout, after=after, cancelled=cancel.is_set
+                    )
     except KeyboardInterrupt:
         cancel.set()
-    finally:
-        if cancel.is_set():  # Ctrl-C (or SIGTERM) during the wait: said, and nothing relaunched
-            out.warn(f"interrupted while {what}: the job was not relaunched")
-            raise KeyboardInterrupt
+    if cancel.is_set():  # Ctrl-C (or SIGTERM) during the wait: said, and nothing relaunched
+        out.warn(f"interrupted while {what}: the job was not relaunched")
+        raise KeyboardInterrupt
 
 
 def _workers(spec: TrainSpec) -> str:

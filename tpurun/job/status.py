@@ -196,8 +196,8 @@ def _tpu_states(s: Settings, tpu: str, ids: list[str], group: list[JobRecord]) -
         states = {names.get(w, str(w)): listed.get(w, {}).get(r.job_id) for w in r.workers if w not in errors}
         summary = combine(states)
         if unreachable:  # the others' parts alone tell no end: said beside whatever the record keeps
-            summary = JobSummary(running=summary.running, notice=summary.notice)
-            summary = replace(summary, seen=f"{naming.listed(unreachable)} unreachable now")
+            seen = f"{naming.listed(unreachable)} unreachable now"
+            summary = JobSummary(running=summary.running, seen=seen, notice=summary.notice)
         elif summary.running and summary.end is None:
             summary = replace(summary, waiting=_waiting(target, r, listed))
         out[r.job_id] = summary
