@@ -218,9 +218,10 @@ for i in range(40):
 """
 
 
-def test_logs_follow_reaches_the_workers_of_a_lost_relay_from_this_machine(cli, emulator, pod):
-    """`logs --follow` reconnects a dropped stream: a relay killed under it hands the workers below it to this
-    machine, which follows them on from where their lines stopped. Every line arrives once, in order."""
+def test_logs_follow_reaches_the_workers_of_a_lost_relay_through_a_tree_of_their_own(cli, emulator, pod):
+    """`logs --follow` reconnects a dropped stream: a relay killed under it takes the workers below it, for whom
+    a tree of their own is planted, and they are followed on from where their lines stopped. Every line arrives
+    once, in order."""
     (cli.cwd / "count.py").write_text(COUNT)
     r = cli("train", "--relay", "count.py", "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
@@ -261,6 +262,21 @@ def test_sync_through_relays_is_sync(cli, emulator, pod):
     assert by[3]["files_sent"] == 1 and all(by[w]["files_sent"] == 0 for w in by if w != 3), relayed.out
     assert all(w["deleted"] == 1 for w in by.values()), relayed.out
     assert all(w["deleted"] == 0 and w["files_sent"] == 0 for w in json.loads(direct.out)["workers"]), direct.out
+    # and back: a download through relays brings what a straight one does (a file bigger than what a relayed
+    # pipe holds unread among them)
+    cli("exec", "--no-relay", "--worker", "6", "--", "sh", "-c", "head -c 12000000 /dev/urandom > ~/tree/huge.bin")
+    relayed, direct = cli("download", "--relay", "tree", "relayed"), cli("download", "--no-relay", "tree", "direct")
+    assert relayed.code == direct.code == 0, relayed.err
+    for w in range(WORKERS):
+        here = [
+            sorted(p.relative_to(cli.cwd / d / f"w{w}") for p in (cli.cwd / d / f"w{w}").rglob("*"))
+            for d in ("relayed", "direct")
+        ]
+        assert here[0] == here[1] and len(here[0]) > 20, (w, here)
+        assert any(p.name == "huge.bin" for p in here[0]) == (w == 6), (w, here)
+        for rel in here[0]:
+            a, b = cli.cwd / "relayed" / f"w{w}" / rel, cli.cwd / "direct" / f"w{w}" / rel
+            assert a.is_dir() or a.read_bytes() == b.read_bytes(), (w, rel)
 
 
 def test_ssh_through_a_relay_reaches_a_worker_this_machine_cannot(cli, emulator, pod):

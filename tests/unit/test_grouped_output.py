@@ -216,7 +216,7 @@ def test_a_changed_host_key_is_said_however_many_other_reasons():
 
 
 def test_a_relay_lost_with_its_subtree_is_named_once_with_its_workers(capsys):
-    from tpurun.fleet.relays import lost_with
+    from tpurun.fleet.tree import lost_with
     from tpurun.naming import each_or_by_reason
 
     why = lost_with("relay w4 went away", [f"w{w}" for w in range(4, 8)])

@@ -22,15 +22,18 @@ and never ask which.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport.runner import RUN_GRACE, LineSink, Pipe, Runner, Stream, Worker
 from tpurun.worker import protocol
+
+T = TypeVar("T")
 
 
 def connect_window() -> int:
@@ -310,20 +313,32 @@ def watching(w: int, recs: Iterable[protocol.Record], over: list[bool]) -> Itera
 
 
 def each(
-    items: Sequence[Runner], fn: Callable[[Runner], object], *, name: str, tick: Callable[[], None] | None = None
+    items: Sequence[T],
+    fn: Callable[[T], object],
+    *,
+    name: str,
+    tick: Callable[[], None] | None = None,
+    width: int | None = None,
 ) -> None:
-    """FN on every item at once, one thread each. This thread waits in short joins, so signal handlers
-    (Ctrl-C) run meanwhile, and calls TICK between them. An exception FN raised is raised here once every
-    thread has ended."""
+    """FN on every item, one thread each (WIDTH: that many threads at most, each taking the next item in turn).
+    This thread waits in short joins, so signal handlers (Ctrl-C) run meanwhile, and calls TICK between them. An
+    exception FN raised is raised here once every thread has ended."""
     raised: list[BaseException] = []
+    todo = collections.deque(items)
 
-    def run(r: Runner) -> None:
-        try:
-            fn(r)
-        except BaseException as exc:
-            raised.append(exc)
+    def run() -> None:
+        while True:
+            try:
+                item = todo.popleft()  # (atomic: each item to one thread)
+            except IndexError:
+                return
+            try:
+                fn(item)
+            except BaseException as exc:
+                raised.append(exc)
 
-    threads = [threading.Thread(target=run, args=(r,), daemon=True, name=f"{name}-w{r.worker.index}") for r in items]
+    count = len(todo) if width is None else min(width, len(todo))
+    threads = [threading.Thread(target=run, daemon=True, name=f"{name}-{i}") for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
