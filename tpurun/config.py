@@ -43,6 +43,7 @@ SETTINGS = {
         ("tpu", "the default TPU name"),
         ("api_endpoint", "the Cloud TPU API endpoint (the emulator's, for example)"),
         ("relay", "reach the workers through relays inside the slice: on, off, or auto (above TPURUN_RELAY_ABOVE)"),
+        ("account", "the Google account tpurun acts as, where credentials do not say (OS Login logs in as its user)"),
     )
 }
 # the file of a project directory that holds its settings (settings.py reads and writes it; sync never sends it)

@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-KEYS = ("project", "zone", "tpu", "api_endpoint", "relay")
+KEYS = ("project", "zone", "tpu", "api_endpoint", "relay", "account")
 RELAY_MODES = ("on", "off", "auto")
 ENV = {key: config.SETTINGS[key].name for key in KEYS}
 PROJECT_FILE = config.PROJECT_FILE
@@ -69,9 +69,10 @@ class Settings:
     home: Setting
     searched: tuple[str, ...]  # every place that was looked at, for error messages
     relay: Setting = Setting("relay", None, "not set", Layer.UNSET)
+    account: Setting = Setting("account", None, "not set", Layer.UNSET)
 
     def all(self) -> list[Setting]:
-        return [self.project, self.zone, self.tpu, self.api_endpoint, self.relay, self.home]
+        return [self.project, self.zone, self.tpu, self.api_endpoint, self.relay, self.account, self.home]
 
     @property
     def relay_mode(self) -> str:
@@ -163,7 +164,7 @@ def read_toml(path: Path) -> dict[str, str]:
 
 
 def gcloud_config(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
-    """project and zone of the active gcloud configuration, and the file they came from."""
+    """project, zone and account of the active gcloud configuration, and the file they came from."""
     root = Path(env["CLOUDSDK_CONFIG"]) if env.get("CLOUDSDK_CONFIG") else xdg_config_home(env) / "gcloud"
     name = env.get("CLOUDSDK_ACTIVE_CONFIG_NAME")
     if not name:
@@ -182,6 +183,8 @@ def gcloud_config(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
         out["project"] = parser.get("core", "project").strip()
     if parser.has_option("compute", "zone"):
         out["zone"] = parser.get("compute", "zone").strip()
+    if parser.has_option("core", "account"):
+        out["account"] = parser.get("core", "account").strip()
     return {k: v for k, v in out.items() if v}, str(path)
 
 
@@ -239,6 +242,7 @@ def resolve(
         home=home,
         searched=tuple(searched),
         relay=pick("relay"),
+        account=pick("account"),
     )
 
 

@@ -88,11 +88,14 @@ def config_show(
     json_out: JsonOpt = False,
 ) -> None:
     """Every resolved setting with the source it came from."""
+    from tpurun.cloud import oslogin
+
     s = settings.resolve({"project": project, "zone": zone, "tpu": tpu, "api_endpoint": api_endpoint})
+    shown = [oslogin.account_setting(s) if x.key == "account" else x for x in s.all()]
     if json_out:
-        ui.print_json({x.key: {"value": x.value, "source": x.source} for x in s.all()})
+        ui.print_json({x.key: {"value": x.value, "source": x.source} for x in shown})
         return
-    ui.table(None, ["setting", "value", "source"], [(x.key, x.value or "-", x.source) for x in s.all()])
+    ui.table(None, ["setting", "value", "source"], [(x.key, x.value or "-", x.source) for x in shown])
 
 
 # ---------------------------------------------------------------- emulator (lazy: the library never imports it)

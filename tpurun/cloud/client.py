@@ -67,12 +67,23 @@ COMPUTE_API = Service(
     "(roles/iam.serviceAccountUser)",
 )
 
+OSLOGIN_API = Service(
+    "Cloud OS Login API",
+    "oslogin.googleapis.com",
+    "the Compute OS Login role (roles/compute.osLogin), or Compute OS Admin Login (roles/compute.osAdminLogin)",
+)
+
+
+def endpoint_of(api: Service, endpoint: str) -> str:
+    """API's endpoint beside the Cloud TPU API's ENDPOINT: Google's own for Google's, else the same (the
+    emulator answers every API tpurun speaks)."""
+    host = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}").hostname or ""
+    return f"https://{api.host}" if host.endswith(TPU_API.host) else endpoint
+
 
 def compute_endpoint(endpoint: str) -> str:
-    """Compute Engine's endpoint beside the Cloud TPU API's ENDPOINT: Google's own for Google's, else the
-    same (the emulator answers both)."""
-    host = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}").hostname or ""
-    return f"https://{COMPUTE_API.host}" if host.endswith(TPU_API.host) else endpoint
+    """Compute Engine's endpoint beside the Cloud TPU API's ENDPOINT."""
+    return endpoint_of(COMPUTE_API, endpoint)
 
 
 def is_emulator(endpoint: str) -> bool:

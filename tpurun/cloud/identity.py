@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpurun import config
+from tpurun.cloud.oslogin import Policy
 from tpurun.naming import NAME_RE, ZONE_RE
 from tpurun.settings import Settings
 
@@ -45,6 +46,7 @@ class Endpoints:
     ids: list[str]  # the API's unique id of each slice
     multislice: bool = False
     slice_metadata: bool = True  # NodeView.slice_metadata: the VMs tell the runtimes their place themselves
+    login: Policy = Policy()  # how its workers let users in (OS Login or not), as the API told it
 
     def to_json(self) -> dict:
         return {
@@ -54,11 +56,13 @@ class Endpoints:
             "ids": self.ids,
             "multislice": self.multislice,
             "sliceMetadata": self.slice_metadata,
+            "login": self.login.to_json(),
         }
 
     @classmethod
-    def of(cls, view: NodeView) -> Endpoints:
-        """What reaching the workers of the TPU VIEW takes, as the API just told it."""
+    def of(cls, view: NodeView, login: Policy) -> Endpoints:
+        """What reaching the workers of the TPU VIEW takes, as the API just told it (LOGIN: `Policy.of` its
+        metadata and its project's)."""
         return cls(
             view.accelerator_type,
             [[(w.internal_ip, w.external_ip, w.host_key) for w in part.workers] for part in view.parts],
@@ -66,6 +70,7 @@ class Endpoints:
             [part.id for part in view.parts],
             multislice=view.multislice,
             slice_metadata=view.slice_metadata,
+            login=login,
         )
 
     @classmethod
@@ -82,6 +87,7 @@ class Endpoints:
             ids,
             bool(data.get("multislice")),
             bool(data.get("sliceMetadata", True)),
+            Policy.from_json(data.get("login")),
         )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun import config, settings, ui
-from tpurun.cloud import autostop, identity, keys, multislice, routing, startup
+from tpurun.cloud import autostop, identity, keys, multislice, oslogin, routing, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
 from tpurun.cloud.client import EVERY_ZONE, Cloud
 from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, REPAIRING, STOPPED, TERMINATED, NodeView
@@ -240,7 +240,8 @@ def make(
     home = s.home_path
     identity.forget(home, cloud.project, cloud.zone, spec.name)  # a new TPU: a new identity
     _, public = keys.ensure_key(home)
-    request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
+    if not oslogin.policy_of(cloud, request.metadata).oslogin:  # (under OS Login the workers ignore ssh-keys)
+        request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
     maker = routing.of_kind(cloud, request.backend)
     for each in routing.backends(cloud):
         taken = each.find(spec.name)
@@ -414,7 +415,8 @@ def until_started(
     ready = wait_ready(cloud, maker, name, progress, timeout=timeout)
     reports = wait_startup(cloud, ready, progress, timeout=timeout)
     pin_host_keys(cloud, home, ready)
-    identity.remember(identity.path(home, cloud.project, cloud.zone, name), identity.Endpoints.of(ready))
+    login = oslogin.policy_of(cloud, ready.metadata)
+    identity.remember(identity.path(home, cloud.project, cloud.zone, name), identity.Endpoints.of(ready, login))
     ready.with_reports(reports)
     _raise_if_startup_failed(ready, reports)
     return CreateResult(ready, reports)
@@ -454,6 +456,12 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
     if set(view.states) != {READY}:
         raise UsageError(f"{name} is {view.state}; only a READY TPU can be attached", hint=f"`tpurun start {name}`?")
     pin_host_keys(cloud, s.home_path, view)
+    login = oslogin.policy_of(cloud, view.metadata)
+    if login.oslogin:  # its workers ignore ssh-keys: tpurun's key goes into the login profile instead
+        user = oslogin.Login(s, name, login).user()
+        progress(f"{name}: its workers take logins through OS Login: tpurun logs in as {user}")
+        settings.write_project_setting("tpu", name)
+        return tpu(cloud, name)
     _, public = keys.ensure_key(s.home_path)
     entry = keys.ssh_keys_entry(keys.ssh_user(), public)
 

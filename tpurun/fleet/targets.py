@@ -302,7 +302,9 @@ def _fetch(s: settings.Settings, name: str, *, local: bool) -> Endpoints:
     for i, part in enumerate(view.parts):
         _check_ready(s, name, part.state, f" (slice {i})" if view.multislice else "")
     provision.pin_host_keys(cloud, s.home_path, view)
-    return Endpoints.of(view)
+    from tpurun.cloud import oslogin
+
+    return Endpoints.of(view, oslogin.policy_of(cloud, view.metadata))
 
 
 def _check_ready(s: settings.Settings, name: str, state: str, what: str = "") -> None:
@@ -344,7 +346,13 @@ def names_a_tpu(s: settings.Settings, word: str, *, ask: bool = False) -> bool:
 
 
 def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: str, *, cached: bool) -> Target:
-    user = keys.ssh_user()
+    user, renew, hint = keys.ssh_user(), None, ""
+    if endpoints.login.oslogin:  # the workers let in the POSIX user of the profile tpurun's key is imported into
+        from tpurun.cloud import oslogin
+
+        login = oslogin.Login(s, name, endpoints.login)
+        user, renew = login.user(), login.user
+        hint = f"tpurun's key is in the OS Login profile of {login.account()}; {oslogin.ROLE_HINT}"
     workers: list[Worker] = []
     for slice_id, slice_endpoints in enumerate(endpoints.slices):
         for host, (internal, external, alias) in enumerate(slice_endpoints):
@@ -355,7 +363,10 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
             )
     chosen = parse_worker_spec(worker_spec, len(workers), [w.name for w in workers] if endpoints.multislice else None)
     key, known = keys.key_path(s.home_path), keys.known_hosts_path(s.home_path)
-    runners: list[Runner] = [SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name) for i in chosen]
+    runners: list[Runner] = [
+        SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint)
+        for i in chosen
+    ]
     return Target(
         name,
         endpoints.accelerator_type,

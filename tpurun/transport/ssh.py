@@ -18,7 +18,7 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -213,8 +213,13 @@ class SshRunner(Runner):
         auth_retries: int | None = None,
         auth_retry_delay: float | None = None,
         node_name: str = "",
+        renew: Callable[[], object] | None = None,
+        login_hint: str = "",
     ) -> None:
+        """RENEW: called before each new connection (OS Login renews tpurun's key where it is about to expire);
+        LOGIN_HINT: what to do when the worker refuses tpurun's key (else: attach installs it in ssh-keys)."""
         self.worker = worker
+        self.renew, self.login_hint = renew, login_hint
         self.key_path = key_path
         self.known_hosts = known_hosts
         self.connect_timeout = connect_timeout
@@ -241,6 +246,8 @@ class SshRunner(Runner):
                 return  # connected already (a relay's root, reached again for a conversation of its own)
             self.close()  # a connection that dropped: its client and its liveness go with it
         self.refused_key = False
+        if self.renew is not None:
+            self.renew()
         client = paramiko.SSHClient()
         # only tpurun's pinned keys; never the user's known_hosts, never trust on first use
         if self.known_hosts.exists():
@@ -287,7 +294,7 @@ class SshRunner(Runner):
                     what = "authentication failed" if auth else f"ssh error: {exc}"
                     raise UnreachableError(
                         f"cannot log in to worker {w.label()} as {w.user}: {what}",
-                        hint=f"{self._attach_hint()} installs tpurun's key in the node's ssh-keys",
+                        hint=self.login_hint or f"{self._attach_hint()} installs tpurun's key in the node's ssh-keys",
                     ) from None
                 # a key freshly added to metadata takes a moment to reach the workers
                 time.sleep(self.auth_retry_delay)

@@ -1,0 +1,260 @@
+"""OS Login: whether a TPU's workers let users in through it, and tpurun's key in the user's login profile.
+
+Whether: as the workers' guest software decides it, and gcloud too: a key (`enable-oslogin`, and beside it
+`enable-oslogin-2fa`, `enable-oslogin-certificates`) in the node's or instance's own metadata decides (its
+value "true", in any case, is on); where the TPU's metadata does not have the key, the project's common
+metadata does (`Policy.of`). An organisation that requires OS Login (`compute.requireOsLogin`) does it by
+writing `enable-oslogin=TRUE` into its projects' metadata.
+
+How: a worker with OS Login on ignores every `ssh-keys` entry; its sshd asks the metadata server for the
+keys of the login profile of the user logging in, who must be that profile's POSIX account in the project
+(`name_example_com` for name@example.com, `sa_<id>` for a service account). So tpurun imports its own key
+(one per tpurun home, the one it uses everywhere) into the profile of the account it acts as
+(`acting_account`) through the OS Login API, with an expiry: `KEY_HOURS` from the import, renewed when less
+than `RENEW_SECONDS` is left before a connection needs it (`Login.user`). It never imports a key without
+an expiry, so nothing piles up in the profile (a profile is refused past 32 KiB). What the API said is kept in
+`$TPURUN_HOME/oslogin/` (the POSIX user name and the key's expiry), so a command on a TPU tpurun knows makes
+no API call while the key has time left.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpurun.errors import ApiError, UsageError
+
+if TYPE_CHECKING:
+    from tpurun.cloud.client import Cloud
+    from tpurun.settings import Setting, Settings
+
+ENABLE, TWO_FACTOR, CERTIFICATES = "enable-oslogin", "enable-oslogin-2fa", "enable-oslogin-certificates"
+KEY_HOURS = 1.0  # an imported key's life
+RENEW_SECONDS = 900.0  # a key with less than this left is renewed before a connection needs it
+SERVICE_ACCOUNT_DOMAIN = ".gserviceaccount.com"
+ROLE_HINT = "logging in takes the Compute OS Login role (roles/compute.osLogin) in the TPU's project"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a TPU's workers let users in: through OS Login or not, with 2-step verification, with certificates."""
+
+    oslogin: bool = False
+    two_factor: bool = False
+    certificates: bool = False
+
+    @classmethod
+    def of(cls, own: Mapping[str, str], project: Mapping[str, str]) -> Policy:
+        """As the guest decides it: the TPU's OWN metadata first, then the PROJECT's common metadata."""
+
+        def on(key: str) -> bool:
+            value = own[key] if key in own else project.get(key, "")
+            return value.strip().lower() == "true"
+
+        enabled = on(ENABLE)
+        return cls(enabled, enabled and on(TWO_FACTOR), enabled and on(CERTIFICATES))
+
+    def to_json(self) -> dict[str, bool]:
+        return {"oslogin": self.oslogin, "twoFactor": self.two_factor, "certificates": self.certificates}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> Policy:
+        data = data or {}
+        return cls(bool(data.get("oslogin")), bool(data.get("twoFactor")), bool(data.get("certificates")))
+
+
+def policy_of(cloud: Cloud, own: Mapping[str, str]) -> Policy:
+    """The policy of a TPU whose own metadata is OWN, in CLOUD's project: its project's metadata read only where
+    OWN does not decide (a project that cannot be read, for want of a role, counts as saying nothing)."""
+    if ENABLE in own:
+        return Policy.of(own, {})
+    try:
+        project = project_metadata(cloud)
+    except ApiError:
+        project = {}
+    return Policy.of(own, project)
+
+
+def project_metadata(cloud: Cloud) -> dict[str, str]:
+    """The project's common metadata (Compute Engine's `projects.get`)."""
+    from google.cloud import compute_v1
+
+    from tpurun.cloud.client import COMPUTE_API, compute_endpoint
+
+    client = compute_v1.ProjectsClient(
+        transport="rest",
+        client_options={"api_endpoint": compute_endpoint(cloud.endpoint)},
+        credentials=cloud.credentials,
+    )
+    project = cloud.call("read the project's metadata", lambda: client.get(project=cloud.project), api=COMPUTE_API)
+    return {item.key: item.value for item in project.common_instance_metadata.items}
+
+
+def acting_account(s: Settings, credentials: Any = None) -> tuple[str, str]:
+    """(the Google account tpurun acts as, where that came from): the `account` setting (TPURUN_ACCOUNT, a
+    file, gcloud's active configuration), else what the credentials say of themselves (a service account's
+    email, the account a user's credentials were made for); ("", why not) when nothing says."""
+    if s.account.value:
+        return s.account.value, s.account.source
+    if credentials is None:
+        return "", "not set"
+    for attribute in ("service_account_email", "account"):  # a service account's; a user's (gcloud writes it)
+        email = getattr(credentials, attribute, None)
+        if isinstance(email, str) and "@" in email:
+            return email, "the credentials"
+    return "", "not set (the credentials do not name an account)"
+
+
+def account_setting(s: Settings) -> Setting:
+    """The `account` setting as `config show` tells it: the setting, else what the credentials say."""
+    from tpurun.cloud.client import credentials, is_emulator
+    from tpurun.settings import Layer, Setting
+
+    if s.account.value:
+        return s.account
+    if is_emulator(s.endpoint):
+        return Setting("account", None, "not set (the emulator's credentials are anonymous)", Layer.UNSET)
+    try:
+        account, source = acting_account(s, credentials(s.endpoint))
+    except ApiError as exc:
+        return Setting("account", None, f"not set ({exc.message})", Layer.UNSET)
+    return Setting("account", account or None, source, Layer.RECORD if account else Layer.UNSET)
+
+
+def is_service_account(account: str) -> bool:
+    return account.endswith(SERVICE_ACCOUNT_DOMAIN)
+
+
+class Login:
+    """tpurun's key in ACCOUNT's login profile for the TPU's project, and the POSIX user it logs in as there.
+    Safe to call from every connecting thread: at most one asks the API at a time."""
+
+    def __init__(self, s: Settings, tpu: str, policy: Policy) -> None:
+        from tpurun.cloud import keys
+
+        self.s, self.tpu, self.policy = s, tpu, policy
+        self.project = s.project.value or ""
+        self.public = keys.ensure_key(s.home_path)[1]
+        self.lock = threading.Lock()
+        self._account = ""
+        self._cloud: Cloud | None = None
+
+    def _client(self) -> tuple[Cloud, Any]:
+        from google.cloud import oslogin_v1
+
+        from tpurun.cloud.client import OSLOGIN_API, Cloud, endpoint_of
+
+        if self._cloud is None:
+            self._cloud = Cloud(self.s)
+        options = {"api_endpoint": endpoint_of(OSLOGIN_API, self._cloud.endpoint)}
+        client = oslogin_v1.OsLoginServiceClient(
+            transport="rest", client_options=options, credentials=self._cloud.credentials
+        )
+        return self._cloud, client
+
+    def account(self) -> str:
+        if not self._account:
+            creds = None
+            if not self.s.account.value:
+                from tpurun.cloud.client import credentials
+
+                creds = credentials(self.s.endpoint)
+            account, why = acting_account(self.s, creds)
+            if not account:
+                raise UsageError(
+                    f"{self.tpu} takes logins through OS Login, which needs the Google account tpurun acts as: {why}",
+                    hint="set TPURUN_ACCOUNT=you@example.com (or `account` in tpurun.toml)",
+                )
+            self._account = account
+        return self._account
+
+    def check(self) -> None:
+        """Refuse what tpurun cannot do, in one line, before any connection tries."""
+        if self.policy.certificates:
+            raise UsageError(
+                f"{self.tpu} takes OS Login certificates only (metadata {CERTIFICATES}), which tpurun does not "
+                "use yet: it logs in with a key imported into the login profile",
+                hint=f"a TPU whose metadata has {CERTIFICATES}=FALSE, or gcloud's ssh",
+            )
+        if self.policy.two_factor and not is_service_account(self.account()):
+            raise UsageError(
+                f"{self.tpu} asks for OS Login 2-step verification (metadata {TWO_FACTOR}) at every login, and "
+                f"tpurun logs in to each worker without a person to answer it ({self.account()})",
+                hint="act as a service account (they are not asked): TPURUN_ACCOUNT and its key in "
+                "GOOGLE_APPLICATION_CREDENTIALS",
+            )
+
+    def user(self) -> str:
+        """The POSIX user to log in as, the key renewed first where it has less than RENEW_SECONDS left."""
+        with self.lock:
+            held = self._held()
+            if held is not None and held["expires"] - time.time() > RENEW_SECONDS:
+                return str(held["username"])
+            self.check()
+            username, expires = self._import()
+            self._keep({"username": username, "expires": expires, "key": _blob(self.public)})
+            return username
+
+    def _path(self) -> Path:
+        return self.s.home_path / "oslogin" / f"{self.account()}--{self.project}.json"
+
+    def _held(self) -> dict[str, Any] | None:
+        try:
+            held = json.loads(self._path().read_text())
+        except (OSError, ValueError):
+            return None
+        return held if isinstance(held, dict) and held.get("key") == _blob(self.public) else None
+
+    def _keep(self, held: dict[str, Any]) -> None:
+        path = self._path()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(held))
+        tmp.replace(path)
+
+    def _import(self) -> tuple[str, float]:
+        """tpurun's key into the profile (its expiry renewed where it is there), and (the POSIX user, the expiry)."""
+        from tpurun.cloud.client import OSLOGIN_API
+
+        cloud, client = self._client()
+        user = f"users/{self.account()}"
+        expires = time.time() + KEY_HOURS * 3600
+        key = {"key": self.public, "expiration_time_usec": int(expires * 1e6)}
+        profile = cloud.call(
+            f"import tpurun's key into the OS Login profile of {self.account()}",
+            lambda: client.import_ssh_public_key(parent=user, ssh_public_key=key, project_id=self.project),
+            api=OSLOGIN_API,
+        ).login_profile
+        mine = [fp for fp, k in profile.ssh_public_keys.items() if _blob(k.key) == _blob(self.public)]
+        stale = [fp for fp in mine if profile.ssh_public_keys[fp].expiration_time_usec < key["expiration_time_usec"]]
+        for fp in stale:  # imported again with another expiry: the API keeps one entry per key, renewed
+
+            def renew(name: str = f"{user}/sshPublicKeys/{fp}") -> Any:
+                return client.update_ssh_public_key(
+                    name=name, ssh_public_key=key, update_mask={"paths": ["expiration_time_usec"]}
+                )
+
+            cloud.call("renew tpurun's key in the OS Login profile", renew, api=OSLOGIN_API)
+        return _posix_user(profile, self.project, self.account()), expires
+
+
+def _posix_user(profile: Any, project: str, account: str) -> str:
+    """The profile's POSIX account in PROJECT, as gcloud picks it: the primary one, else the first."""
+    accounts = [a for a in profile.posix_accounts if not a.account_id or a.account_id == project]
+    chosen = next((a for a in accounts if a.primary), accounts[0] if accounts else None)
+    if chosen is None or not chosen.username:
+        raise ApiError(
+            f"the OS Login profile of {account} has no POSIX account in project {project}",
+            hint=ROLE_HINT,
+        )
+    return str(chosen.username)
+
+
+def _blob(line: str) -> str:
+    """A public key line's type and key (its comment aside): what identifies it."""
+    return " ".join(line.split()[:2])
