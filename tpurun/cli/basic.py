@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -91,7 +92,7 @@ def config_show(
     from tpurun.cloud import oslogin
 
     s = settings.resolve({"project": project, "zone": zone, "tpu": tpu, "api_endpoint": api_endpoint})
-    shown = [oslogin.account_setting(s) if x.key == "account" else x for x in s.all()]
+    shown = [oslogin.account_setting(s, os.environ) if x.key == "account" else x for x in s.all()]
     if json_out:
         ui.print_json({x.key: {"value": x.value, "source": x.source} for x in shown})
         return

@@ -110,20 +110,35 @@ def acting_account(s: Settings, credentials: Any = None) -> tuple[str, str]:
     return "", "not set (the credentials do not name an account)"
 
 
-def account_setting(s: Settings) -> Setting:
-    """The `account` setting as `config show` tells it: the setting, else what the credentials say."""
-    from tpurun.cloud.client import credentials, is_emulator
+def account_setting(s: Settings, env: Mapping[str, str]) -> Setting:
+    """The `account` setting as `config show` tells it: the setting, else what the application-default
+    credentials' file says (read here without the network: on a Google VM without one, its service account)."""
+    from tpurun.cloud.client import is_emulator
     from tpurun.settings import Layer, Setting
 
     if s.account.value:
         return s.account
     if is_emulator(s.endpoint):
         return Setting("account", None, "not set (the emulator's credentials are anonymous)", Layer.UNSET)
+    path = env.get("GOOGLE_APPLICATION_CREDENTIALS") or str(_gcloud_adc(env))
     try:
-        account, source = acting_account(s, credentials(s.endpoint))
-    except ApiError as exc:
-        return Setting("account", None, f"not set ({exc.message})", Layer.UNSET)
-    return Setting("account", account or None, source, Layer.RECORD if account else Layer.UNSET)
+        import google.auth
+
+        creds, _ = google.auth.load_credentials_from_file(path)
+    except Exception:  # noqa: BLE001 - absent or unreadable: not an error of `config show`
+        return Setting(
+            "account", None, "not set (no credentials file: on a Google VM, its service account)", Layer.UNSET
+        )
+    account, _ = acting_account(s, creds)
+    return Setting("account", account or None, path, Layer.FILE if account else Layer.UNSET)
+
+
+def _gcloud_adc(env: Mapping[str, str]) -> Path:
+    """Where `gcloud auth application-default login` writes the user's credentials."""
+    from tpurun.settings import xdg_config_home
+
+    root = Path(env["CLOUDSDK_CONFIG"]) if env.get("CLOUDSDK_CONFIG") else xdg_config_home(env) / "gcloud"
+    return root / "application_default_credentials.json"
 
 
 def is_service_account(account: str) -> bool:
@@ -192,10 +207,10 @@ class Login:
     def user(self) -> str:
         """The POSIX user to log in as, the key renewed first where it has less than RENEW_SECONDS left."""
         with self.lock:
+            self.check()
             held = self._held()
             if held is not None and held["expires"] - time.time() > RENEW_SECONDS:
                 return str(held["username"])
-            self.check()
             username, expires = self._import()
             self._keep({"username": username, "expires": expires, "key": _blob(self.public)})
             return username

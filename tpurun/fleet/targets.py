@@ -346,13 +346,14 @@ def names_a_tpu(s: settings.Settings, word: str, *, ask: bool = False) -> bool:
 
 
 def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: str, *, cached: bool) -> Target:
-    user, renew, hint = keys.ssh_user(), None, ""
+    user, renew, hint, retries = keys.ssh_user(), None, "", {}
     if endpoints.login.oslogin:  # the workers let in the POSIX user of the profile tpurun's key is imported into
         from tpurun.cloud import oslogin
 
         login = oslogin.Login(s, name, endpoints.login)
         user, renew = login.user(), login.user
         hint = f"tpurun's key is in the OS Login profile of {login.account()}; {oslogin.ROLE_HINT}"
+        retries = {"auth_retries": 1}  # a key in the profile counts at once: no metadata to wait for
     workers: list[Worker] = []
     for slice_id, slice_endpoints in enumerate(endpoints.slices):
         for host, (internal, external, alias) in enumerate(slice_endpoints):
@@ -364,7 +365,7 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
     chosen = parse_worker_spec(worker_spec, len(workers), [w.name for w in workers] if endpoints.multislice else None)
     key, known = keys.key_path(s.home_path), keys.known_hosts_path(s.home_path)
     runners: list[Runner] = [
-        SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint)
+        SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint, **retries)
         for i in chosen
     ]
     return Target(
