@@ -13,7 +13,7 @@ from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import NodeView
 from tpurun.errors import ApiError, UnreachableError
 from tpurun.settings import Settings
-from tpurun.worker.protocol_calls import WatchdogConfig
+from tpurun.worker.watchdog_reports import WatchdogConfig
 
 
 def configure(

@@ -12,7 +12,7 @@ import pytest
 
 from tpurun.cloud import autostop
 from tpurun.errors import UsageError
-from tpurun.worker import agent_files, watchdog, watchdog_silent
+from tpurun.worker import agent_files, watchdog, watchdog_reports, watchdog_silent
 from tpurun.worker.protocol import HOST
 from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
 
@@ -80,7 +80,7 @@ def test_summarize_idle_since_the_last_worker_became_idle():
     states = published(
         [("w0", {"t": 999, "idle_since": 900, "jobs": []}), ("w1", {"t": 999.5, "idle_since": 950, "jobs": []})]
     )
-    seen = watchdog.summarize(states, now, tick=30)
+    seen = watchdog_reports.summarize(states, now, tick=30)
     assert (seen.running, seen.busy, seen.since) == ([], [], 950)
 
 
@@ -94,7 +94,7 @@ def test_summarize_busy_and_silent_workers():
             ("w3", None),  # never reported
         ]
     )
-    seen = watchdog.summarize(states, now, tick=30)
+    seen = watchdog_reports.summarize(states, now, tick=30)
     assert seen.running == ["w0 runs job j1", "w2 silent for 1m40s", "w3 has not reported"]
     assert seen.busy == ["w1: 2 process(es) hold the TPU"]
     assert seen.silent == ["w2 silent for 1m40s", "w3 has not reported"] and seen.dead == []
@@ -111,12 +111,12 @@ def test_a_silent_worker_found_dead_keeps_nothing_busy():
             ("w1", {"t": 800, "idle_since": None, "jobs": ["j1"]}),
         ]
     )  # fmt: skip
-    verdicts = watchdog_silent.verdicts_in(states)
-    seen = watchdog.summarize(states, now, tick=30, verdicts=verdicts)
+    verdicts = watchdog_reports.verdicts_in(states)
+    seen = watchdog_reports.summarize(states, now, tick=30, verdicts=verdicts)
     assert seen.running == [] and seen.since == 800
     assert seen.dead == ["w1 dead: silent for 3m20s; its VM takes no connection at 10.0.0.3:22 (refused)"]
     verdicts["w1"].dead, verdicts["w1"].vm = False, "answers at 10.0.0.3:22 (its watchdog does not report)"
-    seen = watchdog.summarize(states, now, tick=30, verdicts=verdicts)
+    seen = watchdog_reports.summarize(states, now, tick=30, verdicts=verdicts)
     assert seen.running == ["w1 silent for 3m20s; its VM answers at 10.0.0.3:22 (its watchdog does not report)"]
 
 
@@ -144,7 +144,7 @@ def test_tpu_env_value_and_duration():
     text = "ACCELERATOR_TYPE: 'v4-16'\nMEGASCALE_SLICE_ID: '1'\nZONE: 'us-central2-b'\n"
     assert watchdog.tpu_env_value(text, "MEGASCALE_SLICE_ID") == "1"
     assert watchdog.tpu_env_value(text, "MISSING") == ""
-    assert [watchdog.duration(s) for s in (0, 1, 60, 90, 1815, 3600, 5400, 86400, 90000)] == [
+    assert [watchdog_reports.duration(s) for s in (0, 1, 60, 90, 1815, 3600, 5400, 86400, 90000)] == [
         "0s", "1s", "1m", "1m30s", "30m15s", "1h", "1h30m", "1d", "1d1h"
     ]  # fmt: skip
 
@@ -185,12 +185,12 @@ def test_summarize_counts_setup_as_work_and_unreadable_states_as_silent():
             ("w2", [1]),
         ]
     )
-    seen = watchdog.summarize(states, now, tick=30)
+    seen = watchdog_reports.summarize(states, now, tick=30)
     assert seen.running == ["w0 runs tpurun setup", "w1 has not reported", "w2 has not reported"] and seen.busy == []
 
 
 def test_no_worker_to_look_at_is_never_idle():
-    seen = watchdog.summarize([], 1000.0, tick=30)
+    seen = watchdog_reports.summarize([], 1000.0, tick=30)
     assert seen.running == ["no worker to look at"] and seen.since == 0
 
 

@@ -345,7 +345,19 @@ def cli_targets_resolved(package: Path) -> list[str]:
 
 MAX_MODULE_LINES = 700
 # A module that is one thing though longer, with the reason it stays whole (the rule gives way for it alone).
-LONGER: dict[str, tuple[int, str]] = {}  # {module: (its own limit, why it holds one thing however long)}
+LONGER: dict[str, tuple[int, str]] = {  # {module: (its own limit, why it holds one thing however long)}
+    "worker/agent_supervisor.py": (
+        780,
+        "one object: the hook's log socket (_attach, chip, own_channel, _read_ctl) and the end's judgement (watch_chip,"
+        " blame_died, finish) read and write the same slots under one lock; a part split off would take the"
+        " Supervisor back as an argument",
+    ),
+    "worker/probe.py": (
+        800,
+        "one program that travels alone on the command line: its records, the /proc scan both modes share and"
+        " doctor's checks cannot become modules without shipping them beside it",
+    ),
+}
 MAX_FUNCTION_LINES = 80
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.helpers import PY38
-from tpurun.worker import WORKER_DIR, protocol, protocol_calls
+from tpurun.worker import WORKER_DIR, protocol, protocol_calls, watchdog_reports
 
 SLOT = protocol.SlotState(
     0, protocol.ProcessStatus.FAILED, 3, 4243, 4243, 1764000000.5, 1764000002.0, "Traceback \u00e9", 1764000001.75,
@@ -27,14 +27,16 @@ STATE = protocol.JobState(
 STARTING = protocol.JobState("20261125-000000-abcd", 0, protocol.JobStatus.STARTING, started_at=1764000000.0)
 
 # the watchdog's configuration: a Cloud TPU API TPU's (autostop off, and set), a Compute Engine VM's and groups'
-TPU_NODES = protocol_calls.WatchdogConfig("https://tpu.googleapis.com", ["projects/p/locations/z/nodes/t"])
+TPU_NODES = watchdog_reports.WatchdogConfig("https://tpu.googleapis.com", ["projects/p/locations/z/nodes/t"])
 WATCHDOG = [
     TPU_NODES,
     TPU_NODES.set(1800, "stop", 7.5),
-    protocol_calls.WatchdogConfig("http://127.0.0.1:1", compute=protocol_calls.ComputeTpu("p", "z", "t", "t")),
-    protocol_calls.WatchdogConfig(
+    watchdog_reports.WatchdogConfig("http://127.0.0.1:1", compute=watchdog_reports.ComputeTpu("p", "z", "t", "t")),
+    watchdog_reports.WatchdogConfig(
         "https://compute.googleapis.com",
-        compute=protocol_calls.ComputeTpu("p", "z", "t", "", ["t-0", "t-1"], ["projects/p/global/instanceTemplates/t"]),
+        compute=watchdog_reports.ComputeTpu(
+            "p", "z", "t", "", ["t-0", "t-1"], ["projects/p/global/instanceTemplates/t"]
+        ),
         idle=600,
     ),
 ]
@@ -66,6 +68,7 @@ sys.path.insert(0, sys.argv[1])
 import json
 import protocol
 import protocol_calls
+import watchdog_reports
 for raw in sys.stdin.buffer:
     kind, _, body = raw.partition(b" ")
     if kind == b"record":
@@ -79,11 +82,11 @@ for raw in sys.stdin.buffer:
     elif kind == b"jobs":
         sys.stdout.buffer.write(json.dumps([s.to_dict() for s in protocol.job_states(body)]).encode() + b"\\n")
     elif kind == b"watchdog":
-        sys.stdout.buffer.write(protocol_calls.WatchdogConfig.from_json(body.decode()).to_json().encode() + b"\\n")
+        sys.stdout.buffer.write(watchdog_reports.WatchdogConfig.from_json(body.decode()).to_json().encode() + b"\\n")
     elif kind == b"preflight":
         sys.stdout.buffer.write(protocol_calls.Preflight.from_json(body.decode()).to_json().encode() + b"\\n")
     elif kind == b"watch":
-        sys.stdout.buffer.write(protocol_calls.WatchState.from_json(body).to_json().encode() + b"\\n")
+        sys.stdout.buffer.write(watchdog_reports.WatchState.from_json(body).to_json().encode() + b"\\n")
     elif kind == b"stop":
         stop = protocol_calls.StopRequest.from_dict(json.loads(body))
         sys.stdout.buffer.write(json.dumps(stop.to_dict()).encode() + b"\\n")
@@ -162,7 +165,7 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
     assert [protocol.JobState.from_json(b) for b in back[:2]] == [STATE, STARTING]
     assert protocol.job_states(back[2]) == [STATE, STARTING]
     assert protocol_calls.Preflight.from_json(back[3].decode()) == pre
-    assert [protocol_calls.WatchdogConfig.from_json(b.decode()) for b in back[4:]] == WATCHDOG
+    assert [watchdog_reports.WatchdogConfig.from_json(b.decode()) for b in back[4:]] == WATCHDOG
     # the Cloud TPU API's resources are its nodes; a Compute Engine TPU's, its VM or its groups and what goes with them
     assert [sorted(json.loads(b)) for b in back[4:6]] == [["action", "endpoint", "idle", "nodes", "silent", "tick"]] * 2
     assert json.loads(back[6])["compute"] == {"project": "p", "zone": "z", "name": "t", "instance": "t"}
@@ -179,11 +182,11 @@ def test_the_job_state_and_the_answers_carrying_it_round_trip_through_the_agent_
 
 # what each worker's watchdog publishes: busy with a `--down` job, idle, and as an older watchdog left it out
 WATCH = [
-    protocol_calls.WatchState(1764000000.5, 3, ["j1", "j2"], ["setup"], 2, None, ["j2"]),
-    protocol_calls.WatchState(1764000000.0, 0, idle_since=1763990000.5),
+    watchdog_reports.WatchState(1764000000.5, 3, ["j1", "j2"], ["setup"], 2, None, ["j2"]),
+    watchdog_reports.WatchState(1764000000.0, 0, idle_since=1763990000.5),
     # the deciding watchdog's, with its verdict on a silent worker
-    protocol_calls.WatchState(
-        1764000000.0, 0, idle_since=1763990000.5, silent={"w5": protocol_calls.Silent(1763999700.0, True, "is gone")}
+    watchdog_reports.WatchState(
+        1764000000.0, 0, idle_since=1763990000.5, silent={"w5": watchdog_reports.Silent(1763999700.0, True, "is gone")}
     ),
 ]
 
@@ -199,7 +202,7 @@ def test_the_watchdogs_state_and_a_stop_request_round_trip_through_the_agent_sid
     )
     assert r.returncode == 0, r.stderr.decode()
     back = r.stdout.splitlines()
-    assert [protocol_calls.WatchState.from_json(b) for b in back[:3]] == WATCH
+    assert [watchdog_reports.WatchState.from_json(b) for b in back[:3]] == WATCH
     assert protocol_calls.StopRequest.from_dict(json.loads(back[3])) == stop
     # guest attribute tpurun/watch's keys, sorted as the watchdog publishes them
     assert list(json.loads(back[0])) == ["down", "holders", "idle_since", "jobs", "silent", "t", "work", "worker"]
@@ -208,10 +211,11 @@ def test_the_watchdogs_state_and_a_stop_request_round_trip_through_the_agent_sid
 
 
 def test_a_watchdogs_state_an_older_watchdog_wrote_reads_and_a_broken_one_says_so() -> None:
-    assert protocol_calls.WatchState.from_json('{"t": 5, "jobs": ["j"]}') == protocol_calls.WatchState(5.0, jobs=["j"])
+    older = watchdog_reports.WatchState.from_json('{"t": 5, "jobs": ["j"]}')
+    assert older == watchdog_reports.WatchState(5.0, jobs=["j"])
     for broken in ["", "[1]", "{}", '{"t": "soon"}', '{"t": 1, "holders": "many"}', '{"t": 1, "jobs": 3}']:
         with pytest.raises(ValueError):
-            protocol_calls.WatchState.from_json(broken)
+            watchdog_reports.WatchState.from_json(broken)
     for broken_stop in [{}, {"grace": "long", "at": 1}, [1], None]:
         with pytest.raises(ValueError):
             protocol_calls.StopRequest.from_dict(broken_stop)

@@ -20,8 +20,8 @@ from tpurun import config, ui
 from tpurun.cloud import startup
 from tpurun.errors import TpurunError, UsageError
 from tpurun.naming import parse_duration
-from tpurun.worker import bundle_metadata, watchdog, watchdog_silent
-from tpurun.worker.protocol_calls import DEFAULT_TICK, WatchdogConfig
+from tpurun.worker import bundle_metadata, watchdog, watchdog_reports
+from tpurun.worker.watchdog_reports import DEFAULT_TICK, WatchdogConfig, duration
 
 if TYPE_CHECKING:
     from tpurun.cloud.backend import Backend
@@ -52,9 +52,7 @@ def parse_idle(text: str, option: str = "--autostop") -> int:
         raise UsageError(f"{option} {text}: not a duration; use e.g. 30m, 2h or 1d (or 'off')") from None
     floor = MIN_TICKS * tick()
     if seconds < floor:
-        raise UsageError(
-            f"{option} {text}: the shortest idle period is {watchdog.duration(floor)} (two looks of the watchdog)"
-        )
+        raise UsageError(f"{option} {text}: the shortest idle period is {duration(floor)} (two looks of the watchdog)")
     return seconds
 
 
@@ -89,7 +87,7 @@ class Setting:
     tick: float = DEFAULT_TICK
 
     def label(self) -> str:
-        return f"{self.action} after {watchdog.duration(self.idle)} idle" if self.idle else "off"
+        return f"{self.action} after {duration(self.idle)} idle" if self.idle else "off"
 
 
 def read(md: dict[str, str]) -> Setting | None:
@@ -167,7 +165,7 @@ def activity(maker: Backend, view: NodeView) -> Activity:
     if not any(st for _, st in states):
         return Activity()
     now = time.time()
-    seen = watchdog_silent.summarize(states, now, current.tick, watchdog_silent.verdicts_in(states))
+    seen = watchdog_reports.summarize(states, now, current.tick, watchdog_reports.verdicts_in(states))
     jobs = sorted({j for name, st in states if st and name not in seen.gone for j in st.jobs})  # a dead VM runs none
     down = sorted({j for _, st in states if st for j in st.down if j in jobs})
     reasons, since = seen.running + seen.busy, seen.since

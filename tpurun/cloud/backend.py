@@ -21,7 +21,7 @@ from tpurun.topology import Topology
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
-    from tpurun.worker.protocol_calls import WatchdogConfig
+    from tpurun.worker.watchdog_reports import WatchdogConfig
 
 Progress = Callable[[str], None]
 # per worker of a TPU, in worker order over its slices: {(namespace, key): value}

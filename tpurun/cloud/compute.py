@@ -30,7 +30,7 @@ from tpurun.cloud.views import PREEMPTED, READY, REPAIRING, STOPPED, Maintenance
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import parse_duration
 from tpurun.topology import Topology, vm_topology
-from tpurun.worker.protocol_calls import ComputeTpu, WatchdogConfig
+from tpurun.worker.watchdog_reports import ComputeTpu, WatchdogConfig
 
 log = logging.getLogger(__name__)
 

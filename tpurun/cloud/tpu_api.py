@@ -17,7 +17,7 @@ from tpurun.cloud.multislice import qr_state
 from tpurun.cloud.views import Maintenance, NodeView, WorkerView
 from tpurun.errors import ApiError, UsageError
 from tpurun.topology import Topology, parse_accelerator_type
-from tpurun.worker.protocol_calls import WatchdogConfig
+from tpurun.worker.watchdog_reports import WatchdogConfig
 
 STATE = tpu_v2.Node.State
 

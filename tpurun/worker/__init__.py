@@ -1,6 +1,6 @@
 """The programs tpurun ships to workers, stdlib only: the job agent (agent.py, run there with `python3
 agent.py ...`, and what it and tpurun say to each other: protocol.py and protocol_calls.py), the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py) and the
-TPU's watchdog (watchdog.py with watchdog_silent.py, and metaserver.py: how it reaches the metadata server), which ship as one bundle (below; the watchdog also rides in the startup
+TPU's watchdog (watchdog.py with watchdog_reports.py and watchdog_silent.py, and metaserver.py: how it reaches the metadata server), which ship as one bundle (below; the watchdog also rides in the startup
 metadata); kill-stale and doctor's probe (probe.py, in the bundle for the watchdog too) and sync's
 receiving end (sync_helper.py), which travel inline on the command line."""
 
@@ -33,6 +33,7 @@ BUNDLE = (
     "relay_wire.py",
     "versions.py",
     "watchdog.py",
+    "watchdog_reports.py",
     "watchdog_silent.py",
 )
 

@@ -1,10 +1,11 @@
 """tpurun's worker agent: starts a job's processes on this host, logs them, stops them, streams logs.
 
-Shipped to every worker as a bundle (this file, agent_files.py, agent_supervisor.py and hook/) and run
-there as `python3 agent.py COMMAND ...`, so it uses the standard library only (Python >= 3.8) and imports
-nothing from tpurun. As in torchelastic, a
-supervisor owns the processes and writes every line to files first; readers (`stream`) tail the files,
-so nothing is lost when the viewer or its SSH session goes away.
+Shipped to every worker in the bundle (tpurun/worker/__init__.py's BUNDLE: this file, agent_files.py,
+agent_supervisor.py, agent_lines.py, agent_notices.py with metaserver.py, agent_stacks.py, versions.py,
+protocol.py, protocol_calls.py and hook/, beside the watchdog's files) and run there as `python3 agent.py
+COMMAND ...`, so it uses the standard library only (Python >= 3.8) and imports nothing from tpurun. As in
+torchelastic, a supervisor owns the processes and writes every line to files first; readers (`stream`) tail
+the files, so nothing is lost when the viewer or its SSH session goes away.
 
 What it reads and writes (the job spec, the job's state, records, events, statuses, exit codes) is protocol.py's
 and protocol_calls.py's.

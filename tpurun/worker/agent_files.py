@@ -93,7 +93,7 @@ def read_json(path: str, limit: int = 16 << 20) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _proc_stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (state is [0], pgrp [2]), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -112,7 +112,7 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     # A zombie is gone for our purposes (its parent may simply not have reaped it yet).
     return not (stat is not None and stat[0] in ("Z", "X"))
 
@@ -131,7 +131,7 @@ def group_members(pgid: int | None) -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        stat = _proc_stat(int(name))
+        stat = proc_stat(int(name))
         if stat is not None and len(stat) > 2 and stat[2] == str(pgid) and stat[0] not in ("Z", "X"):
             members.append(int(name))
     return members
@@ -195,7 +195,7 @@ def signal_job(job: str, groups: list, sig: int) -> set:
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not name.isdigit() or int(name) == me:
             continue
-        pid, stat = int(name), _proc_stat(int(name))
+        pid, stat = int(name), proc_stat(int(name))
         if stat is None or len(stat) < 3 or stat[0] in ("Z", "X"):
             continue
         if stat[2].isdigit() and int(stat[2]) in pgids:
@@ -337,23 +337,6 @@ def pdeathsig_preexec():
             os._exit(137)
 
     return preexec
-
-
-def duration(seconds: float) -> str:
-    """90 -> 1m30s, 5400 -> 1h30m, 86400 -> 1d: the two largest units, the smaller left out when 0."""
-    s = int(seconds)
-    parts: list[str] = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if s >= size or (unit == "s" and not parts):
-            parts.append(f"{s // size}{unit}")
-            s %= size
-    head = parts[:2]
-    return head[0] + (head[1] if len(head) > 1 and not head[1].startswith("0") else "")
-
-
-def mtimes(paths: list[str]) -> dict:
-    """{path: its modification time}: a directory's changes when an entry is made or removed in it."""
-    return {p: os.stat(p).st_mtime_ns for p in paths}
 
 
 def read_state(path: str) -> JobState | None:

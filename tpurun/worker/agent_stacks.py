@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from agent_files import HOOK_DIR, POLL, _proc_stat, job_processes
+from agent_files import HOOK_DIR, POLL, job_processes, proc_stat
 from protocol import HOST, STACKS_SIGNAL, JobState
 from protocol_calls import ProcessStack, StackSource, ThreadStack
 
@@ -48,7 +48,7 @@ def _cmdline(pid: int) -> str:
 
 
 def _ppid(pid: int) -> int:
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     return int(stat[1]) if stat and len(stat) > 1 else 0
 
 

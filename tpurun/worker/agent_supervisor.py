@@ -23,7 +23,6 @@ from agent_files import (
     FATAL_SIGNALS,
     HOOK_DIR,
     POLL,
-    _proc_stat,
     group_members,
     job_processes,
     log_base,
@@ -31,6 +30,7 @@ from agent_files import (
     of_job,
     pdeathsig_preexec,
     pid_alive,
+    proc_stat,
     read_stop,
     signal_group,
     signal_job,
@@ -320,7 +320,7 @@ class Supervisor:
                 c.ctl_done, c.pool = False, pool
                 c.passages = {}  # the spawner's next round: its passages are the new process's
                 c.died_at.clear()
-                stat = _proc_stat(pid)
+                stat = proc_stat(pid)
                 c.pgid = int(stat[2]) if stat and len(stat) > 2 else c.pgid
                 c.status = ProcessStatus.RUNNING
                 watch_exit(c.note_end, pid)

@@ -9,11 +9,11 @@ Every worker, every tick, looks whether it is busy: tpurun work for any user -- 
 under ~USER/.tpurun/jobs whose supervisor lives, or a process carrying TPURUN_JOB_ID) or `train
 --setup` (a process carrying TPURUN_ACTIVITY) -- or a process holding a TPU device file (`probe.find_holders`,
 the scan kill-stale uses; a runtime that has initialised the TPU holds them). It publishes that as
-guest attribute tpurun/watch, a `protocol_calls.WatchState`, which `tpurun list` and `describe` read
+guest attribute tpurun/watch, a `watchdog_reports.WatchState`, which `tpurun list` and `describe` read
 through the API.
 
 Worker 0 of the first node named in the config decides. The config is the node's metadata attribute
-`tpurun-autostop`, a `protocol_calls.WatchdogConfig` (its keys are written there only), read again at every
+`tpurun-autostop`, a `watchdog_reports.WatchdogConfig` (its keys are written there only), read again at every
 tick, so `tpurun autostop` changes a running watchdog. With the VM's own service-account token from the
 metadata server, the decider reads every worker's tpurun/watch (nodes.getGuestAttributes) and acts:
 - autostop: every worker has been idle for `idle` seconds, on two looks in a row -> delete the queued
@@ -43,16 +43,23 @@ from urllib.parse import urlsplit
 
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import metaserver, probe
-    from tpurun.worker.agent_files import STATE, duration, job_running, mtimes, running_jobs, started_down
-    from tpurun.worker.protocol_calls import ComputeTpu, Silent, WatchdogConfig, WatchState
-    from tpurun.worker.watchdog_silent import Missed, node_verdict, summarize, vm_verdict
+    from tpurun.worker.agent_files import STATE, job_running, running_jobs, started_down
+    from tpurun.worker.watchdog_reports import ComputeTpu, Silent, WatchdogConfig, WatchState, duration, summarize
+    from tpurun.worker.watchdog_silent import Missed, node_verdict, vm_verdict
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import metaserver  # type: ignore[no-redef]
     import probe  # type: ignore[no-redef]
-    from agent_files import STATE, duration, job_running, mtimes, running_jobs, started_down  # type: ignore[no-redef]
-    from protocol_calls import ComputeTpu, Silent, WatchdogConfig, WatchState  # type: ignore[no-redef]
-    from watchdog_silent import Missed, node_verdict, summarize, vm_verdict  # type: ignore[no-redef]
+    from agent_files import STATE, job_running, running_jobs, started_down  # type: ignore[no-redef]
+    from watchdog_reports import (  # type: ignore[no-redef]
+        ComputeTpu,
+        Silent,
+        WatchdogConfig,
+        WatchState,
+        duration,
+        summarize,
+    )
+    from watchdog_silent import Missed, node_verdict, vm_verdict  # type: ignore[no-redef]
 
 NAMESPACE = "tpurun"  # guest attributes, shared with the startup wrapper's reports
 CONFIG_KEY = "tpurun-autostop"
@@ -110,6 +117,11 @@ def job_roots() -> list[str]:
         if root not in roots and os.path.isdir(root):
             roots.append(root)
     return roots
+
+
+def mtimes(paths: list[str]) -> dict:
+    """{path: its modification time}: a directory's changes when an entry is made or removed in it."""
+    return {p: os.stat(p).st_mtime_ns for p in paths}
 
 
 def down_pending(roots: list[str], running: list[str]) -> list[str]:

@@ -1,13 +1,14 @@
-"""Workers whose watchdog went silent, and every worker's reports summed up (stdlib only, Python >= 3.8; part of
-the bundle, beside watchdog.py).
+"""What the deciding watchdog finds of a worker whose watchdog went silent (stdlib only, Python >= 3.8; part of
+the bundle, beside watchdog.py): when it first missed one that never reported (`Missed`), and what became of its
+VM (`node_verdict`, `vm_verdict`: a `Silent` verdict, published with the decider's state).
 
 A worker that has not published its state for SILENT_TICKS ticks may run work its watchdog cannot tell of: it
 counts as busy. Past the configuration's bound (`WatchdogConfig.silent`, TPURUN_WATCHDOG_SILENT) the deciding
 worker's watchdog asks what became of its VM: the API first (a Cloud TPU node gone, PREEMPTED, TERMINATED or
 STOPPED, or unresponsive (health TIMEOUT); a Compute Engine VM gone or not running), and, where the API says the
 VM is up (a Cloud TPU node is READY as a whole: the API has no word of one VM of it), whether its address still
-takes a connection on the SSH port from inside the slice. A VM found dead no longer keeps the TPU busy: its work
-ended at the latest with its last report, and autostop counts the idle period from then (docs/cost-safety.md).
+takes a connection on the SSH port from inside the slice (`knock`). How a verdict counts when every worker's
+reports are summed up is watchdog_reports.py's (`summarize`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,10 @@ import socket
 import time
 
 if __package__:
-    from tpurun.worker.agent_files import duration
-    from tpurun.worker.protocol_calls import Silent, WatchState
+    from tpurun.worker.watchdog_reports import SILENT_TICKS, Silent, WatchState
 else:
-    from agent_files import duration  # type: ignore[no-redef]
-    from protocol_calls import Silent, WatchState  # type: ignore[no-redef]
+    from watchdog_reports import SILENT_TICKS, Silent, WatchState  # type: ignore[no-redef]
 
-SILENT_TICKS = 3  # ticks without a report before a worker is silent
 SSH_PORT = 22  # where a TPU VM takes connections (its sshd)
 KNOCK_TIMEOUT = 3.0  # seconds a VM has to take the connection
 NODE_GONE = ("PREEMPTED", "TERMINATED", "STOPPED", "STOPPING", "DELETING")  # a Cloud TPU node's, its VMs with it
@@ -81,64 +79,6 @@ def vm_verdict(status: int, vm: dict, since: float, knocker=knock) -> Silent:
     if not address:
         return Silent(since, False, "has no address in the API")
     return _at(address, since, "the API says it is RUNNING", knocker)
-
-
-class Summary:
-    """Every worker's reports summed up: RUNNING, why a job still runs (a worker runs one, or is silent and not
-    found dead); BUSY, which workers' TPU is held; SINCE, since when every live worker has been idle (a dead one's
-    work ended with its last report); SILENT, a line on each silent worker, DEAD among them those found dead, and
-    GONE, their names."""
-
-    __slots__ = ("running", "busy", "since", "silent", "dead", "gone")
-
-    def __init__(self) -> None:
-        self.running: list[str] = []
-        self.busy: list[str] = []
-        self.since = 0.0
-        self.silent: list[str] = []
-        self.dead: list[str] = []
-        self.gone: set[str] = set()
-
-
-def summarize(
-    states: list[tuple[str, WatchState | None]], now: float, tick: float, verdicts: dict[str, Silent] | None = None
-) -> Summary:
-    """Workers' published states (None: nothing, or nothing readable) and the deciding watchdog's VERDICTS on the
-    silent ones, summed up."""
-    s = Summary()
-    verdicts = verdicts or {}
-    if not states:
-        s.running.append("no worker to look at")
-    for name, st in states:
-        if st is None or now - st.t > SILENT_TICKS * tick:
-            v = verdicts.get(name)
-            if v is not None and v.dead:
-                s.dead.append(f"{name} dead: silent for {duration(now - v.since)}; its VM {v.vm}")
-                s.silent.append(s.dead[-1])
-                s.gone.add(name)
-                s.since = max(s.since, v.since)
-                continue
-            said = f"{name} silent for {duration(now - st.t)}" if st is not None else f"{name} has not reported"
-            s.running.append(said + (f"; its VM {v.vm}" if v is not None else ""))
-            s.silent.append(s.running[-1])
-        elif st.jobs:
-            s.running.append(f"{name} runs job {st.jobs[0]}")
-        elif st.work:
-            s.running.append(f"{name} runs tpurun {st.work[0]}")
-        elif st.idle_since is None:
-            s.busy.append(f"{name}: {st.holders} process(es) hold the TPU")
-        else:
-            s.since = max(s.since, st.idle_since)
-    return s
-
-
-def verdicts_in(states: list[tuple[str, WatchState | None]]) -> dict[str, Silent]:
-    """The deciding watchdog's verdicts on silent workers, as it published them with its own state."""
-    found: dict[str, Silent] = {}
-    for _, st in states:
-        if st is not None:
-            found.update(st.silent)
-    return found
 
 
 class Missed:
