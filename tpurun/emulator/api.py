@@ -271,6 +271,9 @@ def _pid() -> int:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as google-auth's requests session expects
+    # an answer is two writes (head, then body): with Nagle the body waits for the client's delayed ACK of the head,
+    # 40 ms a call on Linux (measured: an OS Login import took 45 ms, 2.5 ms without)
+    disable_nagle_algorithm = True
     server: EmulatorServer
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
