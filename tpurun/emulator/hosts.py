@@ -57,6 +57,7 @@ emulator process.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -562,13 +563,15 @@ class WorkerHosts:
 
     def refresh_project(self, project: str) -> None:
         """PROJECT's common metadata changed: every worker of it takes it after the propagation delay."""
-        for key in [n.key for n in self._nodes_of(project)]:
-            self.refresh_ssh_keys(key)
+        for node in self._nodes_of(project):
+            with contextlib.suppress(KeyError):  # deleted meanwhile
+                self.refresh_ssh_keys(node.key)
 
     def _accounts_changed(self, project: str) -> None:
         """PROJECT's OS Login accounts changed: its workers' passwd follows at once (NSS asks on every lookup)."""
         for node in self._nodes_of(project):
-            self._refresh_now(node)
+            with contextlib.suppress(OSError):  # its directory went with a delete meanwhile
+                self._refresh_now(node)
 
     def _nodes_of(self, project: str) -> list[_Node]:
         with self._lock:
