@@ -7,8 +7,8 @@ address, so a worker reaches *its* metadata (worker number, guest attributes, ..
 
 Served below ``/computeMetadata/v1/`` (header ``Metadata-Flavor: Google`` required,
 403 otherwise): the tree a `MetadataSource` returns (directory listings, leaves as text,
-``?recursive=true`` / ``?alt=json`` as JSON) and ``instance/guest-attributes/NS/KEY``
-(PUT stores, GET reads).
+``?recursive=true`` / ``?alt=json`` as JSON), ``instance/guest-attributes/NS/KEY``
+(PUT stores, GET reads) and ``oslogin/...`` (the source's answers, JSON).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class JsonText(str):
 class MetadataSource(Protocol):
     def tree(self) -> dict[str, Any]:
         """The whole metadata tree of one worker: nested dicts, leaves are strings."""
+        ...
+
+    def oslogin(self, path: list[str], query: dict[str, str]) -> tuple[int, Any]:
+        """The status and answer (JSON-ready, or text) of `oslogin/PATH?QUERY`."""
         ...
 
     def guest_get(self, namespace: str, key: str) -> str | None: ...
@@ -95,6 +99,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         parts, query = routed
         src = self.server.source
+        if parts[:1] == ["oslogin"]:
+            code, answer = src.oslogin(parts[1:], {k: v[-1] for k, v in query.items()})
+            if isinstance(answer, str):
+                self._reply(code, answer, "text/plain")
+            else:
+                self._reply(code, json.dumps(answer), "application/json")
+            return
         if parts[:2] == ["instance", "guest-attributes"]:
             items = src.guest_items()
             node: Any = {}

@@ -33,7 +33,7 @@ def _query(q: Request) -> ListQuery:
 
 
 def add_compute_routes(r: Router, emu: Emulator) -> None:
-    for add in (_operations, _policies, _templates, _instances, _groups, _resize_requests):
+    for add in (_projects, _operations, _policies, _templates, _instances, _groups, _resize_requests):
         add(r, emu)
     _catalogue(r)
 
@@ -63,6 +63,17 @@ def _catalogue(r: Router) -> None:
 
         r.add("GET", f"{zone}/{kind}", listed, _LIST)
         r.add("GET", f"{zone}/{kind}/(?P<name>{_ID})", one)
+
+
+def _projects(r: Router, emu: Emulator) -> None:
+    """Projects: get, and their common instance metadata."""
+    r.add("GET", _P, lambda q: emu.get_project(_project(q)))
+    r.add(
+        "POST",
+        f"{_P}/setCommonInstanceMetadata",
+        lambda q: emu.set_common_instance_metadata(_project(q), parse_message(compute_v1.Metadata, q, "resource")),
+        ("requestId",),
+    )
 
 
 def _operations(r: Router, emu: Emulator) -> None:

@@ -37,6 +37,7 @@ from tpurun.emulator.model import (
     split_name,
     worker_address,
 )
+from tpurun.emulator.org import Organisation
 from tpurun.errors import UsageError
 from tpurun.topology import GENERATIONS, Topology, parse_accelerator_type
 
@@ -47,6 +48,8 @@ class Core:
     def __init__(self, hosts: HostsLike, config: EmulatorConfig) -> None:
         self.hosts = hosts
         self.config = config
+        self.org = Organisation()  # every project's common metadata and every account's OS Login profile
+        hosts.use_organisation(self.org)
         self.lock = threading.RLock()
         self.nodes: dict[str, NodeRecord] = {}
         self.ops: dict[str, Operation] = {}

@@ -27,8 +27,8 @@ host's, shared by all workers):
 * ``/etc/hosts``: ``metadata.google.internal`` and every worker's hostname of the node;
 * ``/etc/passwd``, ``/etc/shadow``, ``/etc/group``: the host's, plus users from metadata.
 
-Users and keys (the choice made here): every user name in the node's ``ssh-keys``
-metadata (``USER:ssh-ed25519 AAAA... comment``, one per line; keys whose
+Users and keys (the choice made here): every user name in the ``ssh-keys`` metadata of the
+node (or VM) and of its project (``USER:ssh-ed25519 AAAA... comment``, one per line; keys whose
 ``google-ssh {"expireOn": ...}`` comment lies in the past are ignored) becomes an alias
 of root -- uid 0, gid 0, home /root -- in the worker's passwd (real TPU VMs give these
 users sudo; mapping them to root keeps one home per worker and needs no sudo).  A key
@@ -36,8 +36,12 @@ listed for USER lets you log in as USER only: sshd reads ``AuthorizedKeysFile
 <worker dir>/authorized_keys/%u``, one file per user.  Logging in as ``root`` needs a
 key listed under ``root:``.  Names that already exist on the host other than root
 (``daemon``, ``sshd``, ...) are not remapped.  Aliases are never removed once created
-(like the guest agent, which keeps accounts and only drops keys).  Key changes reach
-the workers ``key_propagation_delay`` seconds after `refresh_ssh_keys`.
+(like the guest agent, which keeps accounts and only drops keys).  Under OS Login
+(``enable-oslogin``, the node's or else the project's) no metadata key is taken and the
+project's OS Login accounts are the root aliases; sshd asks the worker's metadata server for
+their keys at each login (guest_login.py).  Metadata changes reach the workers
+``key_propagation_delay`` seconds after `refresh_ssh_keys` (or `refresh_project`, the project's);
+a project's new or deleted OS Login account reaches its workers' passwd at once.
 
 Each worker also gets a metadata server (`_metadata.py`: one listening socket per worker, all served
 by one thread of this process) on port 80 of its address and runs the node's ``startup-script`` on
@@ -53,6 +57,7 @@ emulator process.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -72,15 +77,17 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import topology
-from tpurun.emulator import boot, procs
-from tpurun.emulator._metadata import MetadataService, parse_ssh_keys
+from tpurun.emulator import boot, guest_login, procs
+from tpurun.emulator._metadata import MetadataService
 from tpurun.emulator.model import SLOTS, slots_for, worker_address
-from tpurun.emulator.sshd import host_key, sshd_config, write_atomic
+from tpurun.emulator.org import Organisation
+from tpurun.emulator.sshd import host_key, sshd_config, write_atomic, write_in_place
 from tpurun.emulator.tpu_vm import (
     VmIdentity,
     WorkerImage,
     image_bin,
     image_paths,
+    image_python,
     metadata_tree,
     stable_int,
     worker_image,
@@ -111,20 +118,6 @@ class ComputeVms:
     ids: tuple[str, ...]
     machine_type: str
     metadata: Callable[[int], dict[str, str]]  # instance I's metadata, as the API holds it now
-
-
-def _write_in_place(path: Path, data: str, mode: int = 0o644) -> None:
-    """Rewrite a file without changing its inode: a running worker has it bind-mounted."""
-    if not path.exists():
-        write_atomic(path, data, mode)
-        return
-    raw = data.encode()
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, raw, 0)
-        os.ftruncate(fd, len(raw))
-    finally:
-        os.close(fd)
 
 
 def _safe_name(key: str) -> str:
@@ -188,6 +181,7 @@ class _WorkerSource:
         return metadata_tree(
             attrs,
             project=node.project,
+            project_attributes=self._hosts.org.projects.attributes(node.project),
             zone=node.zone,
             hostname=w.hostname,
             instance_id=str(stable_int(f"{node.key}/{w.index}", 19)),
@@ -196,6 +190,13 @@ class _WorkerSource:
             vm=vm,
             events=dict(w.events),
         )
+
+    def oslogin(self, path: list[str], query: dict[str, str]) -> tuple[int, Any]:
+        """`oslogin/...` of this worker's metadata server: 404 while OS Login is off here, as on a real VM."""
+        node, org = self._node, self._hosts.org
+        md = self._hosts.metadata_of(node, self._worker.index)
+        here = guest_login.decide(md, org.projects.attributes(node.project))
+        return org.oslogin.metadata_answer(node.project, path, query) if here.oslogin else (404, "Not Found\n")
 
     def guest_get(self, namespace: str, key: str) -> str | None:
         with self._node.guest_lock:
@@ -231,10 +232,18 @@ class WorkerHosts:
         self._token_key = secrets.token_bytes(32)  # signs each node's service-account token
         self._base_users = {ln.split(":", 1)[0] for ln in self._base["passwd"].splitlines() if ":" in ln}
         self.init_binary = boot.build_init(self.root)
+        self.org = Organisation()  # an organisation of its own until the emulator's is given (use_organisation)
+        self.use_organisation(self.org)
         # a metadata listener per worker: 2,048 workers need more descriptors than the usual soft limit
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    def use_organisation(self, org: Organisation) -> None:
+        """Serve ORG's project metadata and OS Login accounts to the workers, and follow its changes."""
+        self.org = org
+        org.projects.watch(self.refresh_project)
+        org.oslogin.watch(self._accounts_changed)
 
     # ------------------------------------------------------------------ service-account tokens
 
@@ -355,10 +364,10 @@ class WorkerHosts:
             hosts += [
                 f"{o.address}\t{o.hostname}.{node.zone}.c.{node.project}.internal {o.hostname}" for o in node.workers
             ]
-        _write_in_place(d / "etc" / "hosts", "\n".join(hosts) + "\n")
-        _write_in_place(d / "etc" / "hostname", w.hostname + "\n")
-        self._apply_keys(w, md.get("ssh-keys", ""))
-        write_atomic(d / "sshd_config", sshd_config(w.address, self.ssh_port, view))
+        write_in_place(d / "etc" / "hosts", "\n".join(hosts) + "\n")
+        write_in_place(d / "etc" / "hostname", w.hostname + "\n")
+        guest_login.write_keys_command(d, f"metadata.google.internal:{self.metadata_port}")
+        self._apply_logins(node, w, md)
         script = md.get("startup-script")
         if script:
             write_atomic(d / "startup-script", script, 0o755)
@@ -396,26 +405,17 @@ class WorkerHosts:
                 kind, blob = w.host_key.split()[:2]
                 w.guest[("hostkeys", kind)] = blob
 
-    def _apply_keys(self, w: _Worker, ssh_keys: str) -> None:
-        """Write a worker's authorized keys (per user) and its passwd/shadow/group with root aliases."""
-        users = parse_ssh_keys(ssh_keys)
-        kdir = w.dir / "authorized_keys"
-        for user, lines in users.items():
-            write_atomic(kdir / user, "\n".join(lines) + "\n", 0o600)
-        for old in kdir.iterdir():
-            if old.name not in users and not old.name.endswith(".tmp"):
-                old.unlink(missing_ok=True)
-        w.users |= {u for u in users if u not in self._base_users}
-        aliases = sorted(w.users)
-        passwd = self._base["passwd"].rstrip("\n").splitlines()
-        passwd += [f"{u}:x:0:0:{u} (tpurun emulator alias of root):/root:/bin/bash" for u in aliases]
-        # A locked root ("!" in shadow) would make sshd refuse even key logins: use "*".
-        shadow = [re.sub(r"^root:!?[^:]*:", "root:*:", ln) for ln in self._base["shadow"].splitlines()]
-        shadow += [f"{u}:*:19000:0:99999:7:::" for u in aliases]
-        etc = w.dir / "etc"
-        _write_in_place(etc / "passwd", "\n".join(passwd) + "\n")
-        _write_in_place(etc / "shadow", "\n".join(shadow) + "\n", 0o600)
-        _write_in_place(etc / "group", self._base["group"])
+    def _apply_logins(self, node: _Node, w: _Worker, md: dict[str, str]) -> None:
+        """Write who may log in to a worker whose metadata is MD (guest_login: metadata keys or OS Login)."""
+        logins = guest_login.decide(md, self.org.projects.attributes(node.project))
+        w.users |= {u for u in logins.keys if u not in self._base_users}
+        aliases = set(w.users)
+        if logins.oslogin:  # the NSS module lists the project's OS Login accounts
+            aliases |= {u for u in self.org.oslogin.usernames(node.project) if u not in self._base_users}
+        view = "/run/tpurun" + str(w.dir)
+        extra = guest_login.sshd_lines(logins, image_python(), view)
+        config = sshd_config(w.address, self.ssh_port, view, kbd_interactive=logins.two_factor, extra=extra)
+        guest_login.write_logins(w.dir, logins, sorted(aliases), self._base, config)
 
     def _boot(self, node: _Node) -> None:
         """Boot every worker of NODE (boot.boot_all) and learn each init's pid; worker 0's sshd must answer."""
@@ -561,11 +561,27 @@ class WorkerHosts:
             self._timers.add(timer)
         timer.start()
 
+    def refresh_project(self, project: str) -> None:
+        """PROJECT's common metadata changed: every worker of it takes it after the propagation delay."""
+        for node in self._nodes_of(project):
+            with contextlib.suppress(KeyError):  # deleted meanwhile
+                self.refresh_ssh_keys(node.key)
+
+    def _accounts_changed(self, project: str) -> None:
+        """PROJECT's OS Login accounts changed: its workers' passwd follows at once (NSS asks on every lookup)."""
+        for node in self._nodes_of(project):
+            with contextlib.suppress(OSError):  # its directory went with a delete meanwhile
+                self._refresh_now(node)
+
+    def _nodes_of(self, project: str) -> list[_Node]:
+        with self._lock:
+            return [n for n in self._nodes.values() if n.project == project]
+
     def _refresh_now(self, node: _Node) -> None:
         with node.lock:
             for w in node.workers:
                 if w.dir.exists():
-                    self._apply_keys(w, self.metadata_of(node, w.index).get("ssh-keys", ""))
+                    self._apply_logins(node, w, self.metadata_of(node, w.index))
 
     @staticmethod
     def metadata_of(node: _Node, index: int) -> dict[str, str]:

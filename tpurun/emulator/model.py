@@ -13,11 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from google.cloud import tpu_v2
 
 from tpurun.topology import GENERATIONS, Topology
+
+if TYPE_CHECKING:
+    from tpurun.emulator.org import Organisation
 
 NODE_TYPE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 SCHEDULED, UNSCHEDULED = "SCHEDULED", "UNSCHEDULED"  # a maintenance's type
@@ -158,6 +161,7 @@ class HostsLike(Protocol):
 
     def shutdown_node(self, node_key: str, *, delete: bool = False) -> None: ...
     def refresh_ssh_keys(self, node_key: str) -> None: ...
+    def use_organisation(self, org: Organisation) -> None: ...
     def node_of_token(self, token: str) -> str | None: ...
     def kill_sshd(self, node_key: str, index: int) -> None: ...
     def kill_worker(self, node_key: str, index: int) -> None: ...

@@ -367,7 +367,8 @@ class Nodes(Operations):
                 elif f == "labels":
                     n.labels = dict(node.labels)
                 elif f == "metadata":
-                    refresh = dict(n.metadata).get("ssh-keys") != dict(node.metadata).get("ssh-keys")
+                    # who may log in follows the metadata (ssh-keys, enable-oslogin, ...): guest_login
+                    refresh = dict(n.metadata) != dict(node.metadata)
                     n.metadata = dict(node.metadata)
                 else:
                     nc = n.network_config

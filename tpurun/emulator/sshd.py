@@ -1,4 +1,5 @@
-"""A worker's sshd: its host key (made once, kept across reboots) and its configuration."""
+"""A worker's sshd: its host key (made once, kept across reboots), its configuration, and how the files it reads are
+written."""
 
 from __future__ import annotations
 
@@ -19,6 +20,20 @@ def write_atomic(path: Path, data: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
+def write_in_place(path: Path, data: str, mode: int = 0o644) -> None:
+    """Rewrite a file without changing its inode: a running worker has it bind-mounted."""
+    if not path.exists():
+        write_atomic(path, data, mode)
+        return
+    raw = data.encode()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, raw, 0)
+        os.ftruncate(fd, len(raw))
+    finally:
+        os.close(fd)
+
+
 def host_key(d: Path) -> str:
     """The worker's ed25519 host key: generated once, kept across stop/start."""
     priv, pub = d / "ssh_host_ed25519_key", d / "ssh_host_ed25519_key.pub"
@@ -35,8 +50,11 @@ def host_key(d: Path) -> str:
     return " ".join(pub.read_text().split()[:2])
 
 
-def sshd_config(address: str, port: int, view: str) -> str:
-    """The sshd_config of a worker listening on ADDRESS:PORT whose directory it sees at VIEW."""
+def sshd_config(
+    address: str, port: int, view: str, *, kbd_interactive: bool = False, extra: tuple[str, ...] = ()
+) -> str:
+    """The sshd_config of a worker listening on ADDRESS:PORT whose directory it sees at VIEW; EXTRA at its end (how
+    the worker's logins are checked: guest_login), KBD_INTERACTIVE for a second step after the key."""
     return "\n".join(
         [
             f"ListenAddress {address}:{port}",
@@ -45,7 +63,7 @@ def sshd_config(address: str, port: int, view: str) -> str:
             f"AuthorizedKeysFile {view}/authorized_keys/%u",
             "PubkeyAuthentication yes",
             "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
+            f"KbdInteractiveAuthentication {'yes' if kbd_interactive else 'no'}",
             "UsePAM no",
             "PermitRootLogin prohibit-password",
             # Key files live in the emulator's state dir, whose parents we do not control.
@@ -63,6 +81,7 @@ def sshd_config(address: str, port: int, view: str) -> str:
             "PrintLastLog no",
             "X11Forwarding no",
             "AllowTcpForwarding yes",
+            *extra,  # last: it may end in Match blocks, which run to the end of the file
             "",
         ]
     )

@@ -14,11 +14,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tpurun.emulator.maintenance import Host, HostEvents
+from tpurun.emulator.compute_projects import Projects
+from tpurun.emulator.maintenance import Host
 from tpurun.emulator.model import ApiError
+from tpurun.emulator.org import Organisation
 
 
-class Emulator(HostEvents):
+class Emulator(Projects):
     """The whole emulated service. Thread-safe: HTTP handler threads and operation threads share it."""
 
     # ------------------------------------------------------------------ faults and admin
@@ -117,8 +119,8 @@ class Emulator(HostEvents):
             }
 
     def reset(self) -> None:
-        """Delete every node, queued resource and Compute Engine resource at once, forget operations, faults and
-        the request log."""
+        """Delete every node, queued resource and Compute Engine resource at once, forget operations, faults, the
+        request log, the projects' metadata and the OS Login profiles."""
         self.compute_teardown()
         with self.lock:
             recs = list(self.nodes.values())
@@ -134,6 +136,8 @@ class Emulator(HostEvents):
             self.ops.clear()
             self._fail_rules.clear()
             self.request_log.clear()
+            self.org = Organisation()
+        self.hosts.use_organisation(self.org)
         self._persist_pids()
 
     def close(self) -> None:

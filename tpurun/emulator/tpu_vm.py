@@ -154,6 +154,7 @@ def metadata_tree(
     attributes: dict[str, str],
     *,
     project: str,
+    project_attributes: dict[str, str] | None = None,
     zone: str,
     hostname: str,
     instance_id: str,
@@ -162,8 +163,9 @@ def metadata_tree(
     vm: VmIdentity | None = None,
     events: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """What one worker's metadata server serves under /computeMetadata/v1/: its ATTRIBUTES, who it is, its
-    network and its service account (whose TOKEN the emulated API accepts). A Compute Engine instance (VM) is
+    """What one worker's metadata server serves under /computeMetadata/v1/: its ATTRIBUTES, its PROJECT's (its
+    common metadata, PROJECT_ATTRIBUTES), who it is, its network and its service account (whose TOKEN the
+    emulated API accepts). A Compute Engine instance (VM) is
     named by its instance name, with the internal DNS name as its hostname; a Cloud TPU API worker's name is
     its hostname and its machine type the generic TPU VM's. EVENTS: what differs from HOST_EVENTS' quiet values."""
     project_number = str(stable_int("project:" + project, 12))
@@ -193,7 +195,14 @@ def metadata_tree(
             id=vm.id,
             **{"machine-type": f"projects/{project_number}/machineTypes/{vm.machine_type}"},
         )
-    return {"instance": instance, "project": {"project-id": project, "numeric-project-id": project_number}}
+    return {
+        "instance": instance,
+        "project": {
+            "attributes": dict(project_attributes or {}),
+            "project-id": project,
+            "numeric-project-id": project_number,
+        },
+    }
 
 
 # ---------------------------------------------------------------- the runtime image's Python

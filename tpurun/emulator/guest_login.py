@@ -1,0 +1,150 @@
+"""Who may log in to a worker, decided from metadata as Google's guest environment decides it, and the files its
+sshd reads for that.
+
+Metadata `enable-oslogin` (and `enable-oslogin-2fa`): the instance's (a Compute Engine VM's, a Cloud TPU node's)
+when it parses as a boolean the way the guest agent parses it (Go's strconv.ParseBool), else the project's, else
+off. Off: the keys of `ssh-keys` (the instance's, and the project's unless `block-project-ssh-keys`), one
+authorized_keys file per user, each user a root alias. On: no authorized_keys file at all, and sshd asks
+`AuthorizedKeysCommand` (KEYS_COMMAND, the emulator's stand-in for guest-oslogin's google_authorized_keys, run as
+root with the image's Python) for the keys of a login name; every POSIX account of the project's OS Login profiles
+is a root alias (in place of Google's NSS module). With 2FA a human's login needs `keyboard-interactive` after its
+key, which no emulated worker can give (its sshd has no PAM), and a service account's (`sa_*`) its key alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpurun.emulator._metadata import parse_ssh_keys
+from tpurun.emulator.sshd import write_atomic, write_in_place
+
+_TRUE = {"1", "t", "T", "TRUE", "true", "True"}
+_FALSE = {"0", "f", "F", "FALSE", "false", "False"}
+KEYS_SCRIPT = "oslogin_keys.py"  # in each worker's directory
+
+
+def flag(value: str | None) -> bool | None:
+    """A metadata boolean as the guest agent reads it (Go's strconv.ParseBool); None when it is not one."""
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    return None
+
+
+def _first(key: str, instance: dict[str, str], project: dict[str, str]) -> bool:
+    for md in (instance, project):
+        found = flag(md.get(key))
+        if found is not None:
+            return found
+    return False
+
+
+@dataclass(frozen=True)
+class Logins:
+    """How one worker lets people in."""
+
+    oslogin: bool = False
+    two_factor: bool = False
+    keys: dict[str, list[str]] = field(default_factory=dict)  # authorized_keys lines per user (none under OS Login)
+
+
+def decide(instance: dict[str, str], project: dict[str, str]) -> Logins:
+    """A worker's logins from its INSTANCE metadata (a node's, a VM's) and its PROJECT's common metadata."""
+    if _first("enable-oslogin", instance, project):
+        return Logins(oslogin=True, two_factor=_first("enable-oslogin-2fa", instance, project))
+    text = instance.get("ssh-keys", "")
+    if not flag(instance.get("block-project-ssh-keys")):
+        text += "\n" + project.get("ssh-keys", "")
+    return Logins(keys=parse_ssh_keys(text))
+
+
+def sshd_lines(logins: Logins, python: str, view: str) -> tuple[str, ...]:
+    """What a worker's sshd_config adds for LOGINS (its directory seen at VIEW, the image's PYTHON): under OS Login
+    the keys command, and with 2FA the second step, as Google's guest writes them."""
+    if not logins.oslogin:
+        return ()
+    lines: tuple[str, ...] = (
+        f"AuthorizedKeysCommand {python} -I -S {view}/{KEYS_SCRIPT} %u",
+        "AuthorizedKeysCommandUser root",
+    )
+    if logins.two_factor:
+        lines += (
+            "AuthenticationMethods publickey,keyboard-interactive",
+            "Match User sa_*",
+            "AuthenticationMethods publickey",
+        )
+    return lines
+
+
+def write_logins(d: Path, logins: Logins, aliases: list[str], base: dict[str, str], sshd_config: str) -> None:
+    """Write the login files of the worker whose directory is D: its authorized_keys (one file per user, none under
+    OS Login: the guest deletes them), passwd, shadow and group (BASE's, the host's, with every ALIASES user a root
+    alias: uid 0, home /root) and its sshd_config."""
+    kdir = d / "authorized_keys"
+    for user, lines in logins.keys.items():
+        write_atomic(kdir / user, "\n".join(lines) + "\n", 0o600)
+    for old in kdir.iterdir():
+        if old.name not in logins.keys and not old.name.endswith(".tmp"):
+            old.unlink(missing_ok=True)
+    passwd = base["passwd"].rstrip("\n").splitlines()
+    passwd += [f"{u}:x:0:0:{u} (tpurun emulator alias of root):/root:/bin/bash" for u in aliases]
+    # A locked root ("!" in shadow) would make sshd refuse even key logins: use "*".
+    shadow = [re.sub(r"^root:!?[^:]*:", "root:*:", ln) for ln in base["shadow"].splitlines()]
+    shadow += [f"{u}:*:19000:0:99999:7:::" for u in aliases]
+    etc = d / "etc"
+    write_in_place(etc / "passwd", "\n".join(passwd) + "\n")
+    write_in_place(etc / "shadow", "\n".join(shadow) + "\n", 0o600)
+    write_in_place(etc / "group", base["group"])
+    write_atomic(d / "sshd_config", sshd_config)
+
+
+def write_keys_command(d: Path, metadata_host: str) -> None:
+    """The keys command of the worker whose directory is D, asking its metadata server at METADATA_HOST."""
+    write_atomic(d / KEYS_SCRIPT, KEYS_COMMAND.replace("METADATA_HOST", metadata_host), 0o644)
+
+
+# sshd's AuthorizedKeysCommand under OS Login: what guest-oslogin's google_authorized_keys does (AuthorizeUser,
+# ParseJsonToSshKeys in its src/oslogin_utils.cc), in the standard library alone (it runs with -I -S).
+KEYS_COMMAND = '''\
+"""Prints the keys OS Login lets a login name in with: its profile from the metadata server, if the server
+authorizes its account to log in here, and of its keys those not expired."""
+import http.client
+import json
+import re
+import sys
+import time
+from urllib.parse import quote
+
+
+def ask(path):
+    conn = http.client.HTTPConnection("METADATA_HOST", timeout=5)
+    conn.request("GET", "/computeMetadata/v1/oslogin/" + path, headers={"Metadata-Flavor": "Google"})
+    answer = conn.getresponse()
+    return answer.status, answer.read()
+
+
+def main(user):
+    if not re.fullmatch(r"[a-zA-Z0-9._][a-zA-Z0-9._-]{0,31}", user):
+        return
+    status, body = ask("users?username=" + quote(user, safe=""))
+    if status != 200:
+        return
+    profile = json.loads(body)["loginProfiles"][0]
+    status, body = ask("authorize?email=" + quote(profile.get("name", ""), safe="") + "&policy=login")
+    if status != 200 or json.loads(body).get("success") is not True:
+        return
+    now = time.time() * 1_000_000
+    for key in profile.get("sshPublicKeys", {}).values():
+        try:
+            expired = "expirationTimeUsec" in key and now > int(key["expirationTimeUsec"])
+        except ValueError:
+            expired = True
+        if key.get("key") and not expired:
+            print(key["key"])
+
+
+main(sys.argv[1])
+'''
