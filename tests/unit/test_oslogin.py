@@ -6,7 +6,8 @@ from __future__ import annotations
 from google.oauth2 import credentials as user_credentials
 
 from tpurun import settings
-from tpurun.cloud.oslogin import Policy, acting_account, is_service_account
+from tpurun.cloud.login_policy import Policy
+from tpurun.cloud.oslogin import acting_account, is_service_account
 
 
 def test_the_tpus_own_metadata_decides_before_the_projects():

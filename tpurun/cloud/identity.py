@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpurun import config
-from tpurun.cloud.oslogin import Policy
+from tpurun.cloud.login_policy import Policy
 from tpurun.naming import NAME_RE, ZONE_RE
 from tpurun.settings import Settings
 

@@ -1,10 +1,6 @@
-"""OS Login: whether a TPU's workers let users in through it, and tpurun's key in the user's login profile.
-
-Whether: as the workers' guest software decides it, and gcloud too: a key (`enable-oslogin`, and beside it
-`enable-oslogin-2fa`, `enable-oslogin-certificates`) in the node's or instance's own metadata decides (its
-value "true", in any case, is on); where the TPU's metadata does not have the key, the project's common
-metadata does (`Policy.of`). An organisation that requires OS Login (`compute.requireOsLogin`) does it by
-writing `enable-oslogin=TRUE` into its projects' metadata.
+"""OS Login: a TPU's policy read from the API (login_policy.py decides it as the guest does), and tpurun's key
+in the login profile of the account it acts as. An organisation that requires OS Login
+(`compute.requireOsLogin`) does it by writing `enable-oslogin=TRUE` into its projects' metadata.
 
 How: a worker with OS Login on ignores every `ssh-keys` entry; its sshd asks the metadata server for the
 keys of the login profile of the user logging in, who must be that profile's POSIX account in the project
@@ -23,49 +19,20 @@ import json
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurun.cloud.login_policy import CERTIFICATES, ENABLE, TWO_FACTOR, Policy
 from tpurun.errors import ApiError, UsageError
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud
     from tpurun.settings import Setting, Settings
 
-ENABLE, TWO_FACTOR, CERTIFICATES = "enable-oslogin", "enable-oslogin-2fa", "enable-oslogin-certificates"
 KEY_HOURS = 1.0  # an imported key's life
 RENEW_SECONDS = 900.0  # a key with less than this left is renewed before a connection needs it
 SERVICE_ACCOUNT_DOMAIN = ".gserviceaccount.com"
 ROLE_HINT = "logging in takes the Compute OS Login role (roles/compute.osLogin) in the TPU's project"
-
-
-@dataclass(frozen=True)
-class Policy:
-    """How a TPU's workers let users in: through OS Login or not, with 2-step verification, with certificates."""
-
-    oslogin: bool = False
-    two_factor: bool = False
-    certificates: bool = False
-
-    @classmethod
-    def of(cls, own: Mapping[str, str], project: Mapping[str, str]) -> Policy:
-        """As the guest decides it: the TPU's OWN metadata first, then the PROJECT's common metadata."""
-
-        def on(key: str) -> bool:
-            value = own[key] if key in own else project.get(key, "")
-            return value.strip().lower() == "true"
-
-        enabled = on(ENABLE)
-        return cls(enabled, enabled and on(TWO_FACTOR), enabled and on(CERTIFICATES))
-
-    def to_json(self) -> dict[str, bool]:
-        return {"oslogin": self.oslogin, "twoFactor": self.two_factor, "certificates": self.certificates}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any] | None) -> Policy:
-        data = data or {}
-        return cls(bool(data.get("oslogin")), bool(data.get("twoFactor")), bool(data.get("certificates")))
 
 
 def policy_of(cloud: Cloud, own: Mapping[str, str]) -> Policy:

@@ -1,0 +1,126 @@
+"""tpurun in a project that enforces OS Login, against the emulator's project metadata, OS Login API and workers
+that honour it as Google's guest does (Google's own clients set the project up): tpurun writes no `ssh-keys`,
+imports its key into the acting account's login profile with an expiry, logs in as the profile's POSIX user
+(exec, sync, train), a key put in metadata by hand is refused, and 2-step verification stops a human's command
+in one line while a service account goes through."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import paramiko
+import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import compute_v1, oslogin_v1, tpu_v2
+
+from tests.helpers import assert_clean_error, create_node
+from tpurun.emulator.pytest_plugin import fast_polling
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+PROJECT = "locked-project"  # a project of its own: the emulator is shared with other files
+ALICE = "alice@example.com"
+SERVICE = "trainer@locked-project.iam.gserviceaccount.com"
+
+
+def _projects(emulator) -> compute_v1.ProjectsClient:
+    kw = {"client_options": {"api_endpoint": emulator.endpoint}, "credentials": AnonymousCredentials()}
+    client = compute_v1.ProjectsClient(transport="rest", **kw)
+    # the client's own operation polls compute.googleapis.com: its global operations asked here (as tpurun does)
+    client._transport._extended_operations_services["global_operations"] = compute_v1.GlobalOperationsClient(
+        transport="rest", **kw
+    )
+    return client
+
+
+def _oslogin(emulator) -> oslogin_v1.OsLoginServiceClient:
+    return oslogin_v1.OsLoginServiceClient(
+        transport="rest", client_options={"api_endpoint": emulator.endpoint}, credentials=AnonymousCredentials()
+    )
+
+
+def _set_project_metadata(emulator, **items: str) -> None:
+    """ITEMS (enable_oslogin -> enable-oslogin) set in the project's common metadata, as gcloud's
+    `compute project-info add-metadata` does: read, change, write with the fingerprint read."""
+    client = _projects(emulator)
+    current = client.get(project=PROJECT).common_instance_metadata
+    values = {i.key: i.value for i in current.items}
+    values.update({k.replace("_", "-"): v for k, v in items.items()})
+    body = compute_v1.Metadata(
+        fingerprint=current.fingerprint, items=[compute_v1.Items(key=k, value=v) for k, v in values.items()]
+    )
+    client.set_common_instance_metadata(project=PROJECT, metadata_resource=body).result(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def locked(emulator, tmp_path_factory):
+    """A 2-worker TPU made by tpurun in a project that enforces OS Login, as ALICE."""
+    from tests.integration.conftest import Cli
+
+    cli = Cli.under(tmp_path_factory.mktemp("oslogin"), emulator)
+    cli.env.update({"TPURUN_PROJECT": PROJECT, "TPURUN_ACCOUNT": ALICE})
+    _set_project_metadata(emulator, enable_oslogin="TRUE")
+    node = create_node(cli, "locked", "v4-16")
+    return cli, node
+
+
+def test_tpurun_logs_in_as_the_profiles_user_with_a_key_that_expires(locked, emulator):
+    cli, node = locked
+    assert "ssh-keys" not in node.get("metadata", {}), node.get("metadata")
+    r = cli("exec", "--", "sh", "-c", 'echo "user=$USER"')
+    assert r.code == 0, r.err
+    assert sorted(line.split()[-1] for line in r.out.splitlines()) == ["user=alice_example_com"] * 2, r.out
+    profile = _oslogin(emulator).get_login_profile(request={"name": f"users/{ALICE}", "project_id": PROJECT})
+    public = (cli.tpurun_home / "ssh" / "id_ed25519.pub").read_text().split()[:2]
+    (mine,) = [k for k in profile.ssh_public_keys.values() if k.key.split()[:2] == public]
+    left = mine.expiration_time_usec / 1e6 - time.time()
+    assert 0 < left <= 3600, left  # never a key without an expiry
+    r = cli("config", "show", "--json")
+    assert json.loads(r.out)["account"] == {"value": ALICE, "source": "env TPURUN_ACCOUNT"}
+    # sync and train log in the same way
+    (cli.cwd / "t.py").write_text(
+        "import os, getpass\nprint('hello from', os.environ['TPURUN_WORKER_ID'], getpass.getuser())\n"
+    )
+    r = cli("train", "t.py", "--runtime", "cpu", "--launch", "host")
+    assert r.code == 0, r.err
+    assert sum("hello from" in line for line in r.out.splitlines()) == 2, r.out
+
+
+def test_a_key_in_metadata_is_refused_under_os_login(locked, emulator):
+    cli, _ = locked
+    name = f"projects/{PROJECT}/locations/{emulator.zone}/nodes/locked"
+    address = emulator.node_info(name)["workers"][0]["address"]
+    public = (cli.tpurun_home / "ssh" / "id_ed25519.pub").read_text().strip()
+    r = cli("exec", "--", "true")  # (tpurun's own login works)
+    assert r.code == 0, r.err
+    tpu = tpu_v2.TpuClient(
+        transport="rest", client_options={"api_endpoint": emulator.endpoint}, credentials=AnonymousCredentials()
+    )
+    node = tpu.get_node(name=name)
+    node.metadata["ssh-keys"] = f"root:{public}"  # by hand, as a user might
+    tpu.update_node(node=node, update_mask="metadata").result(polling=fast_polling())
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())  # the test's own probe, not tpurun
+    with pytest.raises(paramiko.AuthenticationException):
+        client.connect(
+            address, username="root", key_filename=str(cli.key), look_for_keys=False, allow_agent=False, timeout=10
+        )
+    client.close()
+
+
+def test_two_step_verification_stops_a_human_in_one_line_and_lets_a_service_account_in(locked, emulator):
+    cli, _ = locked
+    _set_project_metadata(emulator, enable_oslogin_2fa="TRUE")
+    try:
+        r = cli("--plain", "exec", "--", "true", input="")
+        assert_clean_error(r, 2)
+        assert "2-step verification" in r.err and "service account" in r.err, r.err
+        cli.env["TPURUN_ACCOUNT"] = SERVICE
+        r = cli("exec", "--", "sh", "-c", 'echo "user=$USER"')
+        assert r.code == 0, r.err
+        users = {line.split()[-1] for line in r.out.splitlines()}
+        assert len(users) == 1 and users.pop().startswith("user=sa_"), r.out
+    finally:
+        cli.env["TPURUN_ACCOUNT"] = ALICE
+        _set_project_metadata(emulator, enable_oslogin_2fa="FALSE")
