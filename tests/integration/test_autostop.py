@@ -294,17 +294,19 @@ def test_train_down_after_a_failed_setup_and_a_failed_launch(tp, emulator):
 def test_train_down_detached_is_deleted_by_the_watchdog_when_the_job_ends(tp, emulator):
     assert tp("create", "later", "-t", "v4-16").code == 0
     before = len(emulator.requests())
-    # long enough that describe and list still see it run on a loaded machine (2 cores, the whole suite)
-    r = tp("train", "job.py", "10", "0", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
+    # it runs until released, so describe and list see it run however loaded the machine
+    r = tp("train", "until.py", "--runtime", "cpu", "--launch", "host", "--down", "--detach")
     assert r.code == 0, r.err
     assert "later will be deleted when job" in r.err
     job = r.out.strip()
-    time.sleep(1.5)
-    assert _exists(emulator, "later")  # the job still runs
-    d = _describe(tp, "later")  # the pending --down is the TPU's autostop; states carry their age
-    assert d["down"] == [job] and d["jobs"] == [job] and 0 <= d["reportedSecondsAgo"] < 5, d
+    deadline = time.monotonic() + 60
+    while (d := _describe(tp, "later"))["jobs"] != [job]:  # once its watchdog has seen the job
+        assert time.monotonic() < deadline, d
+        time.sleep(0.2)
+    assert d["down"] == [job] and 0 <= d["reportedSecondsAgo"] < 5, d  # the pending --down is its autostop
     listed = " ".join(tp("list").out.split())
     assert f"delete when {job} ends (--down)" in listed and "busy (" in listed and "s ago)" in listed, listed
+    assert tp("exec", "--", "sh", "-c", "touch ~/release").code == 0
     _gone_within(emulator, "later", 40)
     _deleted_by_vm(emulator, before, "/nodes/later")
     _nothing_left(emulator)
