@@ -16,6 +16,7 @@ no API call while the key has time left.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -196,7 +197,9 @@ class Login:
         path = self._path()
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(held))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # as tpurun's other records
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(held))
         tmp.replace(path)
 
     def _import(self) -> tuple[str, float]:
