@@ -68,9 +68,11 @@ def locked(emulator, tmp_path_factory):
 def test_tpurun_logs_in_as_the_profiles_user_with_a_key_that_expires(locked, emulator):
     cli, node = locked
     assert "ssh-keys" not in node.get("metadata", {}), node.get("metadata")
-    r = cli("exec", "--", "sh", "-c", 'echo "user=$USER"')
-    assert r.code == 0, r.err
-    assert sorted(line.split()[-1] for line in r.out.splitlines()) == ["user=alice_example_com"] * 2, r.out
+    for relay in ("--no-relay", "--relay"):  # through relays w0 logs in to w1, as the same user with the same key
+        cli.env["TPURUN_RELAY_ROOTS"] = "1"
+        r = cli("exec", relay, "--", "sh", "-c", 'echo "user=$USER"')
+        assert r.code == 0, r.err
+        assert sorted(line.split()[-1] for line in r.out.splitlines()) == ["user=alice_example_com"] * 2, r.out
     profile = _oslogin(emulator).get_login_profile(request={"name": f"users/{ALICE}", "project_id": PROJECT})
     public = (cli.tpurun_home / "ssh" / "id_ed25519.pub").read_text().split()[:2]
     (mine,) = [k for k in profile.ssh_public_keys.values() if k.key.split()[:2] == public]
