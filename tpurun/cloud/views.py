@@ -30,6 +30,7 @@ class WorkerView:
     external_ip: str
     host_key: str = ""  # the alias its ssh host key is pinned under (keys.host_key_alias), its identity
     vm: str = ""  # its VM's name where the API names each VM (Compute Engine); "" for a node's worker
+    instance: str = ""  # the instance IAP's tunnel names it by (its `vm`, or a node's `hostname` guest attribute)
     report: startup.StartupReport | None = None
     slice: int | None = None  # its slice, in a multislice TPU
 
