@@ -14,13 +14,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tpurun.emulator.compute_projects import Projects
+from tpurun.emulator.firewalls import Firewalls
 from tpurun.emulator.maintenance import Host
 from tpurun.emulator.model import ApiError
 from tpurun.emulator.org import Organisation
 
 
-class Emulator(Projects):
+class Emulator(Firewalls):
     """The whole emulated service. Thread-safe: HTTP handler threads and operation threads share it."""
 
     # ------------------------------------------------------------------ faults and admin
@@ -133,6 +133,7 @@ class Emulator(Projects):
         with self.lock:
             self.nodes.clear()
             self.queued.clear()
+            self.firewalls.clear()
             self.ops.clear()
             self._fail_rules.clear()
             self.request_log.clear()
