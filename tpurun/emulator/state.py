@@ -115,6 +115,7 @@ class Emulator(Firewalls):
                 "capacity": {f"{z}/{g}": f"{n} {u}" for (z, g), (n, u) in self.config.capacity.limits.items()},
                 "maxWorkersPerNode": self.config.max_workers_per_node,
                 "failRules": list(self._fail_rules),
+                "iapTunnels": self.org.iap.describe(),
                 **self.compute_status(),
             }
 
