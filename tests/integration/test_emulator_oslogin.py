@@ -157,6 +157,7 @@ def pod(emulator) -> Iterator[Pod]:
         accelerator_type="v4-16",
         runtime_version=default_runtime_version("v4"),
         metadata={"ssh-keys": f"tpurun:{meta_key.public}"},
+        network_config=tpu_v2.NetworkConfig(enable_external_ips=True),  # logged in to from this machine
     )
     ready = tpu.create_node(parent=parent, node_id="org", node=node).result(polling=fast_polling())
     name = f"{parent}/nodes/org"
