@@ -171,6 +171,11 @@ class NodeView:
         )
 
     @property
+    def external_ips(self) -> bool:
+        """Whether its workers have external addresses (`create --internal-ips` gives them none)."""
+        return any(w.external_ip for w in self.workers)
+
+    @property
     def parts(self) -> list[NodeView]:
         """Its slices' views (itself, for a TPU of one slice)."""
         return self.slices or [self]
@@ -222,6 +227,7 @@ class NodeView:
             "workers": len(self.workers),
             "spot": self.spot,
             "preemptible": self.preemptible,
+            "externalIps": self.external_ips,
             "age": self.age(),
             "createTime": self.created.isoformat() if self.created else None,
         }
