@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import sys
 import time
 
 import pytest
@@ -108,17 +109,63 @@ def test_straight_from_here_it_cannot_be_reached(private):
     cli, _ = private
     r = cli("--plain", "exec", "--via", "direct", "--worker", "0", "--", "true", timeout=120)
     assert_clean_error(r, 4)
+    assert "no external address" in r.err and "--via iap" in r.err, r.err
 
 
 def test_without_the_firewall_rule_iap_says_which_rule_in_one_line(private, emulator):
     cli, _ = private
     _drop_rule(emulator)
     started = time.monotonic()
-    r = cli("--plain", "exec", "--via", "iap", "--", "true", timeout=120)
+    r = cli("--plain", "exec", "--", "true", timeout=120)  # auto: IAP for workers without an external address
     took = time.monotonic() - started
     assert_clean_error(r, 4)
-    assert "35.235.240.0/20" in r.err and "tcp:22" in r.err and "gcloud compute firewall-rules create" in r.err, r.err
+    said = r.err.splitlines()[0]  # the first worker's as it came; the others alike said once at the end
+    assert said.startswith("error: IAP cannot reach port 22 of worker w0"), r.err
+    assert "35.235.240.0/20" in said and "tcp:22" in said and "gcloud compute firewall-rules create" in said, r.err
+    assert r.err.splitlines()[-1].endswith("(and 6 more workers alike: w[2-7])"), r.err
+    rows = [line for line in r.err.splitlines() if line.startswith("w")]
+    assert len(rows) == WORKERS and all("IAP cannot reach port 22" in row for row in rows), r.err
     assert took < 20, took
+
+
+def test_a_denied_tunnel_names_the_role(private, emulator):
+    cli, _ = private
+    emulator.admin.iap_access(False, PROJECT)
+    try:
+        r = cli("--plain", "exec", "--via", "iap", "--worker", "0", "--", "true", timeout=120)
+    finally:
+        emulator.admin.iap_access(True, PROJECT)
+    assert_clean_error(r, 4)
+    assert "IAP-secured Tunnel User (roles/iap.tunnelResourceAccessor)" in r.err and "4033" in r.err, r.err
+
+
+# a ProxyCommand of the user's own: a small `nc` that connects from an address inside the VPC (as a jump host would)
+INSIDE = """import os, socket, sys, threading
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), 10, ("127.77.0.1", 0))
+def up():
+    while (b := os.read(0, 65536)):
+        s.sendall(b)
+    s.shutdown(socket.SHUT_WR)
+threading.Thread(target=up, daemon=True).start()
+while (b := s.recv(65536)):
+    os.write(1, b)
+"""
+
+
+def test_a_proxy_command_of_ones_own(private, emulator):
+    cli, _ = private
+    (cli.cwd.parent / "inside.py").write_text(INSIDE)
+    via = f"{sys.executable} {cli.cwd.parent / 'inside.py'} %h %p"
+    before = emulator.request_count()
+    r = cli("exec", "--via", via, "--", "hostname")
+    assert r.code == 0, r.err
+    assert sorted(line.split()[0] for line in r.out.splitlines()) == sorted(f"[w{i}]" for i in range(WORKERS))
+    r = cli("ssh", "--via", via, "--worker", "2", "--", "hostname")
+    assert r.code == 0 and r.out.strip().endswith("-w-2"), r.err
+    assert _tunnels_since(emulator, before) == 0
+    r = cli("--plain", "exec", "--via", "sh -c 'echo no jump host here >&2' %h", "--worker", "0", "--", "true")
+    assert_clean_error(r, 4)
+    assert "through `sh -c 'echo no jump host here >&2' %h`: no jump host here" in r.err, r.err
 
 
 @pytest.mark.parametrize("relay", ["--no-relay", "--relay"])

@@ -379,7 +379,7 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         dial, through = ways.dial(workers[i])
         runners.append(
             SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint,
-                      dial=dial, through=through, **retries)
+                      dial=dial, through=through, reach_hint=ways.hint(workers[i]), **retries)
         )  # fmt: skip
     return Target(
         name,
@@ -452,6 +452,16 @@ class Ways:
             return tunnels.open(iap.Instance(project, zone, instance), worker.name, timeout)
 
         return tunnel, "through IAP"
+
+    def hint(self, worker: Worker) -> str:
+        """What to do when WORKER (placed) cannot be reached, where its way says more than `tpurun describe`."""
+        external, _ = self.ends[worker.index]
+        if self.straight(external) and not external:
+            return (
+                "it has no external address: only its network reaches it there, and IAP from outside "
+                "(--via iap; docs/locked-down.md)"
+            )
+        return ""
 
     def proxy_command(self, worker: Worker) -> str | None:
         """The ProxyCommand with which OpenSSH reaches WORKER (placed) the way tpurun does (`tpurun ssh`), None where

@@ -130,7 +130,7 @@ def firewall_command(project: str) -> str:
     """The gcloud command that makes the rule IAP needs (Google's own example, for the default network)."""
     return (
         "gcloud compute firewall-rules create allow-ssh-ingress-from-iap --direction=INGRESS --action=allow "
-        f"--rules=tcp:22 --source-ranges={IAP_RANGE} --project={project} (add --network=NAME for another network "
+        f"--rules=tcp:22 --source-ranges={IAP_RANGE} --project={project} (and --network=NAME, for another network "
         "than default)"
     )
 
@@ -190,7 +190,7 @@ def _open(tunnels: Tunnels, instance: Instance, worker: str, timeout: float) -> 
     from tpurun import __version__
 
     url = connect_url(tunnels.url, instance)
-    to = f"a tunnel to worker {worker} (instance {instance.name})"
+    to = f"worker {worker} (instance {instance.name})"
     try:
         ws = connect(
             url,
@@ -208,16 +208,16 @@ def _open(tunnels: Tunnels, instance: Instance, worker: str, timeout: float) -> 
         status = exc.response.status_code
         if status in (401, 403):
             raise UnreachableError(
-                f"IAP refused tpurun's credentials for {to}: HTTP {status}",
+                f"IAP refused tpurun's credentials (HTTP {status}) for a tunnel to {to}",
                 hint="`gcloud auth application-default login` (or GOOGLE_APPLICATION_CREDENTIALS); behind a proxy, "
                 "it must let WebSockets through to tunnel.cloudproxy.app",
             ) from None
-        raise UnreachableError(f"IAP answered HTTP {status} to {to}") from None
+        raise UnreachableError(f"IAP answered HTTP {status} for a tunnel to {to}") from None
     except InvalidHandshake as exc:
-        raise UnreachableError(f"IAP's handshake failed for {to}: {exc}") from None
+        raise UnreachableError(f"IAP's handshake for a tunnel to {to} failed: {exc}") from None
     except (OSError, TimeoutError) as exc:
         why = "no answer in time" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc)).lower()
-        raise UnreachableError(f"cannot reach IAP at {tunnels.url} for {to}: {why}") from None
+        raise UnreachableError(f"cannot reach IAP at {tunnels.url} for a tunnel to {to}: {why}") from None
     try:
         first = ws.recv(timeout=timeout)
         tag, _ = parse(first) if isinstance(first, bytes) else (None, None)
@@ -227,39 +227,39 @@ def _open(tunnels: Tunnels, instance: Instance, worker: str, timeout: float) -> 
         raise _refused(tunnels, instance, to, code, reason) from None
     except TimeoutError:
         ws.close()
-        raise UnreachableError(f"IAP did not open {to} within {timeout:.0f} s") from None
+        raise UnreachableError(f"IAP did not open a tunnel to {to} within {timeout:.0f} s") from None
     except ValueError as exc:
         ws.close()
-        raise UnreachableError(f"IAP's first frame for {to} was not a session: {exc}") from None
+        raise UnreachableError(f"IAP's first frame for a tunnel to {to} was not a session: {exc}") from None
     if tag != CONNECT_SUCCESS_SID:
         ws.close()
-        raise UnreachableError(f"IAP's first frame for {to} was not a session (tag {tag})")
+        raise UnreachableError(f"IAP's first frame for a tunnel to {to} was not a session (tag {tag})")
     mine, theirs = socket.socketpair()
     _Pump(ws, mine, worker).start()
     return theirs
 
 
 def _refused(tunnels: Tunnels, instance: Instance, to: str, code: int | None, reason: str) -> UnreachableError:
-    """IAP's refusal, closed with CODE and REASON, said in one line with what to do."""
-    said = f"{code}: {reason}" if reason else str(code)
+    """IAP's refusal of TO, closed with CODE and REASON, said in one line with what to do."""
+    said = f"IAP said {code}: {reason}" if reason else f"IAP said {code}"
     if code == BACKEND_FAILED:
         return UnreachableError(
-            f"IAP cannot reach port {instance.port} for {to} ({said}): no firewall rule lets IAP's range {IAP_RANGE} "
-            f"in to tcp:{instance.port} (or the VM is down)",
-            hint=f"allow it once for the network: {firewall_command(instance.project)}",
+            f"IAP cannot reach port {instance.port} of {to}: no firewall rule lets IAP's range {IAP_RANGE} in to "
+            f"tcp:{instance.port}, or the VM is down ({said})",
+            hint=f"add the rule once for the TPU's network: {firewall_command(instance.project)}",
         )
     if code == NOT_AUTHORIZED:
         return UnreachableError(
-            f"IAP refused {to} ({said}): {tunnels.who()} may not tunnel to it",
-            hint=f"grant it the {ROLE} role in project {instance.project} (changes take a few minutes)",
+            f"IAP refused {tunnels.who()} a tunnel to {to} ({said})",
+            hint=f"it takes the {ROLE} role in project {instance.project}; IAM changes take a few minutes",
         )
     if code in (NOT_FOUND, LOOKUP_FAILED):
         return UnreachableError(
-            f"IAP found no instance {instance.name} in zone {instance.zone} of project {instance.project} for {to} "
+            f"IAP knows no instance {instance.name} in zone {instance.zone} of project {instance.project}, for a tunnel to {to} "
             f"({said})",
             hint="the TPU was deleted or made anew: `tpurun describe NAME` shows it",
         )
-    return UnreachableError(f"IAP closed {to} ({said or 'no close code'})")
+    return UnreachableError(f"IAP closed the tunnel to {to} ({said if code else 'without a close code'})")
 
 
 class _Pump:

@@ -187,7 +187,7 @@ def _why_unreachable(exc: BaseException) -> str:
         return "no answer within the timeout (the VM is down or stopped, or a firewall rule drops port 22)"
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError | ConnectionRefusedError):
         return "the connection was refused (its sshd is not running yet or any more, or the VM is gone)"
-    if isinstance(exc, EOFError | ConnectionResetError):
+    if isinstance(exc, EOFError | ConnectionResetError) or "protocol banner" in str(exc):
         return "the connection was closed during the SSH handshake (its sshd is starting or overloaded)"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.lower()
@@ -222,13 +222,15 @@ class SshRunner(Runner):
         login_hint: str = "",
         dial: Dial | None = None,
         through: str = "",
+        reach_hint: str = "",
     ) -> None:
         """RENEW: called before each new connection (OS Login renews tpurun's key where it is about to expire);
         LOGIN_HINT: what to do when the worker refuses tpurun's key (else: attach installs it in ssh-keys);
         DIAL: opens the byte stream to the worker's sshd (IAP's tunnel, a ProxyCommand) where it is not a TCP
-        connection from here to its address, THROUGH naming that way for messages ("through IAP")."""
+        connection from here to its address, THROUGH naming that way for messages ("through IAP"); REACH_HINT: what
+        to do when it cannot be reached (else: `tpurun describe`)."""
         self.worker = worker
-        self.dial, self.through = dial, through
+        self.dial, self.through, self.reach_hint = dial, through, reach_hint
         self.renew, self.login_hint = renew, login_hint
         self.key_path = key_path
         self.known_hosts = known_hosts
@@ -302,7 +304,7 @@ class SshRunner(Runner):
                         hint=f"{self._attach_hint()} pins the keys the TPU published",
                     ) from None
                 auth = isinstance(exc, paramiko.AuthenticationException)
-                if sock is not None and not auth:  # the way there ended before SSH could begin
+                if "protocol banner" in str(exc):  # the connection ended before SSH began: not a login refused
                     raise self._cut(client, sock, exc) from None
                 if attempt > self.auth_retries or not auth:
                     what = "authentication failed" if auth else f"ssh error: {exc}"
@@ -317,13 +319,7 @@ class SshRunner(Runner):
                     _pin_host_keys(client, self.known_hosts, self.worker)
                 client.set_missing_host_key_policy(paramiko.RejectPolicy())
             except (OSError, EOFError) as exc:
-                if sock is not None:
-                    raise self._cut(client, sock, exc) from None
-                client.close()
-                raise UnreachableError(
-                    f"cannot reach worker {w.label()}{self._of_tpu()} on port {w.port}: {_why_unreachable(exc)}",
-                    hint=f"`tpurun describe {self.node_name}` shows its state" if self.node_name else None,
-                ) from None
+                raise self._cut(client, sock, exc) from None
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(15)
@@ -331,14 +327,21 @@ class SshRunner(Runner):
         self.client = client
 
     def _cut(self, client: paramiko.SSHClient, sock: Any, exc: BaseException) -> UnreachableError:
-        """The way to the worker (DIAL's SOCK) ended before SSH began: said with what the way said of it."""
+        """The connection to the worker (through DIAL's SOCK, where it has one) failed or ended before SSH began:
+        said with what its way said of it (a ProxyCommand's last words)."""
         why = sock.why() if hasattr(sock, "why") else _why_unreachable(exc)
         client.close()
-        sock.close()
+        if sock is not None:
+            sock.close()
+        way = self.through or f"on port {self.worker.port}"
         return UnreachableError(
-            f"cannot reach worker {self.worker.label()}{self._of_tpu()} {self.through}: {why}",
-            hint=f"`tpurun describe {self.node_name}` shows its state" if self.node_name else None,
+            f"cannot reach worker {self.worker.label()}{self._of_tpu()} {way}: {why}", hint=self._reach_hint()
         )
+
+    def _reach_hint(self) -> str | None:
+        if self.reach_hint:
+            return self.reach_hint
+        return f"`tpurun describe {self.node_name}` shows its state" if self.node_name else None
 
     def run_to_end(self, run: Run) -> int:
         command = wrap_command(run.argv, run.grace, run.env)
