@@ -249,6 +249,25 @@ def test_ctrl_c_leaves_nothing(allowed, emulator):
         time.sleep(0.1)
 
 
+def test_a_compute_engine_tpu_without_external_addresses(allowed, emulator):
+    """Compute Engine's VMs without an access config, through IAP by their instance names."""
+    cli, _ = allowed
+    r = cli("create", "ironwood", "-t", "tpu7x-16", "--internal-ips", "--json")
+    assert r.code == 0, r.err
+    try:
+        made = json.loads(r.out)
+        assert made["backend"] == "compute" and made["externalIps"] is False, made
+        before = emulator.request_count()
+        r = cli("exec", "--tpu", "ironwood", "--", "hostname")
+        assert r.code == 0, r.err
+        assert sorted(line.split()[0] for line in r.out.splitlines()) == ["[w0]", "[w1]"], r.out
+        assert _tunnels_since(emulator, before) == 2
+        r = cli("--plain", "exec", "--tpu", "ironwood", "--via", "direct", "--", "true")
+        assert_clean_error(r, 4)
+    finally:
+        assert cli("delete", "ironwood", "--yes").code == 0
+
+
 def test_the_pod_made_public_prints_the_same(allowed, emulator):
     """The same commands, on the same pod once it has external addresses, straight from here: the same output."""
     cli, _ = allowed
