@@ -42,7 +42,7 @@ from tpurun.emulator.model import IAP_RANGE, IAP_SOURCE
 if TYPE_CHECKING:
     from tpurun.emulator.state import Emulator
 
-PREFIX = "/v4/"
+TUNNEL_PREFIX = "/v4/"  # the path under which every relay v4 endpoint lies
 CONNECT, RECONNECT = "/v4/connect", "/v4/reconnect"
 SUBPROTOCOL = "relay.tunnel.cloudproxy.app"
 REQUIRED = ("project", "zone", "instance", "interface", "port")  # an instance target's tunnel arguments
