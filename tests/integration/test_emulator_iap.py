@@ -85,12 +85,13 @@ def refusal(endpoint: str, instance: str, **kw: Any) -> int | tuple[int, str] | 
         return e.rcvd.code, e.rcvd.reason
 
 
-def bridged(ws: ClientConnection) -> socket.socket:
-    """A socket whose bytes travel through WS as DATA messages (acked as gcloud acks), for paramiko's `sock`."""
+def bridged(ws: ClientConnection, acks: list[int] | None = None) -> socket.socket:
+    """A socket whose bytes travel through WS as DATA messages (acked as gcloud acks), for paramiko's `sock`; the
+    server's ACKs go to ACKS."""
     mine, theirs = socket.socketpair()
 
     def up() -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ConnectionClosed):
             while data := mine.recv(16384):
                 ws.send(struct.pack(">HI", DATA, len(data)) + data)
         ws.close()
@@ -99,12 +100,15 @@ def bridged(ws: ClientConnection) -> socket.socket:
         got = acked = 0
         with contextlib.suppress(OSError, ConnectionClosed):
             for msg in ws:  # until the tunnel ends
-                if msg[:2] == DATA.to_bytes(2, "big"):
+                tag = int.from_bytes(msg[:2], "big")
+                if tag == DATA:
                     mine.sendall(msg[6:])
                     got += len(msg) - 6
                     if got - acked > 2 * 16384:
                         ws.send(struct.pack(">HQ", ACK, got))
                         acked = got
+                elif tag == ACK and acks is not None:
+                    acks.append(int.from_bytes(msg[2:], "big"))
         with contextlib.suppress(OSError):
             mine.shutdown(socket.SHUT_RDWR)  # paramiko sees the end; `up` too
 
@@ -273,8 +277,11 @@ def test_the_tunnel_needs_a_firewall_rule_then_carries_ssh_and_workers_reach_eac
     net.allow_iap("allow-ssh-ingress-from-iap")
     try:
         with tunnel(net.endpoint, w0.hostname) as ws:
-            t = net.login(bridged(ws), w0)  # its host key checked: the guest attribute's
+            acks: list[int] = []
+            t = net.login(bridged(ws, acks), w0)  # its host key checked: the guest attribute's
             assert run(t, "hostname") == (0, w0.hostname + "\n")
+            assert run(t, "wc -c", "x" * 100_000) == (0, "100000\n")
+            assert acks == sorted(acks) and acks[-1] > 2 * 32768  # what it received, acked past 32 KiB at once
             # from worker 0, worker 1 takes ssh from worker 0's own address (-b), not from 127.0.0.1 (ssh's choice)
             blob = base64.b64encode(w1.host_key.asbytes()).decode()
             assert run(t, f"umask 077; cat > /tmp/k; echo '{w1.address} ssh-ed25519 {blob}' > /tmp/kh", net.pem)[0] == 0
@@ -313,6 +320,28 @@ def test_rules_that_do_not_let_iap_in_are_4003(net):
         for name in rules:
             if name != "deny-first":
                 net.drop(name)
+
+
+def test_the_tunnel_holds_its_client_to_the_protocol(net):
+    net.allow_iap("protocol")
+    try:
+        for message, close in [
+            (struct.pack(">HQ", ACK, 10**6), (4006, "invalid ack")),  # beyond what it was sent
+            (struct.pack(">HI", 9, 0), (4008, "invalid tag")),
+            (struct.pack(">HI", DATA, 0), (4013, "invalid data")),
+            ("text", (4007, "invalid websocket opcode")),
+        ]:
+            with tunnel(net.endpoint, net.private[0].hostname) as ws:
+                greeting = len(ws.recv()) - 6  # sshd speaks first
+                ws.send(struct.pack(">HQ", ACK, greeting))  # taken
+                ws.send(message)
+                with pytest.raises(ConnectionClosed) as closed:
+                    while True:
+                        ws.recv()
+                assert closed.value.rcvd is not None
+                assert (closed.value.rcvd.code, closed.value.rcvd.reason) == close
+    finally:
+        net.drop("protocol")
 
 
 def test_a_compute_engine_vm_is_reached_by_its_name_where_a_rule_targets_its_tag(net):
