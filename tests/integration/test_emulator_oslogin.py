@@ -355,6 +355,8 @@ def test_a_compute_engine_vm_takes_its_projects_os_login_unless_its_own_metadata
         machine_type=f"zones/{zone}/machineTypes/ct6e-standard-1t",
         scheduling={"on_host_maintenance": "TERMINATE"},
         metadata={"items": [{"key": k, "value": v} for k, v in meta.items()]},
+        # an external address: logged in to from this machine (a VM without one takes its network and IAP only)
+        network_interfaces=[{"network": "global/networks/default", "access_configs": [{"name": "External NAT"}]}],
     )
     instances.insert(project=PROJECT, zone=zone, instance_resource=inst).result(timeout=60)
     try:

@@ -27,8 +27,7 @@ from google.cloud import tpu_v2
 from tpurun.emulator.alpha_api import add_v2alpha1_routes
 from tpurun.emulator.compute_api import COMPUTE_PREFIX, add_compute_routes
 from tpurun.emulator.compute_model import compute_body
-from tpurun.emulator.iap import PREFIX as TUNNEL_PREFIX
-from tpurun.emulator.iap import Tunnels
+from tpurun.emulator.iap import TUNNEL_PREFIX, Tunnels
 from tpurun.emulator.model import SCHEDULED, UNSCHEDULED, ApiError, invalid
 from tpurun.emulator.oslogin_api import add_oslogin_routes
 from tpurun.emulator.routing import SYSTEM_PARAMS, Request, Router, parse_message, render

@@ -199,4 +199,3 @@ def _matches(rule_protocol: str, rule_ports: list[str], protocol: str, port: int
         if int(low) <= port <= int(high or low):
             return True
     return False
-

@@ -46,8 +46,8 @@ a project's new or deleted OS Login account reaches its workers' passwd at once.
 Each worker also gets a metadata server (`_metadata.py`: one listening socket per worker, all served
 by one thread of this process) on port 80 of its address and runs the node's ``startup-script`` on
 every boot, as root in its namespaces, from its init (log: `startup_log`; exit status:
-`startup_exit_code`).  At boot the worker's host
-key is published in guest attribute ``hostkeys/ssh-ed25519``, as Google's guest agent does.
+`startup_exit_code`).  At boot the worker's host key is published in guest attribute ``hostkeys/ssh-ed25519``, as
+Google's guest agent does. A private VM's worker (no external address) takes ssh from its network and IAP only.
 
 Everything started here lives in the workers' namespaces or is a thread of this
 process: `close` (or killing the inits, whose namespaces go with them) leaves no process and

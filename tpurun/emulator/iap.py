@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request
+from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
 from websockets.sync.connection import Connection
 from websockets.typing import Subprotocol
@@ -42,7 +42,7 @@ from tpurun.emulator.model import IAP_RANGE, IAP_SOURCE
 if TYPE_CHECKING:
     from tpurun.emulator.state import Emulator
 
-PREFIX = "/v4/"
+TUNNEL_PREFIX = "/v4/"  # the path under which every relay v4 endpoint lies
 CONNECT, RECONNECT = "/v4/connect", "/v4/reconnect"
 SUBPROTOCOL = "relay.tunnel.cloudproxy.app"
 REQUIRED = ("project", "zone", "instance", "interface", "port")  # an instance target's tunnel arguments
@@ -91,20 +91,7 @@ class Tunnels:
         parts = urlsplit(handler.path)
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         proto = ServerProtocol(subprotocols=[Subprotocol(SUBPROTOCOL)])
-        head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in handler.headers.items())
-        line: bytes = getattr(handler, "raw_requestline")  # noqa: B009 - set by handle_one_request, not declared
-        proto.receive_data(line + head + b"\r\n")  # http.server read them; the protocol's parser needs them
-        request = next((e for e in proto.events_received() if isinstance(e, Request)), None)
-        scheme, _, token = (handler.headers.get("Authorization") or "").partition(" ")
-        missing = [k for k in REQUIRED if not query.get(k)] if parts.path == CONNECT else []
-        if request is None or parts.path not in (CONNECT, RECONNECT):
-            response = proto.reject(404, "Not Found\n")
-        elif scheme.lower() != "bearer" or not token.strip():
-            response = proto.reject(401, "Request is missing required authentication credential.\n")
-        elif missing or (parts.path == CONNECT and not query["port"].isdigit()):
-            response = proto.reject(400, f"Missing required tunnel argument: {missing[0] if missing else 'port'}\n")
-        else:
-            response = proto.accept(request)
+        response = _handshake(handler, proto, parts.path, query)
         proto.send_response(response)
         sock = handler.connection
         sock.sendall(b"".join(proto.data_to_send()))
@@ -112,7 +99,11 @@ class Tunnels:
             emu.log_request("GET", parts.path, response.status_code, f"{parts.query} {response.reason_phrase}")
             return
         conn = Connection(sock, proto, ping_interval=None, close_timeout=CLOSE_TIMEOUT)
-        backend = _backend(emu, query) if parts.path == CONNECT else SID_UNKNOWN
+        try:
+            backend = _backend(emu, query) if parts.path == CONNECT else SID_UNKNOWN
+        except Exception as e:  # a bug here must still close the tunnel as a server would, with a code
+            emu.log_event("internal-error", f"IAP tunnel {parts.query}: {type(e).__name__}: {e}")
+            backend = (1011, "internal error")
         if not isinstance(backend, socket.socket):
             emu.log_request("GET", parts.path, 101, f"{parts.query} closed {backend[0]} {backend[1]!r}")
             conn.close(*backend)
@@ -128,11 +119,33 @@ class Tunnels:
                 self._open.discard(tunnel)
 
     def close_all(self) -> None:
-        """End every open tunnel (the server stops)."""
+        """End every open tunnel (the server stops), each on a thread of its own: a client that reads nothing more
+        would hold its close."""
         with self._lock:
             tunnels = list(self._open)
         for t in tunnels:
-            t.end(STOPPING)
+            threading.Thread(target=t.end, args=(STOPPING,), name="iap-tunnel-stop", daemon=True).start()
+
+
+def _handshake(handler: BaseHTTPRequestHandler, proto: ServerProtocol, path: str, query: dict[str, str]) -> Response:
+    """The answer to HANDLER's upgrade request: 101, or why not (no bearer token, a tunnel argument missing, no
+    subprotocol or no upgrade)."""
+    head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in handler.headers.items())
+    line: bytes = getattr(handler, "raw_requestline")  # noqa: B009 - set by handle_one_request, not declared
+    proto.receive_data(line + head + b"\r\n")  # http.server read them; the protocol's parser needs them
+    request = next((e for e in proto.events_received() if isinstance(e, Request)), None)
+    scheme, _, token = (handler.headers.get("Authorization") or "").partition(" ")
+    missing = [k for k in REQUIRED if not query.get(k)] if path == CONNECT else []
+    port = query.get("port", "")
+    if path == CONNECT and not missing and not (port.isdigit() and 0 < int(port) < 65536):
+        missing = ["port"]
+    if request is None or path not in (CONNECT, RECONNECT):
+        return proto.reject(404, "Not Found\n")
+    if scheme.lower() != "bearer" or not token.strip():
+        return proto.reject(401, "Request is missing required authentication credential.\n")
+    if missing:
+        return proto.reject(400, f"Missing required tunnel argument: {missing[0]}\n")
+    return proto.accept(request)
 
 
 def _backend(emu: Emulator, query: dict[str, str]) -> socket.socket | Close:
@@ -165,18 +178,25 @@ class _Tunnel:
         self.ending = threading.Event()
 
     def run(self) -> None:
-        self.conn.send(frame(CONNECT_SUCCESS_SID, str(uuid.uuid4()).encode()))
         out = threading.Thread(target=self._from_backend, name="iap-tunnel", daemon=True)
-        out.start()
         try:
+            self.conn.send(frame(CONNECT_SUCCESS_SID, str(uuid.uuid4()).encode()))
+            out.start()
             self._to_backend()
+        except ConnectionClosed:
+            pass  # the client left
         finally:
             self.end(NORMAL)
-            out.join()
+            if out.is_alive():
+                out.join()
 
     def end(self, close: Close) -> None:
-        """Close the client's side with CLOSE (unless closed already) and the backend's."""
-        self.ending.set()
+        """Close the client's side with CLOSE and the backend's; the first call decides the code (the other thread
+        then finds its side ended and says nothing of it)."""
+        with self.lock:
+            if self.ending.is_set():
+                return
+            self.ending.set()
         try:
             self.backend.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -194,8 +214,6 @@ class _Tunnel:
                     self.conn.send(ack(received))
                     acked = received
                 continue
-            except ConnectionClosed:
-                return
             if isinstance(msg, str):
                 self.end(INVALID_OPCODE)
                 return
@@ -234,7 +252,7 @@ class _Tunnel:
         try:
             while True:
                 data = self.backend.recv(MAX_DATA)
-                if not data:  # the backend ended its side
+                if not data:  # the backend ended its side (or `end` did)
                     self.end(NORMAL)
                     return
                 with self.lock:
