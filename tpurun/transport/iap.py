@@ -183,7 +183,7 @@ class Tunnels:
 
 
 def _open(tunnels: Tunnels, instance: Instance, worker: str, timeout: float) -> socket.socket:
-    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
     from websockets.sync.client import connect
     from websockets.typing import Origin, Subprotocol
 
@@ -213,7 +213,7 @@ def _open(tunnels: Tunnels, instance: Instance, worker: str, timeout: float) -> 
                 "it must let WebSockets through to tunnel.cloudproxy.app",
             ) from None
         raise UnreachableError(f"IAP answered HTTP {status} for a tunnel to {to}") from None
-    except InvalidHandshake as exc:
+    except (InvalidHandshake, WebSocketException) as exc:  # (a proxy refused, a URL websockets cannot take)
         raise UnreachableError(f"IAP's handshake for a tunnel to {to} failed: {exc}") from None
     except (OSError, TimeoutError) as exc:
         why = "no answer in time" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc)).lower()
