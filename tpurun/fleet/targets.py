@@ -480,7 +480,7 @@ class Ways:
         if self._tunnels is None:
             self._tunnels = _tunnels(self.s)
         where = iap.Instance(self.s.project.value or "", self.s.zone.value or "", instance, port)
-        return self._tunnels.open(where, f"instance {instance}", timeout)
+        return self._tunnels.open(where, "", timeout)
 
 
 def _tunnels(s: settings.Settings) -> iap.Tunnels:

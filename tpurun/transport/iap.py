@@ -177,7 +177,8 @@ class Tunnels:
             return "the account tpurun acts as"
 
     def open(self, instance: Instance, worker: str, timeout: float) -> socket.socket:
-        """A tunnel to INSTANCE, for WORKER (how messages name it): the end of it paramiko reads and writes.
+        """A tunnel to INSTANCE, for WORKER (how messages name it; "": the instance alone): the end of it paramiko
+        reads and writes.
         UnreachableError within TIMEOUT seconds, in one line, where IAP refuses or cannot be reached."""
         return _open(self, instance, worker, timeout)
 
@@ -190,7 +191,7 @@ def _open(tunnels: Tunnels, instance: Instance, worker: str, timeout: float) -> 
     from tpurun import __version__
 
     url = connect_url(tunnels.url, instance)
-    to = f"worker {worker} (instance {instance.name})"
+    to = f"worker {worker} (instance {instance.name})" if worker else f"instance {instance.name}"
     try:
         ws = connect(
             url,
