@@ -309,13 +309,17 @@ class _Pump:
         self.ws.close()
 
     def _up(self) -> None:
-        """What paramiko writes, to IAP in DATA frames; at its end (paramiko closed), the WebSocket closed."""
+        """What paramiko writes, to IAP in DATA frames; at its end (paramiko closed), the WebSocket closed. Each
+        frame is read into one buffer behind its header, which websockets copies as it masks it: no other copy."""
+        frame = bytearray(_LEN.size + MAX_DATA)
+        view = memoryview(frame)
         try:
             while True:
-                data = self.sock.recv(MAX_DATA)
-                if not data:
+                size = self.sock.recv_into(view[_LEN.size :])
+                if not size:
                     break
-                self.ws.send(data_frame(data))
+                _LEN.pack_into(frame, 0, DATA, size)
+                self.ws.send(view[: _LEN.size + size])
         except Exception:  # noqa: BLE001 - closed, broken or cut: the tunnel ends
             pass
         self.ws.close()  # a normal close (1000); _down's recv ends with it
