@@ -161,7 +161,7 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     res = run(args)
-    common.publish(res, render(res), "iap", "### IAP's TCP forwarding (#52)", write=not args.no_write)
+    common.publish(res, render(res), "iap", "## IAP's TCP forwarding (#52)", write=not args.no_write)
     return 0
 
 
