@@ -113,7 +113,10 @@ def main() -> int:
                 parent=parent,
                 node_id=a.replace("-", "x"),
                 node=tpu_v2.Node(
-                    accelerator_type=a, runtime_version="tpu-ubuntu2204-base", metadata={"startup-script": STARTUP}
+                    accelerator_type=a,
+                    runtime_version="tpu-ubuntu2204-base",
+                    metadata={"startup-script": STARTUP},
+                    network_config=tpu_v2.NetworkConfig(enable_external_ips=True),  # its sshd is asked from here
                 ),
             )
             for a in accels

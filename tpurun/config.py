@@ -44,6 +44,7 @@ SETTINGS = {
         ("api_endpoint", "the Cloud TPU API endpoint (the emulator's, for example)"),
         ("relay", "reach the workers through relays inside the slice: on, off, or auto (above TPURUN_RELAY_ABOVE)"),
         ("account", "the Google account tpurun acts as, where credentials do not say (OS Login logs in as its user)"),
+        ("via", "how this machine reaches the workers: auto, iap (IAP's TCP forwarding), direct, or a ProxyCommand"),
     )
 }
 # the file of a project directory that holds its settings (settings.py reads and writes it; sync never sends it)

@@ -4,6 +4,7 @@ one (`ssh`: its argv, with tpurun's key and the host key pinned for that worker 
 from __future__ import annotations
 
 import shlex
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -101,15 +102,20 @@ def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: li
         if len(target.workers) != 1:
             raise UsageError(f"--worker {worker}: name one worker")
         w = target.workers[0]
-        # --relay: through the first worker of its slice, to its address inside the slice
-        via = next(x for x in target.all_workers if x.slice == w.slice) if s.relay_mode == "on" else None
+        proxy = target.proxy_command(w)  # IAP's tunnel (tpurun carries ssh's bytes), or the user's ProxyCommand
+        # --relay: through the first worker of its slice, to its address inside the slice (a tunnel or the user's
+        # ProxyCommand goes to the worker itself)
+        relayed = s.relay_mode == "on" and proxy is None
+        via = next(x for x in target.all_workers if x.slice == w.slice) if relayed else None
         via = via if via is not None and via.index != w.index else None
         checked = targets.resolve(s, worker_spec=via.name) if via is not None else target
         errors = checked.fleet.connect()  # a gone TPU is reported, and who answers proves who it is, before ssh
         if errors:
             raise UnreachableError(next(iter(errors.values())))
     argv = _ssh_options(home, w.host_key)  # the key pinned for this worker of this TPU, not for its address
-    if via is not None:
+    if proxy is not None:
+        argv += ["-o", f"ProxyCommand={proxy}", "-p", str(w.port)]
+    elif via is not None:
         hop = _ssh_options(home, via.host_key) + ["-p", str(via.port), "-W", "%h:%p", f"{via.user}@{via.address}"]
         argv += ["-o", f"ProxyCommand={shlex.join(hop)}", "-p", str(INTERNAL_PORT)]
         w = replace(w, address=w.internal or w.address)
@@ -125,3 +131,37 @@ def ssh_argv(s: Settings, command: list[str] | None, *, worker: str, forward: li
     refuse_nul(command)
     # ssh joins its arguments into one line for the remote shell: quote so they arrive exactly
     return [*argv, f"{w.user}@{w.address}", "--", shlex.join(command)]
+
+
+def iap_tunnel(s: Settings, instance: str, port: int) -> None:
+    """This process's stdin and stdout carried through IAP's tunnel to PORT of INSTANCE, in S's project and zone,
+    until either side ends: the ProxyCommand `tpurun ssh` gives OpenSSH for a worker reached through IAP."""
+    import os
+    import selectors
+
+    s.require_location()
+    sock = targets.Ways(s).open_tunnel(instance, port, timeout=15.0)
+    chooser = selectors.DefaultSelector()
+    chooser.register(0, selectors.EVENT_READ)
+    chooser.register(sock, selectors.EVENT_READ)
+    try:
+        while chooser.get_map():
+            for key, _ in chooser.select():
+                if key.fd == 0:
+                    data = os.read(0, 1 << 16)
+                    if data:
+                        sock.sendall(data)
+                        continue
+                    chooser.unregister(0)
+                    sock.shutdown(socket.SHUT_WR)  # ssh closed its side: the tunnel's end follows
+                else:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(1, view) :]
+    except OSError:
+        return
+    finally:
+        sock.close()

@@ -24,8 +24,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-KEYS = ("project", "zone", "tpu", "api_endpoint", "relay", "account")
+KEYS = ("project", "zone", "tpu", "api_endpoint", "relay", "account", "via")
 RELAY_MODES = ("on", "off", "auto")
+VIA_WAYS = ("auto", "iap", "direct")  # or a ProxyCommand of the user's, which names the worker's host (%h)
 ENV = {key: config.SETTINGS[key].name for key in KEYS}
 PROJECT_FILE = config.PROJECT_FILE
 DEFAULT_ENDPOINT = "https://tpu.googleapis.com"
@@ -70,9 +71,10 @@ class Settings:
     searched: tuple[str, ...]  # every place that was looked at, for error messages
     relay: Setting = Setting("relay", None, "not set", Layer.UNSET)
     account: Setting = Setting("account", None, "not set", Layer.UNSET)
+    via: Setting = Setting("via", None, "not set", Layer.UNSET)
 
     def all(self) -> list[Setting]:
-        return [self.project, self.zone, self.tpu, self.api_endpoint, self.relay, self.account, self.home]
+        return [self.project, self.zone, self.tpu, self.api_endpoint, self.relay, self.via, self.account, self.home]
 
     @property
     def relay_mode(self) -> str:
@@ -81,6 +83,20 @@ class Settings:
         if mode not in RELAY_MODES:
             raise UsageError(f"relay is '{self.relay.value}' ({self.relay.source}): use on, off or auto")
         return mode
+
+    @property
+    def via_way(self) -> str:
+        """How this machine reaches the workers: auto (the default: IAP for those without an external address),
+        iap, direct, or a ProxyCommand (a command with %h, run as OpenSSH runs one)."""
+        value = (self.via.value or "auto").strip()
+        if value.lower() in VIA_WAYS:
+            return value.lower()
+        if "%h" not in value:
+            raise UsageError(
+                f"via is '{value}' ({self.via.source}): use auto, iap, direct, or a ProxyCommand naming the worker's "
+                "host as %h, e.g. 'ssh -W %h:%p jumphost'"
+            )
+        return value
 
     def require_location(self, *, zone: bool = True) -> tuple[str, str]:
         """Project and zone (ZONE False: the project only, the zone may be unset), or one error naming every
@@ -243,6 +259,7 @@ def resolve(
         searched=tuple(searched),
         relay=pick("relay"),
         account=pick("account"),
+        via=pick("via"),
     )
 
 

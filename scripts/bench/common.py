@@ -270,12 +270,14 @@ class Bench:
 
 @contextmanager
 def bench_emulator() -> Iterator[Bench]:
-    """The emulator (zero delays) on a thread of this process, and a fresh TPURUN_HOME; torn down after."""
+    """The emulator (zero delays; its workers in TPURUN_EMULATOR_SLOTS where set) on a thread of this process, and
+    a fresh TPURUN_HOME; torn down after."""
     sys.path.insert(0, str(ROOT))
+    from tpurun.config import EMULATOR_SLOTS
     from tpurun.emulator.api import EmulatorServer
     from tpurun.emulator.cli import leftovers
     from tpurun.emulator.hosts import WorkerHosts
-    from tpurun.emulator.model import Delays, EmulatorConfig
+    from tpurun.emulator.model import Delays, EmulatorConfig, parse_slots
     from tpurun.emulator.pytest_plugin import host_problem
     from tpurun.emulator.state import Emulator
 
@@ -286,7 +288,9 @@ def bench_emulator() -> Iterator[Bench]:
     home = state_dir / "home"
     home.mkdir()
     hosts = WorkerHosts(state_dir / "emu", key_propagation_delay=0.1)
-    emu = Emulator(hosts, EmulatorConfig(state_dir=state_dir / "emu", delays=Delays(0, 0, 0, 0, 0, 0)))
+    # TPURUN_EMULATOR_SLOTS: the addresses its workers take, as for `tpurun emulator start` (apart from another's)
+    slots = parse_slots(EMULATOR_SLOTS.raw())
+    emu = Emulator(hosts, EmulatorConfig(state_dir=state_dir / "emu", delays=Delays(0, 0, 0, 0, 0, 0), slots=slots))
     server = EmulatorServer(emu)
     server.start_thread()
     bench = Bench(server.endpoint, home, client_env(home, TPURUN_API_ENDPOINT=server.endpoint), server, state_dir)

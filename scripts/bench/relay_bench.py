@@ -157,7 +157,11 @@ def made(bench: common.Bench, name: str, accelerator_type: str) -> None:
     from tpurun.emulator.pytest_plugin import fast_polling
 
     client = _client(bench)
-    node = tpu_v2.Node(accelerator_type=accelerator_type, runtime_version="tpu-ubuntu2204-base")
+    node = tpu_v2.Node(
+        accelerator_type=accelerator_type,
+        runtime_version="tpu-ubuntu2204-base",
+        network_config=tpu_v2.NetworkConfig(enable_external_ips=True),  # reached from this machine
+    )
     op = client.create_node(parent=f"projects/{common.PROJECT}/locations/{common.ZONE}", node_id=name, node=node)
     op.result(polling=fast_polling().with_timeout(1800))
     bench.tpurun("attach", name)
@@ -176,7 +180,11 @@ def made_slices(bench: common.Bench, name: str, accelerator_type: str, slices: i
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
         parent=parent,
         multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(node_count=slices, node_id_prefix=name),
-        node=tpu_v2.Node(accelerator_type=accelerator_type, runtime_version="tpu-ubuntu2204-base"),
+        node=tpu_v2.Node(
+            accelerator_type=accelerator_type,
+            runtime_version="tpu-ubuntu2204-base",
+            network_config=tpu_v2.NetworkConfig(enable_external_ips=True),
+        ),
     )
     qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]))
     op = client.create_queued_resource(parent=parent, queued_resource_id=name, queued_resource=qr)

@@ -157,6 +157,7 @@ def pod(emulator) -> Iterator[Pod]:
         accelerator_type="v4-16",
         runtime_version=default_runtime_version("v4"),
         metadata={"ssh-keys": f"tpurun:{meta_key.public}"},
+        network_config=tpu_v2.NetworkConfig(enable_external_ips=True),  # logged in to from this machine
     )
     ready = tpu.create_node(parent=parent, node_id="org", node=node).result(polling=fast_polling())
     name = f"{parent}/nodes/org"
@@ -354,6 +355,8 @@ def test_a_compute_engine_vm_takes_its_projects_os_login_unless_its_own_metadata
         machine_type=f"zones/{zone}/machineTypes/ct6e-standard-1t",
         scheduling={"on_host_maintenance": "TERMINATE"},
         metadata={"items": [{"key": k, "value": v} for k, v in meta.items()]},
+        # an external address: logged in to from this machine (a VM without one takes its network and IAP only)
+        network_interfaces=[{"network": "global/networks/default", "access_configs": [{"name": "External NAT"}]}],
     )
     instances.insert(project=PROJECT, zone=zone, instance_resource=inst).result(timeout=60)
     try:

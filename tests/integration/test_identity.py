@@ -33,7 +33,12 @@ def _create_behind_tpurun(cli, emulator, name: str, accel: str) -> None:
     from google.cloud import tpu_v2
 
     pub = cli.key.with_suffix(".pub").read_text().strip()
-    node = tpu_v2.Node(accelerator_type=accel, runtime_version="tpu-ubuntu2204-base", metadata={"ssh-keys": f"root:{pub}"})
+    node = tpu_v2.Node(
+        accelerator_type=accel,
+        runtime_version="tpu-ubuntu2204-base",
+        metadata={"ssh-keys": f"root:{pub}"},
+        network_config=tpu_v2.NetworkConfig(enable_external_ips=True),  # gcloud's default: reachable from here
+    )
     op = emulator.client().create_node(parent=emulator.parent, node_id=name, node=node)
     op.result(polling=fast_polling())
     emulator.wait_startup(emulator.node_name(name))

@@ -70,6 +70,7 @@ COMMANDS: dict[str, str] = {
     "maintenance": "nodes:maintenance_cmd",
     "exec": "remote:exec_cmd",
     "ssh": "remote:ssh_cmd",
+    "iap-tunnel": "remote:iap_tunnel_cmd",  # hidden: `tpurun ssh`'s ProxyCommand through IAP
     "sync": "sync:sync_cmd",
     "download": "sync:download_cmd",
     "train": "train:train_cmd",

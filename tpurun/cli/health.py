@@ -20,6 +20,7 @@ from tpurun.cli.options import (
     ProjectOpt,
     RelayOpt,
     TpuOpt,
+    ViaOpt,
     WorkerOpt,
     ZoneOpt,
     relay_flag,
@@ -45,13 +46,14 @@ def kill_stale_cmd(
     grace: GraceOpt = 10.0,
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Free the TPU: stop the processes holding its device files or libtpu, then remove stale lock files.
 
     Holders: processes with /dev/accel* or /dev/vfio/* open, or with a libtpu*.so mapped. Nothing else
     is touched. Exit 0 when every selected worker's TPU is free, 1 when a holder is left (--dry-run: found).
     """
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)})
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay), "via": via})
     result = diagnose.kill_stale(s, local=local, worker_spec=worker, dry_run=dry_run, grace=grace, announce=ui.info)
     if json_out:
         ui.print_json(result.to_json())
@@ -136,12 +138,13 @@ def doctor_cmd(
     ] = None,
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Check every worker and say what is wrong and how to fix it (pass/warn/fail per check).
 
     Exit 0 when no check failed, 1 when one did, 4 when a worker could not be reached.
     """
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)})
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay), "via": via})
     result = diagnose.doctor(s, local=local, worker_spec=worker, python=python, announce=ui.info, warn=ui.warn)
     total = result.summary
     if json_out:

@@ -10,7 +10,7 @@ import typer
 
 from tpurun import settings, ui, watchdogs
 from tpurun.cli import grouped
-from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ZoneOpt
+from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ViaOpt, ZoneOpt
 from tpurun.cli.output import progress_display
 from tpurun.cloud import autostop, identity, provision, startup
 from tpurun.cloud.client import Cloud
@@ -20,11 +20,16 @@ from tpurun.naming import EACH_UP_TO, which
 
 
 def cloud_for(
-    project: str | None, zone: str | None, *, every_zone: bool = False, tpu: str | None = None
+    project: str | None,
+    zone: str | None,
+    *,
+    every_zone: bool = False,
+    tpu: str | None = None,
+    via: str | None = None,
 ) -> tuple[Cloud, settings.Settings]:
     """The APIs where the settings say, or, for the existing TPU named TPU, where tpurun made it unless a zone is
-    chosen (`identity.where`)."""
-    s = settings.resolve({"project": project, "zone": zone})
+    chosen (`identity.where`); VIA: --via, for a command that reaches its workers."""
+    s = settings.resolve({"project": project, "zone": zone, "via": via})
     if tpu is not None:
         s = identity.where(s, tpu)
     return Cloud(s, every_zone=every_zone), s
@@ -433,6 +438,7 @@ def autostop_cmd(
     ] = None,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Delete (or stop) a TPU once it has been idle for IDLE, or turn that off. Idle: no tpurun job on any
     worker and no process holding a TPU device. A watchdog on the TPU itself acts, with its own credentials."""
@@ -440,7 +446,7 @@ def autostop_cmd(
     seconds = autostop.parse_idle(idle, "autostop")
     if action is not None:
         autostop.check_action(action)
-    cloud, s = cloud_for(project, zone, tpu=name)
+    cloud, s = cloud_for(project, zone, tpu=name, via=via)
     with progress_display() as progress:
         setting = watchdogs.configure(cloud, name, seconds, action, progress, s)
     ui.info(f"{name}: autostop {setting.label()}")
@@ -454,6 +460,7 @@ def maintenance_cmd(
     force: Annotated[bool, typer.Option("--force", help="With --now: start it even while a job runs.")] = False,
     project: ProjectOpt = None,
     zone: ZoneOpt = None,
+    via: ViaOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show the maintenance announced for a TPU; with --now, start it on your own time.
@@ -466,7 +473,7 @@ def maintenance_cmd(
     provision.validate_name(name)
     if force and not now:
         raise UsageError("--force only applies with --now")
-    s = settings.resolve({"tpu": name, "project": project, "zone": zone})
+    s = settings.resolve({"tpu": name, "project": project, "zone": zone, "via": via})
     with progress_display() as progress:
         result = maintenance.maintenance(s, now=now, force=force, progress=progress)
     if json_out:

@@ -22,6 +22,17 @@ RelayOpt = Annotated[
         show_default=False,
     ),
 ]
+ViaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--via",
+        metavar="iap|direct|COMMAND",
+        help="How this machine reaches the workers: through IAP's TCP forwarding, straight to their addresses, or "
+        "through a ProxyCommand of yours (%h %p as OpenSSH expands them), e.g. 'ssh -W %h:%p jumphost' (default: "
+        "IAP for workers without an external address, else straight).",
+        show_default=False,
+    ),
+]
 ZoneOpt = Annotated[str | None, typer.Option("--zone", help="Zone, e.g. us-central2-b (else settings).")]
 
 # every bounded number declares its range to the parser, which shows it in --help as [x>=0] and refuses

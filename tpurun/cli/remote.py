@@ -19,6 +19,7 @@ from tpurun.cli.options import (
     ProjectOpt,
     RelayOpt,
     TpuOpt,
+    ViaOpt,
     WorkerOpt,
     ZoneOpt,
     parsing,
@@ -107,6 +108,7 @@ def exec_cmd(
         ),
     ] = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Run a command on every selected worker at once, lines prefixed \\[wN]. The TPU's name may come first:
     `tpurun exec NAME -- CMD`."""
@@ -114,7 +116,7 @@ def exec_cmd(
         ctx,
         "exec",
         command,
-        settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}),
+        settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay), "via": via}),
         local=local,
     )
     if not command:
@@ -160,6 +162,7 @@ def ssh_cmd(
         typer.Option("--ssh-flag", help="One more option for the system ssh, e.g. '-D 1080' (repeatable)."),
     ] = None,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """An interactive shell (or one command) on one worker, through the system ssh with pinned host keys. The
     TPU's name may come first: `tpurun ssh NAME`."""
@@ -167,7 +170,7 @@ def ssh_cmd(
         ctx,
         "ssh",
         command or [],
-        settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}),
+        settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay), "via": via}),
         ask=True,
     )
     argv = remote.ssh_argv(s, command, worker=worker, forward=forward or [], flags=ssh_flag or [])
@@ -176,3 +179,15 @@ def ssh_cmd(
         os.execvp("ssh", argv)
     except OSError as exc:
         raise TpurunError(f"cannot run the system ssh client: {exc.strerror}", hint="install openssh-client") from None
+
+
+@parsing(hidden=True)
+def iap_tunnel_cmd(
+    instance: Annotated[str, typer.Argument(metavar="INSTANCE", help="The VM's instance name.")],
+    port: Annotated[int, typer.Argument(metavar="PORT", min=1, max=65535, help="Its port.")],
+    project: ProjectOpt = None,
+    zone: ZoneOpt = None,
+) -> None:
+    """Carry stdin and stdout through IAP's tunnel to PORT of INSTANCE: the ProxyCommand `tpurun ssh` gives the
+    system ssh for a worker without an external address (docs/remote.md)."""
+    remote.iap_tunnel(settings.resolve({"project": project, "zone": zone}), instance, port)

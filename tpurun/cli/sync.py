@@ -16,7 +16,7 @@ import typer
 
 from tpurun import ignore, settings, ui
 from tpurun.cli import grouped
-from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, RelayOpt, TpuOpt, WorkerOpt, ZoneOpt, relay_flag
+from tpurun.cli.options import JsonOpt, LocalOpt, ProjectOpt, RelayOpt, TpuOpt, ViaOpt, WorkerOpt, ZoneOpt, relay_flag
 from tpurun.cli.output import stop_on_signals
 from tpurun.errors import ExitCode, UsageError
 from tpurun.naming import EACH_UP_TO, each_or_by_reason, listed, which
@@ -138,11 +138,17 @@ def _synced(stats: list[WorkerStats], dest: str) -> None:
 
 
 def _named_tpu_or_local(
-    tpu: str | None, project: str | None, zone: str | None, local: bool, what: str, relay: bool | None
+    tpu: str | None,
+    project: str | None,
+    zone: str | None,
+    local: bool,
+    what: str,
+    relay: bool | None,
+    via: str | None = None,
 ) -> settings.Settings:
     """The settings, refused when they name no TPU and --local was not given: sync and download would
     otherwise copy on this machine without being asked to."""
-    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)})
+    s = settings.resolve({"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay), "via": via})
     if not local and not s.tpu.value:
         raise UsageError(
             f"no TPU named: {what}; name one with --tpu NAME (or TPURUN_TPU, or tpu in tpurun.toml), or pass "
@@ -172,6 +178,7 @@ def sync_cmd(
     worker: WorkerOpt = "all",
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Incremental, content-checked copy of a directory to every selected worker at once."""
     source = Path(src).expanduser()
@@ -179,7 +186,7 @@ def sync_cmd(
         raise UsageError(f"{src} is not a directory: sync copies a directory (e.g. `tpurun sync .`)")
     source = source.resolve()
     destination = dest or default_dest(source)
-    s = _named_tpu_or_local(tpu, project, zone, local, "sync copies a directory to a TPU's workers", relay)
+    s = _named_tpu_or_local(tpu, project, zone, local, "sync copies a directory to a TPU's workers", relay, via)
     started = time.monotonic()
     stop = threading.Event()
     progress = Counters()
@@ -236,10 +243,11 @@ def download_cmd(
     ] = False,
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Copy a file or directory (checkpoints, outputs) from every selected worker to this machine, only the
     files that changed since the last download."""
-    s = _named_tpu_or_local(tpu, project, zone, local, "download copies from a TPU's workers", relay)
+    s = _named_tpu_or_local(tpu, project, zone, local, "download copies from a TPU's workers", relay, via)
     into = Path(dest).expanduser()
     if into.exists() and not into.is_dir():
         raise UsageError(f"{dest} is not a directory: download puts what it copies into a directory")

@@ -28,6 +28,7 @@ from tpurun.cli.options import (
     RelayOpt,
     RestartsOpt,
     TpuOpt,
+    ViaOpt,
     WorkerOpt,
     ZoneOpt,
     parsing,
@@ -192,6 +193,7 @@ def train_cmd(
     worker: AloneOpt = None,
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Sync this directory and run SCRIPT on every worker (once per worker, or once per chip with --launch chip),
     streaming every chip process's lines."""
@@ -224,7 +226,7 @@ def train_cmd(
         on_hang=on_hang,
         worker=worker,
     )
-    flags = {"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay)}
+    flags = {"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay), "via": via}
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
 
 
@@ -535,10 +537,13 @@ def jobs_cmd(
     ] = False,
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Jobs started with `train` (attached and detached), each with its state over every worker: a failure on
     any worker is failed, naming it; a job whose TPU was deleted is gone."""
-    rows = status.jobs(settings.resolve({"relay": relay_flag(relay)}), tpu, project=project, zone=zone, prune=prune)
+    rows = status.jobs(
+        settings.resolve({"relay": relay_flag(relay), "via": via}), tpu, project=project, zone=zone, prune=prune
+    )
     if json_out:
         ui.print_json([row.to_dict() for row in rows])
         return
@@ -574,9 +579,10 @@ def logs_cmd(
     ] = None,
     tpu: JobTpuOpt = None,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Every line of every core of a job, from the per-core files on the workers (reattaches to detached jobs)."""
-    s = settings.resolve({"relay": relay_flag(relay)})
+    s = settings.resolve({"relay": relay_flag(relay), "via": via})
     out = TerminalOutput(colour=not ui.is_plain(), quiet=False, chatter=ui.state.debug)
     stop = threading.Event()
     with stop_on_signals(stop):
@@ -615,9 +621,10 @@ def cancel_cmd(
     grace: GraceOpt = JOB_GRACE,
     tpu: JobTpuOpt = None,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """Stop a job on every worker; returns when none of its processes is left."""
-    result = control.cancel(settings.resolve({"relay": relay_flag(relay)}), job, grace, tpu=tpu)
+    result = control.cancel(settings.resolve({"relay": relay_flag(relay), "via": via}), job, grace, tpu=tpu)
     if result.end is not None:
         ui.info(f"job {job} had already ended ({result.end}): nothing to stop")
         return
@@ -642,10 +649,11 @@ def stacks_cmd(
     worker: WorkerOpt = "all",
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
+    via: ViaOpt = None,
 ) -> None:
     """The stack of every thread of every process of a job on every worker, at once: grouped by where each
     process's main thread stands, the odd ones out first; the whole dump kept on disk."""
-    s = settings.resolve({"relay": relay_flag(relay)})
+    s = settings.resolve({"relay": relay_flag(relay), "via": via})
     found = stacks.collect(s, job, worker=worker)
     over = not found.groups and not found.unread
     if json_out:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import concurrent.futures
 import difflib
 import functools
-import ipaddress
 import logging
 import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 from google.api_core import exceptions as gexc
 from google.api_core import retry as gretry
@@ -28,7 +26,15 @@ from google.cloud import tpu_v2
 
 from tpurun import config
 from tpurun.cloud import identity
-from tpurun.errors import ApiError, NoSuchTpu, UsageError
+from tpurun.cloud.services import (
+    COMPUTE_API,
+    TPU_API,
+    Service,
+    compute_endpoint,
+    credentials,
+    is_emulator,  # noqa: F401 - the emulator's command line asks it here
+)
+from tpurun.errors import ApiError, NoSuchTpu
 from tpurun.naming import validate_zone
 from tpurun.settings import Layer, Setting, Settings
 
@@ -48,78 +54,6 @@ TRANSIENT = (
     gexc.BadGateway,
     gexc.GatewayTimeout,
 )
-
-
-@dataclass(frozen=True)
-class Service:
-    """A Google API tpurun calls, as its messages name it."""
-
-    title: str
-    host: str  # its public endpoint, and the name `gcloud services enable` takes
-    roles: str  # the IAM roles its calls need
-
-
-TPU_API = Service("Cloud TPU API", "tpu.googleapis.com", "the Cloud TPU Admin role (roles/tpu.admin)")
-COMPUTE_API = Service(
-    "Compute Engine API",
-    "compute.googleapis.com",
-    "the Compute Instance Admin (v1) role (roles/compute.instanceAdmin.v1) and Service Account User "
-    "(roles/iam.serviceAccountUser)",
-)
-
-OSLOGIN_API = Service(
-    "Cloud OS Login API",
-    "oslogin.googleapis.com",
-    "the Compute OS Login role (roles/compute.osLogin), or Compute OS Admin Login (roles/compute.osAdminLogin)",
-)
-
-
-def endpoint_of(api: Service, endpoint: str) -> str:
-    """API's endpoint beside the Cloud TPU API's ENDPOINT: Google's own for Google's, else the same (the
-    emulator answers every API tpurun speaks)."""
-    host = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}").hostname or ""
-    return f"https://{api.host}" if host.endswith(TPU_API.host) else endpoint
-
-
-def compute_endpoint(endpoint: str) -> str:
-    """Compute Engine's endpoint beside the Cloud TPU API's ENDPOINT."""
-    return endpoint_of(COMPUTE_API, endpoint)
-
-
-def is_emulator(endpoint: str) -> bool:
-    """An http:// endpoint on a loopback address is the local emulator (anonymous credentials)."""
-    url = urlparse(endpoint)
-    if url.scheme != "http" or not url.hostname:
-        return False
-    try:
-        return ipaddress.ip_address(url.hostname).is_loopback
-    except ValueError:
-        return url.hostname == "localhost"
-
-
-def credentials(endpoint: str) -> Any:
-    """Anonymous for the emulator, else Application Default Credentials."""
-    if is_emulator(endpoint):
-        from google.auth.credentials import AnonymousCredentials
-
-        return AnonymousCredentials()
-    if endpoint.startswith("http://"):
-        raise UsageError(
-            f"refusing to send Google credentials over plain http to {endpoint}: "
-            "use an https endpoint, or a loopback http endpoint for the emulator"
-        )
-    import google.auth
-    from google.auth.exceptions import DefaultCredentialsError
-
-    try:
-        creds, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
-    except DefaultCredentialsError:
-        raise ApiError(
-            "no Google credentials found",
-            hint="run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS "
-            "to a service-account key file",
-        ) from None
-    return creds
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,11 @@ from google.cloud import compute_v1
 
 from tpurun.cloud import keys
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, MetadataChange, Progress, Request
-from tpurun.cloud.client import Cloud, compute_endpoint, short_name
+from tpurun.cloud.client import Cloud, short_name
 from tpurun.cloud.compute_calls import ComputeCalls
 from tpurun.cloud.compute_groups import MADE_BY, ComputeGroups
 from tpurun.cloud.multislice import slice_ids
+from tpurun.cloud.services import compute_endpoint
 from tpurun.cloud.views import PREEMPTED, READY, REPAIRING, STOPPED, Maintenance, NodeView, WorkerView, instant
 from tpurun.errors import ApiError, UsageError
 from tpurun.naming import parse_duration

@@ -16,7 +16,8 @@ from typing import TypeVar
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
-from tpurun.cloud.client import COMPUTE_API, Cloud, compute_endpoint, credentials, short_name
+from tpurun.cloud.client import Cloud, short_name
+from tpurun.cloud.services import COMPUTE_API, compute_endpoint, credentials
 from tpurun.errors import ApiError
 
 T = TypeVar("T")

@@ -5,9 +5,10 @@ One JSON file per TPU, `$TPURUN_HOME/nodes/PROJECT--ZONE--NAME.json` (0600 in a 
 - `ids`: the API's unique id of each of the TPU's nodes (one per slice). A name is not an identity: a
   TPU deleted by anything (the console, gcloud, its autostop watchdog, a preemption's clean-up) and
   made again under the same name, or another TPU given the same addresses, is a different TPU.
-- `acceleratorType`, `slices` (per slice, each worker's internal and external address and the alias
-  its host key is pinned under), `nodes` and `multislice`: what reaching the workers takes, so that a
-  command needs no API call.
+- `acceleratorType`, `slices` (per slice, each worker's internal and external address, the alias its host
+  key is pinned under, and the name of its VM's instance, which IAP's tunnel takes), `nodes` and
+  `multislice`: what reaching the workers takes, so that a command needs no API call. A record from before
+  instance names were kept is read with none (a command that needs one asks the API).
 - `saved`: when the API last confirmed it.
 - `deleted`, `by`: once tpurun itself deleted the TPU, when and how (a tombstone: no addresses left).
 
@@ -37,11 +38,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Endpoints:
     """What reaching a TPU's workers takes: its accelerator type, its slices' unique ids and, per slice,
-    each worker's (internal address, external address, host key alias). One slice unless the TPU is a
-    multislice one."""
+    each worker's (internal address, external address ("" for none), host key alias, instance name ("" where
+    not known)). One slice unless the TPU is a multislice one."""
 
     accelerator_type: str
-    slices: list[list[tuple[str, str, str]]]
+    slices: list[list[tuple[str, str, str, str]]]
     nodes: list[str]  # the node (instance group, instance) of each slice
     ids: list[str]  # the API's unique id of each slice
     multislice: bool = False
@@ -65,7 +66,7 @@ class Endpoints:
         metadata and its project's)."""
         return cls(
             view.accelerator_type,
-            [[(w.internal_ip, w.external_ip, w.host_key) for w in part.workers] for part in view.parts],
+            [[(w.internal_ip, w.external_ip, w.host_key, w.instance) for w in part.workers] for part in view.parts],
             [part.name for part in view.parts],
             [part.id for part in view.parts],
             multislice=view.multislice,
@@ -75,7 +76,7 @@ class Endpoints:
 
     @classmethod
     def from_json(cls, data: dict) -> Endpoints:
-        slices = [[(str(a), str(b), str(c)) for a, b, c in eps] for eps in data["slices"]]
+        slices = [[_worker(w) for w in eps] for eps in data["slices"]]
         nodes = [str(n) for n in data["nodes"]]
         ids = [str(i) for i in data["ids"]]
         if len(ids) != len(slices) or not all(ids):
@@ -89,6 +90,14 @@ class Endpoints:
             bool(data.get("sliceMetadata", True)),
             Policy.from_json(data.get("login")),
         )
+
+
+def _worker(row: list) -> tuple[str, str, str, str]:
+    """A worker's row of a record: (internal, external, alias), with its instance name since they are kept."""
+    internal, external, alias, *rest = row
+    if len(rest) > 1:
+        raise ValueError("a worker's row has 3 or 4 fields")
+    return str(internal), str(external), str(alias), str(rest[0]) if rest else ""
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def project_metadata(cloud: Cloud) -> dict[str, str]:
     """The project's common metadata (Compute Engine's `projects.get`)."""
     from google.cloud import compute_v1
 
-    from tpurun.cloud.client import COMPUTE_API, compute_endpoint
+    from tpurun.cloud.services import COMPUTE_API, compute_endpoint
 
     client = compute_v1.ProjectsClient(
         transport="rest",
@@ -81,7 +81,7 @@ def acting_account(s: Settings, credentials: Any = None) -> tuple[str, str]:
 def account_setting(s: Settings, env: Mapping[str, str]) -> Setting:
     """The `account` setting as `config show` tells it: the setting, else what the application-default
     credentials' file says (read here without the network: on a Google VM without one, its service account)."""
-    from tpurun.cloud.client import is_emulator
+    from tpurun.cloud.services import is_emulator
     from tpurun.settings import Layer, Setting
 
     if s.account.value:
@@ -130,7 +130,8 @@ class Login:
     def _client(self) -> tuple[Cloud, Any]:
         from google.cloud import oslogin_v1
 
-        from tpurun.cloud.client import OSLOGIN_API, Cloud, endpoint_of
+        from tpurun.cloud.client import Cloud
+        from tpurun.cloud.services import OSLOGIN_API, endpoint_of
 
         if self._cloud is None:
             self._cloud = Cloud(self.s)
@@ -144,7 +145,7 @@ class Login:
         if not self._account:
             creds = None
             if not self.s.account.value:
-                from tpurun.cloud.client import credentials
+                from tpurun.cloud.services import credentials
 
                 creds = credentials(self.s.endpoint)
             account, why = acting_account(self.s, creds)
@@ -204,7 +205,7 @@ class Login:
 
     def _import(self) -> tuple[str, float]:
         """tpurun's key into the profile (its expiry renewed where it is there), and (the POSIX user, the expiry)."""
-        from tpurun.cloud.client import OSLOGIN_API
+        from tpurun.cloud.services import OSLOGIN_API
 
         cloud, client = self._client()
         user = f"users/{self.account()}"

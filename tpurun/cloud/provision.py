@@ -441,9 +441,15 @@ def host_keys_from(attrs: GuestAttributes, view: NodeView) -> dict[str, str]:
 
 
 def pin_host_keys(cloud: Cloud, home: Path, view: NodeView) -> None:
-    """Pin every worker's host key as its VM published it, under the worker's identity."""
-    attrs = routing.maker_of(cloud, view).guest_attributes(view, "hostkeys/")
+    """Pin every worker's host key as its VM published it, under the worker's identity; and, from the same answer,
+    give each worker the name IAP's tunnel knows its VM by (`instance`): its VM's, where the API names it, else
+    its `hostname` guest attribute (every attribute read, as gcloud reads it for its IAP tunnel: a Cloud TPU
+    node's workers)."""
+    named = all(w.vm for w in view.workers)
+    attrs = routing.maker_of(cloud, view).guest_attributes(view, "hostkeys/" if named else "")
     keys.pin_host_keys(home, host_keys_from(attrs, view))
+    for w, items in zip(view.workers, attrs, strict=True):
+        w.instance = w.vm or next((value for (_, key), value in items.items() if key == "hostname"), "")
 
 
 def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> NodeView:

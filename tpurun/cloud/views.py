@@ -30,6 +30,7 @@ class WorkerView:
     external_ip: str
     host_key: str = ""  # the alias its ssh host key is pinned under (keys.host_key_alias), its identity
     vm: str = ""  # its VM's name where the API names each VM (Compute Engine); "" for a node's worker
+    instance: str = ""  # the instance IAP's tunnel names it by (its `vm`, or a node's `hostname` guest attribute)
     report: startup.StartupReport | None = None
     slice: int | None = None  # its slice, in a multislice TPU
 
@@ -170,6 +171,11 @@ class NodeView:
         )
 
     @property
+    def external_ips(self) -> bool:
+        """Whether its workers have external addresses (`create --internal-ips` gives them none)."""
+        return any(w.external_ip for w in self.workers)
+
+    @property
     def parts(self) -> list[NodeView]:
         """Its slices' views (itself, for a TPU of one slice)."""
         return self.slices or [self]
@@ -221,6 +227,7 @@ class NodeView:
             "workers": len(self.workers),
             "spot": self.spot,
             "preemptible": self.preemptible,
+            "externalIps": self.external_ips,
             "age": self.age(),
             "createTime": self.created.isoformat() if self.created else None,
         }

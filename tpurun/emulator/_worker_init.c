@@ -6,6 +6,10 @@
      startup.log and writes startup.status, as _worker_init.py's Python init did;
    - listens on ADDRESS:PORT and starts `sshd -i` for each connection, as inetd does: the worker has no sshd
      of its own while nobody is connected;
+   - a private VM's (one without an external address) takes a connection only from the networks its file
+     `ssh-from` lists ("A.B.C.D/N" words: its own network and IAP's stand-in range), and resets any other at
+     once; without the file (a public VM) it takes every connection. The file is read at each connection, so
+     a VM that gains or loses its external address follows at its next one;
    - SIGUSR2 closes the listener (the emulator's kill-sshd: sessions live on), SIGUSR1 opens it again.
 
    Usage: tpurun-worker-init VIEW ADDRESS PORT SCRIPT_PID HOST_DIR
@@ -19,6 +23,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,6 +99,22 @@ static void close_listener(int *fd) {
         *fd = -1;
         unlink(at("listening"));
     }
+}
+
+/* Whether PEER may reach this worker's sshd (see the top: `ssh-from`). */
+static int admitted(const struct sockaddr_in *peer) {
+    FILE *f = fopen(at("ssh-from"), "re");
+    if (!f)
+        return 1;
+    unsigned a, b, c, d, bits;
+    int ok = 0;
+    uint32_t from = ntohl(peer->sin_addr.s_addr);
+    while (!ok && fscanf(f, " %u.%u.%u.%u/%u", &a, &b, &c, &d, &bits) == 5) {
+        uint32_t net = a << 24 | b << 16 | c << 8 | d, mask = bits ? ~0u << (32 - (bits > 32 ? 32 : bits)) : 0;
+        ok = ((from ^ net) & mask) == 0;
+    }
+    fclose(f);
+    return ok;
 }
 
 /* One connection's sshd, inside this worker's namespaces: the connection on its stdin and stdout. */
@@ -189,9 +210,16 @@ int main(int argc, char **argv) {
             }
         }
         if (listener >= 0 && (fds[1].revents & POLLIN)) {
-            int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+            struct sockaddr_in peer;
+            socklen_t len = sizeof peer;
+            int conn = accept4(listener, (struct sockaddr *)&peer, &len, SOCK_CLOEXEC);
             if (conn >= 0) {
-                start_sshd(conn);
+                if (admitted(&peer)) {
+                    start_sshd(conn);
+                } else { /* a reset, not an orderly end: the client is told it was refused, not that sshd left */
+                    struct linger now = {1, 0};
+                    setsockopt(conn, SOL_SOCKET, SO_LINGER, &now, sizeof now);
+                }
                 close(conn);
             } else if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
                 say("accept", errno);

@@ -1,5 +1,6 @@
 """HTTP front of the emulator: the Cloud TPU v2 REST surface (v2alpha1's, made of it, in alpha_api.py; Compute
-Engine's in compute_api.py, OS Login's in oslogin_api.py) plus an admin interface.
+Engine's in compute_api.py, OS Login's in oslogin_api.py), IAP's TCP forwarding endpoint under /v4/ (iap.py, a
+WebSocket upgrade of a GET) plus an admin interface.
 
 The REST routes are the ones google-cloud-tpu's REST transport calls (see its
 `services/tpu/transports/rest_base.py`); bodies are parsed with the package's own proto-plus
@@ -26,6 +27,7 @@ from google.cloud import tpu_v2
 from tpurun.emulator.alpha_api import add_v2alpha1_routes
 from tpurun.emulator.compute_api import COMPUTE_PREFIX, add_compute_routes
 from tpurun.emulator.compute_model import compute_body
+from tpurun.emulator.iap import TUNNEL_PREFIX, Tunnels
 from tpurun.emulator.model import SCHEDULED, UNSCHEDULED, ApiError, invalid
 from tpurun.emulator.oslogin_api import add_oslogin_routes
 from tpurun.emulator.routing import SYSTEM_PARAMS, Request, Router, parse_message, render
@@ -221,12 +223,18 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
         emu.kill_sshd(unquote(q.groups["node"]), int(q.groups["i"]), q.json().get("zone") or None)
         return {}
 
+    def iap(q: Request) -> Any:
+        d = q.json()
+        emu.org.iap.set(bool(d.get("allow", True)), str(d.get("project") or ""))
+        return emu.org.iap.describe()
+
     r.add("GET", f"{A}/requests", log)
     r.add("POST", f"{A}/reset", reset)
     r.add("POST", f"{A}/shutdown", shutdown)
     r.add("POST", f"{A}/fail-api", fail_api)
     r.add("POST", f"{A}/delays", delays)
     r.add("POST", f"{A}/capacity", capacity)
+    r.add("POST", f"{A}/iap", iap)
     r.add("GET", f"{A}/nodes/(?P<node>.+)", lambda q: emu.node_info(unquote(q.groups["node"])))
     _host_event_routes(r, emu)
     r.add("POST", f"{A}/nodes/(?P<node>.+)/workers/(?P<i>\\d+):kill", kill_worker)
@@ -281,6 +289,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self) -> None:
         srv = self.server
+        if self.command == "GET" and self.path.startswith(TUNNEL_PREFIX):
+            srv.tunnels.serve(self, srv.emu)  # the connection is the tunnel's from now on
+            return
         parts = urlsplit(self.path)
         path = unquote(parts.path)
         query = parse_qs(parts.query, keep_blank_values=True)
@@ -348,6 +359,7 @@ class EmulatorServer(ThreadingHTTPServer):
         self.emu = emu
         self.api = build_api_router(emu)
         self.admin = build_admin_router(emu, self)
+        self.tunnels = Tunnels()
         self.port = int(self.server_address[1])
         self.stopped = threading.Event()  # no longer answering
         self.closed = threading.Event()  # and every node torn down
@@ -370,6 +382,7 @@ class EmulatorServer(ThreadingHTTPServer):
             return
         self.stopped.set()
         self.shutdown()
+        self.tunnels.close_all()
         try:
             self.emu.close()
         finally:
@@ -456,6 +469,11 @@ class AdminClient:
 
     def kill_sshd(self, node: str, worker: int, zone: str | None = None) -> None:
         self.call("POST", f"nodes/{node}/workers/{worker}:kill-sshd", {"zone": zone})
+
+    def iap_access(self, allow: bool, project: str = "") -> dict[str, Any]:
+        """Allow or deny tunnels through IAP to PROJECT's VMs (every project's without one); who may, as it stands."""
+        out: dict[str, Any] = self.call("POST", "iap", {"allow": allow, "project": project})
+        return out
 
     def fail_api(self, count: int, code: int, match: str = "", message: str = "") -> None:
         self.call("POST", "fail-api", {"count": count, "code": code, "match": match, "message": message})

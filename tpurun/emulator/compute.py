@@ -449,6 +449,7 @@ class ComputeResources(Queued):
                     project=group.project,
                     zone=group.zone,
                     vms=vms,
+                    private=lambda i: not self._vm_is_public(group.members[i]),
                 )
             except Exception as e:
                 try:
@@ -471,6 +472,13 @@ class ComputeResources(Queued):
         with self.lock:
             rec = self.instances.get(path)
             return {i.key: i.value for i in rec.inst.metadata.items} if rec is not None else {}
+
+    def _vm_is_public(self, path: str) -> bool:
+        """Whether the VM at PATH has an external address: an access config on a network interface (none asked for,
+        none given)."""
+        with self.lock:
+            rec = self.instances.get(path)
+            return rec is not None and any(nic.access_configs for nic in rec.inst.network_interfaces)
 
     def _forget_group(self, group: Group) -> None:
         """GROUP's instances no longer exist (caller holds self.lock; its hosts are already down)."""

@@ -33,7 +33,7 @@ def _query(q: Request) -> ListQuery:
 
 
 def add_compute_routes(r: Router, emu: Emulator) -> None:
-    for add in (_projects, _operations, _policies, _templates, _instances, _groups, _resize_requests):
+    for add in (_projects, _operations, _policies, _templates, _instances, _groups, _resize_requests, _firewalls):
         add(r, emu)
     _catalogue(r)
 
@@ -90,6 +90,20 @@ def _operations(r: Router, emu: Emulator) -> None:
             "DELETE", f"{base}/(?P<op>{_ID})", lambda q: emu.delete_compute_operation(q.groups["scope"], q.groups["op"])
         )
         r.add("GET", base, lambda q: emu.list_compute_operations(q.groups["scope"], _query(q)), _LIST)
+
+
+def _firewalls(r: Router, emu: Emulator) -> None:
+    """Firewall rules (global): insert, get, list, delete."""
+    base = f"{_P}/global/firewalls"
+    r.add(
+        "POST",
+        base,
+        lambda q: emu.insert_firewall(_project(q), parse_message(compute_v1.Firewall, q, "resource")),
+        ("requestId",),
+    )
+    r.add("GET", base, lambda q: emu.list_firewalls(_project(q), _query(q)), _LIST)
+    r.add("GET", f"{base}/(?P<name>{_ID})", lambda q: emu.get_firewall(_project(q), q.groups["name"]))
+    r.add("DELETE", f"{base}/(?P<name>{_ID})", lambda q: emu.delete_firewall(_project(q), q.groups["name"]), ("requestId",))
 
 
 def _policies(r: Router, emu: Emulator) -> None:

@@ -46,8 +46,8 @@ a project's new or deleted OS Login account reaches its workers' passwd at once.
 Each worker also gets a metadata server (`_metadata.py`: one listening socket per worker, all served
 by one thread of this process) on port 80 of its address and runs the node's ``startup-script`` on
 every boot, as root in its namespaces, from its init (log: `startup_log`; exit status:
-`startup_exit_code`).  At boot the worker's host
-key is published in guest attribute ``hostkeys/ssh-ed25519``, as Google's guest agent does.
+`startup_exit_code`).  At boot the worker's host key is published in guest attribute ``hostkeys/ssh-ed25519``, as
+Google's guest agent does. A private VM's worker (no external address) takes ssh from its network and IAP only.
 
 Everything started here lives in the workers' namespaces or is a thread of this
 process: `close` (or killing the inits, whose namespaces go with them) leaves no process and
@@ -81,7 +81,7 @@ from tpurun.emulator import boot, guest_login, procs
 from tpurun.emulator._metadata import MetadataService
 from tpurun.emulator.model import SLOTS, slots_for, worker_address
 from tpurun.emulator.org import Organisation
-from tpurun.emulator.sshd import host_key, sshd_config, write_atomic, write_in_place
+from tpurun.emulator.sshd import admit, host_key, sshd_config, write_atomic, write_in_place
 from tpurun.emulator.tpu_vm import (
     VmIdentity,
     WorkerImage,
@@ -160,6 +160,7 @@ class _Node:
     # what a multislice node's `tpu-env` adds (the MEGASCALE values), asked for each time it is served
     extra_tpu_env: Callable[[], dict[str, str]] | None = None
     vms: ComputeVms | None = None  # the workers are Compute Engine instances
+    private: Callable[[int], bool] = lambda i: False  # worker I's VM has no external address (sshd.admit)
     lock: threading.RLock = field(default_factory=threading.RLock)  # boot/stop/fault of this node
     # Guest attributes have their own lock: the metadata server writes them while a boot holds `lock`.
     guest_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -271,9 +272,11 @@ class WorkerHosts:
         zone: str = "emulated-zone",
         extra_tpu_env: Callable[[], dict[str, str]] | None = None,
         vms: ComputeVms | None = None,
+        private: Callable[[int], bool] | None = None,
     ) -> list[WorkerInfo]:
         """Boot (or reboot) every worker of a node; returns once each sshd accepts connections. VMS: the
-        workers are these Compute Engine instances (one per name), not a Cloud TPU API node's."""
+        workers are these Compute Engine instances (one per name), not a Cloud TPU API node's. PRIVATE: whether
+        worker I's VM is without an external address (then only its network and IAP reach its sshd)."""
         span = range(slot, slot + slots_for(num_workers))
         if num_workers < 1 or span.start not in SLOTS or span[-1] not in SLOTS:
             raise ValueError(
@@ -311,6 +314,7 @@ class WorkerHosts:
             self._stop_workers(node)
             node.generation, node.accelerator_type, node.get_metadata = generation, accelerator_type, get_metadata
             node.project, node.zone, node.extra_tpu_env, node.vms = project, zone, extra_tpu_env, vms
+            node.private = private or node.private
             tag = hashlib.sha256(node_key.encode()).hexdigest()[:8]
             names = list(vms.names) if vms else [f"t1v-n-{tag}-w-{i}" for i in range(num_workers)]
             node.workers = [
@@ -353,6 +357,7 @@ class WorkerHosts:
         os.chmod(d / "tmp", 0o1777)
         view = "/run/tpurun" + str(d)  # where the init re-attaches d inside the worker
         w.host_key = host_key(d)
+        admit(d, node.private(w.index))
         hosts = [
             "127.0.0.1\tlocalhost",
             "::1\tlocalhost ip6-localhost ip6-loopback",
@@ -404,6 +409,8 @@ class WorkerHosts:
             if node.vms is None or md.get("enable-guest-attributes", "").upper() == "TRUE":
                 kind, blob = w.host_key.split()[:2]
                 w.guest[("hostkeys", kind)] = blob
+            if node.vms is None:  # a Cloud TPU worker's VM name, which IAP's tunnel takes as its instance
+                w.guest[("tpu", "hostname")] = w.hostname
 
     def _apply_logins(self, node: _Node, w: _Worker, md: dict[str, str]) -> None:
         """Write who may log in to a worker whose metadata is MD (guest_login: metadata keys or OS Login)."""
@@ -433,9 +440,10 @@ class WorkerHosts:
 
     @staticmethod
     def _accepts(address: str, port: int, *, banner: bool = False) -> bool:
-        """Whether ADDRESS:PORT takes a connection (and, with BANNER, an sshd greets it)."""
+        """Whether ADDRESS:PORT takes a connection (and, with BANNER, an sshd greets it), asked from ADDRESS itself:
+        a private VM's sshd answers its own network only."""
         try:
-            with socket.create_connection((address, port), timeout=5.0 if banner else 1.0) as sock:
+            with socket.create_connection((address, port), 5.0 if banner else 1.0, (address, 0)) as sock:
                 return not banner or sock.recv(4) == b"SSH-"
         except OSError:
             return False
@@ -542,6 +550,14 @@ class WorkerHosts:
                         w.events.pop(key, None)
                     else:
                         w.events[key] = value
+
+    def refresh_access(self, node_key: str) -> None:
+        """Whether each worker's VM is private changed (it gained or lost its external address): its init follows at
+        the next connection."""
+        node = self._get(node_key)
+        with node.lock:
+            for w in node.workers:
+                admit(w.dir, node.private(w.index))
 
     # ------------------------------------------------------------------ keys, queries
     def refresh_ssh_keys(self, node_key: str) -> None:

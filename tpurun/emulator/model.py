@@ -157,10 +157,12 @@ class HostsLike(Protocol):
         zone: str = ...,
         extra_tpu_env: Callable[[], dict[str, str]] | None = ...,
         vms: Any = ...,
+        private: Callable[[int], bool] | None = ...,
     ) -> list[Any]: ...
 
     def shutdown_node(self, node_key: str, *, delete: bool = False) -> None: ...
     def refresh_ssh_keys(self, node_key: str) -> None: ...
+    def refresh_access(self, node_key: str) -> None: ...
     def use_organisation(self, org: Organisation) -> None: ...
     def node_of_token(self, token: str) -> str | None: ...
     def kill_sshd(self, node_key: str, index: int) -> None: ...
@@ -228,6 +230,14 @@ SLOTS = range(1, 251)
 WORKERS_PER_SLOT = 254
 # The largest slice of any TPU (TPU7x: 2,304 VMs): the most workers --max-workers lets a node have by default.
 LARGEST_SLICE_WORKERS = 2304
+# A VM without an external address (a private one) is reached only from inside its network, the workers' addresses
+# above, and by IAP's TCP forwarding, whose connections come from 35.235.240.0/20, the range firewall rules name. The
+# emulator's IAP connects from IAP_SOURCE, an address of 127.35.240.0/20 that stands in for that range, so a worker's
+# init tells IAP's connections from this machine's (127.0.0.1) by their source address alone.
+INTERNAL_NETWORK = "127.77.0.0/16"
+IAP_RANGE = "35.235.240.0/20"
+IAP_STAND_IN = "127.35.240.0/20"
+IAP_SOURCE = "127.35.240.1"
 
 
 def slots_for(workers: int) -> int:

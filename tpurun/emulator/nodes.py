@@ -147,6 +147,7 @@ class Nodes(Operations):
                     project=project,
                     zone=zone,
                     extra_tpu_env=(lambda: self._megascale_env(rec)) if rec.slice_of else None,
+                    private=lambda i: not self._node_is_public(rec),
                 )
                 break
             except OSError as e:
@@ -188,6 +189,12 @@ class Nodes(Operations):
             set_enum(rec.node, "health", tpu_v2.Node.Health.HEALTHY)
             resp = {"@type": NODE_TYPE, **to_json(rec.node)}
         self._finish(op, resp)
+
+    def _node_is_public(self, rec: NodeRecord) -> bool:
+        """Whether REC's workers have external addresses (networkConfig.enableExternalIps; the API's default is
+        none, gcloud's is one each)."""
+        with self.lock:
+            return bool(rec.node.network_config.enable_external_ips)
 
     @staticmethod
     def _endpoint(address: str, external: bool) -> tpu_v2.NetworkEndpoint:
@@ -356,7 +363,7 @@ class Nodes(Operations):
 
     def _run_update(self, rec: NodeRecord, op: Operation, node: tpu_v2.Node, fields: list[str]) -> None:
         self._sleep(self.config.delays.update)
-        refresh = False
+        refresh = access = False
         with self.lock:
             n = rec.node
             for f in fields:
@@ -372,15 +379,19 @@ class Nodes(Operations):
                     n.metadata = dict(node.metadata)
                 else:
                     nc = n.network_config
+                    access = nc.enable_external_ips != node.network_config.enable_external_ips
                     nc.enable_external_ips = node.network_config.enable_external_ips
                     n.network_config = nc
                     n.network_endpoints = [
                         self._endpoint(ep.ip_address, nc.enable_external_ips) for ep in n.network_endpoints
                     ]
-            booted = rec.booted
+            booted, ever = rec.booted, rec.ever_booted
         if refresh and booted:
             with rec.lock:
                 self.hosts.refresh_ssh_keys(rec.key)
+        if access and ever:  # a stopped node's workers take it at their next boot, a running one's now
+            with rec.lock:
+                self.hosts.refresh_access(rec.key)
         with self.lock:
             resp = {"@type": NODE_TYPE, **to_json(rec.node)}
         self._finish(op, resp)

@@ -1,5 +1,6 @@
 """The organisation the emulated projects belong to: each project's common instance metadata and every account's
-OS Login profile, what the APIs change and every worker of a project reads (its metadata server, who may log in).
+OS Login profile, what the APIs change and every worker of a project reads (its metadata server, who may log in),
+and who may open tunnels to its VMs through IAP (an administrator's switch).
 
 A project exists as soon as it is named, with empty metadata, as every project a client names is taken to be one
 the caller owns. Kept while the emulator runs, as the rest of its state.
@@ -60,9 +61,40 @@ class ProjectMetadata:
         return fp
 
 
+class TunnelAccess:
+    """Who may tunnel to a project's VMs through IAP's TCP forwarding: IAM's "IAP-secured Tunnel User" role
+    (permission iap.tunnelInstances.accessViaIAP) reduced to a switch, everywhere or per project; allowed unless an
+    administrator denied it (`tpurun emulator iap deny`). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._everywhere = True
+        self._projects: dict[str, bool] = {}
+
+    def set(self, allow: bool, project: str = "") -> None:
+        """ALLOW tunnels to PROJECT's VMs; without a project, to every project's (each project's own say forgotten)."""
+        with self._lock:
+            if project:
+                self._projects[project] = allow
+            else:
+                self._everywhere = allow
+                self._projects.clear()
+
+    def allows(self, project: str) -> bool:
+        with self._lock:
+            return self._projects.get(project, self._everywhere)
+
+    def describe(self) -> dict[str, object]:
+        """As the admin status shows it: {"everywhere": "allow", "projects": {"p": "deny"}}."""
+        word = {True: "allow", False: "deny"}
+        with self._lock:
+            return {"everywhere": word[self._everywhere], "projects": {p: word[a] for p, a in self._projects.items()}}
+
+
 @dataclass
 class Organisation:
-    """What every project shares: its metadata, and the accounts that may log in to its VMs."""
+    """What every project shares: its metadata, the accounts that may log in to its VMs, who may tunnel to them."""
 
     projects: ProjectMetadata = field(default_factory=ProjectMetadata)
     oslogin: OsLoginStore = field(default_factory=OsLoginStore)
+    iap: TunnelAccess = field(default_factory=TunnelAccess)

@@ -13,7 +13,7 @@ Fixtures:
   it are skipped when not root or when /usr/sbin/sshd is missing.
 * ``tpu_client``: a ``google.cloud.tpu_v2.TpuClient`` talking to it. After each test that used it,
   injected faults are cleared and delays and capacity restored.
-* ``tpu_node``: a factory of READY nodes (deleted at the end of the test).
+* ``tpu_node``: a factory of READY nodes with external addresses (deleted at the end of the test).
 """
 
 from __future__ import annotations
@@ -315,6 +315,7 @@ def tpu_node(
         user: str = "tpurun",
         runtime_version: str | None = None,
         wait_startup: bool = True,
+        external_ips: bool = True,
     ) -> ReadyNode:
         from tpurun.topology import default_runtime_version, parse_accelerator_type
 
@@ -332,6 +333,7 @@ def tpu_node(
             metadata=md,
             labels=labels or {},
             scheduling_config=tpu_v2.SchedulingConfig(spot=spot),
+            network_config=tpu_v2.NetworkConfig(enable_external_ips=external_ips),  # gcloud's default (the API's: no)
         )
         op = tpu_client.create_node(parent=emulator.parent, node_id=nid, node=node)
         name = emulator.node_name(nid)

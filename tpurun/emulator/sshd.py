@@ -1,5 +1,5 @@
-"""A worker's sshd: its host key (made once, kept across reboots), its configuration, and how the files it reads are
-written."""
+"""A worker's sshd: its host key (made once, kept across reboots), its configuration, who may connect to it, and how
+the files it reads are written."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from tpurun.emulator.model import IAP_STAND_IN, INTERNAL_NETWORK
 
 
 def write_atomic(path: Path, data: str, mode: int = 0o644) -> None:
@@ -32,6 +34,16 @@ def write_in_place(path: Path, data: str, mode: int = 0o644) -> None:
         os.ftruncate(fd, len(raw))
     finally:
         os.close(fd)
+
+
+def admit(d: Path, private: bool) -> None:
+    """Who may connect to the sshd of the worker whose directory is D: a private VM's (no external address) only its
+    network and IAP (the networks `ssh-from` lists), a public one's anyone (no file); its init reads the file at
+    each connection (_worker_init.c)."""
+    if private:
+        write_atomic(d / "ssh-from", f"{INTERNAL_NETWORK} {IAP_STAND_IN}\n")
+    else:
+        (d / "ssh-from").unlink(missing_ok=True)
 
 
 def host_key(d: Path) -> str:

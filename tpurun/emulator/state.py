@@ -14,13 +14,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tpurun.emulator.compute_projects import Projects
+from tpurun.emulator.firewalls import Firewalls
 from tpurun.emulator.maintenance import Host
 from tpurun.emulator.model import ApiError
 from tpurun.emulator.org import Organisation
 
 
-class Emulator(Projects):
+class Emulator(Firewalls):
     """The whole emulated service. Thread-safe: HTTP handler threads and operation threads share it."""
 
     # ------------------------------------------------------------------ faults and admin
@@ -115,6 +115,7 @@ class Emulator(Projects):
                 "capacity": {f"{z}/{g}": f"{n} {u}" for (z, g), (n, u) in self.config.capacity.limits.items()},
                 "maxWorkersPerNode": self.config.max_workers_per_node,
                 "failRules": list(self._fail_rules),
+                "iapTunnels": self.org.iap.describe(),
                 **self.compute_status(),
             }
 
@@ -133,6 +134,7 @@ class Emulator(Projects):
         with self.lock:
             self.nodes.clear()
             self.queued.clear()
+            self.firewalls.clear()
             self.ops.clear()
             self._fail_rules.clear()
             self.request_log.clear()

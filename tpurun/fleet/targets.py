@@ -5,6 +5,9 @@ it picks the runners, the transport reaches them."""
 from __future__ import annotations
 
 import json
+import shlex
+import socket
+import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,9 +21,10 @@ from tpurun.fleet.relays import Relays
 from tpurun.fleet.threads import Threads
 from tpurun.naming import NAME_RE
 from tpurun.topology import Topology, one_host, parse_accelerator_type, single_host_env, vm_env
+from tpurun.transport import iap, proxy_command
 from tpurun.transport.local import LocalRunner
-from tpurun.transport.runner import Runner, Worker, parse_worker_spec, worker_names
-from tpurun.transport.ssh import SshRunner
+from tpurun.transport.runner import INTERNAL_PORT, Runner, Worker, parse_worker_spec, worker_names
+from tpurun.transport.ssh import Dial, SshRunner
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud  # not at run time: exec and train load the API clients only when asked
@@ -61,6 +65,7 @@ class Target:
     slice_metadata: bool = True  # NodeView.slice_metadata: its VMs tell the runtimes their place themselves
     topology: Topology | None = None  # the accelerator type, parsed once (None on this machine)
     connected: bool = False  # connect() was called
+    ways: Ways | None = field(default=None, repr=False)  # how each worker is reached (None: this machine)
     _places: _Places | None = field(default=None, init=False, repr=False, compare=False)  # vm_env's, of all_workers
     _fleet: Fleet | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -175,6 +180,10 @@ class Target:
         for r in self.runners:
             r.close()
 
+    def proxy_command(self, worker: Worker) -> str | None:
+        """The ProxyCommand with which the system ssh reaches WORKER as tpurun does (`Ways.proxy_command`)."""
+        return self.ways.proxy_command(worker) if self.ways is not None else None
+
     def connect(
         self, then: Callable[[Runner], None] | None = None, *, only: Collection[int] | None = None
     ) -> dict[int, str]:
@@ -211,7 +220,7 @@ class Target:
             r.close()
         self.runners, self.all_workers, self.nodes, self.cached = runners, fresh.all_workers, fresh.nodes, False
         self.ids, self.accelerator_type, self.slice_metadata = fresh.ids, fresh.accelerator_type, fresh.slice_metadata
-        self.topology = fresh.topology
+        self.topology, self.ways = fresh.topology, fresh.ways
         return connect_all(chosen([r for r in runners if r in fresh.runners]), then)
 
 
@@ -273,7 +282,7 @@ def resolve(
         identity.remember(file, endpoints)
         return _build(s, name, endpoints, worker_spec, cached=False)
 
-    if remembered is None or remembered.endpoints is None:
+    if remembered is None or remembered.endpoints is None or Ways(s).needs_names(remembered.endpoints):
         return from_api()
     # used as remembered: every worker reached proves in its SSH handshake that it is that worker of that
     # TPU (its host key is pinned under the node's unique id); Target.connect asks the API when one cannot
@@ -354,20 +363,24 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         user, renew = login.user(), login.user
         hint = f"tpurun's key is in the OS Login profile of {login.account()}; {oslogin.ROLE_HINT}"
         retries = {"auth_retries": 1}  # a key in the profile counts at once: no metadata to wait for
+    ways = Ways(s)
     workers: list[Worker] = []
     for slice_id, slice_endpoints in enumerate(endpoints.slices):
-        for host, (internal, external, alias) in enumerate(slice_endpoints):
-            address, port = _mapped(external or internal)
+        for host, (internal, external, alias, instance) in enumerate(slice_endpoints):
+            address, port = ways.place(len(workers), internal, external, instance)
             where = slice_id if endpoints.multislice else None
             workers.append(
                 Worker(len(workers), address, port, user, slice=where, host=host, internal=internal, host_key=alias)
             )
     chosen = parse_worker_spec(worker_spec, len(workers), [w.name for w in workers] if endpoints.multislice else None)
     key, known = keys.key_path(s.home_path), keys.known_hosts_path(s.home_path)
-    runners: list[Runner] = [
-        SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint, **retries)
-        for i in chosen
-    ]
+    runners: list[Runner] = []
+    for i in chosen:
+        dial, through = ways.dial(workers[i])
+        runners.append(
+            SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint,
+                      dial=dial, through=through, reach_hint=ways.hint(workers[i]), **retries)
+        )  # fmt: skip
     return Target(
         name,
         endpoints.accelerator_type,
@@ -380,4 +393,104 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         where=s,
         slice_metadata=endpoints.slice_metadata,
         topology=parse_accelerator_type(endpoints.accelerator_type),
+        ways=ways,
     )
+
+
+class Ways:
+    """How this machine reaches a TPU's workers, by the `via` setting: straight to each one's address (its external
+    one, else its internal one), through IAP's tunnel to its VM's instance (`auto`'s way to a worker without an
+    external address), or through the user's ProxyCommand to its internal address. One per target: its workers'
+    tunnels share one token."""
+
+    def __init__(self, s: settings.Settings) -> None:
+        self.s, self.way = s, s.via_way
+        self._tunnels: iap.Tunnels | None = None
+        self.ends: dict[int, tuple[str, str]] = {}  # each worker's (external address, instance name), once placed
+
+    def tunnelled(self, external: str) -> bool:
+        """Whether a worker whose external address is EXTERNAL ("": none) is reached through IAP."""
+        return self.way == "iap" or (self.way == "auto" and not external)
+
+    def straight(self, external: str) -> bool:
+        return self.way == "direct" or (self.way == "auto" and bool(external))
+
+    def place(self, index: int, internal: str, external: str, instance: str) -> tuple[str, int]:
+        """The address and port worker INDEX (its addresses INTERNAL and EXTERNAL, its VM's INSTANCE) is known by
+        here: where tpurun dials it (TPURUN_ADDRESS_MAP applied), or its internal address and sshd's port there,
+        which a tunnel or a ProxyCommand reaches."""
+        self.ends[index] = (external, instance)
+        if self.straight(external):
+            return _mapped(external or internal)
+        return internal, INTERNAL_PORT
+
+    def needs_names(self, endpoints: Endpoints) -> bool:
+        """Whether a worker of ENDPOINTS goes through IAP and its instance name is not known (an old record)."""
+        return any(self.tunnelled(ext) and not inst for part in endpoints.slices for _, ext, _, inst in part)
+
+    def dial(self, worker: Worker) -> tuple[Dial | None, str]:
+        """What opens the byte stream to WORKER (placed), None for a TCP connection to its address; and how messages
+        name that way."""
+        external, instance = self.ends[worker.index]
+        if self.straight(external):
+            return None, ""
+        if not self.tunnelled(external):  # the user's ProxyCommand
+            command = proxy_command.expand(self.way, worker.internal, INTERNAL_PORT, worker.user)
+            return (lambda timeout: proxy_command.ProxySocket(command)), f"through `{self.way}`"
+        if self._tunnels is None:
+            self._tunnels = _tunnels(self.s)
+        tunnels, project, zone = self._tunnels, self.s.project.value or "", self.s.zone.value or ""
+
+        def tunnel(timeout: float) -> socket.socket:
+            if not instance:
+                raise UnreachableError(
+                    f"worker {worker.label()} goes through IAP, which needs its VM's instance name, and the API does "
+                    "not say it (a Cloud TPU worker publishes it as its `hostname` guest attribute)",
+                    hint="guest attributes must be readable: the organisation policy "
+                    "compute.disableGuestAttributesAccess must not be on; or reach it another way (--via)",
+                )
+            return tunnels.open(iap.Instance(project, zone, instance), worker.name, timeout)
+
+        return tunnel, "through IAP"
+
+    def hint(self, worker: Worker) -> str:
+        """What to do when WORKER (placed) cannot be reached, where its way says more than `tpurun describe`."""
+        external, _ = self.ends[worker.index]
+        if self.straight(external) and not external:
+            return (
+                "it has no external address: only its network reaches it there, and IAP from outside "
+                "(--via iap; docs/locked-down.md)"
+            )
+        return ""
+
+    def proxy_command(self, worker: Worker) -> str | None:
+        """The ProxyCommand with which OpenSSH reaches WORKER (placed) the way tpurun does (`tpurun ssh`), None where
+        it dials the worker's address: the user's own, or tpurun itself carrying ssh's bytes through IAP's tunnel
+        (`tpurun iap-tunnel`)."""
+        external, instance = self.ends[worker.index]
+        if self.straight(external):
+            return None
+        if not self.tunnelled(external):
+            return self.way
+        argv = [sys.executable, "-m", "tpurun", "iap-tunnel", instance or "-", "%p"]
+        return shlex.join(argv + ["--project", self.s.project.value or "", "--zone", self.s.zone.value or ""])
+
+    def open_tunnel(self, instance: str, port: int, timeout: float) -> socket.socket:
+        """A tunnel through IAP to port PORT of INSTANCE in the settings' project and zone (`tpurun iap-tunnel`)."""
+        if self._tunnels is None:
+            self._tunnels = _tunnels(self.s)
+        where = iap.Instance(self.s.project.value or "", self.s.zone.value or "", instance, port)
+        return self._tunnels.open(where, "", timeout)
+
+
+def _tunnels(s: settings.Settings) -> iap.Tunnels:
+    """IAP's tunnels beside S's API endpoint, with its credentials; the account they act as named in a refusal."""
+    from tpurun.cloud import services
+
+    def account(creds: object) -> str:
+        from tpurun.cloud import oslogin
+
+        return oslogin.acting_account(s, creds)[0]
+
+    endpoint = s.endpoint
+    return iap.Tunnels(services.tunnel_url(endpoint), lambda: services.credentials(endpoint), account)

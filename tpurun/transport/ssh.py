@@ -29,6 +29,11 @@ from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport._paramiko import paramiko
 from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Run, Runner, Stream, Worker, refuse_nul
 
+# Opens the byte stream to a worker's sshd within its seconds, where that is not a TCP connection from here to the
+# worker's address: IAP's tunnel (iap.py), a user's ProxyCommand (proxy_command.py). A socket, or what paramiko
+# takes for one.
+Dial = Callable[[float], Any]
+
 # A worker that stops answering (network partition, hung VM) leaves TCP silent rather than closed.
 # Every connection sends an SSH keepalive that asks for a reply every KEEPALIVE_INTERVAL seconds;
 # no reply within KEEPALIVE_TIMEOUT seconds closes the connection, so every command on that worker
@@ -182,7 +187,7 @@ def _why_unreachable(exc: BaseException) -> str:
         return "no answer within the timeout (the VM is down or stopped, or a firewall rule drops port 22)"
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError | ConnectionRefusedError):
         return "the connection was refused (its sshd is not running yet or any more, or the VM is gone)"
-    if isinstance(exc, EOFError | ConnectionResetError):
+    if isinstance(exc, EOFError | ConnectionResetError) or "protocol banner" in str(exc):
         return "the connection was closed during the SSH handshake (its sshd is starting or overloaded)"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.lower()
@@ -215,10 +220,17 @@ class SshRunner(Runner):
         node_name: str = "",
         renew: Callable[[], object] | None = None,
         login_hint: str = "",
+        dial: Dial | None = None,
+        through: str = "",
+        reach_hint: str = "",
     ) -> None:
         """RENEW: called before each new connection (OS Login renews tpurun's key where it is about to expire);
-        LOGIN_HINT: what to do when the worker refuses tpurun's key (else: attach installs it in ssh-keys)."""
+        LOGIN_HINT: what to do when the worker refuses tpurun's key (else: attach installs it in ssh-keys);
+        DIAL: opens the byte stream to the worker's sshd (IAP's tunnel, a ProxyCommand) where it is not a TCP
+        connection from here to its address, THROUGH naming that way for messages ("through IAP"); REACH_HINT: what
+        to do when it cannot be reached (else: `tpurun describe`)."""
         self.worker = worker
+        self.dial, self.through, self.reach_hint = dial, through, reach_hint
         self.renew, self.login_hint = renew, login_hint
         self.key_path = key_path
         self.known_hosts = known_hosts
@@ -258,6 +270,7 @@ class SshRunner(Runner):
         attempt = 0
         while True:
             attempt += 1
+            sock = self.dial(self.connect_timeout) if self.dial is not None else None  # UnreachableError: said
             try:
                 client.connect(
                     w.address,
@@ -270,6 +283,7 @@ class SshRunner(Runner):
                     banner_timeout=self.connect_timeout,
                     auth_timeout=self.connect_timeout,
                     transport_factory=_fast_transport,
+                    sock=sock,
                 )
                 break
             except paramiko.BadHostKeyException:
@@ -290,6 +304,8 @@ class SshRunner(Runner):
                         hint=f"{self._attach_hint()} pins the keys the TPU published",
                     ) from None
                 auth = isinstance(exc, paramiko.AuthenticationException)
+                if "protocol banner" in str(exc):  # the connection ended before SSH began: not a login refused
+                    raise self._cut(client, sock, exc) from None
                 if attempt > self.auth_retries or not auth:
                     what = "authentication failed" if auth else f"ssh error: {exc}"
                     raise UnreachableError(
@@ -303,16 +319,29 @@ class SshRunner(Runner):
                     _pin_host_keys(client, self.known_hosts, self.worker)
                 client.set_missing_host_key_policy(paramiko.RejectPolicy())
             except (OSError, EOFError) as exc:
-                client.close()
-                raise UnreachableError(
-                    f"cannot reach worker {w.label()}{self._of_tpu()} on port {w.port}: {_why_unreachable(exc)}",
-                    hint=f"`tpurun describe {self.node_name}` shows its state" if self.node_name else None,
-                ) from None
+                raise self._cut(client, sock, exc) from None
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(15)
         self.liveness = Liveness(transport, w)
         self.client = client
+
+    def _cut(self, client: paramiko.SSHClient, sock: Any, exc: BaseException) -> UnreachableError:
+        """The connection to the worker (through DIAL's SOCK, where it has one) failed or ended before SSH began:
+        said with what its way said of it (a ProxyCommand's last words)."""
+        why = sock.why() if hasattr(sock, "why") else _why_unreachable(exc)
+        client.close()
+        if sock is not None:
+            sock.close()
+        way = self.through or f"on port {self.worker.port}"
+        return UnreachableError(
+            f"cannot reach worker {self.worker.label()}{self._of_tpu()} {way}: {why}", hint=self._reach_hint()
+        )
+
+    def _reach_hint(self) -> str | None:
+        if self.reach_hint:
+            return self.reach_hint
+        return f"`tpurun describe {self.node_name}` shows its state" if self.node_name else None
 
     def run_to_end(self, run: Run) -> int:
         command = wrap_command(run.argv, run.grace, run.env)

@@ -182,6 +182,18 @@ def _close(fd: int) -> None:
         pass
 
 
+def _own_address(address: str) -> bool:
+    """Whether ADDRESS is one of this worker's own (a connection can leave from it)."""
+    import socket  # here: only a relay with children asks (most are leaves)
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+            sock.bind((address, 0))
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _pump(fd: int, each: Callable[[bytes], None]) -> None:
     """Every piece read from FD to EACH, until its end."""
     while True:
@@ -393,6 +405,7 @@ class Relay:
                     f.write(f"{c.alias} {c.key}\n")
         self.children: list[Child] = []
         self._tar: bytes | None = None
+        self.source = self.node.address if self.node.children and _own_address(self.node.address) else ""
 
     def up(self, data: bytes) -> None:
         self.upbox.put(data)
@@ -447,6 +460,10 @@ class Relay:
             "KexAlgorithms": "curve25519-sha256,curve25519-sha256@libssh.org",
             "Ciphers": "aes128-gcm@openssh.com,chacha20-poly1305@openssh.com",
         }
+        if self.source:
+            # from this worker's own address inside the VPC: a VM without an external address may take SSH only from
+            # its network (and IAP's range), which a connection the kernel gives another source address is not from
+            options["BindAddress"] = self.source
         argv = ["ssh", "-T", "-F", "/dev/null", "-p", str(node.port), "-l", node.user]
         for k, v in options.items():
             argv += ["-o", f"{k}={v}"]
