@@ -66,11 +66,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import time
 
     started = time.monotonic()
-    from tpurun.emulator.api import EmulatorServer
-
-    # Google's front end takes 32 WebSockets at once; the emulator's HTTP server listens with socketserver's backlog
-    # of 5, and the connections past it wait for the kernel's SYN retry (1 s): not what IAP costs
-    EmulatorServer.request_queue_size = max(EmulatorServer.request_queue_size, 128)
     with tempfile.TemporaryDirectory(prefix="tpurun-iap-") as tmp, common.bench_emulator() as bench:
         allow_iap(bench.endpoint)
         public = bench.create(WORKERS)

@@ -353,6 +353,7 @@ class EmulatorServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # a pod's tunnels open at once (socketserver's 5 made the rest wait a SYN retry)
 
     def __init__(self, emu: Emulator, port: int = 0, host: str = "127.0.0.1") -> None:
         super().__init__((host, port), _Handler)

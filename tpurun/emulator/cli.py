@@ -495,8 +495,10 @@ def iap_cmd(
     project: Annotated[str, typer.Option("--project", help="Only this project's VMs [default: every project's].")] = "",
     state_dir: StateDirOpt = None,
 ) -> None:
-    """Deny or allow tunnels through IAP's TCP forwarding (IAM's IAP-secured Tunnel User role, as a switch): a denied
-    tunnel closes with 4033 'not authorized'. Allowed everywhere until denied."""
+    """Deny or allow tunnels through IAP's TCP forwarding (the Tunnel User role, as a switch).
+
+    A denied tunnel closes with 4033 'not authorized', as IAM's missing IAP-secured Tunnel User role makes IAP
+    close it. Allowed everywhere until denied."""
     if action not in ("deny", "allow"):
         raise UsageError(f"tpurun emulator iap: say deny or allow, not {action!r}")
     _api_call(_admin(ctx, state_dir).iap_access, action == "allow", project)
