@@ -60,7 +60,8 @@ def locked(emulator, tmp_path_factory):
 
     cli = Cli.under(tmp_path_factory.mktemp("oslogin"), emulator)
     cli.env.update({"TPURUN_PROJECT": PROJECT, "TPURUN_ACCOUNT": ALICE})
-    _set_project_metadata(emulator, enable_oslogin="TRUE")
+    r = cli("emulator", "project-metadata", "enable-oslogin=TRUE")  # as compute.requireOsLogin writes it
+    assert r.code == 0 and r.out.splitlines() == ["enable-oslogin=TRUE"], (r.out, r.err)
     node = create_node(cli, "locked", "v4-16")
     return cli, node
 

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import typer
 
-from tpurun import config, errors, naming, ui
+from tpurun import config, errors, naming, settings, ui
 from tpurun.cloud.client import is_emulator
 from tpurun.emulator.api import AdminClient
 from tpurun.emulator.model import ApiError, Delays
@@ -503,6 +503,53 @@ def iap_cmd(
         raise UsageError(f"tpurun emulator iap: say deny or allow, not {action!r}")
     _api_call(_admin(ctx, state_dir).iap_access, action == "allow", project)
     ui.info(f"IAP tunnels to {f'project {project}' if project else 'every project'}'s VMs: {action}ed")
+
+
+@app.command("project-metadata")
+def project_metadata_cmd(
+    ctx: typer.Context,
+    items: Annotated[
+        list[str] | None, typer.Argument(help="KEY=VALUE to set, KEY= to remove.", metavar="[KEY=VALUE]...")
+    ] = None,
+    project: Annotated[str, typer.Option("--project", help="The project [default: the project setting].")] = "",
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Show or change a project's common metadata, as `gcloud compute project-info add-metadata` does.
+
+    `enable-oslogin=TRUE` makes the project enforce OS Login, as an organisation's compute.requireOsLogin policy
+    does. It goes through Compute Engine's own client, read and written back with the fingerprint read."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    endpoint = _admin(ctx, state_dir).endpoint
+    project = project or settings.resolve().project.value or ""
+    if not project:
+        raise UsageError("tpurun emulator project-metadata: name the project with --project (or TPURUN_PROJECT)")
+    changes = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UsageError(f"tpurun emulator project-metadata: {item!r} is not KEY=VALUE")
+        changes[key] = value
+    from google.api_core import exceptions as gexc
+
+    kw: dict[str, Any] = {"client_options": {"api_endpoint": endpoint}, "credentials": AnonymousCredentials()}
+    client = compute_v1.ProjectsClient(transport="rest", **kw)
+    try:
+        current = client.get(project=project).common_instance_metadata
+        values = {i.key: i.value for i in current.items}
+        if changes:
+            values.update(changes)
+            values = {k: v for k, v in values.items() if v}
+            body = compute_v1.Metadata(
+                fingerprint=current.fingerprint, items=[compute_v1.Items(key=k, value=v) for k, v in values.items()]
+            )
+            op = client.set_common_instance_metadata_unary(project=project, metadata_resource=body)
+            compute_v1.GlobalOperationsClient(transport="rest", **kw).wait(project=project, operation=op.name)
+    except gexc.GoogleAPICallError as exc:
+        raise errors.ApiError(f"project {project}: {exc.message}") from None
+    for key, value in sorted(values.items()):
+        print(f"{key}={value}")
 
 
 @app.command("set")
