@@ -187,6 +187,9 @@ def test_exec_sync_and_train_go_through_iap(allowed, emulator, relay):
     assert r.code == 0, r.err
     said = sorted(line for line in r.out.splitlines() if "hello from" in line)
     assert said == sorted(f"[w{i}] hello from {i}" for i in range(WORKERS)), r.out
+    for command in (["jobs"], ["kill-stale", "--dry-run"], ["doctor"]):  # the job and health commands too
+        r = cli(*command, relay)
+        assert r.code == 0, (command, r.err)
 
 
 def _free_ports(n: int) -> list[int]:

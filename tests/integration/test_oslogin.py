@@ -88,6 +88,10 @@ def test_tpurun_logs_in_as_the_profiles_user_with_a_key_that_expires(locked, emu
     r = cli("train", "t.py", "--runtime", "cpu", "--launch", "host")
     assert r.code == 0, r.err
     assert sum("hello from" in line for line in r.out.splitlines()) == 2, r.out
+    job = r.err.split("job ", 1)[1].split(":", 1)[0]
+    for command in (["jobs"], ["logs", job], ["kill-stale", "--dry-run"], ["doctor"]):  # the job and health ones
+        r = cli(*command)
+        assert r.code == 0, (command, r.err)
 
 
 def test_a_key_in_metadata_is_refused_under_os_login(locked, emulator):
