@@ -44,14 +44,11 @@ FILES, KIB = 64, 64  # the sync's tree: 4 MiB
 def allow_iap(endpoint: str) -> None:
     """The firewall rule Google's docs give for IAP, in the bench project (gcloud compute firewall-rules create
     allow-ssh-ingress-from-iap --direction=INGRESS --action=allow --rules=tcp:22 --source-ranges=35.235.240.0/20)."""
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
-    kw: dict[str, Any] = {"client_options": {"api_endpoint": endpoint}, "credentials": AnonymousCredentials()}
-    client = compute_v1.FirewallsClient(transport="rest", **kw)
-    client._transport._extended_operations_services["global_operations"] = compute_v1.GlobalOperationsClient(
-        transport="rest", **kw
-    )
+    from tpurun.emulator.pytest_plugin import global_client
+
+    client = global_client(endpoint, compute_v1.FirewallsClient)
     rule = compute_v1.Firewall(
         name="allow-ssh-ingress-from-iap",
         direction="INGRESS",

@@ -19,6 +19,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
 from tests.helpers import assert_clean_error, create_node, finish, pids_in, popen, read_until
+from tpurun.emulator.pytest_plugin import global_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -44,13 +45,7 @@ def _node(emulator) -> str:
 
 
 def _firewalls(emulator) -> compute_v1.FirewallsClient:
-    kw = {"client_options": {"api_endpoint": emulator.endpoint}, "credentials": AnonymousCredentials()}
-    client = compute_v1.FirewallsClient(transport="rest", **kw)
-    # the client's own operation polls compute.googleapis.com: its global operations asked here (as tpurun does)
-    client._transport._extended_operations_services["global_operations"] = compute_v1.GlobalOperationsClient(
-        transport="rest", **kw
-    )
-    return client
+    return global_client(emulator.endpoint, compute_v1.FirewallsClient)
 
 
 def _allow_iap(emulator) -> None:

@@ -15,7 +15,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, oslogin_v1, tpu_v2
 
 from tests.helpers import assert_clean_error, create_node
-from tpurun.emulator.pytest_plugin import fast_polling
+from tpurun.emulator.pytest_plugin import fast_polling, global_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -25,13 +25,7 @@ SERVICE = "trainer@locked-project.iam.gserviceaccount.com"
 
 
 def _projects(emulator) -> compute_v1.ProjectsClient:
-    kw = {"client_options": {"api_endpoint": emulator.endpoint}, "credentials": AnonymousCredentials()}
-    client = compute_v1.ProjectsClient(transport="rest", **kw)
-    # the client's own operation polls compute.googleapis.com: its global operations asked here (as tpurun does)
-    client._transport._extended_operations_services["global_operations"] = compute_v1.GlobalOperationsClient(
-        transport="rest", **kw
-    )
-    return client
+    return global_client(emulator.endpoint, compute_v1.ProjectsClient)
 
 
 def _oslogin(emulator) -> oslogin_v1.OsLoginServiceClient:

@@ -44,6 +44,21 @@ def fast_polling() -> Any:
     return polling.DEFAULT_POLLING.with_delay(initial=0.05, maximum=0.2, multiplier=1.3).with_timeout(120)
 
 
+def global_client(endpoint: str, cls: Any) -> Any:
+    """Compute Engine's client CLS (projects, firewalls: resources with global operations) on the emulator at
+    ENDPOINT, its operations' `result()` asking the emulator too (the client's own would poll
+    compute.googleapis.com, whatever endpoint it was given)."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    kw: dict[str, Any] = {"client_options": {"api_endpoint": endpoint}, "credentials": AnonymousCredentials()}
+    client = cls(transport="rest", **kw)
+    client._transport._extended_operations_services["global_operations"] = compute_v1.GlobalOperationsClient(
+        transport="rest", **kw
+    )
+    return client
+
+
 def host_problem() -> str | None:
     """Why the emulator cannot run here, or None."""
     if os.geteuid() != 0:
