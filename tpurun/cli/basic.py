@@ -110,6 +110,6 @@ def emulator_cmd(ctx: typer.Context) -> None:
     """A local Cloud TPU API whose nodes are real sshd hosts (start, stop, status, faults)."""
     from tpurun.emulator import cli
 
-    rc = cli.run(list(ctx.args), endpoint=lambda: settings.resolve().api_endpoint)
+    rc = cli.run(list(ctx.args), resolve=settings.resolve)
     if rc:
         raise typer.Exit(rc)

@@ -27,12 +27,12 @@ from urllib.parse import urlparse
 
 import typer
 
-from tpurun import config, errors, naming, settings, ui
+from tpurun import config, errors, naming, ui
 from tpurun.cloud.client import is_emulator
 from tpurun.emulator.api import AdminClient
 from tpurun.emulator.model import ApiError, Delays
 from tpurun.errors import ExitCode, TpurunError, UsageError
-from tpurun.settings import Setting
+from tpurun.settings import Setting, Settings
 from tpurun.worker.agent_files import pid_alive
 
 SSHD = Path("/usr/sbin/sshd")
@@ -109,11 +109,11 @@ def _server_info(state_dir: Path) -> dict[str, Any] | None:
     return info
 
 
-def run(args: list[str], endpoint: Callable[[], Setting]) -> int:
-    """`tpurun emulator ARGS`. ENDPOINT resolves tpurun's API endpoint setting; only the commands that look for a
-    running emulator without `--state-dir` call it."""
+def run(args: list[str], resolve: Callable[[], Settings]) -> int:
+    """`tpurun emulator ARGS`. RESOLVE resolves tpurun's settings (the command line's layer does); only the
+    commands that look for a running emulator without `--state-dir`, or need a project, call it."""
     command = typer.main.get_command(app)
-    rc = command.main(args=args, prog_name="tpurun emulator", standalone_mode=False, obj=endpoint)
+    rc = command.main(args=args, prog_name="tpurun emulator", standalone_mode=False, obj=resolve)
     return rc if isinstance(rc, int) else 0
 
 
@@ -128,7 +128,7 @@ class Found:
 
 def _lookup(ctx: typer.Context, state_dir: Path | None) -> tuple[Path, Found | None]:
     """`locate` for a command: the endpoint setting resolved (by what `run` was given) only without --state-dir."""
-    setting = ctx.obj() if state_dir is None and callable(ctx.obj) else None
+    setting = ctx.obj().api_endpoint if state_dir is None and callable(ctx.obj) else None
     return locate(state_dir, setting)
 
 
@@ -522,7 +522,7 @@ def project_metadata_cmd(
     from google.cloud import compute_v1
 
     endpoint = _admin(ctx, state_dir).endpoint
-    project = project or settings.resolve().project.value or ""
+    project = project or (ctx.obj().project.value if callable(ctx.obj) else "") or ""
     if not project:
         raise UsageError("tpurun emulator project-metadata: name the project with --project (or TPURUN_PROJECT)")
     changes = {}
