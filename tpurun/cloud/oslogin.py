@@ -125,6 +125,7 @@ class Login:
         self.public = keys.ensure_key(s.home_path)[1]
         self.lock = threading.Lock()
         self._account = ""
+        self._memo: dict[str, Any] | None = None  # what the record says, read once: every connection asks
         self._cloud: Cloud | None = None
 
     def _client(self) -> tuple[Cloud, Any]:
@@ -177,12 +178,13 @@ class Login:
         """The POSIX user to log in as, the key renewed first where it has less than RENEW_SECONDS left."""
         with self.lock:
             self.check()
-            held = self._held()
-            if held is not None and held["expires"] - time.time() > RENEW_SECONDS:
-                return str(held["username"])
-            username, expires = self._import()
-            self._keep({"username": username, "expires": expires, "key": _blob(self.public)})
-            return username
+            held = self._memo or self._held()
+            if held is None or held["expires"] - time.time() <= RENEW_SECONDS:
+                username, expires = self._import()
+                held = {"username": username, "expires": expires, "key": _blob(self.public)}
+                self._keep(held)
+            self._memo = held
+            return str(held["username"])
 
     def _path(self) -> Path:
         return self.s.home_path / "oslogin" / f"{self.account()}--{self.project}.json"
@@ -197,7 +199,7 @@ class Login:
     def _keep(self, held: dict[str, Any]) -> None:
         path = self._path()
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two commands at once each write their own
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # as tpurun's other records
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(held))
