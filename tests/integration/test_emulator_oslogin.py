@@ -29,6 +29,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, oslogin_v1, tpu_v2
 from google.cloud.oslogin_v1 import common
 
+from tpurun.emulator.api import AdminClient
 from tpurun.emulator.pytest_plugin import fast_polling
 from tpurun.topology import default_runtime_version
 
@@ -316,8 +317,31 @@ def test_two_factor_asks_a_human_for_a_second_step(pod):
         finally:
             t.close()
 
-    assert until(remaining, bool) == ["keyboard-interactive"]  # the key was right; the second step never is
-    assert pod.login("alice_example_com", human) is None
+    def second_step(code: str) -> tuple[bool, list[tuple[str, bool]]]:
+        """Whether the worker lets ALICE in with her key and CODE, and what it asked."""
+        asked: list[tuple[str, bool]] = []
+
+        def handler(title: str, instructions: str, prompts: list[tuple[str, bool]]) -> list[str]:
+            asked.extend(prompts)
+            return [code] * len(prompts)
+
+        t = pod.transport(1)
+        try:
+            t.auth_publickey("alice_example_com", human.pkey)
+            try:
+                t.auth_interactive("alice_example_com", handler)
+            except paramiko.AuthenticationException:
+                pass
+            return t.is_authenticated(), asked
+        finally:
+            t.close()
+
+    assert until(remaining, bool) == ["keyboard-interactive"]  # the key was right; a second step is asked
+    assert pod.login("alice_example_com", human) is None  # the key alone does not let her in
+    code = AdminClient(pod.emulator.endpoint).security_code(ALICE)
+    assert re.fullmatch(r"\d{6}", code), code
+    assert second_step(code) == (True, [("Enter your one-time password: ", True)])  # pam_oslogin_login's words
+    assert second_step("not-a-code")[0] is False
     assert pod.login(sa, robot) == f"{sa}\n0\n"  # a service account: its key alone
     pod.metadata({"enable-oslogin": "TRUE"})
     assert until(lambda: pod.login("alice_example_com", human), bool) is not None

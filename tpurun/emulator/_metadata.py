@@ -8,7 +8,7 @@ address, so a worker reaches *its* metadata (worker number, guest attributes, ..
 Served below ``/computeMetadata/v1/`` (header ``Metadata-Flavor: Google`` required,
 403 otherwise): the tree a `MetadataSource` returns (directory listings, leaves as text,
 ``?recursive=true`` / ``?alt=json`` as JSON), ``instance/guest-attributes/NS/KEY``
-(PUT stores, GET reads) and ``oslogin/...`` (the source's answers, JSON).
+(PUT stores, GET reads) and ``oslogin/...`` (the source's answers, JSON; POST for 2FA's sessions).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class MetadataSource(Protocol):
         """The whole metadata tree of one worker: nested dicts, leaves are strings."""
         ...
 
-    def oslogin(self, path: list[str], query: dict[str, str]) -> tuple[int, Any]:
-        """The status and answer (JSON-ready, or text) of `oslogin/PATH?QUERY`."""
+    def oslogin(self, path: list[str], query: dict[str, str], body: Any = None) -> tuple[int, Any]:
+        """The status and answer (JSON-ready, or text) of `oslogin/PATH?QUERY` (a POST's JSON BODY)."""
         ...
 
     def guest_get(self, namespace: str, key: str) -> str | None: ...
@@ -100,11 +100,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts, query = routed
         src = self.server.source
         if parts[:1] == ["oslogin"]:
-            code, answer = src.oslogin(parts[1:], {k: v[-1] for k, v in query.items()})
-            if isinstance(answer, str):
-                self._reply(code, answer, "text/plain")
-            else:
-                self._reply(code, json.dumps(answer), "application/json")
+            self._oslogin(parts, query)
             return
         if parts[:2] == ["instance", "guest-attributes"]:
             items = src.guest_items()
@@ -136,6 +132,29 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, str(tree))
 
     do_HEAD = do_GET
+
+    def _oslogin(self, parts: list[str], query: dict[str, list[str]], body: Any = None) -> None:
+        code, answer = self.server.source.oslogin(parts[1:], {k: v[-1] for k, v in query.items()}, body)
+        if isinstance(answer, str):
+            self._reply(code, answer, "text/plain")
+        else:
+            self._reply(code, json.dumps(answer), "application/json")
+
+    def do_POST(self) -> None:  # noqa: N802
+        routed = self._route()
+        if routed is None:
+            return
+        parts, query = routed
+        length = int(self.headers.get("Content-Length") or 0)
+        if parts[:1] != ["oslogin"] or length > _MAX_GUEST_VALUE:
+            self._reply(405 if parts[:1] != ["oslogin"] else 400, "Bad Request\n", "text/plain")
+            return
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            self._reply(400, "Bad Request\n", "text/plain")
+            return
+        self._oslogin(parts, query, body if isinstance(body, dict) else {})
 
     def do_PUT(self) -> None:  # noqa: N802
         routed = self._route()

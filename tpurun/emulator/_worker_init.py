@@ -7,7 +7,7 @@ PID namespace, in a private mount namespace and its own UTS namespace.  It:
 1. writes its pid on this machine to ``init.pid`` (how the emulator finds and kills the worker),
 2. builds the worker's private view of the machine (``/proc``, ``/run``, ``/dev`` with
    fake TPU device files, ``/sys/bus/pci/devices`` with the TPU chips' PCI functions, ``/root``,
-   ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``) and sets the hostname,
+   ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``, ``/etc/pam.d/sshd``) and sets the hostname,
 3. starts the node's startup script, if it has one,
 4. becomes (exec) the worker's lasting init, ``_worker_init.c`` built by hosts.py: a few hundred KiB
    that reap every process of the namespace, record the startup script's exit status, and start
@@ -171,6 +171,8 @@ def build_view(wdir: str, cfg: dict) -> None:
     bind(f"{view}/tmp", "/tmp")
     for name in ("hosts", "hostname", "passwd", "shadow", "group"):
         bind(f"{view}/etc/{name}", f"/etc/{name}")
+    if os.path.exists("/etc/pam.d/sshd") and os.path.exists(f"{view}/etc/pam-sshd"):
+        bind(f"{view}/etc/pam-sshd", "/etc/pam.d/sshd")  # sshd's PAM service: its second step under OS Login 2FA
     for i, (path, fd) in enumerate(image_fds):
         setup_image_dir(view, i, path, fd)
         os.close(fd)

@@ -228,6 +228,11 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
         emu.org.iap.set(bool(d.get("allow", True)), str(d.get("project") or ""))
         return emu.org.iap.describe()
 
+    def security_code(q: Request) -> Any:
+        email = unquote(q.groups["email"])
+        return {"account": email, "code": emu.org.oslogin.security_code(email)}
+
+    r.add("GET", f"{A}/oslogin/(?P<email>[^/:]+):security-code", security_code)
     r.add("GET", f"{A}/requests", log)
     r.add("POST", f"{A}/reset", reset)
     r.add("POST", f"{A}/shutdown", shutdown)
@@ -470,6 +475,10 @@ class AdminClient:
 
     def kill_sshd(self, node: str, worker: int, zone: str | None = None) -> None:
         self.call("POST", f"nodes/{node}/workers/{worker}:kill-sshd", {"zone": zone})
+
+    def security_code(self, account: str) -> str:
+        """ACCOUNT's OS Login one-time password now (2-step verification), as its authenticator shows it."""
+        return str(self.call("GET", f"oslogin/{account}:security-code")["code"])
 
     def iap_access(self, allow: bool, project: str = "") -> dict[str, Any]:
         """Allow or deny tunnels through IAP to PROJECT's VMs (every project's without one); who may, as it stands."""

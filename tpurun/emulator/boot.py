@@ -1,5 +1,6 @@
 """How a worker's namespaces come up: the init every worker ends as (`_worker_init.c`, built here once per
-emulator with the C compiler), and booting many workers a few at a time.
+emulator with the C compiler, as is the PAM module of its sshd's second step, `_pam_conv.c`), and booting many
+workers a few at a time.
 
 A worker boots in two steps. `unshare` starts `_worker_init.py` as PID 1 of fresh namespaces, which builds the
 worker's view of the machine (a Python interpreter, about 10 MiB, for some 50 ms), then becomes the C init by
@@ -21,6 +22,7 @@ from pathlib import Path
 
 INIT_SOURCE = Path(__file__).with_name("_worker_init.c")
 INIT_SCRIPT = Path(__file__).with_name("_worker_init.py")
+PAM_SOURCE = Path(__file__).with_name("_pam_conv.c")
 INIT_NAME = "tpurun-worker-init"  # the C init's argv[0], what `ps` on a worker shows as PID 1
 UNSHARE = [
     "unshare",
@@ -44,8 +46,18 @@ def compiler() -> str | None:
 
 def build_init(directory: Path) -> Path:
     """The workers' init, compiled into DIRECTORY (once per source: its name carries the source's hash)."""
-    source = INIT_SOURCE.read_bytes()
-    binary = directory / f"{INIT_NAME}-{hashlib.sha256(source).hexdigest()[:12]}"
+    return _build(INIT_SOURCE, directory, INIT_NAME, [["-static"], []])  # no static libc: a dynamic one does too
+
+
+def build_pam(directory: Path) -> Path:
+    """The workers' PAM module (sshd's keyboard-interactive step under OS Login 2FA), compiled into DIRECTORY."""
+    return _build(PAM_SOURCE, directory, "pam_conv", [["-shared", "-fPIC"]], ".so")
+
+
+def _build(source_path: Path, directory: Path, name: str, tries: list[list[str]], suffix: str = "") -> Path:
+    """SOURCE_PATH compiled into DIRECTORY (with the flags of the first of TRIES that builds), once per source."""
+    source = source_path.read_bytes()
+    binary = directory / f"{name}-{hashlib.sha256(source).hexdigest()[:12]}{suffix}"
     if binary.exists():
         return binary
     cc = compiler()
@@ -53,13 +65,12 @@ def build_init(directory: Path) -> Path:
         raise RuntimeError("the tpurun emulator needs a C compiler (cc) to build its workers' init: install gcc")
     directory.mkdir(parents=True, exist_ok=True)
     tmp = binary.with_name(binary.name + f".{os.getpid()}.tmp")
-    done = subprocess.run(
-        [cc, "-O2", "-static", "-o", str(tmp), str(INIT_SOURCE)], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:  # no static libc here: a dynamic one does as well, a little bigger
-        done = subprocess.run([cc, "-O2", "-o", str(tmp), str(INIT_SOURCE)], capture_output=True, text=True)
+    for flags in tries:
+        done = subprocess.run([cc, "-O2", *flags, "-o", str(tmp), str(source_path)], capture_output=True, text=True)
+        if done.returncode == 0:
+            break
     if done.returncode != 0:
-        raise RuntimeError(f"cannot build the workers' init with {cc}: {done.stderr.strip()[-300:]}")
+        raise RuntimeError(f"cannot build {source_path.name} with {cc}: {done.stderr.strip()[-300:]}")
     os.replace(tmp, binary)
     return binary
 

@@ -505,6 +505,19 @@ def iap_cmd(
     ui.info(f"IAP tunnels to {f'project {project}' if project else 'every project'}'s VMs: {action}ed")
 
 
+@app.command("security-code")
+def security_code_cmd(
+    ctx: typer.Context,
+    account: Annotated[str, typer.Argument(help="The Google account (an email).")],
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Print ACCOUNT's OS Login one-time password now, as its authenticator application would show it.
+
+    A worker of a TPU whose metadata (or project's) has enable-oslogin-2fa=TRUE asks a person logging in for it
+    after the key ("Enter your one-time password:"); a new one every 30 s, the one before and after taken too."""
+    print(_api_call(_admin(ctx, state_dir).security_code, account))
+
+
 @app.command("project-metadata")
 def project_metadata_cmd(
     ctx: typer.Context,

@@ -8,12 +8,17 @@ authorized_keys file per user, each user a root alias. On: no authorized_keys fi
 `AuthorizedKeysCommand` (KEYS_COMMAND, the emulator's stand-in for guest-oslogin's google_authorized_keys, run as
 root with the image's Python) for the keys of a login name; every POSIX account of the project's OS Login profiles
 is a root alias (in place of Google's NSS module). With 2FA a human's login needs `keyboard-interactive` after its
-key, which no emulated worker can give (its sshd has no PAM), and a service account's (`sa_*`) its key alone.
+key, and a service account's (`sa_*`) its key alone: the worker's sshd then uses PAM, whose sshd service (the
+worker's own file, bound over /etc/pam.d/sshd) runs the emulator's PAM module (`_pam_conv.c`) with
+TWO_FACTOR_SCRIPT, which asks the second factor as guest-oslogin's pam_oslogin_login does: a session started
+with the metadata server, the method chosen where there are several, its code asked and sent back.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +28,9 @@ from tpurun.emulator.sshd import write_atomic, write_in_place
 _TRUE = {"1", "t", "T", "TRUE", "true", "True"}
 _FALSE = {"0", "f", "F", "FALSE", "false", "False"}
 KEYS_SCRIPT = "oslogin_keys.py"  # in each worker's directory
+TWO_FACTOR_SCRIPT = "oslogin_2fa.py"  # likewise, the second step's
+PAM_MODULE = "pam_conv.so"  # likewise, a link to the emulator's build
+PAM_SSHD = "etc/pam-sshd"  # the worker's /etc/pam.d/sshd (bound there at its boot)
 
 
 def flag(value: str | None) -> bool | None:
@@ -106,6 +114,30 @@ def write_keys_command(d: Path, metadata_host: str) -> None:
     write_atomic(d / KEYS_SCRIPT, KEYS_COMMAND.replace("METADATA_HOST", metadata_host), 0o644)
 
 
+def write_second_step(d: Path, metadata_host: str, module: Path, python: str, view: str) -> None:
+    """What the sshd of the worker whose directory is D (seen at VIEW) asks a human's second factor with, under
+    2FA: its PAM service (MODULE, the emulator's build, linked into D, running TWO_FACTOR_SCRIPT with the image's
+    PYTHON), and the script, asking the metadata server at METADATA_HOST. Read only while its sshd uses PAM."""
+    link = d / PAM_MODULE
+    if not (link.exists() and link.samefile(module)):
+        tmp = d / (PAM_MODULE + ".tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(module, tmp)
+        except OSError:  # another filesystem: a copy
+            shutil.copyfile(module, tmp)
+        os.replace(tmp, link)
+    write_atomic(d / TWO_FACTOR_SCRIPT, TWO_FACTOR_COMMAND.replace("METADATA_HOST", metadata_host), 0o644)
+    pam = [
+        "# sshd's PAM service on this emulated worker: OS Login's second step (tpurun emulator, guest_login.py)",
+        f"auth     required  {view}/{PAM_MODULE} {python} -I -S {view}/{TWO_FACTOR_SCRIPT}",
+        "account  required  pam_permit.so",
+        "session  required  pam_permit.so",
+        "password required  pam_deny.so",
+    ]
+    write_in_place(d / PAM_SSHD, "\n".join(pam) + "\n")
+
+
 # sshd's AuthorizedKeysCommand under OS Login: what guest-oslogin's google_authorized_keys does (AuthorizeUser,
 # ParseJsonToSshKeys in its src/oslogin_utils.cc), in the standard library alone (it runs with -I -S).
 KEYS_COMMAND = '''\
@@ -147,4 +179,99 @@ def main(user):
 
 
 main(sys.argv[1])
+'''
+
+
+# The second step under 2FA, run by the worker's PAM module (_pam_conv.c) with the login name: what guest-oslogin's
+# pam_oslogin_login does (its pam_sm_authenticate: the prompts are its own words), in the standard library alone.
+# A message to the module is its PAM style digit, its text and a NUL; an answer comes back as a line.
+TWO_FACTOR_COMMAND = '''\
+"""Asks OS Login's second factor of a login name: a service account (sa_) goes through; anyone else answers the
+challenge the metadata server's session gives (exit 0: let in)."""
+import http.client
+import json
+import re
+import sys
+
+PROMPTS = {
+    "AUTHZEN": "Google phone prompt",
+    "TOTP": "Security code from Google Authenticator application",
+    "INTERNAL_TWO_FACTOR": "Security code from security key",
+    "IDV_PREREGISTERED_PHONE": "Voice or text message verification code",
+    "SECURITY_KEY_OTP": "Security code from a security key",
+}
+ASK = {
+    "INTERNAL_TWO_FACTOR": "Enter your security code: ",
+    "SECURITY_KEY_OTP": "Enter your security code by visiting https://g.co/sc: ",
+    "TOTP": "Enter your one-time password: ",
+    "AUTHZEN": "A login prompt has been sent to your enrolled device. Press enter to continue",
+    "IDV_PREREGISTERED_PHONE": "A security code has been sent to your phone. Enter code to continue: ",
+}
+
+
+def call(method, path, body=None):
+    conn = http.client.HTTPConnection("METADATA_HOST", timeout=10)
+    data = None if body is None else json.dumps(body)
+    conn.request(method, "/computeMetadata/v1/oslogin/" + path, body=data, headers={"Metadata-Flavor": "Google"})
+    answer = conn.getresponse()
+    text = answer.read()
+    return json.loads(text) if answer.status == 200 and text else None
+
+
+def say(style, text):
+    sys.stdout.write(str(style) + text + "\\0")
+    sys.stdout.flush()
+
+
+def ask(text):
+    say(2, text)
+    return sys.stdin.readline().rstrip("\\n")
+
+
+def main(user):
+    if not re.fullmatch(r"[a-zA-Z0-9._][a-zA-Z0-9._-]{0,31}", user):
+        return 1
+    found = call("GET", "users?username=" + user)
+    if not found:
+        return 1
+    if user.startswith("sa_"):
+        return 0
+    email = found["loginProfiles"][0].get("name", "")
+    types = ["INTERNAL_TWO_FACTOR", "SECURITY_KEY_OTP", "AUTHZEN", "TOTP", "IDV_PREREGISTERED_PHONE"]
+    session = call("POST", "authenticate/sessions/start", {"email": email, "supportedChallengeTypes": types})
+    if not session or session.get("status") == "NO_AVAILABLE_CHALLENGES" or not session.get("challenges"):
+        return 1
+    challenges = session["challenges"]
+    challenge = challenges[0]
+    if len(challenges) > 1:
+        menu = "Please choose from the available authentication methods: "
+        for i, c in enumerate(challenges):
+            menu += "\\n%d: %s" % (i + 1, PROMPTS.get(c["challengeType"], ""))
+        choice = ask(menu + "\\n\\nEnter the number for the authentication method to use: ")
+        try:
+            challenge = challenges[int(choice.split()[0]) - 1]
+        except (ValueError, IndexError):
+            say(3, "Invalid option")
+            return 1
+    sid = session["sessionId"]
+    if challenge["status"] != "READY":
+        body = {"email": email, "challengeId": challenge["challengeId"], "action": "START_ALTERNATE"}
+        if call("POST", "authenticate/sessions/%s/continue" % sid, body) is None:
+            return 1
+    kind = challenge["challengeType"]
+    if kind not in ASK:
+        return 1
+    token = ask(ASK[kind])
+    body = {"email": email, "challengeId": challenge["challengeId"], "action": "RESPOND"}
+    if kind != "AUTHZEN":
+        body["proposalResponse"] = {"credential": token}
+    answer = call("POST", "authenticate/sessions/%s/continue" % sid, body)
+    if answer and answer.get("status") == "AUTHENTICATED":
+        return 0
+    if answer and answer.get("rejectionReason"):
+        say(3, answer["rejectionReason"])
+    return 1
+
+
+sys.exit(main(sys.argv[1]))
 '''

@@ -192,12 +192,14 @@ class _WorkerSource:
             events=dict(w.events),
         )
 
-    def oslogin(self, path: list[str], query: dict[str, str]) -> tuple[int, Any]:
+    def oslogin(self, path: list[str], query: dict[str, str], body: Any = None) -> tuple[int, Any]:
         """`oslogin/...` of this worker's metadata server: 404 while OS Login is off here, as on a real VM."""
         node, org = self._node, self._hosts.org
         md = self._hosts.metadata_of(node, self._worker.index)
         here = guest_login.decide(md, org.projects.attributes(node.project))
-        return org.oslogin.metadata_answer(node.project, path, query) if here.oslogin else (404, "Not Found\n")
+        if not here.oslogin:
+            return 404, "Not Found\n"
+        return org.oslogin.metadata_answer(node.project, path, query, body)
 
     def guest_get(self, namespace: str, key: str) -> str | None:
         with self._node.guest_lock:
@@ -233,6 +235,7 @@ class WorkerHosts:
         self._token_key = secrets.token_bytes(32)  # signs each node's service-account token
         self._base_users = {ln.split(":", 1)[0] for ln in self._base["passwd"].splitlines() if ":" in ln}
         self.init_binary = boot.build_init(self.root)
+        self.pam_module = boot.build_pam(self.root)
         self.org = Organisation()  # an organisation of its own until the emulator's is given (use_organisation)
         self.use_organisation(self.org)
         # a metadata listener per worker: 2,048 workers need more descriptors than the usual soft limit
@@ -372,6 +375,10 @@ class WorkerHosts:
         write_in_place(d / "etc" / "hosts", "\n".join(hosts) + "\n")
         write_in_place(d / "etc" / "hostname", w.hostname + "\n")
         guest_login.write_keys_command(d, f"metadata.google.internal:{self.metadata_port}")
+        # written at every boot, whatever the policy now: 2FA switched on later finds them there
+        guest_login.write_second_step(
+            d, f"metadata.google.internal:{self.metadata_port}", self.pam_module, image_python(), view
+        )
         self._apply_logins(node, w, md)
         script = md.get("startup-script")
         if script:

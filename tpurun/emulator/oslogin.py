@@ -8,6 +8,11 @@ characters (`sa_` and the unique id for a service account), uid and gid one larg
 
 Every email is an existing account: a profile nobody wrote to is its name alone. The store is the emulator's, kept
 as long as it runs; `watch` tells the workers when a project's POSIX accounts change (they are its root aliases).
+
+2-step verification: every human account has one method enrolled, an authenticator application's one-time
+password (RFC 6238's TOTP: 6 digits, a new one every 30 s, its secret the emulator's own, made anew at each
+start), which `security_code` gives (the admin route and `tpurun emulator security-code`, in place of the
+user's phone). A worker's metadata server starts a session for it and checks the code as guest-oslogin asks it.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import json
 import re
+import secrets
 import struct
 import threading
 import time
@@ -45,6 +52,8 @@ KEY_TYPES = frozenset(
 _BAD_ARGUMENT = "Request contains an invalid argument."
 _NOT_FOUND = "Requested entity was not found."
 _TOO_BIG = "Login profile size exceeds 32 KiB. Delete profile values to make additional space."
+CODE_STEP, CODE_DIGITS = 30, 6  # a one-time password's life in seconds, and its digits (TOTP's usual ones)
+TOTP = "TOTP"  # the one challenge type an emulated account has enrolled
 
 
 def not_found() -> ApiError:
@@ -166,6 +175,8 @@ class OsLoginStore:
         self._lock = threading.Lock()
         self._profiles: dict[str, _Profile] = {}
         self._watchers: list[Callable[[str], None]] = []
+        self._code_key = secrets.token_bytes(32)  # every account's TOTP secret derives from it
+        self._sessions: dict[str, str] = {}  # a 2FA session's id -> its account's email
 
     def watch(self, fn: Callable[[str], None]) -> None:
         """Call FN(project) after the POSIX accounts of a project changed (outside the store's lock)."""
@@ -267,12 +278,62 @@ class OsLoginStore:
         """The POSIX usernames of PROJECT's accounts (what a VM's NSS module lists)."""
         return [posix_username(p.email) for p in self._members(project)]
 
-    def metadata_answer(self, project: str, path: list[str], query: dict[str, str]) -> tuple[int, Any]:
+    def security_code(self, email: str, at: float | None = None) -> str:
+        """EMAIL's one-time password at AT (now): what its authenticator application shows."""
+        return self._code(email, int((time.time() if at is None else at) // CODE_STEP))
+
+    def _code(self, email: str, step: int) -> str:
+        secret = hmac.new(self._code_key, email.lower().encode(), hashlib.sha256).digest()[:20]
+        digest = hmac.new(secret, struct.pack(">Q", step), hashlib.sha1).digest()
+        offset = digest[-1] & 0x0F
+        value = struct.unpack(">I", digest[offset : offset + 4])[0] & 0x7FFFFFFF
+        return f"{value % 10**CODE_DIGITS:0{CODE_DIGITS}d}"
+
+    def _code_ok(self, email: str, code: str) -> bool:
+        """Whether CODE is EMAIL's one-time password now, or one step before or after (a clock's drift, a code typed
+        as it changed), as authenticator codes are usually checked."""
+        step = int(time.time() // CODE_STEP)
+        return any(hmac.compare_digest(self._code(email, step + d), code.strip()) for d in (-1, 0, 1))
+
+    def _second_step(self, members: list[_Profile], path: list[str], body: dict[str, Any]) -> tuple[int, Any]:
+        """`authenticate/sessions/start` and `authenticate/sessions/ID/continue` (POST), as pam_oslogin_login
+        speaks them: a session offers each account's one enrolled challenge (TOTP, when the guest supports it),
+        and a RESPOND with its code authenticates it; a session ends at its first answer."""
+        who = str(body.get("email", "")).lower()
+        hit = [p for p in members if who in (p.email, unique_id(p.email))]
+        if not hit:
+            return 400, "Bad Request\n"
+        email = hit[0].email
+        if path == ["start"]:
+            if TOTP not in body.get("supportedChallengeTypes", []):
+                return 200, {"status": "NO_AVAILABLE_CHALLENGES"}
+            sid = secrets.token_urlsafe(24)
+            with self._lock:
+                while len(self._sessions) >= 10_000:  # sessions nobody answered
+                    self._sessions.pop(next(iter(self._sessions)))
+                self._sessions[sid] = email
+            challenge = {"challengeId": 1, "challengeType": TOTP, "status": "READY"}
+            return 200, {"status": "CHALLENGE_REQUIRED", "sessionId": sid, "challenges": [challenge]}
+        if len(path) == 2 and path[1] == "continue":
+            with self._lock:
+                owner = self._sessions.pop(path[0], None)
+            if owner != email or body.get("challengeId") != 1 or body.get("action") != "RESPOND":
+                return 400, "Bad Request\n"
+            code = str((body.get("proposalResponse") or {}).get("credential", ""))
+            return 200, {"status": "AUTHENTICATED" if self._code_ok(email, code) else "CHALLENGE_FAILED"}
+        return 404, "Not Found\n"
+
+    def metadata_answer(
+        self, project: str, path: list[str], query: dict[str, str], body: dict[str, Any] | None = None
+    ) -> tuple[int, Any]:
         """What the metadata server of a VM of PROJECT answers under `oslogin/` (OS Login on), as guest-oslogin
         reads it: `users?username=` / `?uid=` (404 for nobody), `users?pagesize=&pagetoken=` (pages end with a
         token of "0" and no profiles), `authorize?email=&policy=login|adminLogin` (`success`: every account with
-        a POSIX account here may log in and administer). EMAIL may be the account's email or its profile name."""
+        a POSIX account here may log in and administer). EMAIL may be the account's email or its profile name. BODY: a
+        POST's, under `authenticate/sessions/` (2FA, `_second_step`)."""
         members = self._members(project)
+        if path[:2] == ["authenticate", "sessions"] and body is not None:
+            return self._second_step(members, path[2:], body)
 
         def profile(p: _Profile) -> dict[str, Any]:
             with self._lock:

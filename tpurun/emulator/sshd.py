@@ -66,7 +66,8 @@ def sshd_config(
     address: str, port: int, view: str, *, kbd_interactive: bool = False, extra: tuple[str, ...] = ()
 ) -> str:
     """The sshd_config of a worker listening on ADDRESS:PORT whose directory it sees at VIEW; EXTRA at its end (how
-    the worker's logins are checked: guest_login), KBD_INTERACTIVE for a second step after the key."""
+    the worker's logins are checked: guest_login), KBD_INTERACTIVE for a second step after the key (asked through
+    PAM, the only way OpenSSH asks one on Linux)."""
     return "\n".join(
         [
             f"ListenAddress {address}:{port}",
@@ -76,8 +77,10 @@ def sshd_config(
             "PubkeyAuthentication yes",
             "PasswordAuthentication no",
             f"KbdInteractiveAuthentication {'yes' if kbd_interactive else 'no'}",
-            "UsePAM no",
-            "PermitRootLogin prohibit-password",
+            f"UsePAM {'yes' if kbd_interactive else 'no'}",
+            # every login is a root alias, and prohibit-password would refuse root a last step that is not a key;
+            # a key is asked first all the same (AuthenticationMethods), and passwords never
+            f"PermitRootLogin {'yes' if kbd_interactive else 'prohibit-password'}",
             # Key files live in the emulator's state dir, whose parents we do not control.
             "StrictModes no",
             "MaxStartups 1000",
