@@ -1,13 +1,17 @@
 """How tpurun shows things: rich on a terminal, plain lines when piped or with --plain, JSON on request.
 
-The library returns data; commands hand it to these helpers, so --json and --plain come for free.
+The library returns data; commands hand it to these helpers, so --json and --plain come for free. The one
+exception is `ask`: a worker that asks a person for a second factor at login (OS Login's 2-step verification) is
+answered by the person at the terminal, while the command connects.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,32 @@ class UiState:
 
 
 state = UiState()
+
+# Held by a prompt while it waits for its answer, and by the writers of a command's lines (cli/output.py), so a
+# question is never cut by other output, and questions from many workers come one at a time.
+TERMINAL = threading.RLock()
+
+
+def can_ask() -> bool:
+    """Whether there is a person to ask: stdin and stderr are terminals."""
+    return sys.stdin.isatty() and sys.stderr.isatty()
+
+
+def ask(tag: str, prompts: Sequence[tuple[str, bool]]) -> list[str]:
+    """The answers of the person at the terminal to PROMPTS (each its text, and whether the answer is echoed), every
+    line of a prompt shown after [TAG] (the worker asking), one asker at a time; "" where stdin ended."""
+    answers = []
+    with TERMINAL:
+        for text, echo in prompts:
+            lines = text.rstrip("\n").split("\n")
+            shown = "".join(f"[{tag}] {line}\n" for line in lines[:-1]) + f"[{tag}] {lines[-1]}"
+            if not echo:
+                answers.append(getpass.getpass(shown, stream=sys.stderr))
+                continue
+            sys.stderr.write(shown)
+            sys.stderr.flush()
+            answers.append(sys.stdin.readline().rstrip("\n"))
+    return answers
 
 
 def is_plain() -> bool:

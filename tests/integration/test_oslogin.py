@@ -1,12 +1,18 @@
 """tpurun in a project that enforces OS Login, against the emulator's project metadata, OS Login API and workers
 that honour it as Google's guest does (Google's own clients set the project up): tpurun writes no `ssh-keys`,
 imports its key into the acting account's login profile with an expiry, logs in as the profile's POSIX user
-(exec, sync, train), a key put in metadata by hand is refused, and 2-step verification stops a human's command
-in one line while a service account goes through."""
+(exec, sync, train), a key put in metadata by hand is refused, and under 2-step verification each worker asks a
+person on a terminal for the code (the emulator's, as the test's answer), a command without one stops in one line,
+and a service account goes through with its key alone."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
+import subprocess
+import sys
 import time
 
 import paramiko
@@ -15,6 +21,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, oslogin_v1, tpu_v2
 
 from tests.helpers import assert_clean_error, create_node
+from tpurun.emulator.api import AdminClient
 from tpurun.emulator.pytest_plugin import fast_polling, global_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -110,18 +117,99 @@ def test_a_key_in_metadata_is_refused_under_os_login(locked, emulator):
     client.close()
 
 
-def test_two_step_verification_stops_a_human_in_one_line_and_lets_a_service_account_in(locked, emulator):
+def _on_a_terminal(cli, args: list[str], answer: str | None, timeout: float = 120) -> tuple[int, str, list[str]]:
+    """`tpurun ARGS` with stdin and stderr on a pseudo-terminal (stdout a pipe): every question it asks answered
+    with ANSWER (or, when None, the emulator's security code of the time). (exit code, stdout, the terminal's
+    text), and the questions asked."""
+    master, slave = os.openpty()
+    env = {**os.environ, **cli.env}
+    env.pop("TPURUN_TPU", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpurun", *args], cwd=cli.cwd, env=env, stdin=slave, stdout=subprocess.PIPE,
+        stderr=slave, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    seen, searched, asked, deadline = "", 0, [], time.monotonic() + timeout
+    admin = AdminClient(cli.emulator.endpoint)
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(master, 4096).decode(errors="replace")
+                except OSError:  # the terminal's last holder closed it
+                    break
+                seen += chunk
+                while (found := PROMPT.search(seen, searched)) is not None:
+                    asked.append(found.group(0))
+                    searched = found.end()
+                    os.write(master, ((answer if answer is not None else admin.security_code(ALICE)) + "\n").encode())
+            elif proc.poll() is not None:
+                break
+        out = proc.stdout.read().decode() if proc.stdout else ""
+        return proc.wait(timeout=10), out + seen, asked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+PROMPT = re.compile(r"\[w\d+\] Enter your one-time password: ")
+
+
+@pytest.fixture
+def two_step(locked, emulator):
+    """The project asks 2-step verification, once every worker of the TPU asks it (metadata takes a moment)."""
     cli, _ = locked
     _set_project_metadata(emulator, enable_oslogin_2fa="TRUE")
+    name = f"projects/{PROJECT}/locations/{emulator.zone}/nodes/locked"
+    key = paramiko.Ed25519Key.from_private_key_file(str(cli.key))
+    r = cli("exec", "--", "true")  # (imports the key, as any command does)
+    for worker in emulator.node_info(name)["workers"]:
+        deadline = time.monotonic() + 30
+        while True:  # the key alone: the worker asks for a further step, and does not let tpurun in
+            t = paramiko.Transport((worker["address"], 22))
+            try:
+                t.start_client(timeout=10)
+                remaining = t.auth_publickey("alice_example_com", key)
+                authenticated = t.is_authenticated()
+            finally:
+                t.close()
+            if remaining == ["keyboard-interactive"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert remaining == ["keyboard-interactive"] and not authenticated, (remaining, r.err)
     try:
-        r = cli("--plain", "exec", "--", "true", input="")
-        assert_clean_error(r, 2)
-        assert "2-step verification" in r.err and "service account" in r.err, r.err
-        cli.env["TPURUN_ACCOUNT"] = SERVICE
-        r = cli("exec", "--", "sh", "-c", 'echo "user=$USER"')
-        assert r.code == 0, r.err
-        users = {line.split()[-1] for line in r.out.splitlines()}
-        assert len(users) == 1 and users.pop().startswith("user=sa_"), r.out
+        yield cli
     finally:
         cli.env["TPURUN_ACCOUNT"] = ALICE
         _set_project_metadata(emulator, enable_oslogin_2fa="FALSE")
+
+
+def test_two_step_verification_without_a_terminal_is_one_line_and_a_service_account_goes_through(two_step):
+    cli = two_step
+    r = cli("--plain", "exec", "--", "true", input="")
+    assert_clean_error(r, 2)
+    assert len(r.err.strip().splitlines()) <= 2, r.err  # the line and its hint
+    assert "2-step verification" in r.err and "no terminal" in r.err and "service account" in r.err, r.err
+    cli.env["TPURUN_ACCOUNT"] = SERVICE
+    r = cli("exec", "--", "sh", "-c", 'echo "user=$USER"')
+    assert r.code == 0, r.err
+    users = {line.split()[-1] for line in r.out.splitlines()}
+    assert len(users) == 1 and users.pop().startswith("user=sa_"), r.out
+
+
+def test_two_step_verification_on_a_terminal_asks_each_worker_once(two_step):
+    cli = two_step
+    started = time.monotonic()
+    code, text, asked = _on_a_terminal(cli, ["exec", "--", "sh", "-c", 'echo "user=$USER"'], None)
+    assert code == 0, text
+    assert sorted(asked) == ["[w0] Enter your one-time password: ", "[w1] Enter your one-time password: "], text
+    assert sorted(line.split()[-1] for line in text.splitlines() if "user=" in line) == ["user=alice_example_com"] * 2
+    took = time.monotonic() - started
+    code, text, asked = _on_a_terminal(cli, ["exec", "--", "true"], "abcdef")  # a wrong code
+    assert code != 0 and "Traceback" not in text, text
+    assert "2-step verification refused" in text and len(asked) == 2, text
+    code, text, asked = _on_a_terminal(cli, ["exec", "--relay", "--", "true"], None)  # relays cannot answer
+    assert code == 2 and not asked and "relays cannot answer" in text and "Traceback" not in text, text
+    assert took < 30, took

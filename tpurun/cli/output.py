@@ -48,7 +48,7 @@ class LineWriter:
     def write(self, tag: str, index: int, stream: str, line: str) -> None:
         target = sys.stdout if stream == "out" else sys.stderr
         text = self.prefix(tag, index) + line + "\n"
-        with self.lock:
+        with self.lock, ui.TERMINAL:
             try:
                 target.write(text)
                 target.flush()
@@ -218,15 +218,19 @@ class Renderer:
 
     def _flush(self) -> None:
         if self.buffer:
-            self._erase()
-            try:
-                sys.stdout.write("".join(self.buffer))
-                sys.stdout.flush()
-            except BrokenPipeError:
-                pass
-            self.buffer.clear()
-            self._draw()
+            with ui.TERMINAL:  # not while a worker's question waits for its answer
+                self._write_buffer()
         self.last_flush = time.monotonic()
+
+    def _write_buffer(self) -> None:
+        self._erase()
+        try:
+            sys.stdout.write("".join(self.buffer))
+            sys.stdout.flush()
+        except BrokenPipeError:
+            pass
+        self.buffer.clear()
+        self._draw()
 
     def flush(self) -> None:
         with self.lock:

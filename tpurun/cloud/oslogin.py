@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurun import ui
 from tpurun.cloud.login_policy import CERTIFICATES, ENABLE, TWO_FACTOR, Policy
 from tpurun.errors import ApiError, UsageError
 
@@ -166,13 +167,18 @@ class Login:
                 "use yet: it logs in with a key imported into the login profile",
                 hint=f"a TPU whose metadata has {CERTIFICATES}=FALSE, or gcloud's ssh",
             )
-        if self.policy.two_factor and not is_service_account(self.account()):
+        if self.asks_person() and not ui.can_ask():
             raise UsageError(
                 f"{self.tpu} asks for OS Login 2-step verification (metadata {TWO_FACTOR}) at every login, and "
-                f"tpurun logs in to each worker without a person to answer it ({self.account()})",
-                hint="act as a service account (they are not asked): TPURUN_ACCOUNT and its key in "
-                "GOOGLE_APPLICATION_CREDENTIALS",
+                f"there is no terminal to ask you ({self.account()}) for the code on",
+                hint="run the command on a terminal, or act as a service account (they are not asked): "
+                "TPURUN_ACCOUNT and its key in GOOGLE_APPLICATION_CREDENTIALS",
             )
+
+    def asks_person(self) -> bool:
+        """Whether every worker asks the person tpurun acts for a second factor at login: 2-step verification, for
+        anyone but a service account."""
+        return self.policy.two_factor and not is_service_account(self.account())
 
     def user(self) -> str:
         """The POSIX user to log in as, the key renewed first where it has less than RENEW_SECONDS left."""

@@ -197,9 +197,7 @@ class _WorkerSource:
         node, org = self._node, self._hosts.org
         md = self._hosts.metadata_of(node, self._worker.index)
         here = guest_login.decide(md, org.projects.attributes(node.project))
-        if not here.oslogin:
-            return 404, "Not Found\n"
-        return org.oslogin.metadata_answer(node.project, path, query, body)
+        return org.oslogin.metadata_answer(node.project, path, query, body) if here.oslogin else (404, "Not Found\n")
 
     def guest_get(self, namespace: str, key: str) -> str | None:
         with self._node.guest_lock:
@@ -374,11 +372,9 @@ class WorkerHosts:
             ]
         write_in_place(d / "etc" / "hosts", "\n".join(hosts) + "\n")
         write_in_place(d / "etc" / "hostname", w.hostname + "\n")
-        guest_login.write_keys_command(d, f"metadata.google.internal:{self.metadata_port}")
-        # written at every boot, whatever the policy now: 2FA switched on later finds them there
-        guest_login.write_second_step(
-            d, f"metadata.google.internal:{self.metadata_port}", self.pam_module, image_python(), view
-        )
+        md_host = f"metadata.google.internal:{self.metadata_port}"
+        guest_login.write_keys_command(d, md_host)
+        guest_login.write_second_step(d, md_host, self.pam_module, image_python(), view)  # for 2FA, on now or later
         self._apply_logins(node, w, md)
         script = md.get("startup-script")
         if script:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tpurun import config, settings
+from tpurun import config, settings, ui
 from tpurun.cloud import identity, keys
 from tpurun.cloud.identity import Endpoints
 from tpurun.errors import Preempted, TpurunError, UnreachableError, UsageError
@@ -66,6 +66,7 @@ class Target:
     topology: Topology | None = None  # the accelerator type, parsed once (None on this machine)
     connected: bool = False  # connect() was called
     ways: Ways | None = field(default=None, repr=False)  # how each worker is reached (None: this machine)
+    asks: bool = False  # each worker asks the person at the terminal a second factor (OS Login 2FA, a human)
     _places: _Places | None = field(default=None, init=False, repr=False, compare=False)  # vm_env's, of all_workers
     _fleet: Fleet | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -92,6 +93,14 @@ class Target:
         if self.local or self.where is None:
             return False
         mode = self.where.relay_mode
+        if self.asks:  # a relay logs in to its children with nobody to answer their second step: straight to each
+            if mode == "on":
+                raise UsageError(
+                    f"{self.name}'s workers ask you for a second factor (OS Login 2-step verification) at every "
+                    "login, which relays cannot answer",
+                    hint="--no-relay (tpurun asks you once per worker), or act as a service account (not asked)",
+                )
+            return False
         if mode == "auto":
             try:
                 above = config.RELAY_ABOVE.integer()
@@ -355,7 +364,7 @@ def names_a_tpu(s: settings.Settings, word: str, *, ask: bool = False) -> bool:
 
 
 def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: str, *, cached: bool) -> Target:
-    user, renew, hint, retries = keys.ssh_user(), None, "", {}
+    user, renew, hint, retries, asks = keys.ssh_user(), None, "", {}, False
     if endpoints.login.oslogin:  # the workers let in the POSIX user of the profile tpurun's key is imported into
         from tpurun.cloud import oslogin
 
@@ -363,6 +372,7 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         user, renew = login.user(), login.user
         hint = f"tpurun's key is in the OS Login profile of {login.account()}; {oslogin.ROLE_HINT}"
         retries = {"auth_retries": 1}  # a key in the profile counts at once: no metadata to wait for
+        asks = login.asks_person()  # 2-step verification: each worker asks the person at the terminal (ui.ask)
     ways = Ways(s)
     workers: list[Worker] = []
     for slice_id, slice_endpoints in enumerate(endpoints.slices):
@@ -379,7 +389,8 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         dial, through = ways.dial(workers[i])
         runners.append(
             SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint,
-                      dial=dial, through=through, reach_hint=ways.hint(workers[i]), **retries)
+                      dial=dial, through=through, reach_hint=ways.hint(workers[i]), ask=ui.ask if asks else None,
+                      **retries)
         )  # fmt: skip
     return Target(
         name,
@@ -394,6 +405,7 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         slice_metadata=endpoints.slice_metadata,
         topology=parse_accelerator_type(endpoints.accelerator_type),
         ways=ways,
+        asks=asks,
     )
 
 

@@ -34,6 +34,10 @@ from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Run
 # takes for one.
 Dial = Callable[[float], Any]
 
+# Answers a worker's keyboard-interactive questions (OS Login's 2-step verification asks a person after the key):
+# ask(the worker's name, [(prompt, echo)]) -> an answer per prompt.
+Ask = Callable[[str, list[tuple[str, bool]]], list[str]]
+
 # A worker that stops answering (network partition, hung VM) leaves TCP silent rather than closed.
 # Every connection sends an SSH keepalive that asks for a reply every KEEPALIVE_INTERVAL seconds;
 # no reply within KEEPALIVE_TIMEOUT seconds closes the connection, so every command on that worker
@@ -131,10 +135,25 @@ def wrap_command(argv: Sequence[str], grace: float = RUN_GRACE, env: Mapping[str
     return " ".join([*(f"{name}={shlex.quote(value)}" for name, value in (env or {}).items()), leash])
 
 
-def _fast_transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
+class _Transport(paramiko.Transport):
+    """A worker's keyboard-interactive step (after the key: OS Login's 2-step verification) answered by `answer`, the
+    person asked through the runner's ASK, never by paramiko's own prompt on this process's stdin; refused where
+    there is nobody to ask. `asked`: whether the worker asked."""
+
+    answer: Callable[[str, str, list[tuple[str, bool]]], list[str]] | None = None
+    asked = False
+
+    def auth_interactive_dumb(self, username: str, handler: Any = None, submethods: str = "") -> list[str]:
+        if self.answer is None:
+            raise paramiko.AuthenticationException("a second step after the key, and nobody to answer it")
+        self.asked = True
+        return list(self.auth_interactive(username, self.answer, submethods))
+
+
+def _fast_transport(*args: Any, **kwargs: Any) -> _Transport:
     """A paramiko Transport that prefers AES-GCM: one AEAD call per packet instead of AES-CTR plus a
     separate HMAC, about 40% less CPU per byte on both ends (matters for `sync`'s bulk data)."""
-    t = paramiko.Transport(*args, **kwargs)
+    t = _Transport(*args, **kwargs)
     opts = t.get_security_options()
     gcm = [c for c in ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com") if c in opts.ciphers]
     opts.ciphers = tuple(gcm + [c for c in opts.ciphers if c not in gcm])
@@ -223,12 +242,15 @@ class SshRunner(Runner):
         dial: Dial | None = None,
         through: str = "",
         reach_hint: str = "",
+        ask: Ask | None = None,
     ) -> None:
         """RENEW: called before each new connection (OS Login renews tpurun's key where it is about to expire);
         LOGIN_HINT: what to do when the worker refuses tpurun's key (else: attach installs it in ssh-keys);
         DIAL: opens the byte stream to the worker's sshd (IAP's tunnel, a ProxyCommand) where it is not a TCP
         connection from here to its address, THROUGH naming that way for messages ("through IAP"); REACH_HINT: what
-        to do when it cannot be reached (else: `tpurun describe`)."""
+        to do when it cannot be reached (else: `tpurun describe`); ASK: who answers a second step after the key (none:
+        such a worker refuses tpurun)."""
+        self.ask = ask
         self.worker = worker
         self.dial, self.through, self.reach_hint = dial, through, reach_hint
         self.renew, self.login_hint = renew, login_hint
@@ -267,6 +289,7 @@ class SshRunner(Runner):
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
         pkey = paramiko.Ed25519Key.from_private_key_file(str(self.key_path)) if self.key_path.exists() else None
         w = self.worker
+        made: list[_Transport] = []  # this connection's transports: whether the worker asked a second step
         attempt = 0
         while True:
             attempt += 1
@@ -282,7 +305,7 @@ class SshRunner(Runner):
                     timeout=self.connect_timeout,
                     banner_timeout=self.connect_timeout,
                     auth_timeout=self.connect_timeout,
-                    transport_factory=_fast_transport,
+                    transport_factory=self._factory(made),
                     sock=sock,
                 )
                 break
@@ -306,6 +329,11 @@ class SshRunner(Runner):
                 auth = isinstance(exc, paramiko.AuthenticationException)
                 if "protocol banner" in str(exc):  # the connection ended before SSH began: not a login refused
                     raise self._cut(client, sock, exc) from None
+                if auth and made and made[-1].asked:  # its second step refused: asking again asks the person again
+                    raise UnreachableError(
+                        f"cannot log in to worker {w.label()} as {w.user}: its 2-step verification refused the answer",
+                        hint="run the command again with a code that is still valid",
+                    ) from None
                 if attempt > self.auth_retries or not auth:
                     what = "authentication failed" if auth else f"ssh error: {exc}"
                     raise UnreachableError(
@@ -325,6 +353,20 @@ class SshRunner(Runner):
         transport.set_keepalive(15)
         self.liveness = Liveness(transport, w)
         self.client = client
+
+    def _factory(self, made: list[_Transport]) -> Callable[..., paramiko.Transport]:
+        """paramiko's transport factory for a connection: each transport made, added to MADE, answers a second step
+        through ASK, naming the worker."""
+        ask, name = self.ask, self.worker.name
+
+        def transport(*args: Any, **kwargs: Any) -> paramiko.Transport:
+            t = _fast_transport(*args, **kwargs)
+            if ask is not None:
+                t.answer = lambda title, instructions, prompts: ask(name, [(p, e) for p, e in prompts])
+            made.append(t)
+            return t
+
+        return transport
 
     def _cut(self, client: paramiko.SSHClient, sock: Any, exc: BaseException) -> UnreachableError:
         """The connection to the worker (through DIAL's SOCK, where it has one) failed or ended before SSH began:
