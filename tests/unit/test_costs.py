@@ -111,3 +111,10 @@ def test_the_command_refuses_a_bad_since_in_one_line(tmp_path):
     )  # fmt: skip
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 2 and "--since" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_plot_is_a_png_of_the_spend_per_day(tmp_path):
+    write(tmp_path, made(), tpu("deleted", 30))
+    out = tmp_path / "spend.png"
+    costs.plot(costs.report(tmp_path, dt.timedelta(days=3), until=T0 + dt.timedelta(hours=40)), out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
