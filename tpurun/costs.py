@@ -204,8 +204,7 @@ def _jobs(home: Path, begin: dt.datetime, until: dt.datetime) -> list[JobCost]:
         spans = clip([(start, end or until)], begin, until) if start else []
         if not spans or start is None:
             continue
-        price = s.get("price") or {}
-        rate = float(price["perHour"]) if "perHour" in price else None
+        rate = ledger.rate(s.get("price"))
         hours = sum((b - a).total_seconds() for a, b in spans) / 3600
         out.append(JobCost(key[0], key[1], str(s.get("tpu", "")), start, end, str(e.get("end", "")), hours, rate))
     return out

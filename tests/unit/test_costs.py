@@ -14,8 +14,8 @@ from tpurun.cloud import ledger
 from tpurun.errors import UsageError
 
 T0 = dt.datetime(2026, 11, 1, 22, 0, tzinfo=dt.timezone.utc)
-PRICE = {"perChipHour": 1.2, "chips": 16, "perHour": 19.2, "provisioning": "on-demand", "source": "catalog",
-         "asOf": "2026-11-01", "sku": "X"}  # fmt: skip
+PRICE = {"per_chip_hour": 1.2, "chips": 16, "provisioning": "on-demand", "source": "catalog", "as_of": "2026-11-01",
+         "sku": "X"}  # fmt: skip
 
 
 def at(hours: float) -> str:

@@ -145,11 +145,18 @@ class Life:
         return sum((b - a).total_seconds() for a, b in self.up(until)) / 3600
 
     def per_hour(self) -> float | None:
-        return float(self.price["perHour"]) if self.price and "perHour" in self.price else None
+        return rate(self.price)
 
     def cost(self, until: dt.datetime | None = None) -> float | None:
         rate = self.per_hour()
         return None if rate is None else rate * self.up_hours(until)
+
+
+def rate(price: dict[str, Any] | None) -> float | None:
+    """USD per hour of a price as the ledger keeps it (`prices.Price.to_json`), None for none."""
+    if not price:
+        return None
+    return float(price["per_chip_hour"]) * int(price["chips"])
 
 
 def lives(home: Path) -> list[Life]:
