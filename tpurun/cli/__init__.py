@@ -80,6 +80,7 @@ COMMANDS: dict[str, str] = {
     "stacks": "train:stacks_cmd",
     "kill-stale": "health:kill_stale_cmd",
     "doctor": "health:doctor_cmd",
+    "cost": "cost:cost_cmd",
     "emulator": "basic:emulator_cmd",
     "config": "basic:config_app",  # a group: typer lists groups after commands
 }

@@ -292,6 +292,7 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
             "autostop",
             "idle",
             "job",
+            "cost",
         ],
         [
             (
@@ -309,9 +310,29 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
                 v.activity.autostop_label(v.autostop_setting),
                 v.activity.idle_label(),
                 ", ".join(v.activity.jobs) or "-",
+                _cost(v),
             )
             for v in views
         ],
+    )
+
+
+def _cost(v: provision.NodeView) -> str:
+    """`$3.10 at $19.20/h` so far; `-` where no price is known."""
+    if v.spend is None or v.spend.price is None:
+        return "-"
+    return f"{v.spend.cost_label()} at {v.spend.label()}"
+
+
+def _price(v: provision.NodeView) -> str:
+    """Where the price came from, and how it is made: `$19.20/h (16 chips at $1.20, on-demand; catalog 2026-11-28)`."""
+    price = v.spend.price if v.spend else None
+    if price is None:
+        return "no published price for this TPU"
+    where = "Billing Catalog" if price.source == "catalog" else "tpurun's bundled table"
+    return (
+        f"${price.per_hour:,.2f}/h ({price.chips} chips at ${price.per_chip_hour:,.3f}, {price.provisioning}; "
+        f"{where} of {price.as_of})"
     )
 
 
@@ -371,6 +392,8 @@ def _describe_table(view: provision.NodeView) -> None:
         ("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy and act.why_busy not in act.silent else "")),
         ("jobs", ", ".join(act.jobs) or "-"),
         ("watchdog", act.decision or "-"),
+        ("price", _price(view)),
+        ("cost so far", (_cost(view) + (f" ({view.spend.note})" if view.spend and view.spend.note else ""))),
     ]
     if view.slices:
         rows.append(("slices", ", ".join(f"s{i}: {v.name} ({v.state})" for i, v in enumerate(view.slices))))

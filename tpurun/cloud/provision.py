@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpurun import config, settings, ui
-from tpurun.cloud import autostop, identity, keys, multislice, oslogin, routing, startup
+from tpurun.cloud import autostop, identity, keys, multislice, oslogin, routing, spend, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
 from tpurun.cloud.client import EVERY_ZONE, Cloud
 from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, REPAIRING, STOPPED, TERMINATED, NodeView
@@ -254,8 +254,9 @@ def make(
     asked = CreateInterrupted(spec.name, maker.kind, maker.asked_for(spec, request.topology))
     try:
         maker.create(spec, request, progress)
+        spend.remember(home, cloud.project, cloud.endpoint, "created", view := tpu(cloud, spec.name))
         if not spec.wait:
-            return tpu(cloud, spec.name)
+            return view
         made = until_started(cloud, maker, home, spec.name, progress, timeout=spec.timeout)
     except KeyboardInterrupt:
         raise asked from None
@@ -462,6 +463,7 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
     if set(view.states) != {READY}:
         raise UsageError(f"{name} is {view.state}; only a READY TPU can be attached", hint=f"`tpurun start {name}`?")
     pin_host_keys(cloud, s.home_path, view)
+    spend.remember(s.home_path, cloud.project, cloud.endpoint, "attached", view)
     login = oslogin.policy_of(cloud, view.metadata)
     if login.oslogin:  # its workers ignore ssh-keys: tpurun's key goes into the login profile instead
         user = oslogin.Login(s, name, login).user()
@@ -507,12 +509,15 @@ def list_tpus(cloud: Cloud) -> Listed:
 
 
 def _listed(cloud: Cloud) -> list[NodeView]:
-    views = sorted(routing.list_all(cloud), key=lambda v: (v.zone, v.name))
+    found, complete = routing.list_all(cloud)
+    views = sorted(found, key=lambda v: (v.zone, v.name))
     makers = [routing.maker_of(cloud, v) for v in views]
     for maker in {id(m): m for m in makers}.values():
         _read_maintenance(maker, [v for v, m in zip(views, makers, strict=True) if m is maker])
     for v, act in zip(views, autostop.activities(list(zip(makers, views, strict=True))), strict=True):
         v.activity = act
+    zones = None if cloud.zone == EVERY_ZONE else {cloud.zone}
+    spend.price_listing(cloud.settings.home_path, cloud.project, zones, cloud.endpoint, views, complete=complete)
     return views
 
 
@@ -523,6 +528,7 @@ def describe(cloud: Cloud, name: str) -> NodeView:
     view.with_reports(startup_reports(maker, view))
     _read_maintenance(maker, [view])
     view.activity = autostop.activity(maker, view)
+    spend.price_listing(cloud.settings.home_path, cloud.project, set(), cloud.endpoint, [view], complete=False)
     return view
 
 
@@ -566,6 +572,7 @@ def delete(
             raise
     else:
         deleted = maker.delete(view, progress)
+        spend.remember(s.home_path, cloud.project, cloud.endpoint, "deleted", view)
     deleted.default_in = _gone(cloud, s, name, by)
     return deleted
 
@@ -607,6 +614,7 @@ def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[Backend, NodeView]:
 def stop(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> NodeView:
     maker, view = _stoppable(cloud, name, "stop")
     maker.stop(view, progress)
+    spend.remember(s.home_path, cloud.project, cloud.endpoint, "stopped", view)
     identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs may come back elsewhere
     return tpu(cloud, name)
 
@@ -615,6 +623,7 @@ def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str
     maker, view = _stoppable(cloud, name, "start")
     identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs come back, maybe elsewhere
     maker.start(view, progress)
+    spend.remember(s.home_path, cloud.project, cloud.endpoint, "started", view)
     # guest attributes start empty at boot, so the startup report read now is this boot's
     return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
 
@@ -624,6 +633,8 @@ def recreate(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[
     maker, view = whole(cloud, name, "delete")
     identity.forget(s.home_path, cloud.project, cloud.zone, name)  # a new TPU: a new identity
     maker.recreate(view, progress)
+    spend.remember(s.home_path, cloud.project, cloud.endpoint, "deleted", view)
+    spend.remember(s.home_path, cloud.project, cloud.endpoint, "created", tpu(cloud, name))
     return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
 
 

@@ -100,10 +100,10 @@ def _compute_may_have(cloud: Cloud, name: str) -> bool:
     return any(cloud.compute_has(f"{where}/{look}") for look in looks)
 
 
-def list_all(cloud: Cloud) -> list[NodeView]:
+def list_all(cloud: Cloud) -> tuple[list[NodeView], bool]:
     """Every TPU of the zone, both APIs asked at once (Compute Engine's client takes a second to import,
-    while the Cloud TPU API answers). An API that cannot be asked is passed over with a warning, unless
-    neither can."""
+    while the Cloud TPU API answers), and whether both answered. An API that cannot be asked is passed over
+    with a warning, unless neither can."""
     from concurrent.futures import ThreadPoolExecutor
 
     def ask(kind: Kind) -> list[NodeView] | ApiError:
@@ -120,4 +120,4 @@ def list_all(cloud: Cloud) -> list[NodeView]:
         raise failures[0]
     for failure in failures:
         log.warning("%s; listing the other API's TPUs only", failure.message)
-    return [v for a in answers if not isinstance(a, ApiError) for v in a]
+    return [v for a in answers if not isinstance(a, ApiError) for v in a], not failures

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpurun import ui
 from tpurun.cloud import autostop, startup
 from tpurun.naming import worker_name
+
+if TYPE_CHECKING:
+    from tpurun.cloud.spend import Spend
 
 # the states every command reads (a backend says its own in these words; `describe` shows its own too)
 READY = "READY"
@@ -140,6 +143,7 @@ class NodeView:
     # a launch gives them those values itself (docs/train.md, "Where the runtimes learn their slice").
     slice_metadata: bool = True
     maintenance: list[Maintenance] = field(default_factory=list)  # what its API announces, each VM or slice's
+    spend: Spend | None = None  # its price and what it has cost so far, where a command asked (list, describe)
 
     @classmethod
     def joined(cls, name: str, slices: list[NodeView], state: str, **fields: Any) -> NodeView:
@@ -236,6 +240,8 @@ class NodeView:
         if setting is not None:
             d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting.idle else "off"
         d["maintenance"] = [m.to_dict() for m in self.maintenance]
+        if self.spend is not None:
+            d.update(self.spend.to_dict())
         d.update(self.activity.to_dict())
         if not full:
             d.pop("watchdog")
