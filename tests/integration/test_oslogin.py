@@ -1,8 +1,9 @@
 """tpurun in a project that enforces OS Login, against the emulator's project metadata, OS Login API and workers
 that honour it as Google's guest does (Google's own clients set the project up): tpurun writes no `ssh-keys`,
 imports its key into the acting account's login profile with an expiry, logs in as the profile's POSIX user
-(exec, sync, train), a key put in metadata by hand is refused, and 2-step verification stops a human's command
-in one line while a service account goes through."""
+(exec, ssh, sync, train, the job and health commands, download, autostop's start of the watchdogs,
+maintenance's question to the agents), a key put in metadata by hand is refused, and 2-step verification stops a human's
+command in one line while a service account goes through."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, oslogin_v1, tpu_v2
 
-from tests.helpers import assert_clean_error, create_node
+from tests.helpers import assert_clean_error, autostop_starts_the_watchdogs, create_node, detached_loop, pids_in
 from tpurun.emulator.pytest_plugin import fast_polling, global_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -86,6 +87,34 @@ def test_tpurun_logs_in_as_the_profiles_user_with_a_key_that_expires(locked, emu
     for command in (["jobs"], ["logs", job], ["kill-stale", "--dry-run"], ["doctor"]):  # the job and health ones
         r = cli(*command)
         assert r.code == 0, (command, r.err)
+
+
+def test_ssh_stacks_cancel_download_autostop_and_maintenance_log_in_as_the_profiles_user(locked, emulator):
+    """`tpurun ssh`; a detached job's stacks and cancel and download (through a relay: w0 logs in to w1),
+    `maintenance --now` refused because the agents say the job runs, and autostop starting the watchdogs where
+    the TPU's boot does not: each as the profile's user."""
+    cli, _ = locked
+    name = f"projects/{PROJECT}/locations/{emulator.zone}/nodes/locked"
+    r = cli("ssh", "--worker", "1", "--", "sh", "-c", 'echo "user=$USER"')
+    assert (r.code, r.out.strip()) == (0, "user=alice_example_com"), (r.out, r.err)
+    cli.env["TPURUN_RELAY_ROOTS"] = "1"
+    job = detached_loop(cli, 2, "--relay")
+    r = cli("stacks", "--relay", job)
+    assert r.code == 0 and "loop.py" in r.out and "wait_here" in r.out, (r.out, r.err)
+    emulator.admin.maintenance(name, 0, notice=7 * 86400, kind="SCHEDULED")  # a week away: nothing goes down
+    r = cli("--plain", "maintenance", "locked", "--now")
+    assert_clean_error(r, 2)
+    assert f"job(s) {job} run on locked" in r.err, r.err
+    r = cli("download", "--relay", f".tpurun/jobs/{job}", "logs")  # each worker's own log, as the profile's user
+    assert r.code == 0, r.err
+    assert [(cli.cwd / "logs" / f"w{w}" / job / f"w{w}.log").read_text().split("\n")[0] for w in (0, 1)] == [
+        "tick 0",
+        "tick 1",
+    ]
+    r = cli("cancel", "--relay", job)
+    assert r.code == 0 and f"job {job} stopped on 2 worker(s)" in r.err, r.err
+    assert not pids_in(emulator, name, [0, 1], "loop.py")
+    autostop_starts_the_watchdogs(cli, emulator, name, 2)
 
 
 def test_a_key_in_metadata_is_refused_under_os_login(locked, emulator):
