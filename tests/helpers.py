@@ -195,8 +195,10 @@ def delete_every_tpu(emulator) -> None:
 
 
 # A job that runs until it is stopped, each worker's process saying so twice a second, in a function of its own
-# (`tpurun stacks` finds its main thread there).
-LOOP = """import os, time
+# (`tpurun stacks` finds its main thread there); first it writes who and where it is to ~/loop.txt (for download).
+LOOP = """import getpass, os, socket, time
+with open(os.path.expanduser("~/loop.txt"), "w") as f:
+    f.write(getpass.getuser() + " " + socket.gethostname())
 def wait_here(w):
     while True:
         print("tick", w, flush=True)

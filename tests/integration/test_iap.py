@@ -210,10 +210,10 @@ def test_exec_sync_and_train_go_through_iap(allowed, emulator, relay):
     assert _tunnels_since(emulator, before) == tunnels
     assert not pids_in(emulator, _node(emulator), list(range(WORKERS)), "loop.py")
     before = emulator.request_count()
-    r = cli("download", relay, f".tpurun/jobs/{job}", "logs")  # each worker's own log of the job
+    r = cli("download", relay, "loop.txt", f"back{relay}")  # what the job wrote on each worker
     assert r.code == 0, r.err
-    got = {w: (cli.cwd / "logs" / f"w{w}" / job / f"w{w}.log").read_text().split("\n", 1)[0] for w in range(WORKERS)}
-    assert got == {w: f"tick {w}" for w in range(WORKERS)}, got
+    got = {w: (cli.cwd / f"back{relay}" / f"w{w}" / "loop.txt").read_text().split()[-1] for w in range(WORKERS)}
+    assert all(host.endswith(f"-w-{w}") for w, host in got.items()), got
     assert _tunnels_since(emulator, before) == tunnels
 
 

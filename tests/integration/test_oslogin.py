@@ -105,15 +105,13 @@ def test_ssh_stacks_cancel_download_autostop_and_maintenance_log_in_as_the_profi
     r = cli("--plain", "maintenance", "locked", "--now")
     assert_clean_error(r, 2)
     assert f"job(s) {job} run on locked" in r.err, r.err
-    r = cli("download", "--relay", f".tpurun/jobs/{job}", "logs")  # each worker's own log, as the profile's user
-    assert r.code == 0, r.err
-    assert [(cli.cwd / "logs" / f"w{w}" / job / f"w{w}.log").read_text().split("\n")[0] for w in (0, 1)] == [
-        "tick 0",
-        "tick 1",
-    ]
     r = cli("cancel", "--relay", job)
     assert r.code == 0 and f"job {job} stopped on 2 worker(s)" in r.err, r.err
     assert not pids_in(emulator, name, [0, 1], "loop.py")
+    r = cli("download", "--relay", "loop.txt", "back")  # what the job wrote, as the profile's user
+    assert r.code == 0, r.err
+    got = [(cli.cwd / "back" / f"w{w}" / "loop.txt").read_text().split() for w in (0, 1)]
+    assert [user for user, _ in got] == ["alice_example_com"] * 2 and [h[-4:] for _, h in got] == ["-w-0", "-w-1"]
     autostop_starts_the_watchdogs(cli, emulator, name, 2)
 
 
