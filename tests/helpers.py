@@ -192,3 +192,61 @@ def delete_every_tpu(emulator) -> None:
             op.result(polling=fast_polling())
         except Exception:
             pass
+
+
+# A job that runs until it is stopped, each worker's process saying so twice a second, in a function of its own
+# (`tpurun stacks` finds its main thread there); first it writes who and where it is to ~/loop.txt (for download).
+LOOP = """import getpass, os, socket, time
+with open(os.path.expanduser("~/loop.txt"), "w") as f:
+    f.write(getpass.getuser() + " " + socket.gethostname())
+def wait_here(w):
+    while True:
+        print("tick", w, flush=True)
+        time.sleep(0.5)
+wait_here(os.environ["TPURUN_WORKER_ID"])
+"""
+
+
+def detached_loop(cli, workers: int, *flags: str) -> str:
+    """LOOP started detached on the default TPU (with FLAGS), returned once each of its WORKERS has ticked
+    (as `logs` shows it): the job's id."""
+    (cli.cwd / "loop.py").write_text(LOOP)
+    r = cli("train", *flags, "loop.py", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    deadline = time.monotonic() + 90
+    while len({line.split()[0] for line in cli("logs", *flags, job).out.splitlines() if " tick " in line}) < workers:
+        assert time.monotonic() < deadline, cli("logs", *flags, job)
+        time.sleep(0.2)
+    return job
+
+
+def autostop_starts_the_watchdogs(cli, emulator, node: str, workers: int) -> None:
+    """`tpurun autostop` on the TPU NODE (its full name) as on a TPU tpurun did not make: its startup script
+    someone else's (so its boot starts no watchdog) and no watchdog running on its WORKERS. autostop starts
+    one on each over SSH; then it is turned off again and the script given back."""
+    from tpurun.emulator.pytest_plugin import fast_polling
+
+    client, name, tpu = emulator.client(), node.rsplit("/", 1)[-1], list(range(workers))
+    made = client.get_node(name=node)
+    script = made.metadata["startup-script"]
+    made.metadata["startup-script"] = "#!/bin/bash\necho made by someone else\n"
+    client.update_node(node=made, update_mask="metadata").result(polling=fast_polling())
+    try:
+        for pid in pids_in(emulator, node, tpu, "watchdog.py run"):
+            os.kill(pid, 9)
+        deadline = time.monotonic() + 30
+        while pids_in(emulator, node, tpu, "watchdog.py run"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = cli("autostop", name, "1h")
+        assert r.code == 0, r.err
+        assert f"{name}: starting the watchdog on every worker" in r.err, r.err
+        running = [w for w in tpu if pids_in(emulator, node, [w], "watchdog.py run")]
+        assert running == tpu, running  # `ensure` returns once it runs
+        r = cli("autostop", name, "off")
+        assert r.code == 0, r.err
+    finally:
+        now = client.get_node(name=node)
+        now.metadata["startup-script"] = script
+        client.update_node(node=now, update_mask="metadata").result(polling=fast_polling())

@@ -2,9 +2,11 @@
 `tpurun create --internal-ips`, whose workers take SSH only from their network and from IAP's range (the
 emulator's workers, its IAP endpoint at /v4/connect, its Compute Engine firewall rules, set up as a user's gcloud
 would set them, through Google's own client). Straight from this machine it cannot be reached; through IAP a
-missing firewall rule is said in one line within seconds; with the rule, exec, sync and train go through IAP
-(with relays and without) and print what they print on a public pod; `tpurun ssh` goes through it with the system
-ssh; a tunnel lost mid-job is a lost connection, and Ctrl-C leaves nothing behind."""
+missing firewall rule is said in one line within seconds; with the rule, exec, sync, train, the job and health
+commands and download go through IAP (with relays and without) and print what they print on a public pod;
+`tpurun ssh` goes through it with the system ssh; autostop starts the watchdogs and `maintenance --now` asks the
+agents through it; a worker whose host key changed is refused through the tunnel; a tunnel lost mid-job is a lost
+connection, and Ctrl-C leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -18,8 +20,18 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
-from tests.helpers import assert_clean_error, create_node, finish, pids_in, popen, read_until
+from tests.helpers import (
+    assert_clean_error,
+    autostop_starts_the_watchdogs,
+    create_node,
+    detached_loop,
+    finish,
+    pids_in,
+    popen,
+    read_until,
+)
 from tpurun.emulator.pytest_plugin import global_client
+from tpurun.worker import bundle_name
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -27,6 +39,7 @@ PROJECT = "private-project"  # a project of its own: its firewall rules are this
 RULE = "allow-ssh-ingress-from-iap"
 WORKERS = 8
 ROOTS = 4  # TPURUN_RELAY_ROOTS' default: the workers of a slice this machine reaches itself through relays
+BUNDLE = f"bin/{bundle_name()}/"  # the worker bundle's programs: agents, supervisors, relays, the watchdog
 TICKS = """import os, time
 w = os.environ["TPURUN_WORKER_ID"]
 for i in range(10**6):
@@ -185,6 +198,82 @@ def test_exec_sync_and_train_go_through_iap(allowed, emulator, relay):
     for command in (["jobs"], ["kill-stale", "--dry-run"], ["doctor"]):  # the job and health commands too
         r = cli(*command, relay)
         assert r.code == 0, (command, r.err)
+    # a detached job's stacks and cancel, and download, each through as many tunnels as exec
+    job = detached_loop(cli, WORKERS, relay)
+    before = emulator.request_count()
+    r = cli("stacks", relay, job)
+    assert r.code == 0 and "loop.py" in r.out and "wait_here" in r.out, (r.out, r.err)
+    assert _tunnels_since(emulator, before) == tunnels
+    before = emulator.request_count()
+    r = cli("cancel", relay, job)
+    assert r.code == 0 and f"job {job} stopped on {WORKERS} worker(s)" in r.err, r.err
+    assert _tunnels_since(emulator, before) == tunnels
+    assert not pids_in(emulator, _node(emulator), list(range(WORKERS)), "loop.py")
+    before = emulator.request_count()
+    r = cli("download", relay, "loop.txt", f"back{relay}")  # what the job wrote on each worker
+    assert r.code == 0, r.err
+    got = {w: (cli.cwd / f"back{relay}" / f"w{w}" / "loop.txt").read_text().split()[-1] for w in range(WORKERS)}
+    assert all(host.endswith(f"-w-{w}") for w, host in got.items()), got
+    assert _tunnels_since(emulator, before) == tunnels
+
+
+def _watchdog(pid: int) -> bool:
+    """Whether PID is a TPU's watchdog (which stays: it belongs to no command)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"watchdog.py" in f.read()
+    except OSError:
+        return True  # gone meanwhile: not left either
+
+
+def test_autostop_and_maintenance_reach_the_workers_through_iap(allowed, emulator):
+    """autostop starts the watchdogs through IAP where the TPU's boot does not; `maintenance --now` asks every
+    worker's agent through IAP (and through relays, tunnelled to the roots only) and refuses while a job runs."""
+    cli, _ = allowed
+    autostop_starts_the_watchdogs(cli, emulator, _node(emulator), WORKERS)
+    job = detached_loop(cli, WORKERS)
+    emulator.admin.maintenance(_node(emulator), 0, notice=7 * 86400, kind="SCHEDULED")  # nothing goes down
+    for relay, tunnels in (("off", WORKERS), ("on", ROOTS)):
+        cli.env["TPURUN_RELAY"] = relay
+        before = emulator.request_count()
+        try:
+            r = cli("--plain", "maintenance", "private", "--now")
+        finally:
+            del cli.env["TPURUN_RELAY"]
+        assert_clean_error(r, 2)
+        assert f"job(s) {job} run on private" in r.err, r.err
+        assert _tunnels_since(emulator, before) == tunnels
+    assert cli("cancel", job).code == 0
+
+
+def test_a_worker_whose_host_key_changed_is_refused_through_iap(allowed, emulator):
+    """Worker 2 (a root of the relay tree) answers with another host key than the one its TPU published: refused
+    through the tunnel (with relays and without) as it is from inside the network (a ProxyCommand), also once
+    the API is asked again; nothing runs there, the other workers run."""
+    from tpurun.emulator.sshd import host_key
+
+    cli, _ = allowed
+    where = emulator.emu.hosts._worker(_node(emulator), 2).dir  # its sshd reads the key at each connection
+    files = [where / "ssh_host_ed25519_key", where / "ssh_host_ed25519_key.pub"]
+    kept = [f.read_bytes() for f in files]
+    for f in files:
+        f.unlink()
+    host_key(where)  # a new one, as another VM (or a man in the middle) would present
+    (cli.cwd.parent / "inside.py").write_text(INSIDE)
+    inside = f"{sys.executable} {cli.cwd.parent / 'inside.py'} %h %p"
+    try:
+        runs = [cli("--plain", "exec", relay, "--", "hostname") for relay in ("--no-relay", "--relay")]
+        runs.append(cli("--plain", "exec", "--no-relay", "--via", inside, "--", "hostname"))  # from inside
+    finally:
+        for f, data in zip(files, kept, strict=True):
+            f.write_bytes(data)
+    for r in runs:
+        assert r.code == 4, (r.out, r.err)
+        assert r.err.startswith("error: HOST KEY CHANGED for worker w2 ") and "Traceback" not in r.err, r.err
+        assert r.err.splitlines()[0] == runs[0].err.splitlines()[0], r.err
+        assert sorted(line.split()[0] for line in r.out.splitlines()) == [f"[w{i}]" for i in range(WORKERS) if i != 2]
+    r = cli("exec", "--", "hostname")
+    assert r.code == 0 and len(r.out.splitlines()) == WORKERS, r.err
 
 
 def _free_ports(n: int) -> list[int]:
@@ -232,15 +321,22 @@ def test_a_tunnel_lost_mid_job_is_a_lost_connection(allowed, emulator):
     assert not pids_in(emulator, _node(emulator), list(range(WORKERS)), "ticks.py")
 
 
-def test_ctrl_c_leaves_nothing(allowed, emulator):
+@pytest.mark.parametrize("relay", ["--no-relay", "--relay"])
+def test_ctrl_c_leaves_nothing(allowed, emulator, relay):
+    """Ctrl-C on an attached job: its processes, its agents and supervisors and the relays all gone on every
+    worker, and every tunnel closed."""
     cli, _ = allowed
     (cli.cwd / "ticks.py").write_text(TICKS)
-    proc = popen(cli, "--plain", "train", "ticks.py", "--runtime", "cpu", "--launch", "host")
+    proc = popen(cli, "--plain", "train", relay, "ticks.py", "--runtime", "cpu", "--launch", "host")
     read_until(proc, lambda ls: len({x.split()[0] for x in ls if " tick " in x}) == WORKERS, timeout=120)
     proc.send_signal(signal.SIGINT)
     _, err = finish(proc, timeout=60)
     assert proc.returncode == 130, err[-3000:]
     assert not pids_in(emulator, _node(emulator), list(range(WORKERS)), "ticks.py")
+    deadline = time.monotonic() + 30
+    while left := [p for p in pids_in(emulator, _node(emulator), list(range(WORKERS)), BUNDLE) if not _watchdog(p)]:
+        assert time.monotonic() < deadline, left  # the supervisors end once their job has
+        time.sleep(0.1)
     deadline = time.monotonic() + 30
     while emulator.server.tunnels._open:  # each tunnel ends with the connection that closed it
         assert time.monotonic() < deadline, emulator.server.tunnels._open

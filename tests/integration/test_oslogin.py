@@ -1,9 +1,10 @@
 """tpurun in a project that enforces OS Login, against the emulator's project metadata, OS Login API and workers
 that honour it as Google's guest does (Google's own clients set the project up): tpurun writes no `ssh-keys`,
 imports its key into the acting account's login profile with an expiry, logs in as the profile's POSIX user
-(exec, sync, train), a key put in metadata by hand is refused, and under 2-step verification each worker asks a
-person on a terminal for the code (the emulator's, as the test's answer), a command without one stops in one line,
-and a service account goes through with its key alone."""
+(exec, ssh, sync, train, the job and health commands, download, autostop's start of the watchdogs,
+maintenance's question to the agents), a key put in metadata by hand is refused, and under 2-step verification
+each worker asks a person on a terminal for the code (the emulator's, as the test's answer), a command without one
+stops in one line, and a service account goes through with its key alone."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, oslogin_v1, tpu_v2
 
-from tests.helpers import assert_clean_error, create_node
+from tests.helpers import assert_clean_error, autostop_starts_the_watchdogs, create_node, detached_loop, pids_in
 from tpurun.emulator.api import AdminClient
 from tpurun.emulator.pytest_plugin import fast_polling, global_client
 
@@ -93,6 +94,32 @@ def test_tpurun_logs_in_as_the_profiles_user_with_a_key_that_expires(locked, emu
     for command in (["jobs"], ["logs", job], ["kill-stale", "--dry-run"], ["doctor"]):  # the job and health ones
         r = cli(*command)
         assert r.code == 0, (command, r.err)
+
+
+def test_ssh_stacks_cancel_download_autostop_and_maintenance_log_in_as_the_profiles_user(locked, emulator):
+    """`tpurun ssh`; a detached job's stacks and cancel and download (through a relay: w0 logs in to w1),
+    `maintenance --now` refused because the agents say the job runs, and autostop starting the watchdogs where
+    the TPU's boot does not: each as the profile's user."""
+    cli, _ = locked
+    name = f"projects/{PROJECT}/locations/{emulator.zone}/nodes/locked"
+    r = cli("ssh", "--worker", "1", "--", "sh", "-c", 'echo "user=$USER"')
+    assert (r.code, r.out.strip()) == (0, "user=alice_example_com"), (r.out, r.err)
+    cli.env["TPURUN_RELAY_ROOTS"] = "1"
+    job = detached_loop(cli, 2, "--relay")
+    r = cli("stacks", "--relay", job)
+    assert r.code == 0 and "loop.py" in r.out and "wait_here" in r.out, (r.out, r.err)
+    emulator.admin.maintenance(name, 0, notice=7 * 86400, kind="SCHEDULED")  # a week away: nothing goes down
+    r = cli("--plain", "maintenance", "locked", "--now")
+    assert_clean_error(r, 2)
+    assert f"job(s) {job} run on locked" in r.err, r.err
+    r = cli("cancel", "--relay", job)
+    assert r.code == 0 and f"job {job} stopped on 2 worker(s)" in r.err, r.err
+    assert not pids_in(emulator, name, [0, 1], "loop.py")
+    r = cli("download", "--relay", "loop.txt", "back")  # what the job wrote, as the profile's user
+    assert r.code == 0, r.err
+    got = [(cli.cwd / "back" / f"w{w}" / "loop.txt").read_text().split() for w in (0, 1)]
+    assert [user for user, _ in got] == ["alice_example_com"] * 2 and [h[-4:] for _, h in got] == ["-w-0", "-w-1"]
+    autostop_starts_the_watchdogs(cli, emulator, name, 2)
 
 
 def test_a_key_in_metadata_is_refused_under_os_login(locked, emulator):
