@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tpurun import settings, ui, watchdogs
+from tpurun import naming, settings, ui, watchdogs
 from tpurun.cli import grouped
 from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ViaOpt, ZoneOpt
 from tpurun.cli.output import progress_display
@@ -143,6 +143,15 @@ AutostopIdleOpt = Annotated[
 AutostopActionOpt = Annotated[
     str | None, typer.Option("--autostop-action", help="delete (default), or stop for a single-host TPU VM.")
 ]
+BudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--budget",
+        metavar="USD",
+        help="Delete the TPU once its time has cost USD at its list price, whatever runs on it. Done by the "
+        "watchdog on the TPU itself.",
+    ),
+]
 NoWaitOpt = Annotated[bool, typer.Option("--no-wait", help="Return once the request is accepted.")]
 DeleteOnFailureOpt = Annotated[
     bool,
@@ -177,6 +186,7 @@ def create_cmd(
     data: DataOpt = None,
     autostop_idle: AutostopIdleOpt = None,
     autostop_action: AutostopActionOpt = None,
+    budget: BudgetOpt = None,
     no_wait: NoWaitOpt = False,
     delete_on_failure: DeleteOnFailureOpt = False,
     timeout: TimeoutOpt = 1800.0,
@@ -209,6 +219,7 @@ def create_cmd(
         data=data or [],
         autostop=autostop_idle,
         autostop_action=autostop_action,
+        budget=naming.parse_usd(budget) if budget is not None else 0.0,
         wait=not no_wait,
         timeout=timeout,
     )
@@ -226,6 +237,10 @@ def create_cmd(
             " and ".join([f"deleted {name}", *also]) if also is not None else f"nothing of {name} had been made yet"
         )
         raise typer.Exit(created.exit_code)
+    setting, price = created.view.autostop_setting, created.price
+    if setting is not None and setting.spend is not None and price is not None:
+        where = f"${price.per_hour:,.2f}/h, {price.source} price as of {price.as_of}"
+        ui.info(f"{name}: --budget {setting.spend.label()} by its watchdog ({where})")
     if isinstance(created.made, provision.CreateResult) and created.made.default_in is not None:
         ui.info(f"{name} is now the default TPU here (recorded in {created.made.default_in})")
     if json_out:
@@ -290,6 +305,7 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
             "age",
             "maintenance",
             "autostop",
+            "budget",
             "idle",
             "job",
         ],
@@ -307,12 +323,19 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
                 v.age(),
                 _maintenance(v),
                 v.activity.autostop_label(v.autostop_setting),
+                _budget(v),
                 v.activity.idle_label(),
                 ", ".join(v.activity.jobs) or "-",
             )
             for v in views
         ],
     )
+
+
+def _budget(v: provision.NodeView) -> str:
+    """Its `create --budget` and when the watchdog deletes it, or `-`."""
+    setting = v.autostop_setting
+    return setting.spend.label() if setting is not None and setting.spend is not None else "-"
 
 
 def _capacity(v: provision.NodeView) -> str:
@@ -368,6 +391,7 @@ def _describe_table(view: provision.NodeView) -> None:
         ("queued resource", view.queued_resource or "-"),
         ("maintenance", "\n".join(m.summary() for m in view.maintenance) or "-"),
         ("autostop", act.autostop_label(view.autostop_setting)),
+        ("budget", _budget(view)),
         ("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy and act.why_busy not in act.silent else "")),
         ("jobs", ", ".join(act.jobs) or "-"),
         ("watchdog", act.decision or "-"),

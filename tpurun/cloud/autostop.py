@@ -10,6 +10,7 @@ publish (guest attributes tpurun/watch and tpurun/watchdog) is read back here fo
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,10 +65,13 @@ def check_action(action: str, cannot_stop: str = "") -> None:
         raise UsageError(f"--autostop-action stop: {cannot_stop}", hint="use --autostop-action delete")
 
 
-def setting(resources: WatchdogConfig, idle: int, action: str = "delete") -> str:
+def setting(resources: WatchdogConfig, idle: int, action: str = "delete", spend: Spend | None = None) -> str:
     """The `tpurun-autostop` metadata value: the watchdog's RESOURCES (the API and the TPU's resources, from the
-    backend's `watchdog_resources`), the idle period, the action and the watchdog's tick."""
-    return resources.set(idle, action, tick(), config.WATCHDOG_SILENT.number()).to_json()
+    backend's `watchdog_resources`), the idle period, the action and the watchdog's tick; SPEND, its spend limit."""
+    cfg = resources.set(idle, action, tick(), config.WATCHDOG_SILENT.number())
+    if spend is not None:
+        cfg.spend_usd, cfg.spend_until = spend.usd, spend.until
+    return cfg.to_json()
 
 
 def stand_in(nodes: list[str]) -> WatchdogConfig:
@@ -75,9 +79,29 @@ def stand_in(nodes: list[str]) -> WatchdogConfig:
     return WatchdogConfig("https://tpu.googleapis.com", [f"projects/-/locations/-/nodes/{n}" for n in nodes])
 
 
-def metadata(resources: WatchdogConfig, idle: int, action: str = "delete") -> dict[str, str]:
+def metadata(
+    resources: WatchdogConfig, idle: int, action: str = "delete", spend: Spend | None = None
+) -> dict[str, str]:
     """The metadata entries that install the watchdog (the startup wrapper starts it) and set it."""
-    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(resources, idle, action)}
+    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(resources, idle, action, spend)}
+
+
+@dataclass(frozen=True)
+class Spend:
+    """`create --budget`: USD, spent at UNTIL (epoch seconds) by the TPU's price; its watchdog deletes it then."""
+
+    usd: float
+    until: float
+
+    def label(self) -> str:
+        """`$0.50, deletes it at 14:03:07Z (in 12m)`."""
+        left = self.until - time.time()
+        when = f"in {ui.age(left)}" if left > 0 else "spent"
+        return f"${self.usd:,.2f}, deletes it at {time.strftime('%H:%M:%SZ', time.gmtime(self.until))} ({when})"
+
+    def to_dict(self) -> dict[str, Any]:
+        at = dt.datetime.fromtimestamp(self.until, dt.timezone.utc).isoformat()
+        return {"usd": self.usd, "deleteAt": at, "secondsLeft": max(0, round(self.until - time.time()))}
 
 
 @dataclass(frozen=True)
@@ -85,6 +109,7 @@ class Setting:
     idle: int  # seconds; 0: off
     action: str
     tick: float = DEFAULT_TICK
+    spend: Spend | None = None  # `create --budget`
 
     def label(self) -> str:
         return f"{self.action} after {duration(self.idle)} idle" if self.idle else "off"
@@ -96,7 +121,7 @@ def read(md: dict[str, str]) -> Setting | None:
         cfg = WatchdogConfig.from_json(md.get(KEY, ""))
     except ValueError:
         return None
-    return Setting(cfg.idle, cfg.action, cfg.tick)
+    return Setting(cfg.idle, cfg.action, cfg.tick, Spend(cfg.spend_usd, cfg.spend_until) if cfg.spend_until else None)
 
 
 # ---------------------------------------------------------------------------- what the watchdogs report

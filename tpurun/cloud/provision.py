@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpurun import config, settings, ui
 from tpurun.cloud import autostop, identity, keys, multislice, oslogin, routing, startup
@@ -24,6 +25,9 @@ from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunEr
 from tpurun.naming import parse_duration, validate_name
 from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
 from tpurun.worker.protocol import NOTICE_LEAD
+
+if TYPE_CHECKING:
+    from tpurun.cloud.prices import Price
 
 __all__ = ["CreateSpec", "NodeView", "validate_name"]  # what the CLI takes from here besides the functions
 
@@ -130,8 +134,25 @@ def _watched(cloud: Cloud, spec: CreateSpec, request: Request) -> None:
         spec.name, _nodes(spec), request.topology.multi_host, None
     )
     idle = autostop.parse_idle(spec.autostop) if spec.autostop else 0
-    request.metadata.update(autostop.metadata(resources, idle, spec.autostop_action or "delete"))
+    spend = _spend(cloud, spec, request)
+    request.metadata.update(autostop.metadata(resources, idle, spec.autostop_action or "delete", spend))
     startup.check_limits(request.metadata)
+
+
+def _spend(cloud: Cloud, spec: CreateSpec, request: Request) -> autostop.Spend | None:
+    """`--budget`'s spend limit, from the price of the TPU REQUEST makes (every slice) in CLOUD's zone, counted from
+    now (its request: a little before the API's createTime, so never later than the money lasts); refused
+    (UsageError) before anything is made where the TPU has no published price."""
+    if not spec.budget:
+        return None
+    from tpurun.cloud import prices
+
+    kind = "spot" if spec.spot else "preemptible" if spec.preemptible else "flex-start" if spec.flex_start else ""
+    accel = request.topology.name
+    request.price = prices.quote(accel, cloud.zone, kind or "standard", endpoint=cloud.endpoint, slices=spec.slices)
+    if request.price is None:
+        raise UsageError(f"--budget: {accel} has no published price in {cloud.zone}, so a budget cannot be counted")
+    return autostop.Spend(spec.budget, time.time() + spec.budget / request.price.per_hour * 3600.0)
 
 
 def shape_of(spec: CreateSpec) -> Topology:
@@ -169,6 +190,7 @@ class Created:
     name: str
     made: CreateResult | NodeView | None = None
     taken_back: list[str] | None = None  # interrupted: what went besides the TPU; None when nothing of it was made
+    price: Price | None = None  # with `--budget`: the price per hour it is counted at
 
     @property
     def view(self) -> NodeView | None:
@@ -196,7 +218,7 @@ def create(
     cloud = Cloud(s)
     try:
         try:
-            return Created(spec.name, made=make(cloud, s, spec, request, progress))
+            return Created(spec.name, made=make(cloud, s, spec, request, progress), price=request.price)
         except CreateInterrupted as stopped:
             if announce is not None:
                 announce(

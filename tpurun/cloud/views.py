@@ -235,6 +235,7 @@ class NodeView:
         d["autostop"] = None
         if setting is not None:
             d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting.idle else "off"
+        d["budget"] = setting.spend.to_dict() if setting is not None and setting.spend is not None else None
         d["maintenance"] = [m.to_dict() for m in self.maintenance]
         d.update(self.activity.to_dict())
         if not full:

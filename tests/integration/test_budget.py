@@ -1,0 +1,95 @@
+"""`--budget USD` through the real CLI on emulated TPUs with real sshd workers: `train --budget` stops the job on
+every worker's own supervisor when its TPU's price has spent the money (attached or detached, the client gone),
+its end `budget` and exit 125 in `train`, `jobs --json` and `logs`, nothing left running; `create --budget` has
+the TPU's own watchdog delete it when its price has spent the money, no client running; bad input is one line
+and exit 2, before anything is made or started.
+
+The budgets are cents: a v5litepod-16 at $1.20 a chip-hour costs $19.20 an hour, so $0.03 lasts 5.6 s."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.helpers import assert_clean_error, create_node, delete_every_tpu, job_pids
+from tests.integration.conftest import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+PER_HOUR = 16 * 1.20  # a v5litepod-16: 16 chips at the published $1.20 per chip-hour in us-central1
+BUDGET = 0.03
+SECONDS = BUDGET / PER_HOUR * 3600  # 5.6 s
+FOREVER = (
+    "import os, time\n"
+    "print('started', time.time(), 'w' + os.environ['TPURUN_WORKER_ID'], flush=True)\n"
+    "while True:\n"
+    "    time.sleep(0.2)\n"
+)
+TRAIN = ("train", "forever.py", "--runtime", "cpu", "--launch", "host", "--grace", "1")
+
+
+@pytest.fixture(scope="module")
+def pod(emulator, tmp_path_factory) -> Iterator[Cli]:
+    """One v5litepod-16 (4 workers) the train tests share; the script that runs until it is stopped."""
+    cli = Cli.under(tmp_path_factory.mktemp("budget"), emulator)
+    (cli.cwd / "forever.py").write_text(FOREVER)
+    try:
+        create_node(cli, "spend", "v5litepod-16")
+        yield cli
+    finally:
+        delete_every_tpu(emulator)
+
+
+def _row(cli: Cli, job: str) -> dict:
+    return next(j for j in json.loads(cli("jobs", "--json").out) if j["job_id"] == job)
+
+
+def test_train_budget_stops_the_job_on_every_worker_when_spent(pod, emulator):
+    before = time.time()
+    r = pod("--plain", *TRAIN, "--budget", str(BUDGET), timeout=120)
+    ended = time.time()
+    assert r.code == 125, (r.out[-2000:], r.err[-2000:])
+    starts = [float(line.split()[2]) for line in r.out.splitlines() if " started " in line]
+    assert len(starts) == 4, r.out  # every worker's process ran
+    # its budget's time, no less (the clock starts with the job), and stopped within seconds of it
+    assert SECONDS - 1 <= ended - before, (ended - before, r.err)
+    assert ended - min(starts) <= SECONDS + 6, (ended - min(starts), r.err)
+    assert r.err.count(" price as of ") == 1, r.err  # where the price came from, said once
+    assert "--budget $0.03: 5s of spend at $19.20/h" in r.err, r.err
+    assert "the job's --budget is spent" in r.err and "failed" not in r.err, r.err
+    assert "its --budget of $0.03 was spent" in r.err, r.err
+    assert job_pids(emulator, "spend", "forever.py") == []  # nothing left on any worker
+    job = next(j["job_id"] for j in json.loads(pod("jobs", "--json").out))
+    row = _row(pod, job)
+    assert (row["end"], row["exit_code"]) == ("budget", 125), row
+    r = pod("logs", job, "--follow")  # ended: its end, and train's exit code
+    assert r.code == 125 and "ended (budget): its --budget was spent; it was stopped" in r.err, r.err
+
+
+def test_a_detached_job_is_stopped_at_its_budget_with_no_client(pod, emulator):
+    r = pod(*TRAIN, "--detach", "--budget", str(BUDGET))
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    assert job_pids(emulator, "spend", "forever.py") != []  # it runs, and no tpurun does
+    deadline = time.monotonic() + 60
+    while (row := _row(pod, job))["end"] is None:
+        assert time.monotonic() < deadline, row
+        time.sleep(0.5)
+    assert (row["end"], row["exit_code"]) == ("budget", 125), row
+    assert job_pids(emulator, "spend", "forever.py") == []
+
+
+@pytest.mark.parametrize("bad", ["-1", "abc", "0"])
+def test_bad_budget_is_one_line_and_exit_2_before_anything(pod, emulator, bad):
+    jobs = pod("jobs", "--json").out
+    r = pod(*TRAIN, f"--budget={bad}")
+    assert_clean_error(r)
+    assert len(r.err.strip().splitlines()) == 1 and "--budget" in r.err, r.err
+    assert pod("jobs", "--json").out == jobs  # nothing started
+    r = pod("create", "never", "-t", "v5litepod-4", f"--budget={bad}")
+    assert_clean_error(r)
+    assert len(r.err.strip().splitlines()) == 1 and "--budget" in r.err, r.err
+    assert "never" not in pod("list").out
