@@ -35,6 +35,9 @@ OSLOGIN_API = Service(
     "the Compute OS Login role (roles/compute.osLogin), or Compute OS Admin Login (roles/compute.osAdminLogin)",
 )
 
+# the Billing Catalog (list prices): readable by any caller with credentials, no role needed
+BILLING_API = Service("Cloud Billing API", "cloudbilling.googleapis.com", "no role: the catalogue is public")
+
 # IAP's TCP forwarding: a WebSocket service (wss), not a REST API; its connect path is `TUNNEL_PATH` below the host
 TUNNEL = Service(
     "IAP TCP forwarding",

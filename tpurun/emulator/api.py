@@ -1,5 +1,5 @@
 """HTTP front of the emulator: the Cloud TPU v2 REST surface (v2alpha1's, made of it, in alpha_api.py; Compute
-Engine's in compute_api.py, OS Login's in oslogin_api.py), IAP's TCP forwarding endpoint under /v4/ (iap.py, a
+Engine's in compute_api.py, OS Login's in oslogin_api.py, the Billing Catalog's in billing_api.py), IAP's TCP forwarding endpoint under /v4/ (iap.py, a
 WebSocket upgrade of a GET) plus an admin interface.
 
 The REST routes are the ones google-cloud-tpu's REST transport calls (see its
@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from google.cloud import tpu_v2
 
 from tpurun.emulator.alpha_api import add_v2alpha1_routes
+from tpurun.emulator.billing_api import add_billing_routes
 from tpurun.emulator.compute_api import COMPUTE_PREFIX, add_compute_routes
 from tpurun.emulator.compute_model import compute_body
 from tpurun.emulator.iap import TUNNEL_PREFIX, Tunnels
@@ -43,13 +44,14 @@ _PAGE = ("pageSize", "pageToken", "filter", "orderBy")  # the query parameters o
 
 def build_api_router(emu: Emulator) -> Router:
     """The Cloud TPU v2 REST surface, resource by resource; v2alpha1's, the same and its own methods (alpha_api);
-    Compute Engine's under /compute/v1/; OS Login's under /v1/users/."""
+    Compute Engine's under /compute/v1/; OS Login's under /v1/users/; the Billing Catalog's under /v1/services."""
     r = Router()
     for add in (_node_routes, _operation_routes, _catalogue_routes, _queued_routes, _location_routes):
         add(r, emu)
     add_v2alpha1_routes(r, emu)  # after v2's: it serves each of them again
     add_compute_routes(r, emu)
     add_oslogin_routes(r, emu)
+    add_billing_routes(r, emu)
     return r
 
 
