@@ -8,17 +8,19 @@ The budgets are cents: a v5litepod-16 at $1.20 a chip-hour costs $19.20 an hour,
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import assert_clean_error, create_node, delete_every_tpu, job_pids
+from tests.helpers import assert_clean_error, create_node, delete_every_tpu, pids_in
 from tests.integration.conftest import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
+ZONE = "us-central1-a"  # where a v5litepod has a published price (the emulator's default zone has none)
 PER_HOUR = 16 * 1.20  # a v5litepod-16: 16 chips at the published $1.20 per chip-hour in us-central1
 BUDGET = 0.03
 SECONDS = BUDGET / PER_HOUR * 3600  # 5.6 s
@@ -35,12 +37,19 @@ TRAIN = ("train", "forever.py", "--runtime", "cpu", "--launch", "host", "--grace
 def pod(emulator, tmp_path_factory) -> Iterator[Cli]:
     """One v5litepod-16 (4 workers) the train tests share; the script that runs until it is stopped."""
     cli = Cli.under(tmp_path_factory.mktemp("budget"), emulator)
+    cli.env["TPURUN_ZONE"] = ZONE
     (cli.cwd / "forever.py").write_text(FOREVER)
     try:
         create_node(cli, "spend", "v5litepod-16")
         yield cli
     finally:
         delete_every_tpu(emulator)
+
+
+def _left(emulator, node: str = "spend") -> list[int]:
+    """The script's processes on every worker of NODE."""
+    name = f"projects/{emulator.project}/locations/{ZONE}/nodes/{node}"
+    return pids_in(emulator, name, list(range(len(emulator.node_info(name)["workers"]))), "forever.py")
 
 
 def _row(cli: Cli, job: str) -> dict:
@@ -61,7 +70,7 @@ def test_train_budget_stops_the_job_on_every_worker_when_spent(pod, emulator):
     assert "--budget $0.03: 5s of spend at $19.20/h" in r.err, r.err
     assert "the job's --budget is spent" in r.err and "failed" not in r.err, r.err
     assert "its --budget of $0.03 was spent" in r.err, r.err
-    assert job_pids(emulator, "spend", "forever.py") == []  # nothing left on any worker
+    assert _left(emulator) == []  # nothing left on any worker
     job = next(j["job_id"] for j in json.loads(pod("jobs", "--json").out))
     row = _row(pod, job)
     assert (row["end"], row["exit_code"]) == ("budget", 125), row
@@ -73,23 +82,57 @@ def test_a_detached_job_is_stopped_at_its_budget_with_no_client(pod, emulator):
     r = pod(*TRAIN, "--detach", "--budget", str(BUDGET))
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
-    assert job_pids(emulator, "spend", "forever.py") != []  # it runs, and no tpurun does
+    assert _left(emulator) != []  # it runs, and no tpurun does
     deadline = time.monotonic() + 60
     while (row := _row(pod, job))["end"] is None:
         assert time.monotonic() < deadline, row
         time.sleep(0.5)
     assert (row["end"], row["exit_code"]) == ("budget", 125), row
-    assert job_pids(emulator, "spend", "forever.py") == []
+    assert _left(emulator) == []
 
 
-@pytest.mark.parametrize("bad", ["-1", "abc", "0"])
-def test_bad_budget_is_one_line_and_exit_2_before_anything(pod, emulator, bad):
-    jobs = pod("jobs", "--json").out
-    r = pod(*TRAIN, f"--budget={bad}")
+def _nodes(emulator) -> list[str]:
+    where = f"projects/{emulator.project}/locations/{ZONE}"
+    return [n.name.rsplit("/", 1)[-1] for n in emulator.client().list_nodes(parent=where)]
+
+
+def test_bad_budget_is_one_line_and_exit_2_before_anything(pod, emulator):
+    records = sorted((pod.tpurun_home / "jobs").glob("*.json"))
+    for bad in ("-1", "abc", "0", "1e3"):
+        for r in (pod(*TRAIN, "--budget", bad), pod("create", "never", "-t", "v5litepod-4", "--budget", bad)):
+            assert_clean_error(r)
+            assert len(r.err.strip().splitlines()) == 1 and f"--budget {bad}" in r.err, r.err
+    assert sorted((pod.tpurun_home / "jobs").glob("*.json")) == records  # nothing started
+    assert _nodes(emulator) == ["spend"]  # nothing created
+
+
+def _gone_within(emulator, name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while name in _nodes(emulator):
+        assert time.monotonic() < deadline, f"{name} still exists after {timeout} s"
+        time.sleep(0.2)
+
+
+def test_create_budget_deletes_the_tpu_through_its_watchdog_while_a_job_runs(pod, emulator):
+    cli = Cli(pod.cwd, pod.home, {**pod.env, "TPURUN_WATCHDOG_TICK": "0.5"}, emulator)
+    before = len(emulator.requests())
+    asked = time.time()
+    r = cli("create", "cheap", "-t", "v5litepod-8", "--budget", "0.08")  # $9.60/h: 30 s
+    assert r.code == 0, r.err
+    assert "cheap: --budget $0.08, deletes it at " in r.err and "$9.60/h, catalog price as of " in r.err, r.err
+    budget = json.loads(cli("describe", "cheap", "--json").out)["budget"]
+    assert budget["usd"] == 0.08 and abs(dt.datetime.fromisoformat(budget["deleteAt"]).timestamp() - asked - 30) < 5
+    r = cli(*TRAIN, "--tpu", "cheap", "--detach")  # a job does not keep it: the budget outranks it
+    assert r.code == 0, r.err
+    _gone_within(emulator, "cheap", 90)
+    gone = time.time()
+    assert 30 - 1 <= gone - asked <= 30 + 15, gone - asked
+    calls = [c for c in emulator.requests(before) if c["method"] == "DELETE" and c["path"].endswith("/nodes/cheap")]
+    assert calls and calls[0]["status"] == 200 and calls[0]["caller"].startswith("vm:"), calls  # its own watchdog
+
+
+def test_a_tpu_with_no_published_price_refuses_a_budget(pod, emulator):
+    r = pod("create", "free", "-t", "v4-8", "--budget", "1")  # v4 is priced in us-central2 alone
     assert_clean_error(r)
-    assert len(r.err.strip().splitlines()) == 1 and "--budget" in r.err, r.err
-    assert pod("jobs", "--json").out == jobs  # nothing started
-    r = pod("create", "never", "-t", "v5litepod-4", f"--budget={bad}")
-    assert_clean_error(r)
-    assert len(r.err.strip().splitlines()) == 1 and "--budget" in r.err, r.err
-    assert "never" not in pod("list").out
+    assert "v4-8 has no published price in us-central1-a" in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    assert "free" not in _nodes(emulator)

@@ -149,7 +149,7 @@ def _spend(cloud: Cloud, spec: CreateSpec, request: Request) -> autostop.Spend |
 
     kind = "spot" if spec.spot else "preemptible" if spec.preemptible else "flex-start" if spec.flex_start else ""
     accel = request.topology.name
-    request.price = prices.quote(accel, cloud.zone, kind or "standard", endpoint=cloud.endpoint, slices=spec.slices)
+    request.price = prices.quote(accel, cloud.zone, kind or "on-demand", endpoint=cloud.endpoint, slices=spec.slices)
     if request.price is None:
         raise UsageError(f"--budget: {accel} has no published price in {cloud.zone}, so a budget cannot be counted")
     return autostop.Spend(spec.budget, time.time() + spec.budget / request.price.per_hour * 3600.0)
