@@ -237,16 +237,21 @@ def create_cmd(
             " and ".join([f"deleted {name}", *also]) if also is not None else f"nothing of {name} had been made yet"
         )
         raise typer.Exit(created.exit_code)
-    setting, price = created.view.autostop_setting, created.price
+    _say_created(name, created, created.view)
+    if json_out:
+        ui.print_json(created.view.to_dict(full=True))
+        return
+    _workers_table(created.view)
+
+
+def _say_created(name: str, created: provision.Created, view: provision.NodeView) -> None:
+    """What a create set up besides the TPU: its budget (and the price it counts at), its place as the default."""
+    setting, price = view.autostop_setting, created.price
     if setting is not None and setting.spend is not None and price is not None:
         where = f"${price.per_hour:,.2f}/h, {price.source} price as of {price.as_of}"
         ui.info(f"{name}: --budget {setting.spend.label()} by its watchdog ({where})")
     if isinstance(created.made, provision.CreateResult) and created.made.default_in is not None:
         ui.info(f"{name} is now the default TPU here (recorded in {created.made.default_in})")
-    if json_out:
-        ui.print_json(created.view.to_dict(full=True))
-        return
-    _workers_table(created.view)
 
 
 def attach_cmd(

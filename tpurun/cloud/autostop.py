@@ -1,4 +1,5 @@
-"""A TPU's autostop setting, and what its watchdog reports: the client side of tpurun/worker/watchdog.py.
+"""A TPU's autostop setting and spend limit (`create --budget`: the time its price takes to spend the money, after
+which its watchdog deletes it), and what its watchdog reports: the client side of tpurun/worker/watchdog.py.
 
 The setting is node metadata `tpurun-autostop` (JSON: idle seconds or 0 for off, the action, the nodes
 watched, the API endpoint the watchdog calls, its tick). The startup wrapper starts the watchdog on
@@ -25,7 +26,8 @@ from tpurun.worker import bundle_metadata, watchdog, watchdog_reports
 from tpurun.worker.watchdog_reports import DEFAULT_TICK, WatchdogConfig, duration
 
 if TYPE_CHECKING:
-    from tpurun.cloud.backend import Backend
+    from tpurun.cloud.backend import Backend, CreateSpec, Request
+    from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
 
 KEY = watchdog.CONFIG_KEY
@@ -102,6 +104,22 @@ class Spend:
     def to_dict(self) -> dict[str, Any]:
         at = dt.datetime.fromtimestamp(self.until, dt.timezone.utc).isoformat()
         return {"usd": self.usd, "deleteAt": at, "secondsLeft": max(0, round(self.until - time.time()))}
+
+
+def spend_limit(cloud: Cloud, spec: CreateSpec, request: Request) -> Spend | None:
+    """`create --budget`'s spend limit, from the price of the TPU REQUEST makes (every slice) in CLOUD's zone (kept in
+    REQUEST), counted from now (its request: a little before the API's createTime, so never later than the money
+    lasts); refused (UsageError) before anything is made where the TPU has no published price."""
+    if not spec.budget:
+        return None
+    from tpurun.cloud import prices
+
+    kind = "spot" if spec.spot else "preemptible" if spec.preemptible else "flex-start" if spec.flex_start else ""
+    accel = request.topology.name
+    request.price = prices.quote(accel, cloud.zone, kind or "on-demand", endpoint=cloud.endpoint, slices=spec.slices)
+    if request.price is None:
+        raise UsageError(f"--budget: {accel} has no published price in {cloud.zone}, so a budget cannot be counted")
+    return Spend(spec.budget, time.time() + spec.budget / request.price.per_hour * 3600.0)
 
 
 @dataclass(frozen=True)

@@ -134,25 +134,9 @@ def _watched(cloud: Cloud, spec: CreateSpec, request: Request) -> None:
         spec.name, _nodes(spec), request.topology.multi_host, None
     )
     idle = autostop.parse_idle(spec.autostop) if spec.autostop else 0
-    spend = _spend(cloud, spec, request)
+    spend = autostop.spend_limit(cloud, spec, request)
     request.metadata.update(autostop.metadata(resources, idle, spec.autostop_action or "delete", spend))
     startup.check_limits(request.metadata)
-
-
-def _spend(cloud: Cloud, spec: CreateSpec, request: Request) -> autostop.Spend | None:
-    """`--budget`'s spend limit, from the price of the TPU REQUEST makes (every slice) in CLOUD's zone, counted from
-    now (its request: a little before the API's createTime, so never later than the money lasts); refused
-    (UsageError) before anything is made where the TPU has no published price."""
-    if not spec.budget:
-        return None
-    from tpurun.cloud import prices
-
-    kind = "spot" if spec.spot else "preemptible" if spec.preemptible else "flex-start" if spec.flex_start else ""
-    accel = request.topology.name
-    request.price = prices.quote(accel, cloud.zone, kind or "on-demand", endpoint=cloud.endpoint, slices=spec.slices)
-    if request.price is None:
-        raise UsageError(f"--budget: {accel} has no published price in {cloud.zone}, so a budget cannot be counted")
-    return autostop.Spend(spec.budget, time.time() + spec.budget / request.price.per_hour * 3600.0)
 
 
 def shape_of(spec: CreateSpec) -> Topology:
