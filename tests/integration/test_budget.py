@@ -136,3 +136,23 @@ def test_a_tpu_with_no_published_price_refuses_a_budget(pod, emulator):
     assert_clean_error(r)
     assert "v4-8 has no published price in us-central1-a" in r.err and len(r.err.strip().splitlines()) == 1, r.err
     assert "free" not in _nodes(emulator)
+
+
+def test_time_stopped_does_not_count_against_a_create_budget(pod, emulator):
+    def budget() -> dict:
+        return json.loads(pod("describe", "pause", "--json").out)["budget"]
+
+    assert pod("create", "pause", "-t", "v5litepod-8", "--budget", "1").code == 0  # $9.60/h: 6m15s
+    first = dt.datetime.fromisoformat(budget()["deleteAt"]).timestamp()
+    asked = time.time()
+    r = pod("stop", "pause")
+    assert r.code == 0, r.err
+    done, stopped = time.time(), budget()
+    assert stopped["deleteAt"] is None and first - done - 1 <= stopped["secondsLeft"] <= first - asked + 1, stopped
+    r = pod("start", "pause")
+    assert r.code == 0, r.err
+    started = budget()
+    again = dt.datetime.fromisoformat(started["deleteAt"]).timestamp()
+    # the clock went on from where the stop left it: later by the time it was stopped, not before
+    assert again - first >= 1 and abs(again - time.time() - started["secondsLeft"]) < 2, (first, again, started)
+    assert "left once started" not in pod("describe", "pause").out

@@ -14,7 +14,9 @@ from __future__ import annotations
 import datetime as dt
 import re
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +74,7 @@ def setting(resources: WatchdogConfig, idle: int, action: str = "delete", spend:
     backend's `watchdog_resources`), the idle period, the action and the watchdog's tick; SPEND, its spend limit."""
     cfg = resources.set(idle, action, tick(), config.WATCHDOG_SILENT.number())
     if spend is not None:
-        cfg.spend_usd, cfg.spend_until = spend.usd, spend.until
+        cfg.spend_usd, cfg.spend_until, cfg.spend_left = spend.usd, spend.until, spend.left
     return cfg.to_json()
 
 
@@ -90,20 +92,63 @@ def metadata(
 
 @dataclass(frozen=True)
 class Spend:
-    """`create --budget`: USD, spent at UNTIL (epoch seconds) by the TPU's price; its watchdog deletes it then."""
+    """`create --budget`: USD, spent at UNTIL (epoch seconds) by the TPU's price; its watchdog deletes it then. While
+    `tpurun stop` has stopped the TPU, UNTIL is 0 and LEFT the seconds of it left (`tpurun start` counts on)."""
 
     usd: float
     until: float
+    left: float = 0.0
 
     def label(self) -> str:
-        """`$0.50, deletes it at 14:03:07Z (in 12m)`."""
+        """`$0.50, deletes it at 14:03:07Z (in 12m)`; stopped: `$0.50, 12m left once started`."""
+        if not self.until:
+            return f"${self.usd:,.2f}, {ui.age(self.left)} left once started"
         left = self.until - time.time()
         when = f"in {ui.age(left)}" if left > 0 else "spent"
         return f"${self.usd:,.2f}, deletes it at {time.strftime('%H:%M:%SZ', time.gmtime(self.until))} ({when})"
 
     def to_dict(self) -> dict[str, Any]:
-        at = dt.datetime.fromtimestamp(self.until, dt.timezone.utc).isoformat()
-        return {"usd": self.usd, "deleteAt": at, "secondsLeft": max(0, round(self.until - time.time()))}
+        at = dt.datetime.fromtimestamp(self.until, dt.timezone.utc).isoformat() if self.until else None
+        left = self.until - time.time() if self.until else self.left
+        return {"usd": self.usd, "deleteAt": at, "secondsLeft": max(0, round(left))}
+
+
+def paused(md: dict[str, str]) -> dict[str, str] | None:
+    """`tpurun stop`: the setting that stops the spend limit's clock in MD while the TPU is stopped (it bills only
+    its disks then): the seconds left kept in place of the deadline; None where no clock runs."""
+    cfg = _config(md)
+    if cfg is None or not cfg.spend_until:
+        return None
+    cfg.spend_left, cfg.spend_until = max(0.0, cfg.spend_until - time.time()), 0.0
+    return {KEY: cfg.to_json()}
+
+
+@contextmanager
+def spend_paused(maker: Backend, view: NodeView) -> Iterator[None]:
+    """Around `tpurun stop` of VIEW: its spend limit's clock stopped first (`paused`), and started again should the
+    stop fail."""
+    maker.update_metadata(view, paused)
+    try:
+        yield
+    except BaseException:
+        maker.update_metadata(view, resumed)
+        raise
+
+
+def resumed(md: dict[str, str]) -> dict[str, str] | None:
+    """`tpurun start`: the setting that starts the clock `paused` stopped again; None where none was stopped."""
+    cfg = _config(md)
+    if cfg is None or cfg.spend_until or not cfg.spend_left:
+        return None
+    cfg.spend_until, cfg.spend_left = time.time() + cfg.spend_left, 0.0
+    return {KEY: cfg.to_json()}
+
+
+def _config(md: dict[str, str]) -> WatchdogConfig | None:
+    try:
+        return WatchdogConfig.from_json(md.get(KEY, ""))
+    except ValueError:
+        return None
 
 
 def spend_limit(cloud: Cloud, spec: CreateSpec, request: Request) -> Spend | None:
@@ -135,11 +180,11 @@ class Setting:
 
 def read(md: dict[str, str]) -> Setting | None:
     """The autostop setting in a node's metadata; None where tpurun set none."""
-    try:
-        cfg = WatchdogConfig.from_json(md.get(KEY, ""))
-    except ValueError:
+    cfg = _config(md)
+    if cfg is None:
         return None
-    return Setting(cfg.idle, cfg.action, cfg.tick, Spend(cfg.spend_usd, cfg.spend_until) if cfg.spend_until else None)
+    spend = Spend(cfg.spend_usd, cfg.spend_until, cfg.spend_left) if cfg.spend_until or cfg.spend_left else None
+    return Setting(cfg.idle, cfg.action, cfg.tick, spend)
 
 
 # ---------------------------------------------------------------------------- what the watchdogs report

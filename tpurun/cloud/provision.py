@@ -612,7 +612,8 @@ def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[Backend, NodeView]:
 
 def stop(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> NodeView:
     maker, view = _stoppable(cloud, name, "stop")
-    maker.stop(view, progress)
+    with autostop.spend_paused(maker, view):  # a --budget counts no time stopped
+        maker.stop(view, progress)
     identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs may come back elsewhere
     return tpu(cloud, name)
 
@@ -621,6 +622,7 @@ def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str
     maker, view = _stoppable(cloud, name, "start")
     identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs come back, maybe elsewhere
     maker.start(view, progress)
+    maker.update_metadata(view, autostop.resumed)
     # guest attributes start empty at boot, so the startup report read now is this boot's
     return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)
 

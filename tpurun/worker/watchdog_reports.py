@@ -62,9 +62,12 @@ class WatchdogConfig(RecordBase):
     Compute Engine TPU, COMPUTE), and its setting: IDLE seconds (0: autostop off), the ACTION then ("delete" or
     "stop"), TICK seconds between looks, SILENT seconds a worker may not report before its VM is looked at; and
     `create --budget`'s spend limit: SPEND_USD, and SPEND_UNTIL (epoch seconds) when its price has spent it, at
-    which the TPU is deleted whatever runs on it (0: none)."""
+    which the TPU is deleted whatever runs on it (0: none); while `tpurun stop` has stopped the TPU (it bills only its
+    disks then), SPEND_LEFT seconds in its place, which `tpurun start` counts on from."""
 
-    __slots__ = ("endpoint", "nodes", "compute", "idle", "action", "tick", "silent", "spend_usd", "spend_until")
+    __slots__ = (
+        "endpoint", "nodes", "compute", "idle", "action", "tick", "silent", "spend_usd", "spend_until", "spend_left",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -77,6 +80,7 @@ class WatchdogConfig(RecordBase):
         silent: float = DEFAULT_SILENT,
         spend_usd: float = 0.0,
         spend_until: float = 0.0,
+        spend_left: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
         self.nodes = [] if nodes is None else nodes
@@ -87,15 +91,17 @@ class WatchdogConfig(RecordBase):
         self.silent = silent
         self.spend_usd = spend_usd
         self.spend_until = spend_until
+        self.spend_left = spend_left
 
     def set(self, idle: int, action: str, tick: float, silent: float = DEFAULT_SILENT) -> WatchdogConfig:
         """These resources and spend limit with this setting."""
         c = self
-        return WatchdogConfig(c.endpoint, c.nodes, c.compute, idle, action, tick, silent, c.spend_usd, c.spend_until)
+        spend = c.spend_usd, c.spend_until, c.spend_left
+        return WatchdogConfig(c.endpoint, c.nodes, c.compute, idle, action, tick, silent, *spend)
 
     def to_json(self) -> str:
         data = self.to_dict()
-        for key in ("spend_usd", "spend_until"):  # absent where there is no limit
+        for key in ("spend_usd", "spend_until", "spend_left"):  # absent where there is no limit
             if not data[key]:
                 del data[key]
         if self.compute is None:
@@ -122,7 +128,7 @@ class WatchdogConfig(RecordBase):
             nodes = [str(n) for n in data.get("nodes") or []]
             idle, action = int(data.get("idle") or 0), str(data.get("action") or "delete")
             silent = max(0.0, float(data.get("silent") or DEFAULT_SILENT))  # an older tpurun's setting: the default
-            spend = float(data.get("spend_usd") or 0.0), float(data.get("spend_until") or 0.0)
+            spend = (float(data.get(k) or 0.0) for k in ("spend_usd", "spend_until", "spend_left"))
             return cls(str(data.get("endpoint") or ""), nodes, compute, idle, action, tick, silent, *spend)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a watchdog configuration: {text[:100]!r}") from e
