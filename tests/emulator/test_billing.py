@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -134,3 +135,13 @@ def test_an_unreachable_catalogue_gives_the_table_at_once(home):
     assert price is not None and price.source == "table" and price.as_of == price_table.AS_OF
     assert price.per_hour == pytest.approx(19.20)
     assert not prices.cache_path(f"http://127.0.0.1:{port}").exists()  # nothing kept: read again next time
+
+
+def test_a_read_past_its_week_is_read_again(emulator, home):
+    kept = prices.cache_path(emulator.endpoint)
+    kept.parent.mkdir(parents=True)
+    kept.write_text(json.dumps({"endpoint": emulator.endpoint, "read": "2020-01-01", "offers": []}))
+    since = emulator.request_count()
+    price = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint)
+    assert price is not None and price.as_of != "2020-01-01" and len(_catalogue_calls(emulator, since)) == 2
+    assert json.loads(kept.read_text())["read"] == price.as_of

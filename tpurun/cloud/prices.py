@@ -185,7 +185,8 @@ def normal_provisioning(provisioning: str) -> str:
 def quote(accelerator_type: str, zone: str, provisioning: str, *, endpoint: str, slices: int = 1) -> Price | None:
     """What ACCELERATOR_TYPE (SLICES of it) in ZONE costs an hour as PROVISIONING ("on-demand", "spot",
     "preemptible", "flex-start"), from the catalogue at ENDPOINT (the Cloud TPU API's), else the bundled table.
-    None: no published price for this type in that region."""
+    None: no published price for this type in that region. A type or provisioning tpurun does not know is a
+    UsageError."""
     topo = parse_accelerator_type(accelerator_type)
     wanted = normal_provisioning(provisioning)
     chips = topo.chips * max(1, slices)
@@ -219,7 +220,10 @@ def price_of(view: NodeView, endpoint: str) -> Price | None:
     None where no price is published."""
     provisioning = "spot" if view.spot or view.preemptible else "on-demand"
     slices = len(view.slices) if view.slices else 1
-    return quote(view.accelerator_type, view.zone, provisioning, endpoint=endpoint, slices=slices)
+    try:
+        return quote(view.accelerator_type, view.zone, provisioning, endpoint=endpoint, slices=slices)
+    except UsageError:  # a type tpurun's topology does not know: no price rather than a failed listing
+        return None
 
 
 # ---------------------------------------------------------------- the catalogue, read and kept
@@ -230,7 +234,8 @@ _lock = threading.Lock()
 
 def catalogue(endpoint: str) -> tuple[list[Offer], str] | None:
     """The TPU offers of the catalogue at ENDPOINT and the day they were read: kept ones while younger than
-    `MAX_AGE_DAYS`, else read now (and kept); None when it cannot be read. Asked once per process."""
+    `MAX_AGE_DAYS`, else read now (and kept); an older kept one when it cannot be read again (its day says how
+    old), else None. Asked once per process."""
     with _lock:
         if endpoint in _memo:
             return _memo[endpoint]
