@@ -117,16 +117,17 @@ def test_create_budget_deletes_the_tpu_through_its_watchdog_while_a_job_runs(pod
     cli = Cli(pod.cwd, pod.home, {**pod.env, "TPURUN_WATCHDOG_TICK": "0.5"}, emulator)
     before = len(emulator.requests())
     asked = time.time()
-    r = cli("create", "cheap", "-t", "v5litepod-8", "--budget", "0.08")  # $9.60/h: 30 s
+    r = cli("create", "cheap", "-t", "v5litepod-8", "--budget", "0.05")  # $9.60/h: 18.75 s
+    life = 0.05 / 9.60 * 3600
     assert r.code == 0, r.err
-    assert "cheap: --budget $0.08, deletes it at " in r.err and "$9.60/h, catalog price as of " in r.err, r.err
+    assert "cheap: --budget $0.05, deletes it at " in r.err and "$9.60/h, catalog price as of " in r.err, r.err
     budget = json.loads(cli("describe", "cheap", "--json").out)["budget"]
-    assert budget["usd"] == 0.08 and abs(dt.datetime.fromisoformat(budget["deleteAt"]).timestamp() - asked - 30) < 5
+    assert budget["usd"] == 0.05 and abs(dt.datetime.fromisoformat(budget["deleteAt"]).timestamp() - asked - life) < 5
     r = cli(*TRAIN, "--tpu", "cheap", "--detach")  # a job does not keep it: the budget outranks it
     assert r.code == 0, r.err
     _gone_within(emulator, "cheap", 90)
     gone = time.time()
-    assert 30 - 1 <= gone - asked <= 30 + 15, gone - asked
+    assert life - 1 <= gone - asked <= life + 15, gone - asked
     calls = [c for c in emulator.requests(before) if c["method"] == "DELETE" and c["path"].endswith("/nodes/cheap")]
     assert calls and calls[0]["status"] == 200 and calls[0]["caller"].startswith("vm:"), calls  # its own watchdog
 
