@@ -321,10 +321,10 @@ def _startup_reports(target: Target, warn: Callable[[str], None] | None) -> list
     """Each worker's startup report from the guest attributes (named TPUs only); [] when unreadable."""
     if target.local:
         return None
-    from tpurun.cloud import provision
+    from tpurun.cloud import listing
 
     try:
-        return provision.read_startup_reports(target.cloud(), target.name)
+        return listing.read_startup_reports(target.cloud(), target.name)
     except TpurunError as exc:
         if warn is not None:
             warn(f"cannot read {target.name}'s guest attributes: {exc}")

@@ -16,6 +16,7 @@ class ExitCode(IntEnum):
     INTERNAL = 70  # a bug in tpurun: an exception it did not expect (sysexits' EX_SOFTWARE)
     TEMPFAIL = 75  # a job cut short by preemption, maintenance or a lost worker, no restart left (sysexits' EX_TEMPFAIL)
     HUNG = 124  # `train --on-hang stop`: stopped after --hang-timeout without progress (as timeout(1) exits)
+    BUDGET = 125  # `train --budget`: stopped before its cost passed the budget
     INTERRUPTED = 130
 
 

@@ -1,5 +1,5 @@
-"""What users type for Cloud TPU resources -- names, zones, durations: checked locally, before anything
-reaches the API."""
+"""What users type for Cloud TPU resources -- names, zones, durations, amounts of money: checked locally, before
+anything reaches the API."""
 
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def parse_duration(text: str) -> int:
     if not m:
         raise UsageError(f"invalid duration '{text}': use e.g. 90s, 30m, 6h or 2d")
     return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def parse_usd(text: str, option: str = "--budget") -> float:
+    """'25', '0.05', '$1,000' -> US dollars, more than 0 (a budget of nothing would stop everything at once)."""
+    t = text.strip().lstrip("$").replace(",", "")
+    if not re.fullmatch(r"\d+(\.\d*)?|\.\d+", t):
+        raise UsageError(f"{option} {text}: not an amount of US dollars; use e.g. 25 or 0.50")
+    usd = float(t)
+    if usd <= 0:
+        raise UsageError(f"{option} {text}: a budget must be more than 0 US dollars")
+    return usd
 
 
 # ---------------------------------------------------------------------------- sets of workers, folded

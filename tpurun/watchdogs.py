@@ -41,7 +41,7 @@ def configure(
                 hint=f"`tpurun attach {name}` installs tpurun's ssh key; `tpurun doctor` shows what is wrong",
             )
     progress(f"{name}: setting autostop")
-    entries = autostop.metadata(_resources(maker, view), idle, action)
+    entries = autostop.metadata(_resources(maker, view), idle, action, current.spend if current else None)
     maker.update_metadata(view, lambda _md: entries)
     return autostop.Setting(idle, action)
 

@@ -53,6 +53,10 @@ def test_lost_running_unknown_finished_stopped():
     assert combine({"w0": _st("finished"), "w1": None}).status == "unknown"
     assert combine({"w0": _st("finished"), "w1": _st("finished")}) == JobSummary(End.FINISHED)
     assert combine({"w0": _st("finished"), "w1": _st("stopped")}) == JobSummary(End.STOPPED)
+    # `train --budget`: each worker's supervisor stopped its part (one may have ended before, or been cancelled)
+    assert combine({"w0": _st("spent"), "w1": _st("spent")}) == JobSummary(End.BUDGET)
+    assert combine({"w0": _st("finished"), "w1": _st("spent")}) == JobSummary(End.BUDGET)
+    assert combine({"w0": _st("spent"), "w1": _st("running")}) == JobSummary(running=True)
 
 
 @pytest.mark.parametrize("action", ["signal:SIGUSR1", "file", "stop"])
@@ -80,6 +84,8 @@ def test_judge_the_order_of_the_facts():
     assert judge(Facts(user=True, notice=n, failed=True)) is End.STOPPED  # Ctrl-C is the user's, always
     assert judge(Facts(notice=n, failed=True, lost=End.LOST)) is End.MAINTENANCE
     assert judge(Facts(hung=True, failed=True)) is End.HUNG
+    assert judge(Facts(spent=True, notice=n, hung=True)) is End.BUDGET  # its own stop made the rest
+    assert judge(Facts(user=True, spent=True)) is End.STOPPED
     assert judge(Facts(failed=True, lost=End.PREEMPTED)) is End.PREEMPTED  # the failure its loss caused
     assert judge(Facts(failed=True, lost=End.LOST)) is End.FAILED  # a failure first, then a worker went
     assert judge(Facts(lost=End.LOST)) is End.LOST
@@ -88,7 +94,7 @@ def test_judge_the_order_of_the_facts():
 
 def test_each_end_s_exit_code_one_table_for_train_and_logs():
     codes = {
-        End.FINISHED: 0, End.FAILED: 1, End.HUNG: 124, End.STOPPED: 130,
+        End.FINISHED: 0, End.FAILED: 1, End.HUNG: 124, End.BUDGET: 125, End.STOPPED: 130,
         End.PREEMPTED: 75, End.MAINTENANCE: 75, End.LOST: 75,
     }  # fmt: skip
     for end, code in codes.items():

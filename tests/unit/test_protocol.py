@@ -39,6 +39,9 @@ WATCHDOG = [
         ),
         idle=600,
     ),
+    watchdog_reports.WatchdogConfig(  # `create --budget`: its spend limit
+        "https://tpu.googleapis.com", ["projects/p/locations/z/nodes/t"], spend_usd=0.5, spend_until=1764003600.5
+    ),
 ]
 
 RECORDS: list[protocol.Record] = [
@@ -109,6 +112,7 @@ SPEC = protocol_calls.JobSpec(
     grace=2.5,
     pre_commands=[["true"], {"argv": ["sleep", "9"], "wait": False}],
     lease_timeout=0,
+    spend_for=5.625,
 )
 
 

@@ -8,11 +8,11 @@ from typing import Annotated
 
 import typer
 
-from tpurun import settings, ui, watchdogs
+from tpurun import naming, settings, ui, watchdogs
 from tpurun.cli import grouped
 from tpurun.cli.options import JsonOpt, NameArg, ProjectOpt, ViaOpt, ZoneOpt
 from tpurun.cli.output import progress_display
-from tpurun.cloud import autostop, identity, provision, startup
+from tpurun.cloud import autostop, identity, listing, provision, startup
 from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import WorkerView
 from tpurun.errors import ExitCode, UsageError
@@ -143,6 +143,15 @@ AutostopIdleOpt = Annotated[
 AutostopActionOpt = Annotated[
     str | None, typer.Option("--autostop-action", help="delete (default), or stop for a single-host TPU VM.")
 ]
+BudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--budget",
+        metavar="USD",
+        help="Delete the TPU once its time has cost USD at its list price, whatever runs on it. Done by the "
+        "watchdog on the TPU itself.",
+    ),
+]
 NoWaitOpt = Annotated[bool, typer.Option("--no-wait", help="Return once the request is accepted.")]
 DeleteOnFailureOpt = Annotated[
     bool,
@@ -177,6 +186,7 @@ def create_cmd(
     data: DataOpt = None,
     autostop_idle: AutostopIdleOpt = None,
     autostop_action: AutostopActionOpt = None,
+    budget: BudgetOpt = None,
     no_wait: NoWaitOpt = False,
     delete_on_failure: DeleteOnFailureOpt = False,
     timeout: TimeoutOpt = 1800.0,
@@ -209,6 +219,7 @@ def create_cmd(
         data=data or [],
         autostop=autostop_idle,
         autostop_action=autostop_action,
+        budget=naming.parse_usd(budget) if budget is not None else 0.0,
         wait=not no_wait,
         timeout=timeout,
     )
@@ -226,12 +237,21 @@ def create_cmd(
             " and ".join([f"deleted {name}", *also]) if also is not None else f"nothing of {name} had been made yet"
         )
         raise typer.Exit(created.exit_code)
-    if isinstance(created.made, provision.CreateResult) and created.made.default_in is not None:
-        ui.info(f"{name} is now the default TPU here (recorded in {created.made.default_in})")
+    _say_created(name, created, created.view)
     if json_out:
         ui.print_json(created.view.to_dict(full=True))
         return
     _workers_table(created.view)
+
+
+def _say_created(name: str, created: provision.Created, view: provision.NodeView) -> None:
+    """What a create set up besides the TPU: its budget (and the price it counts at), its place as the default."""
+    setting, price = view.autostop_setting, created.price
+    if setting is not None and setting.spend is not None and price is not None:
+        where = f"${price.per_hour:,.2f}/h, {price.source} price as of {price.as_of}"
+        ui.info(f"{name}: --budget {setting.spend.label()} by its watchdog ({where})")
+    if isinstance(created.made, provision.CreateResult) and created.made.default_in is not None:
+        ui.info(f"{name} is now the default TPU here (recorded in {created.made.default_in})")
 
 
 def attach_cmd(
@@ -264,7 +284,7 @@ def list_cmd(
     if all_zones and zone:
         raise UsageError("choose one of --zone and --all-zones")
     cloud, _ = cloud_for(project, zone, every_zone=all_zones)
-    listed = provision.list_tpus(cloud)
+    listed = listing.list_tpus(cloud)
     if json_out:
         ui.print_json(listed.to_dict())
     else:
@@ -290,6 +310,7 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
             "age",
             "maintenance",
             "autostop",
+            "budget",
             "idle",
             "job",
             "cost",
@@ -308,6 +329,7 @@ def _list_table(views: list[provision.NodeView], all_zones: bool) -> None:
                 v.age(),
                 _maintenance(v),
                 v.activity.autostop_label(v.autostop_setting),
+                _budget(v),
                 v.activity.idle_label(),
                 ", ".join(v.activity.jobs) or "-",
                 _cost(v),
@@ -336,6 +358,12 @@ def _price(v: provision.NodeView) -> str:
     )
 
 
+def _budget(v: provision.NodeView) -> str:
+    """Its `create --budget` and when the watchdog deletes it, or `-`."""
+    setting = v.autostop_setting
+    return setting.spend.label() if setting is not None and setting.spend is not None else "-"
+
+
 def _capacity(v: provision.NodeView) -> str:
     return "spot" if v.spot else "preemptible" if v.preemptible else "-"
 
@@ -362,7 +390,7 @@ def describe_cmd(
     """Everything about one TPU: workers, IPs, startup status, labels (ssh keys shortened)."""
     provision.validate_name(name)
     cloud, _ = cloud_for(project, zone, tpu=name)
-    view = provision.describe(cloud, name)
+    view = listing.describe(cloud, name)
     if json_out:
         ui.print_json(view.to_dict(full=True))
         return
@@ -389,6 +417,7 @@ def _describe_table(view: provision.NodeView) -> None:
         ("queued resource", view.queued_resource or "-"),
         ("maintenance", "\n".join(m.summary() for m in view.maintenance) or "-"),
         ("autostop", act.autostop_label(view.autostop_setting)),
+        ("budget", _budget(view)),
         ("idle", act.idle_label() + (f" ({act.why_busy})" if act.why_busy and act.why_busy not in act.silent else "")),
         ("jobs", ", ".join(act.jobs) or "-"),
         ("watchdog", act.decision or "-"),

@@ -150,6 +150,15 @@ OnHangOpt = Annotated[
         help="After the report: keep waiting (report), or stop the job and exit 124 (stop).",
     ),
 ]
+BudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--budget",
+        metavar="USD",
+        help="Stop the job (every worker, exit 125) before its TPU's time costs more than USD at its list price, "
+        "restarts included; enforced on the workers, detached too.",
+    ),
+]
 AllowSkewOpt = Annotated[
     bool,
     typer.Option(
@@ -191,6 +200,7 @@ def train_cmd(
     hang_timeout: HangTimeoutOpt = None,
     on_hang: OnHangOpt = OnHang.report,
     worker: AloneOpt = None,
+    budget: BudgetOpt = None,
     json_out: JsonOpt = False,
     relay: RelayOpt = None,
     via: ViaOpt = None,
@@ -225,6 +235,7 @@ def train_cmd(
         hang_timeout=_hang_timeout(hang_timeout, detach),
         on_hang=on_hang,
         worker=worker,
+        budget=naming.parse_usd(budget) if budget is not None else 0.0,
     )
     flags = {"tpu": tpu, "project": project, "zone": zone, "relay": relay_flag(relay), "via": via}
     raise typer.Exit(_run(spec, flags, local=local, dest=dest, json_out=json_out))
@@ -455,6 +466,7 @@ def _render_ended(result: launcher.JobResult, end: End, json_out: bool) -> None:
                 "exit_code": int(result.exit_code),
                 "detail": run.failure_detail() if end is End.FAILED else "",
                 "restarts": result.budgets.to_dict() if result.budgets else {},
+                "budget": result.spend.usd if result.spend else None,
                 "notice": run.notice.to_dict() if run.notice else None,
                 "logs": _logs_where(job),
                 "cores": [
@@ -465,7 +477,9 @@ def _render_ended(result: launcher.JobResult, end: End, json_out: bool) -> None:
         )
     else:
         _summary(run)
-    if end is End.HUNG:
+    if end is End.BUDGET and result.spend is not None:
+        _error(f"error: {result.spend.spent_line(job.job_id)}")
+    elif end is End.HUNG:
         _error(
             f"error: job {job.job_id} made no progress for {ui.age(job.spec.hang_timeout)} and was "
             "stopped (--on-hang stop); its stacks are above"

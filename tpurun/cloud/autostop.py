@@ -1,4 +1,5 @@
-"""A TPU's autostop setting, and what its watchdog reports: the client side of tpurun/worker/watchdog.py.
+"""A TPU's autostop setting and spend limit (`create --budget`: the time its price takes to spend the money, after
+which its watchdog deletes it), and what its watchdog reports: the client side of tpurun/worker/watchdog.py.
 
 The setting is node metadata `tpurun-autostop` (JSON: idle seconds or 0 for off, the action, the nodes
 watched, the API endpoint the watchdog calls, its tick). The startup wrapper starts the watchdog on
@@ -10,9 +11,12 @@ publish (guest attributes tpurun/watch and tpurun/watchdog) is read back here fo
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +28,8 @@ from tpurun.worker import bundle_metadata, watchdog, watchdog_reports
 from tpurun.worker.watchdog_reports import DEFAULT_TICK, WatchdogConfig, duration
 
 if TYPE_CHECKING:
-    from tpurun.cloud.backend import Backend
+    from tpurun.cloud.backend import Backend, CreateSpec, Request
+    from tpurun.cloud.client import Cloud
     from tpurun.cloud.views import NodeView
 
 KEY = watchdog.CONFIG_KEY
@@ -64,10 +69,13 @@ def check_action(action: str, cannot_stop: str = "") -> None:
         raise UsageError(f"--autostop-action stop: {cannot_stop}", hint="use --autostop-action delete")
 
 
-def setting(resources: WatchdogConfig, idle: int, action: str = "delete") -> str:
+def setting(resources: WatchdogConfig, idle: int, action: str = "delete", spend: Spend | None = None) -> str:
     """The `tpurun-autostop` metadata value: the watchdog's RESOURCES (the API and the TPU's resources, from the
-    backend's `watchdog_resources`), the idle period, the action and the watchdog's tick."""
-    return resources.set(idle, action, tick(), config.WATCHDOG_SILENT.number()).to_json()
+    backend's `watchdog_resources`), the idle period, the action and the watchdog's tick; SPEND, its spend limit."""
+    cfg = resources.set(idle, action, tick(), config.WATCHDOG_SILENT.number())
+    if spend is not None:
+        cfg.spend_usd, cfg.spend_until, cfg.spend_left = spend.usd, spend.until, spend.left
+    return cfg.to_json()
 
 
 def stand_in(nodes: list[str]) -> WatchdogConfig:
@@ -75,9 +83,88 @@ def stand_in(nodes: list[str]) -> WatchdogConfig:
     return WatchdogConfig("https://tpu.googleapis.com", [f"projects/-/locations/-/nodes/{n}" for n in nodes])
 
 
-def metadata(resources: WatchdogConfig, idle: int, action: str = "delete") -> dict[str, str]:
+def metadata(
+    resources: WatchdogConfig, idle: int, action: str = "delete", spend: Spend | None = None
+) -> dict[str, str]:
     """The metadata entries that install the watchdog (the startup wrapper starts it) and set it."""
-    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(resources, idle, action)}
+    return {startup.WATCHDOG_KEY: bundle_metadata(), KEY: setting(resources, idle, action, spend)}
+
+
+@dataclass(frozen=True)
+class Spend:
+    """`create --budget`: USD, spent at UNTIL (epoch seconds) by the TPU's price; its watchdog deletes it then. While
+    `tpurun stop` has stopped the TPU, UNTIL is 0 and LEFT the seconds of it left (`tpurun start` counts on)."""
+
+    usd: float
+    until: float
+    left: float = 0.0
+
+    def label(self) -> str:
+        """`$0.50, deletes it at 14:03:07Z (in 12m)`; stopped: `$0.50, 12m left once started`."""
+        if not self.until:
+            return f"${self.usd:,.2f}, {ui.age(self.left)} left once started"
+        left = self.until - time.time()
+        when = f"in {ui.age(left)}" if left > 0 else "spent"
+        return f"${self.usd:,.2f}, deletes it at {time.strftime('%H:%M:%SZ', time.gmtime(self.until))} ({when})"
+
+    def to_dict(self) -> dict[str, Any]:
+        at = dt.datetime.fromtimestamp(self.until, dt.timezone.utc).isoformat() if self.until else None
+        left = self.until - time.time() if self.until else self.left
+        return {"usd": self.usd, "deleteAt": at, "secondsLeft": max(0, round(left))}
+
+
+def paused(md: dict[str, str]) -> dict[str, str] | None:
+    """`tpurun stop`: the setting that stops the spend limit's clock in MD while the TPU is stopped (it bills only
+    its disks then): the seconds left kept in place of the deadline; None where no clock runs."""
+    cfg = _config(md)
+    if cfg is None or not cfg.spend_until:
+        return None
+    cfg.spend_left, cfg.spend_until = max(0.0, cfg.spend_until - time.time()), 0.0
+    return {KEY: cfg.to_json()}
+
+
+@contextmanager
+def spend_paused(maker: Backend, view: NodeView) -> Iterator[None]:
+    """Around `tpurun stop` of VIEW: its spend limit's clock stopped first (`paused`), and started again should the
+    stop fail."""
+    maker.update_metadata(view, paused)
+    try:
+        yield
+    except BaseException:
+        maker.update_metadata(view, resumed)
+        raise
+
+
+def resumed(md: dict[str, str]) -> dict[str, str] | None:
+    """`tpurun start`: the setting that starts the clock `paused` stopped again; None where none was stopped."""
+    cfg = _config(md)
+    if cfg is None or cfg.spend_until or not cfg.spend_left:
+        return None
+    cfg.spend_until, cfg.spend_left = time.time() + cfg.spend_left, 0.0
+    return {KEY: cfg.to_json()}
+
+
+def _config(md: dict[str, str]) -> WatchdogConfig | None:
+    try:
+        return WatchdogConfig.from_json(md.get(KEY, ""))
+    except ValueError:
+        return None
+
+
+def spend_limit(cloud: Cloud, spec: CreateSpec, request: Request) -> Spend | None:
+    """`create --budget`'s spend limit, from the price of the TPU REQUEST makes (every slice) in CLOUD's zone (kept in
+    REQUEST), counted from now (its request: a little before the API's createTime, so never later than the money
+    lasts); refused (UsageError) before anything is made where the TPU has no published price."""
+    if not spec.budget:
+        return None
+    from tpurun.cloud import prices
+
+    kind = "spot" if spec.spot else "preemptible" if spec.preemptible else "flex-start" if spec.flex_start else ""
+    accel = request.topology.name
+    request.price = prices.quote(accel, cloud.zone, kind or "on-demand", endpoint=cloud.endpoint, slices=spec.slices)
+    if request.price is None:
+        raise UsageError(f"--budget: {accel} has no published price in {cloud.zone}, so a budget cannot be counted")
+    return Spend(spec.budget, time.time() + spec.budget / request.price.per_hour * 3600.0)
 
 
 @dataclass(frozen=True)
@@ -85,6 +172,7 @@ class Setting:
     idle: int  # seconds; 0: off
     action: str
     tick: float = DEFAULT_TICK
+    spend: Spend | None = None  # `create --budget`
 
     def label(self) -> str:
         return f"{self.action} after {duration(self.idle)} idle" if self.idle else "off"
@@ -92,11 +180,11 @@ class Setting:
 
 def read(md: dict[str, str]) -> Setting | None:
     """The autostop setting in a node's metadata; None where tpurun set none."""
-    try:
-        cfg = WatchdogConfig.from_json(md.get(KEY, ""))
-    except ValueError:
+    cfg = _config(md)
+    if cfg is None:
         return None
-    return Setting(cfg.idle, cfg.action, cfg.tick)
+    spend = Spend(cfg.spend_usd, cfg.spend_until, cfg.spend_left) if cfg.spend_until or cfg.spend_left else None
+    return Setting(cfg.idle, cfg.action, cfg.tick, spend)
 
 
 # ---------------------------------------------------------------------------- what the watchdogs report

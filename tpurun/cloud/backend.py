@@ -20,6 +20,7 @@ from tpurun.topology import Topology
 
 if TYPE_CHECKING:
     from tpurun.cloud.client import Cloud
+    from tpurun.cloud.prices import Price
     from tpurun.cloud.views import NodeView
     from tpurun.worker.watchdog_reports import WatchdogConfig
 
@@ -68,6 +69,7 @@ class CreateSpec:
     data: list[str] = field(default_factory=list)
     autostop: str | None = None  # e.g. 30m: the watchdog deletes (or stops) the TPU after that long idle
     autostop_action: str | None = None
+    budget: float = 0.0  # USD: the watchdog deletes the TPU once its price has spent it (0: none)
     wait: bool = True
     timeout: float = 1800.0
 
@@ -83,6 +85,7 @@ class Request:
     labels: dict[str, str]
     valid_until: int | None  # seconds
     max_run: int | None = None  # seconds a flex-start VM runs
+    price: Price | None = None  # with `--budget`: the price per hour it is counted at (provision.make asks it)
 
 
 @dataclass

@@ -12,18 +12,22 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpurun import config, settings, ui
 from tpurun.cloud import autostop, identity, keys, multislice, oslogin, routing, spend, startup
 from tpurun.cloud.backend import Backend, CreateSpec, Deleted, GuestAttributes, Kind, Request
-from tpurun.cloud.client import EVERY_ZONE, Cloud
+from tpurun.cloud.client import Cloud
 from tpurun.cloud.views import GONE, MAINTENANCE, PREEMPTED, READY, REPAIRING, STOPPED, TERMINATED, NodeView
 from tpurun.errors import ApiError, ExitCode, NoSuchTpu, ProgramFailed, TpurunError, UsageError
 from tpurun.naming import parse_duration, validate_name
 from tpurun.topology import Topology, from_machine_type, parse_accelerator_type, vm_topology
 from tpurun.worker.protocol import NOTICE_LEAD
+
+if TYPE_CHECKING:
+    from tpurun.cloud.prices import Price
 
 __all__ = ["CreateSpec", "NodeView", "validate_name"]  # what the CLI takes from here besides the functions
 
@@ -130,7 +134,8 @@ def _watched(cloud: Cloud, spec: CreateSpec, request: Request) -> None:
         spec.name, _nodes(spec), request.topology.multi_host, None
     )
     idle = autostop.parse_idle(spec.autostop) if spec.autostop else 0
-    request.metadata.update(autostop.metadata(resources, idle, spec.autostop_action or "delete"))
+    spend = autostop.spend_limit(cloud, spec, request)
+    request.metadata.update(autostop.metadata(resources, idle, spec.autostop_action or "delete", spend))
     startup.check_limits(request.metadata)
 
 
@@ -169,6 +174,7 @@ class Created:
     name: str
     made: CreateResult | NodeView | None = None
     taken_back: list[str] | None = None  # interrupted: what went besides the TPU; None when nothing of it was made
+    price: Price | None = None  # with `--budget`: the price per hour it is counted at
 
     @property
     def view(self) -> NodeView | None:
@@ -196,7 +202,7 @@ def create(
     cloud = Cloud(s)
     try:
         try:
-            return Created(spec.name, made=make(cloud, s, spec, request, progress))
+            return Created(spec.name, made=make(cloud, s, spec, request, progress), price=request.price)
         except CreateInterrupted as stopped:
             if announce is not None:
                 announce(
@@ -484,77 +490,7 @@ def attach(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[st
     return tpu(cloud, name)
 
 
-# ---------------------------------------------------------------------------- list / describe / delete
-
-
-@dataclass
-class Listed:
-    """`tpurun list`: the TPUs of the zone (of every zone), and those tpurun knows in the project's other zones."""
-
-    views: list[NodeView]
-    elsewhere: list[tuple[str, str]] = field(default_factory=list)  # (name, zone), outside the zone listed
-
-    def to_dict(self) -> list[dict[str, object]]:
-        """`list --json`: each TPU listed (those of other zones only named, on stderr)."""
-        return [v.to_dict() for v in self.views]
-
-
-def list_tpus(cloud: Cloud) -> Listed:
-    """The TPUs of the zone (of every zone), whoever made them, in name order; listing one zone, the TPUs tpurun
-    remembers (as not deleted) in the project's other zones."""
-    views = _listed(cloud)
-    if cloud.zone == EVERY_ZONE:
-        return Listed(views)
-    return Listed(views, identity.elsewhere(cloud.settings.home_path, cloud.project, cloud.zone))
-
-
-def _listed(cloud: Cloud) -> list[NodeView]:
-    found, complete = routing.list_all(cloud)
-    views = sorted(found, key=lambda v: (v.zone, v.name))
-    makers = [routing.maker_of(cloud, v) for v in views]
-    for maker in {id(m): m for m in makers}.values():
-        _read_maintenance(maker, [v for v, m in zip(views, makers, strict=True) if m is maker])
-    for v, act in zip(views, autostop.activities(list(zip(makers, views, strict=True))), strict=True):
-        v.activity = act
-    zones = None if cloud.zone == EVERY_ZONE else {cloud.zone}
-    spend.price_listing(cloud.settings.home_path, cloud.project, zones, cloud.endpoint, views, complete=complete)
-    return views
-
-
-def describe(cloud: Cloud, name: str) -> NodeView:
-    maker, view = locate(cloud, name)
-    if view.gone and not view.slices:
-        raise ApiError(f"{name}: the queued resource is {view.state} and none of its slices exists yet")
-    view.with_reports(startup_reports(maker, view))
-    _read_maintenance(maker, [view])
-    view.activity = autostop.activity(maker, view)
-    spend.price_listing(cloud.settings.home_path, cloud.project, set(), cloud.endpoint, [view], complete=False)
-    return view
-
-
-def _read_maintenance(maker: Backend, views: list[NodeView]) -> None:
-    """The maintenance MAKER's API announces for VIEWS; a failure to read it (v2alpha1 not allowed, say) leaves it
-    unknown, with a warning, and the rest of the answer stands."""
-    try:
-        maker.read_maintenance(views)
-    except TpurunError as exc:
-        log.warning("the maintenance announced could not be read: %s", exc.message)
-
-
-def startup_reports(maker: Backend, view: NodeView) -> list[startup.StartupReport] | None:
-    """Each worker's startup report, in worker order; None when the TPU is not READY or they cannot be read."""
-    if set(view.states) != {READY}:
-        return None
-    try:
-        return [startup.parse_report(a) for a in maker.guest_attributes(view, startup.NAMESPACE + "/")]
-    except TpurunError:
-        return None
-
-
-def read_startup_reports(cloud: Cloud, name: str) -> list[startup.StartupReport]:
-    """Each worker's startup report as its VM published it, in worker order (whatever the TPU's state)."""
-    maker, view = locate(cloud, name)
-    return [startup.parse_report(a) for a in maker.guest_attributes(view, startup.NAMESPACE + "/")]
+# ---------------------------------------------------------------------------- delete, stop, start
 
 
 def delete(
@@ -613,7 +549,8 @@ def _stoppable(cloud: Cloud, name: str, verb: str) -> tuple[Backend, NodeView]:
 
 def stop(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str], None]) -> NodeView:
     maker, view = _stoppable(cloud, name, "stop")
-    maker.stop(view, progress)
+    with autostop.spend_paused(maker, view):  # a --budget counts no time stopped
+        maker.stop(view, progress)
     spend.remember(s.home_path, cloud.project, cloud.endpoint, "stopped", view)
     identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs may come back elsewhere
     return tpu(cloud, name)
@@ -623,6 +560,7 @@ def start(cloud: Cloud, s: settings.Settings, name: str, progress: Callable[[str
     maker, view = _stoppable(cloud, name, "start")
     identity.forget(s.home_path, cloud.project, cloud.zone, name)  # its VMs come back, maybe elsewhere
     maker.start(view, progress)
+    maker.update_metadata(view, autostop.resumed)
     spend.remember(s.home_path, cloud.project, cloud.endpoint, "started", view)
     # guest attributes start empty at boot, so the startup report read now is this boot's
     return until_started(cloud, maker, s.home_path, name, progress, timeout=1800)

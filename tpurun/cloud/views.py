@@ -239,6 +239,7 @@ class NodeView:
         d["autostop"] = None
         if setting is not None:
             d["autostop"] = {"idleSeconds": setting.idle, "action": setting.action} if setting.idle else "off"
+        d["budget"] = setting.spend.to_dict() if setting is not None and setting.spend is not None else None
         d["maintenance"] = [m.to_dict() for m in self.maintenance]
         if self.spend is not None:
             d.update(self.spend.to_dict())

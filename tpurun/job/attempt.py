@@ -128,6 +128,7 @@ class JobRun:
         down: bool = False,
         hang: HangWatch | None = None,
         on_notice: str = "",
+        spend_for: float | None = None,  # `train --budget`: seconds its supervisors let it run (job/spend_limit.py)
     ) -> None:
         self.target = target
         self.job_id = job_id
@@ -159,6 +160,7 @@ class JobRun:
         self.hung = False  # stopped by --on-hang stop
         self.notice: protocol.Notice | None = None  # the first notice of a host event its workers heard of
         self.on_notice = on_notice  # what the job's processes are told of one (ends.on_notice)
+        self.spend_for = spend_for
         # the workers' supervisors pass notices on to each other at their internal addresses, signed with this key
         # (the workers the job runs on: every one, or the one `--worker` chose; the first of them is the hub)
         self.addresses = {i: w.internal or w.address for i, w in enumerate(target.all_workers) if specs[i]}
@@ -182,6 +184,7 @@ class JobRun:
             peers=self.notice_peers(worker),
             notice_port=self.notice_port,
             notice_key=self.notice_key,
+            spend_for=self.spend_for,
         )
 
     def notice_peers(self, worker: int) -> list[str]:
@@ -329,11 +332,18 @@ class JobRun:
             name = env_contract.process_name(w, rec.slot, self.target.all_workers[w].name)
             # after a notice a process that ends is its notice's doing, not a failure of the program (ends.judge)
             how = "ended after the notice" if self.notice is not None else "failed"
-            self.out.info(f"{name} {how} ({o.ending}): stopping the job everywhere")
+            if self.spent():  # its own supervisor stopped it, as every other worker's does
+                self.out.info(f"{name} was stopped ({o.ending}): the job's --budget is spent")
+            else:
+                self.out.info(f"{name} {how} ({o.ending}): stopping the job everywhere")
             self.stop.set()
         elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
             with self.lock:
                 self.first_failure = o  # its worker's agent reported the killed sibling first
+
+    def spent(self) -> bool:
+        """Whether the job's --budget is (about to be) spent: its supervisors stop it then, a grace early."""
+        return self.spend_for is not None and time.monotonic() >= self.started_at + self.spend_for - self.grace - 1
 
     def failure_detail(self) -> str:
         """Which process failed first and how (ends.failure), "" where none did."""

@@ -6,6 +6,7 @@
 | finished | every process exited 0 | 0 | - |
 | failed | a process of the job failed on its own (the program) | 1 | program |
 | hung | no progress for `--hang-timeout`, stopped (`--on-hang stop`) | 124 | program |
+| budget | its `--budget` was spent: its workers' supervisors stopped it (job/spend_limit.py) | 125 | - |
 | stopped | the user stopped it (Ctrl-C, SIGTERM, `tpurun cancel`) | 130 | - |
 | preempted | its TPU (a slice, a VM of it) was preempted, or is gone | 75 | preempted |
 | maintenance | a host of it went for maintenance | 75 | maintenance |
@@ -37,6 +38,7 @@ class End(str, Enum):
     FINISHED = "finished"
     FAILED = "failed"
     HUNG = "hung"
+    BUDGET = "budget"
     STOPPED = "stopped"
     PREEMPTED = "preempted"
     MAINTENANCE = "maintenance"
@@ -80,6 +82,7 @@ _ROWS = {  # end: (its restart budget, its exit code, what it means)
     End.FINISHED: ("", ExitCode.OK, "every process exited 0"),
     End.FAILED: ("program", ExitCode.PROGRAM_FAILED, "a process of the job failed"),
     End.HUNG: ("program", ExitCode.HUNG, "it made no progress for --hang-timeout and was stopped"),
+    End.BUDGET: ("", ExitCode.BUDGET, "its --budget was spent; it was stopped"),
     End.STOPPED: ("", ExitCode.INTERRUPTED, "stopped by the user"),
     End.PREEMPTED: ("preempted", ExitCode.TEMPFAIL, "its TPU was preempted"),
     End.MAINTENANCE: ("maintenance", ExitCode.TEMPFAIL, "a host of its TPU went for maintenance"),
@@ -98,6 +101,7 @@ class Facts:
     notice: Notice | None = None  # the first notice of a host event any worker heard of
     user: bool = False  # the user stopped it (Ctrl-C here, or every worker says stopped on request)
     hung: bool = False  # --on-hang stop stopped it
+    spent: bool = False  # a worker's supervisor stopped it at its --budget (its part says spent)
     failed: bool = False  # a process failed on its own (its exit code not 0, or it died)
     lost: End | None = None  # a worker was lost (a supervisor, a VM, SSH): what the API says of it (LOST if nothing)
     all_zero: bool = False  # every process exited 0
@@ -107,9 +111,12 @@ def judge(f: Facts) -> End:
     """The one end of a job from what is known of it. A stop the user asked for is theirs; a notice decides next
     (a job it cut short is never a program failure, however its script exited; only a job that finished by itself
     after a notice it was merely told of through the file is finished); then a hang, a lost worker (the API's
-    word for it: preempted or maintenance outrank a failure its loss caused), a failure."""
+    word for it: preempted or maintenance outrank a failure its loss caused), a failure. A spent --budget comes
+    second: its stop makes the processes end as any stop does."""
     if f.user:
         return End.STOPPED
+    if f.spent:
+        return End.BUDGET
     if f.notice is not None:
         if f.all_zero and f.lost is None and not f.hung and f.notice.action == ON_FILE:
             return End.FINISHED

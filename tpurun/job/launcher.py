@@ -24,6 +24,7 @@ from tpurun.job.ends import Budgets, End
 from tpurun.job.records import JobRecord, connect, forget, new_job_id
 from tpurun.job.runtimes import Precision, Runtime
 from tpurun.job.setup import Setup, SetupResult, plan_setup, run_everywhere
+from tpurun.job.spend_limit import SpendLimit
 from tpurun.naming import each_or_by_reason, listed
 from tpurun.sync import report, sender
 from tpurun.topology import Topology
@@ -99,6 +100,7 @@ class TrainSpec:
     on_notice: str | None = None  # --on-notice as given (ends.on_notice; None: the runtime's default)
     restarts: str = ""  # --restarts KIND=N,... (ends.Budgets)
     worker: str | None = None  # --worker SPEC: one host alone, as the single-host slice it is on its own (or all)
+    budget: float = 0.0  # --budget USD: the job is stopped before it costs more (job/spend_limit.py; 0: none)
 
 
 # ---------------------------------------------------------------------------- planning
@@ -335,6 +337,7 @@ class JobResult:
     setup: SetupResult | None = None
     busy: bool = False  # another job holds the TPU: nothing of this one started
     budgets: Budgets | None = None  # what each cause of an end has cost in restarts (lifecycle.train)
+    spend: SpendLimit | None = None  # its --budget (lifecycle.train)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -383,8 +386,11 @@ def prepare(
     return job
 
 
-def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event) -> JobResult:
-    """Sync, set up, start the job on every worker and follow it to its end (or start it detached)."""
+def start(
+    job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event, spend: SpendLimit | None = None
+) -> JobResult:
+    """Sync, set up, start the job on every worker and follow it to its end (or start it detached); SPEND: its
+    --budget, whose clock starts here the first time."""
     target, spec = job.target, job.spec
     out.name_workers(worker_names(target.all_workers))
     if not target.local:
@@ -442,6 +448,7 @@ def start(job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threadi
         down=spec.down,
         hang=HangWatch(spec.hang_timeout, spec.on_hang, home) if spec.hang_timeout > 0 else None,
         on_notice=ends.on_notice(spec.on_notice, job.framework.value),
+        spend_for=spend.left() if spend is not None else None,
     )
     run.run()
     busy = bool(run.busy) and not run.unreachable and run.first_failure is None
@@ -470,6 +477,7 @@ def _ended(run: JobRun, job: Job, cancel: threading.Event) -> End:
             notice=run.notice,
             user=cancel.is_set() or (stopped and not (run.first_failure or run.unreachable or run.notice or run.hung)),
             hung=run.hung,
+            spent=any(st.status is JobStatus.SPENT for st in run.ended.values()),
             # a process that failed on its own; one the job's stop killed is not a failure of the program
             failed=run.first_failure is not None
             or any(o.failed and o.status is not ProcessStatus.KILLED for o in every),

@@ -14,6 +14,7 @@ from tpurun.fleet import targets
 from tpurun.job.attempt import Output
 from tpurun.job.ends import Budgets, End, on_notice
 from tpurun.job.launcher import Job, JobResult, TrainSpec, prepare, start
+from tpurun.job.spend_limit import SpendLimit, limit
 from tpurun.settings import Settings
 
 
@@ -55,12 +56,16 @@ def run(
     that failed takes the TPU down too, reported through OUT before its error is raised, unless another job
     holds the TPU. The job's result, and with `--down` what became of the TPU."""
     check(spec)
+    spend = None
+    if spec.budget:  # its price asked before anything is armed or started: a TPU without one is refused
+        spend = limit(s, spec.budget, local=local)
+        out.info(spend.line())
     if spec.down:
         arm_down(s, local=local, out=out)
         if cancel.is_set():  # Ctrl-C while arming: nothing started, nothing deleted
             raise KeyboardInterrupt
     try:
-        result = train(s, spec, local=local, dest=dest, local_dir=local_dir, out=out, cancel=cancel)
+        result = train(s, spec, local=local, dest=dest, local_dir=local_dir, out=out, cancel=cancel, spend=spend)
     except TpuBusy:
         if spec.down:
             out.down(Down(str(s.tpu.value), busy=True))
@@ -98,10 +103,12 @@ def train(
     local_dir: Path,
     out: Output,
     cancel: threading.Event,
+    spend: SpendLimit | None = None,
 ) -> JobResult:
     """SPEC on the TPU S names (or this machine, LOCAL), relaunched after each end its budget allows (job.ends:
     on a recreated TPU after a preemption, once the TPU is usable again after maintenance or a lost worker, at
-    once after a program failure); reported through OUT, stopped by CANCEL."""
+    once after a program failure); reported through OUT, stopped by CANCEL or when SPEND, its --budget, is
+    spent (its clock started at the first start, shared by the restarts)."""
     budgets = Budgets.parse(spec.restarts, spec.max_restarts)
     reason = ""  # why the attempt before ended
     while True:
@@ -126,13 +133,13 @@ def train(
             said = threading.Thread(target=_say_maintenance, args=(target, out), daemon=True)
             if not target.local:  # the API asked beside the start, not before it
                 said.start()
-            result = start(job, home=s.home_path, local_dir=local_dir, out=out, cancel=cancel)
+            result = start(job, home=s.home_path, local_dir=local_dir, out=out, cancel=cancel, spend=spend)
             if said.is_alive():
                 said.join(timeout=10)
         finally:
             job.release()
             target.close()
-        result.budgets = budgets
+        result.budgets, result.spend = budgets, spend
         end = result.end
         if end is None or spec.detach or cancel.is_set() or not budgets.spend(end):
             return result

@@ -114,6 +114,7 @@ def combine(states: Mapping[str, JobState | None]) -> JobSummary:
         ends.Facts(
             notice=notice,
             user=notice is None and all(st.status is JobStatus.STOPPED for st in ended),
+            spent=any(st.status is JobStatus.SPENT for st in ended),
             failed=found is not None,
             lost=End.LOST if lost else None,
             all_zero=all(st.status is JobStatus.FINISHED for st in ended),

@@ -212,6 +212,8 @@ class Supervisor:
         self.saved_at = 0.0
         self.notice: Notice | None = None  # the first notice of a host event the job got (agent_notices)
         self.notices: agent_notices.NoticeWatch | None = None  # its watch, while the job runs
+        # `train --budget`: its stop begins a grace early, so that the last process is gone when the money is spent
+        self.spend_stop = None if spec.spend_for is None else self.started_at + float(spec.spend_for) - self.grace
 
     def snapshot(self) -> list[Slot]:
         with self.slots_lock:
@@ -579,6 +581,8 @@ class Supervisor:
         while True:
             if self.stop_requested and self.stop_deadline is None:
                 self.request_stop("stop requested", JobStatus.STOPPED)
+            if self.spend_stop is not None and self.stop_deadline is None and now() >= self.spend_stop:
+                self.request_stop("its --budget is spent", JobStatus.SPENT)
             changed = False
             for c in self.snapshot():
                 if c.spawned:

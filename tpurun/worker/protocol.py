@@ -86,10 +86,11 @@ class JobStatus(Word):
     STOPPED = "stopped"  # stopped on request (cancel, Ctrl-C, the client gone, `--on-notice stop`)
     FAILED = "failed"  # a process failed, or the job could not start (its pre-commands, `train --setup`)
     LOST = "lost"  # the supervisor was killed (or its host went down): nobody watches the processes any more
+    SPENT = "spent"  # stopped by its supervisor at its spend limit (`train --budget`: JobSpec.spend_until)
 
 
 # the states of a job's part that has ended on its worker (`cancel` finding it there has nothing to stop)
-TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED, JobStatus.LOST})
+TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.STOPPED, JobStatus.FAILED, JobStatus.LOST, JobStatus.SPENT})
 
 
 class ProcessStatus(Word):

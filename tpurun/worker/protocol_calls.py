@@ -69,6 +69,7 @@ class JobSpec(RecordBase):
     __slots__ = (
         "job_id", "worker", "cores", "launch", "detach", "down", "grace", "pre_commands", "pre_timeout",
         "lease_timeout", "allow_concurrent", "on_notice", "notice_address", "peers", "notice_port", "notice_key",
+        "spend_for",
     )  # fmt: skip
 
     def __init__(
@@ -89,6 +90,7 @@ class JobSpec(RecordBase):
         peers: list[str] | None = None,  # whom it tells a notice: worker 0 every other worker, the others worker 0
         notice_port: int = 0,  # the port every worker's supervisor hears its peers' notices on
         notice_key: str = "",  # the job's secret that signs its notices (hex)
+        spend_for: float | None = None,  # `train --budget`: seconds from the supervisor's start to its stop's end
     ) -> None:
         self.job_id = job_id
         self.worker = worker
@@ -106,6 +108,7 @@ class JobSpec(RecordBase):
         self.peers = [] if peers is None else peers
         self.notice_port = notice_port
         self.notice_key = notice_key
+        self.spend_for = spend_for
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()

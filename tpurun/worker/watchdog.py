@@ -19,7 +19,8 @@ metadata server, the decider reads every worker's tpurun/watch (nodes.getGuestAt
 - autostop: every worker has been idle for `idle` seconds, on two looks in a row -> delete the queued
   resource the node came from (with its nodes), or else delete the node (or stop it, action "stop");
 - down: a job on this worker was started with `train --down` and has ended, and no worker runs a job
-  -> the same deletion.
+  -> the same deletion;
+- budget: the config's `spend_until` (`create --budget`) has come -> deleted, whatever runs on it.
 A TPU made by Compute Engine has, instead of nodes, its `ComputeTpu` (its lone VM, or its slices' managed
 instance groups and the template and workload policy made with it), with Compute Engine's root as the
 endpoint. Its first VM decides (the lone VM, or the first by name of the first group), reading each VM's
@@ -454,6 +455,11 @@ class Watchdog:
             if time.time() >= self._quiet_until:
                 self.act(cfg, [], "delete", "going on deleting the TPU this VM left its group for")
             return
+        if cfg.spend_until and time.time() >= cfg.spend_until:  # a budget outranks any job: deleted as it runs
+            if time.time() >= self._quiet_until:
+                first = [self.api(cfg, "GET", str(cfg.nodes[0]))[1]] if cfg.compute is None else []
+                self.act(cfg, first, "delete", f"its --budget of ${cfg.spend_usd:,.2f} is spent (create --budget)")
+            return
         idle, tick = float(cfg.idle), cfg.tick
         down = down_jobs(self.roots, self.jobs, SETTLE_TICKS * tick, read_done())
         if not idle and not down:
@@ -553,7 +559,10 @@ class Watchdog:
                 self.say(f"error: {type(exc).__name__}: {exc}")
             except Exception:  # noqa: BLE001
                 pass
-        return cfg.tick if cfg is not None else UNSET_TICK
+        if cfg is None:
+            return UNSET_TICK
+        left = cfg.spend_until - time.time() if cfg.spend_until > time.time() else cfg.tick  # on time for a budget
+        return max(0.2, min(cfg.tick, left))
 
 
 def compute_of(cfg: WatchdogConfig) -> ComputeTpu:

@@ -60,9 +60,14 @@ class WatchdogConfig(RecordBase):
     """What tpurun tells the TPU's watchdog (node metadata `tpurun-autostop`, JSON; read again at every look): its
     *resources*, what it calls and deletes (the API's ENDPOINT, and the Cloud TPU API's NODES by full name, or the
     Compute Engine TPU, COMPUTE), and its setting: IDLE seconds (0: autostop off), the ACTION then ("delete" or
-    "stop"), TICK seconds between looks, SILENT seconds a worker may not report before its VM is looked at."""
+    "stop"), TICK seconds between looks, SILENT seconds a worker may not report before its VM is looked at; and
+    `create --budget`'s spend limit: SPEND_USD, and SPEND_UNTIL (epoch seconds) when its price has spent it, at
+    which the TPU is deleted whatever runs on it (0: none); while `tpurun stop` has stopped the TPU (it bills only its
+    disks then), SPEND_LEFT seconds in its place, which `tpurun start` counts on from."""
 
-    __slots__ = ("endpoint", "nodes", "compute", "idle", "action", "tick", "silent")
+    __slots__ = (
+        "endpoint", "nodes", "compute", "idle", "action", "tick", "silent", "spend_usd", "spend_until", "spend_left",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -73,6 +78,9 @@ class WatchdogConfig(RecordBase):
         action: str = "delete",
         tick: float = DEFAULT_TICK,
         silent: float = DEFAULT_SILENT,
+        spend_usd: float = 0.0,
+        spend_until: float = 0.0,
+        spend_left: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
         self.nodes = [] if nodes is None else nodes
@@ -81,13 +89,21 @@ class WatchdogConfig(RecordBase):
         self.action = action
         self.tick = tick
         self.silent = silent
+        self.spend_usd = spend_usd
+        self.spend_until = spend_until
+        self.spend_left = spend_left
 
     def set(self, idle: int, action: str, tick: float, silent: float = DEFAULT_SILENT) -> WatchdogConfig:
-        """These resources with this setting."""
-        return WatchdogConfig(self.endpoint, self.nodes, self.compute, idle, action, tick, silent)
+        """These resources and spend limit with this setting."""
+        c = self
+        spend = c.spend_usd, c.spend_until, c.spend_left
+        return WatchdogConfig(c.endpoint, c.nodes, c.compute, idle, action, tick, silent, *spend)
 
     def to_json(self) -> str:
         data = self.to_dict()
+        for key in ("spend_usd", "spend_until", "spend_left"):  # absent where there is no limit
+            if not data[key]:
+                del data[key]
         if self.compute is None:
             del data["compute"]
         else:
@@ -112,7 +128,8 @@ class WatchdogConfig(RecordBase):
             nodes = [str(n) for n in data.get("nodes") or []]
             idle, action = int(data.get("idle") or 0), str(data.get("action") or "delete")
             silent = max(0.0, float(data.get("silent") or DEFAULT_SILENT))  # an older tpurun's setting: the default
-            return cls(str(data.get("endpoint") or ""), nodes, compute, idle, action, tick, silent)
+            spend = (float(data.get(k) or 0.0) for k in ("spend_usd", "spend_until", "spend_left"))
+            return cls(str(data.get("endpoint") or ""), nodes, compute, idle, action, tick, silent, *spend)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a watchdog configuration: {text[:100]!r}") from e
 
