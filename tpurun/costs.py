@@ -160,7 +160,8 @@ def report(home: Path, since: dt.timedelta, until: dt.datetime | None = None) ->
     until = until or ledger.now()
     begin = until - since
     tpus, unpriced = [], []
-    for life in ledger.lives(home):
+    lives = ledger.lives(home)
+    for life in lives:
         spans = clip(life.up(until), begin, until)
         if not spans:
             continue
@@ -186,10 +187,15 @@ def report(home: Path, since: dt.timedelta, until: dt.datetime | None = None) ->
                 {day: h * (rate or 0.0) for day, h in split_days(spans).items()},
             )
         )
-    return Report(begin, until, tpus, _jobs(home, begin, until), unpriced)
+    ends = {life.key: life.end for life in lives if life.end is not None}
+    return Report(begin, until, tpus, _jobs(home, begin, until, ends), unpriced)
 
 
-def _jobs(home: Path, begin: dt.datetime, until: dt.datetime) -> list[JobCost]:
+def _jobs(
+    home: Path, begin: dt.datetime, until: dt.datetime, tpu_ends: dict[tuple[str, ...], dt.datetime]
+) -> list[JobCost]:
+    """Every job attempt of HOME's ledger within the window; one whose end was never seen ended at the latest with
+    its TPU (TPU_ENDS: when each TPU the ledger saw end went)."""
     started: dict[tuple[str, int], dict[str, Any]] = {}
     ended: dict[tuple[str, int], dict[str, Any]] = {}
     for e in ledger.events(home):
@@ -198,9 +204,9 @@ def _jobs(home: Path, begin: dt.datetime, until: dt.datetime) -> list[JobCost]:
             (started if e.get("event") == "started" else ended).setdefault(key, e)
     out = []
     for key, s in started.items():
-        start = ledger.read_time(s["at"])
+        start = ledger.read_time(s.get("startedAt") or s["at"])
         e = ended.get(key, {})
-        end = ledger.read_time(e.get("endedAt") or e.get("at")) if e else None
+        end = ledger.read_time(e.get("endedAt") or e.get("at")) if e else tpu_ends.get(tuple(s.get("ids") or ()))
         spans = clip([(start, end or until)], begin, until) if start else []
         if not spans or start is None:
             continue

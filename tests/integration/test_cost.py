@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 
 import pytest
 
@@ -39,6 +40,22 @@ def test_list_and_describe_say_the_price_and_the_cost_so_far(made):
     assert (before - created).total_seconds() - 1 <= hours * 3600 <= (after - created).total_seconds() + 1
     shown = made("describe", "priced", "--plain").out
     assert "$12.88/h (4 chips at $3.220, on-demand; Billing Catalog of" in shown
+
+
+def test_a_job_costs_its_tpus_time_in_train_jobs_and_the_report(made):
+    (made.cwd / "nap.py").write_text("import time\ntime.sleep(2)\nprint('rested', flush=True)\n")
+    begun = now()
+    r = made("train", "nap.py", "--tpu", "priced", "--runtime", "cpu", "--json")
+    wall = (now() - begun).total_seconds()
+    assert r.code == 0, r.err
+    result = json.loads(r.out)
+    rate = 4 * V4_CHIP_HOUR
+    assert 2 * rate / 3600 <= result["cost"] <= wall * rate / 3600
+    (row,) = [j for j in json.loads(made("jobs", "--json").out) if j["job_id"] == result["job_id"]]
+    assert row["cost"] == pytest.approx(result["cost"]) and row["pricePerHour"] == pytest.approx(rate)
+    (job,) = [j for j in json.loads(made("cost", "--json").out)["jobs"] if j["job"] == result["job_id"]]
+    assert job["end"] == "finished" and job["cost"] == pytest.approx(result["cost"], rel=1e-3, abs=1e-5)
+    assert re.search(r"cost: \$0\.0\d of priced's time", made("train", "nap.py", "--tpu", "priced", "--runtime", "cpu").err)
 
 
 def test_the_report_keeps_a_deleted_tpu_and_its_cost(made):

@@ -174,6 +174,9 @@ def test_detach_and_logs_across_slices(cli):
     assert sorted(tagged) == TAGS
     for i, tag in enumerate(TAGS):
         assert tagged[tag] == [f"line {n} of {i}" for n in range(3)]
+    (row,) = [j for j in json.loads(cli("jobs", "--json").out) if j["job_id"] == job]
+    assert row["pricePerHour"] == pytest.approx(2 * 8 * 3.22)  # every slice's chips: two v4-16 are 16 chips
+    assert row["end"] == "finished" and 0 < row["cost"] < row["pricePerHour"] * 60 / 3600
 
 
 def test_dry_run_shows_every_slice(cli):

@@ -467,6 +467,7 @@ def _render_ended(result: launcher.JobResult, end: End, json_out: bool) -> None:
                 "detail": run.failure_detail() if end is End.FAILED else "",
                 "restarts": result.budgets.to_dict() if result.budgets else {},
                 "budget": result.spend.usd if result.spend else None,
+                "cost": round(result.cost, 6) if result.cost is not None else None,
                 "notice": run.notice.to_dict() if run.notice else None,
                 "logs": _logs_where(job),
                 "cores": [
@@ -477,6 +478,8 @@ def _render_ended(result: launcher.JobResult, end: End, json_out: bool) -> None:
         )
     else:
         _summary(run)
+        if result.cost is not None:
+            ui.info(f"cost: ${result.cost:,.2f} of {job.target.name}'s time at list price (`tpurun cost` has them all)")
     if end is End.BUDGET and result.spend is not None:
         _error(f"error: {result.spend.spent_line(job.job_id)}")
     elif end is End.HUNG:
@@ -563,7 +566,7 @@ def jobs_cmd(
         return
     ui.table(
         None,
-        ["job", "tpu", "status", "created", "detached", "command"],
+        ["job", "tpu", "status", "created", "detached", "cost", "command"],
         [
             (
                 row.record.job_id,
@@ -571,6 +574,7 @@ def jobs_cmd(
                 row.state.label(),
                 row.record.created,
                 "yes" if row.record.detached else "no",
+                f"${cost:,.2f}" if (cost := row.record.cost()) is not None else "-",
                 " ".join(row.record.command),
             )
             for row in rows

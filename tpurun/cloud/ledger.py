@@ -5,8 +5,8 @@ and at what price, kept after the TPUs and the jobs' records are gone (`tpurun c
 `$TPURUN_HOME/ledger.jsonl` (0600): one JSON event per line, appended, never rewritten. A TPU is known by its
 nodes' unique ids (a name is not an identity: one made again under a name is another TPU). Events:
 
-- a TPU's: `created` and `attached` (with its accelerator type, chips, provisioning, the API's createTime and
-  its price then), `stopped`, `started`, `deleted` (by tpurun) and `gone` (found missing by a command: deleted by
+- a TPU's: `created`, `attached` and `priced` (the first job on a TPU tpurun neither made nor adopted) with its
+  accelerator type, chips, provisioning, the API's createTime and its price then; `stopped`, `started`, `deleted` (by tpurun) and `gone` (found missing by a command: deleted by
   its watchdog, the console, a preemption's clean-up; it was gone by then, maybe long before);
 - a job's: `started` (its TPU, its price) and `ended` (its end's word, and when it ended as its workers said).
 """
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from tpurun.cloud.views import NodeView
 
 FILE = "ledger.jsonl"
-TPU_EVENTS = ("created", "attached", "stopped", "started", "deleted", "gone")
+TPU_EVENTS = ("created", "attached", "priced", "stopped", "started", "deleted", "gone")
 
 
 def now() -> dt.datetime:
@@ -33,7 +33,7 @@ def now() -> dt.datetime:
 
 
 def stamp(when: dt.datetime | None = None) -> str:
-    return (when or now()).astimezone(dt.timezone.utc).isoformat(timespec="seconds")
+    return (when or now()).astimezone(dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def read_time(text: Any) -> dt.datetime | None:
@@ -83,7 +83,7 @@ def tpu_event(home: Path, project: str, event: str, view: NodeView, price: Price
         "name": view.name,
         "ids": identity_of(view),
     }
-    if event in ("created", "attached"):
+    if event in ("created", "attached", "priced"):
         record.update(
             acceleratorType=view.accelerator_type,
             slices=max(1, len(view.slices)),
@@ -176,7 +176,7 @@ def lives(home: Path) -> list[Life]:
 
 def fold(life: Life, event: str, at: dt.datetime | None, e: dict[str, Any]) -> None:
     """One event of LIFE's, at AT."""
-    if event in ("created", "attached"):
+    if event in ("created", "attached", "priced"):
         life.accelerator_type = e.get("acceleratorType", life.accelerator_type)
         life.provisioning = e.get("provisioning", life.provisioning)
         life.price = e.get("price", life.price)
@@ -196,37 +196,25 @@ def life_of(home: Path, view: NodeView) -> Life | None:
 
 
 def job_started(
-    home: Path, job: str, attempt: int, where: tuple[str, str, str, list[str]], price: Price | None
+    home: Path, job: str, attempt: int, where: tuple[str, str, str, list[str]], at: float, price: dict[str, Any] | None
 ) -> None:
-    """A job's attempt started on the TPU WHERE (name, project, zone, its nodes' ids) at PRICE (None: no price,
-    or this machine)."""
+    """A job's attempt started AT (time.time()) on the TPU WHERE (name, project, zone, its nodes' ids) at PRICE
+    (`prices.Price.to_json`; None: no price)."""
     name, project, zone, ids = where
     append(
         home,
-        {
-            "what": "job",
-            "event": "started",
-            "job": job,
-            "attempt": attempt,
-            "tpu": name,
-            "project": project,
-            "zone": zone,
-            "ids": ids,
-            "price": price.to_json() if price is not None else None,
-        },
-    )
+        {"what": "job", "event": "started", "job": job, "attempt": attempt, "tpu": name, "project": project,
+         "zone": zone, "ids": ids, "startedAt": stamp(epoch(at)), "price": price},
+    )  # fmt: skip
 
 
-def job_ended(home: Path, job: str, attempt: int, end: str, ended_at: dt.datetime | None) -> None:
-    """A job's attempt ended as END, at ENDED_AT as its workers said (None: not known; the ledger's time then)."""
+def job_ended(home: Path, job: str, attempt: int, end: str, at: float) -> None:
+    """A job's attempt ended as END, AT (time.time()) as its workers said."""
     append(
         home,
-        {
-            "what": "job",
-            "event": "ended",
-            "job": job,
-            "attempt": attempt,
-            "end": end,
-            "endedAt": stamp(ended_at) if ended_at else None,
-        },
+        {"what": "job", "event": "ended", "job": job, "attempt": attempt, "end": end, "endedAt": stamp(epoch(at))},
     )
+
+
+def epoch(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,11 +121,26 @@ def notice_gone(home: Path, project: str, zones: set[str] | None, listed: list[N
                 )
 
 
-def remember(home: Path, project: str, endpoint: str, event: str, view: NodeView) -> None:
-    """EVENT of the TPU VIEW written in the ledger (`created` and `attached` with its price now); a ledger that
-    cannot be written is warned of and the command goes on (the TPU exists whatever the ledger says)."""
-    price = None
-    if event in ("created", "attached"):
+def price_for(home: Path, project: str, endpoint: str, ids: list[str], view_of: Callable[[], NodeView]) -> Price | None:
+    """The price of the TPU whose nodes have IDS, for a job on it: as the ledger keeps it since tpurun made,
+    adopted or first priced it (no API call); else asked now (VIEW_OF: the API's view of it) and kept as `priced`.
+    None: no published price."""
+    from tpurun.cloud import prices
+
+    life = next((life for life in ledger.lives(home) if life.key == tuple(ids)), None)
+    if life is not None:
+        return prices.Price.from_json(life.price) if life.price else None
+    view = view_of()
+    price = prices.price_of(view, endpoint)
+    remember(home, project, endpoint, "priced", view, price)
+    return price
+
+
+def remember(home: Path, project: str, endpoint: str, event: str, view: NodeView, price: Price | None = None) -> None:
+    """EVENT of the TPU VIEW written in the ledger (`created`, `attached` and `priced` with its PRICE, else its price
+    now); a ledger that cannot be written is warned of and the command goes on (the TPU exists whatever the ledger
+    says)."""
+    if price is None and event in ("created", "attached"):
         from tpurun.cloud import prices
 
         price = prices.price_of(view, endpoint)

@@ -338,6 +338,7 @@ class JobResult:
     busy: bool = False  # another job holds the TPU: nothing of this one started
     budgets: Budgets | None = None  # what each cause of an end has cost in restarts (lifecycle.train)
     spend: SpendLimit | None = None  # its --budget (lifecycle.train)
+    cost: float | None = None  # USD its TPU's time cost while it ran (every attempt's, after lifecycle.train)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -430,8 +431,10 @@ def start(
         zone=target.zone,
         restart=job.restart[0],
         restart_reason=job.restart[1],
+        price=job_price(target, home, spend),
+        started_at=time.time(),
     )
-    record.save(home)
+    record.begin(home)
     topo = job.plan.topology
     run = JobRun(
         target,
@@ -457,9 +460,28 @@ def start(
     if busy and not run.started:
         forget(home, job.job_id)  # refused everywhere it was asked: it started nowhere, so it leaves no record
     elif end is not None:
-        record.ended(end, run.failure_detail(), run.notice)
-        record.save(home)
-    return JobResult(job, end, run=run, busy=busy)
+        record.close(home, end, run.failure_detail(), run.notice)
+    return JobResult(job, end, run=run, busy=busy, cost=record.cost() if end is not None else None)
+
+
+def job_price(target: Target, home: Path, budget: SpendLimit | None) -> dict[str, Any] | None:
+    """The price a job's record keeps (`prices.Price.to_json`): its --budget's, else its TPU's as the spend ledger
+    knows it (the API asked only for a TPU the ledger has not priced); None on this machine, without a published
+    price, or where the API cannot say."""
+    if target.local:
+        return None
+    if budget is not None:
+        return budget.price.to_json()
+    from tpurun.cloud import provision, spend
+
+    cloud = target.cloud()
+    try:
+        price = spend.price_for(
+            home, target.project, cloud.endpoint, target.ids, lambda: provision.tpu(cloud, target.name)
+        )
+    except TpurunError:
+        return None
+    return price.to_json() if price is not None else None
 
 
 def _ended(run: JobRun, job: Job, cancel: threading.Event) -> End:

@@ -111,6 +111,7 @@ def train(
     spent (its clock started at the first start, shared by the restarts)."""
     budgets = Budgets.parse(spec.restarts, spec.max_restarts)
     reason = ""  # why the attempt before ended
+    spent: list[float | None] = []  # each attempt's cost
     while True:
         try:
             target = targets.resolve(s, local=local, worker_spec=_workers(spec), announce=out.info)
@@ -140,6 +141,8 @@ def train(
             job.release()
             target.close()
         result.budgets, result.spend = budgets, spend
+        spent.append(result.cost)
+        result.cost = None if None in spent else sum(c for c in spent if c is not None)  # every attempt's
         end = result.end
         if end is None or spec.detach or cancel.is_set() or not budgets.spend(end):
             return result

@@ -7,10 +7,12 @@ import datetime as dt
 import json
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun.cloud import ledger
 from tpurun.errors import ApiError, UnreachableError, UsageError
 from tpurun.fleet import targets
 from tpurun.fleet.targets import Target
@@ -45,14 +47,48 @@ class JobRecord:
     # saw it ended on every worker) and never after: later events (a worker lost, the TPU gone) do not rewrite it
     detail: str = ""  # which process failed first, and how (ends.failure), for an end that names one
     notice: dict[str, Any] | None = None  # the notice of a host event it got (protocol.Notice's fields)
+    price: dict[str, Any] | None = None  # its TPU's price when it started (prices.Price.to_json); None: none known
+    started_at: float = 0.0  # when it started (time.time()); 0 in records older than costs
+    ended_at: float = 0.0  # when it ended, as its workers said (else when its end was seen); 0 until then
 
-    def ended(self, end: End, detail: str = "", notice: Notice | None = None) -> bool:
-        """Write down how the job ended, once: False (nothing changed) where its end is written already."""
+    def ended(self, end: End, detail: str = "", notice: Notice | None = None, at: float | None = None) -> bool:
+        """Write down how the job ended (AT: when; now if not known), once: False (nothing changed) where its end is
+        written already."""
         if self.end is not None:
             return False
-        self.end, self.detail = end, detail
+        self.end, self.detail, self.ended_at = end, detail, at or time.time()
         self.notice = notice.to_dict() if notice is not None else None
         return True
+
+    def begin(self, home: Path) -> None:
+        """The job's record written as it starts, and its start in the spend ledger (`tpurun cost`)."""
+        self.save(home)
+        if self.tpu != "local":
+            where = (self.tpu, self.project, self.zone, self.ids)
+            ledger.job_started(home, self.job_id, self.restart, where, self.started_at, self.price)
+
+    def close(
+        self, home: Path, end: End, detail: str = "", notice: Notice | None = None, at: float | None = None
+    ) -> bool:
+        """`ended`, then the record saved and the end written in the spend ledger, where it was not written before."""
+        if not self.ended(end, detail, notice, at):
+            return False
+        self.save(home)
+        if self.tpu != "local":
+            ledger.job_ended(home, self.job_id, self.restart, end.value, self.ended_at)
+        return True
+
+    @property
+    def per_hour(self) -> float | None:
+        """USD an hour of its TPU (every slice) when it started; None without a price."""
+        return ledger.rate(self.price)
+
+    def cost(self, now: float | None = None) -> float | None:
+        """USD its TPU's time cost from its start to its end (else NOW); None without a price or a start."""
+        rate = self.per_hour
+        if rate is None or not self.started_at:
+            return None
+        return rate * max(0.0, (self.ended_at or now or time.time()) - self.started_at) / 3600
 
     def target(self, s: Settings, worker: str = "all") -> Target:
         """The workers this job ran on (WORKER: those of them a spec names), on its TPU where it was then

@@ -44,6 +44,7 @@ class JobSummary:
     gone: bool = False  # the TPU it ran on no longer exists (`jobs --prune` forgets it)
     waiting: Waiting | None = None  # running: the processes that wait at a rendezvous for others (watch)
     notice: protocol.Notice | None = None  # a host event announced for one of its workers, as an agent recorded it
+    ended_at: float | None = None  # ended: when its last process ended, as its workers' agents recorded it
 
     @property
     def status(self) -> str:
@@ -81,6 +82,8 @@ class JobRow:
             "restart": record.restart,
             "restartReason": record.restart_reason or None,
             "notice": record.notice or (state.notice.to_dict() if state.notice else None),
+            "pricePerHour": record.per_hour,
+            "cost": round(cost, 6) if (cost := record.cost()) is not None else None,
         }
 
 
@@ -128,7 +131,8 @@ def combine(states: Mapping[str, JobState | None]) -> JobSummary:
         details.append(f"supervisor gone on {naming.listed(lost)}")
     if active:
         details.append(f"still running on {naming.listed(active)}")
-    return JobSummary(end, running=bool(active), detail="; ".join(details), notice=notice)
+    last = max((sl.ended_at for st in ended for sl in st.slots if sl.ended_at), default=None)
+    return JobSummary(end, running=bool(active), detail="; ".join(details), notice=notice, ended_at=last)
 
 
 def settle(home: Path, record: JobRecord, summary: JobSummary) -> JobSummary:
@@ -136,8 +140,8 @@ def settle(home: Path, record: JobRecord, summary: JobSummary) -> JobSummary:
     saw it ended on every worker, that end, written in the record now, once (under HOME)."""
     if record.end is not None:
         return replace(summary, end=record.end, running=False, detail=record.detail, waiting=None)
-    if summary.end is not None and not summary.running and record.ended(summary.end, summary.detail, summary.notice):
-        record.save(home)
+    if summary.end is not None and not summary.running:
+        record.close(home, summary.end, summary.detail, summary.notice, summary.ended_at)
     return summary
 
 
