@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpurun import ui
 from tpurun.cloud import ledger
 from tpurun.errors import UsageError
 
@@ -231,7 +232,7 @@ def plot(rep: Report, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.bar(list(days), list(days.values()), color="#4285f4")
     ax.set_ylabel("USD per day")
-    ax.set_title(f"TPU spend, {ledger.stamp(rep.since)[:10]} to {ledger.stamp(rep.until)[:10]}: ${rep.total:,.2f}")
+    ax.set_title(f"TPU spend, {ledger.stamp(rep.since)[:10]} to {ledger.stamp(rep.until)[:10]}: {ui.usd(rep.total)}")
     ax.tick_params(axis="x", labelrotation=45)
     fig.tight_layout()
     try:

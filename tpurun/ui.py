@@ -100,6 +100,15 @@ def age(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def usd(value: float | None) -> str:
+    """$1,234.56; a sum under a cent with its first digits ($0.0042), not $0.00; `-` for none."""
+    if value is None:
+        return "-"
+    if 0 < abs(value) < 0.01:
+        return f"${value:.2g}" if abs(value) >= 0.0001 else "<$0.0001"
+    return f"${value:,.2f}"
+
+
 def size(n: float) -> str:
     """812 B, 4.1 kB, 400.0 MB, 1.2 GB (powers of 1000)."""
     for unit in ("B", "kB", "MB"):

@@ -34,7 +34,7 @@ def cost_cmd(
 
 
 def _usd(value: float | None) -> str:
-    return "-" if value is None else f"${value:,.2f}"
+    return ui.usd(value)
 
 
 def _tables(rep: costs.Report) -> None:

@@ -248,7 +248,7 @@ def _say_created(name: str, created: provision.Created, view: provision.NodeView
     """What a create set up besides the TPU: its budget (and the price it counts at), its place as the default."""
     setting, price = view.autostop_setting, created.price
     if setting is not None and setting.spend is not None and price is not None:
-        where = f"${price.per_hour:,.2f}/h, {price.source} price as of {price.as_of}"
+        where = f"{ui.usd(price.per_hour)}/h, {price.source} price as of {price.as_of}"
         ui.info(f"{name}: --budget {setting.spend.label()} by its watchdog ({where})")
     if isinstance(created.made, provision.CreateResult) and created.made.default_in is not None:
         ui.info(f"{name} is now the default TPU here (recorded in {created.made.default_in})")
@@ -353,7 +353,7 @@ def _price(v: provision.NodeView) -> str:
         return "no published price for this TPU"
     where = "Billing Catalog" if price.source == "catalog" else "tpurun's bundled table"
     return (
-        f"${price.per_hour:,.2f}/h ({price.chips} chips at ${price.per_chip_hour:,.3f}, {price.provisioning}; "
+        f"{ui.usd(price.per_hour)}/h ({price.chips} chips at ${price.per_chip_hour:,.3f}, {price.provisioning}; "
         f"{where} of {price.as_of})"
     )
 

@@ -479,7 +479,7 @@ def _render_ended(result: launcher.JobResult, end: End, json_out: bool) -> None:
     else:
         _summary(run)
         if result.cost is not None:
-            ui.info(f"cost: ${result.cost:,.2f} of {job.target.name}'s time at list price (`tpurun cost` has them all)")
+            ui.info(f"cost: {ui.usd(result.cost)} of {job.target.name}'s time at list price (`tpurun cost` has them all)")
     if end is End.BUDGET and result.spend is not None:
         _error(f"error: {result.spend.spent_line(job.job_id)}")
     elif end is End.HUNG:
@@ -574,7 +574,7 @@ def jobs_cmd(
                 row.state.label(),
                 row.record.created,
                 "yes" if row.record.detached else "no",
-                f"${cost:,.2f}" if (cost := row.record.cost()) is not None else "-",
+                ui.usd(row.record.cost()),
                 " ".join(row.record.command),
             )
             for row in rows

@@ -102,10 +102,10 @@ class Spend:
     def label(self) -> str:
         """`$0.50, deletes it at 14:03:07Z (in 12m)`; stopped: `$0.50, 12m left once started`."""
         if not self.until:
-            return f"${self.usd:,.2f}, {ui.age(self.left)} left once started"
+            return f"{ui.usd(self.usd)}, {ui.age(self.left)} left once started"
         left = self.until - time.time()
         when = f"in {ui.age(left)}" if left > 0 else "spent"
-        return f"${self.usd:,.2f}, deletes it at {time.strftime('%H:%M:%SZ', time.gmtime(self.until))} ({when})"
+        return f"{ui.usd(self.usd)}, deletes it at {time.strftime('%H:%M:%SZ', time.gmtime(self.until))} ({when})"
 
     def to_dict(self) -> dict[str, Any]:
         at = dt.datetime.fromtimestamp(self.until, dt.timezone.utc).isoformat() if self.until else None

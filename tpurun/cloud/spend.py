@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurun import ui
 from tpurun.cloud import ledger
 
 if TYPE_CHECKING:
@@ -57,11 +58,11 @@ class Spend:
 
     def label(self) -> str:
         """`$19.20/h` for a table; `-` without a price."""
-        return f"${self.price.per_hour:,.2f}/h" if self.price else "-"
+        return f"{ui.usd(self.price.per_hour)}/h" if self.price else "-"
 
     def cost_label(self) -> str:
         return (
-            "-" if self.cost is None else f"${self.cost:,.2f}" + (" (at most)" if self.note == STOPPED_UNSEEN else "")
+            ui.usd(self.cost) + (" (at most)" if self.cost is not None and self.note == STOPPED_UNSEEN else "")
         )
 
 

@@ -43,13 +43,13 @@ class SpendLimit:
         """`--budget $0.05: 9 s of t1 at $19.20/h (catalog price as of 2026-11-01)`: said once, before the start."""
         p = self.price
         return (
-            f"--budget ${self.usd:,.2f}: {ui.age(self.seconds)} of {self.tpu} at ${p.per_hour:,.2f}/h "
+            f"--budget {ui.usd(self.usd)}: {ui.age(self.seconds)} of {self.tpu} at {ui.usd(p.per_hour)}/h "
             f"({p.source} price as of {p.as_of}); the job is stopped when it is spent"
         )
 
     def spent_line(self, job: str) -> str:
-        return f"job {job} was stopped: its --budget of ${self.usd:,.2f} was spent ({ui.age(self.seconds)} at " + (
-            f"${self.price.per_hour:,.2f}/h)"
+        return f"job {job} was stopped: its --budget of {ui.usd(self.usd)} was spent ({ui.age(self.seconds)} at " + (
+            f"{ui.usd(self.price.per_hour)}/h)"
         )
 
 
