@@ -2,7 +2,8 @@
 
 Real torch_xla 2.9 and Lightning run users' unmodified scripts under `tpurun train` (host launch, the
 default) with PJRT_DEVICE=TPU on emulated v3-8, v4-16, v5litepod-16 and v6e-8 nodes, whose workers look
-like TPU VMs to them (PCI chips, tpu-env metadata: docs/emulator.md). With no libtpu here, a test-only
+like TPU VMs to them (PCI chips, tpu-env metadata: docs/emulator.md); on v5litepod-16, torch_xla's own topology
+code is run for each chip in one process per host instead of one process per chip. With no libtpu here, a test-only
 module (launch_scripts/tpu_stop) stops each process where torch_xla starts the TPU client and prints
 what it was given; everything before that is torch_xla's, Lightning's and the script's own doing.
 """
@@ -178,16 +179,18 @@ def _check_one_replica_per_chip(reports, topo, addresses: list[str], what: str) 
 
 # xmp.spawn's code (torch_xla.launch, outside torchrun, and Lightning make the chip processes through it):
 # xmp_spawn.py with two TensorCores per chip (v3) and across two hosts (v4), launch.py on one host of eight
-# chips (v6e), Lightning across two hosts (v4) and on v6e. On v5e's four hosts, torch_xla's own topology code
-# run for each chip by one process per host (chip_env.py: the 16 chip processes cost a minute of a 2-core
-# machine, and their spawning and filing are those of the other generations). Every script on every
-# generation cost minutes more of the suite without reaching a path these do not.
+# chips (v6e), Lightning across two hosts (v4; on v6e it took the same branches with other numbers: its device
+# count is torch_xla's chips times one device per chip from v4 on, which launch.py's run checks there too). On
+# v5e's four hosts, torch_xla's own topology code run for each chip by one process per host (chip_env.py: the
+# 16 chip processes cost a minute of a 2-core machine, and their spawning and filing are those of the other
+# generations). Every script on every generation cost minutes more of the suite without reaching a path these
+# do not.
 XMP, LAUNCH, LIGHTNING, CHIP_ENV = "xmp_spawn.py", "launch.py", "lightning_tpu.py", "chip_env.py"
 
 
 @pytest.mark.parametrize(
     ("accel", "scripts"),
-    [("v3-8", (XMP,)), ("v4-16", (XMP, LIGHTNING)), ("v5litepod-16", (CHIP_ENV,)), ("v6e-8", (LAUNCH, LIGHTNING))],
+    [("v3-8", (XMP,)), ("v4-16", (XMP, LIGHTNING)), ("v5litepod-16", (CHIP_ENV,)), ("v6e-8", (LAUNCH,))],
 )
 def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel, scripts):
     topo = parse_accelerator_type(accel)
