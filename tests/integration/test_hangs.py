@@ -17,13 +17,18 @@ from tests.integration.test_compute import PROBE
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # Worker 2 arrives late at jax.distributed.initialize; the others wait there for it (jax's own coordinator).
+# It comes once the test has seen it named everywhere (the file `go` beside the script, which the test makes
+# on worker 2), at the latest after DAWDLE seconds.
 LATE_JAX = """\
 import os, time
 import jax
 
 if os.environ["TPURUN_WORKER_ID"] == "2":
     print("worker 2 dawdles before initialize", flush=True)
-    time.sleep(float(os.environ["DAWDLE"]))
+    go = os.path.join(os.path.dirname(os.path.abspath(__file__)), "go")
+    deadline = time.monotonic() + float(os.environ["DAWDLE"])
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.1)
 jax.distributed.initialize()
 print("joined as process", jax.process_index(), "of", jax.process_count(), flush=True)
 """
@@ -35,7 +40,7 @@ def test_a_host_late_at_jax_distributed_initialize_is_named_while_the_others_wai
     assert len(addresses) == 4
     (cli.cwd / "late.py").write_text(LATE_JAX)
     train = popen(
-        cli, "--plain", "train", "late.py", "--runtime", "cpu", "--launch", "host", "--env", "DAWDLE=45",
+        cli, "--plain", "train", "late.py", "--runtime", "cpu", "--launch", "host", "--env", "DAWDLE=150",
         stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -60,6 +65,8 @@ def test_a_host_late_at_jax_distributed_initialize_is_named_while_the_others_wai
         follow = popen(cli, "--plain", "logs", job, "--follow", stderr=subprocess.STDOUT)
         seen = read_until(follow, lambda ls: any("waiting at jax.distributed.initialize" in x for x in ls))
         assert any(f"not there: w2 ({addresses[2]})" in x for x in seen), seen
+        go = subprocess.run(cli.ssh(addresses[2], f"touch {cli.cwd.name}/go"), capture_output=True, text=True)
+        assert go.returncode == 0, go.stderr  # worker 2 may come now
         out, _ = finish(follow, timeout=180)
         assert "no longer waiting at jax.distributed.initialize" in out
 

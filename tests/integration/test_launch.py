@@ -2,7 +2,8 @@
 
 Real torch_xla 2.9 and Lightning run users' unmodified scripts under `tpurun train` (host launch, the
 default) with PJRT_DEVICE=TPU on emulated v3-8, v4-16, v5litepod-16 and v6e-8 nodes, whose workers look
-like TPU VMs to them (PCI chips, tpu-env metadata: docs/emulator.md). With no libtpu here, a test-only
+like TPU VMs to them (PCI chips, tpu-env metadata: docs/emulator.md); on v5litepod-16, torch_xla's own topology
+code is run for each chip in one process per host instead of one process per chip. With no libtpu here, a test-only
 module (launch_scripts/tpu_stop) stops each process where torch_xla starts the TPU client and prints
 what it was given; everything before that is torch_xla's, Lightning's and the script's own doing.
 """
@@ -13,14 +14,16 @@ import json
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, job_pids, popen
+from tests.helpers import create_node, finish, job_pids, popen, read_until
 from tpurun.topology import parse_accelerator_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -174,16 +177,20 @@ def _check_one_replica_per_chip(reports, topo, addresses: list[str], what: str) 
     assert tasks == set(range(topo.chips)), what
 
 
-# xmp.spawn's code on every generation (torch_xla.launch and Lightning make the chip processes through it):
-# launch.py with two TensorCores per chip (v3) and on one host of eight chips (v6e), Lightning across two hosts
-# (v4) and on v6e. Every script on every generation cost a minute more of a 2-core machine's suite without
-# reaching a path these do not.
-XMP, LAUNCH, LIGHTNING = "xmp_spawn.py", "launch.py", "lightning_tpu.py"
+# xmp.spawn's code (torch_xla.launch, outside torchrun, and Lightning make the chip processes through it):
+# xmp_spawn.py with two TensorCores per chip (v3) and across two hosts (v4), launch.py on one host of eight
+# chips (v6e), Lightning across two hosts (v4; on v6e it took the same branches with other numbers: its device
+# count is torch_xla's chips times one device per chip from v4 on, which launch.py's run checks there too). On
+# v5e's four hosts, torch_xla's own topology code run for each chip by one process per host (chip_env.py: the
+# 16 chip processes cost a minute of a 2-core machine, and their spawning and filing are those of the other
+# generations). Every script on every generation cost minutes more of the suite without reaching a path these
+# do not.
+XMP, LAUNCH, LIGHTNING, CHIP_ENV = "xmp_spawn.py", "launch.py", "lightning_tpu.py", "chip_env.py"
 
 
 @pytest.mark.parametrize(
     ("accel", "scripts"),
-    [("v3-8", (XMP, LAUNCH)), ("v4-16", (XMP, LIGHTNING)), ("v5litepod-16", (XMP,)), ("v6e-8", (LAUNCH, LIGHTNING))],
+    [("v3-8", (XMP,)), ("v4-16", (XMP, LIGHTNING)), ("v5litepod-16", (CHIP_ENV,)), ("v6e-8", (LAUNCH,))],
 )
 def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel, scripts):
     topo = parse_accelerator_type(accel)
@@ -192,6 +199,9 @@ def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel, scri
     addresses = [ep["internalIp"] for ep in d["workerEndpoints"]]
     _project(cli)
     for script in scripts:
+        if script == CHIP_ENV:
+            _check_chip_env(cli, topo, addresses)
+            continue
         run = _train(cli, script)
         reports = run.wait_reports(topo.chips)
         code = run.interrupt()
@@ -210,6 +220,38 @@ def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel, scri
         assert r["worker_id"] == w and r["env"]["XLA_USE_SPMD"] == "1", what
     assert code == 130, run.context()
     _no_python_left(emulator, name)
+
+
+# (tagged [wN/cM] once configure_topology gave the process a chip's variables: the hook files it under that chip)
+CHIP_ENV_LINE = re.compile(r"^\[w(\d+)(?:/c\d+)?\] CHIP-ENV (\{.*\})$")
+
+
+def _check_chip_env(cli, topo, addresses: list[str]) -> None:
+    """What torch_xla's spawner gives each chip process of every host under a host launch (chip_env.py runs its
+    topology code for each), as _check_one_replica_per_chip asks of the processes themselves, and the same as
+    tpurun's own chip launch gives them."""
+    r = cli("train", CHIP_ENV, "--runtime", "pjrt", "--python", sys.executable, timeout=300)
+    assert r.code == 0, r.err[-3000:]
+    seen = [(int(m.group(1)), json.loads(m.group(2))) for m in map(CHIP_ENV_LINE.match, r.out.splitlines()) if m]
+    what = f"{CHIP_ENV} on {topo.name}\n{r.out[-3000:]}"
+    assert len(seen) == topo.chips, what
+    plan = json.loads(cli("train", CHIP_ENV, "--runtime", "pjrt", "--launch", "chip", "--dry-run", "--json").out)
+    chip_launch = {p["name"]: p["env"] for p in plan["processes"]}
+    tasks = set()
+    for w in range(topo.hosts):
+        mine = [rep for wr, rep in seen if wr == w]
+        assert sorted(rep["rank"] for rep in mine) == list(range(topo.chips_per_host)), what
+        assert {rep["local"] for rep in mine} == {topo.chips_per_host}, what
+        assert len({rep["env"]["TPU_PROCESS_PORT"] for rep in mine}) == topo.chips_per_host, what
+        for rep in mine:
+            env, c = rep["env"], rep["rank"]
+            assert env["TPU_VISIBLE_CHIPS"] == str(c) and rep["worker_id"] == w, what
+            hosts_named = {a.rsplit(":", 1)[0] for a in env["TPU_PROCESS_ADDRESSES"].split(",")}
+            assert hosts_named == set(addresses) == set(rep["worker_ips"]), what
+            tasks.add(int(env["CLOUD_TPU_TASK_ID"]))
+            mine_planned = chip_launch[f"w{w}/c{c}"]
+            assert {k: mine_planned.get(k) for k in env} == env, (w, c, env, mine_planned)
+    assert tasks == set(range(topo.chips)), what
 
 
 def test_one_chip_and_chip_launch_on_single_hosts(cli, emulator):
@@ -247,6 +289,23 @@ def test_one_chip_and_chip_launch_on_single_hosts(cli, emulator):
     _no_python_left(emulator, name)
 
 
+@dataclass
+class Follow:
+    proc: subprocess.Popen
+    lines: list[str]
+
+
+def _follow(cli, job: str, n: int) -> Follow:
+    """`tpurun logs JOB --follow` in the background, its lines read until N processes reported their device's
+    start (the job's lines as `logs` shows them, waited for as they come)."""
+    proc = popen(cli, "logs", job, "--follow")
+    try:
+        return Follow(proc, read_until(proc, lambda lines: len(parse_reports(lines)) == n, timeout=120))
+    except BaseException:
+        proc.kill()
+        raise
+
+
 def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
     """Fail-fast naming the chip, detach and logs, kill-stale, cancel and a lost client, for the
     processes xmp.spawn makes (grandchildren of tpurun's agent)."""
@@ -268,17 +327,12 @@ def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
             "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        out = cli("logs", job).out
-        tags = sorted(m.group(2) for m in map(REPORT.match, out.splitlines()) if m)
-        if len(tags) == 4:
-            break
-        time.sleep(1)
-    assert tags == ["0", "1", "2", "3"], out
+    follow = _follow(cli, job, 4)
+    assert sorted(c for _, c, _ in parse_reports(follow.lines)) == [0, 1, 2, 3], follow.lines
     # kill-stale frees the chips the spawned processes hold; the job then ends by itself
     r = cli("kill-stale", "--grace", "1")
     assert r.code == 0, r.err
+    finish(follow.proc, timeout=60)  # the follow ends with the job
     deadline = time.monotonic() + 60
     while _python_left(emulator, name) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -288,12 +342,10 @@ def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
     r = cli("train", "xmp_spawn.py", "--runtime", "pjrt", "--python", sys.executable,
             "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
     job = r.out.strip().splitlines()[-1]
-    deadline = time.monotonic() + 120
-    while len([ln for ln in cli("logs", job).out.splitlines() if "TPU-START" in ln]) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(1)
+    follow = _follow(cli, job, 4)
     assert cli("cancel", job).code == 0
     _no_python_left(emulator, name)
+    finish(follow.proc, timeout=60)
 
     # the attached client killed outright: the agent stops the job on its own
     run = _train(cli, "xmp_spawn.py")

@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
-from tests.helpers import create_node, job_pids, popen, read_until
+from tests.helpers import create_node, delete_every_tpu, job_pids, popen, read_until
+from tests.integration.conftest import Cli
 from tpurun.worker import bundle_name
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -25,9 +29,33 @@ WORKERS = 8
 RELAY = f"bin/{bundle_name()}/relay.py"  # a relay's own process (not the ssh that started it)
 
 
+@pytest.fixture(scope="module")
+def _shared(emulator, tmp_path_factory) -> Iterator[Cli]:
+    """The pod every test of the file shares, made once (what a test changes on it it puts back, and no test
+    but the one with a pod of its own takes a worker down), and the HOME that made it."""
+    made = Cli.under(tmp_path_factory.mktemp("relays"), emulator)
+    try:
+        create_node(made, "relayed", "v4-64")
+        yield made
+    finally:
+        emulator.restore()
+        delete_every_tpu(emulator)
+
+
+@pytest.fixture
+def cli(_shared, emulator, tmp_path) -> Iterator[Cli]:
+    """The shared pod's HOME (its key and pinned host keys), with a project directory and variables of the
+    test's own (the conftest's fixture of that name would delete the shared pod after each test). The project
+    directory starts as `create` left the shared one: its tpurun.toml names the pod the default TPU."""
+    shutil.copytree(_shared.cwd, tmp_path / "project")
+    try:
+        yield replace(_shared, cwd=tmp_path / "project", env=dict(_shared.env))
+    finally:
+        emulator.restore()
+
+
 @pytest.fixture
 def pod(cli):
-    create_node(cli, "relayed", "v4-64")
     cli.env.update(DEEP)
     return "relayed"
 
@@ -128,7 +156,21 @@ def test_a_hung_relay_is_given_up_and_the_workers_below_it_stop(cli, emulator, p
     _nothing_left(emulator, pod, RELAY)
 
 
-def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(cli, emulator, pod):
+@pytest.fixture
+def broken(_shared, emulator, tmp_path) -> Iterator[Cli]:
+    """A pod of its own and a HOME of its own, for the test that takes workers down and replaces a pinned key."""
+    cli = Cli.under(tmp_path, emulator)
+    cli.env.update(DEEP, TPURUN_TPU="broken")
+    create_node(cli, "broken", "v4-64")
+    try:
+        yield cli
+    finally:
+        emulator.restore()
+        assert cli("delete", "broken", "--yes").code == 0
+
+
+def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(broken, emulator):
+    cli, pod = broken, "broken"
     name = emulator.node_name(pod)
     addresses = [w["address"] for w in emulator.node_info(name)["workers"]]
     # w3's pinned key replaced by another worker's: the relay that reaches w3 must refuse it

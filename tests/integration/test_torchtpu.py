@@ -19,12 +19,11 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node
+from tests.helpers import create_node, finish, popen, read_until
 from tests.integration.test_launch import Run, _no_python_left, _project, check_flood, parse_reports
 from tpurun import config
 from tpurun.topology import parse_accelerator_type
@@ -67,12 +66,12 @@ def test_torchtpu_on_a_v5p_pod_slice(cli, emulator, python):
     assert r.code == 0, r.err
     assert "runtime torchtpu (auto picked torchtpu" in r.err, r.err
     job = r.out.strip().splitlines()[-1]
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        lines = cli("logs", job).out.splitlines()
-        if len(parse_reports(lines)) == topo.chips or json.loads(cli("jobs", "--json").out)[0]["status"] != "running":
-            break
-        time.sleep(2)
+    follow = popen(cli, "logs", job, "--follow")  # every line so far, then the rest as they come
+    try:
+        lines = read_until(follow, lambda ls: len(parse_reports(ls)) == topo.chips, timeout=300)
+    except BaseException:
+        follow.kill()
+        raise
     launch, reports = _launch_env(lines), parse_reports(lines)
     want_addresses = ",".join(f"{a}:{8070 + i}" for a in addresses for i in range(4))
     assert sorted(launch) == [0, 1], lines[-20:]
@@ -88,9 +87,7 @@ def test_torchtpu_on_a_v5p_pod_slice(cli, emulator, python):
     # kill-stale frees the devices the spawned processes hold; the job then ends by itself
     r = cli("kill-stale", "--grace", "1")
     assert r.code == 0, r.err
-    deadline = time.monotonic() + 120
-    while json.loads(cli("jobs", "--json").out)[0]["status"] == "running" and time.monotonic() < deadline:
-        time.sleep(1)
+    finish(follow, timeout=120)  # the follow ends with the job
     assert json.loads(cli("jobs", "--json").out)[0]["status"] != "running"
     _no_python_left(emulator, name)
 
