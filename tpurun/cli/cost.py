@@ -54,7 +54,7 @@ def _tables(rep: costs.Report) -> None:
                 (t.end.strftime("%Y-%m-%d %H:%M") + (" (seen gone)" if t.ended == "gone" else "")) if t.end else "up",
                 f"{t.hours:.2f}",
                 _usd(t.per_hour),
-                _usd(t.cost),
+                _usd(t.cost) + (" (at most)" if t.ended == "gone" and t.cost is not None else ""),
             )
             for t in rep.tpus
         ],
