@@ -287,7 +287,8 @@ class Child:
         # its link carries a heartbeat down too: a relay whose parent went silent stops its subtree
         self.link = Outbox(_own(self.proc.stdin), f"down-{node.index}", beat=relay_wire.frame(relay_wire.BEAT))
         self.passing = False  # handing a frame up (a slow link above is not this child's silence)
-        threading.Thread(target=self._read_err, daemon=True).start()
+        self.err_reader = threading.Thread(target=self._read_err, daemon=True)
+        self.err_reader.start()
         threading.Thread(target=self._read, name=f"up-{node.index}", daemon=True).start()
 
     def _read_err(self) -> None:
@@ -315,6 +316,7 @@ class Child:
         except (OSError, ValueError):
             pass
         self.proc.wait()
+        self.err_reader.join(timeout=5)  # what ssh said last (a host key refused) may still be on its way
         self.lose(self._why_ended())
 
     def _take(self, kind: int, number: int, payload: bytes) -> None:
