@@ -86,42 +86,42 @@ def test_every_generation_has_its_naming_and_every_table_region_its_name():
 
 
 def test_a_v5e_16_costs_its_chips_at_the_catalogues_price(emulator, home):
-    on_demand = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint)
+    on_demand = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint, home=home)
     assert on_demand is not None and on_demand.source == "catalog"
     assert on_demand.chips == 16 and on_demand.per_hour == pytest.approx(19.20)
     assert on_demand.as_of == time.strftime("%Y-%m-%d", time.gmtime())
-    spot = prices.quote("v5litepod-16", "us-central1-a", "spot", endpoint=emulator.endpoint)
+    spot = prices.quote("v5litepod-16", "us-central1-a", "spot", endpoint=emulator.endpoint, home=home)
     assert spot is not None and spot.source == "catalog" and spot.provisioning == "spot"
     assert spot.per_hour < on_demand.per_hour and spot.sku != on_demand.sku
-    assert prices.quote("v5litepod-16", "us-central1-b", "preemptible", endpoint=emulator.endpoint) == spot
-    europe = prices.quote("v6e-8", "europe-west4-a", "on-demand", endpoint=emulator.endpoint)
+    assert prices.quote("v5litepod-16", "us-central1-b", "preemptible", endpoint=emulator.endpoint, home=home) == spot
+    europe = prices.quote("v6e-8", "europe-west4-a", "on-demand", endpoint=emulator.endpoint, home=home)
     assert europe is not None and europe.per_chip_hour == pytest.approx(2.97)
     # v5p-N counts TensorCores: a v5p-8 is 4 chips; two slices of it, 8
-    v5p = prices.quote("v5p-8", "us-central1-a", "on-demand", endpoint=emulator.endpoint, slices=2)
+    v5p = prices.quote("v5p-8", "us-central1-a", "on-demand", endpoint=emulator.endpoint, home=home, slices=2)
     assert v5p is not None and v5p.chips == 8 and v5p.per_hour == pytest.approx(8 * 4.20)
     # v3 pods and v3 devices have SKUs of their own, priced per 8 TensorCores
-    device = prices.quote("v3-8", "europe-west4-a", "on-demand", endpoint=emulator.endpoint)
-    pod = prices.quote("v3-32", "europe-west4-a", "on-demand", endpoint=emulator.endpoint)
+    device = prices.quote("v3-8", "europe-west4-a", "on-demand", endpoint=emulator.endpoint, home=home)
+    pod = prices.quote("v3-32", "europe-west4-a", "on-demand", endpoint=emulator.endpoint, home=home)
     assert device is not None and pod is not None
     assert (device.per_chip_hour, pod.per_chip_hour) == (pytest.approx(2.2), pytest.approx(2.0))
     # no published price: TPU7x anywhere, v6e in a region without its SKU
-    assert prices.quote("tpu7x-8", "us-central1-a", "on-demand", endpoint=emulator.endpoint) is None
-    assert prices.quote("v6e-8", "us-central2-b", "on-demand", endpoint=emulator.endpoint) is None
+    assert prices.quote("tpu7x-8", "us-central1-a", "on-demand", endpoint=emulator.endpoint, home=home) is None
+    assert prices.quote("v6e-8", "us-central2-b", "on-demand", endpoint=emulator.endpoint, home=home) is None
     # flex-start has no SKU of its own here: priced as on-demand, and said so
-    flex = prices.quote("v5litepod-16", "us-central1-a", "flex-start", endpoint=emulator.endpoint)
+    flex = prices.quote("v5litepod-16", "us-central1-a", "flex-start", endpoint=emulator.endpoint, home=home)
     assert flex is not None and flex.provisioning == "on-demand" and flex.per_hour == on_demand.per_hour
     assert prices.Price.from_json(on_demand.to_json()) == on_demand
 
 
 def test_a_catalogue_read_is_kept_and_not_read_again(emulator, home):
     since = emulator.request_count()
-    first = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint)
+    first = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint, home=home)
     calls = _catalogue_calls(emulator, since)
     assert [r["path"] for r in calls] == ["/v1/services/E000-3F24-B8AA/skus", "/v1/services/6F81-5844-456A/skus"]
-    assert prices.cache_path(emulator.endpoint).is_file()
+    assert prices.cache_path(emulator.endpoint, home).is_file()
     prices.forget()  # as another command would: nothing remembered but the kept file
     since = emulator.request_count()
-    again = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint)
+    again = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint, home=home)
     assert again == first and _catalogue_calls(emulator, since) == []
 
 
@@ -130,18 +130,18 @@ def test_an_unreachable_catalogue_gives_the_table_at_once(home):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.monotonic()
-    price = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=f"http://127.0.0.1:{port}")
+    price = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=f"http://127.0.0.1:{port}", home=home)
     assert time.monotonic() - start < 3
     assert price is not None and price.source == "table" and price.as_of == price_table.AS_OF
     assert price.per_hour == pytest.approx(19.20)
-    assert not prices.cache_path(f"http://127.0.0.1:{port}").exists()  # nothing kept: read again next time
+    assert not prices.cache_path(f"http://127.0.0.1:{port}", home).exists()  # nothing kept: read again next time
 
 
 def test_a_read_past_its_week_is_read_again(emulator, home):
-    kept = prices.cache_path(emulator.endpoint)
+    kept = prices.cache_path(emulator.endpoint, home)
     kept.parent.mkdir(parents=True)
     kept.write_text(json.dumps({"endpoint": emulator.endpoint, "read": "2020-01-01", "offers": []}))
     since = emulator.request_count()
-    price = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint)
+    price = prices.quote("v5litepod-16", "us-central1-a", "on-demand", endpoint=emulator.endpoint, home=home)
     assert price is not None and price.as_of != "2020-01-01" and len(_catalogue_calls(emulator, since)) == 2
     assert json.loads(kept.read_text())["read"] == price.as_of

@@ -112,13 +112,13 @@ def test_the_table_answers_when_the_catalogue_cannot(monkeypatch, tmp_path):
         nowhere = f"http://127.0.0.1:{s.getsockname()[1]}"
     prices.forget()
     try:
-        price = prices.quote("v6e-8", "europe-west4-a", "spot", endpoint=nowhere)
+        price = prices.quote("v6e-8", "europe-west4-a", "spot", endpoint=nowhere, home=tmp_path)
         assert price is not None and (price.source, price.as_of) == ("table", price_table.AS_OF)
         assert price.per_chip_hour == pytest.approx(1.03748) and price.chips == 8
-        assert prices.quote("v3-8", "us-east1-d", "spot", endpoint=nowhere) is None  # none published
-        assert prices.quote("tpu7x-8", "us-central1-a", "on-demand", endpoint=nowhere) is None
+        assert prices.quote("v3-8", "us-east1-d", "spot", endpoint=nowhere, home=tmp_path) is None  # none published
+        assert prices.quote("tpu7x-8", "us-central1-a", "on-demand", endpoint=nowhere, home=tmp_path) is None
         with pytest.raises(UsageError):
-            prices.quote("v6e-8", "europe-west4-a", "cheap", endpoint=nowhere)
+            prices.quote("v6e-8", "europe-west4-a", "cheap", endpoint=nowhere, home=tmp_path)
     finally:
         prices.forget()
 
@@ -135,12 +135,12 @@ def test_a_kept_read_past_its_week_still_answers_when_the_catalogue_cannot_be_re
         nowhere = f"http://127.0.0.1:{s.getsockname()[1]}"
     offer = prices.offer_of(sku("TpuV5e running in Iowa", units=1, nanos=100_000_000, sku_id="KEPT"))
     assert offer is not None
-    kept = prices.cache_path(nowhere)
+    kept = prices.cache_path(nowhere, tmp_path)
     kept.parent.mkdir(parents=True)
     kept.write_text(json.dumps({"endpoint": nowhere, "read": "2020-01-01", "offers": [offer.to_json()]}))
     prices.forget()
     try:
-        price = prices.quote("v5litepod-4", "us-central1-a", "on-demand", endpoint=nowhere)
+        price = prices.quote("v5litepod-4", "us-central1-a", "on-demand", endpoint=nowhere, home=tmp_path)
         assert price == prices.Price(1.1, 4, "on-demand", "catalog", "2020-01-01", "KEPT")
     finally:
         prices.forget()

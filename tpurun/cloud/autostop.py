@@ -161,7 +161,14 @@ def spend_limit(cloud: Cloud, spec: CreateSpec, request: Request) -> Spend | Non
 
     kind = "spot" if spec.spot else "preemptible" if spec.preemptible else "flex-start" if spec.flex_start else ""
     accel = request.topology.name
-    request.price = prices.quote(accel, cloud.zone, kind or "on-demand", endpoint=cloud.endpoint, slices=spec.slices)
+    request.price = prices.quote(
+        accel,
+        cloud.zone,
+        kind or "on-demand",
+        endpoint=cloud.endpoint,
+        home=cloud.settings.home_path,
+        slices=spec.slices,
+    )
     if request.price is None:
         raise UsageError(f"--budget: {accel} has no published price in {cloud.zone}, so a budget cannot be counted")
     return Spend(spec.budget, time.time() + spec.budget / request.price.per_hour * 3600.0)
@@ -210,7 +217,9 @@ class Activity:
             return "-"
         state = "busy" if self.idle_for is None else ui.age(self.idle_for)
         if self.silent:
-            state = f"{state}, {self.silent[0]}" + (f" (+{len(self.silent) - 1} silent)" if len(self.silent) > 1 else "")
+            state = f"{state}, {self.silent[0]}" + (
+                f" (+{len(self.silent) - 1} silent)" if len(self.silent) > 1 else ""
+            )
         return f"{state} ({ui.age(self.age)} ago)" if self.age is not None else state
 
     def autostop_label(self, setting: Setting | None) -> str:

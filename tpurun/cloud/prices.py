@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpurun import config, price_table
+from tpurun import price_table
 from tpurun.errors import UsageError
 from tpurun.topology import parse_accelerator_type
 
@@ -182,9 +182,12 @@ def normal_provisioning(provisioning: str) -> str:
     return p
 
 
-def quote(accelerator_type: str, zone: str, provisioning: str, *, endpoint: str, slices: int = 1) -> Price | None:
+def quote(
+    accelerator_type: str, zone: str, provisioning: str, *, endpoint: str, home: Path, slices: int = 1
+) -> Price | None:
     """What ACCELERATOR_TYPE (SLICES of it) in ZONE costs an hour as PROVISIONING ("on-demand", "spot",
-    "preemptible", "flex-start"), from the catalogue at ENDPOINT (the Cloud TPU API's), else the bundled table.
+    "preemptible", "flex-start"), from the catalogue at ENDPOINT (the Cloud TPU API's; as kept under HOME,
+    tpurun's home), else the bundled table.
     None: no published price for this type in that region. A type or provisioning tpurun does not know is a
     UsageError."""
     topo = parse_accelerator_type(accelerator_type)
@@ -193,7 +196,7 @@ def quote(accelerator_type: str, zone: str, provisioning: str, *, endpoint: str,
     region = region_of(zone)
     pod = price_table.is_pod(topo.generation, topo.chips)
     per_unit = price_table.NAMING[topo.generation].chips_per_unit if topo.generation in price_table.NAMING else 1
-    read = catalogue(endpoint)
+    read = catalogue(endpoint, home)
     if read is not None:
         offers, as_of = read
         found = pick(offers, topo.generation, region, wanted, pod)
@@ -215,37 +218,38 @@ def quote(accelerator_type: str, zone: str, provisioning: str, *, endpoint: str,
     return Price(per_chip, chips, wanted, "table", price_table.AS_OF, name)
 
 
-def price_of(view: NodeView, endpoint: str) -> Price | None:
+def price_of(view: NodeView, endpoint: str, home: Path) -> Price | None:
     """What the TPU VIEW (as the API describes it: spot or preemptible, its slices, either backend) costs an hour;
     None where no price is published."""
     provisioning = "spot" if view.spot or view.preemptible else "on-demand"
     slices = len(view.slices) if view.slices else 1
     try:
-        return quote(view.accelerator_type, view.zone, provisioning, endpoint=endpoint, slices=slices)
+        return quote(view.accelerator_type, view.zone, provisioning, endpoint=endpoint, home=home, slices=slices)
     except UsageError:  # a type tpurun's topology does not know: no price rather than a failed listing
         return None
 
 
 # ---------------------------------------------------------------- the catalogue, read and kept
 
-_memo: dict[str, tuple[list[Offer], str] | None] = {}  # endpoint -> this process's answer (None: unreadable)
+_memo: dict[Path, tuple[list[Offer], str] | None] = {}  # its kept file -> this process's answer (None: unreadable)
 _lock = threading.Lock()
 
 
-def catalogue(endpoint: str) -> tuple[list[Offer], str] | None:
-    """The TPU offers of the catalogue at ENDPOINT and the day they were read: kept ones while younger than
+def catalogue(endpoint: str, home: Path) -> tuple[list[Offer], str] | None:
+    """The TPU offers of the catalogue at ENDPOINT and the day they were read: kept ones (under HOME) while younger than
     `MAX_AGE_DAYS`, else read now (and kept); an older kept one when it cannot be read again (its day says how
     old), else None. Asked once per process."""
     with _lock:
-        if endpoint in _memo:
-            return _memo[endpoint]
-        kept = _load(endpoint)
+        path = cache_path(endpoint, home)
+        if path in _memo:
+            return _memo[path]
+        kept = _load(path)
         if kept is None or _age_days(kept[1]) >= MAX_AGE_DAYS:
             fresh = _read(endpoint)
             if fresh is not None:
-                _keep(endpoint, fresh)
+                _keep(path, endpoint, fresh)
                 kept = (fresh, _today())
-        _memo[endpoint] = kept
+        _memo[path] = kept
         return kept
 
 
@@ -255,20 +259,11 @@ def forget() -> None:
         _memo.clear()
 
 
-def cache_path(endpoint: str) -> Path:
-    """Where the catalogue read at ENDPOINT is kept."""
+def cache_path(endpoint: str, home: Path) -> Path:
+    """Where the catalogue read at ENDPOINT is kept under HOME, tpurun's home."""
     digest = hashlib.sha256(endpoint.encode()).hexdigest()[:16]
     host = re.sub(r"[^A-Za-z0-9.-]+", "_", endpoint.split("://")[-1]).strip("_")[:60]
-    return _home() / "prices" / f"{host}--{digest}.json"
-
-
-def _home() -> Path:
-    raw = config.HOME.raw()
-    if raw:
-        return Path(raw)
-    from tpurun.settings import xdg_config_home
-
-    return xdg_config_home(os.environ) / "tpurun"
+    return home / "prices" / f"{host}--{digest}.json"
 
 
 def _today() -> str:
@@ -283,16 +278,15 @@ def _age_days(day: str) -> float:
     return (dt.datetime.now(dt.timezone.utc).date() - then).days
 
 
-def _load(endpoint: str) -> tuple[list[Offer], str] | None:
+def _load(path: Path) -> tuple[list[Offer], str] | None:
     try:
-        data = json.loads(cache_path(endpoint).read_text())
+        data = json.loads(path.read_text())
         return [Offer.from_json(o) for o in data["offers"]], str(data["read"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _keep(endpoint: str, offers: list[Offer]) -> None:
-    path = cache_path(endpoint)
+def _keep(path: Path, endpoint: str, offers: list[Offer]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two commands at once each write their own

@@ -86,7 +86,7 @@ def spends(views: list[NodeView], endpoint: str, home: Path) -> list[Spend]:
     for v in views:
         key = (v.accelerator_type, v.zone, ledger.provisioning_of(v), max(1, len(v.slices)), v.backend)
         if key not in asked:
-            asked[key] = prices.price_of(v, endpoint)
+            asked[key] = prices.price_of(v, endpoint, home)
         out.append(spend_of(v, asked[key], known.get(tuple(ledger.identity_of(v)))))
     return out
 
@@ -132,7 +132,7 @@ def price_for(home: Path, project: str, endpoint: str, ids: list[str], view_of: 
     if life is not None:
         return prices.Price.from_json(life.price) if life.price else None
     view = view_of()
-    price = prices.price_of(view, endpoint)
+    price = prices.price_of(view, endpoint, home)
     remember(home, project, endpoint, "priced", view, price)
     return price
 
@@ -144,7 +144,7 @@ def remember(home: Path, project: str, endpoint: str, event: str, view: NodeView
     if price is None and event in ("created", "attached"):
         from tpurun.cloud import prices
 
-        price = prices.price_of(view, endpoint)
+        price = prices.price_of(view, endpoint, home)
     try:
         ledger.tpu_event(home, project, event, view, price)
     except OSError as exc:

@@ -63,7 +63,7 @@ def limit(s: Settings, usd: float, *, local: bool) -> SpendLimit:
         raise UsageError("--budget counts a TPU's price: give one with --tpu (not with --local)")
     cloud = Cloud(s)
     view = provision.tpu(cloud, str(s.tpu.value))
-    price = prices.price_of(view, cloud.endpoint)
+    price = prices.price_of(view, cloud.endpoint, s.home_path)
     if price is None:
         raise UsageError(f"--budget: {view.accelerator_type} has no published price, so a budget cannot be counted")
     return SpendLimit(usd, price, view.name)
