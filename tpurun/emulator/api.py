@@ -234,7 +234,14 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
         email = unquote(q.groups["email"])
         return {"account": email, "code": emu.org.oslogin.security_code(email)}
 
+    def oslogin_role(q: Request) -> Any:
+        email, d = unquote(q.groups["email"]), q.json()
+        project = str(d.get("project") or "")
+        emu.org.oslogin.set_role(email, project, str(d.get("role") or ""))
+        return {"account": email, "project": project, "role": emu.org.oslogin.role(email, project)}
+
     r.add("GET", f"{A}/oslogin/(?P<email>[^/:]+):security-code", security_code)
+    r.add("POST", f"{A}/oslogin/(?P<email>[^/:]+):role", oslogin_role)
     r.add("GET", f"{A}/requests", log)
     r.add("POST", f"{A}/reset", reset)
     r.add("POST", f"{A}/shutdown", shutdown)
@@ -481,6 +488,12 @@ class AdminClient:
     def security_code(self, account: str) -> str:
         """ACCOUNT's OS Login one-time password now (2-step verification), as its authenticator shows it."""
         return str(self.call("GET", f"oslogin/{account}:security-code")["code"])
+
+    def oslogin_role(self, account: str, project: str, role: str) -> dict[str, Any]:
+        """Give ACCOUNT the OS Login grant ROLE in PROJECT: `login` (roles/compute.osLogin) or `adminLogin`
+        (roles/compute.osAdminLogin, every account's until told otherwise)."""
+        out: dict[str, Any] = self.call("POST", f"oslogin/{account}:role", {"project": project, "role": role})
+        return out
 
     def iap_access(self, allow: bool, project: str = "") -> dict[str, Any]:
         """Allow or deny tunnels through IAP to PROJECT's VMs (every project's without one); who may, as it stands."""

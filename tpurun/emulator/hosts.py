@@ -344,11 +344,12 @@ class WorkerHosts:
         d = w.dir
         image = self._image(node, w)
         fresh_home = not (d / "home").exists()
-        for sub in ("home", "tmp", "etc", "authorized_keys"):
+        for sub in ("home", "homes", "tmp", "etc", "authorized_keys"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         if fresh_home:
             shutil.copytree("/etc/skel", d / "home", dirs_exist_ok=True)
-        os.chmod(d / "home", 0o700)
+        # root's home: others may pass through it to the image's Python where this machine has it under /root
+        os.chmod(d / "home", 0o711)
         # /tmp of a rebooted VM is empty.
         for entry in (d / "tmp").iterdir():
             if entry.is_dir() and not entry.is_symlink():
@@ -419,13 +420,19 @@ class WorkerHosts:
         """Write who may log in to a worker whose metadata is MD (guest_login: metadata keys or OS Login)."""
         logins = guest_login.decide(md, self.org.projects.attributes(node.project))
         w.users |= {u for u in logins.keys if u not in self._base_users}
-        aliases = set(w.users)
-        if logins.oslogin:  # the NSS module lists the project's OS Login accounts
-            aliases |= {u for u in self.org.oslogin.usernames(node.project) if u not in self._base_users}
+        aliases, users = set(w.users), []
+        if logins.oslogin:  # the NSS module lists the project's OS Login accounts; sudo for adminLogin's alone
+            for user, uid, admin in self.org.oslogin.accounts(node.project):
+                if user in self._base_users or user in aliases:
+                    continue
+                if admin:
+                    aliases.add(user)
+                else:
+                    users.append((user, uid))
         view = "/run/tpurun" + str(w.dir)
         extra = guest_login.sshd_lines(logins, image_python(), view)
         config = sshd_config(w.address, self.ssh_port, view, kbd_interactive=logins.two_factor, extra=extra)
-        guest_login.write_logins(w.dir, logins, sorted(aliases), self._base, config)
+        guest_login.write_logins(w.dir, logins, sorted(aliases), self._base, config, users)
 
     def _boot(self, node: _Node) -> None:
         """Boot every worker of NODE (boot.boot_all) and learn each init's pid; worker 0's sshd must answer."""
