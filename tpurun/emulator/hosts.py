@@ -10,14 +10,15 @@ Addresses follow model.py's address plan (worker ``i`` of a node whose first slo
 namespace or interface setup is needed: the network is shared with the host, and every
 worker reaches every other at its address.
 
-What a worker has of its own (everything else -- /usr, /opt, /home, /work, ... -- is the
+What a worker has of its own (everything else -- /usr, /opt, /work, ... -- is the
 host's, shared by all workers):
 
 * hostname ``t1v-n-<8 hex>-w-<i>`` (UTS namespace), ``/etc/hostname``;
 * a process table: ``ps`` on worker 1 does not show worker 2's processes (PID namespace
   with its own /proc); killing the worker's init kills everything it ran;
 * ``/root`` (a per-worker directory under the state dir, seeded from /etc/skel and kept
-  across stop/start), ``/tmp`` (per-worker directory, emptied on every boot, like a
+  across stop/start; 0711: others pass through it to an image Python under /root), ``/home`` (likewise,
+  the homes of its OS Login users without sudo), ``/tmp`` (per-worker directory, emptied on every boot, like a
   rebooted VM), ``/run`` (fresh tmpfs, with ``/run/sshd``), ``/dev`` (tmpfs with
   null/zero/full/random/urandom/tty, a private devpts on /dev/pts so ``ssh -t`` works,
   /dev/shm, and the fake TPU: one ``/dev/accelN`` per chip for v2/v3/v4, ``/dev/vfio/N`` and
@@ -38,7 +39,8 @@ key listed under ``root:``.  Names that already exist on the host other than roo
 (``daemon``, ``sshd``, ...) are not remapped.  Aliases are never removed once created
 (like the guest agent, which keeps accounts and only drops keys).  Under OS Login
 (``enable-oslogin``, the node's or else the project's) no metadata key is taken and the
-project's OS Login accounts are the root aliases; sshd asks the worker's metadata server for
+project's OS Login accounts are its users: those with the admin role root aliases, the others users of
+their own without sudo (guest_login.py); sshd asks the worker's metadata server for
 their keys at each login (guest_login.py).  Metadata changes reach the workers
 ``key_propagation_delay`` seconds after `refresh_ssh_keys` (or `refresh_project`, the project's);
 a project's new or deleted OS Login account reaches its workers' passwd at once.
