@@ -88,6 +88,14 @@ def sshd_lines(logins: Logins, python: str, view: str) -> tuple[str, ...]:
     return lines
 
 
+def split(accounts: list[tuple[str, int, bool]], taken: set[str]) -> tuple[set[str], list[tuple[str, int]]]:
+    """OS Login's ACCOUNTS (username, uid, admin role) but those whose names are TAKEN, as a worker has them: the
+    names of those with the admin role (root aliases: the guest gives them passwordless sudo), and the others
+    with their uids (users of their own, without sudo)."""
+    fresh = [a for a in accounts if a[0] not in taken]
+    return {u for u, _, admin in fresh if admin}, [(u, uid) for u, uid, admin in fresh if not admin]
+
+
 def write_logins(
     d: Path, logins: Logins, aliases: list[str], base: dict[str, str], sshd_config: str, users: list[tuple[str, int]]
 ) -> None:
