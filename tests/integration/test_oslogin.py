@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 PROJECT = "locked-project"  # a project of its own: the emulator is shared with other files
 ALICE = "alice@example.com"
 SERVICE = "trainer@locked-project.iam.gserviceaccount.com"
-BOB = "bob@example.com"  # given OS Login's login role alone (roles/compute.osLogin): no sudo
+DANA = "dana@example.com"  # given OS Login's login role alone (roles/compute.osLogin): no sudo
 
 
 def _projects(emulator) -> compute_v1.ProjectsClient:
@@ -137,24 +137,24 @@ def _watchdogs_gone(emulator, name: str) -> None:
 
 
 def test_without_admin_login_there_is_no_sudo_and_the_watchdog_is_not_started(locked, emulator):
-    """BOB has OS Login's login role alone: on each worker a user of his own, without sudo (ALICE, whose role is
+    """DANA has OS Login's login role alone: on each worker a user of her own, without sudo (ALICE, whose role is
     adminLogin, has it). On a TPU whose boot starts the watchdog (tpurun made it: its startup script starts it
-    as root) autostop asks nothing more of him; on one whose boot does not, autostop and `train --down` stop in one
-    line naming the role he lacks and his account, the job never started and the TPU left as it was."""
+    as root) autostop asks nothing more of her; on one whose boot does not, autostop and `train --down` stop in one
+    line naming the role she lacks and her account, the job never started and the TPU left as it was."""
     cli, _ = locked
     name = f"projects/{PROJECT}/locations/{emulator.zone}/nodes/locked"
-    r = cli("emulator", "oslogin-role", BOB, "login")
+    r = cli("emulator", "oslogin-role", DANA, "login")
     assert r.code == 0, r.err
     probe = 'echo "uid=$(id -u) sudo=$(sudo -n id -u 2>&1)"'
     client = emulator.client()
     made = client.get_node(name=name)
     script = made.metadata["startup-script"]
     try:
-        cli.env["TPURUN_ACCOUNT"] = BOB
+        cli.env["TPURUN_ACCOUNT"] = DANA
         r = cli("exec", "--", "sh", "-c", probe)
         assert r.code == 0, r.err
         got = {line.split(None, 1)[1] for line in r.out.splitlines()}
-        assert got == {f"uid={posix_uid(BOB)} sudo=sudo: a password is required"}, r.out
+        assert got == {f"uid={posix_uid(DANA)} sudo=sudo: a password is required"}, r.out
         assert pids_in(emulator, name, [0, 1], "watchdog.py run")  # the TPU's boot started them
         r = cli("autostop", "locked", "1h")
         assert r.code == 0 and "starting the watchdog" not in r.err, r.err
@@ -166,13 +166,13 @@ def test_without_admin_login_there_is_no_sudo_and_the_watchdog_is_not_started(lo
         r = cli("--plain", "autostop", "locked", "1h")
         assert_clean_error(r, 2)
         line = next(x for x in r.err.splitlines() if x.startswith("error:"))
-        assert "roles/compute.osAdminLogin" in line and BOB in line and "autostop is unchanged" in line, r.err
+        assert "roles/compute.osAdminLogin" in line and DANA in line and "autostop is unchanged" in line, r.err
         assert client.get_node(name=name).metadata.get("tpurun-autostop") == before
         (cli.cwd / "down.py").write_text("print('the job ran')\n")
         r = cli("--plain", "train", "--down", "down.py", "--runtime", "cpu", "--launch", "host")
         assert_clean_error(r, 2)
         line = next(x for x in r.err.splitlines() if x.startswith("error:"))
-        assert "roles/compute.osAdminLogin" in line and BOB in line and "job was not started" in line, r.err
+        assert "roles/compute.osAdminLogin" in line and DANA in line and "job was not started" in line, r.err
         assert "the job ran" not in r.out and "DELETING" not in r.err, (r.out, r.err)
         assert client.get_node(name=name).state == tpu_v2.Node.State.READY
         assert not pids_in(emulator, name, [0, 1], "watchdog.py run")
