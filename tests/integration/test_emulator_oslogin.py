@@ -293,8 +293,14 @@ def test_the_metadata_server_answers_as_guest_oslogin_asks(pod):
         uid = profile["posixAccounts"][0]["uid"]
         assert json.loads(curl(f"users?uid={uid}")[1])["loginProfiles"][0]["name"] == name
         assert curl("users?username=nobody_example_com")[0] == 404
-        for policy in ("login", "adminLogin"):  # every emulated account may log in, as root
+        for policy in ("login", "adminLogin"):  # every emulated account may log in and use sudo, by default
             assert curl(f"authorize?email={name}&policy={policy}") == (200, '{"success": true}')
+        pod.emulator.admin.oslogin_role(ALICE, PROJECT, "login")  # the login role alone: no sudo
+        try:
+            assert curl(f"authorize?email={name}&policy=adminLogin") == (200, '{"success": false}')
+            assert curl(f"authorize?email={name}&policy=login") == (200, '{"success": true}')
+        finally:
+            pod.emulator.admin.oslogin_role(ALICE, PROJECT, "adminLogin")
         assert curl("authorize?email=alice%40example.com&policy=login") == (200, '{"success": true}')
         assert curl("authorize?email=mallory%40example.com&policy=login") == (200, '{"success": false}')
         pages = [json.loads(curl("users?pagesize=1")[1])]

@@ -5,7 +5,8 @@ would set them, through Google's own client). Straight from this machine it cann
 missing firewall rule is said in one line within seconds; with the rule, exec, sync, train, the job and health
 commands and download go through IAP (with relays and without) and print what they print on a public pod;
 `tpurun ssh` goes through it with the system ssh; autostop starts the watchdogs and `maintenance --now` asks the
-agents through it; a worker whose host key changed is refused through the tunnel; a tunnel lost mid-job is a lost
+agents through it; a worker whose host key changed is refused through the tunnel, in words naming what the tunnel
+(or a ProxyCommand) reached; a tunnel lost mid-job is a lost
 connection, and Ctrl-C leaves nothing behind."""
 
 from __future__ import annotations
@@ -267,11 +268,16 @@ def test_a_worker_whose_host_key_changed_is_refused_through_iap(allowed, emulato
     finally:
         for f, data in zip(files, kept, strict=True):
             f.write_bytes(data)
+    instance = emulator.emu.hosts._worker(_node(emulator), 2).hostname  # the VM IAP reaches by that name
     for r in runs:
         assert r.code == 4, (r.out, r.err)
         assert r.err.startswith("error: HOST KEY CHANGED for worker w2 ") and "Traceback" not in r.err, r.err
-        assert r.err.splitlines()[0] == runs[0].err.splitlines()[0], r.err
+        assert "has the address" not in r.err, r.err  # an address is not what either way reached
         assert sorted(line.split()[0] for line in r.out.splitlines()) == [f"[w{i}]" for i in range(WORKERS) if i != 2]
+    for r in runs[:2]:  # through IAP, with relays and without: the instance IAP reached by its name
+        assert r.err.splitlines()[0] == runs[0].err.splitlines()[0], r.err
+        assert f"the VM that IAP's tunnel reached as instance {instance} does not hold" in r.err, r.err
+    assert f"what `{inside}` reached for it does not hold" in runs[2].err, runs[2].err
     r = cli("exec", "--", "hostname")
     assert r.code == 0 and len(r.out.splitlines()) == WORKERS, r.err
 

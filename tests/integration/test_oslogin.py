@@ -2,7 +2,9 @@
 that honour it as Google's guest does (Google's own clients set the project up): tpurun writes no `ssh-keys`,
 imports its key into the acting account's login profile with an expiry, logs in as the profile's POSIX user
 (exec, ssh, sync, train, the job and health commands, download, autostop's start of the watchdogs,
-maintenance's question to the agents), a key put in metadata by hand is refused, and under 2-step verification
+maintenance's question to the agents), an account without OS Login's admin role has no sudo, so the watchdog
+is not started for it (autostop and `train --down` refused in one line naming the role), a key put in metadata
+by hand is refused, and under 2-step verification
 each worker asks a person on a terminal for the code (the emulator's, as the test's answer), a command without one
 stops in one line, and a service account goes through with its key alone."""
 
@@ -23,6 +25,7 @@ from google.cloud import compute_v1, oslogin_v1, tpu_v2
 
 from tests.helpers import assert_clean_error, autostop_starts_the_watchdogs, create_node, detached_loop, pids_in
 from tpurun.emulator.api import AdminClient
+from tpurun.emulator.oslogin import posix_uid
 from tpurun.emulator.pytest_plugin import fast_polling, global_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -30,6 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 PROJECT = "locked-project"  # a project of its own: the emulator is shared with other files
 ALICE = "alice@example.com"
 SERVICE = "trainer@locked-project.iam.gserviceaccount.com"
+DANA = "dana@example.com"  # given OS Login's login role alone (roles/compute.osLogin): no sudo
 
 
 def _projects(emulator) -> compute_v1.ProjectsClient:
@@ -120,6 +124,70 @@ def test_ssh_stacks_cancel_download_autostop_and_maintenance_log_in_as_the_profi
     got = [(cli.cwd / "back" / f"w{w}" / "loop.txt").read_text().split() for w in (0, 1)]
     assert [user for user, _ in got] == ["alice_example_com"] * 2 and [h[-4:] for _, h in got] == ["-w-0", "-w-1"]
     autostop_starts_the_watchdogs(cli, emulator, name, 2)
+
+
+def _watchdogs_gone(emulator, name: str) -> None:
+    """Every worker's watchdog of the TPU NAME killed, returned once none runs."""
+    for pid in pids_in(emulator, name, [0, 1], "watchdog.py run"):
+        os.kill(pid, 9)
+    deadline = time.monotonic() + 30
+    while pids_in(emulator, name, [0, 1], "watchdog.py run"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_without_admin_login_there_is_no_sudo_and_the_watchdog_is_not_started(locked, emulator):
+    """DANA has OS Login's login role alone: on each worker a user of her own, without sudo (ALICE, whose role is
+    adminLogin, has it). On a TPU whose boot starts the watchdog (tpurun made it: its startup script starts it
+    as root) autostop asks nothing more of her; on one whose boot does not, autostop and `train --down` stop in one
+    line naming the role she lacks and her account, the job never started and the TPU left as it was."""
+    cli, _ = locked
+    name = f"projects/{PROJECT}/locations/{emulator.zone}/nodes/locked"
+    r = cli("emulator", "oslogin-role", DANA, "login")
+    assert r.code == 0, r.err
+    probe = 'echo "uid=$(id -u) sudo=$(sudo -n id -u 2>&1)"'
+    client = emulator.client()
+    made = client.get_node(name=name)
+    script = made.metadata["startup-script"]
+    try:
+        cli.env["TPURUN_ACCOUNT"] = DANA
+        r = cli("exec", "--", "sh", "-c", probe)
+        assert r.code == 0, r.err
+        got = {line.split(None, 1)[1] for line in r.out.splitlines()}
+        assert got == {f"uid={posix_uid(DANA)} sudo=sudo: a password is required"}, r.out
+        assert pids_in(emulator, name, [0, 1], "watchdog.py run")  # the TPU's boot started them
+        r = cli("autostop", "locked", "1h")
+        assert r.code == 0 and "starting the watchdog" not in r.err, r.err
+        assert cli("autostop", "locked", "off").code == 0
+        made.metadata["startup-script"] = "#!/bin/bash\necho made by someone else\n"
+        client.update_node(node=made, update_mask="metadata").result(polling=fast_polling())
+        _watchdogs_gone(emulator, name)
+        before = client.get_node(name=name).metadata.get("tpurun-autostop")
+        r = cli("--plain", "autostop", "locked", "1h")
+        assert_clean_error(r, 2)
+        line = next(x for x in r.err.splitlines() if x.startswith("error:"))
+        assert "roles/compute.osAdminLogin" in line and DANA in line and "autostop is unchanged" in line, r.err
+        assert client.get_node(name=name).metadata.get("tpurun-autostop") == before
+        (cli.cwd / "down.py").write_text("print('the job ran')\n")
+        r = cli("--plain", "train", "--down", "down.py", "--runtime", "cpu", "--launch", "host")
+        assert_clean_error(r, 2)
+        line = next(x for x in r.err.splitlines() if x.startswith("error:"))
+        assert "roles/compute.osAdminLogin" in line and DANA in line and "job was not started" in line, r.err
+        assert "the job ran" not in r.out and "DELETING" not in r.err, (r.out, r.err)
+        assert client.get_node(name=name).state == tpu_v2.Node.State.READY
+        assert not pids_in(emulator, name, [0, 1], "watchdog.py run")
+        cli.env["TPURUN_ACCOUNT"] = ALICE
+        r = cli("exec", "--", "sh", "-c", probe)
+        assert {line.split(None, 1)[1] for line in r.out.splitlines()} == {"uid=0 sudo=0"}, (r.out, r.err)
+        r = cli("autostop", "locked", "1h")  # an admin starts them
+        assert r.code == 0 and "starting the watchdog on every worker" in r.err, r.err
+        assert len(pids_in(emulator, name, [0, 1], "watchdog.py run")) == 2
+        assert cli("autostop", "locked", "off").code == 0
+    finally:
+        cli.env["TPURUN_ACCOUNT"] = ALICE
+        now = client.get_node(name=name)
+        now.metadata["startup-script"] = script
+        client.update_node(node=now, update_mask="metadata").result(polling=fast_polling())
 
 
 def test_a_key_in_metadata_is_refused_under_os_login(locked, emulator):

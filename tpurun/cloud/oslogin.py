@@ -35,6 +35,7 @@ KEY_HOURS = 1.0  # an imported key's life
 RENEW_SECONDS = 900.0  # a key with less than this left is renewed before a connection needs it
 SERVICE_ACCOUNT_DOMAIN = ".gserviceaccount.com"
 ROLE_HINT = "logging in takes the Compute OS Login role (roles/compute.osLogin) in the TPU's project"
+ADMIN_ROLE = "roles/compute.osAdminLogin"  # Compute OS Admin Login: OS Login's sudo on the VMs
 
 
 def policy_of(cloud: Cloud, own: Mapping[str, str]) -> Policy:
@@ -110,6 +111,23 @@ def _gcloud_adc(env: Mapping[str, str]) -> Path:
     return root / "application_default_credentials.json"
 
 
+def account_for(s: Settings, tpu: str) -> str:
+    """The account tpurun logs in to the OS Login TPU named TPU as (`acting_account`); refused in one line where
+    nothing says it."""
+    creds = None
+    if not s.account.value:
+        from tpurun.cloud.services import credentials
+
+        creds = credentials(s.endpoint)
+    account, why = acting_account(s, creds)
+    if not account:
+        raise UsageError(
+            f"{tpu} takes logins through OS Login, which needs the Google account tpurun acts as: {why}",
+            hint="set TPURUN_ACCOUNT=you@example.com (or `account` in tpurun.toml)",
+        )
+    return account
+
+
 def is_service_account(account: str) -> bool:
     return account.endswith(SERVICE_ACCOUNT_DOMAIN)
 
@@ -145,18 +163,7 @@ class Login:
 
     def account(self) -> str:
         if not self._account:
-            creds = None
-            if not self.s.account.value:
-                from tpurun.cloud.services import credentials
-
-                creds = credentials(self.s.endpoint)
-            account, why = acting_account(self.s, creds)
-            if not account:
-                raise UsageError(
-                    f"{self.tpu} takes logins through OS Login, which needs the Google account tpurun acts as: {why}",
-                    hint="set TPURUN_ACCOUNT=you@example.com (or `account` in tpurun.toml)",
-                )
-            self._account = account
+            self._account = account_for(self.s, self.tpu)
         return self._account
 
     def check(self) -> None:

@@ -7,7 +7,7 @@ PID namespace, in a private mount namespace and its own UTS namespace.  It:
 1. writes its pid on this machine to ``init.pid`` (how the emulator finds and kills the worker),
 2. builds the worker's private view of the machine (``/proc``, ``/run``, ``/dev`` with
    fake TPU device files, ``/sys/bus/pci/devices`` with the TPU chips' PCI functions, ``/root``,
-   ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``, ``/etc/pam.d/sshd``) and sets the hostname,
+   ``/home``, ``/tmp``, ``/etc/{hosts,passwd,shadow,group,hostname}``, ``/etc/pam.d/sshd``) and sets the hostname,
 3. starts the node's startup script, if it has one,
 4. becomes (exec) the worker's lasting init, ``_worker_init.c`` built by hosts.py: a few hundred KiB
    that reap every process of the namespace, record the startup script's exit status, and start
@@ -168,6 +168,8 @@ def build_view(wdir: str, cfg: dict) -> None:
     setup_dev(cfg["devices"])
     setup_pci(cfg.get("pci", []))
     bind(f"{view}/home", "/root")
+    if os.path.isdir("/home") and os.path.isdir(f"{view}/homes"):
+        bind(f"{view}/homes", "/home")  # its own /home: its OS Login users without sudo live there
     bind(f"{view}/tmp", "/tmp")
     for name in ("hosts", "hostname", "passwd", "shadow", "group"):
         bind(f"{view}/etc/{name}", f"/etc/{name}")

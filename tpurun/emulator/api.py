@@ -170,6 +170,23 @@ def _location_routes(r: Router, emu: Emulator) -> None:
     r.add("GET", f"/v2/(?P<name>{_PARENT})", lambda q: emu.get_location(q.groups["name"]))
 
 
+def _add_oslogin_admin(r: Router, emu: Emulator) -> None:
+    """The administrator's OS Login routes: an account's one-time password now, its role in a project."""
+
+    def security_code(q: Request) -> Any:
+        email = unquote(q.groups["email"])
+        return {"account": email, "code": emu.org.oslogin.security_code(email)}
+
+    def oslogin_role(q: Request) -> Any:
+        email, d = unquote(q.groups["email"]), q.json()
+        project = str(d.get("project") or "")
+        emu.org.oslogin.set_role(email, project, str(d.get("role") or ""))
+        return {"account": email, "project": project, "role": emu.org.oslogin.role(email, project)}
+
+    r.add("GET", f"{ADMIN_PREFIX}/oslogin/(?P<email>[^/:]+):security-code", security_code)
+    r.add("POST", f"{ADMIN_PREFIX}/oslogin/(?P<email>[^/:]+):role", oslogin_role)
+
+
 def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
     r = Router()
     A = ADMIN_PREFIX
@@ -230,11 +247,7 @@ def build_admin_router(emu: Emulator, server: EmulatorServer) -> Router:
         emu.org.iap.set(bool(d.get("allow", True)), str(d.get("project") or ""))
         return emu.org.iap.describe()
 
-    def security_code(q: Request) -> Any:
-        email = unquote(q.groups["email"])
-        return {"account": email, "code": emu.org.oslogin.security_code(email)}
-
-    r.add("GET", f"{A}/oslogin/(?P<email>[^/:]+):security-code", security_code)
+    _add_oslogin_admin(r, emu)
     r.add("GET", f"{A}/requests", log)
     r.add("POST", f"{A}/reset", reset)
     r.add("POST", f"{A}/shutdown", shutdown)
@@ -481,6 +494,12 @@ class AdminClient:
     def security_code(self, account: str) -> str:
         """ACCOUNT's OS Login one-time password now (2-step verification), as its authenticator shows it."""
         return str(self.call("GET", f"oslogin/{account}:security-code")["code"])
+
+    def oslogin_role(self, account: str, project: str, role: str) -> dict[str, Any]:
+        """Give ACCOUNT the OS Login grant ROLE in PROJECT: `login` (roles/compute.osLogin) or `adminLogin`
+        (roles/compute.osAdminLogin, every account's until told otherwise)."""
+        out: dict[str, Any] = self.call("POST", f"oslogin/{account}:role", {"project": project, "role": role})
+        return out
 
     def iap_access(self, allow: bool, project: str = "") -> dict[str, Any]:
         """Allow or deny tunnels through IAP to PROJECT's VMs (every project's without one); who may, as it stands."""

@@ -518,6 +518,28 @@ def security_code_cmd(
     print(_api_call(_admin(ctx, state_dir).security_code, account))
 
 
+@app.command("oslogin-role")
+def oslogin_role_cmd(
+    ctx: typer.Context,
+    account: Annotated[str, typer.Argument(help="The Google account (an email).")],
+    role: Annotated[str, typer.Argument(help="login or adminLogin.", metavar="login|adminLogin")],
+    project: Annotated[str, typer.Option("--project", help="The project [default: the project setting].")] = "",
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Give ACCOUNT an OS Login role in a project: login (roles/compute.osLogin) or adminLogin
+    (roles/compute.osAdminLogin), as an IAM binding does.
+
+    Only adminLogin gives sudo on the project's workers (an OS Login account with it is a root alias there); with
+    login alone the account is a user of its own. Every account has adminLogin until told otherwise."""
+    if role not in ("login", "adminLogin"):
+        raise UsageError(f"tpurun emulator oslogin-role: say login or adminLogin, not {role!r}")
+    project = project or (ctx.obj().project.value if callable(ctx.obj) else "") or ""
+    if not project:
+        raise UsageError("tpurun emulator oslogin-role: name the project with --project (or TPURUN_PROJECT)")
+    _api_call(_admin(ctx, state_dir).oslogin_role, account, project, role)
+    ui.info(f"{account} has the OS Login role {role} in project {project}")
+
+
 @app.command("project-metadata")
 def project_metadata_cmd(
     ctx: typer.Context,

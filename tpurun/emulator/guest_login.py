@@ -6,8 +6,9 @@ when it parses as a boolean the way the guest agent parses it (Go's strconv.Pars
 off. Off: the keys of `ssh-keys` (the instance's, and the project's unless `block-project-ssh-keys`), one
 authorized_keys file per user, each user a root alias. On: no authorized_keys file at all, and sshd asks
 `AuthorizedKeysCommand` (KEYS_COMMAND, the emulator's stand-in for guest-oslogin's google_authorized_keys, run as
-root with the image's Python) for the keys of a login name; every POSIX account of the project's OS Login profiles
-is a root alias (in place of Google's NSS module). With 2FA a human's login needs `keyboard-interactive` after its
+root with the image's Python) for the keys of a login name; the project's OS Login POSIX accounts are its users (in
+place of Google's NSS module): an account with the `adminLogin` grant a root alias (the guest gives it
+passwordless sudo), any other a user of its own without sudo (oslogin.py's roles). With 2FA a human's login needs `keyboard-interactive` after its
 key, and a service account's (`sa_*`) its key alone: the worker's sshd then uses PAM, whose sshd service (the
 worker's own file, bound over /etc/pam.d/sshd) runs the emulator's PAM module (`_pam_conv.c`) with
 TWO_FACTOR_SCRIPT, which asks the second factor as guest-oslogin's pam_oslogin_login does: a session started
@@ -87,10 +88,22 @@ def sshd_lines(logins: Logins, python: str, view: str) -> tuple[str, ...]:
     return lines
 
 
-def write_logins(d: Path, logins: Logins, aliases: list[str], base: dict[str, str], sshd_config: str) -> None:
+def split(accounts: list[tuple[str, int, bool]], taken: set[str]) -> tuple[set[str], list[tuple[str, int]]]:
+    """OS Login's ACCOUNTS (username, uid, admin role) but those whose names are TAKEN, as a worker has them: the
+    names of those with the admin role (root aliases: the guest gives them passwordless sudo), and the others
+    with their uids (users of their own, without sudo)."""
+    fresh = [a for a in accounts if a[0] not in taken]
+    return {u for u, _, admin in fresh if admin}, [(u, uid) for u, uid, admin in fresh if not admin]
+
+
+def write_logins(
+    d: Path, logins: Logins, aliases: list[str], base: dict[str, str], sshd_config: str, users: list[tuple[str, int]]
+) -> None:
     """Write the login files of the worker whose directory is D: its authorized_keys (one file per user, none under
     OS Login: the guest deletes them), passwd, shadow and group (BASE's, the host's, with every ALIASES user a root
-    alias: uid 0, home /root) and its sshd_config."""
+    alias: uid 0, home /root; and each of USERS, an OS Login account without sudo, a user of its own: its uid as
+    its gid, home /home/USER, made in D's homes/ where missing, as the guest's pam_mkhomedir makes it) and its
+    sshd_config."""
     kdir = d / "authorized_keys"
     for user, lines in logins.keys.items():
         write_atomic(kdir / user, "\n".join(lines) + "\n", 0o600)
@@ -99,13 +112,22 @@ def write_logins(d: Path, logins: Logins, aliases: list[str], base: dict[str, st
             old.unlink(missing_ok=True)
     passwd = base["passwd"].rstrip("\n").splitlines()
     passwd += [f"{u}:x:0:0:{u} (tpurun emulator alias of root):/root:/bin/bash" for u in aliases]
+    passwd += [f"{u}:x:{uid}:{uid}::/home/{u}:/bin/bash" for u, uid in users]
     # A locked root ("!" in shadow) would make sshd refuse even key logins: use "*".
     shadow = [re.sub(r"^root:!?[^:]*:", "root:*:", ln) for ln in base["shadow"].splitlines()]
-    shadow += [f"{u}:*:19000:0:99999:7:::" for u in aliases]
+    shadow += [f"{u}:*:19000:0:99999:7:::" for u in [*aliases, *(u for u, _ in users)]]
+    group = base["group"].rstrip("\n").splitlines() + [f"{u}:x:{uid}:" for u, uid in users]
+    for u, uid in users:
+        home = d / "homes" / u
+        if not home.exists():
+            shutil.copytree("/etc/skel", home, dirs_exist_ok=True)
+            for path in [home, *home.rglob("*")]:
+                os.lchown(path, uid, uid)
+            os.chmod(home, 0o750)
     etc = d / "etc"
     write_in_place(etc / "passwd", "\n".join(passwd) + "\n")
     write_in_place(etc / "shadow", "\n".join(shadow) + "\n", 0o600)
-    write_in_place(etc / "group", base["group"])
+    write_in_place(etc / "group", "\n".join(group) + "\n")
     write_atomic(d / "sshd_config", sshd_config)
 
 

@@ -10,18 +10,19 @@ Addresses follow model.py's address plan (worker ``i`` of a node whose first slo
 namespace or interface setup is needed: the network is shared with the host, and every
 worker reaches every other at its address.
 
-What a worker has of its own (everything else -- /usr, /opt, /home, /work, ... -- is the
+What a worker has of its own (everything else -- /usr, /opt, /work, ... -- is the
 host's, shared by all workers):
 
 * hostname ``t1v-n-<8 hex>-w-<i>`` (UTS namespace), ``/etc/hostname``;
 * a process table: ``ps`` on worker 1 does not show worker 2's processes (PID namespace
   with its own /proc); killing the worker's init kills everything it ran;
-* ``/root`` (a per-worker directory under the state dir, seeded from /etc/skel and kept
-  across stop/start), ``/tmp`` (per-worker directory, emptied on every boot, like a
-  rebooted VM), ``/run`` (fresh tmpfs, with ``/run/sshd``), ``/dev`` (tmpfs with
-  null/zero/full/random/urandom/tty, a private devpts on /dev/pts so ``ssh -t`` works,
-  /dev/shm, and the fake TPU: one ``/dev/accelN`` per chip for v2/v3/v4, ``/dev/vfio/N`` and
-  ``/dev/vfio/vfio`` for later generations -- plain files anyone can open read/write);
+* ``/root`` (a per-worker directory under the state dir, seeded from /etc/skel and kept across stop/start;
+  0711: others pass through it to an image Python under /root), ``/home`` (likewise: the homes of its OS
+  Login users without sudo), ``/tmp`` (per-worker directory, emptied on every boot, like a rebooted VM),
+  ``/run`` (fresh tmpfs, with ``/run/sshd``), ``/dev`` (tmpfs with null/zero/full/random/urandom/tty, a
+  private devpts on /dev/pts so ``ssh -t`` works, /dev/shm, and the fake TPU: one ``/dev/accelN`` per chip
+  for v2/v3/v4, ``/dev/vfio/N`` and ``/dev/vfio/vfio`` for later generations -- plain files anyone can open
+  read/write);
 * ``/sys/bus/pci/devices``: the host's PCI functions plus one Google TPU function per chip
   (`tpu_vm.worker_image`), which is how torch_xla and tpu-info count a host's chips;
 * ``/etc/hosts``: ``metadata.google.internal`` and every worker's hostname of the node;
@@ -38,10 +39,11 @@ key listed under ``root:``.  Names that already exist on the host other than roo
 (``daemon``, ``sshd``, ...) are not remapped.  Aliases are never removed once created
 (like the guest agent, which keeps accounts and only drops keys).  Under OS Login
 (``enable-oslogin``, the node's or else the project's) no metadata key is taken and the
-project's OS Login accounts are the root aliases; sshd asks the worker's metadata server for
-their keys at each login (guest_login.py).  Metadata changes reach the workers
-``key_propagation_delay`` seconds after `refresh_ssh_keys` (or `refresh_project`, the project's);
-a project's new or deleted OS Login account reaches its workers' passwd at once.
+project's OS Login accounts are its users (root aliases with the admin role, else users of their own
+without sudo); sshd asks the worker's metadata server for their keys at each login (guest_login.py).
+Metadata changes reach the workers ``key_propagation_delay`` seconds after `refresh_ssh_keys` (or
+`refresh_project`, the project's);
+a project's new or deleted OS Login account, or its new role, reaches its workers' passwd at once.
 
 Each worker also gets a metadata server (`_metadata.py`: one listening socket per worker, all served
 by one thread of this process) on port 80 of its address and runs the node's ``startup-script`` on
@@ -344,11 +346,11 @@ class WorkerHosts:
         d = w.dir
         image = self._image(node, w)
         fresh_home = not (d / "home").exists()
-        for sub in ("home", "tmp", "etc", "authorized_keys"):
+        for sub in ("home", "homes", "tmp", "etc", "authorized_keys"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         if fresh_home:
             shutil.copytree("/etc/skel", d / "home", dirs_exist_ok=True)
-        os.chmod(d / "home", 0o700)
+        os.chmod(d / "home", 0o711)  # others pass through root's home to an image Python kept under /root
         # /tmp of a rebooted VM is empty.
         for entry in (d / "tmp").iterdir():
             if entry.is_dir() and not entry.is_symlink():
@@ -419,13 +421,12 @@ class WorkerHosts:
         """Write who may log in to a worker whose metadata is MD (guest_login: metadata keys or OS Login)."""
         logins = guest_login.decide(md, self.org.projects.attributes(node.project))
         w.users |= {u for u in logins.keys if u not in self._base_users}
-        aliases = set(w.users)
-        if logins.oslogin:  # the NSS module lists the project's OS Login accounts
-            aliases |= {u for u in self.org.oslogin.usernames(node.project) if u not in self._base_users}
+        listed = self.org.oslogin.accounts(node.project) if logins.oslogin else []  # what the NSS module lists
+        admins, users = guest_login.split(listed, self._base_users | w.users)
         view = "/run/tpurun" + str(w.dir)
         extra = guest_login.sshd_lines(logins, image_python(), view)
         config = sshd_config(w.address, self.ssh_port, view, kbd_interactive=logins.two_factor, extra=extra)
-        guest_login.write_logins(w.dir, logins, sorted(aliases), self._base, config)
+        guest_login.write_logins(w.dir, logins, sorted(w.users | admins), self._base, config, users)
 
     def _boot(self, node: _Node) -> None:
         """Boot every worker of NODE (boot.boot_all) and learn each init's pid; worker 0's sshd must answer."""

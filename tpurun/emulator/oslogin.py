@@ -7,7 +7,13 @@ characters (`sa_` and the unique id for a service account), uid and gid one larg
 `/home/USERNAME`. A key's fingerprint is the SHA-256 of its blob, in hex. Sources: docs/emulator.md.
 
 Every email is an existing account: a profile nobody wrote to is its name alone. The store is the emulator's, kept
-as long as it runs; `watch` tells the workers when a project's POSIX accounts change (they are its root aliases).
+as long as it runs; `watch` tells the workers when a project's POSIX accounts or their roles change.
+
+Roles: IAM's two OS Login roles reduced to a grant per account and project, `login` (roles/compute.osLogin: it may
+log in) or `adminLogin` (roles/compute.osAdminLogin: it may log in and use sudo), as the metadata server's
+`authorize?policy=` names them. Every account has `adminLogin` until an administrator says otherwise
+(`set_role`; `tpurun emulator oslogin-role`): the emulator takes every caller for the owner of its projects, and
+a project's owner holds both.
 
 2-step verification: every human account has one method enrolled, an authenticator application's one-time
 password (RFC 6238's TOTP: 6 digits, a new one every 30 s, its secret the emulator's own, made anew at each
@@ -54,6 +60,7 @@ _NOT_FOUND = "Requested entity was not found."
 _TOO_BIG = "Login profile size exceeds 32 KiB. Delete profile values to make additional space."
 CODE_STEP, CODE_DIGITS = 30, 6  # a one-time password's life in seconds, and its digits (TOTP's usual ones)
 TOTP = "TOTP"  # the one challenge type an emulated account has enrolled
+LOGIN, ADMIN_LOGIN = "login", "adminLogin"  # an account's grant in a project, as `authorize?policy=` names it
 
 
 def not_found() -> ApiError:
@@ -177,6 +184,7 @@ class OsLoginStore:
         self._watchers: list[Callable[[str], None]] = []
         self._code_key = secrets.token_bytes(32)  # every account's TOTP secret derives from it
         self._sessions: dict[str, str] = {}  # a 2FA session's id -> its account's email
+        self._roles: dict[tuple[str, str], str] = {}  # (email, project) -> LOGIN where not ADMIN_LOGIN
 
     def watch(self, fn: Callable[[str], None]) -> None:
         """Call FN(project) after the POSIX accounts of a project changed (outside the store's lock)."""
@@ -274,9 +282,28 @@ class OsLoginStore:
         with self._lock:
             return [p for _, p in sorted(self._profiles.items()) if project in p.projects]
 
-    def usernames(self, project: str) -> list[str]:
-        """The POSIX usernames of PROJECT's accounts (what a VM's NSS module lists)."""
-        return [posix_username(p.email) for p in self._members(project)]
+    def set_role(self, email: str, project: str, role: str) -> None:
+        """Give EMAIL the grant ROLE (LOGIN or ADMIN_LOGIN) in PROJECT, as an administrator's IAM binding does."""
+        if role not in (LOGIN, ADMIN_LOGIN) or "@" not in email or not project:
+            raise invalid(_BAD_ARGUMENT)
+        with self._lock:
+            if role == ADMIN_LOGIN:
+                self._roles.pop((email.lower(), project), None)
+            else:
+                self._roles[(email.lower(), project)] = role
+        self._changed([project])
+
+    def role(self, email: str, project: str) -> str:
+        with self._lock:
+            return self._roles.get((email.lower(), project), ADMIN_LOGIN)
+
+    def accounts(self, project: str) -> list[tuple[str, int, bool]]:
+        """PROJECT's POSIX accounts (what a VM's NSS module lists): each one's username, uid (its gid too), and
+        whether it may use sudo (ADMIN_LOGIN)."""
+        return [
+            (posix_username(p.email), posix_uid(p.email), self.role(p.email, project) == ADMIN_LOGIN)
+            for p in self._members(project)
+        ]
 
     def security_code(self, email: str, at: float | None = None) -> str:
         """EMAIL's one-time password at AT (now): what its authenticator application shows."""
@@ -328,8 +355,8 @@ class OsLoginStore:
     ) -> tuple[int, Any]:
         """What the metadata server of a VM of PROJECT answers under `oslogin/` (OS Login on), as guest-oslogin
         reads it: `users?username=` / `?uid=` (404 for nobody), `users?pagesize=&pagetoken=` (pages end with a
-        token of "0" and no profiles), `authorize?email=&policy=login|adminLogin` (`success`: every account with
-        a POSIX account here may log in and administer). EMAIL may be the account's email or its profile name. BODY: a
+        token of "0" and no profiles), `authorize?email=&policy=login|adminLogin` (`success`: an account with
+        a POSIX account here may log in, and administer where its grant is ADMIN_LOGIN). EMAIL may be the account's email or its profile name. BODY: a
         POST's, under `authenticate/sessions/` (2FA, `_second_step`)."""
         members = self._members(project)
         if path[:2] == ["authenticate", "sessions"] and body is not None:
@@ -356,7 +383,9 @@ class OsLoginStore:
             if not chunk:
                 return 200, {"nextPageToken": "0"}
             return 200, {"loginProfiles": [profile(p) for p in chunk], "nextPageToken": str(start + len(chunk))}
-        if path == ["authorize"] and query.get("policy") in ("login", "adminLogin"):
+        if path == ["authorize"] and query.get("policy") in (LOGIN, ADMIN_LOGIN):
             who = query.get("email", "").lower()
-            return 200, {"success": any(who in (p.email, unique_id(p.email)) for p in members)}
+            hit = [p for p in members if who in (p.email, unique_id(p.email))]
+            admin = query["policy"] == LOGIN or any(self.role(p.email, project) == ADMIN_LOGIN for p in hit)
+            return 200, {"success": bool(hit) and admin}
         return 404, "Not Found\n"

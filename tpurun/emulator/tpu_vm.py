@@ -234,10 +234,31 @@ def image_paths() -> list[str]:
     return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
 
 
+# The image's sudo, as a TPU VM's is set up: passwordless for root's aliases (metadata users, and OS Login accounts
+# with the adminLogin grant, whom the guest puts in its sudoers), a password asked of anyone else, which `-n`
+# refuses with sudo's own words. Its options are taken and ignored: what it runs, it runs as root.
+SUDO = """#!/bin/sh
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --) shift; break;;
+    -[CDghpRrTtUu]) shift 2;;
+    -*) shift;;
+    *) break;;
+  esac
+done
+if [ "$(id -u)" != 0 ]; then
+  echo "sudo: a password is required" >&2
+  exit 1
+fi
+[ $# -gt 0 ] || exit 0
+exec "$@"
+"""
+
+
 def image_bin() -> dict[str, str]:
     """The image's commands that `/usr/local/bin` of every worker holds: python3, python, pip3 and pip
-    of the image Python."""
+    of the image Python, and its sudo."""
     py = shlex.quote(image_python())
     run = f'#!/bin/sh\nexec {py} "$@"\n'
     pip = f'#!/bin/sh\nexec {py} -m pip "$@"\n'
-    return {"python3": run, "python": run, "pip3": pip, "pip": pip}
+    return {"python3": run, "python": run, "pip3": pip, "pip": pip, "sudo": SUDO}

@@ -12,10 +12,12 @@ from tpurun.fleet.interface import Call
 from tpurun.transport.runner import Runner, run_capture
 from tpurun.worker import bundle_name, bundle_tar
 from tpurun.worker.protocol import FIRST_INPUT, AgentExit
+from tpurun.worker.watchdog_reports import NO_ROOT
 
 if TYPE_CHECKING:
     from tpurun.fleet.targets import Target
 
+NO_ROOT_THERE = "it needs root, and `sudo -n` was refused to the user tpurun logs in as"  # start_watchdogs' why
 BIN = "$HOME/.tpurun/bin"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
 
 # The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
@@ -60,12 +62,14 @@ def call_argv(call: Call) -> list[str]:
 def start_watchdogs(target: Target) -> dict[int, str]:
     """Make sure the TPU's watchdog runs on every worker of TARGET (each one checked to be that TPU's, the
     bundle installed where it is missing); {worker index: why not} for the workers where it could not be
-    started."""
+    started (NO_ROOT_THERE where the user tpurun logs in as has no passwordless sudo)."""
     fleet = target.fleet
     failed = fleet.connect()
     for w, a in fleet.call(Call.program_of(target.python(), "watchdog.py", "ensure")).items():
         if a.rc is None:
             failed[w] = a.error
+        elif a.rc == NO_ROOT:
+            failed[w] = NO_ROOT_THERE
         elif a.rc != 0:
             failed[w] = f"watchdog.py ensure exited {a.rc}: {a.err.strip()[-200:]}"
     return failed

@@ -389,8 +389,8 @@ def _build(s: settings.Settings, name: str, endpoints: Endpoints, worker_spec: s
         dial, through = ways.dial(workers[i])
         runners.append(
             SshRunner(workers[i], key_path=key, known_hosts=known, node_name=name, renew=renew, login_hint=hint,
-                      dial=dial, through=through, reach_hint=ways.hint(workers[i]), ask=ui.ask if asks else None,
-                      **retries)
+                      dial=dial, through=through, answered=ways.answered(workers[i]), reach_hint=ways.hint(workers[i]),
+                      ask=ui.ask if asks else None, **retries)
         )  # fmt: skip
     return Target(
         name,
@@ -464,6 +464,23 @@ class Ways:
             return tunnels.open(iap.Instance(project, zone, instance), worker.name, timeout)
 
         return tunnel, "through IAP"
+
+    def answered(self, worker: Worker) -> str:
+        """What answered for WORKER (placed) when its host key is not the one its TPU published, where its way is
+        not its address ("": the VM at its address, the runner's own words): the VM IAP reached by its instance
+        name, or whatever the user's ProxyCommand reached."""
+        external, instance = self.ends[worker.index]
+        if self.straight(external):
+            return ""
+        if not self.tunnelled(external):
+            return (
+                f"what `{self.way}` reached for it does not hold the key the TPU published for that worker: the "
+                "command reaches another host, or a man in the middle"
+            )
+        return (
+            f"the VM that IAP's tunnel reached as instance {instance} does not hold the key the TPU published for "
+            "that worker: another VM holds that instance name now, or the VM's host key was replaced"
+        )
 
     def hint(self, worker: Worker) -> str:
         """What to do when WORKER (placed) cannot be reached, where its way says more than `tpurun describe`."""

@@ -228,14 +228,14 @@ def _workers(spec: TrainSpec) -> str:
 
 def arm_down(s: Settings, *, local: bool, out: Output) -> None:
     """Before a `--down` job: the TPU S names carries what its watchdog needs to delete it, should tpurun be
-    gone when the job ends."""
+    gone when the job ends, and its watchdog runs (or the job is refused here, before it starts)."""
     from tpurun import watchdogs
     from tpurun.cloud.client import Cloud
 
     if local or not s.tpu.value:
         raise UsageError("--down deletes the TPU the job runs on: give one with --tpu (not with --local)")
     with out.progress() as progress:
-        watchdogs.arm_down(Cloud(s), s.tpu.value, progress)
+        watchdogs.arm_down(Cloud(s), s.tpu.value, progress, s)
 
 
 @dataclass

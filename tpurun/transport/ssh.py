@@ -241,18 +241,24 @@ class SshRunner(Runner):
         login_hint: str = "",
         dial: Dial | None = None,
         through: str = "",
+        answered: str = "",
         reach_hint: str = "",
         ask: Ask | None = None,
     ) -> None:
         """RENEW: called before each new connection (OS Login renews tpurun's key where it is about to expire);
         LOGIN_HINT: what to do when the worker refuses tpurun's key (else: attach installs it in ssh-keys);
         DIAL: opens the byte stream to the worker's sshd (IAP's tunnel, a ProxyCommand) where it is not a TCP
-        connection from here to its address, THROUGH naming that way for messages ("through IAP"); REACH_HINT: what
+        connection from here to its address, THROUGH naming that way for messages ("through IAP"), and ANSWERED what
+        answers there when its host key is not the worker's (where it is not the VM at its address); REACH_HINT: what
         to do when it cannot be reached (else: `tpurun describe`); ASK: who answers a second step after the key (none:
         such a worker refuses tpurun)."""
         self.ask = ask
         self.worker = worker
         self.dial, self.through, self.reach_hint = dial, through, reach_hint
+        self.answered = answered or (
+            f"the VM that answers at {worker.address} does not hold the key the TPU published for that worker: "
+            "another VM has the address now, or a man in the middle"
+        )
         self.renew, self.login_hint = renew, login_hint
         self.key_path = key_path
         self.known_hosts = known_hosts
@@ -313,9 +319,7 @@ class SshRunner(Runner):
                 client.close()
                 self.refused_key = True
                 raise UnreachableError(
-                    f"HOST KEY CHANGED for worker {w.label()}{self._of_tpu()}: refusing to connect (the VM that "
-                    "answers there does not hold the key the TPU published for that worker: another VM has "
-                    "the address now, or a man in the middle)",
+                    f"HOST KEY CHANGED for worker {w.label()}{self._of_tpu()}: refusing to connect ({self.answered})",
                     hint=f"`tpurun describe {self.node_name or 'NAME'}` shows the TPU's workers",
                 ) from None
             except paramiko.SSHException as exc:

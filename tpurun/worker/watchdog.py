@@ -45,7 +45,15 @@ from urllib.parse import urlsplit
 if __package__:  # imported by tpurun (its constants, the tests): the same modules by their package names
     from tpurun.worker import metaserver, probe
     from tpurun.worker.agent_files import STATE, job_running, running_jobs, started_down
-    from tpurun.worker.watchdog_reports import ComputeTpu, Silent, WatchdogConfig, WatchState, duration, summarize
+    from tpurun.worker.watchdog_reports import (
+        NO_ROOT,
+        ComputeTpu,
+        Silent,
+        WatchdogConfig,
+        WatchState,
+        duration,
+        summarize,
+    )
     from tpurun.worker.watchdog_silent import Missed, node_verdict, vm_verdict
 else:  # run from the bundle on a worker, whose files sit side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +61,7 @@ else:  # run from the bundle on a worker, whose files sit side by side
     import probe  # type: ignore[no-redef]
     from agent_files import STATE, job_running, running_jobs, started_down  # type: ignore[no-redef]
     from watchdog_reports import (  # type: ignore[no-redef]
+        NO_ROOT,
         ComputeTpu,
         Silent,
         WatchdogConfig,
@@ -638,7 +647,7 @@ def run() -> int:
 
 def ensure() -> int:
     """Start `run` in the background unless one runs. It needs root: as another user, through `sudo -n`;
-    exit 1 if that is refused."""
+    exit NO_ROOT if that is refused."""
     import subprocess  # here: `run`, on every worker for days, has no use for it (2 MiB each)
 
     if os.geteuid() != 0:
@@ -650,7 +659,7 @@ def ensure() -> int:
         except OSError:
             pass
         sys.stderr.write("tpurun watchdog: needs root, and `sudo -n` was refused\n")
-        return 1
+        return NO_ROOT
     lock = _locked()
     if lock is None:
         return 0 if os.path.exists(LOCK) else 1

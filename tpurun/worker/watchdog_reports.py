@@ -30,6 +30,8 @@ DEFAULT_TICK = 30.0  # seconds between the watchdog's looks, where its configura
 # seconds a worker's watchdog may stay silent before the deciding one asks whether its VM is still there
 # (tpurun.config.WATCHDOG_SILENT; docs/cost-safety.md)
 DEFAULT_SILENT = 300.0
+# `watchdog.py ensure`'s exit code where it is not root and `sudo -n` was refused (tpurun says why in its own words)
+NO_ROOT = 4
 
 
 class ComputeTpu(RecordBase):
