@@ -146,12 +146,14 @@ def test_list_shows_a_jobs_start_and_end_at_once_not_a_tick_later(tp, emulator):
 
 def test_not_deleted_while_a_process_holds_a_tpu_device(tp, emulator):
     assert tp("create", "held", "-t", "v4-16").code == 0
-    holder = popen(tp, "exec", "--worker", "1", "--", "python3", "-c", HOLD, "6")
+    holder = popen(tp, "exec", "--worker", "1", "--", "python3", "-c", HOLD, "12")
     read_until(holder, lambda lines: any("holding" in line for line in lines))
     r = tp("autostop", "held", "2s")
     assert r.code == 0, r.err
-    time.sleep(3)
-    d = _describe(tp, "held")
+    # the watchdogs' next reports, past the 2 s autostop period, say the holder keeps it busy
+    deadline = time.monotonic() + 10
+    while (d := _describe(tp, "held"))["busy"] != "w1: 1 process(es) hold the TPU" and time.monotonic() < deadline:
+        pass
     assert d["idleSeconds"] is None and d["busy"] == "w1: 1 process(es) hold the TPU", d
     assert d["jobs"] == []
     out, err = finish(holder)
