@@ -68,8 +68,9 @@ def test_maintenance_of_a_groups_vm_is_repairing_on_the_worker_tpurun_names(plac
     cli = place
     names = _vm_of(cli)
     n = _worker_out_of_order(emulator, names)
+    # down long enough for the two CLIs below to see it, on a loaded machine too
     r = cli("emulator", "maintenance", "quad", "--worker", str(n), "--zone", emulator.zone,
-            "--notice", "0", "--duration", "15s")  # fmt: skip  (long enough for two CLIs on a loaded machine)
+            "--notice", "0", "--duration", "15s")  # fmt: skip
     assert r.code == 0, r.err
     _until(lambda: _status(emulator, names[f"w{n}"]) == "REPAIRING", timeout=10)
     described = json.loads(cli("describe", "quad", "--json").out)
