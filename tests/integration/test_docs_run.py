@@ -76,6 +76,9 @@ def test_readme_tour_runs_as_written(tmp_path):
     assert re.search(r"^\d{8}-\d{6}-[0-9a-f]{4}\s+demo\s", out, re.M), out  # jobs lists the detached job
     assert "an emulated worker" in out  # doctor: no TPU here, said so
     assert "FAIL" not in out
+    # cost: the deleted demo (a v4-32, 16 chips at the emulated catalogue's v4 price), with its two jobs
+    assert re.search(r"^demo\s+us-central2-b\s+v4-32\s+on-demand\s.*\$51\.52\s", out, re.M), out[-3000:]
+    assert len(re.findall(r"^\d{8}-\d{6}-[0-9a-f]{4}\s+0\s+demo\s", out, re.M)) == 2, out[-3000:]
     assert "emulator stopped; nothing of it is left running" in err
 
 
