@@ -2,8 +2,8 @@
 
 One runs on every worker, as root: tpurun's startup wrapper starts it at every boot once the startup
 steps are done, and the agent (a `train --down` job) or `tpurun autostop` start it where it is missing
-(`watchdog.py ensure`). It must run as root (to see every user's processes); a lock in the root-only
-RUN_DIR keeps it to one per worker.
+(`watchdog.py ensure`). It must run as root (to see every user's processes); a lock in the root-only RUN_DIR
+keeps it to one per worker.
 
 Every worker, every tick, looks whether it is busy: tpurun work for any user -- a job (an agent state
 under ~USER/.tpurun/jobs whose supervisor lives, or a process carrying TPURUN_JOB_ID) or `train
@@ -26,9 +26,9 @@ instance groups and the template and workload policy made with it), with Compute
 endpoint. Its first VM decides (the lone VM, or the first by name of the first group), reading each VM's
 tpurun/watch (instances.getGuestAttributes); to delete, it leaves its group, deletes the groups and what
 was made with them, then itself (`compute_delete` says why in that order).
-A worker that has not reported for SILENT_TICKS ticks, and a node that is not READY, count as busy:
-work it cannot see is never deleted; until, past the configuration's `silent` bound, the API (or its address)
-says the VM is dead (watchdog_silent.py). Every decision is a line in LOG on the deciding worker and in
+A worker that has not reported for SILENT_TICKS ticks, and a node that is not READY, count as busy: work it cannot
+see is never deleted; until, past the configuration's `silent` bound, the API (or its address) says the VM is dead
+(watchdog_silent.py). Every decision is a line in LOG on the deciding worker and in
 guest attribute tpurun/watchdog. Nothing a user can write can stop it: every look's failure is logged.
 """
 
@@ -676,16 +676,8 @@ def ensure() -> int:
         except OSError:
             pass
     with open(LOG, "a") as out:
-        subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            env=env,
-            cwd="/",
-        )
+        dn, both = subprocess.DEVNULL, subprocess.STDOUT
+        subprocess.Popen(argv, stdin=dn, stdout=out, stderr=both, start_new_session=True, env=env, cwd="/")
     return 0
 
 
