@@ -124,6 +124,23 @@ SYNC_WARN_MB = Tunable(
     "warns before it sends, naming the largest files and the line that leaves them out; 0: never",
 )
 
+# profiles (`tpurun profile`)
+PROFILE_PORT = Tunable(
+    "TPURUN_PROFILE_PORT",
+    "9431",
+    "the first port of a job's profiler servers: its host process serves on it, chip C's process on it + 1 + C "
+    "(given to the job's processes at its start; `train --no-profile` starts none)",
+)
+PROFILE_HOSTS = Tunable(
+    "TPURUN_PROFILE_HOSTS", "8", "`tpurun profile` without --worker: at most this many hosts, spread over the pod"
+)
+PROFILE_LEAD = Tunable(
+    "TPURUN_PROFILE_LEAD",
+    "2",
+    "seconds between `tpurun profile`'s ask and the moment every worker starts its capture: time for the ask to "
+    "reach them all (a worker it reaches later starts at once and says how late)",
+)
+
 # output
 DEBUG = Tunable("TPURUN_DEBUG", "", "1: tracebacks and runtime chatter, as --debug")
 
@@ -167,6 +184,9 @@ ALL = [
     RELAY_TIMEOUT,
     ADDRESS_MAP,
     SYNC_WARN_MB,
+    PROFILE_PORT,
+    PROFILE_HOSTS,
+    PROFILE_LEAD,
     DEBUG,
     DEVICE_GLOBS,
     LIBTPU_GLOB,

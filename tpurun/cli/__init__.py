@@ -78,6 +78,7 @@ COMMANDS: dict[str, str] = {
     "logs": "train:logs_cmd",
     "cancel": "train:cancel_cmd",
     "stacks": "train:stacks_cmd",
+    "profile": "profile:profile_cmd",
     "kill-stale": "health:kill_stale_cmd",
     "doctor": "health:doctor_cmd",
     "cost": "cost:cost_cmd",

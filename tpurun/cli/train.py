@@ -98,6 +98,13 @@ DetachOpt = Annotated[bool, typer.Option("--detach", help="Start and return the 
 MetricsOpt = Annotated[
     bool, typer.Option("--metrics", help="torch_xla's metrics report of every process that does the work.")
 ]
+ProfileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--profile/--no-profile",
+        help="A profiler server in every process of the job, for `tpurun profile` (it costs no step time measured).",
+    ),
+]
 DryRunOpt = Annotated[
     bool,
     typer.Option("--dry-run", help="Print the launch model and each process's command and env; start nothing."),
@@ -189,6 +196,7 @@ def train_cmd(
     restarts: RestartsOpt = "",
     on_notice: OnNoticeOpt = None,
     metrics: MetricsOpt = False,
+    profile: ProfileOpt = True,
     dry_run: DryRunOpt = False,
     python: PythonOpt = None,
     setup: SetupOpt = None,
@@ -224,6 +232,7 @@ def train_cmd(
         restarts=restarts,
         on_notice=on_notice,
         metrics=metrics,
+        profile=profile,
         dry_run=dry_run,
         python=python,
         setup=list(setup or []),

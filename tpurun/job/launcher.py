@@ -30,7 +30,7 @@ from tpurun.sync import report, sender
 from tpurun.topology import Topology
 from tpurun.transport.runner import worker_names
 from tpurun.worker.probe import PythonProbe
-from tpurun.worker.protocol import JOB_GRACE, JobStatus, Launch, ProcessStatus
+from tpurun.worker.protocol import JOB_GRACE, PROFILE_PORT, JobStatus, Launch, ProcessStatus
 
 HINTS = [
     (
@@ -86,6 +86,7 @@ class TrainSpec:
     detach: bool = False
     max_restarts: int = 0
     metrics: bool = False
+    profile: bool = True  # a profiler server in every process of the job, for `tpurun profile`
     dry_run: bool = False
     python: str | None = None
     setup: list[str] = field(default_factory=list)  # shell commands run once per content on every worker
@@ -172,6 +173,8 @@ def plan(
     extra = dict(spec.env)
     if spec.metrics:
         extra.setdefault("TPURUN_METRICS", "1")
+    if spec.profile:
+        extra.setdefault(PROFILE_PORT, config.PROFILE_PORT.raw())
     # the workers reach each other inside the VPC: internal addresses (external ones take SSH only, by the
     # default firewall rules), whatever address tpurun itself connects to
     workers = [target.workers[0]] if alone else target.all_workers

@@ -23,6 +23,7 @@ BUNDLE = (
     "agent_lines.py",
     "agent_notices.py",
     "agent_stacks.py",
+    "agent_profile.py",
     "agent_supervisor.py",
     "protocol.py",
     "protocol_calls.py",

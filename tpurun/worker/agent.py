@@ -1,7 +1,7 @@
 """tpurun's worker agent: starts a job's processes on this host, logs them, stops them, streams logs.
 
 Shipped to every worker in the bundle (tpurun/worker/__init__.py's BUNDLE: this file, agent_files.py,
-agent_supervisor.py, agent_lines.py, agent_notices.py with metaserver.py, agent_stacks.py, versions.py,
+agent_supervisor.py, agent_lines.py, agent_notices.py with metaserver.py, agent_stacks.py, agent_profile.py, versions.py,
 protocol.py, protocol_calls.py and hook/, beside the watchdog's files) and run there as `python3 agent.py
 COMMAND ...`, so it uses the standard library only (Python >= 3.8) and imports nothing from tpurun. As in
 torchelastic, a supervisor owns the processes and writes every line to files first; readers (`stream`) tail
@@ -23,6 +23,9 @@ Commands (exit codes: protocol.AgentExit):
                              worker for JOB (its end: only answer), held until stdin ends or JOB starts
   state JOB                  the job's state.json
   stacks JOB [--timeout S]   JSON list of the job's processes here with their threads' stacks (agent_stacks.py)
+  profile JOB --at T --duration S --session NAME
+                             every process of the job here traced for S seconds from T (epoch seconds) by its
+                             profiler server, into the job's profiles/NAME/; a ProfileAnswer (agent_profile.py)
 
 Files in ~/.tpurun/jobs/<JOB>/ (root overridable with $TPURUN_AGENT_ROOT): spec.json, state.json,
 supervisor.log, pre.log, w<W>-c<C>.log (slot C's output bytes as printed, stdout and stderr lines in
@@ -265,6 +268,18 @@ def cmd_stacks(args) -> int:
     st = _load_state(args.job)
     found = agent_stacks.collect(args.job, job_dir(args.job), st, args.timeout)
     print(json.dumps([ps.to_dict() for ps in found]))
+    return AgentExit.OK
+
+
+def cmd_profile(args) -> int:
+    """Every process of the job here captured for --duration seconds from --at (a `ProfileAnswer`, its last line;
+    xprof prints its own progress before it)."""
+    import agent_profile
+
+    jdir = job_dir(args.job)
+    st = _load_state(args.job)
+    answer = agent_profile.capture(jdir, _load_spec(jdir), st, args.at, args.duration, args.session)
+    sys.stdout.write("\n" + answer.to_json() + "\n")
     return AgentExit.OK
 
 
@@ -527,6 +542,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stacks", help="the stacks of every thread of every process of a job here")
     p.add_argument("job")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every process's answer")
+    p = sub.add_parser("profile", help="every process of a job here captured by its profiler server")
+    p.add_argument("job")
+    p.add_argument("--at", type=float, required=True, help="when the capture starts (epoch seconds)")
+    p.add_argument("--duration", type=float, required=True, help="seconds")
+    p.add_argument("--session", required=True, help="the session's name (its directory under the job's profiles/)")
     return parser
 
 
@@ -538,6 +558,7 @@ COMMANDS = {
     "preflight": cmd_preflight,
     "state": cmd_state,
     "stacks": cmd_stacks,
+    "profile": cmd_profile,
 }
 
 

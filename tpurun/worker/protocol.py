@@ -160,6 +160,13 @@ NOTICE_LEAD = 600.0  # a maintenance window is told to a job in its last seconds
 # action is to ignore it, so a process that cannot answer (it exec'd another program since) is not harmed; and
 # the agent sends it only to a process whose kernel record says it catches it
 STACKS_SIGNAL = 23
+# `tpurun profile`: the variable giving a job's processes the first port of their profiler servers (the hook starts one
+# in each process once its runtime is loaded), each on the first free port of its slot's `profile_ports`
+PROFILE_PORT = "TPURUN_PROFILE_PORT"
+
+
+def profile_ports(first: int, slot: int) -> range:  # the host process's (HOST: -1) from FIRST, chip C's from FIRST+1+C;
+    return range(first + 1 + slot, min(first + 1 + slot + 64 * 32, 65536), 64)  # then 64 on where hosts share a network
 
 # ---------------------------------------------------------------- records
 # Classes with __slots__ and their own __init__, not dataclasses: on every worker three processes import this

@@ -1,7 +1,7 @@
 """The agent's protocol, its commands' documents: what `agent.py start` reads on stdin (a `JobSpec`: one
 `ProcessSpec` per process, kept in the job's directory), what `stop` leaves there for the supervisor (a
 `StopRequest`), what `preflight` answers before a job (`Preflight`: the jobs there, each a `JobState`) and what
-`stacks` answers (a `ProcessStack` per process). The words, the job's state, the records `stream` sends and the
+`stacks` answers (a `ProcessStack` per process), and `profile` (a `ProfileAnswer`). The words, the job's state, the records `stream` sends and the
 hook's connections are protocol.py's; this module imports it (the bundle's files sit side by side on a worker;
 tpurun imports both as `tpurun.worker.protocol_calls` and `tpurun.worker.protocol`). What tpurun tells the TPU's
 watchdog and what the watchdogs publish are watchdog_reports.py's.
@@ -281,3 +281,53 @@ class ProcessStack(RecordBase):
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a process's stacks: {str(data)[:100]!r}") from e
+
+
+# ---------------------------------------------------------------- profile (`agent.py profile`)
+
+
+class ProcessProfile(RecordBase):
+    """One process's capture on a worker (`agent.py profile`): its SLOT and the PORT its profiler server was asked
+    on, the FILE it wrote (relative to the answer's `ProfileAnswer.path`; "": none, WHY) and its size."""
+
+    __slots__ = ("slot", "port", "file", "size", "why")
+
+    def __init__(self, slot: int, port: int, file: str = "", size: int = 0, why: str = "") -> None:
+        self.slot = slot
+        self.port = port
+        self.file = file
+        self.size = size
+        self.why = why
+
+
+class ProfileAnswer(RecordBase):
+    """What `agent.py profile` did on a worker: PATH, the session's directory there (relative to the home where it
+    is under it), each process's capture, how many seconds after the time asked the capture began (LATE; the
+    processes start tracing at the time asked, or at once where it had passed), and ENDED: the job runs no more
+    here (nothing captured)."""
+
+    __slots__ = ("path", "processes", "late", "ended")
+
+    def __init__(self, path: str, processes: list[ProcessProfile], late: float = 0.0, ended: bool = False) -> None:
+        self.path = path
+        self.processes = processes
+        self.late = late
+        self.ended = ended
+
+    def to_json(self) -> str:
+        data = self.to_dict()
+        data["processes"] = [p.to_dict() for p in self.processes]
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ProfileAnswer:
+        """An answer as `agent.py profile` prints it, or ValueError."""
+        try:
+            data = json.loads(text)
+            procs = [
+                ProcessProfile(int(p["slot"]), int(p["port"]), str(p["file"]), int(p["size"]), str(p["why"]))
+                for p in data["processes"]
+            ]
+            return cls(str(data["path"]), procs, float(data["late"]), bool(data["ended"]))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a profile answer: {text[:100]!r}") from e

@@ -29,6 +29,10 @@ It lets `tpurun stacks` ask any of the job's Python processes for the stacks of 
 blocked in C: faulthandler writes them to the job's stacks/<pid>.txt on the signal the agent names
 (TPURUN_STACKS_SIGNAL), registered only where the process has no handler of its own (see _register_stacks).
 
+It starts the runtime's profiler server in each process that does the work, for `tpurun profile`, on the port
+its slot is given (TPURUN_PROFILE_PORT; see _serve_profile): once jax or torch_xla is loaded in a process the
+agent started, or when a spawner's process becomes its chip.
+
 With `tpurun train --metrics` it also writes torch_xla's metrics report of each process that did the
 work: a process the agent started, at its exit, and a chip process of a host launch, when its task ends
 (a forked pool process never runs exit handlers).
@@ -47,7 +51,8 @@ _CHIP_VARS = (b"PJRT_LOCAL_PROCESS_RANK", b"TPU_VISIBLE_CHIPS")
 # inherit this module's state and patches, but report nothing on its behalf.
 # "own": the pid whose stdout/stderr are channels of its own (a forked child shares them).
 _state: dict = {
-    "busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": None, "stacks": None, "own": None
+    "busy": False, "done": False, "ctl": None, "owner": None, "wait": None, "first": None, "stacks": None, "own": None,
+    "profiler": None,
 }  # fmt: skip
 
 
@@ -209,6 +214,8 @@ def _become_chip(chip, pool=None):
     _state["owner"] = os.getpid()
     os.environ["TPURUN_CORE"] = str(chip)  # for the script, and so descendants know they belong to a chip
     _watch_pool_tasks()
+    if "jax" in sys.modules or "torch_xla" in sys.modules:
+        _serve_profile()
     import faulthandler
 
     if not faulthandler.is_enabled():
@@ -509,6 +516,49 @@ _RENDEZVOUS = {
 }
 
 
+def _serve_profile(module=None):
+    """The runtime's profiler server in this process, on its slot's port (protocol.profile_port), once: torch_xla's
+    where it is loaded, else jax's. Only in a process that does the work (one the agent started, or a chip's own),
+    never in a forked child. The server is the runtime's own, started without touching its backend (a TPU is
+    initialised by the script, when it chooses; a capture's tracers are made then), and not the one
+    `jax.profiler.start_server` keeps: a script that starts its own server still can. A port some other process
+    holds is passed over for the slot's next (gRPC would share it, and a capture would reach either): the agent
+    finds which one each process listens on."""
+    try:
+        first = int(os.environ.get("TPURUN_PROFILE_PORT") or 0)
+        held = _state["profiler"]
+        if not first or (held is not None and held[0] == os.getpid()) or not _reporter():
+            return
+        protocol = _protocol()
+        port = _free(protocol.profile_ports(first, int(os.environ.get("TPURUN_CORE", protocol.HOST))))
+        if "torch_xla" in sys.modules:
+            import torch_xla
+
+            server = torch_xla._XLAC.profiler.start_server(port)
+        else:
+            from jax._src.lib import _profiler
+
+            server = _profiler.start_server(port)
+        _state["profiler"] = (os.getpid(), server)  # the server lives as long as this reference
+    except Exception:
+        pass  # no profile from this process: never break it
+
+
+def _free(ports):
+    """The first of PORTS nothing listens on (any address); OSError where none is free."""
+    import socket
+
+    for port in ports:
+        family, anywhere = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "")
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((anywhere, port))  # (dual-stack, as gRPC binds): taken on any address, refused
+                return port
+            except OSError:
+                pass
+    raise OSError("no free port for a profiler server")
+
+
 def _register_stacks():
     """faulthandler dumps every thread's Python stack into <job dir>/stacks/<pid>.txt when this process gets
     TPURUN_STACKS_SIGNAL (from `tpurun stacks`; the agent sends it only to a process whose kernel record says
@@ -566,6 +616,8 @@ if _SOCKET and "TPURUN_CORE" not in os.environ:
     _changes["torch.multiprocessing.spawn"] = _follow_torch_spawn
 if _SOCKET and "TPURUN_JOB_ID" in os.environ:
     _changes.update((name, change) for name, change in _RENDEZVOUS.items() if name not in sys.modules)
+if _SOCKET and os.environ.get("TPURUN_PROFILE_PORT"):
+    _changes.update((name, _serve_profile) for name in ("jax", "torch_xla") if name not in sys.modules)
 if _changes:
     sys.meta_path.insert(0, _AfterImport(_changes))
 _chain()

@@ -1,0 +1,115 @@
+"""`tpurun profile`: a detached, unmodified JAX script on an emulated 2-host pod captured by its own runtime's
+profiler server on every host at once, into one session directory whose files xprof itself opens and which hold
+the script's jitted function; one host alone (`--worker`); a job that ended, an unknown job and a bad duration
+each said in one line."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import create_node, delete_every_tpu
+from tests.integration.conftest import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+# Nothing of tpurun or of a profiler in it: each host steps its own jitted function until it is stopped.
+LOOP = """\
+import jax, jax.numpy as jnp
+
+@jax.jit
+def tpurun_profiled_step(x):
+    return jnp.tanh(x @ x) * 0.5
+
+x = jnp.ones((128, 128))
+print("stepping", flush=True)
+while True:
+    x = tpurun_profiled_step(x).block_until_ready()
+"""
+END = "print('done', flush=True)\n"
+
+
+@pytest.fixture(scope="module")
+def pod(emulator, tmp_path_factory) -> Iterator[Cli]:
+    """One v4-16 (two hosts) the tests share, with the looping script running detached on both."""
+    cli = Cli.under(tmp_path_factory.mktemp("profile"), emulator)
+    (cli.cwd / "loop.py").write_text(LOOP)
+    (cli.cwd / "end.py").write_text(END)
+    try:
+        create_node(cli, "prof", "v4-16")
+        yield cli
+    finally:
+        delete_every_tpu(emulator)
+
+
+@pytest.fixture
+def looping(pod) -> Iterator[str]:
+    r = pod("train", "loop.py", "--runtime", "cpu", "--launch", "host", "--detach")
+    assert r.code == 0, r.err
+    job = r.out.strip().splitlines()[-1]
+    deadline = time.monotonic() + 180
+    while sum("stepping" in x for x in pod("--plain", "logs", job).out.splitlines()) < 2:
+        assert time.monotonic() < deadline, pod("--plain", "logs", job).out
+        time.sleep(0.5)
+    try:
+        yield job
+    finally:
+        assert pod("cancel", job).code == 0
+
+
+def _events(path: Path) -> str:
+    """The trace xprof itself makes of a capture file, as its trace viewer reads it."""
+    from xprof.convert import raw_to_tool_data
+
+    data, _ = raw_to_tool_data.xspace_to_tool_data([str(path)], "trace_viewer@", {})
+    return data.decode() if isinstance(data, bytes) else data
+
+
+def test_every_host_is_captured_at_once_into_one_session_xprof_opens(pod, looping):
+    started = time.monotonic()
+    r = pod("profile", looping, "--duration", "1s", "--out", "prof", "--json")
+    took = time.monotonic() - started
+    assert r.code == 0, (r.out, r.err)
+    got = json.loads(r.out)
+    session = pod.cwd / got["session"]  # relative to where tpurun ran, as given
+    assert session.parent == pod.cwd / "prof" / "plugins" / "profile"
+    assert sorted(p.name for p in session.iterdir()) == ["w0.xplane.pb", "w1.xplane.pb"]
+    assert [f["process"] for f in got["files"]] == ["w0", "w1"] and got["missing"] == {} and got["late"] == {}
+    assert got["bytes"] == sum(f.stat().st_size for f in session.iterdir())
+    for f in sorted(session.glob("*.xplane.pb")):
+        assert "PjitFunction(tpurun_profiled_step)" in _events(f), f
+    assert "open it with: xprof --logdir prof  (or: tensorboard --logdir prof)" in r.err
+    print(f"profile of 2 hosts, 1 s each: {took:.1f} s, {got['bytes'] / 1e6:.1f} MB")
+
+    # one host alone, into the default directory, said in words
+    r = pod("--plain", "profile", looping, "--duration", "500ms", "--worker", "1")
+    assert r.code == 0, (r.out, r.err)
+    (row,) = r.out.splitlines()
+    process, _, path = row.split("\t")
+    assert process == "w1" and Path(pod.cwd, path).name == "w1.xplane.pb", row
+    assert Path(pod.cwd, path).parent.parent.parent.parent == pod.cwd / "tpurun-profiles" / looping
+    assert "open it with: xprof --logdir" in r.err
+
+
+def test_an_ended_job_an_unknown_one_and_a_bad_duration_are_said_in_one_line(pod):
+    r = pod("train", "end.py", "--runtime", "cpu", "--launch", "host", "--json")
+    assert r.code == 0, r.err
+    job = json.loads(r.out)["job_id"]
+    r = pod("profile", job, "--duration", "1s")
+    assert r.code == 2 and r.out == "", (r.out, r.err)
+    assert r.err.strip().splitlines() == [f"error: job {job} has ended (finished): there is nothing to profile"], r.err
+
+    r = pod("profile", "no-such-job")
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and "unknown job 'no-such-job'" in r.err, r.err
+
+    for bad in ("0s", "soon", "20m"):
+        r = pod("profile", job, "--duration", bad)
+        assert r.code == 2 and r.err.strip().splitlines() == [
+            f"error: --duration {bad}: use e.g. 3s, 1.5s or 500ms (from 10ms to 600s)"
+        ], r.err
+    r = pod("profile", job, "--out", "gs://bucket/x")
+    assert r.code == 2 and "a bucket is not written to" in r.err and len(r.err.strip().splitlines()) == 1, r.err
