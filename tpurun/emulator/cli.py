@@ -526,8 +526,9 @@ def oslogin_role_cmd(
     project: Annotated[str, typer.Option("--project", help="The project [default: the project setting].")] = "",
     state_dir: StateDirOpt = None,
 ) -> None:
-    """Give ACCOUNT an OS Login role in a project: login (roles/compute.osLogin) or adminLogin
-    (roles/compute.osAdminLogin), as an IAM binding does.
+    """Give ACCOUNT an OS Login role in a project, as an IAM binding does: login or adminLogin.
+
+    login is roles/compute.osLogin, adminLogin roles/compute.osAdminLogin.
 
     Only adminLogin gives sudo on the project's workers (an OS Login account with it is a root alias there); with
     login alone the account is a user of its own. Every account has adminLogin until told otherwise."""
