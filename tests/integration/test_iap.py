@@ -124,9 +124,7 @@ def test_straight_from_here_it_cannot_be_reached(private):
 def test_without_the_firewall_rule_iap_says_which_rule_in_one_line(private, emulator):
     cli, _ = private
     _drop_rule(emulator)
-    started = time.monotonic()
     r = cli("--plain", "exec", "--", "true", timeout=120)  # auto: IAP for workers without an external address
-    took = time.monotonic() - started
     assert_clean_error(r, 4)
     said = r.err.splitlines()[0]  # the first worker's as it came; the others alike said once at the end
     assert said.startswith("error: IAP cannot reach port 22 of worker w0"), r.err
@@ -134,7 +132,7 @@ def test_without_the_firewall_rule_iap_says_which_rule_in_one_line(private, emul
     assert r.err.splitlines()[-1].endswith("(and 6 more workers alike: w[2-7])"), r.err
     rows = [line for line in r.err.splitlines() if line.startswith("w")]
     assert len(rows) == WORKERS and all("IAP cannot reach port 22" in row for row in rows), r.err
-    assert took < 20, took
+    assert "timed out" not in r.err  # IAP's own answer, not a wait for a connection that never comes
 
 
 def test_a_denied_tunnel_names_the_role(private, emulator):
