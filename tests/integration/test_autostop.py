@@ -35,7 +35,12 @@ UNTIL = (
     "print('job done at', time.time(), flush=True)\n"
 )
 # holds the TPU's first device file open (as a TPU program does) until killed or the time is up
-HOLD = "import sys, time; f = open('/dev/accel0', 'rb'); print('holding', flush=True); time.sleep(float(sys.argv[1]))"
+# holds a TPU device until the test releases it (a file on the worker), 300 s at most
+HOLD = (
+    "import os, sys, time; f = open('/dev/accel0', 'rb'); print('holding', flush=True); end = time.time() + 300\n"
+    "while not os.path.exists(sys.argv[1]) and time.time() < end: time.sleep(0.1)"
+)
+RELEASE = "/tmp/tpurun-test-release"
 
 
 @pytest.fixture
@@ -146,7 +151,7 @@ def test_list_shows_a_jobs_start_and_end_at_once_not_a_tick_later(tp, emulator):
 
 def test_not_deleted_while_a_process_holds_a_tpu_device(tp, emulator):
     assert tp("create", "held", "-t", "v4-16").code == 0
-    holder = popen(tp, "exec", "--worker", "1", "--", "python3", "-c", HOLD, "12")
+    holder = popen(tp, "exec", "--worker", "1", "--", "python3", "-c", HOLD, RELEASE)
     read_until(holder, lambda lines: any("holding" in line for line in lines))
     r = tp("autostop", "held", "2s")
     assert r.code == 0, r.err
@@ -156,6 +161,7 @@ def test_not_deleted_while_a_process_holds_a_tpu_device(tp, emulator):
         pass
     assert d["idleSeconds"] is None and d["busy"] == "w1: 1 process(es) hold the TPU", d
     assert d["jobs"] == []
+    assert tp("exec", "--worker", "1", "--", "touch", RELEASE).code == 0
     out, err = finish(holder)
     assert holder.returncode == 0, err  # the node was there for the whole time the device was held
     ended = time.monotonic()
