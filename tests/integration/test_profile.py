@@ -1,11 +1,13 @@
 """`tpurun profile`: a detached, unmodified JAX script on an emulated 2-host pod captured by its own runtime's
 profiler server on every host at once, into one session directory whose files xprof itself opens and which hold
-the script's jitted function; one host alone (`--worker`); a job that ended, an unknown job and a bad duration
-each said in one line."""
+the script's jitted function; one host alone (`--worker`); a hung job (its step stuck, as in a collective whose
+peer never comes) profiled all the same; a job that ended, an unknown job and a bad duration each said in one
+line."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,31 @@ print("stepping", flush=True)
 while True:
     x = tpurun_profiled_step(x).block_until_ready()
 """
+# Nothing of tpurun either: a few steps, then a step that never returns (its callback waits forever, as a collective
+# waits for a peer that never comes), so no work runs while it is captured.
+HUNG = """\
+import threading
+import jax, jax.numpy as jnp
+
+@jax.jit
+def tpurun_profiled_step(x):
+    return jnp.tanh(x @ x) * 0.5
+
+def stuck(y):
+    print("hanging", flush=True)
+    threading.Event().wait()
+    return y
+
+@jax.jit
+def tpurun_hung_step(x):
+    y = tpurun_profiled_step(x)
+    return jax.pure_callback(stuck, jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+
+x = jnp.ones((128, 128))
+for _ in range(3):
+    x = tpurun_profiled_step(x).block_until_ready()
+tpurun_hung_step(x).block_until_ready()
+"""
 END = "print('done', flush=True)\n"
 
 
@@ -38,6 +65,7 @@ def pod(emulator, tmp_path_factory) -> Iterator[Cli]:
     """One v4-16 (two hosts) the tests share, with the looping script running detached on both."""
     cli = Cli.under(tmp_path_factory.mktemp("profile"), emulator)
     (cli.cwd / "loop.py").write_text(LOOP)
+    (cli.cwd / "hung.py").write_text(HUNG)
     (cli.cwd / "end.py").write_text(END)
     try:
         create_node(cli, "prof", "v4-16")
@@ -46,13 +74,14 @@ def pod(emulator, tmp_path_factory) -> Iterator[Cli]:
         delete_every_tpu(emulator)
 
 
-@pytest.fixture
-def looping(pod) -> Iterator[str]:
-    r = pod("train", "loop.py", "--runtime", "cpu", "--launch", "host", "--detach")
+def _detached(pod: Cli, script: str, line: str) -> Iterator[str]:
+    """SCRIPT started detached on both hosts, the job's id given once each host's process has printed LINE;
+    cancelled after."""
+    r = pod("train", script, "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
     deadline = time.monotonic() + 180
-    while sum("stepping" in x for x in pod("--plain", "logs", job).out.splitlines()) < 2:
+    while sum(line in x for x in pod("--plain", "logs", job).out.splitlines()) < 2:
         assert time.monotonic() < deadline, pod("--plain", "logs", job).out
         time.sleep(0.5)
     try:
@@ -61,12 +90,36 @@ def looping(pod) -> Iterator[str]:
         assert pod("cancel", job).code == 0
 
 
+@pytest.fixture
+def looping(pod) -> Iterator[str]:
+    yield from _detached(pod, "loop.py", "stepping")
+
+
+@pytest.fixture
+def hung(pod) -> Iterator[str]:
+    yield from _detached(pod, "hung.py", "hanging")
+
+
 def _events(path: Path) -> str:
     """The trace xprof itself makes of a capture file, as its trace viewer reads it."""
     from xprof.convert import raw_to_tool_data
 
     data, _ = raw_to_tool_data.xspace_to_tool_data([str(path)], "trace_viewer@", {})
     return data.decode() if isinstance(data, bytes) else data
+
+
+def _modules(path: Path, tmp: Path) -> dict[str, str]:
+    """The XLA modules xprof itself finds in a capture file (as its graph and memory viewers list them), each with
+    its memory viewer's page of it; read from a copy, as xprof writes its module files beside the capture."""
+    from xprof.convert import raw_to_tool_data
+
+    tmp.mkdir()
+    copy = tmp / path.name
+    shutil.copy(path, copy)
+    raw_to_tool_data.xspace_to_tool_names([str(copy)])
+    names = [f.name.removesuffix(".hlo_proto.pb") for f in tmp.glob("*.hlo_proto.pb")]
+    pages = {n: raw_to_tool_data.xspace_to_tool_data([str(copy)], "memory_viewer", {"module_name": n})[0] for n in names}
+    return {n: p.decode() if isinstance(p, bytes) else p for n, p in pages.items()}
 
 
 def test_every_host_is_captured_at_once_into_one_session_xprof_opens(pod, looping):
@@ -93,6 +146,25 @@ def test_every_host_is_captured_at_once_into_one_session_xprof_opens(pod, loopin
     assert process == "w1" and Path(pod.cwd, path).name == "w1.xplane.pb", row
     assert Path(pod.cwd, path).parent.parent.parent.parent == pod.cwd / "tpurun-profiles" / looping
     assert "open it with: xprof --logdir" in r.err
+
+
+def test_a_hung_job_is_profiled_from_every_host(pod, hung, tmp_path):
+    """Every host's step is stuck: the servers answer all the same, with no trace events (nothing ran), and each
+    file holds the modules the process compiled, its stuck step's among them, which xprof's viewers open."""
+    started = time.monotonic()
+    r = pod("profile", hung, "--duration", "500ms", "--out", "hung", "--json")
+    took = time.monotonic() - started
+    assert r.code == 0, (r.out, r.err)
+    got = json.loads(r.out)
+    session = pod.cwd / got["session"]
+    assert sorted(p.name for p in session.iterdir()) == ["w0.xplane.pb", "w1.xplane.pb"]
+    assert got["missing"] == {} and got["errors"] == {}, got
+    for f in sorted(session.glob("*.xplane.pb")):
+        assert "PjitFunction" not in _events(f), f  # nothing stepped while it was captured
+        modules = _modules(f, tmp_path / f.stem)
+        (stuck,) = [n for n in modules if n.startswith("jit_tpurun_hung_step(")]
+        assert "jit(tpurun_hung_step)/jit(tpurun_profiled_step)" in modules[stuck], (f, stuck)
+    print(f"profile of a hung job, 2 hosts, 500 ms each: {took:.1f} s, {got['bytes'] / 1e3:.0f} kB")
 
 
 def test_an_ended_job_an_unknown_one_and_a_bad_duration_are_said_in_one_line(pod):
