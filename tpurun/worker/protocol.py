@@ -165,8 +165,9 @@ STACKS_SIGNAL = 23
 PROFILE_PORT = "TPURUN_PROFILE_PORT"
 
 
-def profile_ports(first: int, slot: int) -> range:  # the host process's (HOST: -1) from FIRST, chip C's from FIRST+1+C;
-    return range(first + 1 + slot, min(first + 1 + slot + 64 * 32, 65536), 64)  # then 64 on where hosts share a network
+def profile_ports(first: int, slot: int, worker: int = 0) -> list[int]:  # the host process's (HOST: -1) from FIRST+WORKER
+    ports = range(first + 1 + slot, min(first + 1 + slot + 64 * 32, 65536), 64)  # *64, chip C's +1+C; then +64 where
+    return [*ports[worker % 32 :], *ports[: worker % 32]]  # hosts share one network (the emulator's): none race for one
 
 # ---------------------------------------------------------------- records
 # Classes with __slots__ and their own __init__, not dataclasses: on every worker three processes import this

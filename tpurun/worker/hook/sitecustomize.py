@@ -530,7 +530,8 @@ def _serve_profile(module=None):
         if not first or (held is not None and held[0] == os.getpid()) or not _reporter():
             return
         protocol = _protocol()
-        port = _free(protocol.profile_ports(first, int(os.environ.get("TPURUN_CORE", protocol.HOST))))
+        slot, worker = int(os.environ.get("TPURUN_CORE", protocol.HOST)), int(os.environ.get("TPURUN_WORKER_ID") or 0)
+        port = _free(protocol.profile_ports(first, slot, worker))
         if "torch_xla" in sys.modules:
             import torch_xla
 
