@@ -102,18 +102,31 @@ def cli(emulator, tmp_path) -> Cli:
 @dataclass
 class SharedPod:
     """A TPU the tests of one file share: its name, `create --json`'s description of it, the Cli that made it,
-    and the processes each of its workers had once it was made (what a test leaves beyond them is stopped)."""
+    and the processes each of its workers had once it was made, by (node, worker) (what a test leaves beyond
+    them is stopped)."""
 
     name: str
     node: dict
     made: Cli
-    idle: dict[int, set[int]] = field(default_factory=dict)
+    idle: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+
+    @classmethod
+    def made_by(cls, made: Cli, name: str, node: dict, emulator) -> SharedPod:
+        """The pod MADE made as NAME (`create --json` said NODE), its workers' processes as they are now."""
+        hosts = emulator.emu.hosts
+        keys = [emulator.node_name(s["name"]) for s in node.get("slices") or [{"name": name}]]  # each slice's node
+        idle = {
+            (key, w): set(hosts.worker_root_pids(key, w))
+            for key in keys
+            for w in range(len(emulator.node_info(key)["workers"]))
+        }
+        return cls(name, node, made, idle)
 
     def stop_what_is_left(self, emulator) -> None:
         """Every process a test started on the workers and left there, killed and waited for: the next test
         finds the pod as `create` left it (a test that proves a stop checks that stop itself)."""
-        hosts, key = emulator.emu.hosts, emulator.node_name(self.name)
-        left = [pid for w, idle in self.idle.items() for pid in hosts.worker_root_pids(key, w) if pid not in idle]
+        hosts = emulator.emu.hosts
+        left = [pid for (key, w), idle in self.idle.items() for pid in hosts.worker_root_pids(key, w) if pid not in idle]
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -146,10 +159,7 @@ def one_pod_per_file(name: str, accel: str = "v4-16", *extra: str) -> tuple[Call
     def shared_pod(emulator, tmp_path_factory) -> Iterator[SharedPod]:
         made = Cli.under(tmp_path_factory.mktemp(name), emulator)
         try:
-            node = create_node(made, name, accel, *extra)
-            key = emulator.node_name(name)
-            workers = range(len(emulator.node_info(key)["workers"]))
-            yield SharedPod(name, node, made, {w: set(emulator.emu.hosts.worker_root_pids(key, w)) for w in workers})
+            yield SharedPod.made_by(made, name, create_node(made, name, accel, *extra), emulator)
         finally:
             emulator.restore()
             delete_every_tpu(emulator)
@@ -172,8 +182,11 @@ def one_pod_per_file(name: str, accel: str = "v4-16", *extra: str) -> tuple[Call
 def own_cli(emulator, tmp_path) -> Iterator[Cli]:
     """As `cli`, beside a file's shared TPU: a HOME of the test's own, and every TPU it made deleted after it
     (the file's shared one is left)."""
-    every_zone = emulator.parent.rsplit("/", 1)[0] + "/-"
-    there = frozenset(node.name for node in emulator.client().list_nodes(parent=every_zone))
+    client, every_zone = emulator.client(), emulator.parent.rsplit("/", 1)[0] + "/-"
+    there = frozenset(
+        [node.name for node in client.list_nodes(parent=every_zone)]
+        + [qr.name for qr in client.list_queued_resources(parent=emulator.parent)]
+    )
     try:
         yield Cli.under(tmp_path, emulator)
     finally:
