@@ -169,20 +169,25 @@ def by_tag(out: str) -> dict[str, list[str]]:
     return found
 
 
-def delete_every_tpu(emulator) -> None:
+def delete_every_tpu(emulator, keep: frozenset[str] = frozenset()) -> None:
     """A test's clean-up: every queued resource and node in every zone of the emulator deleted, waited for
-    (one already being deleted is left to finish)."""
+    (one already being deleted is left to finish); the nodes and queued resources named in KEEP (full names),
+    and the nodes of those queued resources, are left."""
     from tpurun.emulator.pytest_plugin import fast_polling
 
     client = emulator.client()
     ops = []
     for qr in list(client.list_queued_resources(parent=emulator.parent)):
+        if qr.name in keep:
+            continue
         try:
             ops.append(client.delete_queued_resource(request={"name": qr.name, "force": True}))
         except Exception:
             pass  # already being deleted
     every_zone = emulator.parent.rsplit("/", 1)[0] + "/-"  # tests make TPUs in other zones too
     for node in list(client.list_nodes(parent=every_zone)):
+        if node.name in keep or node.queued_resource in keep:
+            continue
         try:
             ops.append(client.delete_node(name=node.name))
         except Exception:

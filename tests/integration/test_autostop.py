@@ -132,18 +132,30 @@ def test_list_shows_a_jobs_start_and_end_at_once_not_a_tick_later(tp, emulator):
     minutes away."""
     tp.env["TPURUN_WATCHDOG_TICK"] = "600"
     assert tp("create", "slow", "-t", "v4-8", "--autostop", "1h").code == 0
-    time.sleep(2)  # the watchdog's first look is done, the next whole one ten minutes away
+    # the watchdog's first look is done (published), the next whole one ten minutes away
+    client, deadline = emulator.client(), time.monotonic() + 60
+
+    def looked() -> bool:
+        workers = client.get_guest_attributes(request={"name": emulator.node_name("slow")}).guest_attributes
+        return bool(workers) and all(
+            any((i.namespace, i.key) == ("tpurun", "watch") for i in w.query_value.items) for w in workers
+        )
+
+    while not looked():
+        assert time.monotonic() < deadline, "the watchdog never published its first look"
+        time.sleep(0.1)
 
     def jobs_listed(want: list[str], timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while (got := json.loads(tp("list", "--json").out)[0]["jobs"]) != want:
             assert time.monotonic() < deadline, (got, want)
-            time.sleep(1)
+            time.sleep(0.2)
 
-    r = tp("train", "job.py", "8", "0", "--runtime", "cpu", "--launch", "host", "--detach")
+    r = tp("train", "until.py", "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip()
     jobs_listed([job])
+    assert tp("exec", "--", "touch", "release").code == 0  # the job may end now
     jobs_listed([])
     assert _describe(tp, "slow")["jobs"] == []
     assert tp("delete", "slow", "--yes").code == 0

@@ -84,9 +84,12 @@ def test_a_detached_job_is_stopped_at_its_budget_with_no_client(pod, emulator):
     job = r.out.strip().splitlines()[-1]
     assert _left(emulator) != []  # it runs, and no tpurun does
     deadline = time.monotonic() + 60
-    while (row := _row(pod, job))["end"] is None:
+    while _left(emulator):  # stopped on every worker (seen there, not through a CLI start a poll)
+        assert time.monotonic() < deadline, _left(emulator)
+        time.sleep(0.1)
+    while (row := _row(pod, job))["end"] is None:  # its supervisors' word on how it ended, once they wrote it
         assert time.monotonic() < deadline, row
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert (row["end"], row["exit_code"]) == ("budget", 125), row
     assert _left(emulator) == []
 

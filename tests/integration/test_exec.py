@@ -1,5 +1,6 @@
 """tpurun exec and ssh on emulated nodes: prefixes, exit codes, fail-fast, Ctrl-C cleanup, unreachable workers,
-pins that come back from the API, and arguments that arrive exactly."""
+pins that come back from the API, and arguments that arrive exactly. The tests share one v4-64 (8 workers), but
+for the one that deletes its TPU and the one that takes 12 of 16 workers down, which make their own."""
 
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import assert_clean_error, create_node, job_pids, popen, read_until
+from tests.integration.conftest import one_pod_per_file
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-def pod8(cli):
-    return create_node(cli, "pod8", "v4-64")  # 8 workers
+POD = "pod8"  # the shared v4-64, 8 workers: each test's default TPU
+shared_pod, cli = one_pod_per_file(POD, "v4-64")
 
 
-def test_exec_every_worker_prefixed_with_exit_codes(cli, pod8):
+def test_exec_every_worker_prefixed_with_exit_codes(cli):
     r = cli("exec", "--", "sh", "-c", 'echo "host $(hostname)"; echo "to stderr" >&2; exit 0')
     assert r.code == 0, r.err
     lines = r.out.splitlines()
@@ -34,7 +34,7 @@ def test_exec_every_worker_prefixed_with_exit_codes(cli, pod8):
     assert r.out.count("ok") == 7 and "w3" in r.err and "exit code 5" in r.err
 
 
-def test_a_missing_command_is_named_without_tpuruns_wrapper(cli, pod8):
+def test_a_missing_command_is_named_without_tpuruns_wrapper(cli):
     r = cli("exec", "--worker", "0", "--", "nosuchcommand", "x")
     assert r.code == 1 and "[w0] cannot start nosuchcommand: command not found" in r.err, r.err
     assert "setsid" not in r.err and "sh:" not in r.err
@@ -48,7 +48,7 @@ def test_a_missing_command_is_named_without_tpuruns_wrapper(cli, pod8):
     assert "hint" not in r.err
 
 
-def test_worker_selection(cli, pod8):
+def test_worker_selection(cli):
     r = cli("exec", "--worker", "1-2,5", "--", "hostname")
     assert r.code == 0
     assert sorted(line.split()[0] for line in r.out.splitlines()) == ["[w1]", "[w2]", "[w5]"]
@@ -66,7 +66,7 @@ def test_worker_selection(cli, pod8):
     assert_clean_error(cli("train", "x.py", "--runtime", "cpu", "--worker", "9", "--dry-run"), 2)
 
 
-def test_fail_fast_stops_the_others(cli, emulator, pod8):
+def test_fail_fast_stops_the_others(cli, emulator):
     t0 = time.monotonic()
     r = cli("exec", "--fail-fast", "--", "sh", "-c", 'case "$(hostname)" in *-w-2) sleep 0.5; exit 4;; esac; sleep 300')
     assert r.code == 1 and time.monotonic() - t0 < 60
@@ -76,38 +76,38 @@ def test_fail_fast_stops_the_others(cli, emulator, pod8):
 
 
 def test_sigint_leaves_no_remote_process(cli, emulator):
-    create_node(cli, "pod4", "v4-32")
     proc = popen(cli, "exec", "--", "sh", "-c", "echo started; sleep 1000")
-    read_until(proc, lambda lines: sum("started" in line for line in lines) >= 4)
-    assert any(job_pids(emulator, "pod4", "sleep 1000", [w]) for w in range(4))
+    read_until(proc, lambda lines: sum("started" in line for line in lines) == 8)
+    assert any(job_pids(emulator, POD, "sleep 1000", [w]) for w in range(8))
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
-    for w in range(4):
-        assert job_pids(emulator, "pod4", "sleep 1000", [w]) == [], f"w{w} still runs it"
+    for w in range(8):
+        assert job_pids(emulator, POD, "sleep 1000", [w]) == [], f"w{w} still runs it"
 
 
 def test_client_killed_remote_group_dies(cli, emulator):
-    create_node(cli, "pod2", "v4-16")
     proc = popen(cli, "exec", "--", "sh", "-c", "echo started; sleep 2000", stderr=None)
-    first, second = read_until(proc, lambda lines: len(lines) == 2)
-    assert "started" in first and "started" in second
+    lines = read_until(proc, lambda lines: len(lines) == 8)
+    assert all("started" in line for line in lines)
     proc.kill()  # SIGKILL: no cleanup code runs on the client; the connection drop must do it
     proc.wait()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if not any(job_pids(emulator, "pod2", "sleep 2000", [w]) for w in range(2)):
+        if not any(job_pids(emulator, POD, "sleep 2000", [w]) for w in range(8)):
             break
         time.sleep(0.2)
-    assert not any(job_pids(emulator, "pod2", "sleep 2000", [w]) for w in range(2))
+    assert not any(job_pids(emulator, POD, "sleep 2000", [w]) for w in range(8))
 
 
-def test_unreachable_worker_reported_others_finish(cli, emulator):
-    d = create_node(cli, "pod4b", "v4-32")
-    emulator.kill_sshd(emulator.node_name("pod4b"), 2)
-    r = cli("exec", "--", "echo", "alive")
+def test_unreachable_worker_reported_others_finish(cli, emulator, shared_pod):
+    emulator.kill_sshd(emulator.node_name(POD), 2)
+    try:
+        r = cli("exec", "--", "echo", "alive")
+    finally:
+        emulator.emu.hosts.restart_sshd(emulator.node_name(POD), 2)  # the pod as the other tests find it
     assert r.code == 4, (r.out, r.err)
-    assert r.out.count("alive") == 3
-    addr = d["workerEndpoints"][2]["internalIp"]
+    assert r.out.count("alive") == 7
+    addr = shared_pod.node["workerEndpoints"][2]["internalIp"]
     assert "w2" in r.err and addr in r.err
 
 
@@ -116,8 +116,7 @@ def test_a_worker_runs_its_command_without_waiting_for_a_slow_handshake(cli, emu
     once w1 has proved who it is, and w1's still runs (its key checked as ever)."""
     from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, proxy_workers
 
-    create_node(cli, "farpod", "v4-16")
-    info = emulator.node_info(emulator.node_name("farpod"))
+    info = emulator.node_info(emulator.node_name(POD))
     group = ProxyGroup().start()
     try:
         mapping = proxy_workers(group, [(w["address"], w["sshPort"]) for w in info["workers"]])
@@ -133,27 +132,28 @@ def test_a_worker_runs_its_command_without_waiting_for_a_slow_handshake(cli, emu
     assert started["[w1]"] - started["[w0]"] > 3.0, started
 
 
-def test_lost_pins_come_back_from_the_api_never_from_the_host(cli, emulator):
-    d = create_node(cli, "unpinned", "v4-16")
-    cli.known_hosts.write_text("")
+def test_lost_pins_come_back_from_the_api_never_from_the_host(cli, emulator, shared_pod):
+    d = shared_pod.node
+    cli.known_hosts.write_text("")  # this test's copy of the HOME that made the pod
     r = cli("exec", "--", "true")
     assert r.code == 0, r.err
-    published = emulator.node_info(emulator.node_name("unpinned"))["workers"]
+    published = emulator.node_info(emulator.node_name(POD))["workers"]
     pinned = sorted(cli.known_hosts.read_text().splitlines())
     assert pinned == [f"tpu.{d['id']}-{i} {w['hostKey']}" for i, w in enumerate(published)]
 
 
 def test_ssh_runs_one_command_exactly(cli):
-    create_node(cli, "sshnode", "v4-16")
     r = cli("ssh", "--worker", "1", "--", "printf", "%s|", "a b", "$HOME", "it's")
     assert r.code == 0, r.err
     assert r.out == "a b|$HOME|it's|"
 
 
-def test_ssh_forwards_a_local_port_and_refuses_a_gone_tpu(cli, emulator):
-    """`tpurun ssh -L` (ssh's own flag): the worker's sshd is reached through the forwarded local port."""
+def test_ssh_forwards_a_local_port_and_refuses_a_gone_tpu(own_cli, emulator):
+    """`tpurun ssh -L` (ssh's own flag): the worker's sshd is reached through the forwarded local port. (A TPU of
+    its own: it deletes it.)"""
     import socket
 
+    cli = own_cli
     d = create_node(cli, "fwd", "v4-16")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -187,15 +187,14 @@ _text = st.text(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(args=st.lists(_text, min_size=1, max_size=4))
-def test_arguments_arrive_exactly(cli, emulator, args):
-    node = "argnode"
-    if not any(n.name.endswith("/" + node) for n in emulator.client().list_nodes(parent=emulator.parent)):
-        create_node(cli, node, "v4-8")
+# Each example is a CLI start (about a second): 10 of them carry as many strings, about 60, as 25 of up to 4 did
+# (hypothesis makes lists of 6 on average when they may be that long).
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=st.lists(_text, min_size=1, max_size=20))
+def test_arguments_arrive_exactly(cli, args):
     # each argument comes back as one JSON string: exact bytes, no shell re-splitting
     r = cli(
-        "exec", "--", "python3", "-c", "import json,sys; print(json.dumps(sys.argv[1:]))", *args,
+        "exec", "--worker", "0", "--", "python3", "-c", "import json,sys; print(json.dumps(sys.argv[1:]))", *args,
     )  # fmt: skip
     assert r.code == 0, r.err
     line = r.out.rstrip("\n")
@@ -203,10 +202,12 @@ def test_arguments_arrive_exactly(cli, emulator, args):
     assert json.loads(line[len("[w0] ") :]) == args
 
 
-def test_a_large_pod_is_summed_up_per_outcome_and_gathers_on_request(cli, emulator):
+def test_a_large_pod_is_summed_up_per_outcome_and_gathers_on_request(own_cli, emulator):
     """16 workers: one summary row per outcome with its folded workers, failures named; --by-worker gives a row
     each; --gather prints each distinct output once under its workers, and the set pastes back into --worker;
-    the workers that cannot be reached beyond the first few are named once per reason."""
+    the workers that cannot be reached beyond the first few are named once per reason. (A TPU of its own: it
+    takes 12 workers down.)"""
+    cli = own_cli
     create_node(cli, "pod16", "v4-128")  # 16 workers
     odd = 'case "$(hostname)" in *-w-5|*-w-11) echo odd; exit 3;; esac; echo same'
     r = cli("exec", "--", "sh", "-c", odd)

@@ -1,5 +1,6 @@
 """Multislice TPUs through the real CLI, the real google-cloud-tpu client and real sshd workers: one
-queued resource with multisliceParams makes the slices, and the name stands for all of them."""
+queued resource with multisliceParams makes the slices, and the name stands for all of them. The tests that
+train on two v4-16 slices share them; those that make, delete, preempt or take down a TPU make their own."""
 
 from __future__ import annotations
 
@@ -13,20 +14,27 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import assert_clean_error, by_tag, finish, job_pids, popen, read_until
+from tests.integration.conftest import one_pod_per_file
 
 pytestmark = pytest.mark.integration
+
+SHARED = "two"  # two v4-16 slices, two-0 and two-1: each shared test's default TPU
+shared_pod, cli = one_pod_per_file(SHARED, "v4-16", "--slices", "2")
 
 TPU_ENV = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/tpu-env"
 
 
 def _leftovers(emulator) -> tuple[list[str], list[str]]:
+    """The nodes and queued resources there, but the shared slices'."""
     client = emulator.client()
-    nodes = [n.name for n in client.list_nodes(parent=emulator.parent)]
-    qrs = [q.name for q in client.list_queued_resources(parent=emulator.parent)]
+    shared = {emulator.node_name(f"{SHARED}-{i}") for i in range(2)} | {f"{emulator.parent}/queuedResources/{SHARED}"}
+    nodes = [n.name for n in client.list_nodes(parent=emulator.parent) if n.name not in shared]
+    qrs = [q.name for q in client.list_queued_resources(parent=emulator.parent) if q.name not in shared]
     return nodes, qrs
 
 
-def test_two_slices_of_v4_16_create_exec_describe_delete(cli, emulator):
+def test_two_slices_of_v4_16_create_exec_describe_delete(own_cli, emulator):
+    cli = own_cli
     r = cli("create", "ms", "-t", "v4-16", "--slices", "2", "--json")
     assert r.code == 0, r.err
     d = json.loads(r.out)
@@ -70,7 +78,7 @@ def test_two_slices_of_v4_16_create_exec_describe_delete(cli, emulator):
 
     desc = json.loads(cli("describe", "ms", "--json").out)
     assert [w["name"] for w in desc["workerEndpoints"]] == ["s0/w0", "s0/w1", "s1/w0", "s1/w1"]
-    listed = {n["name"]: n.get("multislice") for n in json.loads(cli("list", "--json").out)}
+    listed = {n["name"]: n.get("multislice") for n in json.loads(cli("list", "--json").out) if n["name"].startswith("ms")}
     assert listed == {"ms-0": {"tpu": "ms", "slice": 0}, "ms-1": {"tpu": "ms", "slice": 1}}
 
     r = cli("delete", "ms-1", "--yes")  # one slice alone: refused, the slices go together
@@ -83,7 +91,8 @@ def test_two_slices_of_v4_16_create_exec_describe_delete(cli, emulator):
     assert "tpu" not in (cli.cwd / "tpurun.toml").read_text() if (cli.cwd / "tpurun.toml").exists() else True
 
 
-def test_slices_with_a_name_that_exists_creates_nothing(cli, emulator):
+def test_slices_with_a_name_that_exists_creates_nothing(own_cli, emulator):
+    cli = own_cli
     # the TPU's name taken by a plain node, then a slice's: refused the same way, before anything is asked for
     for existing, said in (
         ("taken", "taken: the Cloud TPU API already has a TPU of that name"),
@@ -104,16 +113,9 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 TAGS = ["s0/w0", "s0/w1", "s1/w0", "s1/w1"]
 
 
-def _two_slices(cli, name: str) -> dict:
-    r = cli("create", name, "-t", "v4-16", "--slices", "2", "--json")
-    assert r.code == 0, r.err
-    return json.loads(r.out)
-
-
 def test_jax_example_trains_across_two_slices_with_real_collectives(cli):
     """The JAX example, unmodified, once per host on 2 slices x 2 workers: jax.distributed.initialize()
     with no arguments joins all 4 processes and gloo all-reduces across every slice."""
-    _two_slices(cli, "jx")
     shutil.copy(EXAMPLES / "digits_jax.py", cli.cwd / "digits_jax.py")
     r = cli("train", "digits_jax.py", "--runtime", "cpu", "--launch", "host", timeout=600)
     assert r.code == 0, r.err[-3000:]
@@ -130,10 +132,10 @@ def test_jax_example_trains_across_two_slices_with_real_collectives(cli):
     assert accuracy and float(accuracy[0].split()[-1]) >= 0.9
 
 
-def test_jax_finds_the_slices_from_the_emulated_vms_as_on_cloud_tpu(cli):
+def test_jax_finds_the_slices_from_the_emulated_vms_as_on_cloud_tpu(cli, shared_pod):
     """What a host launch gives a JAX program on a TPU: jax's own Cloud TPU cluster code, run on every
     worker, reads its slice from the VM (metadata server, tpu-env) and agrees with tpurun's variables."""
-    d = _two_slices(cli, "jv")
+    d = shared_pod.node
     (cli.cwd / "probe.py").write_text(
         "import json, os\n"
         "from jax._src.clusters import cloud_tpu_cluster as c\n"
@@ -160,7 +162,6 @@ def test_jax_finds_the_slices_from_the_emulated_vms_as_on_cloud_tpu(cli):
 
 
 def test_detach_and_logs_across_slices(cli):
-    _two_slices(cli, "dl")
     (cli.cwd / "few.py").write_text(
         "import os, time\nfor i in range(3):\n    print('line', i, 'of', os.environ['TPURUN_WORKER_ID'], flush=True)\n"
         "    time.sleep(0.2)\n"
@@ -180,7 +181,6 @@ def test_detach_and_logs_across_slices(cli):
 
 
 def test_dry_run_shows_every_slice(cli):
-    _two_slices(cli, "dr")
     (cli.cwd / "t.py").write_text("print(1)\n")
     r = cli("train", "t.py", "--runtime", "pjrt", "--dry-run", "--json")
     assert r.code == 0, r.err
@@ -201,9 +201,10 @@ def _every_worker(pattern: str):
     return seen
 
 
-def test_a_worker_killed_in_one_slice_stops_the_job_on_every_slice(cli, emulator):
+def test_a_worker_killed_in_one_slice_stops_the_job_on_every_slice(own_cli, emulator):
+    cli = own_cli  # it takes a worker down: slices of its own
     cli.env["TPURUN_PREEMPT_CHECK"] = "3"  # a lost worker on READY slices: look 3 s for a preemption
-    _two_slices(cli, "kl")
+    assert cli("create", "kl", "-t", "v4-16", "--slices", "2").code == 0
     (cli.cwd / "tick.py").write_text("import time\nfor i in range(3000):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n")
     proc = popen(cli, "train", "tick.py", "--runtime", "cpu", "--launch", "host")
     read_until(proc, _every_worker(r"tick"), timeout=120)
@@ -218,7 +219,8 @@ def test_a_worker_killed_in_one_slice_stops_the_job_on_every_slice(cli, emulator
         assert job_pids(emulator, node, "tick.py") == [], node
 
 
-def test_a_preempted_slice_relaunches_the_job_on_every_slice(cli, emulator):
+def test_a_preempted_slice_relaunches_the_job_on_every_slice(own_cli, emulator):
+    cli = own_cli
     r = cli("create", "sp", "-t", "v4-16", "--slices", "2", "--spot")
     assert r.code == 0, r.err
     (cli.cwd / "resume.py").write_text(
@@ -243,7 +245,8 @@ def test_a_preempted_slice_relaunches_the_job_on_every_slice(cli, emulator):
         assert node.state.name == "READY" and node.multislice_node
 
 
-def test_sync_kill_stale_doctor_and_ssh_reach_every_slice(cli):
+def test_sync_kill_stale_doctor_and_ssh_reach_every_slice(own_cli):
+    cli = own_cli  # two single-host slices
     r = cli("create", "hs", "-t", "v4-8", "--slices", "2", "--json")
     assert r.code == 0, r.err
     names = ["s0/w0", "s1/w0"]
@@ -266,18 +269,18 @@ def test_sync_kill_stale_doctor_and_ssh_reach_every_slice(cli):
 
 
 def test_ctrl_c_stops_every_slice(cli, emulator):
-    _two_slices(cli, "cc")
     (cli.cwd / "tick.py").write_text("import time\nfor i in range(3000):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n")
     proc = popen(cli, "train", "tick.py", "--runtime", "cpu", "--launch", "host")
     read_until(proc, _every_worker(r"tick"), timeout=120)
     proc.send_signal(signal.SIGINT)
     out, err = finish(proc)
     assert proc.returncode == 130, err
-    for node in ("cc-0", "cc-1"):  # tpurun exits only once every remote process is gone
+    for node in (f"{SHARED}-0", f"{SHARED}-1"):  # tpurun exits only once every remote process is gone
         assert job_pids(emulator, node, "tick.py") == [], node
 
 
-def test_no_wait_returns_the_queued_request(cli, emulator):
+def test_no_wait_returns_the_queued_request(own_cli, emulator):
+    cli = own_cli
     r = cli("create", "nw", "-t", "v4-8", "--slices", "2", "--no-wait", "--json")
     assert r.code == 0, r.err
     d = json.loads(r.out)

@@ -1,11 +1,13 @@
 """tpurun sync on emulated nodes (v4-32 = 4 workers): full copy, no-op, one changed file, killed sync,
---delete, ignore rules, and a worker whose disk is full."""
+--delete, ignore rules, and a worker whose disk is full. The tests share one v4-32, each finding its workers
+without anything synced; the one that mounts a full disk on a worker makes its own."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -13,18 +15,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_clean_error, popen
+from tests.helpers import assert_clean_error, job_pids, popen
+from tests.integration.conftest import one_pod_per_file
 
 pytestmark = pytest.mark.integration
 
 WORKERS = 4
+POD = "n1"  # the shared v4-32: each test's default TPU
+shared_pod, cli = one_pod_per_file(POD, "v4-32")
+HELPER = "exec(zlib.decompress("  # the sync helper's command line on a worker (its source travels inline)
 
 
 @pytest.fixture
-def pod(cli):
-    r = cli("create", "n1", "-t", "v4-32", "--json")
-    assert r.code == 0, r.err
-    return json.loads(r.out)
+def pod(cli, shared_pod, emulator):
+    """The shared pod's description; what the test synced to its workers is removed after it."""
+    yield shared_pod.node
+    for w in range(WORKERS):
+        root = _worker_root(emulator, POD, w)
+        for synced in (root / "project", root / "dst", root.parent / "tmp" / "sel"):
+            shutil.rmtree(synced, ignore_errors=True)
 
 
 def _addresses(pod) -> list[str]:
@@ -150,7 +159,7 @@ def test_killed_sync_leaves_no_partial_file(cli, pod, emulator, sig):
         (big / f"f{i}.bin").write_bytes(os.urandom(50 * 1024 * 1024))
     (cli.cwd / "small.txt").write_text("small\n")
     proc = popen(cli, "sync", "--json", stdout=subprocess.DEVNULL)
-    roots = [_worker_root(emulator, "n1", i) for i in range(WORKERS)]
+    roots = [_worker_root(emulator, POD, i) for i in range(WORKERS)]
     deadline = time.monotonic() + 60
     streaming = False
     while time.monotonic() < deadline and not streaming:
@@ -160,13 +169,17 @@ def test_killed_sync_leaves_no_partial_file(cli, pod, emulator, sig):
                 streaming = True
         time.sleep(0.02)
     assert streaming, "the sync never started streaming"
+    assert job_pids(emulator, POD, HELPER), "no sync helper seen on the workers while it streams"
     time.sleep(0.3)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     if sig == signal.SIGINT:
         assert proc.returncode == 130, err
         assert err.strip().splitlines()[-1] == "interrupted: nothing half-written is left on the workers", err
-    time.sleep(1.0)  # the helpers see EOF and clean up
+    wait_gone = time.monotonic() + 30  # the helpers see EOF, clean up and exit
+    while job_pids(emulator, POD, HELPER):
+        assert time.monotonic() < wait_gone, "the sync helpers are still running"
+        time.sleep(0.05)
     want = {f"f{i}.bin": hashlib.sha256((big / f"f{i}.bin").read_bytes()).hexdigest() for i in range(3)}
     partial_seen = False
     for root in roots:
@@ -185,7 +198,9 @@ def test_killed_sync_leaves_no_partial_file(cli, pod, emulator, sig):
             assert hashlib.sha256((root / "project" / "big" / name).read_bytes()).hexdigest() == sha
 
 
-def test_disk_full_on_one_worker(cli, pod, emulator):
+def test_disk_full_on_one_worker(own_cli, emulator):
+    cli = own_cli  # a TPU of its own: a worker's disk is made full
+    assert cli("create", "full", "-t", "v4-32").code == 0
     (cli.cwd / "a.txt").write_text("a\n")
     (cli.cwd / "big.bin").write_bytes(os.urandom(2 * 1024 * 1024))
     r = cli(
@@ -201,7 +216,7 @@ def test_disk_full_on_one_worker(cli, pod, emulator):
     assert by[1]["errors"] and all(
         not by[i]["errors"] and by[i]["files_sent"] == by[i]["files_total"] for i in (0, 2, 3)
     )
-    names = os.listdir(_worker_root(emulator, "n1", 1) / "dst")
+    names = os.listdir(_worker_root(emulator, "full", 1) / "dst")
     assert "big.bin" not in names and not [n for n in names if n.startswith(".tpurun-tmp-")], names
     assert "a.txt" in names
 

@@ -1,5 +1,6 @@
 """tpurun train on emulated workers: per-core prefixes and logs, fail-fast, Ctrl-C, detach/reattach,
-preemption recovery, and the dry-run env through the CLI."""
+preemption recovery, and the dry-run env through the CLI. The tests share one v4-16 (2 workers), but for the
+one whose TPU is preempted and the one that changes a worker's Python, which make their own."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ import time
 import pytest
 
 from tests.helpers import assert_clean_error, create_node, finish, job_pids, lines_by_core, popen, read_until
+from tests.integration.conftest import one_pod_per_file
+from tpurun.emulator.pytest_plugin import fast_polling
 
 pytestmark = pytest.mark.integration
+
+POD = "pair"  # the shared v4-16, the default TPU of each test's project directory
+shared_pod, cli = one_pod_per_file(POD, "v4-16")
 
 PRINTER = """\
 import os, sys, time
@@ -27,8 +33,8 @@ print("restart", os.environ["TPURUN_RESTART_COUNT"], flush=True)
 """
 
 
-def test_every_core_streams_in_order_and_logs_match(cli):
-    d = create_node(cli, "t2")
+def test_every_core_streams_in_order_and_logs_match(cli, shared_pod):
+    d = shared_pod.node
     (cli.cwd / "printer.py").write_text(PRINTER)
     r = cli("train", "printer.py", "7", "--runtime", "cpu", "--cores", "2", "--python", "python3")
     assert r.code == 0, r.err
@@ -54,7 +60,6 @@ def test_every_core_streams_in_order_and_logs_match(cli):
 
 
 def test_fail_fast_names_first_failure_and_cleans_every_worker(cli, emulator):
-    create_node(cli, "ff")
     (cli.cwd / "fail.py").write_text(
         "import os, sys, time\n"
         "w, c = os.environ['TPURUN_WORKER_ID'], os.environ['TPURUN_CORE']\n"
@@ -67,22 +72,20 @@ def test_fail_fast_names_first_failure_and_cleans_every_worker(cli, emulator):
     assert r.code == 1, (r.out, r.err)
     assert time.monotonic() - t0 < 60
     assert "w1/c1" in r.err and "exit code 3" in r.err and "dying now" in r.err
-    assert job_pids(emulator, "ff", "fail.py") == []
+    assert job_pids(emulator, POD, "fail.py") == []
 
 
 def test_sigint_stops_everything_then_exits_130(cli, emulator):
-    create_node(cli, "sig")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     proc = popen(cli, "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3")
     read_until(proc, lambda lines: sum("up" in line for line in lines) >= 4)
-    assert job_pids(emulator, "sig", "sleepy.py")
+    assert job_pids(emulator, POD, "sleepy.py")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
-    assert job_pids(emulator, "sig", "sleepy.py") == []
+    assert job_pids(emulator, POD, "sleepy.py") == []
 
 
 def test_client_sigkill_stops_attached_job(cli, emulator):
-    create_node(cli, "killc")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     proc = popen(
         cli, "train", "sleepy.py", "--runtime", "cpu", "--cores", "2", "--python", "python3", stderr=subprocess.DEVNULL
@@ -91,9 +94,9 @@ def test_client_sigkill_stops_attached_job(cli, emulator):
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 30
-    while job_pids(emulator, "killc", "sleepy.py") and time.monotonic() < deadline:
+    while job_pids(emulator, POD, "sleepy.py") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert job_pids(emulator, "killc", "sleepy.py") == []
+    assert job_pids(emulator, POD, "sleepy.py") == []
 
 
 def _detached(cli, source: str, cores: int) -> str:
@@ -105,7 +108,6 @@ def _detached(cli, source: str, cores: int) -> str:
 
 
 def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
-    create_node(cli, "det")
     job = _detached(
         cli, "import os, time\nfor i in range(30):\n    print(f'tick {i}', flush=True); time.sleep(0.1)\n", 2
     )
@@ -125,7 +127,6 @@ def test_detached_job_survives_and_logs_reattach_exactly_once(cli, emulator):
 
 
 def test_second_train_on_same_node_refuses(cli):
-    create_node(cli, "busy")
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     first = cli("train", "sleepy.py", "--runtime", "cpu", "--python", "python3", "--detach")
     assert first.code == 0, first.err
@@ -141,7 +142,8 @@ def test_second_train_on_same_node_refuses(cli):
     assert cli("cancel", job).code == 0
 
 
-def test_preemption_with_max_restarts_recreates_and_finishes(cli, emulator):
+def test_preemption_with_max_restarts_recreates_and_finishes(own_cli, emulator):
+    cli = own_cli  # its TPU is preempted and made anew: one of its own
     r = cli("create", "pre", "-t", "v4-16", "--spot")
     assert r.code == 0, r.err
     (cli.cwd / "long.py").write_text(
@@ -171,22 +173,48 @@ def test_preemption_with_max_restarts_recreates_and_finishes(cli, emulator):
     assert "restart 1/1: recreating pre" in r.err and r.out.count("finished") == 2, (r.out, r.err)
 
 
+@pytest.fixture(scope="module")
+def dry_run_tpu(emulator):
+    """A TPU of each type the dry-run test asks for, made through the API once for both runtimes (a dry run
+    reaches no worker: it reads the TPU's description): its id and its workers' addresses."""
+    from google.cloud import tpu_v2
+
+    from tpurun.topology import default_runtime_version, parse_accelerator_type
+
+    client, made = emulator.client(), {}
+
+    def tpu(accel: str) -> tuple[str, list[str]]:
+        if accel not in made:
+            node = tpu_v2.Node(
+                accelerator_type=accel,
+                runtime_version=default_runtime_version(parse_accelerator_type(accel).generation),
+                network_config=tpu_v2.NetworkConfig(enable_external_ips=True),
+            )
+            node_id = "dry-" + accel
+            op = client.create_node(parent=emulator.parent, node_id=node_id, node=node)
+            made[accel] = (node_id, [ep.ip_address for ep in op.result(polling=fast_polling()).network_endpoints])
+        return made[accel]
+
+    yield tpu
+    for op in [client.delete_node(name=emulator.node_name(node_id)) for node_id, _ in made.values()]:
+        op.result(polling=fast_polling())
+
+
 @pytest.mark.parametrize("accel", ["v2-8", "v3-32", "v4-32", "v5litepod-16", "v6e-8"])
 @pytest.mark.parametrize("runtime", ["pjrt", "xrt"])
-def test_dry_run_env_matches_the_contract(cli, emulator, tpu_node, accel, runtime):
+def test_dry_run_env_matches_the_contract(cli, dry_run_tpu, accel, runtime):
     from tpurun.job.env_contract import plan_job
     from tpurun.topology import parse_accelerator_type
 
-    node = tpu_node(accel, user="root", wait_startup=False)
+    node_id, addresses = dry_run_tpu(accel)
     (cli.cwd / "train.py").write_text("print('x')\n")
-    r = cli("train", "train.py", "--tpu", node.node_id, "--runtime", runtime, "--dry-run", "--json")
+    r = cli("train", "train.py", "--tpu", node_id, "--runtime", runtime, "--dry-run", "--json")
     if runtime == "xrt" and accel.startswith(("v5litepod", "v6e")):
         assert_clean_error(r, 2)  # XRT never ran on these generations: a clear refusal, not a wrong env
         assert "use --runtime pjrt" in r.err
         return
     assert r.code == 0, r.err
     got = json.loads(r.out)
-    addresses = [w.address for w in node.workers]
     want = plan_job(
         job_id=got["job_id"], topology=parse_accelerator_type(accel), runtime=runtime, launch="host",
         worker_addresses=addresses, cores=None, core=None, script="train.py", args=[], python="python3",
@@ -229,7 +257,6 @@ def test_digits_example_trains_across_two_workers(cli):
     import shutil
     from pathlib import Path
 
-    create_node(cli, "digits")
     shutil.copy(Path(__file__).parents[2] / "examples" / "digits_xla.py", cli.cwd / "digits_xla.py")
     # no --python: the emulated image's python3 is the Python tpurun runs in (docs/emulator.md)
     r = cli("train", "digits_xla.py", "--runtime", "cpu", "--cores", "2", timeout=600)
@@ -246,7 +273,6 @@ def test_digits_example_trains_across_two_workers(cli):
 
 
 def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, emulator):
-    create_node(cli, "view")
     job = _detached(cli, "import time\nfor i in range(600):\n    print('tick', i, flush=True); time.sleep(0.1)\n", 1)
     proc = popen(cli, "logs", job, "--follow")
     (first,) = read_until(proc, lambda lines: len(lines) == 1)
@@ -255,7 +281,7 @@ def test_ctrl_c_on_logs_follow_stops_the_viewer_at_once_and_leaves_the_job(cli, 
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130
     assert time.monotonic() - t0 < 5
-    assert job_pids(emulator, "view", "slow.py")  # the job itself goes on
+    assert job_pids(emulator, POD, "slow.py")  # the job itself goes on
     assert cli("cancel", job).code == 0
 
 
@@ -272,7 +298,6 @@ def test_logs_follow_ends_as_the_job_did_naming_the_first_failure_as_jobs_and_tr
     """The documented reattach (`train --detach`, then `logs --follow`) exits with the job's result, as train
     would have; logs, jobs and train name the same process as the first failure, the one that failed first
     whichever worker comes first in order."""
-    create_node(cli, "lf")
     (cli.cwd / "late.py").write_text(LATE)
     (cli.cwd / "sleepy.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
 
@@ -309,7 +334,6 @@ def test_logs_follow_ends_as_the_job_did_naming_the_first_failure_as_jobs_and_tr
 
 
 def test_logs_replays_every_worker_in_time_order(cli):
-    create_node(cli, "order")
     # the workers take turns over a socket (w0 listens at MASTER_ADDR), 0.1 s apart: the true order of their
     # lines, whatever the skew between the two processes' starts
     (cli.cwd / "turns.py").write_text(
@@ -353,10 +377,10 @@ def test_logs_replays_every_worker_in_time_order(cli):
     assert_clean_error(cli("logs", job, "--worker", "5"), 2)
 
 
-def test_processes_meet_at_internal_addresses_whatever_tpurun_connects_to(cli):
+def test_processes_meet_at_internal_addresses_whatever_tpurun_connects_to(cli, shared_pod):
     """tpurun may reach workers through other addresses (external IPs, a proxy); the processes reach
     each other inside the VPC, so MASTER_ADDR and the runtime's addresses are the internal ones."""
-    d = create_node(cli, "inner")
+    d = shared_pod.node
     internal = [w["internalIp"] for w in d["workerEndpoints"]]
     cli.env["TPURUN_ADDRESS_MAP"] = json.dumps({a: f"127.0.0.1:{2200 + i}" for i, a in enumerate(internal)})
     (cli.cwd / "t.py").write_text("print(1)\n")
@@ -368,10 +392,11 @@ def test_processes_meet_at_internal_addresses_whatever_tpurun_connects_to(cli):
     assert {p["env"]["JAX_COORDINATOR_ADDRESS"] for p in rows} == {f"{internal[0]}:8482"}
 
 
-def test_a_package_differing_on_one_worker_is_refused_with_its_table(cli):
+def test_a_package_differing_on_one_worker_is_refused_with_its_table(own_cli):
     """Worker 1's jax metadata says 0.0.1 (renamed in that worker's own copy of the image's Python, as a
     different install would leave it): the start is refused with the table of who differs, nothing started
-    or recorded; --allow-skew starts it with a warning."""
+    or recorded; --allow-skew starts it with a warning. (A TPU of its own: its worker's Python is changed.)"""
+    cli = own_cli
     d = create_node(cli, "skew")
     w1 = d["workerEndpoints"][1]["internalIp"]
     purelib = "python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'"

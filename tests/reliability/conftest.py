@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import create_node, finish, job_pids, lines_by_core, popen, read_until  # noqa: F401  (re-exported for the tests)
-from tests.integration.conftest import Cli, cli  # noqa: F401  (re-exported fixture)
+from tests.integration.conftest import Cli, cli, own_cli  # noqa: F401  (re-exported fixtures)
 
 MUTATING = ("POST", "PATCH", "DELETE", "PUT")
 

@@ -1,18 +1,23 @@
 """Faults during `tpurun train` on a 2-worker emulated node (2 cores each): each case checks the outcome,
 the message, the exit code, that no process of the job is left in any worker's process table, and that
-every line printed before the fault is in the per-core log files and (attached) on tpurun's output."""
+every line printed before the fault is in the per-core log files and (attached) on tpurun's output. The
+cases share one node, on whose workers each finds no job of another; those that kill a worker or have their
+node preempted make their own."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import time
 
 import pytest
 
 from tests.helpers import assert_clean_error
+from tests.integration.conftest import one_pod_per_file
 from tests.reliability.conftest import (
+    TICKER,
     core_log,
     create,
     finish,
@@ -27,6 +32,9 @@ from tests.reliability.conftest import (
 )
 
 pytestmark = pytest.mark.integration
+
+NODE = "rel"  # the shared v4-16: each test's default TPU
+shared_pod, cli = one_pod_per_file(NODE, "v4-16")
 
 TRAIN = ("--runtime", "cpu", "--cores", "2", "--python", "python3")
 CORES = [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -50,10 +58,15 @@ def _assert_lines_kept(emulator, node: str, job: str, out: str, seen: list[str],
 
 
 @pytest.fixture
-def node(cli, ticker):
+def node(cli, ticker, emulator):
+    """The shared node; the jobs' files and markers the test left on its workers go after it (its processes go
+    with the `cli` fixture's end)."""
     cli.env["TPURUN_PREEMPT_CHECK"] = "3"  # a lost worker on a READY node: look 3 s for a preemption, not 20
-    create(cli, "rel", "v4-16")
-    return "rel"
+    yield NODE
+    for w in range(2):
+        home = worker_home(emulator, NODE, w)
+        shutil.rmtree(home / "race", ignore_errors=True)
+        shutil.rmtree(home / ".tpurun" / "jobs", ignore_errors=True)
 
 
 def test_sshd_killed_mid_train_job_finishes(cli, emulator, node):
@@ -62,21 +75,27 @@ def test_sshd_killed_mid_train_job_finishes(cli, emulator, node):
     proc = popen(cli, "train", "ticker.py", "20", "0.1", *TRAIN)
     seen = read_until(proc, _each_core_printed(2))
     emulator.kill_sshd(emulator.node_name(node), 1)
-    out, err = finish(proc, 120)
-    out = "\n".join(seen) + "\n" + out
-    assert proc.returncode == 0, err
-    job = job_id(err)
-    for w, c in CORES:
-        want = [f"n {i} w{w} c{c}" for i in range(20)] + [f"done w{w} c{c}"]
-        assert lines_by_core(out)[(w, c)] == want
-        assert core_log(emulator, node, job, w, c) == want
-    assert job_pids(emulator, node, "ticker.py") == []
-    r = cli("logs", job)  # a new connection to w1 cannot be made
-    assert r.code == 4 and "w1" in r.err and "Traceback" not in r.err, (r.code, r.err)
-    emulator.emu.hosts.restart_sshd(emulator.node_name(node), 1)
+    try:
+        out, err = finish(proc, 120)
+        out = "\n".join(seen) + "\n" + out
+        assert proc.returncode == 0, err
+        job = job_id(err)
+        for w, c in CORES:
+            want = [f"n {i} w{w} c{c}" for i in range(20)] + [f"done w{w} c{c}"]
+            assert lines_by_core(out)[(w, c)] == want
+            assert core_log(emulator, node, job, w, c) == want
+        assert job_pids(emulator, node, "ticker.py") == []
+        r = cli("logs", job)  # a new connection to w1 cannot be made
+        assert r.code == 4 and "w1" in r.err and "Traceback" not in r.err, (r.code, r.err)
+    finally:
+        emulator.emu.hosts.restart_sshd(emulator.node_name(node), 1)  # the node as the other tests find it
 
 
-def test_worker_killed_mid_train(cli, emulator, node):
+def test_worker_killed_mid_train(own_cli, emulator):
+    cli, node = own_cli, "dies"  # a node of its own: a worker goes down
+    cli.env["TPURUN_PREEMPT_CHECK"] = "3"
+    create(cli, node, "v4-16")
+    (cli.cwd / "ticker.py").write_text(TICKER)
     proc = popen(cli, "train", "ticker.py", "600", "0.1", *TRAIN)
     seen = read_until(proc, _each_core_printed(3))
     t0 = time.monotonic()
@@ -123,9 +142,11 @@ def test_client_sigkilled_detached_job_goes_on_and_logs_reattach(cli, emulator, 
     assert job_pids(emulator, node, "ticker.py") == []
 
 
-def test_preempted_mid_train_without_restarts(cli, emulator, ticker):
+def test_preempted_mid_train_without_restarts(own_cli, emulator):
+    cli = own_cli
     cli.env["TPURUN_PREEMPT_CHECK"] = "20"
     create(cli, "spot", "v4-16", "--spot")
+    (cli.cwd / "ticker.py").write_text(TICKER)
     proc = popen(cli, "train", "ticker.py", "600", "0.1", *TRAIN)
     seen = read_until(proc, _each_core_printed(3))
     t0 = time.monotonic()
@@ -138,7 +159,8 @@ def test_preempted_mid_train_without_restarts(cli, emulator, ticker):
     _assert_lines_kept(emulator, "spot", job_id(err), "\n".join(seen) + "\n" + out, seen)
 
 
-def test_preempted_mid_train_with_restarts_finishes(cli, emulator, ticker):
+def test_preempted_mid_train_with_restarts_finishes(own_cli, emulator):
+    cli = own_cli
     create(cli, "spot2", "v4-16", "--spot")
     (cli.cwd / "resume.py").write_text(
         "import os, time\n"
