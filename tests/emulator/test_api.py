@@ -12,6 +12,7 @@ from google.cloud.location import locations_pb2
 from google.longrunning import operations_pb2
 from google.protobuf import field_mask_pb2
 
+from tests.helpers import delete_every_tpu
 from tpurun.emulator.pytest_plugin import fast_polling
 from tpurun.topology import all_accelerator_types
 
@@ -267,7 +268,17 @@ def test_catalogue_and_locations(emulator, tpu_client):
     assert ident.identity.email.endswith("gserviceaccount.com")
 
 
+def _zone_emptied(emulator, tpu_client) -> None:
+    """No TPU in the zone, so that a capacity counts this test's alone (the emulator is the test process's, and a file
+    before may have left a TPU deleting)."""
+    delete_every_tpu(emulator)
+    deadline = time.monotonic() + 120
+    while list(tpu_client.list_nodes(parent=emulator.parent)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def test_capacity_exhausted_fails_the_operation(emulator, tpu_client):
+    _zone_emptied(emulator, tpu_client)
     emulator.set_capacity("v4=8")  # chips, any zone
     first = create(tpu_client, emulator, "cap-a", "v4-8").result(polling=fast_polling())  # 4 chips
     try:
@@ -311,6 +322,7 @@ def _wait_qr(client, name: str, state: str, timeout: float = 30) -> tpu_v2.Queue
 
 
 def test_queued_resource_waits_for_capacity(emulator, tpu_client):
+    _zone_emptied(emulator, tpu_client)
     emulator.set_capacity("v4=4")
     blocker = create(tpu_client, emulator, "qr-blocker").result(polling=fast_polling())
     qname = f"{emulator.parent}/queuedResources/qr1"

@@ -224,7 +224,9 @@ def test_dry_run_env_matches_the_contract(cli, dry_run_tpu, accel, runtime):
     assert len(got["processes"]) == len(flat) == len(addresses)
     for row, spec in zip(got["processes"], flat, strict=True):
         assert (row["worker"], row["core"]) == (spec.worker, None)
-        assert row["env"] == spec.env
+        env = dict(row["env"])  # and each process's profiler server's first port (train --profile, the default)
+        assert env.pop("TPURUN_PROFILE_PORT") == "9431"
+        assert env == spec.env
         assert row["command"] == spec.argv
     env0 = got["processes"][0]["env"]
     if runtime == "pjrt":
