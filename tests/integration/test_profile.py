@@ -2,7 +2,7 @@
 profiler server on every host at once, into one session directory whose files xprof itself opens and which hold
 the script's jitted function; one host alone (`--worker`); a hung job (its step stuck, as in a collective whose
 peer never comes) profiled all the same; a job that ended, an unknown job and a bad duration each said in one
-line."""
+line; a torch_xla script captured the same way."""
 
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ for _ in range(3):
 tpurun_hung_step(x).block_until_ready()
 """
 END = "print('done', flush=True)\n"
+# torch_xla on CPU, nothing of tpurun or a profiler in it either: one process per host stepping until stopped
+XLA_LOOP = """\
+import torch, torch_xla, torch_xla.core.xla_model as xm
+
+x = torch.ones(128, 128, device=torch_xla.device())
+print("stepping", flush=True)
+while True:
+    x = torch.tanh(x @ x) * 0.5
+    xm.mark_step()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +77,7 @@ def pod(emulator, tmp_path_factory) -> Iterator[Cli]:
     (cli.cwd / "loop.py").write_text(LOOP)
     (cli.cwd / "hung.py").write_text(HUNG)
     (cli.cwd / "end.py").write_text(END)
+    (cli.cwd / "xla_loop.py").write_text(XLA_LOOP)
     try:
         create_node(cli, "prof", "v4-16")
         yield cli
@@ -146,6 +157,21 @@ def test_every_host_is_captured_at_once_into_one_session_xprof_opens(pod, loopin
     assert process == "w1" and Path(pod.cwd, path).name == "w1.xplane.pb", row
     assert Path(pod.cwd, path).parent.parent.parent.parent == pod.cwd / "tpurun-profiles" / looping
     assert "open it with: xprof --logdir" in r.err
+
+
+def test_a_torch_xla_job_is_captured_by_its_own_server_on_every_host(pod):
+    jobs = _detached(pod, "xla_loop.py", "stepping")
+    job = next(jobs)
+    try:
+        r = pod("profile", job, "--duration", "1s", "--out", "xla", "--json")
+        assert r.code == 0, (r.out, r.err)
+        got = json.loads(r.out)
+        session = pod.cwd / got["session"]
+        assert sorted(p.name for p in session.iterdir()) == ["w0.xplane.pb", "w1.xplane.pb"], got
+        for f in sorted(session.glob("*.xplane.pb")):
+            assert "ExecuteComputation" in _events(f), f  # torch_xla's PJRT client ran the step while captured
+    finally:
+        next(jobs, None)
 
 
 def test_a_hung_job_is_profiled_from_every_host(pod, hung, tmp_path):
