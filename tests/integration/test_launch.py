@@ -14,16 +14,14 @@ import json
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, finish, job_pids, popen, read_until
+from tests.helpers import create_node, job_pids, popen
 from tpurun.topology import parse_accelerator_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -289,23 +287,6 @@ def test_one_chip_and_chip_launch_on_single_hosts(cli, emulator):
     _no_python_left(emulator, name)
 
 
-@dataclass
-class Follow:
-    proc: subprocess.Popen
-    lines: list[str]
-
-
-def _follow(cli, job: str, n: int) -> Follow:
-    """`tpurun logs JOB --follow` in the background, its lines read until N processes reported their device's
-    start (the job's lines as `logs` shows them, waited for as they come)."""
-    proc = popen(cli, "logs", job, "--follow")
-    try:
-        return Follow(proc, read_until(proc, lambda lines: len(parse_reports(lines)) == n, timeout=120))
-    except BaseException:
-        proc.kill()
-        raise
-
-
 def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
     """Fail-fast naming the chip, detach and logs, kill-stale, cancel and a lost client, for the
     processes xmp.spawn makes (grandchildren of tpurun's agent)."""
@@ -327,12 +308,17 @@ def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
             "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
-    follow = _follow(cli, job, 4)
-    assert sorted(c for _, c, _ in parse_reports(follow.lines)) == [0, 1, 2, 3], follow.lines
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        out = cli("logs", job).out
+        tags = sorted(m.group(2) for m in map(REPORT.match, out.splitlines()) if m)
+        if len(tags) == 4:
+            break
+        time.sleep(1)
+    assert tags == ["0", "1", "2", "3"], out
     # kill-stale frees the chips the spawned processes hold; the job then ends by itself
     r = cli("kill-stale", "--grace", "1")
     assert r.code == 0, r.err
-    finish(follow.proc, timeout=60)  # the follow ends with the job
     deadline = time.monotonic() + 60
     while _python_left(emulator, name) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -342,10 +328,12 @@ def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
     r = cli("train", "xmp_spawn.py", "--runtime", "pjrt", "--python", sys.executable,
             "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
     job = r.out.strip().splitlines()[-1]
-    follow = _follow(cli, job, 4)
+    deadline = time.monotonic() + 120
+    while len([ln for ln in cli("logs", job).out.splitlines() if "TPU-START" in ln]) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(1)
     assert cli("cancel", job).code == 0
     _no_python_left(emulator, name)
-    finish(follow.proc, timeout=60)
 
     # the attached client killed outright: the agent stops the job on its own
     run = _train(cli, "xmp_spawn.py")
