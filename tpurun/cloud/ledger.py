@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurun.cloud import prices
+
 if TYPE_CHECKING:
     from tpurun.cloud.prices import Price
     from tpurun.cloud.views import NodeView
@@ -87,7 +89,7 @@ def tpu_event(home: Path, project: str, event: str, view: NodeView, price: Price
         record.update(
             acceleratorType=view.accelerator_type,
             slices=max(1, len(view.slices)),
-            provisioning=provisioning_of(view),
+            provisioning=prices.provisioning_of(view),
             createTime=stamp(view.created) if view.created else None,
             price=price.to_json() if price is not None else None,
         )
@@ -98,11 +100,6 @@ def identity_of(view: NodeView) -> list[str]:
     """The TPU's identity: its nodes' unique ids (every slice's), else its name where the API gives none."""
     ids = [v.id for v in view.parts if v.id]
     return ids or [f"name:{view.zone}/{view.name}"]
-
-
-def provisioning_of(view: NodeView) -> str:
-    """How the TPU's capacity is bought, as prices name it: spot and preemptible TPUs bill alike."""
-    return "spot" if view.spot or view.preemptible else "on-demand"
 
 
 @dataclass

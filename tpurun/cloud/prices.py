@@ -218,10 +218,15 @@ def quote(
     return Price(per_chip, chips, wanted, "table", price_table.AS_OF, name)
 
 
+def provisioning_of(view: NodeView) -> str:
+    """How the TPU VIEW's capacity is bought, as prices name it: spot and preemptible TPUs bill alike."""
+    return "spot" if view.spot or view.preemptible else "on-demand"
+
+
 def price_of(view: NodeView, endpoint: str, home: Path) -> Price | None:
     """What the TPU VIEW (as the API describes it: spot or preemptible, its slices, either backend) costs an hour;
     None where no price is published."""
-    provisioning = "spot" if view.spot or view.preemptible else "on-demand"
+    provisioning = provisioning_of(view)
     slices = len(view.slices) if view.slices else 1
     try:
         return quote(view.accelerator_type, view.zone, provisioning, endpoint=endpoint, home=home, slices=slices)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpurun import ui
-from tpurun.cloud import ledger
+from tpurun.cloud import ledger, prices
 
 if TYPE_CHECKING:
     from tpurun.cloud.prices import Price
@@ -78,13 +78,11 @@ def spend_of(view: NodeView, price: Price | None, life: ledger.Life | None, at: 
 
 def spends(views: list[NodeView], endpoint: str, home: Path) -> list[Spend]:
     """Each of VIEWS' spend (the ledger read once, each price asked once)."""
-    from tpurun.cloud import prices
-
     known = {life.key: life for life in ledger.lives(home)}
     asked: dict[tuple[str, str, str, int, str], Price | None] = {}
     out = []
     for v in views:
-        key = (v.accelerator_type, v.zone, ledger.provisioning_of(v), max(1, len(v.slices)), v.backend)
+        key = (v.accelerator_type, v.zone, prices.provisioning_of(v), max(1, len(v.slices)), v.backend)
         if key not in asked:
             asked[key] = prices.price_of(v, endpoint, home)
         out.append(spend_of(v, asked[key], known.get(tuple(ledger.identity_of(v)))))
@@ -126,8 +124,6 @@ def price_for(home: Path, project: str, endpoint: str, ids: list[str], view_of: 
     """The price of the TPU whose nodes have IDS, for a job on it: as the ledger keeps it since tpurun made,
     adopted or first priced it (no API call); else asked now (VIEW_OF: the API's view of it) and kept as `priced`.
     None: no published price."""
-    from tpurun.cloud import prices
-
     life = next((life for life in ledger.lives(home) if life.key == tuple(ids)), None)
     if life is not None:
         return prices.Price.from_json(life.price) if life.price else None
@@ -142,8 +138,6 @@ def remember(home: Path, project: str, endpoint: str, event: str, view: NodeView
     now); a ledger that cannot be written is warned of and the command goes on (the TPU exists whatever the ledger
     says)."""
     if price is None and event in ("created", "attached"):
-        from tpurun.cloud import prices
-
         price = prices.price_of(view, endpoint, home)
     try:
         ledger.tpu_event(home, project, event, view, price)
