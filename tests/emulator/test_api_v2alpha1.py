@@ -5,6 +5,8 @@ operations, accelerator types, runtime versions, reservations and queued resourc
 from __future__ import annotations
 
 import pytest
+from google.cloud import tpu_v2alpha1
+from google.longrunning import operations_pb2
 from googleapiclient.errors import HttpError
 
 from tests.emulator.test_maintenance import Alpha, until
@@ -26,7 +28,7 @@ def alpha(emulator):
         a.done(a.api.nodes().delete(name=node["name"]).execute())
 
 
-def test_a_node_through_v2alpha1(alpha):
+def test_a_node_through_v2alpha1(alpha, tpu_client):
     """A node made, read, asked for guest attributes and deleted through v2alpha1; its operations typed
     v2alpha1; the catalogue and reservations answer; a v2-only field is refused as v2alpha1 refuses it."""
     nodes = alpha.api.nodes()
@@ -48,6 +50,11 @@ def test_a_node_through_v2alpha1(alpha):
     listed = alpha.api.operations().list(name=PARENT).execute()["operations"]
     assert op["name"] in [o["name"] for o in listed]
     assert all(o["metadata"]["@type"] == ALPHA + "OperationMetadata" for o in listed)
+    # Google's v2 client lists it too, decoding its v2alpha1 Node (whose enum of API versions has no V2)
+    v2_listed = tpu_client.list_operations(operations_pb2.ListOperationsRequest(name=PARENT)).operations
+    (mine,) = [o for o in v2_listed if o.name == op["name"]]
+    made = tpu_v2alpha1.Node.pb()()
+    assert mine.response.Unpack(made) and made.name == node["name"], mine
 
     types = alpha.api.acceleratorTypes()
     assert "v4-16" in [t["type"] for t in types.list(parent=PARENT).execute()["acceleratorTypes"]]

@@ -218,7 +218,8 @@ def to_alpha(x: Any) -> Any:
 
 
 def _node_to_alpha(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if k != "protectionTier"}
+    """v2alpha1's Node has no protectionTier, and its ApiVersion enum no V2: a node v2 made says no version there."""
+    return {k: v for k, v in d.items() if k != "protectionTier" and not (k == "apiVersion" and v == "V2")}
 
 
 def _qr_to_alpha(d: dict[str, Any]) -> dict[str, Any]:

@@ -366,6 +366,10 @@ class Operation:
             out["error"] = self.error
         elif self.response is not None:
             out["response"] = self.response
+        if self.api == "v2alpha1":  # its response in its version's shape, wherever it is listed
+            from tpurun.emulator.alpha_api import to_alpha
+
+            return to_alpha(out)
         return out
 
 
