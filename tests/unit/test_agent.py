@@ -726,3 +726,37 @@ def test_kill_stale_ends_a_claim(home: Path) -> None:
     assert answer["held_by"] == ""
     nxt.kill()
     nxt.wait()
+
+
+def test_a_claim_becomes_its_jobs_start_and_stream_in_the_same_process(home: Path, tmp_path: Path) -> None:
+    """Told its job's start, the claim's process starts the job and streams it to its end (one program on the
+    worker from the claim to the stream); the claim's hold passes to the job, and nothing holds it after."""
+    from tpurun.worker.protocol_calls import claim_start
+
+    p = script(tmp_path, "printer.py", PRINTER)
+    held, answer = claim(home, "a")
+    assert answer["held_by"] == ""
+    spec = {"job_id": "a", "worker": 0, "detach": False, "grace": 2, "cores": [core(0, p, N="3")]}
+    assert held.stdin is not None and held.stdout is not None
+    held.stdin.write(claim_start(json.dumps(spec).encode(), stream=True))
+    held.stdin.flush()
+    recs = records(held.stdout.read())  # to its end: the job's `done`
+    assert ended(held) == 0
+    assert recs[0]["event"] == "started" and recs[-1]["event"] == "done", recs[-1]
+    assert [r["l"] for r in recs if r.get("s") == "out"][:3] == ["out 0 0", "out 0 1", "out 0 2"]
+    assert json.loads(agent(home, "preflight").stdout)["held_by"] == ""  # the job ended: nothing holds the worker
+
+    # detached (`only`): the process ends once the job started; the job holds the worker, not a claim
+    sleeper = script(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
+    held, answer = claim(home, "b")
+    assert held.stdin is not None and held.stdout is not None
+    spec = {"job_id": "b", "worker": 0, "detach": True, "cores": [core(0, sleeper)]}
+    held.stdin.write(claim_start(json.dumps(spec).encode(), stream=False))
+    held.stdin.flush()
+    (started,) = records(held.stdout.read())
+    assert started["event"] == "started" and ended(held) == 0
+    assert json.loads(agent(home, "preflight").stdout)["held_by"] == "b"
+    nxt, refused = claim(home, "c")
+    assert refused["held_by"] == "b" and ended(nxt) == 0
+    agent(home, "stop", "b")
+    assert json.loads(agent(home, "preflight").stdout)["held_by"] == ""

@@ -253,12 +253,15 @@ class Fleet:
         lifeline: threading.Event | None = None,
         stop: threading.Event | None = None,
         reconnects: int = 0,
+        held: Mapping[int, tuple[Session, bytes]] | None = None,
     ) -> None:
         """Each reached worker's CALL (an agent's `stream`), its records to TAKE as they come (every fraction
         of a second, also when none came). Setting LIFELINE closes the streams' stdin (the agents stop the job
         and go on to its end); setting STOP ends the streams here (the job goes on). When a stream ends, ENDED
         says whether to open it again (CALL is asked anew); a broken one is reconnected RECONNECTS times, a
-        second apart, before LOST hears why it is lost."""
+        second apart, before LOST hears why it is lost. HELD: {worker: (a Session still running, what it is
+        told)}, whose program becomes that worker's first stream once told (a claim turned into its job's start
+        and stream: one program on the worker, not two), in place of a new CALL."""
         raise NotImplementedError
 
     def converse(

@@ -220,8 +220,18 @@ class Relays(Fleet):
         lifeline: threading.Event | None = None,
         stop: threading.Event | None = None,
         reconnects: int = 0,
+        held: Mapping[int, tuple[Session, bytes]] | None = None,
     ) -> None:
         f = _Following(self.tree, take, ended, lost, stop or threading.Event(), reconnects)
+        for w, (session, say) in (held or {}).items():
+            if isinstance(session, RelaySession) and self.tree.adopt(session.number, f.make(w)):
+                if not session.alive():  # it ended as it was handed over: its worker's stream is opened anew
+                    self.tree.drop([session.number])
+                    continue
+                with f.lock:  # its channel, heard by this follow from now on, is its stream once told
+                    f.again.remove(w)
+                    f.live[w] = session.number
+                self.tree.act(relay_wire.INPUT, [session.number], say)
         closed = False
         self.tree.ticks.append(f.tick)
         try:

@@ -211,15 +211,24 @@ class Threads(Fleet):
         stop: threading.Event | None = None,
         reconnects: int = 0,
         only: Collection[int] | None = None,
+        held: Mapping[int, tuple[Session, bytes]] | None = None,
     ) -> None:
         """As `Fleet.follow`; of ONLY's workers (relays hand over those their tree lost), connected or not."""
 
         def one(r: Runner) -> None:
             broken = 0
             installed = False
+            first = (held or {}).get(r.worker.index)
             while stop is None or not stop.is_set():
                 try:
-                    stream = open_stream(r, bundle.call_argv(call(r.worker)))
+                    if first is not None:
+                        session, say = first
+                        first = None
+                        assert isinstance(session, _StreamSession)
+                        stream = session.stream
+                        stream.write(say)
+                    else:
+                        stream = open_stream(r, bundle.call_argv(call(r.worker)))
                     rc, done = _pump(r.worker.index, stream, take, lifeline, stop)
                     if rc is None:
                         return  # stopped here: the job goes on

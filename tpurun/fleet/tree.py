@@ -363,6 +363,14 @@ class Tree:
                 link.send(relay_wire.json_frame(relay_wire.OPEN, relay_wire.Opening(argv, workers).to_wire()))
         return numbers
 
+    def adopt(self, number: int, chan: Chan) -> bool:
+        """CHAN hears the open channel NUMBER from now on (in place of what heard it); False where it has ended."""
+        on = self.chans.get(number)
+        if on is None:
+            return False
+        self.chans[number] = (chan, on[1])
+        return True
+
     def act(self, kind: int, numbers: Collection[int], data: bytes = b"") -> None:
         """KIND (INPUT with DATA, CLOSE, DROP) on every channel of NUMBERS still open, one frame per link."""
         by_link: dict[int, list[int]] = defaultdict(list)

@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tpurun.errors import TpurunError
-from tpurun.fleet.interface import Call
+from tpurun.fleet.interface import Call, Session
 from tpurun.fleet.targets import Target
 from tpurun.job import ends, env_contract, stacks, status, watch
 from tpurun.job.stacks import Stacks
@@ -30,7 +30,7 @@ from tpurun.job.watch import Waiting, Watch
 from tpurun.transport.runner import Worker
 from tpurun.worker import protocol
 from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
-from tpurun.worker.protocol_calls import JobSpec, ProcessSpec
+from tpurun.worker.protocol_calls import JobSpec, ProcessSpec, claim_start
 
 
 @dataclass
@@ -129,7 +129,9 @@ class JobRun:
         hang: HangWatch | None = None,
         on_notice: str = "",
         spend_for: float | None = None,  # `train --budget`: seconds its supervisors let it run (job/spend_limit.py)
+        held: Mapping[int, Session] | None = None,  # the claim's programs still holding their workers for the job
     ) -> None:
+        self.held = dict(held or {})
         self.target = target
         self.job_id = job_id
         self.specs = specs
@@ -363,7 +365,14 @@ class JobRun:
     def run(self) -> None:
         with watch.reporting(self.watch, self._tick):
             lifeline = None if self.detach else self.stop  # closed: the agents stop the job and stream to its end
-            self.target.fleet.follow(self._call, self._read, self._ended, self._lost, lifeline=lifeline)
+            # where the claim's program still holds its worker, it starts the job there and streams it (one program
+            # on the worker from the claim to the job's end); elsewhere a new one does (`_call`)
+            held = {
+                w: (s, claim_start(self.job_spec(w).to_json().encode(), stream=not self.detach))
+                for w, s in self.held.items()
+            }
+            self.held = {}
+            self.target.fleet.follow(self._call, self._read, self._ended, self._lost, lifeline=lifeline, held=held)
         self.out.flush()
         # the first failure by the agents' own account, as `jobs` and `logs` name it (records came in the
         # order the workers' streams delivered them, not always the order the processes failed in)

@@ -455,6 +455,7 @@ def start(
         hang=HangWatch(spec.hang_timeout, spec.on_hang, home) if spec.hang_timeout > 0 else None,
         on_notice=ends.on_notice(spec.on_notice, job.framework.value),
         spend_for=spend.left() if spend is not None else None,
+        held=job.claim.hand_over() if job.claim is not None else None,
     )
     run.run()
     busy = bool(run.busy) and not run.unreachable and run.first_failure is None

@@ -96,6 +96,12 @@ class Claim:
         """The workers whose hold has ended (its process was killed: `tpurun kill-stale` ends holds)."""
         return sorted(w for w, session in self.sessions.items() if not session.alive())
 
+    def hand_over(self) -> dict[int, Session]:
+        """Every session still held, no longer this claim's: each becomes its worker's start of the job."""
+        with self.lock:
+            sessions, self.sessions = self.sessions, {}
+        return sessions
+
     def release(self) -> None:
         """Let every worker go, and wait (a few seconds at most) until each has."""
         with self.lock:

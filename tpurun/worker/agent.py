@@ -20,7 +20,9 @@ Commands (exit codes: protocol.AgentExit):
   jobs                       JSON list of this worker's jobs with their states
   preflight [--packages P] [--claim JOB]
                              a Preflight answer; with --claim, once a line on stdin says to claim this
-                             worker for JOB (its end: only answer), held until stdin ends or JOB starts
+                             worker for JOB (its end: only answer), held until stdin ends or a line tells it
+                             to start JOB (protocol_calls.claim_start): then, in this same process, JOB's
+                             start and (if the line says so) its stream, attached, as --first start stream
   state JOB                  the job's state.json
   stacks JOB [--timeout S]   JSON list of the job's processes here with their threads' stacks (agent_stacks.py)
   profile JOB --at T --duration S --session NAME
@@ -95,12 +97,13 @@ from protocol import (
     encode,
     frame_recs,
 )
-from protocol_calls import JobSpec, Preflight, StopRequest
+from protocol_calls import JobSpec, Preflight, StopRequest, read_claim_start
 
 # ---------------------------------------------------------------- commands
 
 
-def cmd_start(args) -> int:
+def cmd_start(args, claim: int | None = None) -> int:
+    """CLAIM: the descriptor through which this process holds the worker for the job (`preflight --claim`'s)."""
     from agent_supervisor import Supervisor  # this command's alone (and the supervisor's, forked from it)
 
     try:
@@ -121,7 +124,9 @@ def cmd_start(args) -> int:
         write_json_atomic(os.path.join(jdir, SPEC), spec.to_dict())
         starting = JobState(spec.job_id, spec.worker, JobStatus.STARTING, started_at=now(), launch=spec.launch)
         write_state(jdir, starting)
-        if holder is not None and holder.get("job_id") == spec.job_id:
+        if claim is not None:
+            os.close(claim)  # the job holds the worker now (its state says it starts), not this process
+        elif holder is not None and holder.get("job_id") == spec.job_id:
             end_claim(holder, spec.job_id)  # the job holds the worker now (its state says it starts)
         rfd, wfd = os.pipe()
         pid = os.fork()
@@ -253,12 +258,33 @@ def cmd_preflight(args) -> int:
     answer = Preflight(_jobs(), versions.python(), sys.executable, found, held_by)
     sys.stdout.write(answer.to_json() + "\n")
     sys.stdout.flush()
+    if held is None:
+        return AgentExit.OK
     try:
-        while held is not None and os.read(0, 65536):  # until the client lets the worker go, or is gone
-            pass
-    except OSError:
-        pass
-    return AgentExit.OK  # the claim's lock goes with this process
+        line = _line(0)  # the job's start, or the end: the client let the worker go, or is gone
+        told = read_claim_start(line)
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"tpurun agent: the claim's start is not one: {e}\n")
+        return AgentExit.USAGE
+    if told is None:
+        return AgentExit.OK  # the claim's lock goes with this process
+    args.input, stream = told
+    rc = cmd_start(args, claim=held)  # this process holds the worker from its claim to its job's stream
+    if rc != AgentExit.OK or not stream:
+        return rc
+    return cmd_stream(argparse.Namespace(job=args.claim, offsets=None, follow=True, attached=True))
+
+
+def _line(fd: int) -> bytes:
+    """What comes on FD up to its first newline (b"" at its end). The client says nothing after the line
+    until it closes the descriptor, so nothing read past the newline is lost."""
+    got = b""
+    while not got.endswith(b"\n"):
+        data = os.read(fd, 65536)
+        if not data:
+            return b""
+        got += data
+    return got
 
 
 def cmd_stacks(args) -> int:

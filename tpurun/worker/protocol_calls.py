@@ -10,6 +10,7 @@ Part of the agent bundle (stdlib only, Python >= 3.8); its records are protocol.
 
 from __future__ import annotations
 
+import base64
 import json
 
 if __package__:  # tpurun, the tests
@@ -193,6 +194,27 @@ class Preflight(RecordBase):
             return cls(jobs, str(data["python"]), str(data["executable"]), packages, held_by)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a preflight answer: {text[:100]!r}") from e
+
+
+CLAIM_START = b"start"  # the word that turns a held claim into its job's start (`claim_start`)
+
+
+def claim_start(spec: bytes, stream: bool) -> bytes:
+    """The line a held `preflight --claim JOB` is told to start JOB with (the JobSpec SPEC) in the same process,
+    then (STREAM) to stream it attached, as `agent.py --first start stream JOB --follow --attached` would."""
+    return CLAIM_START + (b" stream " if stream else b" only ") + base64.b64encode(spec) + b"\n"
+
+
+def read_claim_start(line: bytes) -> tuple[bytes, bool] | None:
+    """(the spec, whether to stream after) of a `claim_start` line; None where LINE is not one (ValueError where
+    it is one, malformed)."""
+    word, _, rest = line.strip().partition(b" ")
+    if word != CLAIM_START:
+        return None
+    how, _, data = rest.partition(b" ")
+    if how not in (b"stream", b"only"):
+        raise ValueError("a claim's start says `stream` or `only`")
+    return base64.b64decode(data, validate=True), how == b"stream"
 
 
 # ---------------------------------------------------------------- stacks (`agent.py stacks`)
