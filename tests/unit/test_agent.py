@@ -760,3 +760,29 @@ def test_a_claim_becomes_its_jobs_start_and_stream_in_the_same_process(home: Pat
     assert refused["held_by"] == "b" and ended(nxt) == 0
     agent(home, "stop", "b")
     assert json.loads(agent(home, "preflight").stdout)["held_by"] == ""
+
+
+def test_a_quiet_loop_looks_less_and_less_often_and_at_once_when_woken(monkeypatch) -> None:
+    """The supervisor's and a stream's pace: POLL while things happen, longer waits up to IDLE_POLL while nothing
+    does, short again after `busy`; `wake` ends a wait at once (a signal, the lifeline, a process's end)."""
+    import threading
+
+    from tpurun.worker.agent_files import IDLE_POLL, POLL, Pace
+
+    pace = Pace()
+    quiet = [pace.delay() for _ in range(12)]
+    assert quiet[0] == POLL and quiet == sorted(quiet) and quiet[-1] == IDLE_POLL
+    pace.busy()
+    assert pace.delay() == POLL
+    monkeypatch.setattr("tpurun.worker.agent_files.IDLE_POLL", 3600.0)
+    for _ in range(40):
+        pace.delay()  # quiet for long: the next wait would be an hour
+    woke = threading.Event()
+
+    def waiter() -> None:
+        pace.wait(most=3600)
+        woke.set()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    pace.wake.set()
+    assert woke.wait(5)  # woken (its wait would be 13 s): the event, not a clock, ends it

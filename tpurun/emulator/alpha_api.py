@@ -15,18 +15,17 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 from googleapiclient import discovery_cache
 
+from tpurun.emulator.alpha_shapes import to_alpha
 from tpurun.emulator.model import invalid, paged, split_parent
 from tpurun.emulator.routing import Handler, Request, Router
 from tpurun.emulator.state import Emulator
 
 _PARENT = r"projects/[^/]+/locations/[^/:]+"
 _ID = r"[^/:]+"
-_V2, _ALPHA = ".v2.", ".v2alpha1."
 
 # a v2 route's path (after /v2/) -> the v2alpha1 schema its body is, and where in the request it sits
 _BODIES: list[tuple[str, str, str, str]] = [
@@ -194,59 +193,4 @@ def _qr_to_v2(d: dict[str, Any]) -> dict[str, Any]:
         specs.append(s)
     if "tpu" in d:
         out["tpu"] = {**d["tpu"], "nodeSpec": specs}
-    return out
-
-
-# ---------------------------------------------------------------- v2 -> v2alpha1 (answers)
-
-
-def to_alpha(x: Any) -> Any:
-    """An answer of v2's handlers (a node, a queued resource, an operation, or a list of them) in v2alpha1's
-    shapes and type URLs."""
-    if not isinstance(x, dict):
-        return x
-    for key, fn in (("nodes", _node_to_alpha), ("queuedResources", _qr_to_alpha), ("operations", _op_to_alpha)):
-        if isinstance(x.get(key), list):
-            return {**x, key: [fn(i) for i in x[key]]}
-    name = str(x.get("name", ""))
-    kinds: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
-        ("/operations/", _op_to_alpha),
-        ("/queuedResources/", _qr_to_alpha),
-        ("/nodes/", _node_to_alpha),
-    ]
-    return next((fn(x) for part, fn in kinds if part in name), x)
-
-
-def _node_to_alpha(d: dict[str, Any]) -> dict[str, Any]:
-    """v2alpha1's Node has no protectionTier, and its ApiVersion enum no V2: a node v2 made says no version there."""
-    return {k: v for k, v in d.items() if k != "protectionTier" and not (k == "apiVersion" and v == "V2")}
-
-
-def _qr_to_alpha(d: dict[str, Any]) -> dict[str, Any]:
-    if "tpu" not in d:
-        return d
-    specs = []
-    for spec in d["tpu"].get("nodeSpec", []):
-        s = {k: v for k, v in spec.items() if k != "multisliceParams"}
-        if "node" in s:
-            s["node"] = _node_to_alpha(s["node"])
-        if "multisliceParams" in spec:
-            s["multiNodeParams"] = spec["multisliceParams"]
-        specs.append(s)
-    return {**d, "tpu": {**d["tpu"], "nodeSpec": specs}}
-
-
-def _op_to_alpha(d: dict[str, Any]) -> dict[str, Any]:
-    out = dict(d)
-    if "metadata" in d:
-        out["metadata"] = {**d["metadata"], "@type": str(d["metadata"].get("@type", "")).replace(_V2, _ALPHA)}
-    response = d.get("response")
-    if isinstance(response, dict):
-        kind = str(response.get("@type", ""))
-        body = {k: v for k, v in response.items() if k != "@type"}
-        if kind.endswith(".QueuedResource"):
-            body = _qr_to_alpha(body)
-        elif kind.endswith(".Node"):
-            body = _node_to_alpha(body)
-        out["response"] = {"@type": kind.replace(_V2, _ALPHA), **body}
     return out

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from google.cloud import tpu_v2
 
+from tpurun.emulator.alpha_shapes import to_alpha
 from tpurun.topology import GENERATIONS, Topology
 
 if TYPE_CHECKING:
@@ -367,8 +368,6 @@ class Operation:
         elif self.response is not None:
             out["response"] = self.response
         if self.api == "v2alpha1":  # its response in its version's shape, wherever it is listed
-            from tpurun.emulator.alpha_api import to_alpha
-
             return to_alpha(out)
         return out
 

@@ -62,6 +62,7 @@ from agent_files import (
     STATE,
     STOP,
     AgentError,
+    Pace,
     agent_root,
     claim,
     claim_holder,
@@ -423,14 +424,11 @@ def cmd_stream(args) -> int:
 
     follow_slots(st)
     out = sys.stdout.buffer
-    stdin_closed = threading.Event()
-    if args.attached:
-        _watch_stdin(stdin_closed)
-        lease = os.path.join(jdir, "attached")
-        signal.signal(signal.SIGHUP, lambda s, f: stdin_closed.set())
-        signal.signal(signal.SIGTERM, lambda s, f: stdin_closed.set())
-    else:
+    pace = Pace()
+    stdin_closed = _lifeline(pace) if args.attached else threading.Event()
+    if not args.attached:
         signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
+    lease = os.path.join(jdir, "attached")
     sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points (the state's), as last sent
     reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
@@ -454,6 +452,7 @@ def cmd_stream(args) -> int:
                     _drain(readers, out, only=c)
                     out.write(encode(Exit(worker, c, ended[c].exit_code, ended[c].status)))
                     reported[c] = ended[c].ended_at
+                    got = True
             # over once every process's end was sent; a lost job's at once (its supervisor, which would have
             # written the rest, is gone: no more will come, and a follower must not wait for it)
             over = st.status in TERMINAL and (st.status == JobStatus.LOST or all(c in reported for c in slots))
@@ -472,8 +471,10 @@ def cmd_stream(args) -> int:
                 if stdin_closed.is_set() and not stopping:
                     stopping = True
                     _stop_async(args.job)
+            if got or stopping or st.status != JobStatus.RUNNING or not all(r.offset for r in readers.values()):
+                pace.busy()  # lines come, the job starts or ends, a process's first line is awaited: look soon
             if not got:
-                time.sleep(POLL)
+                pace.wait()
     except BrokenPipeError:
         # The client is gone. An attached job goes with it; a detached one keeps running.
         _silence_stdout()
@@ -502,7 +503,21 @@ def _drain(readers: dict, out, only: int | None = None, until_empty: bool = True
             return True
 
 
-def _watch_stdin(closed: threading.Event) -> None:
+def _lifeline(pace: Pace) -> threading.Event:
+    """An attached stream's lifeline: set once its stdin ends or it is hung up on (SIGHUP, SIGTERM); each wakes PACE."""
+    closed = threading.Event()
+    _watch_stdin(closed, pace.wake)
+
+    def hangup(signum: int, frame: object) -> None:
+        closed.set()
+        pace.wake.set()
+
+    signal.signal(signal.SIGHUP, hangup)
+    signal.signal(signal.SIGTERM, hangup)
+    return closed
+
+
+def _watch_stdin(closed: threading.Event, wake: threading.Event) -> None:
     def watch() -> None:
         # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader
         # would hold its lock and abort the interpreter at exit.
@@ -512,6 +527,7 @@ def _watch_stdin(closed: threading.Event) -> None:
         except OSError:
             pass
         closed.set()
+        wake.set()
 
     threading.Thread(target=watch, daemon=True).start()
 

@@ -21,7 +21,8 @@ else:  # the bundle on a worker, whose files sit side by side
     from protocol_calls import JobSpec, StopRequest  # type: ignore[no-redef]
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-POLL = 0.02  # seconds between checks when nothing happens (supervisor and stream)
+POLL = 0.02  # seconds between checks while things happen (supervisor and stream)
+IDLE_POLL = 0.25  # ... and at most, once nothing has happened for a while (`Pace`)
 CHUNK = 4 << 20  # bytes read from a .rec file at once: big reads are what make streaming fast
 MAX_LINE = 8 << 20  # a line longer than this is cut into records rather than held in memory
 # faulthandler's names of the fatal signals it reports (a chip process's exit status, as the shell shows it)
@@ -391,3 +392,32 @@ def state_with_liveness(path: str) -> JobState | None:
             st.status = JobStatus.LOST  # the supervisor was killed: nobody watches the processes any more
     st.supervisor_alive = alive
     return st
+
+
+class Pace:
+    """How long a loop that looks for changes (the supervisor's, a stream's) waits between looks: POLL while
+    things happen, then longer and longer while nothing does, up to IDLE_POLL (a quiet job's hundreds of loops on a
+    host, or thousands on the emulated pods of one machine, cost little); `wake` ends a wait at once (a signal, a
+    process's end, the client's lifeline cut)."""
+
+    def __init__(self) -> None:
+        self.idle = 0
+        self.wake = threading.Event()
+
+    def busy(self) -> None:
+        """Something happened: the next waits are short again."""
+        self.idle = 0
+
+    def delay(self) -> float:
+        """How long the next wait lasts, at most; each one after a quiet look is longer."""
+        delay = min(IDLE_POLL, POLL * 1.5**self.idle)
+        self.idle = min(self.idle + 1, 16)
+        return delay
+
+    def wait(self, most: float | None = None) -> None:
+        """Wait for the next look (MOST seconds at most: a deadline the loop keeps), or until woken."""
+        delay = self.delay()
+        if most is not None:
+            delay = max(0.0, min(delay, most))
+        self.wake.wait(delay)
+        self.wake.clear()

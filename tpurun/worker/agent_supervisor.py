@@ -4,6 +4,7 @@ all. Part of the agent bundle (stdlib only, Python >= 3.8)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from agent_files import (
     FATAL_SIGNALS,
     HOOK_DIR,
     POLL,
+    Pace,
     group_members,
     job_processes,
     log_base,
@@ -206,6 +208,7 @@ class Supervisor:
         self.started_at = now()
         self.ended_at: float | None = None
         self.stop_requested = False
+        self.pace = Pace()  # the loop's waits: short while things happen, longer while the job is quiet
         self.stop_deadline: float | None = None
         self.stop_told: set = set()  # the processes the stop's SIGTERM was sent to (never twice)
         self.killed = False
@@ -325,7 +328,7 @@ class Supervisor:
                 stat = proc_stat(pid)
                 c.pgid = int(stat[2]) if stat and len(stat) > 2 else c.pgid
                 c.status = ProcessStatus.RUNNING
-                watch_exit(c.note_end, pid)
+                watch_exit(functools.partial(self._ended_chip, c), pid)
                 self.dirty = True
                 self.log(f"chip {index}: process {pid} (group {c.pgid}) of the script's spawner")
             for ch in self.channels.of(pid):  # its own channels, from its start: the chip's now
@@ -558,8 +561,14 @@ class Supervisor:
         self.notice, self.dirty = notice, True
         if notice.action == ON_STOP:
             self.reason, self.stop_requested = f"{notice.kind.value} notice for worker {notice.worker}", True
+        self.pace.wake.set()
         did = agent_notices.deliver(notice, self.job, [c.pgid for c in self.snapshot()], self.jdir)
         self.log(f"{notice.kind.value} notice for worker {notice.worker} ({notice.detail}): {did}")
+
+    def _ended_chip(self, c: Slot, pid: int) -> None:
+        """PID, C's chip process, was seen to end (a thread of `watch_exit`'s): the loop looks now."""
+        c.note_end(pid)
+        self.pace.wake.set()
 
     def on_exit(self, c: Slot, rc: int) -> None:
         c.exited_at = now()
@@ -620,7 +629,10 @@ class Supervisor:
                     break
                 if self.stop_deadline is None:  # every slot ended but children linger: clean them up
                     self.request_stop("processes left behind by exited slots", None)
-            time.sleep(POLL)
+            ending = any(c.ended_at is None and c.exited_at is not None for c in self.snapshot())
+            if changed or fresh or ending or self.stop_requested or self.stop_deadline is not None:
+                self.pace.busy()
+            self.pace.wait(None if self.spend_stop is None else self.spend_stop - now())
 
     def _lease_expired(self) -> bool:
         try:
@@ -666,10 +678,12 @@ class Supervisor:
     def run(self, notify_fd: int) -> None:
         def on_term(signum, frame):
             self.stop_requested = True
+            self.pace.wake.set()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: self.pace.wake.set())  # a process of the job ended
         self.save()
         if not self.run_pre_commands():
             self.log(self.reason)
