@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -224,6 +225,7 @@ def main() -> int:
     ap.add_argument(
         "--wan", action="store_true", help="also 8 and 32 workers behind the latency proxy at 0 and 50 ms RTT"
     )
+    ap.add_argument("--rtts", default="0,50", help="with --wan: the two RTTs in ms (default 0,50)")
     ap.add_argument("--against", default="", help="with --wan: also the tpurun of this checkout (a before and after)")
     ap.add_argument("--created", action="store_true", help="also a v5p-8192 made by `tpurun create`, then exec")
     args = ap.parse_args()
@@ -233,7 +235,7 @@ def main() -> int:
     if args.write and saved.exists():  # a run adds its sizes, commands and paths to the last run's
         results = json.loads(saved.read_text()) | {"machine": results["machine"]}
         results.setdefault("commands", [])
-    results["commands"].append(" ".join(sys.argv[1:]))
+    results["commands"].append(shlex.join(sys.argv[1:]))
     with common.bench_emulator() as bench:
         bench.server.emu.config.max_workers_per_node = max(
             [s for s in sizes if s in TYPES] + [32] + ([1024] if args.created else [])
@@ -259,7 +261,8 @@ def main() -> int:
                 common.write_json(saved, results)  # kept as it goes: a later size may not fit this machine
             bench.delete(bench.nodes[name])
         if args.wan:
-            results["wan"] = wan(bench, args.reps, args.against)
+            lo, hi = (int(ms) for ms in args.rtts.split(","))
+            results["wan"] = wan(bench, args.reps, args.against, (lo, hi))
         if args.created:
             results["created"] = created(bench, args.reps)
     results["sizes"] = dict(sorted(results["sizes"].items(), key=lambda kv: int(kv[0])))
@@ -382,12 +385,12 @@ WAN_SIZES = (8, 32)
 WAN_RTTS_MS = (0, 50)
 
 
-def wan(bench: common.Bench, reps: int, against: str = "") -> dict[str, Any]:
+def wan(bench: common.Bench, reps: int, against: str = "", rtts: tuple[int, int] = WAN_RTTS_MS) -> dict[str, Any]:
     """`exec -- true` on 8 and 32 workers whose addresses this machine reaches through the latency proxy (the relays
     reach each other at their own addresses, as inside a slice), relayed, direct, and the floor (launch_bench's:
-    paramiko's connect, exec and exit status, a thread per worker), interleaved at 0 and 50 ms RTT; with AGAINST
+    paramiko's connect, exec and exit status, a thread per worker), interleaved at RTTS (ms); with AGAINST
     (another checkout of tpurun), its relayed and direct exec too, in the same rounds (a before and after). Per size
-    and contender: the medians, the round trips the 50 ms add, and how far beyond the floor it is at 50 ms."""
+    and contender: the medians, the round trips the higher RTT adds, and how far beyond the floor it is there."""
     import launch_bench
 
     from tpurun.testing.latency_proxy import ProxyGroup
@@ -399,6 +402,8 @@ def wan(bench: common.Bench, reps: int, against: str = "") -> dict[str, Any]:
         made(bench, name, TYPES[size])
         node = bench.nodes[name] = common.Node(name, bench.pin_for_peers(name))
         group = ProxyGroup(rtt=0.0)
+        known = bench.known_hosts.read_text().splitlines()  # the last size's proxies' addresses are this one's
+        bench.known_hosts.write_text("".join(f"{line}\n" for line in known if not line.startswith("127.78.")))
         try:
             env, proxied = bench.behind(group, node)
 
@@ -415,14 +420,14 @@ def wan(bench: common.Bench, reps: int, against: str = "") -> dict[str, Any]:
                 }
             contenders["floor"] = lambda proxied=proxied: c.floor(proxied)
             rows = out[str(size)] = {}
-            for rtt_ms in WAN_RTTS_MS:
+            for rtt_ms in rtts:
                 group.set_rtt(rtt_ms / 1000)
                 rows[str(rtt_ms)] = common.interleave(contenders, reps, label=f"{size:>2} workers {rtt_ms:>2} ms ")
         finally:
             group.close()
         bench.delete(node)
-        lo, hi = (rows[str(r)] for r in WAN_RTTS_MS)
-        rtt = (WAN_RTTS_MS[1] - WAN_RTTS_MS[0]) / 1000
+        lo, hi = (rows[str(r)] for r in rtts)
+        rtt = (rtts[1] - rtts[0]) / 1000
         for who in contenders:
             rows[who] = {
                 "round_trips": (hi[who]["median"] - lo[who]["median"]) / rtt,
@@ -432,24 +437,24 @@ def wan(bench: common.Bench, reps: int, against: str = "") -> dict[str, Any]:
 
 
 def wan_table(wan: dict[str, Any]) -> list[str]:
-    lo, hi = WAN_RTTS_MS
     lines = [
         "",
         "`exec -- true` behind the latency proxy (this machine's side only; the relays reach each other at their own "
         "addresses, as inside a slice), interleaved with the floor (paramiko's connect, exec and exit status, a thread "
-        "per worker). Round trips = (median at 50 ms − median at 0 ms) / RTT; beyond the floor = (median − the "
-        "floor's median) / RTT, both at 50 ms.",
+        "per worker). Round trips = (median at the higher RTT − median at 0 ms) / RTT; beyond the floor = (median − "
+        "the floor's median) / RTT, at the higher RTT.",
         "",
-        f"| workers | path | {lo} ms RTT (s) | {hi} ms RTT (s) | round trips the RTT adds | beyond the floor at {hi} ms (RTTs) |",
+        "| workers | path | RTTs (ms) | medians (s) | round trips the RTT adds | beyond the floor (RTTs) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for size, rows in wan.items():
+        lo, hi = sorted((k for k in rows if k.isdigit()), key=int)
         for who, r in rows.items():
             if who.isdigit():
                 continue
-            a, b = rows[str(lo)][who]["median"], rows[str(hi)][who]["median"]
+            a, b = rows[lo][who]["median"], rows[hi][who]["median"]
             beyond = "" if who == "floor" else f"{r['beyond_floor']:.1f}"
-            lines.append(f"| {size} | {who} | {a:.2f} | {b:.2f} | {r['round_trips']:.1f} | {beyond} |")
+            lines.append(f"| {size} | {who} | {lo}, {hi} | {a:.2f}, {b:.2f} | {r['round_trips']:.1f} | {beyond} |")
     return lines
 
 
