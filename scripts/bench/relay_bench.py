@@ -15,6 +15,10 @@ workers are two slices of v5p-8192 (a multislice queued resource): the largest s
 
     sudo .venv/bin/python scripts/bench/relay_bench.py [--sizes 32,256,1024,2048] [--reps 3] [--wan] [--created]
         [--only exec] [--modes relay,direct,pdsh] [--write]
+    sudo .venv/bin/python scripts/bench/relay_bench.py --sizes '' --wan [--against OTHER_CHECKOUT] --reps 5
+
+(`--wan`: `exec` on 8 and 32 workers behind the latency proxy, relayed, direct and the floor; `--against`: also
+another checkout's tpurun in the same rounds, for a before and after.)
 
 (`--created`: also a v5p-8192 made by `tpurun create`, its workers running tpurun's watchdog, then `exec`.
 `--write` adds this run's sizes, commands and paths to the last run's, in docs/bench/relays.json, and draws
@@ -27,12 +31,14 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,16 +222,20 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated commands of " + ", ".join(COMMANDS))
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated paths of " + ", ".join(MODES))
-    ap.add_argument("--wan", action="store_true", help="also 32 workers behind the latency proxy at 0 and 50 ms RTT")
+    ap.add_argument(
+        "--wan", action="store_true", help="also 8 and 32 workers behind the latency proxy at 0 and 50 ms RTT"
+    )
+    ap.add_argument("--rtts", default="0,50", help="with --wan: the two RTTs in ms (default 0,50)")
+    ap.add_argument("--against", default="", help="with --wan: also the tpurun of this checkout (a before and after)")
     ap.add_argument("--created", action="store_true", help="also a v5p-8192 made by `tpurun create`, then exec")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]  # none: --wan or --created alone
     results: dict[str, Any] = {"machine": common.machine(), "commands": [], "sizes": {}}
     saved = common.BENCH_DOCS / "relays.json"
     if args.write and saved.exists():  # a run adds its sizes, commands and paths to the last run's
         results = json.loads(saved.read_text()) | {"machine": results["machine"]}
         results.setdefault("commands", [])
-    results["commands"].append(" ".join(sys.argv[1:]))
+    results["commands"].append(shlex.join(sys.argv[1:]))
     with common.bench_emulator() as bench:
         bench.server.emu.config.max_workers_per_node = max(
             [s for s in sizes if s in TYPES] + [32] + ([1024] if args.created else [])
@@ -251,7 +261,8 @@ def main() -> int:
                 common.write_json(saved, results)  # kept as it goes: a later size may not fit this machine
             bench.delete(bench.nodes[name])
         if args.wan:
-            results["wan"] = wan(bench, args.reps)
+            lo, hi = (int(ms) for ms in args.rtts.split(","))
+            results["wan"] = wan(bench, args.reps, args.against, (lo, hi))
         if args.created:
             results["created"] = created(bench, args.reps)
     results["sizes"] = dict(sorted(results["sizes"].items(), key=lambda kv: int(kv[0])))
@@ -370,35 +381,81 @@ def created(bench: common.Bench, reps: int) -> dict[str, Any]:
     return out
 
 
-def wan(bench: common.Bench, reps: int) -> dict[str, Any]:
-    """`exec -- true` on 32 workers whose addresses this machine reaches through the latency proxy (the relays
-    reach each other at their own addresses, as inside a slice): seconds at 0 and 50 ms RTT, and the round
-    trips the 50 ms RTT adds."""
-    from tpurun.testing.latency_proxy import ProxyGroup, address_map_env, pin_proxies, proxy_workers
+WAN_SIZES = (8, 32)
+WAN_RTTS_MS = (0, 50)
 
-    name = "wan32"
-    made(bench, name, TYPES[32])
-    bench.nodes[name] = common.Node(name, [])
-    info = bench.server.emu.node_info(f"projects/{common.PROJECT}/locations/{common.ZONE}/nodes/{name}")
-    group = ProxyGroup(rtt=0.0)
+
+def wan(bench: common.Bench, reps: int, against: str = "", rtts: tuple[int, int] = WAN_RTTS_MS) -> dict[str, Any]:
+    """`exec -- true` on 8 and 32 workers whose addresses this machine reaches through the latency proxy (the relays
+    reach each other at their own addresses, as inside a slice), relayed, direct, and the floor (launch_bench's:
+    paramiko's connect, exec and exit status, a thread per worker), interleaved at RTTS (ms); with AGAINST
+    (another checkout of tpurun), its relayed and direct exec too, in the same rounds (a before and after). Per size
+    and contender: the medians, the round trips the higher RTT adds, and how far beyond the floor it is there."""
+    import launch_bench
+
+    from tpurun.testing.latency_proxy import ProxyGroup
+
+    c = launch_bench.Contenders(bench)
     out: dict[str, Any] = {}
-    try:
-        mapping = proxy_workers(group, [(w["address"], 22) for w in info["workers"]])
-        pin_proxies(bench.known_hosts, mapping)
-        env = dict(bench.env, TPURUN_ADDRESS_MAP=address_map_env(mapping))
-        for rtt_ms in (0, 50):
-            group.set_rtt(rtt_ms / 1000)
-            for mode in ("relay", "direct"):
-                flag = "--relay" if mode == "relay" else "--no-relay"
+    for size in WAN_SIZES:
+        name = f"wan{size}"
+        made(bench, name, TYPES[size])
+        node = bench.nodes[name] = common.Node(name, bench.pin_for_peers(name))
+        group = ProxyGroup(rtt=0.0)
+        known = bench.known_hosts.read_text().splitlines()  # the last size's proxies' addresses are this one's
+        bench.known_hosts.write_text("".join(f"{line}\n" for line in known if not line.startswith("127.78.")))
+        try:
+            env, proxied = bench.behind(group, node)
+
+            def tpurun(flag: str, env: dict[str, str], name: str = name) -> Callable[[], common.Sample]:
                 argv = [*common.tpurun_bin(), "exec", "--tpu", name, flag, "--", "true"]
-                walls = [measured(argv, env)["wall"] for _ in range(reps + 1)][1:]
-                out.setdefault(mode, {})[str(rtt_ms)] = statistics.median(walls)
-                print(f"  wan {rtt_ms} ms {mode}: {walls}", flush=True)
-    finally:
-        group.close()
-    for r in out.values():
-        r["round_trips"] = (r["50"] - r["0"]) / 0.05
+                return lambda: common.timed(argv, env, bench.home)
+
+            contenders = {"relay": tpurun("--relay", env), "direct": tpurun("--no-relay", env)}
+            if against:
+                before = dict(env, PYTHONPATH=against)
+                contenders |= {
+                    "relay, before": tpurun("--relay", before),
+                    "direct, before": tpurun("--no-relay", before),
+                }
+            contenders["floor"] = lambda proxied=proxied: c.floor(proxied)
+            rows = out[str(size)] = {}
+            for rtt_ms in rtts:
+                group.set_rtt(rtt_ms / 1000)
+                rows[str(rtt_ms)] = common.interleave(contenders, reps, label=f"{size:>2} workers {rtt_ms:>2} ms ")
+        finally:
+            group.close()
+        bench.delete(node)
+        lo, hi = (rows[str(r)] for r in rtts)
+        rtt = (rtts[1] - rtts[0]) / 1000
+        for who in contenders:
+            rows[who] = {
+                "round_trips": (hi[who]["median"] - lo[who]["median"]) / rtt,
+                "beyond_floor": (hi[who]["median"] - hi["floor"]["median"]) / rtt,
+            }
     return out
+
+
+def wan_table(wan: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "`exec -- true` behind the latency proxy (this machine's side only; the relays reach each other at their own "
+        "addresses, as inside a slice), interleaved with the floor (paramiko's connect, exec and exit status, a thread "
+        "per worker). Round trips = (median at the higher RTT − median at 0 ms) / RTT; beyond the floor = (median − "
+        "the floor's median) / RTT, at the higher RTT.",
+        "",
+        "| workers | path | RTTs (ms) | medians (s) | round trips the RTT adds | beyond the floor (RTTs) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for size, rows in wan.items():
+        lo, hi = sorted((k for k in rows if k.isdigit()), key=int)
+        for who, r in rows.items():
+            if who.isdigit():
+                continue
+            a, b = rows[lo][who]["median"], rows[hi][who]["median"]
+            beyond = "" if who == "floor" else f"{r['beyond_floor']:.1f}"
+            lines.append(f"| {size} | {who} | {lo}, {hi} | {a:.2f}, {b:.2f} | {r['round_trips']:.1f} | {beyond} |")
+    return lines
 
 
 def table(res: dict[str, Any]) -> str:
@@ -421,16 +478,7 @@ def table(res: dict[str, Any]) -> str:
                     f"{r['threads']:.0f} | {r['sockets']:.0f} |"
                 )
     if "wan" in res:
-        lines += [
-            "",
-            "32 workers behind the latency proxy (this machine's side only; the relays reach each other at their own "
-            "addresses, as inside a slice): `exec -- true`.",
-            "",
-            "| path | 0 ms RTT (s) | 50 ms RTT (s) | round trips the RTT adds |",
-            "| --- | --- | --- | --- |",
-        ]
-        for mode, r in res["wan"].items():
-            lines.append(f"| {mode} | {r['0']:.2f} | {r['50']:.2f} | {r['round_trips']:.1f} |")
+        lines += wan_table(res["wan"])
     if "created" in res:
         made = res["created"]
         lines += [

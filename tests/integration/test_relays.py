@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 DEEP = {"TPURUN_RELAY_ROOTS": "1", "TPURUN_RELAY_FANOUT": "2"}  # 8 workers: w0 -> w1, w5 -> ... three levels
 WORKERS = 8
-RELAY = f"bin/{bundle_name()}/relay.py"  # a relay's own process (not the ssh that started it)
+BIN = f"bin/{bundle_name()}"  # the worker bundle
+RELAY = f"{BIN}/relay.py"  # a relay's own process (not the ssh that started it)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,18 @@ def test_exec_through_relays_is_exec(cli, emulator, pod):
     _nothing_left(emulator, pod, "ssh-agent")
     r = cli("exec", "--no-relay", "--", "sh", "-c", "ls -d /tmp/tpurun-relay-* 2>/dev/null; true")
     assert r.code == 0 and r.out.strip() == "", r.out
+
+
+def test_workers_without_the_bundle_get_it_and_run_the_command_once(cli, emulator, pod):
+    # the root's relay is started again once this machine installed the bundle there (its plan and the command
+    # said again behind it), the others' from their parent relay's copy (their plan again behind it)
+    gone = cli("exec", "--no-relay", "--", "sh", "-c", f'rm -rf "$HOME/.tpurun/{BIN}"')
+    assert gone.code == 0, gone.err
+    r = cli("exec", "--relay", "--", "sh", "-c", "echo once >> /tmp/relay-once; cat /tmp/relay-once")
+    assert r.code == 0, r.err
+    assert sorted(r.out.splitlines()) == [f"[w{w}] once" for w in range(WORKERS)], r.out
+    back = cli("exec", "--no-relay", "--", "sh", "-c", f'rm /tmp/relay-once; test -f "$HOME/.tpurun/{RELAY}"')
+    assert back.code == 0, back.err
 
 
 def test_fail_fast_and_ctrl_c_leave_nothing(cli, emulator, pod):
@@ -185,9 +198,10 @@ def test_a_worker_its_relay_cannot_reach_and_a_key_that_does_not_match(broken, e
     assert r.code == 4, r.err
     assert "HOST KEY CHANGED for worker w3" in r.err and "relay w2 refused it" in r.err, r.err
     assert "w1" not in r.err.split("HOST KEY CHANGED")[0].split("error:")[-1], r.err
-    # a worker down: its relay says it cannot reach it, the others run
+    # a worker down: its relay says it cannot reach it, the others run (the command went down behind the plan: a
+    # worker the tree did not reach is unreachable, not a failure that fail-fast stops the others for)
     emulator.kill_worker(name, 6)
-    r = cli("exec", "--relay", "--worker", "5-7", "--", "echo", "here")
+    r = cli("exec", "--relay", "--fail-fast", "--worker", "5-7", "--", "sh", "-c", "sleep 1; echo here")
     assert r.code == 4, r.err
     assert sorted(r.out.split()) == sorted(["[w5]", "here", "[w7]", "here"]), r.out
     assert "cannot reach worker w6" in r.err and "from relay w5" in r.err, r.err

@@ -89,10 +89,9 @@ class Relays(Fleet):
         only: Collection[int] | None = None,
         unreached: Callable[[str], None] | None = None,
     ) -> list[RunResult]:
-        if not self.tree.connected:
-            for _, why in sorted(self.connect().items()):
-                if unreached is not None:
-                    unreached(why)
+        planting = not self.tree.connected
+        if planting:
+            self.tree.plant()  # the command follows each plan down its link: it starts as each tree stands
         workers = [] if stop.is_set() else self.tree.reached(only)  # nothing new once stopped (Ctrl-C, fail-fast)
         envs = {w.index: dict(env(w)) if env else {} for w in workers}
         leashed = {w.index: leash_argv(argv, grace, envs[w.index]) for w in workers}
@@ -107,6 +106,10 @@ class Relays(Fleet):
             def end(rc: int | None, why: str) -> None:
                 out.flush()
                 err.flush()
+                if rc is None and w in self.tree.missed:  # never reached (said below): no command ran there
+                    with lock:
+                        results[w] = RunResult(w, None, error=why)
+                    return
                 res = RunResult(w, rc, error=why if rc is None else "", stopped=stop.is_set(),
                                 duration=time.monotonic() - started)  # fmt: skip
                 with lock:
@@ -118,7 +121,13 @@ class Relays(Fleet):
 
             return Chan(w, out.feed, err.feed, end)
 
-        numbers = self.tree.open_chans(leashed, envs, make)
+        try:
+            numbers = self.tree.open_chans(leashed, envs, make)
+        finally:
+            if planting:
+                for _, why in sorted(self.tree.stand().items()):
+                    if unreached is not None:
+                        unreached(why)
         closed = False
         while len(results) < len(numbers):
             if stop.is_set() and not closed:

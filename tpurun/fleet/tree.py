@@ -72,17 +72,26 @@ class Link:
         self.unreached: dict[int, str] = {}
         self.gone = ""
         self.stream: Stream | None = None
+        # what was said to the relay before it said it started (its plan, and what was pipelined behind it): said
+        # again to the relay started anew once its bundle is installed; None once it said HELLO
+        self.early: list[bytes] | None = []
 
     def start(self, plan: dict[str, object]) -> None:
-        """Start the relay on the root (installing the bundle where missing) and hand it PLAN."""
+        """Start the relay on the root (installing the bundle where missing) and hand it PLAN, with whatever was
+        sent before the relay answered (`send`) behind it: its exec, the plan and the frames after it leave
+        together, and the relay takes each frame once its tree stands (a command's OPEN waits there, not here)."""
         argv = bundle.program_argv(self.tree.python, "relay.py")
-        doc = relay_wire.json_frame(relay_wire.PLAN, plan)
+        with self.lock:
+            assert self.early is not None
+            self.early.insert(0, relay_wire.json_frame(relay_wire.PLAN, plan))
         for installed in (False, True):
             stream = open_stream(self.runner, argv)
-            try:
-                stream.write(doc)
-            except TpurunError:
-                pass  # it ended at once (no bundle there), or the connection went: reading says which
+            with self.lock:
+                self.stream = stream
+                try:
+                    stream.write(b"".join(self.early or ()))
+                except TpurunError:
+                    pass  # it ended at once (no bundle there), or the connection went: reading says which
             deadline = time.monotonic() + START_SECONDS
             first = stream.read(1)
             while first == b"" and time.monotonic() < deadline:
@@ -95,7 +104,8 @@ class Link:
             if first is None and stream.wait() == AgentExit.MISSING and not installed:
                 bundle.install(self.runner)
                 continue
-            self.stream = stream
+            with self.lock:
+                self.early = None
             threading.Thread(
                 target=self._read, args=(first or b"",), daemon=True, name=f"relay-{self.root.index}"
             ).start()
@@ -140,13 +150,19 @@ class Link:
                 self.ready.set()
 
     def send(self, data: bytes) -> None:
-        if self.gone or self.stream is None:
+        """DATA down the link; before the relay said it started, kept to be said again to a relay started anew."""
+        if self.gone:
             return
         with self.lock:
+            if self.early is not None:
+                self.early.append(data)
+            if self.stream is None:
+                return  # the plan is not sent yet: DATA follows it
             try:
                 self.stream.write(data)
             except TpurunError as exc:
-                self.lose(f"relay {self.root.label} went away: {exc}")
+                if self.early is None:  # before, the start's reading says why it ended
+                    self.lose(f"relay {self.root.label} went away: {exc}")
 
     def close(self) -> None:
         if self.stream is not None:
@@ -172,6 +188,8 @@ class Tree:
         self.pinned = pins()  # {host key alias: the key pinned for it}, read again for a TPU made anew
         self.connected = False
         self.unreached: dict[int, str] = {}  # {worker: why} for those not reached now
+        self.missed: dict[int, str] = {}  # {worker: why} for those a tree's planting did not reach (never reached)
+        self._planting: tuple[list[Link], list[threading.Thread], dict[int, str]] | None = None  # `plant`'s, for `stand`
         self._links: list[Link] = []
         self._link_of: dict[int, Link] = {}
         self.chans: dict[int, tuple[Chan, Link]] = {}  # the open channels, and the link each is on
@@ -197,8 +215,17 @@ class Tree:
 
     def connect(self) -> dict[int, str]:
         """The relay trees, planted once: {worker: why not} for the workers they could not reach."""
-        if self.connected:
-            return self.unreached
+        if not self.connected:
+            self.plant()
+            self.stand()
+        return self.unreached
+
+    def plant(self) -> None:
+        """The first half of `connect`: the roots reached and each relay started with its plan, its tree not
+        standing yet. What is opened now (`open_chans`) follows each plan down its link, and each relay acts on it
+        once its tree stands: a command's OPEN costs no round trip of its own. `stand` waits for the trees."""
+        if self.connected or self._planting is not None:
+            return
         roots, fanout = relay_shape()
         groups = self._groups(roots)
         before = self.reach.runners
@@ -209,9 +236,24 @@ class Tree:
             self.pinned = self.pins()
             groups = self._groups(roots)
             failed = None  # (a head connected already is not connected again)
-        with self._growing:
-            self.unreached = self._plant(groups, fanout, failed)
-        self.connected = True
+        self._growing.acquire()
+        try:
+            self._planting = self._plant(groups, fanout, failed)
+        except BaseException:
+            self._growing.release()
+            raise
+
+    def stand(self) -> dict[int, str]:
+        """The second half of `connect`: every tree `plant` planted stands (or said which workers it could not
+        reach); {worker: why not} for the workers not reached."""
+        if self._planting is None:
+            return self.unreached
+        try:
+            self._stand(*self._planting)
+        finally:
+            self._planting = None
+            self.connected = True
+            self._growing.release()
         return self.unreached
 
     def regrow(self, workers: Collection[int]) -> dict[int, str]:
@@ -225,20 +267,20 @@ class Tree:
                 link.workers -= ws  # what a link that took them says of them later is not theirs any more
             for w in ws:
                 self.unreached.pop(w, None)
+                self.missed.pop(w, None)
             groups = self._groups(roots, only=ws)
             heads = {g[0].index for g in groups}
             for r in self.reach.runners:
                 if r.worker.index in heads:
                     r.close()  # a connection to a worker that went may look alive yet: made anew
-            unreached = self._plant(groups, fanout, None)
-            self.unreached.update(unreached)
-            return unreached
+            return self._stand(*self._plant(groups, fanout, None))
 
     def _plant(
         self, groups: list[Sequence[relay_wire.Node]], fanout: int, failed: dict[int, str] | None
-    ) -> dict[int, str]:
+    ) -> tuple[list[Link], list[threading.Thread], dict[int, str]]:
         """A tree for each of GROUPS through its first worker this machine reaches (FAILED: the heads' connects
-        tried already), ROUNDS of them in turn; {worker: why not} for the workers it could not reach."""
+        tried already), ROUNDS of them in turn, each root's relay being started: the links, the threads starting
+        them, and {worker: why not} for the workers not reached (by `_stand`, the trees' too)."""
         runners = {r.worker.index: r for r in self.reach.runners}
         unreached: dict[int, str] = {}
         links: list[Link] = []
@@ -260,11 +302,10 @@ class Tree:
         for g in groups:
             for n in g:
                 unreached[n.index] = f"not reached: {ROUNDS} workers of its group could not be reached in turn"
+        self.missed.update(unreached)
+        self.unreached.update(unreached)
         self._links.extend(links)
-        self._start_links(links, fanout)
-        for link in links:
-            unreached.update(link.unreached)
-        return unreached
+        return links, self._start_links(links, fanout), unreached
 
     def _groups(self, roots: int, only: Collection[int] | None = None) -> list[Sequence[relay_wire.Node]]:
         """Each slice's workers (of ONLY) in ROOTS groups, each to be reached through its first worker."""
@@ -274,22 +315,28 @@ class Tree:
                 by_slice[w.slice].append(w)
         return [g for ws in by_slice.values() for g in relay_wire.chunks([self._node(w) for w in ws], roots)]
 
-    def _start_links(self, pending: list[Link], fanout: int) -> None:
+    def _start_links(self, pending: list[Link], fanout: int) -> list[threading.Thread]:
         plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "silence": self.silence,
                        "fanout": fanout}  # fmt: skip
 
         def start(link: Link) -> None:
-            for w in link.workers:
-                self._link_of[w] = link
             try:
                 key = {"key": self.key} if link.root.children else {}  # a root without children connects to none
                 link.start({**plan_common, **key, "node": link.root.to_wire()})
             except TpurunError as exc:
                 link.lose(str(exc))
 
+        for link in pending:
+            for w in link.workers:
+                self._link_of[w] = link
         threads = [threading.Thread(target=start, args=(link,), daemon=True) for link in pending]
         for t in threads:
             t.start()
+        return threads
+
+    def _stand(self, pending: list[Link], threads: list[threading.Thread], unreached: dict[int, str]) -> dict[int, str]:
+        """Wait for PENDING's relays (started by THREADS) to stand: UNREACHED with the workers their trees could
+        not reach."""
         for t in threads:
             while t.is_alive():
                 t.join(0.1)
@@ -301,6 +348,10 @@ class Tree:
                     if link.stream is not None:
                         link.stream.kill()
         self.check()
+        for link in pending:
+            unreached.update(link.unreached)
+        self.unreached.update(unreached)
+        return unreached
 
     def dispatch(self, link: Link, kind: int, number: int, payload: bytes) -> None:
         """A frame from LINK's relay."""
@@ -308,6 +359,7 @@ class Tree:
             return
         if kind == relay_wire.READY:
             link.unreached = {int(w): why for w, why in json.loads(payload)["unreached"].items()}
+            self.missed.update(link.unreached)  # before the EXITs of what was opened on them, which follow
             link.ready.set()
             return
         if kind == relay_wire.LOST:
@@ -338,6 +390,8 @@ class Tree:
         told = lost_with(why, [w.name for w in self.workers if w.index in fresh])
         for w in fresh:
             self.unreached.setdefault(w, told)
+            if not link.ready.is_set():  # lost while its tree was planted: never reached
+                self.missed.setdefault(w, told)
         for number, (chan, on) in list(self.chans.items()):
             if on is link and chan.worker in workers and self.chans.pop(number, None) is not None:
                 chan.end(None, self.unreached.get(chan.worker, told))

@@ -451,7 +451,7 @@ class SshRunner(Runner):
         transport = self.transport()
         with _converted(self.worker, self.liveness):
             chan = transport.open_session()
-            chan.exec_command(shlex.join(argv))
+            exec_pipelined(chan, shlex.join(argv))  # its input (a relay's plan, a call's) goes with it
         return SshStream(chan, self.liveness, self.worker)
 
     def pipe(self, argv: Sequence[str]) -> Pipe:
@@ -536,6 +536,26 @@ class SshStream(Stream):
         self.chan.close()
 
 
+def exec_pipelined(chan: paramiko.Channel, command: str) -> None:
+    """COMMAND's exec request on CHAN, not waiting for the server's reply: what the caller sends next leaves with it
+    (sshd takes a channel's messages in order). A refused request closes the channel, which its reader sees as
+    the end with no exit status."""
+    try:
+        from paramiko.common import cMSG_CHANNEL_REQUEST
+        from paramiko.message import Message
+
+        msg = Message()
+        msg.add_byte(cMSG_CHANNEL_REQUEST)
+        msg.add_int(chan.remote_chanid)
+        msg.add_string("exec")
+        msg.add_boolean(True)
+        msg.add_string(command)
+        chan._event_pending()
+        chan.transport._send_user_message(msg)  # type: ignore[union-attr]
+    except (ImportError, AttributeError):  # another paramiko: the plain, waiting request
+        chan.exec_command(command)
+
+
 class SshPipe:
     """ARGV on one new channel of a connected SshRunner, its exec request pipelined: the caller goes on
     sending without waiting for the server's reply (a refused request closes the channel, which the
@@ -544,21 +564,7 @@ class SshPipe:
     def __init__(self, runner: SshRunner, argv: Sequence[str]) -> None:
         self.worker, self.liveness = runner.worker, runner.liveness
         self.chan = runner.transport().open_session()
-        command = shlex.join(argv)
-        try:
-            from paramiko.common import cMSG_CHANNEL_REQUEST
-            from paramiko.message import Message
-
-            msg = Message()
-            msg.add_byte(cMSG_CHANNEL_REQUEST)
-            msg.add_int(self.chan.remote_chanid)
-            msg.add_string("exec")
-            msg.add_boolean(True)
-            msg.add_string(command)
-            self.chan._event_pending()
-            self.chan.transport._send_user_message(msg)  # type: ignore[union-attr]
-        except (ImportError, AttributeError):  # another paramiko: the plain, waiting request
-            self.chan.exec_command(command)
+        exec_pipelined(self.chan, shlex.join(argv))
 
     def send(self, data: bytes) -> None:
         with _converted(self.worker, self.liveness):

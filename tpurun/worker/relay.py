@@ -61,7 +61,7 @@ _BOOT = (
     "   b+=c\n"
     "  return b\n"
     " k=0\n"
-    " while k!=85:k,_,n=H.unpack(r(H.size));b=r(n)\n"  # heartbeats come first, then the BUNDLE (U)
+    " while k!=85:k,_,n=H.unpack(r(H.size));b=r(n)\n"  # the plan and heartbeats come first, then the BUNDLE (U)
     " t=d+'.tmp.%d'%os.getpid();os.makedirs(t)\n"
     " tarfile.open(fileobj=io.BytesIO(b)).extractall(t)\n"
     " import compileall;compileall.compile_dir(t,quiet=1)\n"  # here, not in every relay's own memory
@@ -286,6 +286,7 @@ class Child:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         # its link carries a heartbeat down too: a relay whose parent went silent stops its subtree
         self.link = Outbox(_own(self.proc.stdin), f"down-{node.index}", beat=relay_wire.frame(relay_wire.BEAT))
+        self.link.put(self.plan())  # behind ssh's command, not after the relay's HELLO: one round trip less
         self.passing = False  # handing a frame up (a slow link above is not this child's silence)
         self.err_reader = threading.Thread(target=self._read_err, daemon=True)
         self.err_reader.start()
@@ -322,13 +323,11 @@ class Child:
     def _take(self, kind: int, number: int, payload: bytes) -> None:
         if kind == relay_wire.BEAT:
             return
-        if kind in (relay_wire.NEED, relay_wire.HELLO):
-            if kind == relay_wire.NEED:
-                self.link.put(relay_wire.frame(relay_wire.BUNDLE, 0, self.relay.tar()))
-            relay = self.relay
-            sub = {"node": self.node.to_wire(), "python": relay.python, "bundle": relay.bundle, "timeout": relay.timeout,
-                   "silence": relay.dead, "fanout": relay.fanout}  # fmt: skip
-            self.link.put(relay_wire.json_frame(relay_wire.PLAN, sub))
+        if kind == relay_wire.NEED:  # its bootstrap passed the plan by: the plan again, behind the bundle
+            self.link.put(relay_wire.frame(relay_wire.BUNDLE, 0, self.relay.tar()))
+            self.link.put(self.plan())
+        elif kind == relay_wire.HELLO:
+            return  # its plan went with its command
         elif kind == relay_wire.READY:
             self.unreached = json.loads(payload)["unreached"]
             self.ready.set()
@@ -336,6 +335,13 @@ class Child:
             if kind == relay_wire.EXIT:
                 self.relay.routes.pop(number, None)
             self.relay.up(relay_wire.frame(kind, number, payload))
+
+    def plan(self) -> bytes:
+        """The PLAN frame for this child: its subtree, and what every relay of the tree is told alike."""
+        relay = self.relay
+        sub = {"node": self.node.to_wire(), "python": relay.python, "bundle": relay.bundle, "timeout": relay.timeout,
+               "silence": relay.dead, "fanout": relay.fanout}  # fmt: skip
+        return relay_wire.json_frame(relay_wire.PLAN, sub)
 
     def _why_ended(self) -> str:
         text = self.err.decode("utf-8", "replace")

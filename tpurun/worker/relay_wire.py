@@ -15,15 +15,19 @@ meant for many workers, such as a sync's stream, crosses each link once), and 0 
 Down the tree (the client's side speaks first):
 
 * `PLAN` (JSON, once): the relay's subtree (`Node`), how to reach the children, the first relay's key, and
-  the fan-out by which the workers below a child it cannot reach are planned anew;
-* `OPEN` (JSON): start a program on some workers (`Opening`), one channel each, stdin open;
+  the fan-out by which the workers below a child it cannot reach are planned anew. It is written right behind
+  the command that starts the relay, without waiting for a word from it (a worker without the bundle gets it
+  again behind the `BUNDLE`);
+* `OPEN` (JSON): start a program on some workers (`Opening`), one channel each, stdin open. It may come right
+  behind the PLAN: a relay reads nothing after its plan until its subtree stands (or said READY with what it
+  could not reach), so what comes meanwhile waits, in order, for the tree it needs;
 * `INPUT`: bytes for the stdin of a set of channels; `CLOSE`: end their stdin; `DROP`: stop reading them
   and end their stdin, as closing an SSH channel does (what a program does then is its own affair).
 
 Up the tree:
 
-* `HELLO`: the relay started (a relay sends its child the PLAN once it hears this), or `NEED`: the worker has no
-  bundle, which its parent sends (`BUNDLE`, a tar) before the PLAN;
+* `HELLO`: the relay started (the bundle was there), or `NEED`: the worker has no bundle, which its parent
+  sends (`BUNDLE`, a tar) and the PLAN again behind it;
 * `READY` (JSON, once): the relay and its subtree are reached, but for the workers it names (`{index: why}`);
 * `OUT`, `ERR`: a channel's stdout and stderr bytes, in order, in the pieces the program wrote them;
 * `EXIT` (JSON): how a channel's program ended (`{"rc": N}`), or why it never ran (`{"error": WHY}`);
@@ -58,7 +62,7 @@ CLOSE = ord("C")
 DROP = ord("D")
 BUNDLE = ord("U")
 # up
-HELLO = ord("H")  # a relay started: its PLAN may come
+HELLO = ord("H")  # a relay started (its bundle is there): what was sent to it before will be read
 NEED = ord("N")  # (from a child's bootstrap) this worker has no bundle: send it as BUNDLE (down), the tar
 READY = ord("R")
 OUT = ord("o")
