@@ -13,8 +13,6 @@ which may be asleep on a laptop, has no part in it.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -22,8 +20,6 @@ import signal
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 
 if __package__:  # imported by tpurun (its tests) by its package name
     from tpurun.worker import metaserver
@@ -72,6 +68,8 @@ def _when(text: object) -> float | None:
     reads only 3 or 6 digits of it); None if there is none or it cannot be read."""
     if not isinstance(text, str) or not text:
         return None
+    from datetime import datetime  # a notice's alone: the supervisor of every job imports this module
+
     try:
         return datetime.fromisoformat(re.sub(r"\.\d+", "", text.strip()).replace("Z", "+00:00")).timestamp()
     except ValueError:
@@ -102,7 +100,16 @@ def look(worker: int, action: str, read=metaserver.text) -> Notice | None:
 
 
 def sign(key: str, body: bytes) -> str:
+    import hashlib  # a notice's alone, as below
+    import hmac
+
     return hmac.new(bytes.fromhex(key), body, hashlib.sha256).hexdigest()
+
+
+def _signed(key: str, body: bytes, sig: str) -> bool:
+    import hmac
+
+    return hmac.compare_digest(sign(key, body), sig)
 
 
 class NoticeWatch:
@@ -175,6 +182,8 @@ class NoticeWatch:
                 pass
 
         if self.peers and self.key and self.port:
+            from concurrent.futures import ThreadPoolExecutor  # once a notice is told: most jobs never load it
+
             with ThreadPoolExecutor(max_workers=min(SENDERS, len(self.peers))) as pool:
                 list(pool.map(send, self.peers))
 
@@ -203,7 +212,7 @@ class NoticeWatch:
                 data += chunk
             msg = json.loads(data)
             body = str(msg["body"]).encode()
-            if not hmac.compare_digest(sign(self.key, body), str(msg["sig"])):
+            if not _signed(self.key, body, str(msg["sig"])):
                 return None
             inner = json.loads(body)
             return Notice.from_dict(inner["notice"]) if inner.get("job") == self.job else None

@@ -8,7 +8,6 @@ import functools
 import json
 import os
 import re
-import secrets
 import signal
 import socket
 import struct
@@ -243,7 +242,7 @@ class Supervisor:
     def open_log_socket(self) -> None:
         """Listen for the hook: a host launch's chip processes, and every process's passages through
         rendezvous points; the processes tpurun starts learn the name from their env."""
-        name = f"tpurun-{self.job}-{secrets.token_hex(8)}"
+        name = f"tpurun-{self.job}-{os.urandom(8).hex()}"  # (os.urandom: `secrets` would import hmac and more)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + name)  # abstract: nothing on disk; peers are checked on accept
         self.listener.listen(256)

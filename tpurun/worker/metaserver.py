@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import socket
-from urllib.parse import urlsplit
 
 ROOT = "/computeMetadata/v1/"
 ASK = {"Metadata-Flavor": "Google"}  # the header without which the metadata server answers nothing
@@ -16,6 +15,8 @@ NET_ERRORS = (OSError, ValueError)  # what `request` raises when it gets no answ
 
 def request(method: str, url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes]:
     """(status, body) of one HTTP request."""
+    from urllib.parse import urlsplit  # loaded by the few that ask
+
     u = urlsplit(url)
     target = u.path + ("?" + u.query if u.query else "")
     if u.scheme != "http":
