@@ -784,5 +784,5 @@ def test_a_quiet_loop_looks_less_and_less_often_and_at_once_when_woken(monkeypat
         woke.set()
 
     threading.Thread(target=waiter, daemon=True).start()
-    pace.wake.set()
+    pace.wake()
     assert woke.wait(5)  # woken (its wait would be 13 s): the event, not a clock, ends it

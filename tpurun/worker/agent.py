@@ -100,6 +100,10 @@ from protocol import (
 )
 from protocol_calls import JobSpec, Preflight, StopRequest, read_claim_start
 
+TYPE_CHECKING = False  # typing is not imported on a worker; type checkers read True
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 # ---------------------------------------------------------------- commands
 
 
@@ -510,14 +514,14 @@ def _lifeline(pace: Pace) -> threading.Event:
 
     def hangup(signum: int, frame: object) -> None:
         closed.set()
-        pace.wake.set()
+        pace.wake()
 
     signal.signal(signal.SIGHUP, hangup)
     signal.signal(signal.SIGTERM, hangup)
     return closed
 
 
-def _watch_stdin(closed: threading.Event, wake: threading.Event) -> None:
+def _watch_stdin(closed: threading.Event, wake: Callable[[], None]) -> None:
     def watch() -> None:
         # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader
         # would hold its lock and abort the interpreter at exit.
@@ -527,7 +531,7 @@ def _watch_stdin(closed: threading.Event, wake: threading.Event) -> None:
         except OSError:
             pass
         closed.set()
-        wake.set()
+        wake()
 
     threading.Thread(target=watch, daemon=True).start()
 

@@ -398,11 +398,14 @@ class Pace:
     """How long a loop that looks for changes (the supervisor's, a stream's) waits between looks: POLL while
     things happen, then longer and longer while nothing does, up to IDLE_POLL (a quiet job's hundreds of loops on a
     host, or thousands on the emulated pods of one machine, cost little); `wake` ends a wait at once (a signal, a
-    process's end, the client's lifeline cut)."""
+    process's end, the client's lifeline cut). It wakes through a pipe of its own, not a lock: a signal handler
+    runs in the thread that may be waiting, where a threading.Event's lock would be held already."""
 
     def __init__(self) -> None:
         self.idle = 0
-        self.wake = threading.Event()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
 
     def busy(self) -> None:
         """Something happened: the next waits are short again."""
@@ -414,10 +417,23 @@ class Pace:
         self.idle = min(self.idle + 1, 16)
         return delay
 
+    def wake(self) -> None:
+        """End the wait under way, or the next one (safe in a signal handler and from any thread)."""
+        try:
+            os.write(self._w, b"!")
+        except OSError:
+            pass  # full: a wake is pending already
+
     def wait(self, most: float | None = None) -> None:
         """Wait for the next look (MOST seconds at most: a deadline the loop keeps), or until woken."""
+        import select
+
         delay = self.delay()
         if most is not None:
             delay = max(0.0, min(delay, most))
-        self.wake.wait(delay)
-        self.wake.clear()
+        select.select([self._r], [], [], delay)
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except OSError:
+            pass  # drained

@@ -560,14 +560,14 @@ class Supervisor:
         self.notice, self.dirty = notice, True
         if notice.action == ON_STOP:
             self.reason, self.stop_requested = f"{notice.kind.value} notice for worker {notice.worker}", True
-        self.pace.wake.set()
+        self.pace.wake()
         did = agent_notices.deliver(notice, self.job, [c.pgid for c in self.snapshot()], self.jdir)
         self.log(f"{notice.kind.value} notice for worker {notice.worker} ({notice.detail}): {did}")
 
     def _ended_chip(self, c: Slot, pid: int) -> None:
         """PID, C's chip process, was seen to end (a thread of `watch_exit`'s): the loop looks now."""
         c.note_end(pid)
-        self.pace.wake.set()
+        self.pace.wake()
 
     def on_exit(self, c: Slot, rc: int) -> None:
         c.exited_at = now()
@@ -677,12 +677,12 @@ class Supervisor:
     def run(self, notify_fd: int) -> None:
         def on_term(signum, frame):
             self.stop_requested = True
-            self.pace.wake.set()
+            self.pace.wake()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.signal(signal.SIGCHLD, lambda signum, frame: self.pace.wake.set())  # a process of the job ended
+        signal.signal(signal.SIGCHLD, lambda signum, frame: self.pace.wake())  # a process of the job ended
         self.save()
         if not self.run_pre_commands():
             self.log(self.reason)
