@@ -786,3 +786,27 @@ def test_a_quiet_loop_looks_less_and_less_often_and_at_once_when_woken(monkeypat
     threading.Thread(target=waiter, daemon=True).start()
     pace.wake()
     assert woke.wait(5)  # woken (its wait would be 13 s): the event, not a clock, ends it
+
+
+def test_a_signal_handler_wakes_a_loop_that_waits_without_deadlocking_it() -> None:
+    """The supervisor's SIGCHLD and SIGTERM handlers wake its loop while it waits, in the same thread: waking must
+    take no lock the wait holds (an Event's did: a supervisor at 256 workers hung in its own handler)."""
+    from tpurun.worker.agent_files import Pace
+
+    pace = Pace()
+    woken = [0]
+
+    def handler(signum, frame) -> None:
+        woken[0] += 1
+        pace.wake()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)  # a handler every half millisecond, mid-wait
+        for _ in range(3000):
+            pace.busy()
+            pace.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert woken[0] > 100  # (a deadlock never gets here: the test's timeout ends it)
