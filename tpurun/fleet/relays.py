@@ -233,6 +233,9 @@ class Relays(Fleet):
     ) -> None:
         f = _Following(self.tree, take, ended, lost, stop or threading.Event(), reconnects)
         for w, (session, say) in (held or {}).items():
+            if w not in f.again:  # its relay was lost since the claim: reached again, if at all, by a new stream
+                session.release()
+                continue
             if isinstance(session, RelaySession) and self.tree.adopt(session.number, f.make(w)):
                 if not session.alive():  # it ended as it was handed over: its worker's stream is opened anew
                     self.tree.drop([session.number])
