@@ -5,7 +5,8 @@ workers that differ (version skew) unless the user allows it.
 
 The same answer holds every worker for the job (`claim`) until it starts or is given up: the first worker
 first, then every other at once, so that of two jobs started at once on one TPU only one holds it; the
-other is refused before anything of it is synced, recorded or started."""
+other is refused before anything of it is synced, recorded or started. The agent that holds a worker is the one
+that then starts the job there and streams it (attempt.py)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def ask(target: Target, python: str, packages: list[str]) -> dict[int, Preflight
 class Claim:
     """The workers held for one job about to start: on each, the agent's `preflight --claim JOB` holds the
     worker while its stdin stays open. Closing it (`release`), or this process ending however it ends, lets the
-    worker go; the job's start on a worker ends that worker's hold (the job holds the worker from then on)."""
+    worker go. At the start the sessions are handed over (`hand_over`): each holding agent is told its worker's
+    spec and starts the job there and streams it, the job holding the worker from then on."""
 
     def __init__(self) -> None:
         self.sessions: dict[int, Session] = {}
