@@ -55,6 +55,7 @@ class Core:
         self.ops: dict[str, Operation] = {}
         self.queued: dict[str, QueuedRecord] = {}
         self.request_log: list[dict[str, Any]] = []
+        self.requests_logged = 0
         self._fail_rules: list[dict[str, Any]] = []
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -130,6 +131,7 @@ class Core:
         entry["caller"] = caller
         with self.lock:
             self.request_log.append(entry)
+            self.requests_logged += 1  # ever: the log keeps the last request_log_size of them
             del self.request_log[: -self.config.request_log_size]
 
     def _persist_pids(self) -> None:

@@ -153,13 +153,16 @@ class EmulatorHandle:
         return f"{self.parent}/nodes/{node_id}"
 
     def requests(self, since: int = 0) -> list[dict[str, Any]]:
-        """The API request log (entries from index SINCE on)."""
+        """The API request log from the SINCE-th request ever logged on (`request_count`), as far as the log,
+        which keeps the last ones only, still holds them."""
         with self.emu.lock:
-            return [r for r in self.emu.request_log[since:] if r["method"] != "EVENT"]
+            first = self.emu.requests_logged - len(self.emu.request_log)  # the count of the log's first entry
+            return [r for r in self.emu.request_log[max(0, since - first) :] if r["method"] != "EVENT"]
 
     def request_count(self) -> int:
+        """How many requests were ever logged (a full log drops its oldest: its length stops counting)."""
         with self.emu.lock:
-            return len(self.emu.request_log)
+            return self.emu.requests_logged
 
     def preempt(self, node: str, force: bool = False) -> None:
         self.emu.preempt(node, force=force)
