@@ -201,9 +201,11 @@ class JobRun:
     def _call(self, worker: Worker) -> Call:
         """WORKER's part of the job: the agent's `start` with its spec, then (attached) its `stream`, whose stdin
         is the lifeline, on the same channel."""
-        spec = self.job_spec(worker.index).to_json().encode()
         then = () if self.detach else ("stream", self.job_id, "--follow", "--attached")
-        return Call.program_of(self.python, "agent.py", *then, first=("start", spec))
+        return Call.program_of(self.python, "agent.py", *then, first=("start", self._spec(worker.index)))
+
+    def _spec(self, worker: int) -> bytes:
+        return self.job_spec(worker).to_json().encode()
 
     def _lose(self, w: int, why: str) -> None:
         with self.lock:
@@ -368,7 +370,7 @@ class JobRun:
             # where the claim's program still holds its worker, it starts the job there and streams it (one program
             # on the worker from the claim to the job's end); elsewhere a new one does (`_call`)
             held = {
-                w: (s, claim_start(self.job_spec(w).to_json().encode(), stream=not self.detach))
+                w: (s, claim_start(self._spec(w), stream=not self.detach))
                 for w, s in self.held.items()
             }
             self.held = {}

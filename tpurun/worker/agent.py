@@ -277,7 +277,7 @@ def cmd_preflight(args) -> int:
     rc = cmd_start(args, claim=held)  # this process holds the worker from its claim to its job's stream
     if rc != AgentExit.OK or not stream:
         return rc
-    return cmd_stream(argparse.Namespace(job=args.claim, offsets=None, follow=True, attached=True))
+    return cmd_stream(_parser().parse_args(["stream", args.claim, "--follow", "--attached"]))
 
 
 def _line(fd: int) -> bytes:

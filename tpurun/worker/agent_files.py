@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import stat
 import threading
@@ -426,8 +427,6 @@ class Pace:
 
     def wait(self, most: float | None = None) -> None:
         """Wait for the next look (MOST seconds at most: a deadline the loop keeps), or until woken."""
-        import select
-
         delay = self.delay()
         if most is not None:
             delay = max(0.0, min(delay, most))
