@@ -134,6 +134,9 @@ def cmd_start(args, claim: int | None = None) -> int:
         elif holder is not None and holder.get("job_id") == spec.job_id:
             end_claim(holder, spec.job_id)  # the job holds the worker now (its state says it starts)
         rfd, wfd = os.pipe()
+        import gc
+
+        gc.freeze()  # the collector of either side then never writes to what they share: fewer pages copied
         pid = os.fork()
         if pid == 0:  # intermediate child: new session, then fork the supervisor and leave
             try:
@@ -163,7 +166,7 @@ def cmd_start(args, claim: int | None = None) -> int:
 
         here = os.path.dirname(os.path.abspath(__file__))
         dn = subprocess.DEVNULL
-        subprocess.call([sys.executable, os.path.join(here, "watchdog.py"), "ensure"], stdin=dn, stdout=dn, stderr=dn)
+        subprocess.call([sys.executable, "-S", os.path.join(here, "watchdog.py"), "ensure"], stdin=dn, stdout=dn, stderr=dn)
     sys.stdout.buffer.write(encode(msg))
     sys.stdout.flush()
     return AgentExit.OK if isinstance(msg, Started) else AgentExit.INTERNAL

@@ -652,7 +652,7 @@ def ensure() -> int:
 
     if os.geteuid() != 0:
         try:
-            argv_ = ["sudo", "-n", sys.executable, os.path.abspath(__file__), "ensure"]
+            argv_ = ["sudo", "-n", sys.executable, "-S", os.path.abspath(__file__), "ensure"]
             dn = subprocess.DEVNULL
             if subprocess.call(argv_, stdin=dn, stdout=dn, stderr=dn) == 0:
                 return 0
@@ -665,7 +665,7 @@ def ensure() -> int:
         return 0 if os.path.exists(LOCK) else 1
     lock.close()  # type: ignore[attr-defined]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPURUN_")}  # belongs to no job
-    argv = [sys.executable, os.path.abspath(__file__), "run"]
+    argv = [sys.executable, "-S", os.path.abspath(__file__), "run"]  # no site: stdlib only, for days
     if os.path.isdir("/run/systemd/system"):
         # a unit of its own: systemd keeps it apart from the startup script's or ssh session's unit
         try:
