@@ -476,13 +476,16 @@ def job_price(target: Target, home: Path, budget: SpendLimit | None) -> dict[str
         return None
     if budget is not None:
         return budget.price.to_json()
-    from tpurun.cloud import provision, spend
+    from tpurun.cloud import spend
+
+    def ask() -> Any:
+        from tpurun.cloud import provision  # here: Google's clients take 0.25 s to import, and mostly the ledger knows
+
+        return provision.tpu(cloud, target.name)
 
     cloud = target.cloud()
     try:
-        price = spend.price_for(
-            home, target.project, cloud.endpoint, target.ids, lambda: provision.tpu(cloud, target.name)
-        )
+        price = spend.price_for(home, target.project, cloud.endpoint, target.ids, ask)
     except TpurunError:
         return None
     return price.to_json() if price is not None else None
