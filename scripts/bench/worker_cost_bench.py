@@ -30,14 +30,24 @@ import common  # noqa: E402
 import relay_bench  # noqa: E402
 
 HOLD = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
-ROLES = ("relay", "agent", "supervisor", "script", "sshd", "ssh", "other")
+ROLES = ("relay", "zygote", "agent", "supervisor", "script", "sshd", "ssh", "other")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def role(pid: int, argv: list[str]) -> str:
-    """What PID is to the job, by its command line (and, for the agent's forked supervisor, its stdin)."""
+    """What PID is to the job, by its command line (and, for the agent's forked supervisor, its stdin; for what a
+    relay's zygote forked, which keeps the relay's command line, its name)."""
     line = " ".join(argv)
     name = os.path.basename(argv[0]) if argv else ""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        comm = ""
+    if comm == "tpurun-zygote":
+        return "zygote"
+    if comm == "tpurun-agent":
+        line = "agent.py"
     if name == "ssh":  # a relay's link to a child (its command line holds the child's relay command)
         return "ssh"
     if name in ("sh", "bash"):
@@ -122,7 +132,7 @@ def measure(bench: common.Bench, node: common.Node, jobs: Path, relay: str) -> d
                 **{k: statistics.mean(p[k] for p in mine) for k in ("rss", "pss", "uss")},
                 "cpu_ms": 1000 * statistics.mean(p["cpu"] for p in mine),
             }
-    tpurun = [p for p in procs_ if p["role"] in ("relay", "agent", "supervisor")]
+    tpurun = [p for p in procs_ if p["role"] in ("relay", "zygote", "agent", "supervisor")]
     return {
         "roles": roles,
         "per_worker": {k: sum(p[k] for p in procs_) / n for k in ("pss", "uss")},

@@ -125,6 +125,21 @@ def test_fail_fast_and_ctrl_c_leave_nothing(cli, emulator, pod):
     _nothing_left(emulator, pod, RELAY)
 
 
+def _relay_pid(emulator, pod, worker: int) -> int:
+    """The relay on WORKER: not its zygote, nor an agent that forked (they share its command line; their names
+    are tpurun's)."""
+    (pid,) = [p for p in job_pids(emulator, pod, RELAY, [worker]) if not _name(p).startswith("tpurun-")]
+    return pid
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _lost_with_w5(err: str, why: str) -> None:
     """ERR says WHY w5's relay was lost, and the workers it took along, once; their rows say unreachable."""
     (said,) = [line for line in err.splitlines() if why in line]
@@ -136,7 +151,7 @@ def _lost_with_w5(err: str, why: str) -> None:
 def test_a_relay_killed_mid_command_loses_its_subtree_and_leaves_nothing(cli, emulator, pod):
     proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 12; echo slept")
     read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
-    (pid,) = job_pids(emulator, pod, RELAY, [5])  # w5 relays for w6 and w7
+    pid = _relay_pid(emulator, pod, 5)  # w5 relays for w6 and w7
     os.kill(pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 4, err  # the others went on to their end
@@ -153,7 +168,7 @@ def test_a_hung_relay_is_given_up_and_the_workers_below_it_stop(cli, emulator, p
     cli.env["TPURUN_RELAY_TIMEOUT"] = "3"  # given up after 3 s; the workers below it end after 12 s
     proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 20; echo slept")
     read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
-    (pid,) = job_pids(emulator, pod, RELAY, [5])  # w5 relays for w6 and w7
+    pid = _relay_pid(emulator, pod, 5)  # w5 relays for w6 and w7
     os.kill(pid, signal.SIGSTOP)  # hung: alive, silent, its links open
     try:
         out, err = proc.communicate(timeout=90)
@@ -284,7 +299,7 @@ def test_logs_follow_reaches_the_workers_of_a_lost_relay_through_a_tree_of_their
     job = r.out.strip().splitlines()[-1]
     proc = popen(cli, "logs", "--relay", job, "--follow")
     seen = read_until(proc, lambda got: len({line.split()[0] for line in got if " count " in line}) == WORKERS)
-    (pid,) = job_pids(emulator, pod, RELAY, [5])  # the follow's relay on w5, which relays for w6 and w7
+    pid = _relay_pid(emulator, pod, 5)  # the follow's relay on w5, which relays for w6 and w7
     os.kill(pid, signal.SIGKILL)
     out = proc.stdout.read()  # what readline buffered too (communicate would read past it)
     err = proc.stderr.read()
@@ -357,7 +372,7 @@ def test_a_lost_root_relay_is_named_once_with_its_workers(cli, emulator, pod):
     (cli.cwd / "t.py").write_text(TRAIN)
     proc = popen(cli, "train", "--relay", "t.py", "--runtime", "cpu", "--launch", "host", "--env", "LOOP=1")
     read_until(proc, lambda seen: len({line.split()[0] for line in seen if " tick " in line}) == WORKERS, timeout=90)
-    (pid,) = job_pids(emulator, pod, RELAY, [4])
+    pid = _relay_pid(emulator, pod, 4)
     os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 75 and "ended (lost)" in err, err  # cut short by the infrastructure
@@ -368,7 +383,7 @@ def test_a_lost_root_relay_is_named_once_with_its_workers(cli, emulator, pod):
 
     proc = popen(cli, "exec", "--relay", "--", "sh", "-c", "echo started; sleep 12; echo slept")
     read_until(proc, lambda seen: sum(line.endswith("] started") for line in seen) == WORKERS, timeout=60)
-    (pid,) = job_pids(emulator, pod, RELAY, [4])
+    pid = _relay_pid(emulator, pod, 4)
     os.kill(pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 4, err
@@ -386,7 +401,7 @@ def test_a_lost_root_relay_is_named_once_with_its_workers(cli, emulator, pod):
     assert r.code == 0, r.err
     proc = popen(cli, "logs", "--relay", r.out.strip().splitlines()[-1], "--follow")
     seen = read_until(proc, lambda got: len({line.split()[0] for line in got if " count " in line}) == WORKERS)
-    (pid,) = job_pids(emulator, pod, RELAY, [4])
+    pid = _relay_pid(emulator, pod, 4)
     os.kill(pid, signal.SIGKILL)
     out, err = proc.stdout.read(), proc.stderr.read()
     assert proc.wait(timeout=60) == 0, err

@@ -31,7 +31,7 @@ _INSTALL = (
 # which only its own user can read, not on its command line, which everyone on the worker can, for as long as
 # the program runs (a job's stream: days; the spec holds the job's variables). Without `site` (-S): none of the
 # bundle's programs imports a package but the profile's capture, which loads site itself (agent_profile.py).
-_RUN = (
+RUN = (
     f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
     f'if [ "$1" = --first ]; then {FIRST_INPUT}=$3; export {FIRST_INPUT}; c=$2; shift 3; '
     'set -- --first "$c" "$@"; fi; exec "$p" -S "$f" "$@"'
@@ -50,7 +50,7 @@ def program_argv(python: str, program: str, *args: str, first: tuple[str, bytes]
     (a job's start, then its stream: one Python on the worker, not two); none: only FIRST runs."""
     if first:
         args = ("--first", first[0], base64.b64encode(first[1]).decode(), *args)
-    return ["sh", "-c", _RUN, "tpurun", python, bundle_name(), program, *args]
+    return ["sh", "-c", RUN, "tpurun", python, bundle_name(), program, *args]
 
 
 def call_argv(call: Call) -> list[str]:

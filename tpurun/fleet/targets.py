@@ -69,6 +69,7 @@ class Target:
     asks: bool = False  # each worker asks the person at the terminal a second factor (OS Login 2FA, a human)
     _places: _Places | None = field(default=None, init=False, repr=False, compare=False)  # vm_env's, of all_workers
     _fleet: Fleet | None = field(default=None, init=False, repr=False, compare=False)
+    job_python: str = field(default="", init=False, repr=False, compare=False)  # run_jobs_with's
 
     @property
     def fleet(self) -> Fleet:
@@ -85,7 +86,14 @@ class Target:
         path = keys.key_path(home)
         if not path.exists():
             raise UsageError(f"no ssh key of tpurun's at {path}", hint=f"`tpurun attach {self.name}` makes one")
-        return Relays(self, key=path.read_text(), pins=lambda: keys.pinned_keys(home), python=self.python())
+        python = self.job_python or self.python()
+        return Relays(self, key=path.read_text(), pins=lambda: keys.pinned_keys(home), python=python)
+
+    def run_jobs_with(self, python: str) -> None:
+        """A job's Python, named before the fleet is made: the relays run with it too, so that a relay's zygote can
+        fork the job's agent rather than start another interpreter (worker/zygote.py)."""
+        if self._fleet is None:
+            self.job_python = python
 
     @property
     def relayed(self) -> bool:

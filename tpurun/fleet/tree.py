@@ -317,7 +317,7 @@ class Tree:
 
     def _start_links(self, pending: list[Link], fanout: int) -> list[threading.Thread]:
         plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "silence": self.silence,
-                       "fanout": fanout}  # fmt: skip
+                       "fanout": fanout, "run": bundle.RUN}  # fmt: skip
 
         def start(link: Link) -> None:
             try:

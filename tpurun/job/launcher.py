@@ -364,6 +364,7 @@ def prepare(
     start) needs the workers. A real start is refused on a busy TPU, and on skewed workers unless allowed
     (after the setup, when there is one: it may install what differs)."""
     job_id = new_job_id()
+    target.run_jobs_with(target.python(spec.python))
     if spec.runtime is Runtime.auto or not spec.dry_run:
         connect(target)
     try:

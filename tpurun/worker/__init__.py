@@ -36,6 +36,7 @@ BUNDLE = (
     "watchdog.py",
     "watchdog_reports.py",
     "watchdog_silent.py",
+    "zygote.py",
 )
 
 

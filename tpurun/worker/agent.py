@@ -132,7 +132,7 @@ def cmd_start(args, claim: int | None = None) -> int:
         if claim is not None:
             os.close(claim)  # the job holds the worker now (its state says it starts), not this process
         elif holder is not None and holder.get("job_id") == spec.job_id:
-            end_claim(holder, spec.job_id)  # the job holds the worker now (its state says it starts)
+            end_claim(agent_root(), holder, spec.job_id)  # the job holds the worker now (its state says it starts)
         rfd, wfd = os.pipe()
         import gc
 

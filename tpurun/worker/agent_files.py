@@ -279,16 +279,32 @@ def claim_holder(root: str) -> dict | None:
         os.close(fd)
 
 
-def end_claim(holder: dict, job: str) -> None:
-    """Ends the process that holds the claim for JOB (HOLDER: `claim_holder`'s): the job has taken the worker over."""
+def end_claim(root: str, holder: dict, job: str) -> None:
+    """Ends the process that holds the claim for JOB (HOLDER: `claim_holder`'s, read under ROOT): the job has taken
+    the worker over. The process named is signalled only while it has the claim's file open: a pid used again
+    since by another process is not (an agent's command line need not say so: a relay's zygote forks them)."""
     pid = holder.get("pid")
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            ours = b"\0--claim\0" + job.encode() + b"\0" in f.read()
-        if ours and isinstance(pid, int):
+    if holder.get("job_id") == job and isinstance(pid, int) and _holds_open(pid, os.path.join(root, CLAIM)):
+        try:
             os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass  # gone already
+
+
+def _holds_open(pid: int, path: str) -> bool:
+    """Whether PID has the file at PATH open (one of its descriptors is it)."""
+    path = os.path.realpath(path)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        pass  # gone already
+        return False
+    for n in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{n}") == path:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def boot_time() -> float:

@@ -9,8 +9,8 @@ tpurun's key in an ssh-agent of its own (the key never touches a disk, and the a
 the relays below it use that agent, forwarded.
 
 Then it routes: a channel opened on its own worker runs as its child process (stdin, stdout, stderr piped;
-its own session, as sshd gives a command), one opened further down goes to the child whose subtree holds that
-worker. What comes up is batched into as few writes as the parent's link takes. When its stdin ends (tpurun
+its own session, as sshd gives a command; the bundle's agent forked by the relay's zygote, zygote.py), one
+opened further down goes to the child whose subtree holds that worker. What comes up is batched into as few writes as the parent's link takes. When its stdin ends (tpurun
 went, or its parent relay did), every program it started gets the end of its stdin too and every child relay
 its link's end: nothing it started outlives the command.
 """
@@ -30,6 +30,7 @@ import time
 
 import relay_wire
 from relay_wire import Node, Opening
+from zygote import Forked, Zygote
 
 REPLANS = 2  # how many times the workers below a child that cannot be reached are planned anew (Relay.start)
 
@@ -69,10 +70,11 @@ _BOOT = (
     " except OSError:pass\n"
 )
 # The relay runs as a module imported from its compiled file, not as a script compiled at every start: 5.1 MiB
-# on each worker, not 6.4 (7.2 where the bundle had never been compiled). Its path stays in its command line.
+# on each worker, not 6.4 (7.2 where the bundle had never been compiled). Its path stays in its command line. Its
+# flags are the agent's (`python -S`, bundle.RUN), as the agents its zygote forks are started by that command.
 _CHILD = (
     f'p=$1; n=$2; f="{BIN}/$n/relay.py"; [ -f "$f" ] || "$p" -S -E -c "$3" "$n" || exit {MISSING}; '
-    'exec "$p" -S -E -s -c "import os, sys; sys.path[0] = os.path.dirname(sys.argv[1]); import relay; '
+    'exec "$p" -S -c "import os, sys; sys.path[0] = os.path.dirname(sys.argv[1]); import relay; '
     'sys.exit(relay.main())" "$f"'
 )
 
@@ -214,8 +216,10 @@ class Local:
         self.dropped = self.ended = False
         full = dict(relay.env)
         full.update(env)
+        args = relay.agent_args(argv, env)
         try:
-            self.proc: subprocess.Popen | None = subprocess.Popen(
+            forked = relay.zygote.spawn(args, full) if args is not None and relay.zygote is not None else None
+            self.proc: subprocess.Popen | Forked | None = forked or subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
                 start_new_session=True,
             )  # fmt: skip
@@ -340,7 +344,7 @@ class Child:
         """The PLAN frame for this child: its subtree, and what every relay of the tree is told alike."""
         relay = self.relay
         sub = {"node": self.node.to_wire(), "python": relay.python, "bundle": relay.bundle, "timeout": relay.timeout,
-               "silence": relay.dead, "fanout": relay.fanout}  # fmt: skip
+               "silence": relay.dead, "fanout": relay.fanout, "run": relay.run}  # fmt: skip
         return relay_wire.json_frame(relay_wire.PLAN, sub)
 
     def _why_ended(self) -> str:
@@ -389,9 +393,11 @@ class Child:
 class Relay:
     """This worker's relay: its node, children, channels and link up."""
 
-    def __init__(self, plan: dict[str, Any]) -> None:
+    def __init__(self, plan: dict[str, Any], zygote: Zygote | None = None) -> None:
         self.node = Node.from_wire(plan["node"])
         self.python, self.bundle = plan["python"], plan["bundle"]
+        self.run = str(plan.get("run", ""))  # bundle.RUN: how tpurun starts a program of the bundle
+        self.zygote = zygote
         self.timeout = float(plan.get("timeout", 15))
         self.dead = float(plan.get("silence", relay_wire.DEAD_SECONDS))  # a child silent this long is lost
         self.fanout = int(plan["fanout"])  # of the subtrees planned anew (start)
@@ -417,6 +423,15 @@ class Relay:
 
     def up(self, data: bytes) -> None:
         self.upbox.put(data)
+
+    def agent_args(self, argv: list[str], env: dict[str, str]) -> list[str] | None:
+        """The agent's arguments where ARGV runs this relay's bundle's agent with this relay's Python (bundle.RUN)
+        and ENV sets nothing the interpreter reads at its start (then the zygote forks it); else None."""
+        if len(argv) < 7 or not self.run or argv[:4] != ["sh", "-c", self.run, "tpurun"]:
+            return None
+        if argv[4:7] != [self.python, self.bundle, "agent.py"] or any(k.startswith("PYTHON") for k in env):
+            return None
+        return argv[7:]
 
     def tar(self) -> bytes:
         if self._tar is None:
@@ -569,6 +584,8 @@ class Relay:
         """The link up ended: the key and the files go first, then every program and child relay started here is
         given the end of its stdin."""
         self.forget()
+        if self.zygote is not None:
+            self.zygote.close()
         for route in list(self.routes.values()):
             if isinstance(route, Local):
                 route.act(relay_wire.CLOSE, b"")
@@ -621,7 +638,8 @@ def main() -> int:
     if kind != relay_wire.PLAN:
         print("relay: the first frame was not a plan", file=sys.stderr)
         return 2
-    relay = Relay(json.loads(payload))
+    plan = json.loads(payload)
+    relay = Relay(plan, Zygote() if plan.get("run") else None)  # the zygote first: no thread runs yet
     try:
         relay.start()
         try:
