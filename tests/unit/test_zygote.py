@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import PY38
 from tpurun.worker import AGENT_PATH, WORKER_DIR
+
+PYTHONS = [sys.executable] + ([PY38] if PY38 else [])
 
 # Run with `python -S` as a relay is: makes a zygote before any thread, has it fork the agent for each command
 # on stdin (a JSON list of [args, input]), prints what each did, then closes the zygote's socket and says
@@ -53,33 +56,34 @@ def env(tmp_path: Path) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k in keep}, "HOME": str(home)}
 
 
-def forked(env: dict[str, str], commands: list[tuple[list[str], str]]) -> dict:
+def forked(env: dict[str, str], commands: list[tuple[list[str], str]], python: str = sys.executable) -> dict:
     r = subprocess.run(
-        [sys.executable, "-S", "-c", DRIVER, str(WORKER_DIR)],
+        [python, "-S", "-c", DRIVER, str(WORKER_DIR)],
         input=json.dumps(commands), capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
-def started(env: dict[str, str], args: list[str], data: str = "") -> dict:
+def started(env: dict[str, str], args: list[str], data: str = "", python: str = sys.executable) -> dict:
     r = subprocess.run(
-        [sys.executable, "-S", str(AGENT_PATH), *args], input=data, capture_output=True, text=True, env=env, timeout=60
+        [python, "-S", str(AGENT_PATH), *args], input=data, capture_output=True, text=True, env=env, timeout=60
     )  # fmt: skip
     return {"rc": r.returncode, "out": r.stdout, "err": r.stderr}
 
 
-def test_a_forked_agent_answers_as_a_started_one(env: dict[str, str]) -> None:
+@pytest.mark.parametrize("python", PYTHONS)
+def test_a_forked_agent_answers_as_a_started_one(env: dict[str, str], python: str) -> None:
     commands = [
         (["jobs"], ""),
         (["preflight", "--packages", "pathspec,no-such-thing"], ""),
         (["no-such-command"], ""),
         (["state", "not a job id"], ""),
     ]
-    got = forked(env, commands)
+    got = forked(env, commands, python)
     assert got["zygote_ended"], "the zygote outlived its relay's end of the socket"
     for (args, data), f in zip(commands, got["results"], strict=True):
-        s = started(env, args, data)
+        s = started(env, args, data, python)
         assert (f["rc"], f["out"]) == (s["rc"], s["out"]), args
         assert bool(f["err"]) == bool(s["err"]), args
         assert f["own_session"], "a forked agent runs in a session of its own, as sshd starts a command"
