@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers import assert_clean_error, job_pids, popen
 from tests.integration.conftest import one_pod_per_file
+from tpurun.worker import bundle_name
 
 pytestmark = pytest.mark.integration
 
@@ -122,6 +123,26 @@ def test_full_then_noop_then_one_file(cli, pod):
     r = cli("--plain", "sync")
     assert r.code == 0, r.err
     assert sorted(line.split()[0] for line in r.out.splitlines()) == [f"[w{i}]" for i in range(WORKERS)]
+
+
+def test_the_helper_runs_from_the_bundle_where_it_is_installed(cli, pod, emulator):
+    """Where a worker has this version's bundle (a job's workers do), the sync helper is its copy there, compiled
+    once; where it has none, the helper's source travels inline, as before: both sync the same."""
+    bundle = f".tpurun/bin/{bundle_name()}"
+    gone = cli("exec", "--", "sh", "-c", f'rm -rf "$HOME/{bundle}"')
+    assert gone.code == 0, gone.err
+    expected = _tree(cli.cwd)
+    assert all(w["files_sent"] == len(expected) for w in _sync(cli)["workers"])
+    roots = [_worker_root(emulator, POD, w) for w in range(WORKERS)]
+    assert not any((root / bundle).exists() for root in roots)
+    (cli.cwd / "src" / "pkg" / "m3.py").write_text("changed = True\n")
+    (cli.cwd / "hi.py").write_text("print('hi')\n")
+    r = cli("train", "hi.py", "--runtime", "cpu", "--launch", "host")  # its hold installs the bundle, then it syncs
+    assert r.code == 0, r.err
+    for root in roots:
+        assert list((root / bundle / "__pycache__").glob("sync_helper.*.pyc")), root
+    for address in _addresses(pod):
+        assert _remote_tree(cli, address) == _expected(cli.cwd)
 
 
 def test_delete_removes_only_what_the_source_lost(cli, pod):

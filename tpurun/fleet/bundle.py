@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from tpurun.errors import UnreachableError
 from tpurun.fleet.interface import Call
 from tpurun.transport.runner import Runner, run_capture
-from tpurun.worker import bundle_name, bundle_tar
+from tpurun.worker import BUNDLES, bundle_name, bundle_tar
 from tpurun.worker.protocol import FIRST_INPUT, AgentExit
 from tpurun.worker.watchdog_reports import NO_ROOT
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from tpurun.fleet.targets import Target
 
 NO_ROOT_THERE = "it needs root, and `sudo -n` was refused to the user tpurun logs in as"  # start_watchdogs' why
-BIN = "$HOME/.tpurun/bin"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
+BIN = f"$HOME/{BUNDLES}"  # where bundles live on a worker, as a shell word (followed by /<bundle_name()>)
 
 # The bundle (a tar on stdin) unpacked beside, then renamed into place: a worker never sees half of it,
 # and of two concurrent installs the second finds the first's and drops its own.

@@ -2,7 +2,8 @@
 agent.py ...`, and what it and tpurun say to each other: protocol.py and protocol_calls.py), the hook a host launch puts on its processes' PYTHONPATH (hook/sitecustomize.py) and the
 TPU's watchdog (watchdog.py with watchdog_reports.py and watchdog_silent.py, and metaserver.py: how it reaches the metadata server), which ship as one bundle (below; the watchdog also rides in the startup
 metadata); kill-stale and doctor's probe (probe.py, in the bundle for the watchdog too) and sync's
-receiving end (sync_helper.py), which travel inline on the command line."""
+receiving end (sync_helper.py, in the bundle too: its compiled copy runs where the bundle is), which travel
+inline on the command line."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 WORKER_DIR = Path(__file__).parent
 AGENT_PATH = WORKER_DIR / "agent.py"
+BUNDLES = ".tpurun/bin"  # where bundles are installed on a worker, under its user's home
 # Installed on each worker under ~/.tpurun/bin/<bundle_name()>/ with these relative paths.
 BUNDLE = (
     "agent.py",
@@ -32,6 +34,7 @@ BUNDLE = (
     "probe.py",
     "relay.py",
     "relay_wire.py",
+    "sync_helper.py",
     "versions.py",
     "watchdog.py",
     "watchdog_reports.py",
