@@ -130,8 +130,10 @@ class JobRun:
         on_notice: str = "",
         spend_for: float | None = None,  # `train --budget`: seconds its supervisors let it run (job/spend_limit.py)
         held: Mapping[int, Session] | None = None,  # the claim's programs still holding their workers for the job
+        began: threading.Event | None = None,  # set once the job started on every worker
     ) -> None:
         self.held = dict(held or {})
+        self.began = began
         self.target = target
         self.job_id = job_id
         self.specs = specs
@@ -313,6 +315,9 @@ class JobRun:
         elif isinstance(rec, protocol.Started):
             with self.lock:
                 self.started.add(rec.worker)
+                everywhere = len(self.started) >= len(self.target.workers)
+            if everywhere and self.began is not None:
+                self.began.set()
 
     def _noticed(self, notice: protocol.Notice) -> None:
         """The first notice of a host event any worker reports: kept for the job's end, and shown once."""

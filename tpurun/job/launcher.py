@@ -392,10 +392,11 @@ def prepare(
 
 
 def start(
-    job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event, spend: SpendLimit | None = None
-) -> JobResult:
+    job: Job, *, home: Path, local_dir: Path, out: Output, cancel: threading.Event, spend: SpendLimit | None = None,
+    began: threading.Event | None = None,
+) -> JobResult:  # fmt: skip
     """Sync, set up, start the job on every worker and follow it to its end (or start it detached); SPEND: its
-    --budget, whose clock starts here the first time."""
+    --budget, whose clock starts here the first time; BEGAN: set once it started on every worker."""
     target, spec = job.target, job.spec
     out.name_workers(worker_names(target.all_workers))
     if not target.local:
@@ -457,6 +458,7 @@ def start(
         on_notice=ends.on_notice(spec.on_notice, job.framework.value),
         spend_for=spend.left() if spend is not None else None,
         held=job.claim.hand_over() if job.claim is not None else None,
+        began=began,
     )
     run.run()
     busy = bool(run.busy) and not run.unreachable and run.first_failure is None

@@ -131,12 +131,17 @@ def train(
         try:
             for note_kind, text in job.notes():
                 (out.warn if note_kind == "warn" else out.info)(text)
-            said = threading.Thread(target=_say_maintenance, args=(target, out), daemon=True)
-            if not target.local:  # the API asked beside the start, not before it
+            began = threading.Event()
+            said = threading.Thread(target=_say_maintenance, args=(target, out, began), daemon=True)
+            if not target.local:
                 said.start()
-            result = start(job, home=s.home_path, local_dir=local_dir, out=out, cancel=cancel, spend=spend)
+            try:
+                result = start(job, home=s.home_path, local_dir=local_dir, out=out, cancel=cancel, spend=spend,
+                               began=began)  # fmt: skip
+            finally:
+                began.set()
             if said.is_alive():
-                said.join(timeout=10)
+                said.join(timeout=20)  # (its import and API call follow the start now)
         finally:
             job.release()
             target.close()
@@ -153,8 +158,11 @@ def train(
         _recover(s, target.name, end, budgets, out, after=after, cancel=cancel)  # KeyboardInterrupt once stopped
 
 
-def _say_maintenance(target: targets.Target, out: Output) -> None:
-    """Warn of the maintenance the API announces for TARGET: the job may be interrupted by it."""
+def _say_maintenance(target: targets.Target, out: Output, began: threading.Event) -> None:
+    """Warn of the maintenance the API announces for TARGET: the job may be interrupted by it. Asked once the job
+    BEGAN everywhere (or its start ended), not during its start: Google's client alone takes a third of a second
+    of this process's CPU to import, which the start's own threads would wait for."""
+    began.wait()
     from tpurun.cloud import routing
 
     try:
