@@ -5,12 +5,14 @@ with more children than its fan-out, each tree as shallow as the fan-out allows.
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpurun.worker import relay_wire
+from tpurun.worker import WORKER_DIR, relay_wire
 from tpurun.worker.relay_wire import Node, Opening
 
 frames_st = st.lists(
@@ -76,3 +78,36 @@ def test_a_plan_travels_whole_and_an_opening_splits_by_subtree():
     got = {c: w for p in parts for c, w in p.workers.items()}
     assert got == {c: w for c, w in opening.workers.items() if w[0] != tree.index}
     assert Opening.from_wire(opening.to_wire()).workers == opening.workers
+
+
+def test_a_child_whose_bytes_wait_unread_is_not_silent() -> None:
+    """A relay gives a child up after its silence, unless what the child sent waits unread in the pipe: then the
+    relay's own reader is behind (starved of CPU), the child is not silent. A real pipe, a relay's Child as its
+    reader left it."""
+    import sys
+    import threading
+    import types
+
+    sys.path.insert(0, str(WORKER_DIR))
+    try:
+        import relay
+    finally:
+        sys.path.remove(str(WORKER_DIR))
+    r, w = os.pipe()
+    lost: list[str] = []
+    child = relay.Child.__new__(relay.Child)
+    child.proc = types.SimpleNamespace(stdout=os.fdopen(r, "rb", buffering=0))
+    child.relay = types.SimpleNamespace(dead=1.0)
+    child.node = types.SimpleNamespace(label="w5")
+    child.ready, child.passing, child.gone = threading.Event(), False, ""
+    child.ready.set()
+    child.heard = time.monotonic() - 5
+    child.lose = lost.append
+    os.write(w, relay_wire.frame(relay_wire.BEAT))
+    child.watch()
+    assert lost == []
+    os.read(r, 1 << 16)  # read at last: nothing waits, and nothing came for 5 s
+    child.watch()
+    assert lost == ["relay w5 stopped answering for 1 s"]
+    os.close(w)
+    child.proc.stdout.close()

@@ -386,8 +386,22 @@ class Child:
         silence is the link above's)."""
         if self.passing or not self.ready.is_set() or self.gone:
             return
-        if time.monotonic() - self.heard > self.relay.dead:
+        if time.monotonic() - self.heard > self.relay.dead and not self._unread():
             self.lose(f"relay {self.node.label} stopped answering for {self.relay.dead:.0f} s")
+
+    def _unread(self) -> int:
+        """Bytes the child sent that this relay has not read yet: where there are, the child spoke and this
+        relay's reader is behind (starved of CPU, as 256 emulated workers on 2 cores make it), not the child silent."""
+        import fcntl  # here: asked only of a child silent for long
+        import termios
+
+        assert self.proc.stdout is not None
+        buf = bytearray(4)
+        try:
+            fcntl.ioctl(self.proc.stdout.fileno(), termios.FIONREAD, buf)
+        except (OSError, ValueError):
+            return 0
+        return int.from_bytes(buf, sys.byteorder)
 
 
 class Relay:
