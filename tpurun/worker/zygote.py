@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 ZYGOTE_NAME, AGENT_NAME = "tpurun-zygote", "tpurun-agent"  # the processes' names (their command line: the relay's)
+FORK_SECONDS = 30.0  # a request's answer waited for, at most (the first loads the agent's modules)
 REQUEST_BYTES = 1 << 20  # a request's largest (its arguments and environment); a larger one runs as a program
 _FDS = array.array("i", [0, 0, 0]).itemsize * 3
 
@@ -107,9 +108,13 @@ class Zygote:
                 child.known.set()
         for fd in (theirs_in, theirs_out, theirs_err):
             os.close(fd)
-        child.known.wait()
-        if not child.pid:
-            child.close()
+        given_up = not child.known.wait(FORK_SECONDS)
+        if given_up:  # a zygote that does not answer is not asked again
+            with self.lock:
+                self.gone = True
+                self.children.pop(number, None)
+        if given_up or not child.pid:
+            child.close()  # (a child forked after all has its stdin ended: it ends)
             return None
         return child
 
