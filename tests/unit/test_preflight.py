@@ -4,6 +4,7 @@ import from, in that Python, 3.8 too), the requirements' names, and the skew bet
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from tpurun.job import preflight
 from tpurun.worker import WORKER_DIR, protocol, protocol_calls
 
 PYTHONS = [sys.executable] + ([PY38] if PY38 else [])
+# a distribution's Python beside them where there is one: Debian's site finds a venv's packages its own way
+SITES = PYTHONS + [p for p in ("/usr/bin/python3",) if os.path.exists(p) and os.path.realpath(p) not in map(os.path.realpath, PYTHONS)]
 
 
 def agent_versions(python: str, path: list[Path], names: list[str]) -> dict:
@@ -71,7 +74,7 @@ def test_the_agent_reports_what_its_python_imports() -> None:
     assert set(answer.packages) >= {"jax", "jaxlib", "libtpu", "torch", "torch_xla", "torch_tpu"}
 
 
-@pytest.mark.parametrize("python", PYTHONS)
+@pytest.mark.parametrize("python", SITES)
 @pytest.mark.parametrize("system_site", [False, True])
 def test_the_path_without_site_is_the_path_site_makes(tmp_path: Path, python: str, system_site: bool) -> None:
     """The agent runs without site (-S); the directories it reads versions from are those a Python started with

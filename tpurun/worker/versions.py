@@ -54,7 +54,10 @@ def search_path():
     import site  # under -S, importing it adds nothing to the path
 
     venv, system_site = _venv()
-    dirs = site.getsitepackages([venv]) if venv else []
+    # a virtual environment's own, as site's venv() adds it (Debian's site.getsitepackages would say dist-packages)
+    here = "python{}.{}".format(*sys.version_info[:2])
+    libdirs = dict.fromkeys([getattr(sys, "platlibdir", "lib"), "lib"])
+    dirs = [os.path.join(venv, d, here, "site-packages") for d in libdirs] if venv else []
     if (not venv or system_site) and not sys.flags.no_user_site and site.check_enableusersite():
         dirs.append(site.getusersitepackages())
     if not venv:
