@@ -29,7 +29,7 @@ def agent_versions(python: str, path: list[Path], names: list[str]) -> dict:
         "print(json.dumps(versions.installed(json.loads(sys.argv[3]))))"
     )
     r = subprocess.run(
-        [python, "-S", "-c", code, str(WORKER_DIR), json.dumps([str(p) for p in path]), json.dumps(names)],
+        [python, "-c", code, str(WORKER_DIR), json.dumps([str(p) for p in path]), json.dumps(names)],
         capture_output=True,
         text=True,
         check=True,
@@ -59,7 +59,7 @@ def test_the_agent_reports_what_its_python_imports() -> None:
     from importlib.metadata import version  # what this venv has installed, by the standard library's reckoning
 
     r = subprocess.run(
-        [sys.executable, "-S", str(WORKER_DIR / "agent.py"), "preflight", "--packages", "pathspec,no-such-thing"],
+        [sys.executable, str(WORKER_DIR / "agent.py"), "preflight", "--packages", "pathspec,no-such-thing"],
         capture_output=True,
         text=True,
         env={"HOME": "/nonexistent", "PATH": "/usr/bin:/bin"},
@@ -77,7 +77,7 @@ def test_the_agent_reports_what_its_python_imports() -> None:
 @pytest.mark.parametrize("python", SITES)
 @pytest.mark.parametrize("system_site", [False, True])
 def test_the_path_without_site_is_the_path_site_makes(tmp_path: Path, python: str, system_site: bool) -> None:
-    """The agent runs without site (-S); the directories it reads versions from are those a Python started with
+    """A program run without site (-S) reads versions from the directories a Python started with
     site has on its path: a virtual environment's (with the base Python's, where the environment includes them),
     the user's where site enables it, and what .pth files name, in site's order."""
     venv = tmp_path / "venv"

@@ -1,5 +1,5 @@
 """A relay's zygote forks the bundle's agent: what the forked agent does (its answers, exit codes, the job it
-starts from `--first`, its own session) is what `python -S agent.py ...` does, and the zygote ends with its
+starts from `--first`, its own session) is what `python agent.py ...` does, and the zygote ends with its
 relay. The relayed jobs of tests/integration/test_relays.py run every agent of theirs this way."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tpurun.worker import AGENT_PATH, WORKER_DIR
 
 PYTHONS = [sys.executable] + ([PY38] if PY38 else [])
 
-# Run with `python -S` as a relay is: makes a zygote before any thread, has it fork the agent for each command
+# Run as a relay is (`python`): makes a zygote before any thread, has it fork the agent for each command
 # on stdin (a JSON list of [args, input]), prints what each did, then closes the zygote's socket and says
 # whether the zygote ended.
 DRIVER = textwrap.dedent(
@@ -58,7 +58,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 def forked(env: dict[str, str], commands: list[tuple[list[str], str]], python: str = sys.executable) -> dict:
     r = subprocess.run(
-        [python, "-S", "-c", DRIVER, str(WORKER_DIR)],
+        [python, "-c", DRIVER, str(WORKER_DIR)],
         input=json.dumps(commands), capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -67,7 +67,7 @@ def forked(env: dict[str, str], commands: list[tuple[list[str], str]], python: s
 
 def started(env: dict[str, str], args: list[str], data: str = "", python: str = sys.executable) -> dict:
     r = subprocess.run(
-        [python, "-S", str(AGENT_PATH), *args], input=data, capture_output=True, text=True, env=env, timeout=60
+        [python, str(AGENT_PATH), *args], input=data, capture_output=True, text=True, env=env, timeout=60
     )  # fmt: skip
     return {"rc": r.returncode, "out": r.stdout, "err": r.stderr}
 

@@ -29,12 +29,12 @@ _INSTALL = (
 # The one way a bundle program runs on a worker: PYTHON runs FILE of this version's bundle (exit MISSING where it
 # is not installed). A first command's input (`--first COMMAND DATA ...`) goes to the program in its environment,
 # which only its own user can read, not on its command line, which everyone on the worker can, for as long as
-# the program runs (a job's stream: days; the spec holds the job's variables). Without `site` (-S): none of the
-# bundle's programs imports a package but the profile's capture, which loads site itself (agent_profile.py).
+# the program runs (a job's stream: days; the spec holds the job's variables). With `site`, as the job's Python
+# starts: without it (-S) a TorchTPU job of a Debian venv hung in the suite, its cause not found.
 RUN = (
     f'p=$1; f="{BIN}/$2/$3"; shift 3; [ -f "$f" ] || exit {AgentExit.MISSING.value}; '
     f'if [ "$1" = --first ]; then {FIRST_INPUT}=$3; export {FIRST_INPUT}; c=$2; shift 3; '
-    'set -- --first "$c" "$@"; fi; exec "$p" -S "$f" "$@"'
+    'set -- --first "$c" "$@"; fi; exec "$p" "$f" "$@"'
 )
 
 

@@ -71,10 +71,10 @@ _BOOT = (
 )
 # The relay runs as a module imported from its compiled file, not as a script compiled at every start: 5.1 MiB
 # on each worker, not 6.4 (7.2 where the bundle had never been compiled). Its path stays in its command line. Its
-# flags are the agent's (`python -S`, bundle.RUN), as the agents its zygote forks are started by that command.
+# flags are the agent's (`python`, bundle.RUN), as the agents its zygote forks are started by that command.
 _CHILD = (
     f'p=$1; n=$2; f="{BIN}/$n/relay.py"; [ -f "$f" ] || "$p" -S -E -c "$3" "$n" || exit {MISSING}; '
-    'exec "$p" -S -c "import os, sys; sys.path[0] = os.path.dirname(sys.argv[1]); import relay; '
+    'exec "$p" -c "import os, sys; sys.path[0] = os.path.dirname(sys.argv[1]); import relay; '
     'sys.exit(relay.main())" "$f"'
 )
 

@@ -5,8 +5,8 @@ hangs or fails the job at its first collective).
 Part of the agent bundle (stdlib only, Python >= 3.8): the agent's `preflight` command answers with it.
 Versions are read from the names of the `.dist-info` / `.egg-info` directories on the import path, the first
 one winning as it would for an import: no package is imported, nor importlib.metadata (a few
-milliseconds on a worker that starts a job). tpurun's programs run without `site` (`python -S`: 13 ms and
-2 MiB less in each), so the directories site would have put on the path are found here as site finds them.
+milliseconds on a worker that starts a job). A program run without `site` (`python -S`, as the watchdog is) finds
+the directories site would have put on the path as site finds them.
 """
 
 import os

@@ -3,7 +3,7 @@
 A relay forks its zygote first thing, while it has no thread (a process with threads must not fork and go on
 running Python). Asked to run the bundle's agent with some arguments and an environment on three descriptors,
 the zygote forks: the child takes them as its stdin, stdout and stderr in a session of its own, as sshd starts a
-command, the environment as its own, and runs `agent.main`, as `python -S agent.py ARGS` would (the relay runs
+command, the environment as its own, and runs `agent.main`, as `python agent.py ARGS` would (the relay runs
 with the same interpreter and flags, so the child's interpreter is the one that command would have). The zygote
 loads the agent's modules once, at its first request, and freezes them out of its collector's reach: every
 agent forked after, and the job's supervisor each forks, shares those pages instead of loading its own, and
