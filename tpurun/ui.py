@@ -74,8 +74,11 @@ def out() -> Console:
 def err() -> Console:
     from rich.console import Console
 
-    plain = state.plain or not sys.stderr.isatty()
-    return Console(file=sys.stderr, color_system=None if plain else "auto", highlight=False, soft_wrap=True)
+    return Console(file=sys.stderr, color_system=None if _plain_err() else "auto", highlight=False, soft_wrap=True)
+
+
+def _plain_err() -> bool:
+    return state.plain or not sys.stderr.isatty()
 
 
 def print_json(data: Any) -> None:
@@ -97,7 +100,7 @@ def _plain_line(message: str) -> bool:
     """MESSAGE written to stderr as a line where it is plain (not a terminal, or --plain), as rich would write it
     there, without importing rich (a third of a second on a small machine, on the way to a job's start); False
     where stderr is a terminal that rich styles."""
-    if not (state.plain or not sys.stderr.isatty()):
+    if not _plain_err():
         return False
     sys.stderr.write(message.translate(_CONTROLS) + "\n")
     sys.stderr.flush()

@@ -4,7 +4,6 @@ import from, in that Python, 3.8 too), the requirements' names, and the skew bet
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +16,6 @@ from tpurun.job import preflight
 from tpurun.worker import WORKER_DIR, protocol, protocol_calls
 
 PYTHONS = [sys.executable] + ([PY38] if PY38 else [])
-# a distribution's Python beside them where there is one: Debian's site finds a venv's packages its own way
-SITES = PYTHONS + [p for p in ("/usr/bin/python3",) if os.path.exists(p) and os.path.realpath(p) not in map(os.path.realpath, PYTHONS)]
 
 
 def agent_versions(python: str, path: list[Path], names: list[str]) -> dict:
@@ -72,35 +69,6 @@ def test_the_agent_reports_what_its_python_imports() -> None:
     assert answer.packages["no-such-thing"] is None
     assert answer.packages["torch_xla"] == version("torch_xla")
     assert set(answer.packages) >= {"jax", "jaxlib", "libtpu", "torch", "torch_xla", "torch_tpu"}
-
-
-@pytest.mark.parametrize("python", SITES)
-@pytest.mark.parametrize("system_site", [False, True])
-def test_the_path_without_site_is_the_path_site_makes(tmp_path: Path, python: str, system_site: bool) -> None:
-    """A program run without site (-S) reads versions from the directories a Python started with
-    site has on its path: a virtual environment's (with the base Python's, where the environment includes them),
-    the user's where site enables it, and what .pth files name, in site's order."""
-    venv = tmp_path / "venv"
-    subprocess.run(
-        [python, "-m", "venv", "--without-pip", *(["--system-site-packages"] if system_site else []), str(venv)],
-        check=True,
-    )  # fmt: skip
-    py = str(venv / "bin" / "python")
-    site_dir = Path(subprocess.check_output([py, "-c", "import site; print(site.getsitepackages()[0])"], text=True).strip())
-    (tmp_path / "extra").mkdir()
-    (site_dir / "a.pth").write_text(f"# a comment\n{tmp_path / 'extra'}\nmissing-dir\nimport os\n")
-    (site_dir / "b.pth").write_text("../../..\n")  # relative to the site directory
-    home = tmp_path / "home"
-    user = subprocess.check_output([py, "-c", "import site; print(site.getusersitepackages())"], text=True,
-                                   env={"HOME": str(home)}).strip()  # fmt: skip
-    Path(user).mkdir(parents=True)
-    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
-    show = "import json, sys; print(json.dumps([p for p in sys.path if p == '' or __import__('os').path.isdir(p)]))"
-    with_site = json.loads(subprocess.check_output([py, "-c", show], text=True, env=env))
-    code = "import json, sys; sys.path.insert(0, sys.argv[1]); import versions; print(json.dumps([p for p in versions.search_path()[1:] if p == '' or __import__('os').path.isdir(p)]))"
-    without = json.loads(subprocess.check_output([py, "-S", "-c", code, str(WORKER_DIR)], text=True, env=env))
-    assert without == with_site
-    assert str(tmp_path / "extra") in without and (user in without) == system_site
 
 
 def test_requirement_names(tmp_path: Path) -> None:

@@ -94,10 +94,6 @@ def capture(jdir: str, spec: JobSpec, state: JobState, at: float, seconds: float
     procs = [p for p in everyone if p.port]
     if not procs:
         return ProfileAnswer(path, everyone)
-    if sys.flags.no_site:  # the bundle's programs run without site (-S): xprof is in the job's site-packages
-        import site
-
-        site.main()
     try:
         from xprof.convert import _pywrap_profiler_plugin as xprof  # the job's Python's, not the standard library
     except ImportError as e:
