@@ -35,8 +35,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def role(pid: int, argv: list[str]) -> str:
-    """What PID is to the job, by its command line (and, for the agent's forked supervisor, its stdin; for what a
-    relay's zygote forked, which keeps the relay's command line, its name)."""
+    """What PID is to the job, by its name where tpurun gave it one (a relay's zygote, what it forked, a job's
+    supervisor: they keep the command line of the process they were forked from), else by its command line."""
     line = " ".join(argv)
     name = os.path.basename(argv[0]) if argv else ""
     try:
@@ -46,6 +46,8 @@ def role(pid: int, argv: list[str]) -> str:
         comm = ""
     if comm == "tpurun-zygote":
         return "zygote"
+    if comm == "tpurun-job":
+        return "supervisor"
     if comm == "tpurun-agent":
         line = "agent.py"
     if name == "ssh":  # a relay's link to a child (its command line holds the child's relay command)

@@ -274,6 +274,9 @@ def test_train_and_the_job_commands_through_relays(cli, emulator, pod):
     # Ctrl-C on an attached job: every process of it, and every relay, gone before tpurun exits
     proc = popen(cli, "train", "--relay", "t.py", "--runtime", "cpu", "--launch", "host", "--env", "LOOP=1")
     read_until(proc, lambda seen: len({line.split()[0] for line in seen if " tick " in line}) == WORKERS, timeout=90)
+    # each relay streams its worker's job itself: the agent that held, claimed and started it has ended
+    names = [_name(p) for p in job_pids(emulator, pod, RELAY)]
+    assert names.count("tpurun-zygote") == WORKERS and "tpurun-agent" not in names, names
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=90)
     assert proc.returncode == 130

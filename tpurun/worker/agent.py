@@ -99,6 +99,11 @@ from protocol import (
     frame_recs,
 )
 from protocol_calls import JobSpec, Preflight, StopRequest, read_claim_start
+from zygote import SUPERVISOR_NAME, name_self
+
+# Set by the relay's zygote that forked this process: the relay streams a claimed job itself once it started
+# (preflight --claim then ends with AgentExit.RELAY_STREAMS), so that no agent process runs beside the job.
+RELAY_STREAMS = False
 
 TYPE_CHECKING = False  # typing is not imported on a worker; type checkers read True
 if TYPE_CHECKING:
@@ -107,8 +112,10 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------- commands
 
 
-def cmd_start(args, claim: int | None = None) -> int:
-    """CLAIM: the descriptor through which this process holds the worker for the job (`preflight --claim`'s)."""
+def cmd_start(args, claim: int | None = None, lifeline: bool = False) -> int:
+    """CLAIM: the descriptor through which this process holds the worker for the job (`preflight --claim`'s).
+    LIFELINE: the supervisor keeps this process's stdin and stops the job at its end (the relay that streams the
+    job holds its other end: the client's Ctrl-C, or the relay gone)."""
     from agent_supervisor import Supervisor  # this command's alone (and the supervisor's, forked from it)
 
     try:
@@ -144,8 +151,10 @@ def cmd_start(args, claim: int | None = None) -> int:
                 os.setsid()
                 if os.fork() != 0:
                     os._exit(0)
-                _become_daemon(jdir, keep=wfd)
-                Supervisor(spec, jdir).run(wfd)
+                name_self(SUPERVISOR_NAME)
+                life = os.dup(0) if lifeline else -1
+                _become_daemon(jdir, keep=(wfd, life))
+                Supervisor(spec, jdir, lifeline=life).run(wfd)
             except BaseException:
                 import traceback
 
@@ -166,7 +175,9 @@ def cmd_start(args, claim: int | None = None) -> int:
 
         here = os.path.dirname(os.path.abspath(__file__))
         dn = subprocess.DEVNULL
-        subprocess.call([sys.executable, "-S", os.path.join(here, "watchdog.py"), "ensure"], stdin=dn, stdout=dn, stderr=dn)
+        subprocess.call(
+            [sys.executable, "-S", os.path.join(here, "watchdog.py"), "ensure"], stdin=dn, stdout=dn, stderr=dn
+        )
     sys.stdout.buffer.write(encode(msg))
     sys.stdout.flush()
     return AgentExit.OK if isinstance(msg, Started) else AgentExit.INTERNAL
@@ -191,7 +202,7 @@ def _tail(path: str, n: int = 5) -> str:
         return "(no supervisor.log)"
 
 
-def _become_daemon(jdir: str, keep: int) -> None:
+def _become_daemon(jdir: str, keep: tuple[int, ...]) -> None:
     """Detach from the SSH session: its stdin/stdout/stderr and every other inherited descriptor."""
     os.chdir(jdir)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -205,8 +216,10 @@ def _become_daemon(jdir: str, keep: int) -> None:
         maxfd = os.sysconf("SC_OPEN_MAX")
     except (ValueError, OSError):
         maxfd = 1024
-    os.closerange(3, keep)
-    os.closerange(keep + 1, maxfd)
+    low = 3
+    for fd in sorted({k for k in keep if k >= 3} | {maxfd}):
+        os.closerange(low, fd)
+        low = fd + 1
     sys.stdout = open(os.devnull, "w")
     sys.stderr = os.fdopen(2, "w", buffering=1)
 
@@ -277,9 +290,11 @@ def cmd_preflight(args) -> int:
     if told is None:
         return AgentExit.OK  # the claim's lock goes with this process
     args.input, stream = told
-    rc = cmd_start(args, claim=held)  # this process holds the worker from its claim to its job's stream
+    rc = cmd_start(args, claim=held, lifeline=stream and RELAY_STREAMS)  # held from the claim to the stream
     if rc != AgentExit.OK or not stream:
         return rc
+    if RELAY_STREAMS:
+        return AgentExit.RELAY_STREAMS
     return cmd_stream(_parser().parse_args(["stream", args.claim, "--follow", "--attached"]))
 
 
@@ -409,16 +424,34 @@ class _RecReader:
 
 
 def cmd_stream(args) -> int:
-    jdir = job_dir(args.job)
-    st = _load_state(args.job)
-    spec = _load_spec(jdir)
-    worker = spec.worker
     offsets = {}
     if args.offsets:
         try:
             offsets = {int(k): int(v) for k, v in json.loads(args.offsets).items()}
         except (ValueError, AttributeError) as e:
             raise AgentError(f"--offsets must be a JSON object {{slot: byte offset}}: {e}") from e
+    pace = Pace()
+    lifeline = _lifeline(pace) if args.attached else None
+    if not args.attached:
+        signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
+    try:
+        return stream_job(args.job, sys.stdout.buffer, pace, follow=args.follow, lifeline=lifeline, offsets=offsets)
+    except BrokenPipeError:
+        # The client is gone. An attached job goes with it; a detached one keeps running.
+        _silence_stdout()
+        if args.attached:
+            stop_job(args.job, None)
+        return AgentExit.OK
+
+
+def stream_job(job: str, out, pace: Pace, follow: bool, lifeline: threading.Event | None, offsets: dict) -> int:
+    """JOB's records to OUT (`write`, `flush`) from OFFSETS ({slot: byte offset}) on, until its end where FOLLOW.
+    Attached (a LIFELINE: set once the client is gone or asks the job to stop, waking PACE), the job is stopped
+    then and its last records still sent. The stream of `stream`, or of the relay that forked a claim's agent."""
+    jdir = job_dir(job)
+    st = _load_state(job)
+    spec = _load_spec(jdir)
+    worker = spec.worker
     slots: list[int] = []
     readers: dict[int, _RecReader] = {}
 
@@ -430,64 +463,52 @@ def cmd_stream(args) -> int:
                 readers[c] = _RecReader(worker, c, log_base(jdir, worker, c) + ".rec", offsets.get(c, 0))
 
     follow_slots(st)
-    out = sys.stdout.buffer
-    pace = Pace()
-    stdin_closed = _lifeline(pace) if args.attached else threading.Event()
-    if not args.attached:
-        signal.signal(signal.SIGHUP, lambda s, f: sys.exit(0))
     lease = os.path.join(jdir, "attached")
     sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points (the state's), as last sent
     reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
     told = False  # the job's notice of a host event, sent
     last_touch = 0.0
-    try:
-        while True:
-            st = _load_state(args.job)  # read before draining: lines precede the state that ends a slot
-            follow_slots(st)
-            got = _drain(readers, out, until_empty=False)
-            if st.notice is not None and not told:
-                told = True
-                out.write(encode(st.notice))
-            for s in st.slots:  # compared as read each poll; a record only when they changed
-                if s.passages and sent_passages.get(s.slot) != s.passages:
-                    sent_passages[s.slot] = s.passages
-                    out.write(encode(Passages(worker, s.slot, s.passages)))
-            ended = {s.slot: s for s in st.slots if s.ended_at is not None}
-            for c in slots:
-                if c in ended and reported.get(c) != ended[c].ended_at:
-                    _drain(readers, out, only=c)
-                    out.write(encode(Exit(worker, c, ended[c].exit_code, ended[c].status)))
-                    reported[c] = ended[c].ended_at
-                    got = True
-            # over once every process's end was sent; a lost job's at once (its supervisor, which would have
-            # written the rest, is gone: no more will come, and a follower must not wait for it)
-            over = st.status in TERMINAL and (st.status == JobStatus.LOST or all(c in reported for c in slots))
-            if over:
-                _drain(readers, out)
-                out.write(encode(Done(worker, st)))
-                out.flush()
-                return AgentExit.OK
+    while True:
+        st = _load_state(job)  # read before draining: lines precede the state that ends a slot
+        follow_slots(st)
+        got = _drain(readers, out, until_empty=False)
+        if st.notice is not None and not told:
+            told = True
+            out.write(encode(st.notice))
+        for s in st.slots:  # compared as read each poll; a record only when they changed
+            if s.passages and sent_passages.get(s.slot) != s.passages:
+                sent_passages[s.slot] = s.passages
+                out.write(encode(Passages(worker, s.slot, s.passages)))
+        ended = {s.slot: s for s in st.slots if s.ended_at is not None}
+        for c in slots:
+            if c in ended and reported.get(c) != ended[c].ended_at:
+                _drain(readers, out, only=c)
+                out.write(encode(Exit(worker, c, ended[c].exit_code, ended[c].status)))
+                reported[c] = ended[c].ended_at
+                got = True
+        # over once every process's end was sent; a lost job's at once (its supervisor, which would have
+        # written the rest, is gone: no more will come, and a follower must not wait for it)
+        over = st.status in TERMINAL and (st.status == JobStatus.LOST or all(c in reported for c in slots))
+        if over:
+            _drain(readers, out)
+            out.write(encode(Done(worker, st)))
             out.flush()
-            if not args.follow:
-                return AgentExit.OK
-            if args.attached:
-                if now() - last_touch > 1.0:
-                    _touch(lease)
-                    last_touch = now()
-                if stdin_closed.is_set() and not stopping:
-                    stopping = True
-                    _stop_async(args.job)
-            if got or stopping or st.status != JobStatus.RUNNING or not all(r.offset for r in readers.values()):
-                pace.busy()  # lines come, the job starts or ends, a process's first line is awaited: look soon
-            if not got:
-                pace.wait()
-    except BrokenPipeError:
-        # The client is gone. An attached job goes with it; a detached one keeps running.
-        _silence_stdout()
-        if args.attached:
-            stop_job(args.job, None)
-        return AgentExit.OK
+            return AgentExit.OK
+        out.flush()
+        if not follow:
+            return AgentExit.OK
+        if lifeline is not None:
+            if now() - last_touch > 1.0:
+                _touch(lease)
+                last_touch = now()
+            if lifeline.is_set() and not stopping:
+                stopping = True
+                _stop_async(job)
+        if got or stopping or st.status != JobStatus.RUNNING or not all(r.offset for r in readers.values()):
+            pace.busy()  # lines come, the job starts or ends, a process's first line is awaited: look soon
+        if not got:
+            pace.wait()
 
 
 def _drain(readers: dict, out, only: int | None = None, until_empty: bool = True) -> bool:

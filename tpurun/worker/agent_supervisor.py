@@ -183,7 +183,7 @@ class Slot:
 class Supervisor:
     """Owns one job on this worker: pre-commands, one process per slot, fail-fast, stop, state.json."""
 
-    def __init__(self, spec: JobSpec, jdir: str) -> None:
+    def __init__(self, spec: JobSpec, jdir: str, lifeline: int = -1) -> None:
         self.spec = spec
         self.jdir = jdir
         self.job = spec.job_id
@@ -207,6 +207,7 @@ class Supervisor:
         self.started_at = now()
         self.ended_at: float | None = None
         self.stop_requested = False
+        self.lifeline = lifeline  # where the job is attached through a relay: its end stops the job (_hold_on)
         self.pace = Pace()  # the loop's waits: short while things happen, longer while the job is quiet
         self.stop_deadline: float | None = None
         self.stop_told: set = set()  # the processes the stop's SIGTERM was sent to (never twice)
@@ -704,8 +705,20 @@ class Supervisor:
             self.notices.start(self.log)
         self.save()
         self._notify(notify_fd, Started(self.job, self.worker, os.getpid(), [c.state() for c in self.snapshot()]))
+        if self.lifeline >= 0:
+            threading.Thread(target=self._hold_on, name="lifeline", daemon=True).start()
         self.loop()
         self.finish()
+
+    def _hold_on(self) -> None:
+        """The lifeline read to its end (nothing comes on it), then the job stopped as `agent.py stop` does."""
+        try:
+            while os.read(self.lifeline, 4096):
+                pass
+        except OSError:
+            pass
+        self.stop_requested = True
+        self.pace.wake()
 
     @staticmethod
     def _notify(fd: int, message: Started | StartFailed) -> None:

@@ -66,6 +66,7 @@ class AgentExit(IntEnum):
     INTERNAL = 1  # the agent failed (its message on stderr)
     USAGE = 2  # bad usage, or no such job on this worker
     BUSY = 3  # `start`: another job runs on this worker or claims it; nothing of this job started
+    RELAY_STREAMS = 4  # `preflight --claim` forked by a relay's zygote: its job started; the relay streams it
     MISSING = 93  # the bundle is not installed on the worker (yet): install it and run the command again
 
 

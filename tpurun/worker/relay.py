@@ -9,8 +9,10 @@ tpurun's key in an ssh-agent of its own (the key never touches a disk, and the a
 the relays below it use that agent, forwarded.
 
 Then it routes: a channel opened on its own worker runs as its child process (stdin, stdout, stderr piped;
-its own session, as sshd gives a command; the bundle's agent forked by the relay's zygote, zygote.py), one
-opened further down goes to the child whose subtree holds that worker. What comes up is batched into as few writes as the parent's link takes. When its stdin ends (tpurun
+its own session, as sshd gives a command; the bundle's agent forked by the relay's zygote, zygote.py: where that
+agent claimed the worker and started an attached job, the relay streams the job itself once the agent ended), one
+opened further down goes to the child whose subtree holds that worker. What comes up is batched into as few
+writes as the parent's link takes. When its stdin ends (tpurun
 went, or its parent relay did), every program it started gets the end of its stdin too and every child relay
 its link's end: nothing it started outlives the command.
 """
@@ -30,7 +32,7 @@ import time
 
 import relay_wire
 from relay_wire import Node, Opening
-from zygote import Forked, Zygote
+from zygote import Forked, Zygote, claimed_job, stream_claimed
 
 REPLANS = 2  # how many times the workers below a child that cannot be reached are planned anew (Relay.start)
 
@@ -217,6 +219,9 @@ class Local:
         full = dict(relay.env)
         full.update(env)
         args = relay.agent_args(argv, env)
+        self.job = claimed_job(args)  # a claim's job: once it started, streamed by this relay (stream_here)
+        self.lifeline = threading.Event()  # its stdin ended (the client's, while this relay streams the job)
+        self.pace: Any = None
         try:
             forked = relay.zygote.spawn(args, full) if args is not None and relay.zygote is not None else None
             self.proc: subprocess.Popen | Forked | None = forked or subprocess.Popen(
@@ -245,17 +250,32 @@ class Local:
         rc = proc.wait()
         for t in readers:
             t.join(DRAIN)
+        if isinstance(proc, Forked) and self.job:
+            from protocol import AgentExit  # (loaded: main imported the agent)
+
+            if rc == AgentExit.RELAY_STREAMS:
+                rc = self._stream_here()
         self.ended = True
         if not self.dropped:
             self.relay.up(relay_wire.json_frame(relay_wire.EXIT, {"rc": rc if rc >= 0 else -1}, self.chan))
         self.relay.routes.pop(self.chan, None)
 
     def _read(self, fd: int, kind: int) -> None:
-        def each(data: bytes) -> None:
-            if not (self.dropped or self.ended):
-                self.relay.up(relay_wire.frame(kind, self.chan, data))
+        _pump(fd, lambda data: self.send(kind, data))
 
-        _pump(fd, each)
+    def _stream_here(self) -> int:
+        """The claimed job, started by the agent that just ended, streamed by this relay as that agent would have
+        gone on to: no process of tpurun's runs beside the job on this worker (zygote.stream_claimed)."""
+        import agent  # loaded before the zygote was forked (main)
+
+        self.pace = agent.Pace()
+        send = lambda data, err: self.send(relay_wire.ERR if err else relay_wire.OUT, data)  # noqa: E731
+        return stream_claimed(self.job, send, self.lifeline, self.pace)
+
+    def send(self, kind: int, data: bytes) -> None:
+        """DATA up as its KIND (OUT, ERR), unless nobody reads it any more or its end went up."""
+        if not (self.dropped or self.ended):
+            self.relay.up(relay_wire.frame(kind, self.chan, data))
 
     def act(self, kind: int, data: bytes) -> None:
         if self.proc is None:
@@ -264,7 +284,10 @@ class Local:
             self.stdin.put(data)
         else:  # CLOSE, DROP: its stdin ends
             self.stdin.put(None)
-            if kind == relay_wire.DROP and not self.dropped:
+            self.lifeline.set()  # a job streamed here: its supervisor stops it at its stdin's end; the stream goes on
+            if self.pace is not None:
+                self.pace.wake()
+            if kind == relay_wire.DROP and not self.dropped and self.pace is None:
                 # nobody reads it any more: a hangup, as a program whose SSH channel closed gets a broken pipe
                 self.dropped = True
                 try:
@@ -653,6 +676,8 @@ def main() -> int:
         print("relay: the first frame was not a plan", file=sys.stderr)
         return 2
     plan = json.loads(payload)
+    if plan.get("run"):
+        import agent  # noqa: F401 (a claimed job's stream runs here: loaded before the zygote, which shares it)
     relay = Relay(plan, Zygote() if plan.get("run") else None)  # the zygote first: no thread runs yet
     try:
         relay.start()

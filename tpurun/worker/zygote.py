@@ -9,6 +9,11 @@ loads the agent's modules once, at its first request, and freezes them out of it
 agent forked after, and the job's supervisor each forks, shares those pages instead of loading its own, and
 no interpreter starts. The zygote says each child's pid, then its exit status; it ends when its relay does.
 
+A forked agent that claims its worker and starts an attached job leaves its stream to the relay (`stream_claimed`,
+a thread of the relay's; the agent ends with AgentExit.RELAY_STREAMS): the job's supervisor keeps that agent's
+stdin, whose other end the relay holds, and stops the job at its end. While a relayed job runs, its worker has the
+relay, its zygote and the job's supervisor (`tpurun-job`) of tpurun's, and no agent.
+
 Part of the bundle (stdlib only, Python >= 3.8). The relay's side is `Zygote`; the zygote's own, `_serve`.
 """
 
@@ -25,9 +30,11 @@ import threading
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
-ZYGOTE_NAME, AGENT_NAME = "tpurun-zygote", "tpurun-agent"  # the processes' names (their command line: the relay's)
+# the processes' names (a forked one's command line is the relay's); a job's supervisor's wherever it was forked
+ZYGOTE_NAME, AGENT_NAME, SUPERVISOR_NAME = "tpurun-zygote", "tpurun-agent", "tpurun-job"
 FORK_SECONDS = 30.0  # a request's answer waited for, at most (the first loads the agent's modules)
 REQUEST_BYTES = 1 << 20  # a request's largest (its arguments and environment); a larger one runs as a program
 _FDS = array.array("i", [0, 0, 0]).itemsize * 3
@@ -158,7 +165,7 @@ class Zygote:
             child.ended.set()
 
 
-def _name(name: str) -> None:
+def name_self(name: str) -> None:
     """This process's name (what `ps` and `top` show; its command line stays the relay's)."""
     try:
         with open("/proc/self/comm", "w") as f:
@@ -169,7 +176,7 @@ def _name(name: str) -> None:
 
 def _serve(sock: socket.socket) -> int:
     """The zygote: forks a child for each request on SOCK, reaps them, says both; returns at SOCK's end."""
-    _name(ZYGOTE_NAME)
+    name_self(ZYGOTE_NAME)
     for sig in (signal.SIGHUP, signal.SIGTERM):  # the relay's handlers: this process ends with its socket
         signal.signal(sig, signal.SIG_DFL)
     wake_r, wake_w = os.pipe()
@@ -248,7 +255,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     """This child of the zygote made the agent the request asks for; it never returns."""
     code = 1
     try:
-        _name(AGENT_NAME)
+        name_self(AGENT_NAME)
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
         for fd in set(fds) - {0, 1, 2}:
@@ -266,6 +273,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
             os.environ[protocol.FIRST_INPUT] = args[2]
             args = ["--first", args[1], *args[3:]]
         sys.argv = [agent.__file__, *args]
+        agent.RELAY_STREAMS = True  # the relay that asked for this process streams the job it claims and starts
         try:
             code = agent.main(args)
         except SystemExit as e:
@@ -278,3 +286,31 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def claimed_job(args: list[str] | None) -> str:
+    """The job an agent's ARGS claim a worker for (`preflight --claim JOB`), or ""."""
+    if not args or args[0] != "preflight" or "--claim" not in args[:-1]:
+        return ""
+    return args[args.index("--claim") + 1]
+
+
+def stream_claimed(job: str, send: Callable[[bytes, bool], None], lifeline: threading.Event, pace: Any) -> int:
+    """JOB's stream, attached, through SEND (its output; True: its errors), in the relay whose forked agent claimed and started it and then ended
+    with AgentExit.RELAY_STREAMS (its supervisor holds that agent's stdin: at its end, the job stops; the stream
+    sends its last records). LIFELINE: set at that end, waking PACE. The exit status the agent's would have had."""
+    import agent
+
+    class Up:  # agent.stream_job's output: pieces well under a relay frame's largest
+        def write(self, data: bytes) -> None:
+            for at in range(0, len(data), 1 << 20):
+                send(data[at : at + (1 << 20)], False)
+
+        def flush(self) -> None:
+            pass
+
+    try:
+        return agent.stream_job(job, Up(), pace, follow=True, lifeline=lifeline, offsets={})
+    except agent.AgentError as e:
+        send(f"tpurun agent: {e}\n".encode(), True)
+        return e.code
