@@ -330,7 +330,8 @@ def client_env(home: Path, **more: str) -> dict[str, str]:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    path = path.resolve()
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
 
 def publish(res: dict[str, Any], text: str, name: str, heading: str, *, write: bool) -> None:

@@ -108,7 +108,7 @@ def snapshot(bench: common.Bench, node: common.Node) -> list[dict[str, Any]]:
     return out
 
 
-def measure(bench: common.Bench, node: common.Node, jobs: Path, relay: str) -> dict[str, Any]:
+def measure(bench: common.Bench, node: common.Node, jobs: Path, relay: str, settle: float) -> dict[str, Any]:
     env = dict(bench.env, TPURUN_RELAY=relay)
     argv = [*common.tpurun_bin(), "--plain", "train", "hold.py", "--tpu", node.name, "--runtime", "cpu",
             "--cores", "1", "--python", common.WORKER_PYTHON, "--grace", "2"]  # fmt: skip
@@ -120,7 +120,7 @@ def measure(bench: common.Bench, node: common.Node, jobs: Path, relay: str) -> d
         if not line:
             raise RuntimeError(f"train ended before every process started (exit {proc.wait()})")
         up += line.rstrip().endswith("up")
-    time.sleep(1)  # every reader past its first poll
+    time.sleep(settle)  # a job that runs: every reader past its first poll, its start's helpers gone
     procs_ = snapshot(bench, node)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
@@ -163,6 +163,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=8, choices=sorted(relay_bench.TYPES))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--settle", type=float, default=12.0,
+                    help="seconds the job runs after every process printed, before it is measured (a relay's "
+                         "zygote ends 10 s after its last request)")  # fmt: skip
     args = ap.parse_args()
     res: dict[str, Any] = {"machine": common.machine(), "workers": args.workers, "modes": {}}
     with common.bench_emulator() as bench:
@@ -172,7 +175,7 @@ def main() -> int:
         bench.nodes[name] = node
         jobs = bench.job_dir(hold=HOLD)
         for mode, relay in (("relay", "on"), ("direct", "off")):
-            res["modes"][mode] = measure(bench, node, jobs, relay)
+            res["modes"][mode] = measure(bench, node, jobs, relay, args.settle)
             print(f"{mode}: {res['modes'][mode]}", flush=True)
     print(common.machine_line(res["machine"]))
     print(table(res))

@@ -276,7 +276,7 @@ def test_train_and_the_job_commands_through_relays(cli, emulator, pod):
     read_until(proc, lambda seen: len({line.split()[0] for line in seen if " tick " in line}) == WORKERS, timeout=90)
     # each relay streams its worker's job itself: the agent that held, claimed and started it has ended
     names = [_name(p) for p in job_pids(emulator, pod, RELAY)]
-    assert names.count("tpurun-zygote") == WORKERS and "tpurun-agent" not in names, names
+    assert names.count("tpurun-job") == WORKERS and "tpurun-agent" not in names, names  # (supervisors: forked)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=90)
     assert proc.returncode == 130

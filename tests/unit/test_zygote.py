@@ -44,7 +44,7 @@ DRIVER = textwrap.dedent(
                     if os.path.exists(f"/proc/{child.pid}") else z.pid})
     z.close()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.waitpid(z.pid, os.WNOHANG) == (0, 0):
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{z.pid}"):  # ended, and reaped by its relay
         time.sleep(0.01)
     print(json.dumps({"results": out, "zygote": z.pid, "zygote_ended": not os.path.exists(f"/proc/{z.pid}")}))
     """
@@ -114,3 +114,30 @@ def test_a_forked_agent_starts_the_job_its_first_input_holds(env: dict[str, str]
             break
         time.sleep(0.05)
     assert st["status"] == "finished" and done.read_text() == "ran"
+
+
+def test_an_idle_zygote_ends_and_its_relay_starts_programs_after(env: dict[str, str]) -> None:
+    """No child and no request for IDLE_SECONDS: the zygote ends (a running job's worker is spared its pages), and
+    what the relay asks for after is refused (the relay starts it as a program)."""
+    driver = textwrap.dedent(
+        """
+        import json, os, sys, time
+        sys.path[0] = sys.argv[1]
+        import zygote
+        zygote.IDLE_SECONDS = 0.5
+        z = zygote.Zygote()
+        child = z.spawn(["jobs"], dict(os.environ))
+        child.stdin.close()
+        child.stdout.read()
+        rc = child.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{z.pid}"):  # ended, and reaped by its relay
+            time.sleep(0.01)
+        ended = not os.path.exists(f"/proc/{z.pid}")
+        print(json.dumps({"rc": rc, "ended": ended, "after": z.spawn(["jobs"], dict(os.environ)) is None}))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", driver, str(WORKER_DIR)], capture_output=True, text=True, env=env,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"rc": 0, "ended": True, "after": True}

@@ -7,12 +7,14 @@ command, the environment as its own, and runs `agent.main`, as `python agent.py 
 with the same interpreter and flags, so the child's interpreter is the one that command would have). The zygote
 loads the agent's modules once, at its first request, and freezes them out of its collector's reach: every
 agent forked after, and the job's supervisor each forks, shares those pages instead of loading its own, and
-no interpreter starts. The zygote says each child's pid, then its exit status; it ends when its relay does.
+no interpreter starts. The zygote says each child's pid, then its exit status; it ends when its relay does, or
+once it has had no child and no request for IDLE_SECONDS (a job's start is over: what a running job costs a
+worker is smaller without it; the relay starts any later agent as a program).
 
 A forked agent that claims its worker and starts an attached job leaves its stream to the relay (`stream_claimed`,
 a thread of the relay's; the agent ends with AgentExit.RELAY_STREAMS): the job's supervisor keeps that agent's
-stdin, whose other end the relay holds, and stops the job at its end. While a relayed job runs, its worker has the
-relay, its zygote and the job's supervisor (`tpurun-job`) of tpurun's, and no agent.
+stdin, whose other end the relay holds, and stops the job at its end. While a relayed job runs, its worker has two
+processes of tpurun's, the relay and the job's supervisor (`tpurun-job`): no agent, and the zygote only until idle.
 
 Part of the bundle (stdlib only, Python >= 3.8). The relay's side is `Zygote`; the zygote's own, `_serve`.
 """
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 # the processes' names (a forked one's command line is the relay's); a job's supervisor's wherever it was forked
 ZYGOTE_NAME, AGENT_NAME, SUPERVISOR_NAME = "tpurun-zygote", "tpurun-agent", "tpurun-job"
 FORK_SECONDS = 30.0  # a request's answer waited for, at most (the first loads the agent's modules)
+IDLE_SECONDS = 10.0  # a zygote with no child and no request this long ends (its pages are a running job's cost)
 REQUEST_BYTES = 1 << 20  # a request's largest (its arguments and environment); a larger one runs as a program
 _FDS = array.array("i", [0, 0, 0]).itemsize * 3
 
@@ -155,6 +158,10 @@ class Zygote:
             else:
                 child.returncode = int(value)
                 child.ended.set()
+        try:
+            os.waitpid(self.pid, 0)  # it ended (or is ending): reaped, not left a zombie beside the relay
+        except ChildProcessError:
+            pass
         with self.lock:
             self.gone = True
             left, self.children = list(self.children.values()), {}
@@ -186,7 +193,9 @@ def _serve(sock: socket.socket) -> int:
     numbers: dict[int, int] = {}  # pid -> request number
     loaded = False
     while True:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], None if numbers else IDLE_SECONDS)
+        if not ready:
+            return 0  # idle: the relay starts what it is asked for from now on
         if wake_r in ready:
             os.read(wake_r, 4096)
             _reap(sock, numbers)
