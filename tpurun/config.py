@@ -110,7 +110,8 @@ RELAY_ABOVE = Tunable(
 RELAY_ROOTS = Tunable("TPURUN_RELAY_ROOTS", "4", "relays: how many workers of each slice this machine reaches")
 RELAY_FANOUT = Tunable("TPURUN_RELAY_FANOUT", "32", "relays: how many workers each relay reaches, at most")
 RELAY_TIMEOUT = Tunable(
-    "TPURUN_RELAY_TIMEOUT", "15", "relays: seconds of silence after which a relay is given up (its parent's: 4 times)"
+    "TPURUN_RELAY_TIMEOUT", "15",
+    "relays: seconds of silence after which a relay is given up (its parent's: 4 times), and a relay's wait to reach a child",
 )
 ADDRESS_MAP = Tunable(
     "TPURUN_ADDRESS_MAP", "", 'testing: JSON {"worker ip": "other ip[:port]"} to reach workers through a proxy'

@@ -15,7 +15,9 @@ in-process emulator), runs interleaved between `TPURUN_RELAY=on` and `off`:
 * sync     a first `tpurun sync` of a 100-file tree into a new directory, then a no-op one: the bytes this
            machine sent (the kernel's counters of tpurun's TCP connections, read with `ss`)
 
-    sudo .venv/bin/python scripts/bench/relay_jobs_bench.py [--sizes 32,256,512] [--reps 2] [--write]
+    sudo .venv/bin/python scripts/bench/relay_jobs_bench.py [--sizes 32,256,512] [--reps 2] [--modes relay] [--write]
+
+A 1,024-host job (`--sizes 32,1024 --only chatty --modes relay`) needs about 20 GiB for its workers' processes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ import sync_bench  # noqa: E402
 MODES = {"relay": "on", "direct": "off"}
 TREE_FILES, TREE_MB = 100, 10
 CHATTY_LINES = 200
+# From 1,024 hosts on, every emulated worker's processes share this machine's two cores: a relay or a worker's
+# sshd starved past the default 15 s of silence is this machine's, not a pod's (each VM its own cores). Set for
+# those sizes alone, and said beside their rows.
+STARVED = 1024
+STARVED_ENV = {"TPURUN_RELAY_TIMEOUT": "60", "TPURUN_KEEPALIVE_TIMEOUT": "60"}
 
 
 def _growth(f: Any) -> tuple[threading.Event, list[float]]:
@@ -64,19 +71,19 @@ def _growth(f: Any) -> tuple[threading.Event, list[float]]:
 class Jobs:
     """The measurements on one node, each in both modes (the mode is the `TPURUN_RELAY` of the bench's env)."""
 
-    def __init__(self, bench: common.Bench, run: run_all.Run, node: common.Node, reps: int) -> None:
-        self.bench, self.run, self.node, self.reps = bench, run, node, reps
+    def __init__(self, bench: common.Bench, run: run_all.Run, node: common.Node, reps: int, modes: list[str]) -> None:
+        self.bench, self.run, self.node, self.reps, self.modes = bench, run, node, reps, modes
         self.hosts = len(node.workers)
 
     def _modes(self, rnd: int) -> list[str]:
-        return list(MODES) if rnd % 2 else list(reversed(MODES))
+        return list(self.modes) if rnd % 2 else list(reversed(self.modes))
 
     def _set(self, mode: str) -> None:
         self.bench.env["TPURUN_RELAY"] = MODES[mode]
 
     def start(self) -> dict[str, Any]:
         """Invocation to every process started (train), against `exec -- python3 -c pass`, per mode."""
-        out: dict[str, dict[str, list[float]]] = {m: {"train": [], "python": []} for m in MODES}
+        out: dict[str, dict[str, list[float]]] = {m: {"train": [], "python": []} for m in self.modes}
         floor = [*common.tpurun_bin(), "exec", "--tpu", self.node.name, "--", common.WORKER_PYTHON, "-c", "pass"]
         for rnd in range(self.reps + 1):
             for mode in self._modes(rnd):
@@ -93,7 +100,7 @@ class Jobs:
 
     def chatty(self) -> dict[str, Any]:
         """A job whose hosts print 200 lines each: the client's cost, every line checked."""
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in self.modes}
         argv = self.run.train_argv(self.node, "lines.py", str(CHATTY_LINES))
         for rnd in range(self.reps + 1):
             for mode in self._modes(rnd):
@@ -152,7 +159,7 @@ class Jobs:
 
     def sync(self, tree: Path) -> dict[str, Any]:
         """A first sync into a directory of its own on every worker, then a no-op one: the bytes this machine sent."""
-        out: dict[str, dict[str, list[dict[str, Any]]]] = {m: {"first": [], "no-op": []} for m in MODES}
+        out: dict[str, dict[str, list[dict[str, Any]]]] = {m: {"first": [], "no-op": []} for m in self.modes}
         cache = Path(self.bench.env["TPURUN_HOME"]) / "sync-cache"
         for rnd in range(self.reps):
             for mode in self._modes(rnd):
@@ -179,6 +186,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--only", default="start,chatty,logs,stop,sync")
     ap.add_argument("--log-lines", type=int, default=0, help="lines per core for `logs` (default: 4 M lines in all)")
+    ap.add_argument("--modes", default="relay,direct", help="relay, direct or both (a 1,024-host pod: relay alone)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -201,8 +209,13 @@ def main() -> int:
             node.workers = [str(i) for i in range(size)]  # their number is what the measurements read
             bench.nodes[node.name] = node
             print(f"created {node.name} ({size} workers) in {time.monotonic() - t0:.1f}s", flush=True)
-            jobs = Jobs(bench, run, node, args.reps)
+            jobs = Jobs(bench, run, node, args.reps, [m for m in MODES if m in args.modes.split(",")])
             row: dict[str, Any] = {}
+            for k, v in STARVED_ENV.items():
+                if size >= STARVED:
+                    bench.env[k] = row.setdefault("env", {})[k] = v
+                else:
+                    bench.env.pop(k, None)
             if "start" in only:
                 row["start"] = jobs.start()
             if "chatty" in only:

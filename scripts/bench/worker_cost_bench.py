@@ -165,7 +165,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--settle", type=float, default=12.0,
                     help="seconds the job runs after every process printed, before it is measured (a relay's "
-                         "zygote ends 10 s after its last request)")  # fmt: skip
+                         "zygote ends 2 s after its last child)")  # fmt: skip
     args = ap.parse_args()
     res: dict[str, Any] = {"machine": common.machine(), "workers": args.workers, "modes": {}}
     with common.bench_emulator() as bench:

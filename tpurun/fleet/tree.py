@@ -316,7 +316,7 @@ class Tree:
         return [g for ws in by_slice.values() for g in relay_wire.chunks([self._node(w) for w in ws], roots)]
 
     def _start_links(self, pending: list[Link], fanout: int) -> list[threading.Thread]:
-        plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": 15, "silence": self.silence,
+        plan_common = {"python": self.python, "bundle": bundle_name(), "timeout": self.silence, "silence": self.silence,
                        "fanout": fanout, "run": bundle.RUN}  # fmt: skip
 
         def start(link: Link) -> None:

@@ -8,8 +8,8 @@ with the same interpreter and flags, so the child's interpreter is the one that 
 loads the agent's modules once, at its first request, and freezes them out of its collector's reach: every
 agent forked after, and the job's supervisor each forks, shares those pages instead of loading its own, and
 no interpreter starts. The zygote says each child's pid, then its exit status; it ends when its relay does, or
-once it has had no child and no request for IDLE_SECONDS (a job's start is over: what a running job costs a
-worker is smaller without it; the relay starts any later agent as a program).
+once, asked before, it has had no child and no request for IDLE_SECONDS (a job's start is over: a running job
+costs its workers less without it; the relay starts any later agent as a program).
 
 A forked agent that claims its worker and starts an attached job leaves its stream to the relay (`stream_claimed`,
 a thread of the relay's; the agent ends with AgentExit.RELAY_STREAMS): the job's supervisor keeps that agent's
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # the processes' names (a forked one's command line is the relay's); a job's supervisor's wherever it was forked
 ZYGOTE_NAME, AGENT_NAME, SUPERVISOR_NAME = "tpurun-zygote", "tpurun-agent", "tpurun-job"
 FORK_SECONDS = 30.0  # a request's answer waited for, at most (the first loads the agent's modules)
-IDLE_SECONDS = 10.0  # a zygote with no child and no request this long ends (its pages are a running job's cost)
+IDLE_SECONDS = 2.0  # once asked, a zygote with no child and no request this long ends (a running job's cost)
 REQUEST_BYTES = 1 << 20  # a request's largest (its arguments and environment); a larger one runs as a program
 _FDS = array.array("i", [0, 0, 0]).itemsize * 3
 
@@ -193,7 +193,7 @@ def _serve(sock: socket.socket) -> int:
     numbers: dict[int, int] = {}  # pid -> request number
     loaded = False
     while True:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], None if numbers else IDLE_SECONDS)
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], IDLE_SECONDS if loaded and not numbers else None)
         if not ready:
             return 0  # idle: the relay starts what it is asked for from now on
         if wake_r in ready:
