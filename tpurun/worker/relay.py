@@ -251,7 +251,7 @@ class Local:
         for t in readers:
             t.join(DRAIN)
         if isinstance(proc, Forked) and self.job:
-            from protocol import AgentExit  # (loaded: main imported the agent)
+            from protocol import AgentExit
 
             if rc == AgentExit.RELAY_STREAMS:
                 rc = self._stream_here()
@@ -266,7 +266,7 @@ class Local:
     def _stream_here(self) -> int:
         """The claimed job, started by the agent that just ended, streamed by this relay as that agent would have
         gone on to: no process of tpurun's runs beside the job on this worker (zygote.stream_claimed)."""
-        import agent  # loaded before the zygote was forked (main)
+        import agent  # (here, not before the zygote: a relay that streams no job, exec's, never loads it)
 
         self.pace = agent.Pace()
         send = lambda data, err: self.send(relay_wire.ERR if err else relay_wire.OUT, data)  # noqa: E731
@@ -676,8 +676,6 @@ def main() -> int:
         print("relay: the first frame was not a plan", file=sys.stderr)
         return 2
     plan = json.loads(payload)
-    if plan.get("run"):
-        import agent  # noqa: F401 (a claimed job's stream runs here: loaded before the zygote, which shares it)
     relay = Relay(plan, Zygote() if plan.get("run") else None)  # the zygote first: no thread runs yet
     try:
         relay.start()
