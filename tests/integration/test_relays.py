@@ -87,6 +87,11 @@ def test_exec_through_relays_is_exec(cli, emulator, pod):
     assert _sorted_lines(relayed.err) == _sorted_lines(direct.err)
     said = [line for line in relayed.err.splitlines() if line.startswith("error:")]
     assert said == [line for line in direct.err.splitlines() if line.startswith("error:")], relayed.err
+    # what the command left behind writes after its exit status came (sshd may send that status first): read to
+    # the output's end both ways, for a second at most
+    relayed, direct = _both(cli, "exec", "--", "sh", "-c", 'setsid sh -c "sleep 0.3; echo late >&2" & exit 0')
+    assert relayed.code == direct.code == 0, direct.err
+    assert _sorted_lines(relayed.err) == _sorted_lines(direct.err) == [f"[w{w}] late" for w in range(WORKERS)]
     missing = _both(cli, "exec", "--worker", "2-3", "--", "nosuchcommand")
     assert missing[0].code == missing[1].code == 1
     assert _sorted_lines(missing[0].err) == _sorted_lines(missing[1].err)

@@ -44,6 +44,7 @@ Ask = Callable[[str, list[tuple[str, bool]]], list[str]]
 # ends with "stopped answering" (exit 4) within INTERVAL + TIMEOUT seconds (20 s by default).
 KEEPALIVE_INTERVAL = 5.0
 KEEPALIVE_TIMEOUT = 15.0
+DRAIN = 1.0  # seconds a command's output is still read after its exit status where it has not ended (a relay's too)
 
 
 def keepalive_settings() -> tuple[float, float]:
@@ -198,6 +199,18 @@ def readable(chan: paramiko.Channel, timeout: float) -> bool:
     poller = select.poll()
     poller.register(chan.fileno(), select.POLLIN)
     return bool(poller.poll(max(0.0, timeout) * 1000))
+
+
+def _drain(chan: paramiko.Channel, out: LineSplitter, err: LineSplitter) -> bool:
+    """What CHAN holds of its command's stdout and stderr, fed to OUT and ERR; whether there was any."""
+    got = False
+    while chan.recv_ready():
+        out.feed(chan.recv(65536))
+        got = True
+    while chan.recv_stderr_ready():
+        err.feed(chan.recv_stderr(65536))
+        got = True
+    return got
 
 
 def _why_unreachable(exc: BaseException) -> str:
@@ -403,34 +416,28 @@ class SshRunner(Runner):
         err = LineSplitter(lambda line: sink(i, "err", line))
         stop_sent = False
         last_alive = time.monotonic()
+        exited = 0.0  # when its exit status came: sshd may send it before the last of its output
         while True:
             if stop.is_set() and not stop_sent:
                 chan.shutdown_write()  # the leash sees EOF and stops the process group
                 stop_sent = True
-            readable(chan, 0.1)
-            got = False
-            while chan.recv_ready():
-                out.feed(chan.recv(65536))
-                got = True
-            while chan.recv_stderr_ready():
-                err.feed(chan.recv_stderr(65536))
-                got = True
+            if chan.eof_received:  # (its descriptor stays readable from then on)
+                chan.status_event.wait(0.1)
+            else:
+                readable(chan, 0.1)
+            got = _drain(chan, out, err)
             if got:
                 last_alive = time.monotonic()
-            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                # drain anything that raced with the exit status
-                while True:
-                    data = chan.recv(65536) if chan.recv_ready() else b""
-                    edata = chan.recv_stderr(65536) if chan.recv_stderr_ready() else b""
-                    if not data and not edata:
-                        break
-                    out.feed(data)
-                    err.feed(edata)
-                break
+            if chan.exit_status_ready():
+                exited = exited or time.monotonic()
+                # its output ends with EOF; or DRAIN after its exit, where something it left behind holds it open
+                if chan.eof_received or time.monotonic() - exited > DRAIN:
+                    break
             if chan.closed or not transport.is_active():
                 break
             if stop_sent and time.monotonic() - last_alive > grace + 30:
                 break
+        _drain(chan, out, err)
         out.flush()
         err.flush()
         if not transport.is_active() and not chan.exit_status_ready():
