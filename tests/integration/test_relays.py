@@ -89,7 +89,9 @@ def test_exec_through_relays_is_exec(cli, emulator, pod):
     assert said == [line for line in direct.err.splitlines() if line.startswith("error:")], relayed.err
     # what the command left behind writes after its exit status came (sshd may send that status first): read to
     # the output's end both ways, for a second at most
-    relayed, direct = _both(cli, "exec", "--", "sh", "-c", 'setsid sh -c "sleep 0.3; echo late >&2" & exit 0')
+    left = 'f=$(mktemp); setsid sh -c "echo up > \\$0; sleep 0.3; echo late >&2" "$f" & '
+    left += 'while [ ! -s "$f" ]; do sleep 0.01; done; rm "$f"'  # it has a session of its own: not swept with the group
+    relayed, direct = _both(cli, "exec", "--", "sh", "-c", left)
     assert relayed.code == direct.code == 0, direct.err
     assert _sorted_lines(relayed.err) == _sorted_lines(direct.err) == [f"[w{w}] late" for w in range(WORKERS)]
     missing = _both(cli, "exec", "--worker", "2-3", "--", "nosuchcommand")
