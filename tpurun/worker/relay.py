@@ -287,11 +287,13 @@ class Local:
             self.lifeline.set()  # a job streamed here: its supervisor stops it at its stdin's end; the stream goes on
             if self.pace is not None:
                 self.pace.wake()
-            if kind == relay_wire.DROP and not self.dropped and self.pace is None:
-                # nobody reads it any more: a hangup, as a program whose SSH channel closed gets a broken pipe
+            if kind == relay_wire.DROP and not self.dropped:
+                # nobody reads it any more: a hangup, as a program whose SSH channel closed gets a broken pipe (a job
+                # streamed here has no program left to hang up on: its supervisor sees its stdin end)
                 self.dropped = True
                 try:
-                    os.killpg(self.proc.pid, signal.SIGHUP)
+                    if self.pace is None:
+                        os.killpg(self.proc.pid, signal.SIGHUP)
                 except OSError:
                     pass
 
