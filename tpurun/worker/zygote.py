@@ -305,9 +305,10 @@ def claimed_job(args: list[str] | None) -> str:
 
 
 def stream_claimed(job: str, send: Callable[[bytes, bool], None], lifeline: threading.Event, pace: Any) -> int:
-    """JOB's stream, attached, through SEND (its output; True: its errors), in the relay whose forked agent claimed and started it and then ended
-    with AgentExit.RELAY_STREAMS (its supervisor holds that agent's stdin: at its end, the job stops; the stream
-    sends its last records). LIFELINE: set at that end, waking PACE. The exit status the agent's would have had."""
+    """JOB's stream, attached, through SEND (its output; True: its errors), in the relay whose forked agent claimed
+    and started it and then ended with AgentExit.RELAY_STREAMS (the job's supervisor holds that agent's stdin: at
+    its end, the job stops; the stream sends its last records). LIFELINE: set at that end, waking PACE. Returns
+    the exit status the agent's own stream would have had."""
     import agent
 
     class Up:  # agent.stream_job's output: pieces well under a relay frame's largest
