@@ -273,11 +273,12 @@ def test_catalogue_and_locations(emulator, tpu_client):
 
 
 def _zone_emptied(emulator, tpu_client) -> None:
-    """No TPU in the zone, so that a capacity counts this test's alone (the emulator is the test process's, and a file
-    before may have left a TPU deleting)."""
+    """No TPU in any zone, so that a capacity counts this test's alone (the emulator is the test process's, a file
+    before may have left a TPU deleting, and a capacity for any zone counts every zone's)."""
     delete_every_tpu(emulator)
+    every_zone = emulator.parent.rsplit("/", 1)[0] + "/-"
     deadline = time.monotonic() + 120
-    while list(tpu_client.list_nodes(parent=emulator.parent)) and time.monotonic() < deadline:
+    while list(tpu_client.list_nodes(parent=every_zone)) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
