@@ -280,6 +280,9 @@ def _zone_emptied(emulator, tpu_client) -> None:
     deadline = time.monotonic() + 120
     while list(tpu_client.list_nodes(parent=every_zone)) and time.monotonic() < deadline:
         time.sleep(0.2)
+    with emulator.emu.lock:  # a file before may have left a TPU in a project of its own, which the list omits
+        held = [(r.node.name, r.state) for r in emulator.emu.nodes.values() if r.holds]
+    assert not held, f"TPUs hold capacity this test counts: {held}"
 
 
 def test_capacity_exhausted_fails_the_operation(emulator, tpu_client):

@@ -61,7 +61,7 @@ def _set_project_metadata(emulator, **items: str) -> None:
 
 @pytest.fixture(scope="module")
 def locked(emulator, tmp_path_factory):
-    """A 2-worker TPU made by tpurun in a project that enforces OS Login, as ALICE."""
+    """A 2-worker TPU made by tpurun in a project that enforces OS Login, as ALICE (deleted after the file)."""
     from tests.integration.conftest import Cli
 
     cli = Cli.under(tmp_path_factory.mktemp("oslogin"), emulator)
@@ -69,7 +69,9 @@ def locked(emulator, tmp_path_factory):
     r = cli("emulator", "project-metadata", "enable-oslogin=TRUE")  # as compute.requireOsLogin writes it
     assert r.code == 0 and r.out.splitlines() == ["enable-oslogin=TRUE"], (r.out, r.err)
     node = create_node(cli, "locked", "v4-16")
-    return cli, node
+    yield cli, node
+    cli.env["TPURUN_ACCOUNT"] = ALICE
+    assert cli("delete", "locked", "--yes").code == 0  # its chips are the zone's capacity for the next file
 
 
 def test_tpurun_logs_in_as_the_profiles_user_with_a_key_that_expires(locked, emulator):
