@@ -88,7 +88,9 @@ def test_a_job_a_notice_cut_short_ends_as_maintenance_everywhere_whatever_on_not
         lines = [] if json_out else read_until(proc, _ticking, timeout=180)
         if json_out:
             _running(cli)
-        emulator.admin.maintenance(node, 1, notice=2, duration=1)
+        # w1's notice, seen there within a second, reaches w0 through w1's supervisor before the host goes: a lead
+        # of 2 s was now and then too short for w0 under the suite's load (Google's is 60 s)
+        emulator.admin.maintenance(node, 1, notice=6, duration=1)
         out, err = finish(proc, timeout=240)
         lines += out.splitlines()
         assert proc.returncode == 75, (action, err[-3000:])
