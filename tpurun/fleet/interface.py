@@ -26,7 +26,7 @@ import collections
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import Protocol, TypeAlias, TypeVar
 
 from tpurun import config
 from tpurun.errors import UnreachableError, UsageError
@@ -181,6 +181,14 @@ def lost_connection(cause: BaseException | None) -> str:
 # A read's worth of records from a worker's stream: SOURCE is the worker the stream belongs to (for a record
 # that names no worker: StartFailed); every other record names its own.
 Take: TypeAlias = "Callable[[int, Iterable[protocol.Record]], None]"
+class Helper(Protocol):
+    """A helper program's argv on a worker, given the worker's PYTHON. BUNDLED: the worker has this version's
+    bundle for certain (a relayed one: its relay runs from it), so the bundle's own copy runs, as a program of the
+    bundle (bundle.program_argv: what a relay's zygote forks instead of starting an interpreter)."""
+
+    def __call__(self, python: str, bundled: bool = False) -> Sequence[str]: ...
+
+
 Ended = Callable[[int, int, str, bool], bool]  # (worker, exit code, stderr, its Done came) -> open it again?
 Talk = Callable[[Worker, Callable[[], Pipe]], None]  # one worker's conversation; the callable opens its pipe
 
@@ -198,13 +206,13 @@ class Fleet:
         """{worker: why} for the workers the last `connect` could not reach (the operations leave them out)."""
         raise NotImplementedError
 
-    def connect(self, *, helper: Callable[[str], Sequence[str]] | None = None) -> dict[int, str]:
+    def connect(self, *, helper: Helper | None = None) -> dict[int, str]:
         """Reach every selected worker, at most `connect_window()` at once; {worker: why not}. HELPER: the argv
         (given the worker's Python) of a helper to start on each worker the moment it is reached, for the next
         `converse`."""
         raise NotImplementedError
 
-    def start_helpers(self, helper: Callable[[str], Sequence[str]]) -> None:
+    def start_helpers(self, helper: Helper) -> None:
         """Start HELPER on every reached worker now, for the next `converse`."""
         raise NotImplementedError
 
@@ -266,7 +274,7 @@ class Fleet:
 
     def converse(
         self,
-        helper: Callable[[str], Sequence[str]],
+        helper: Helper,
         talk: Talk,
         *,
         stop: threading.Event,
@@ -278,7 +286,7 @@ class Fleet:
         closes every pipe, which wakes a conversation waiting for a reply."""
         raise NotImplementedError
 
-    def chorus(self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event) -> Chorus:
+    def chorus(self, helper: Helper, *, only: Collection[int], stop: threading.Event) -> Chorus:
         """HELPER (its argv given the worker's Python) on each reached worker of ONLY, spoken to at once (a
         `Chorus`; the helpers `connect` started are used). A fleet not connected yet is connected here. Setting
         STOP ends a `say` that waits for a worker."""

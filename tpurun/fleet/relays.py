@@ -19,6 +19,7 @@ from tpurun.fleet.interface import (
     Call,
     Ended,
     Fleet,
+    Helper,
     RunResult,
     Session,
     Take,
@@ -69,11 +70,11 @@ class Relays(Fleet):
     def unreached(self) -> dict[int, str]:
         return dict(self.tree.unreached)
 
-    def connect(self, *, helper: Callable[[str], Sequence[str]] | None = None) -> dict[int, str]:
+    def connect(self, *, helper: Helper | None = None) -> dict[int, str]:
         """The relay trees, planted once (a HELPER starts with the `chorus` that speaks to it)."""
         return dict(self.tree.connect())
 
-    def start_helpers(self, helper: Callable[[str], Sequence[str]]) -> None:
+    def start_helpers(self, helper: Helper) -> None:
         """Nothing: a helper starts with the `chorus` that speaks to it."""
 
     def run(
@@ -284,7 +285,7 @@ class Relays(Fleet):
 
     def converse(
         self,
-        helper: Callable[[str], Sequence[str]],
+        helper: Helper,
         talk: Talk,
         *,
         stop: threading.Event,
@@ -293,7 +294,7 @@ class Relays(Fleet):
         """Each worker's conversation over a pipe through the relays, `connect_window()` of them at once."""
         if not self.tree.connected:
             self.connect()
-        argv = helper(self.python)
+        argv = helper(self.python, bundled=True)
         pipes: dict[int, RelayPipe] = {}
 
         def one(w: Worker) -> None:
@@ -321,11 +322,11 @@ class Relays(Fleet):
         each(chosen, one, name="converse", tick=close_on_stop, width=connect_window())
 
     def chorus(
-        self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event
+        self, helper: Helper, *, only: Collection[int], stop: threading.Event
     ) -> RelayChorus:
         if not self.tree.connected:
             self.connect()
-        return RelayChorus(self.tree, helper(self.python), [w.index for w in self.tree.reached(only)])
+        return RelayChorus(self.tree, helper(self.python, bundled=True), [w.index for w in self.tree.reached(only)])
 
     def close(self) -> None:
         self.tree.close()

@@ -18,6 +18,7 @@ from tpurun.fleet.interface import (
     Chorus,
     Ended,
     Fleet,
+    Helper,
     RecordStream,
     RunResult,
     Session,
@@ -68,11 +69,11 @@ class Threads(Fleet):
             if r.worker.index not in self._unreached and (only is None or r.worker.index in only)
         ]
 
-    def connect(self, *, helper: Callable[[str], Sequence[str]] | None = None) -> dict[int, str]:
+    def connect(self, *, helper: Helper | None = None) -> dict[int, str]:
         self._unreached = self.reach.connect(self._starter(helper) if helper else None)
         return dict(self._unreached)
 
-    def _starter(self, helper: Callable[[str], Sequence[str]]) -> Callable[[Runner], None]:
+    def _starter(self, helper: Helper) -> Callable[[Runner], None]:
         def start(r: Runner) -> None:
             try:
                 self._helpers[r.worker.index] = r.pipe(helper(r.python))
@@ -81,7 +82,7 @@ class Threads(Fleet):
 
         return start
 
-    def start_helpers(self, helper: Callable[[str], Sequence[str]]) -> None:
+    def start_helpers(self, helper: Helper) -> None:
         each(self._reached(), self._starter(helper), name="helper")
 
     def run(
@@ -255,7 +256,7 @@ class Threads(Fleet):
 
     def converse(
         self,
-        helper: Callable[[str], Sequence[str]],
+        helper: Helper,
         talk: Talk,
         *,
         stop: threading.Event,
@@ -298,7 +299,7 @@ class Threads(Fleet):
         each(chosen, one, name="converse", tick=close_on_stop)
 
     def chorus(
-        self, helper: Callable[[str], Sequence[str]], *, only: Collection[int], stop: threading.Event
+        self, helper: Helper, *, only: Collection[int], stop: threading.Event
     ) -> PipeChorus:
         """Each worker's helper over its own pipe (the one started at `connect`, else a new one, opened at once)."""
         if not self.reach.connected:

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from tpurun import ignore
+from tpurun.fleet import bundle
 from tpurun.fleet.interface import lost_connection
 from tpurun.transport.runner import Pipe
 from tpurun.worker import BUNDLES, bundle_name, sync_helper
+from tpurun.worker.zygote import SYNC_HELPER
 
 CHUNK = 1 << 20  # bytes per data frame
 GROUP_WAIT = 2.0  # seconds the first worker's needs wait for the others' before its group's data starts
@@ -95,10 +97,14 @@ def deletions(extra: Sequence[str], rules: ignore.Rules) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def helper_command(python: str = "python3") -> tuple[str, ...]:
-    """argv that runs the helper: this version's bundle's copy where the worker has it (a job's workers do: their
-    hold ran the agent), compiled once there, else its source, compressed inline (nothing to install first).
-    Compiling the source costs each worker 24 ms of CPU at every start, three times the interpreter's own."""
+def helper_command(python: str = "python3", bundled: bool = False) -> tuple[str, ...]:
+    """argv that runs the helper (a fleet's `Helper`): this version's bundle's copy where the worker has it (a
+    job's workers do: their hold ran the agent), compiled once there, else its source, compressed inline (nothing
+    to install first). Compiling the source costs each worker 24 ms of CPU at every start, three times the
+    interpreter's own. BUNDLED (a relayed worker: its relay runs from the bundle): the bundle's program, which
+    the relay's zygote forks, no interpreter started."""
+    if bundled:
+        return tuple(bundle.program_argv(python, SYNC_HELPER))
     source = Path(sync_helper.__file__).read_bytes()
     blob = base64.b64encode(zlib.compress(source, 9)).decode("ascii")
     boot = (

@@ -9,8 +9,8 @@ tpurun's key in an ssh-agent of its own (the key never touches a disk, and the a
 the relays below it use that agent, forwarded.
 
 Then it routes: a channel opened on its own worker runs as its child process (stdin, stdout, stderr piped;
-its own session, as sshd gives a command; the bundle's agent forked by the relay's zygote, zygote.py: where that
-agent claimed the worker and started an attached job, the relay streams the job itself once the agent ended), one
+its own session, as sshd gives a command; the bundle's agent or sync helper forked by the relay's zygote, zygote.py:
+where an agent claimed the worker and started an attached job, the relay streams the job itself once the agent ended), one
 opened further down goes to the child whose subtree holds that worker. What comes up is batched into as few
 writes as the parent's link takes. When its stdin ends (tpurun
 went, or its parent relay did), every program it started gets the end of its stdin too and every child relay
@@ -32,7 +32,7 @@ import time
 
 import relay_wire
 from relay_wire import Node, Opening
-from zygote import Forked, Zygote, claimed_job, stream_claimed
+from zygote import AGENT, PROGRAMS, Forked, Zygote, claimed_job, stream_claimed
 
 REPLANS = 2  # how many times the workers below a child that cannot be reached are planned anew (Relay.start)
 
@@ -218,12 +218,12 @@ class Local:
         self.dropped = self.ended = False
         full = dict(relay.env)
         full.update(env)
-        args = relay.agent_args(argv, env)
-        self.job = claimed_job(args)  # a claim's job: once it started, streamed by this relay (stream_here)
+        program, args = relay.forkable(argv, env)
+        self.job = claimed_job(args) if program == AGENT else ""  # a claim's job: streamed here once started
         self.lifeline = threading.Event()  # its stdin ended (the client's, while this relay streams the job)
         self.pace: Any = None
         try:
-            forked = relay.zygote.spawn(args, full) if args is not None and relay.zygote is not None else None
+            forked = relay.zygote.spawn(program, args, full) if program and relay.zygote is not None else None
             self.proc: subprocess.Popen | Forked | None = forked or subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
                 start_new_session=True,
@@ -463,14 +463,15 @@ class Relay:
     def up(self, data: bytes) -> None:
         self.upbox.put(data)
 
-    def agent_args(self, argv: list[str], env: dict[str, str]) -> list[str] | None:
-        """The agent's arguments where ARGV runs this relay's bundle's agent with this relay's Python (bundle.RUN)
-        and ENV sets nothing the interpreter reads at its start (then the zygote forks it); else None."""
+    def forkable(self, argv: list[str], env: dict[str, str]) -> tuple[str, list[str]]:
+        """(The program, its arguments) where ARGV runs one of this relay's bundle's PROGRAMS with this relay's
+        Python (bundle.RUN) and ENV sets nothing the interpreter reads at its start (the zygote forks it); else
+        ("", [])."""
         if len(argv) < 7 or not self.run or argv[:4] != ["sh", "-c", self.run, "tpurun"]:
-            return None
-        if argv[4:7] != [self.python, self.bundle, "agent.py"] or any(k.startswith("PYTHON") for k in env):
-            return None
-        return argv[7:]
+            return "", []
+        if argv[4:6] != [self.python, self.bundle] or argv[6] not in PROGRAMS or any(k.startswith("PYTHON") for k in env):
+            return "", []
+        return argv[6], argv[7:]
 
     def tar(self) -> bytes:
         if self._tar is None:

@@ -1,15 +1,16 @@
-"""A relay's zygote: the bundle's agent forked on a worker, not started anew.
+"""A relay's zygote: the bundle's agent and sync helper forked on a worker, not started anew.
 
 A relay forks its zygote first thing, while it has no thread (a process with threads must not fork and go on
-running Python). Asked to run the bundle's agent with some arguments and an environment on three descriptors,
-the zygote forks: the child takes them as its stdin, stdout and stderr in a session of its own, as sshd starts a
-command, the environment as its own, and runs `agent.main`, as `python agent.py ARGS` would (the relay runs
-with the same interpreter and flags, so the child's interpreter is the one that command would have). The zygote
-loads the agent's modules once, at its first request, and freezes them out of its collector's reach: every
-agent forked after, and the job's supervisor each forks, shares those pages instead of loading its own, and
-no interpreter starts. The zygote says each child's pid, then its exit status; it ends when its relay does, or
-once, asked before, it has had no child and no request for IDLE_SECONDS (a job's start is over: a running job
-costs its workers less without it; the relay starts any later agent as a program).
+running Python). Asked to run one of the bundle's PROGRAMS with some arguments and an environment on three
+descriptors, the zygote forks: the child takes them as its stdin, stdout and stderr in a session of its own, as
+sshd starts a command, the environment as its own, and runs the program's `main`, as `python agent.py ARGS`
+would (the relay runs with the same interpreter and flags, so the child's interpreter is the one that command
+would have). The zygote loads the programs' modules once, at its first request, and freezes them out of its
+collector's reach: every child forked after, and the job's supervisor each agent forks, shares those pages
+instead of loading its own, and no interpreter starts. The zygote says each child's pid, then its exit status;
+it ends when its relay does, or once, asked for an agent before, it has had no child and no request for
+IDLE_SECONDS (a job's start is over: a running job costs its workers less without it; the relay starts any
+later program as a program). A job's sync comes before its agents: the zygote outlives it.
 
 A forked agent that claims its worker and starts an attached job leaves its stream to the relay (`stream_claimed`,
 a thread of the relay's; the agent ends with AgentExit.RELAY_STREAMS): the job's supervisor keeps that agent's
@@ -37,8 +38,10 @@ if TYPE_CHECKING:
 
 # the processes' names (a forked one's command line is the relay's); a job's supervisor's wherever it was forked
 ZYGOTE_NAME, AGENT_NAME, SUPERVISOR_NAME = "tpurun-zygote", "tpurun-agent", "tpurun-job"
+AGENT, SYNC_HELPER = "agent.py", "sync_helper.py"
+PROGRAMS = {AGENT: AGENT_NAME, SYNC_HELPER: "tpurun-sync"}  # the bundle's programs a zygote forks: their names
 FORK_SECONDS = 30.0  # a request's answer waited for, at most (the first loads the agent's modules)
-IDLE_SECONDS = 2.0  # once asked, a zygote with no child and no request this long ends (a running job's cost)
+IDLE_SECONDS = 2.0  # once asked for an agent, a zygote with no child and no request this long ends
 REQUEST_BYTES = 1 << 20  # a request's largest (its arguments and environment); a larger one runs as a program
 _FDS = array.array("i", [0, 0, 0]).itemsize * 3
 
@@ -69,7 +72,7 @@ class Forked:
 
 
 class Zygote:
-    """The relay's side: make it before any thread; `spawn` asks it for an agent."""
+    """The relay's side: make it before any thread; `spawn` asks it for a program."""
 
     def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -95,9 +98,10 @@ class Zygote:
         self.gone = False
         threading.Thread(target=self._hear, name="zygote", daemon=True).start()
 
-    def spawn(self, args: list[str], env: dict[str, str]) -> Forked | None:
-        """The agent with ARGS and ENV, forked; None where the zygote cannot (the relay starts it as a program)."""
-        request = json.dumps({"args": args, "env": env}).encode()
+    def spawn(self, program: str, args: list[str], env: dict[str, str]) -> Forked | None:
+        """PROGRAM (one of PROGRAMS) with ARGS and ENV, forked; None where the zygote cannot (the relay starts it
+        as a program)."""
+        request = json.dumps({"program": program, "args": args, "env": env}).encode()
         if len(request) > REQUEST_BYTES:
             return None
         theirs_in, mine_in = os.pipe()
@@ -191,9 +195,9 @@ def _serve(sock: socket.socket) -> int:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     numbers: dict[int, int] = {}  # pid -> request number
-    loaded = False
+    loaded = agents = False
     while True:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], IDLE_SECONDS if loaded and not numbers else None)
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], IDLE_SECONDS if agents and not numbers else None)
         if not ready:
             return 0  # idle: the relay starts what it is asked for from now on
         if wake_r in ready:
@@ -212,6 +216,8 @@ def _serve(sock: socket.socket) -> int:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
         number, _, body = data.partition(b" ")
+        request = json.loads(body)
+        agents = agents or request["program"] == AGENT
         if not loaded:
             _load()
             loaded = True
@@ -223,7 +229,7 @@ def _serve(sock: socket.socket) -> int:
             os.setsid()
             for fd in (wake_r, wake_w, settled_r, settled_w, sock.detach()):
                 os.close(fd)
-            _become(json.loads(body), list(fds))
+            _become(request, list(fds))
         os.close(settled_w)
         while pid > 0 and os.read(settled_r, 1):
             pass
@@ -250,21 +256,22 @@ def _reap(sock: socket.socket, numbers: dict[int, int]) -> None:
 
 
 def _load() -> None:
-    """The agent's modules, the supervisor's with them, loaded here once for every child; then frozen, so that
-    neither this process's collector nor a child's writes to the pages they share."""
+    """The programs' modules, the job supervisor's with them, loaded here once for every child; then frozen, so
+    that neither this process's collector nor a child's writes to the pages they share."""
     import gc
 
     import agent  # noqa: F401
     import agent_supervisor  # noqa: F401
+    import sync_helper  # noqa: F401
 
     gc.freeze()
 
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """This child of the zygote made the agent the request asks for; it never returns."""
+    """This child of the zygote made the program the request asks for; it never returns."""
     code = 1
     try:
-        name_self(AGENT_NAME)
+        name_self(PROGRAMS[request["program"]])
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
         for fd in set(fds) - {0, 1, 2}:
@@ -274,17 +281,8 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own, as Python makes it)
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
-        import agent
-        import protocol
-
-        args = list(request["args"])
-        if args[:1] == ["--first"] and len(args) >= 3:  # as bundle.RUN does: the input in the environment
-            os.environ[protocol.FIRST_INPUT] = args[2]
-            args = ["--first", args[1], *args[3:]]
-        sys.argv = [agent.__file__, *args]
-        agent.RELAY_STREAMS = True  # the relay that asked for this process streams the job it claims and starts
         try:
-            code = agent.main(args)
+            code = _run(request["program"], list(request["args"]))
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         sys.stdout.flush()
@@ -295,6 +293,24 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _run(program: str, args: list[str]) -> int:
+    """PROGRAM's main with ARGS, as `python PROGRAM ARGS` runs it (bundle.RUN)."""
+    if program == SYNC_HELPER:
+        import sync_helper
+
+        sys.argv = [sync_helper.__file__, *args]
+        return sync_helper.main()
+    import agent
+    import protocol
+
+    if args[:1] == ["--first"] and len(args) >= 3:  # as bundle.RUN does: the input in the environment
+        os.environ[protocol.FIRST_INPUT] = args[2]
+        args = ["--first", args[1], *args[3:]]
+    sys.argv = [agent.__file__, *args]
+    agent.RELAY_STREAMS = True  # the relay that asked for this process streams the job it claims and starts
+    return agent.main(args)
 
 
 def claimed_job(args: list[str] | None) -> str:
