@@ -256,6 +256,8 @@ def test_rec_lines_framed_by_the_agent_are_the_lines_they_were() -> None:
     raws = [f.rstrip(b"\n") for _, f in framed] + [b"", b"not json", b"[1]", b'{"w": 1}']
     raws += [protocol.encode(r).rstrip(b"\n") for r in RECORDS]
     assert list(protocol.decode_lines(raws)) == lines + RECORDS
+    every_one_json = [r for r in raws if r not in (b"", b"not json")]  # parsed as one array: the same records
+    assert list(protocol.decode_lines(every_one_json)) == lines + RECORDS
 
 
 @pytest.mark.parametrize(

@@ -154,6 +154,7 @@ class JobRun:
         self.unreachable: dict[int, str] = {}  # worker -> why it could not be reached, or vanished
         self.busy: dict[int, str] = {}  # worker -> why the agent refused (another job runs there)
         self.started: set[int] = set()  # the workers whose agent started the job
+        self.size = len(target.workers)  # (counted once: each Started record would count them anew)
         self.all_started = False  # every worker's (then no longer reported)
         self.stop = threading.Event()
         self.started_at = time.monotonic()
@@ -315,7 +316,7 @@ class JobRun:
         elif isinstance(rec, protocol.Started):
             with self.lock:
                 self.started.add(rec.worker)
-                everywhere = len(self.started) >= len(self.target.workers)
+                everywhere = len(self.started) >= self.size
             if everywhere and self.began is not None:
                 self.began.set()
 
@@ -393,8 +394,8 @@ class JobRun:
         if not self.all_started:
             with self.lock:
                 started = len(self.started)
-            self.all_started = started >= len(self.target.workers)
-            self.out.starting(started, len(self.target.workers))
+            self.all_started = started >= self.size
+            self.out.starting(started, self.size)
         self.out.waiting(waiting)
         h = self.hang
         if h is None or h.timeout <= 0 or self.detach or self.stop.is_set():
