@@ -226,13 +226,24 @@ def main() -> int:
                 row["stop"] = jobs.stop()
             if "sync" in only:
                 row["sync"] = jobs.sync(tree)
-            res["sizes"][str(size)] = res["sizes"].get(str(size), {}) | row
+            res["sizes"][str(size)] = merged(res["sizes"].get(str(size), {}), row)
             res["sizes"] = dict(sorted(res["sizes"].items(), key=lambda kv: int(kv[0])))
             if args.write:
                 common.write_json(saved, res)  # kept as it goes: a later size may not fit this machine
             bench.delete(node)
     common.publish(res, table(res), "relay-jobs", "## Relays: jobs and sync as the pod grows (#42)", write=args.write)
     return 0
+
+
+def merged(before: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """A size's ROW of measures over what an earlier run wrote BEFORE, path by path: a run of one path (`--modes
+    relay`) keeps the other's."""
+    out = dict(before)
+    for measure, got in row.items():
+        old = out.get(measure)
+        both = isinstance(old, dict) and isinstance(got, dict) and set(got) <= set(MODES)
+        out[measure] = {**old, **got} if both else got
+    return out
 
 
 def _cell(x: float | None, fmt: str = "{:.2f}") -> str:
