@@ -241,7 +241,7 @@ def test_a_job_state_an_older_agent_wrote_reads_and_a_broken_one_says_so() -> No
         protocol.job_states(b'{"status": "running"}')
 
 
-def test_rec_lines_framed_by_the_agent_are_the_lines_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rec_lines_framed_by_the_agent_are_the_lines_they_were() -> None:
     texts = ["x\ny", "", 'quote " and \u00e9', "\x00"]
     recs = protocol.encode_recs(protocol.Source.ERR, 12.5, texts).split(b"\n")[:-1]
     assert recs[0] + b"\n" == protocol.encode_rec(protocol.Source.ERR, 12.5, texts[0])
@@ -259,9 +259,8 @@ def test_rec_lines_framed_by_the_agent_are_the_lines_they_were(monkeypatch: pyte
     every_one_json = [r for r in raws if r not in (b"", b"not json")]  # parsed as one array: the same records
     assert list(protocol.decode_lines(every_one_json)) == lines + RECORDS
     for at_once in (1, 2, 3):  # and a part at a time, a part with what is not a record among them too
-        monkeypatch.setattr(protocol, "PARSED_AT_ONCE", at_once)
-        assert list(protocol.decode_lines(raws)) == lines + RECORDS
-        assert list(protocol.decode_lines(every_one_json)) == lines + RECORDS
+        assert list(protocol.decode_lines(raws, at_once)) == lines + RECORDS
+        assert list(protocol.decode_lines(every_one_json, at_once)) == lines + RECORDS
 
 
 @pytest.mark.parametrize(

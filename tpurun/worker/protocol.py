@@ -572,22 +572,13 @@ def encode(record: Record) -> bytes:
         (_, framed), *_ = frame_recs(record.worker, record.slot, start, [rec])[0]
         return framed
     if isinstance(record, Exit):
-        data: dict[str, Any] = {
-            "event": Event.EXIT.value,
-            "w": record.worker,
-            "c": record.slot,
-            "code": record.code,
-            "status": record.status.value,
-        }
+        data: dict[str, Any] = {"event": Event.EXIT.value, "w": record.worker, "c": record.slot,
+                                "code": record.code, "status": record.status.value}  # fmt: skip
     elif isinstance(record, Done):
         data = {"event": Event.DONE.value, "w": record.worker, "state": record.state.to_dict()}
     elif isinstance(record, Passages):
-        data = {
-            "event": Event.PASSAGES.value,
-            "w": record.worker,
-            "c": record.slot,
-            "passages": [p.to_dict() for p in record.passages],
-        }
+        data = {"event": Event.PASSAGES.value, "w": record.worker, "c": record.slot,
+                "passages": [p.to_dict() for p in record.passages]}  # fmt: skip
     elif isinstance(record, Notice):
         data = {"event": Event.NOTICE.value, "notice": record.to_dict()}
     elif isinstance(record, Started):
@@ -641,26 +632,19 @@ def decode(raw: bytes | str) -> Record | None:
     return None
 
 
-PARSED_AT_ONCE = 512  # lines a client's read parses as one (decode_lines)
-
-
-def decode_lines(raws: Sequence[bytes]) -> Iterator[Record]:
-    """The records of RAWS, one per line; what is not one (an empty line) is skipped. A line record is
-    made here, without `decode`'s checks of each field's type: `stream` writes them as numbers. Each
-    PARSED_AT_ONCE lines are parsed as one JSON array where they all are records (a third of the CPU of one
-    parse each; a read may hold hundreds of thousands: their parsed form is made a part at a time)."""
+def decode_lines(raws: Sequence[bytes], at_once: int = 512) -> Iterator[Record]:
+    """The records of RAWS, one per line (what is not one is skipped); AT_ONCE lines parsed as one JSON array where
+    each is one value (a third of the CPU of a parse each), a line's record made without `decode`'s checks."""
     loads, sources, line = json.loads, _SOURCES, Line
-    for at in range(0, len(raws), PARSED_AT_ONCE):
-        part = raws[at : at + PARSED_AT_ONCE]
+    for at in range(0, len(raws), at_once):
+        part = raws[at : at + at_once]
         try:
             parsed = loads(b"[" + b",".join(part) + b"]")
         except ValueError:
-            parsed = None
-        if parsed is not None and len(parsed) != len(part):  # an empty line among them
-            parsed = None
+            parsed = ()
         for i, raw in enumerate(part):
             try:
-                data = parsed[i] if parsed is not None else loads(raw)
+                data = parsed[i] if len(parsed) == len(part) else loads(raw)  # (not: an empty line among them)
                 if data.get("event") is None:
                     yield line(data["w"], data["c"], data["o"], sources[data["s"]], data["t"], data["l"])
                     continue
@@ -669,7 +653,6 @@ def decode_lines(raws: Sequence[bytes]) -> Iterator[Record]:
             rec = decode(raw)
             if rec is not None:
                 yield rec
-
 
 
 # ---------------------------------------------------------------- the hook's connections
