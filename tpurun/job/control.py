@@ -188,11 +188,14 @@ class _Viewer:
 
     def _take(self, _source: int, recs: Iterable[protocol.Record]) -> None:
         """A read's worth of records, each of the worker it names: a follow's lines to LINES at once (a run of
-        one worker's at a time), a replay's kept (every worker's lines first, then in time order)."""
+        one worker's at a time), a replay's kept (every worker's lines first, then in time order). A follow's
+        read with none: what LINES holds is shown now, not when the next line comes (a burst's last lines)."""
         batch: list[tuple[int, str]] = []
         at = -1  # the worker of BATCH
         kept: list[tuple[float, int, int, int, str]] = []
+        took = False
         for rec in recs:
+            took = True
             if isinstance(rec, protocol.Done):
                 self.done.add(rec.worker)
                 self.ended[rec.worker] = rec.state
@@ -217,6 +220,8 @@ class _Viewer:
                 self.offsets[w][rec.slot] = rec.offset
         if batch:
             self.lines.lines(at, batch)
+        elif not took and self.follow:
+            self.lines.flush()
         if kept:
             with self.lock:
                 self.replay += kept
