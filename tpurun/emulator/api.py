@@ -354,16 +354,16 @@ class _Handler(BaseHTTPRequestHandler):
             err = ApiError(500, f"Internal error in the tpurun emulator: {type(e).__name__}: {e}")
             payload = compute_body(err) if is_compute else err.body()
             data = json.dumps(payload).encode()
+        if is_api:  # logged before it is answered: a caller that got its answer finds it in the log
+            detail = parts.query
+            if status >= 400:
+                detail = (detail + " " if detail else "") + str(payload.get("error", {}).get("message", ""))
+            srv.emu.log_request(self.command, path, status, detail, caller)
         self.send_response(status)
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        if is_api:
-            detail = parts.query
-            if status >= 400:
-                detail = (detail + " " if detail else "") + str(payload.get("error", {}).get("message", ""))
-            srv.emu.log_request(self.command, path, status, detail, caller)
 
     do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _dispatch
 
