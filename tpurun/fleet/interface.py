@@ -181,6 +181,8 @@ def lost_connection(cause: BaseException | None) -> str:
 # A read's worth of records from a worker's stream: SOURCE is the worker the stream belongs to (for a record
 # that names no worker: StartFailed); every other record names its own.
 Take: TypeAlias = "Callable[[int, Iterable[protocol.Record]], None]"
+
+
 class Helper(Protocol):
     """A helper program's argv on a worker, given the worker's PYTHON. BUNDLED: the worker has this version's
     bundle for certain (a relayed one: its relay runs from it), so the bundle's own copy runs, as a program of the

@@ -642,9 +642,10 @@ def decode_lines(raws: Sequence[bytes], at_once: int = 512) -> Iterator[Record]:
             parsed = loads(b"[" + b",".join(part) + b"]")
         except ValueError:
             parsed = ()
+        whole = len(parsed) == len(part)  # (not: an empty line among them)
         for i, raw in enumerate(part):
             try:
-                data = parsed[i] if len(parsed) == len(part) else loads(raw)  # (not: an empty line among them)
+                data = parsed[i] if whole else loads(raw)
                 if data.get("event") is None:
                     yield line(data["w"], data["c"], data["o"], sources[data["s"]], data["t"], data["l"])
                     continue
