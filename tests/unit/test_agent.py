@@ -231,6 +231,50 @@ def test_a_core_exiting_3_stops_the_other(home: Path, tmp_path: Path) -> None:
     assert time.time() - t0 < 30  # generous: the CI box may be loaded; latency is benchmarked elsewhere
 
 
+def test_after_a_notice_a_core_that_ends_leaves_the_others_until_the_host_may_go(home: Path, tmp_path: Path) -> None:
+    """A maintenance notice (the host may go in 4 s) reaches the supervisor from a peer, signed: core 1 saves at
+    once and exits 75; core 0's save takes 1.5 s and is not cut short by core 1's end; core 2 ignores the notice
+    and is stopped when the host may go. The first to end is the job's first failure, as before."""
+    p = script(
+        tmp_path,
+        "told.py",
+        """
+        import os, sys, time
+        c = os.environ["C"]
+        while not (c != "2" and os.path.exists(os.environ["TPURUN_NOTICE_FILE"])):
+            time.sleep(0.05)
+        time.sleep(1.5 if c == "0" else 0.0)
+        print("saved", flush=True)
+        sys.exit(75)
+        """,
+    )
+    import socket
+    from types import SimpleNamespace
+
+    from tpurun.worker.agent_notices import NoticeWatch
+    from tpurun.worker.protocol import Notice, NoticeKind
+
+    with socket.socket() as s:  # a port free on the supervisor's address
+        s.bind(("127.0.0.81", 0))
+        port = s.getsockname()[1]
+    key = "ef" * 32
+    notice = dict(on_notice="file", notice_port=port, notice_key=key)
+    start(home, "jn", [core(c, p) for c in (0, 1, 2)], notice_address="127.0.0.81", peers=["127.0.0.82"], **notice)
+    peer = SimpleNamespace(job_id="jn", worker=1, notice_address="", peers=["127.0.0.81"], **notice)
+    told = time.time()
+    NoticeWatch(peer, lambda n: None).tell_peers(Notice(NoticeKind.MAINTENANCE, 1, told, told + 4, "file"))
+    st = wait_over(home, "jn")
+    print(json.dumps(st, indent=1))  # shown when an assertion below fails
+    by_core = {c["core"]: c for c in st["cores"]}
+    assert [(by_core[c]["status"], by_core[c]["exit_code"], by_core[c]["last_line"]) for c in (0, 1)] == [
+        ("exited", 75, "saved")
+    ] * 2
+    assert by_core[2]["status"] == "killed" and by_core[2]["exit_code"] == -signal.SIGTERM
+    assert (st["first_failure"]["core"], st["notice"]["kind"]) == (1, "maintenance")
+    assert st["ended_at"] >= told + 4  # the last one was stopped when the host may go, not before
+    assert_nothing_left(st)
+
+
 def test_stop_kills_a_core_that_ignores_sigterm_after_the_grace(home: Path, tmp_path: Path) -> None:
     p = script(
         tmp_path,

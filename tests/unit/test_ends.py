@@ -101,6 +101,21 @@ def test_what_the_metadata_server_announces():
     assert agent_notices.look(0, "file", _metadata({})) is None  # no metadata server: nothing announced
 
 
+def test_how_long_the_others_may_run_once_a_process_ended_after_a_notice():
+    """Until the host may go (a window's start; a preemption's 30 s from when it was seen), a minute at most; a
+    notice to stop, or none, stops them at once."""
+    t = 1_000_000.0
+    maintenance = Notice(NoticeKind.MAINTENANCE, 1, t, t + 20, "file")
+    assert agent_notices.settle_by(maintenance, t + 5) == t + 20
+    assert agent_notices.settle_by(maintenance, t + 25) == t + 25  # past the window's start: stopped now
+    window = Notice(NoticeKind.MAINTENANCE, 1, t, t + 600, "signal:SIGTERM")  # told 10 minutes ahead
+    assert agent_notices.settle_by(window, t + 5) == t + 5 + agent_notices.SETTLE
+    preempted = Notice(NoticeKind.PREEMPTED, 0, t, None, "file")
+    assert agent_notices.settle_by(preempted, t + 2) == t + agent_notices.PREEMPTION_NOTICE
+    assert agent_notices.settle_by(Notice(NoticeKind.PREEMPTED, 0, t, None, "stop"), t + 2) is None
+    assert agent_notices.settle_by(None, t) is None
+
+
 def _watch_spec(job: str, worker: int, addresses: list[str], key: str) -> JobSpec:
     """WORKER's spec as the client makes it (`JobRun.job_spec`: worker 0 tells every other, the others worker 0),
     signed with KEY and listening on a port of its own."""

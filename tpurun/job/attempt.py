@@ -28,7 +28,7 @@ from tpurun.job import ends, env_contract, stacks, status, watch
 from tpurun.job.stacks import Stacks
 from tpurun.job.watch import Waiting, Watch
 from tpurun.transport.runner import Worker
-from tpurun.worker import protocol
+from tpurun.worker import agent_notices, protocol
 from tpurun.worker.protocol import AgentExit, Launch, ProcessStatus
 from tpurun.worker.protocol_calls import JobSpec, ProcessSpec, claim_start
 
@@ -165,6 +165,7 @@ class JobRun:
         self.hung = False  # stopped by --on-hang stop
         self.notice: protocol.Notice | None = None  # the first notice of a host event its workers heard of
         self.on_notice = on_notice  # what the job's processes are told of one (ends.on_notice)
+        self.settle_at: float | None = None  # a process ended after the notice: what still runs is stopped then
         self.spend_for = spend_for
         # the workers' supervisors pass notices on to each other at their internal addresses, signed with this key
         # (the workers the job runs on: every one, or the one `--worker` chose; the first of them is the hub)
@@ -340,13 +341,23 @@ class JobRun:
                     if self.first_failure is None:
                         self.first_failure = o
             name = env_contract.process_name(w, rec.slot, self.target.all_workers[w].name)
-            # after a notice a process that ends is its notice's doing, not a failure of the program (ends.judge)
-            how = "ended after the notice" if self.notice is not None else "failed"
             if self.spent():  # its own supervisor stopped it, as every other worker's does
                 self.out.info(f"{name} was stopped ({o.ending}): the job's --budget is spent")
-            else:
-                self.out.info(f"{name} {how} ({o.ending}): stopping the job everywhere")
-            self.stop.set()
+                self.stop.set()
+            elif self.notice is None:
+                self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
+                self.stop.set()
+            elif self.settle_at is None:
+                # after a notice a process that ends is its notice's doing, not a failure of the program (ends.judge);
+                # the others were told too and may still be saving: they are left to end until the host may go
+                self.settle_at = agent_notices.settle_by(self.notice, time.time())
+                if self.settle_at is None:
+                    self.out.info(f"{name} ended after the notice ({o.ending}): stopping the job everywhere")
+                    self.stop.set()
+                else:
+                    left = self.settle_at - time.time()
+                    self.out.info(f"{name} ended after the notice ({o.ending}): the others may end on their own "
+                                  f"within {left:.0f} s, then the job is stopped everywhere")  # fmt: skip
         elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
             with self.lock:
                 self.first_failure = o  # its worker's agent reported the killed sibling first
@@ -397,6 +408,9 @@ class JobRun:
             self.all_started = started >= self.size
             self.out.starting(started, self.size)
         self.out.waiting(waiting)
+        if self.settle_at is not None and time.time() >= self.settle_at and not self.stop.is_set():
+            self.out.info("the notice's time to end is up: stopping the job everywhere")
+            self.stop.set()
         h = self.hang
         if h is None or h.timeout <= 0 or self.detach or self.stop.is_set():
             return

@@ -25,12 +25,12 @@ if __package__:  # imported by tpurun (its tests) by its package name
     from tpurun.worker import metaserver
     from tpurun.worker.agent_files import signal_job, write_json_atomic
     from tpurun.worker.protocol import NOTICE_LEAD, Notice, NoticeKind
-    from tpurun.worker.protocol_calls import ON_FILE, ON_SIGNAL
+    from tpurun.worker.protocol_calls import ON_FILE, ON_SIGNAL, ON_STOP
 else:  # on a worker: the bundle's files side by side
     import metaserver  # type: ignore[no-redef]
     from agent_files import signal_job, write_json_atomic  # type: ignore[no-redef]
     from protocol import NOTICE_LEAD, Notice, NoticeKind  # type: ignore[no-redef]
-    from protocol_calls import ON_FILE, ON_SIGNAL  # type: ignore[no-redef]
+    from protocol_calls import ON_FILE, ON_SIGNAL, ON_STOP  # type: ignore[no-redef]
 
 POLL = 1.0  # seconds between two looks at the metadata server
 SEND_TIMEOUT = 5.0  # seconds a peer may take to take a notice
@@ -39,7 +39,12 @@ SENDERS = 32  # peers told at once
 # when the VM goes. What Google documents instead: a spot or preemptible VM is sent the ACPI soft power-off when
 # `preempted` turns TRUE (after the VM's `preemptionNoticeDuration`, a Compute Engine setting tpurun never makes:
 # 0 by default) and is powered off at most 30 s later (docs/maintenance.md).
+PREEMPTION_NOTICE = 30.0  # seconds a preempted VM may still run once `preempted` says TRUE, at most
 MAINTENANCE_NOTICE = 60.0  # seconds `maintenance-event` changes before the host goes
+# Once a process of a job ended after a notice (one not to stop), the others are left to end on their own: they
+# were all told at once, and a save can take longer on one host than on another. Until the host may go, at most
+# this long; then what still runs is stopped, as a failure stops a job (`settle_by`).
+SETTLE = 60.0
 # A window announced days ahead (scheduled maintenance: about 7) is told to the job only in its last NOTICE_LEAD
 # seconds: enough for a step and a checkpoint; `train` says so at its start, `list` and `describe` show it all along.
 NOTICE_FILE = "TPURUN_NOTICE_FILE"  # where a job's processes find the notice (`--on-notice file`), in their env
@@ -61,6 +66,16 @@ def deliver(notice: Notice, job: str, groups: list, jdir: str) -> str:
         write_json_atomic(notice_path(jdir), notice.to_dict())
         return f"written to {notice_path(jdir)}"
     return action or "nothing (no --on-notice)"
+
+
+def settle_by(notice: Notice | None, ended: float) -> float | None:
+    """When (epoch seconds) the processes of a job that still run are stopped, once one of them ended at ENDED
+    after NOTICE: by the notice's deadline (a preemption's: PREEMPTION_NOTICE from when it was seen) and SETTLE
+    at most. None where the notice's action stops the job anyway (or there was no notice): stop now."""
+    if notice is None or notice.action == ON_STOP:
+        return None
+    deadline = notice.seen + PREEMPTION_NOTICE if notice.deadline is None else notice.deadline
+    return max(ended, min(ended + SETTLE, deadline))
 
 
 def _when(text: object) -> float | None:

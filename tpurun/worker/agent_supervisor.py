@@ -215,6 +215,7 @@ class Supervisor:
         self.saved_at = 0.0
         self.notice: Notice | None = None  # the first notice of a host event the job got (agent_notices)
         self.notices: agent_notices.NoticeWatch | None = None  # its watch, while the job runs
+        self.settle_at: float | None = None  # a process ended after the notice: the others are stopped at this time
         # `train --budget`: its stop begins a grace early, so that the last process is gone when the money is spent
         self.spend_stop = None if spec.spend_for is None else self.started_at + float(spec.spend_for) - self.grace
 
@@ -406,8 +407,9 @@ class Supervisor:
         True when its end was recorded."""
         if c.reported not in (None, 0) and self.stop_deadline is None:
             # its spawner task failed: stop now, the spawner would wait for every sibling first
-            self.first_failure = FirstFailure(c.index, c.reported, now(), self.worker)
-            self.request_stop(f"chip {c.index} failed", JobStatus.FAILED)
+            self.first_failure = self.first_failure or FirstFailure(c.index, c.reported, now(), self.worker)
+            if not self.settling(f"chip {c.index}"):
+                self.request_stop(f"chip {c.index} failed", JobStatus.FAILED)
         if c.ended_at is not None:
             return False
         if c.exited_at is None:
@@ -583,8 +585,18 @@ class Supervisor:
         if rc != 0 and self.stop_deadline is None:
             if c.index == HOST and self.blame_died(f"before its spawner failed with {rc}"):
                 return
-            self.first_failure = FirstFailure(c.index, rc, now(), self.worker)
-            self.request_stop(f"slot {c.index} exited with {rc}", JobStatus.FAILED)
+            self.first_failure = self.first_failure or FirstFailure(c.index, rc, now(), self.worker)
+            if not self.settling(f"slot {c.index}"):
+                self.request_stop(f"slot {c.index} exited with {rc}", JobStatus.FAILED)
+
+    def settling(self, which: str) -> bool:
+        """WHICH ended after the job's notice (one not to stop): the others are left to end on their own until
+        `agent_notices.settle_by` (True), not stopped at once as a failure stops them."""
+        if self.settle_at is None:
+            self.settle_at = agent_notices.settle_by(self.notice, now())
+            if self.settle_at is not None:
+                self.log(f"{which} ended after the notice: the others run on for {self.settle_at - now():.0f} s at most")
+        return self.settle_at is not None
 
     def loop(self) -> None:
         while True:
@@ -592,6 +604,8 @@ class Supervisor:
                 self.request_stop("stop requested", JobStatus.STOPPED)
             if self.spend_stop is not None and self.stop_deadline is None and now() >= self.spend_stop:
                 self.request_stop("its --budget is spent", JobStatus.SPENT)
+            if self.settle_at is not None and self.stop_deadline is None and now() >= self.settle_at:
+                self.request_stop("the notice's time to end is up", JobStatus.FAILED)
             changed = False
             for c in self.snapshot():
                 if c.spawned:
