@@ -88,8 +88,7 @@ def test_a_job_a_notice_cut_short_ends_as_maintenance_everywhere_whatever_on_not
         lines = [] if json_out else read_until(proc, _ticking, timeout=180)
         if json_out:
             _running(cli)
-        # w1's notice, seen there within a second, reaches w0 through w1's supervisor before the host goes: a lead
-        # of 2 s was now and then too short for w0 under the suite's load (Google's is 60 s)
+        # w1's notice, seen there within a second, reaches w0 through w1's supervisor before the host goes
         emulator.admin.maintenance(node, 1, notice=6, duration=1)
         out, err = finish(proc, timeout=240)
         lines += out.splitlines()
@@ -100,7 +99,7 @@ def test_a_job_a_notice_cut_short_ends_as_maintenance_everywhere_whatever_on_not
         assert "ended (maintenance): a host of its TPU went for maintenance" in err, (action, err[-3000:])
         assert "failed first" not in err and "failed (exit code" not in err, (action, err[-3000:])
         if action != "stop":  # the script itself saved and exited 3, told as the notice's doing
-            assert {"saved w0", "saved w1"} <= {x.split("] ", 1)[-1] for x in lines}, (action, lines[-20:])
+            assert {"saved w0", "saved w1"} <= {x.split("] ", 1)[-1] for x in lines}, (action, lines[-20:], err[-2000:])
         job = re.search(r"job (\d{8}-\d{6}-[0-9a-f]{4})", err).group(1)
         row = _row(cli, job)
         assert (row["status"], row["end"], row["exit_code"]) == ("maintenance", "maintenance", 75), (action, row)

@@ -4,9 +4,11 @@ notice watch (worker/agent_notices): what the metadata server says, and peers th
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -165,6 +167,37 @@ def test_a_notice_goes_through_worker_0_to_every_worker_signed_with_the_jobs_key
     finally:
         for w in watches:
             w.stop()
+
+
+def test_a_supervisor_that_ends_right_after_a_notice_has_passed_it_on():
+    """Worker 1's watch takes a notice and its supervisor ends at once (its processes exited on the notice): worker
+    0 is told all the same. The telling runs on a daemon thread, which the process's exit would cut short."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.91", 0))
+        port = s.getsockname()[1]
+    key = "12" * 32
+    spec = dict(job_id="jx", on_notice="file", notice_port=port, notice_key=key)
+    got: list[Notice] = []
+    hub = agent_notices.NoticeWatch(SimpleNamespace(worker=0, notice_address="127.0.0.91", peers=[], **spec), got.append)
+    hub.start(lambda m: None)
+    ending = f"""
+import time
+from types import SimpleNamespace
+from tpurun.worker import agent_notices
+from tpurun.worker.protocol import Notice, NoticeKind
+spec = SimpleNamespace(worker=1, notice_address="", peers=["127.0.0.91"], **{spec!r})
+watch = agent_notices.NoticeWatch(spec, lambda n: None)
+watch._take(Notice(NoticeKind.MAINTENANCE, 1, time.time(), None, "file", "seen on w1"))
+watch.stop()  # the supervisor's finish: then the process exits
+"""
+    try:
+        subprocess.run([sys.executable, "-c", ending], check=True, timeout=30)
+        deadline = time.time() + 5
+        while not got and time.time() < deadline:
+            time.sleep(0.02)
+        assert [n.detail for n in got] == ["seen on w1"]
+    finally:
+        hub.stop()
 
 
 def test_deliver_signals_every_process_group_of_the_job(tmp_path):

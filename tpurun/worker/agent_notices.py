@@ -140,6 +140,7 @@ class NoticeWatch:
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.listener: socket.socket | None = None
+        self.telling: threading.Thread | None = None  # passing the notice on; `stop` waits for it
 
     def start(self, log) -> None:
         """Listen for the peers' notices (where the job has peers) and watch the metadata server, on threads."""
@@ -157,8 +158,12 @@ class NoticeWatch:
         threading.Thread(target=self._watch, daemon=True).start()
 
     def stop(self) -> None:
-        """No notice is taken after this (the job is over here)."""
+        """No notice is taken after this (the job is over here). A notice being passed on is passed on first, within
+        SEND_TIMEOUT a round: its thread is a daemon, and a supervisor whose processes ended at the notice would
+        otherwise exit before its peers were told (a loaded worker 1 did, and worker 0 never heard)."""
         self.done.set()
+        if self.telling is not None:
+            self.telling.join(2 * SEND_TIMEOUT)
         if self.listener is not None:
             try:
                 self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
@@ -173,7 +178,8 @@ class NoticeWatch:
             if self.got is not None or self.done.is_set():
                 return False
             self.got = notice
-        threading.Thread(target=self.tell_peers, args=(notice,), daemon=True).start()
+        self.telling = threading.Thread(target=self.tell_peers, args=(notice,), daemon=True)
+        self.telling.start()
         self.on_notice(notice)
         return True
 
