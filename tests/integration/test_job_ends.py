@@ -96,7 +96,7 @@ def test_a_job_a_notice_cut_short_ends_as_maintenance_everywhere_whatever_on_not
         if json_out:
             said = json.loads(out)
             assert (said["end"], said["exit_code"], said["notice"]["kind"]) == ("maintenance", 75, "maintenance"), said
-        assert "ended (maintenance): a host of its TPU went for maintenance" in err, (action, err[-3000:])
+        assert "ended (maintenance): maintenance of a host of its TPU cut it short" in err, (action, err[-3000:])
         assert "failed first" not in err and "failed (exit code" not in err, (action, err[-3000:])
         if action != "stop":  # the script itself saved and exited 3, told as the notice's doing
             assert {"saved w0", "saved w1"} <= {x.split("] ", 1)[-1] for x in lines}, (action, lines[-20:], err[-2000:])

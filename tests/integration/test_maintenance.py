@@ -153,7 +153,7 @@ def test_maintenance_notice_jax_sync_checkpoint_and_restart(cli, emulator):
     assert "maintenance announced for w1" in err and "SIGTERM to every process" in err, err
     down = [t for t, d in _events(emulator, "maintenance") if d.endswith("worker 1: down")]
     assert down, _events(emulator, "maintenance")
-    assert "a host of mnt went for maintenance while job" in err
+    assert "maintenance of a host of mnt cut job" in err
     assert "restart 1/1: waiting for mnt to be usable again (the maintenance budget" in err, err
     # the relaunched attempt resumed where the hosts saved, told why it restarted
     step = saved["w0"]

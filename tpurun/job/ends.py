@@ -9,7 +9,7 @@
 | budget | its `--budget` was spent: its workers' supervisors stopped it (job/spend_limit.py) | 125 | - |
 | stopped | the user stopped it (Ctrl-C, SIGTERM, `tpurun cancel`) | 130 | - |
 | preempted | its TPU (a slice, a VM of it) was preempted, or is gone | 75 | preempted |
-| maintenance | a host of it went for maintenance | 75 | maintenance |
+| maintenance | maintenance of a host of it cut it short (the host went, or was announced to go) | 75 | maintenance |
 | lost | a worker was lost with no preemption or maintenance to explain it | 75 | infra |
 
 A notice the job received (maintenance or preemption announced for one of its workers) decides before anything
@@ -85,7 +85,7 @@ _ROWS = {  # end: (its restart budget, its exit code, what it means)
     End.BUDGET: ("", ExitCode.BUDGET, "its --budget was spent; it was stopped"),
     End.STOPPED: ("", ExitCode.INTERRUPTED, "stopped by the user"),
     End.PREEMPTED: ("preempted", ExitCode.TEMPFAIL, "its TPU was preempted"),
-    End.MAINTENANCE: ("maintenance", ExitCode.TEMPFAIL, "a host of its TPU went for maintenance"),
+    End.MAINTENANCE: ("maintenance", ExitCode.TEMPFAIL, "maintenance of a host of its TPU cut it short"),
     End.LOST: ("infra", ExitCode.TEMPFAIL, "a worker was lost (the TPU is neither preempted nor in maintenance)"),
 }
 _OLD = {"program": "failed", "user": "stopped", "infra": "lost"}

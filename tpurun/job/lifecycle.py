@@ -181,7 +181,7 @@ def ended_line(end: End, name: str, job: str) -> str:
     """What ended job JOB on NAME, in one line."""
     return {
         End.PREEMPTED: f"{name} was preempted while job {job} ran",
-        End.MAINTENANCE: f"a host of {name} went for maintenance while job {job} ran",
+        End.MAINTENANCE: f"maintenance of a host of {name} cut job {job} short",
         End.LOST: f"job {job} lost a worker of {name} (the TPU is neither preempted nor in maintenance)",
     }.get(end, f"job {job} on {name} ended ({end}): {end.describe()}")
 
