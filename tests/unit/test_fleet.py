@@ -3,6 +3,7 @@ bundle programs are installed where missing, the connect window holds."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -121,8 +122,24 @@ def test_converse_speaks_to_each_workers_helper_over_its_pipe():
         pipe.close_write()
         heard[worker.index] = pipe.recv(100)
 
+    fleet.connect(helper=lambda _python: ["cat"])  # a helper started early on every worker, worker 1's too
     fleet.converse(lambda _python: ["cat"], talk, stop=threading.Event(), only=[0, 2])
     assert heard == {0: b"to 0\n", 2: b"to 2\n"}
+    assert _children("cat") == []  # the helper of worker 1, which the conversation did not take, is closed too
+
+
+def _children(name: str) -> list[int]:
+    """This process's live children called NAME."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if comm == name and fields[0] not in ("Z", "X") and int(fields[1]) == os.getpid():
+            found.append(int(pid))
+    return found
 
 
 def test_chorus_says_once_to_many_and_hears_each_and_its_end():

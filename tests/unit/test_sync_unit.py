@@ -188,9 +188,10 @@ def test_helper_needs_writes_and_caches(tmp_path):
     cache = json.loads((dest / sync_helper.CACHE_NAME).read_text())["files"]
     assert cache["a.txt"] == [files[0][1], files[0][2], files[0][4]]
     # unchanged: nothing needed; changed content with the same size: needed
-    assert Helper(dest, files).reply["need"] == []
-    changed = _entry("a.txt", b"HELLO", 0o600)
-    assert Helper(dest, [changed, files[1]]).reply["need"] == [0]
+    for listed, need in ((files, []), ([_entry("a.txt", b"HELLO", 0o600), files[1]], [0])):
+        asked = Helper(dest, listed)
+        asked.s.close()  # asked only what it needs: its helper is not left running
+        assert asked.reply["need"] == need
 
 
 def test_helper_rejects_bad_hash_and_leaves_no_temp(tmp_path):

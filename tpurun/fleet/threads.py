@@ -297,6 +297,7 @@ class Threads(Fleet):
 
         chosen = [r for r in self.reach.runners if only is None or r.worker.index in only]
         each(chosen, one, name="converse", tick=close_on_stop)
+        self._close_early()
 
     def chorus(
         self, helper: Helper, *, only: Collection[int], stop: threading.Event
@@ -319,10 +320,20 @@ class Threads(Fleet):
 
         reached = self._reached(only)
         each(reached, one, name="chorus")
+        self._close_early()
         return PipeChorus({r.worker.index: pipes[r.worker.index] for r in reached if r.worker.index in pipes},
                           failed, stop)  # fmt: skip
 
+    def _close_early(self) -> None:
+        """The helpers started at `connect` that the conversation did not take (its workers' were popped): they
+        were for it alone, and a helper left open would outlive the command on a one-host pod."""
+        while self._helpers:
+            _, early = self._helpers.popitem()
+            if not isinstance(early, BaseException):
+                early.close()
+
     def close(self) -> None:
+        self._close_early()
         for r in self.reach.runners:
             r.close()
 
