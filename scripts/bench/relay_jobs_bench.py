@@ -47,7 +47,7 @@ TREE_FILES, TREE_MB = 100, 10
 CHATTY_LINES = 200
 # From 1,024 hosts on, or 1,024 processes printing at once (`logs` at 256 × 4), every emulated worker's processes
 # share this machine's two cores: a relay or a worker's sshd starved past the default 15 s of silence is this
-# machine's, not a pod's (each VM its own cores; at 256 × 4 two runs in three lost a root relay so). Set for those
+# machine's, not a pod's (each VM its own cores; at 256 × 4 two runs in four lost a root relay so). Set for those
 # rows alone, and recorded in them (`env`).
 STARVED = 1024
 STARVED_ENV = {"TPURUN_RELAY_TIMEOUT": "60", "TPURUN_KEEPALIVE_TIMEOUT": "60"}

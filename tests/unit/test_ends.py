@@ -118,6 +118,47 @@ def test_how_long_the_others_may_run_once_a_process_ended_after_a_notice():
     assert agent_notices.settle_by(None, t) is None
 
 
+class _Said:
+    """An Output that keeps what the job run says (the calls this test makes it take)."""
+
+    def __init__(self) -> None:
+        self.said: list[str] = []
+
+    def info(self, text: str) -> None:
+        self.said.append(text)
+
+    def notice(self, notice: Notice, worker: str) -> None:
+        self.said.append(f"notice for {worker}")
+
+    def starting(self, started: int, workers: int) -> None:
+        pass
+
+    def waiting(self, waiting) -> None:
+        pass
+
+
+def test_the_client_counts_the_time_after_a_notice_on_the_workers_clock_not_its_own():
+    """A worker's clock an hour ahead of this machine's: its notice gives the host 20 s. When a process fails
+    after it, the others are left those 20 s (counted from the notice's arrival here), not stopped at once;
+    a notice to stop stops them at once."""
+    workers = [Worker(i, f"127.0.0.{71 + i}") for i in range(2)]
+    specs = [[SlotSpec(i, 0, 0, i, {}, ["true"])] for i in range(2)]
+    for action, stops in (("file", False), ("stop", True)):
+        out = _Said()
+        run = JobRun(Target("t", None, [], workers, False), "j", specs, out, cwd="/", python="python3",  # type: ignore[arg-type]
+                     detach=False, grace=1, pre=lambda w: [], launch=Launch.host, on_notice=action)  # fmt: skip
+        ahead = time.time() + 3600
+        run._take(1, [Notice(NoticeKind.MAINTENANCE, 1, ahead, ahead + 20, action, "window")])
+        run._take(1, [protocol.Exit(1, 0, 75, protocol.ProcessStatus.EXITED)])
+        assert run.stop.is_set() is stops, out.said
+        if not stops:
+            assert run.settle_at is not None and 17 < run.settle_at - time.monotonic() <= 20, out.said
+            assert "w1/c0 ended after the notice (exit code 75): the others may end on their own within 20 s" in out.said[-1]
+            run.settle_at = time.monotonic()  # the time is up: the next tick stops the job everywhere
+            run._tick(None)
+            assert run.stop.is_set() and "the notice's time to end is up" in out.said[-1]
+
+
 def _watch_spec(job: str, worker: int, addresses: list[str], key: str) -> JobSpec:
     """WORKER's spec as the client makes it (`JobRun.job_spec`: worker 0 tells every other, the others worker 0),
     signed with KEY and listening on a port of its own."""

@@ -296,8 +296,10 @@ class Threads(Fleet):
                         pipe.close()
 
         chosen = [r for r in self.reach.runners if only is None or r.worker.index in only]
-        each(chosen, one, name="converse", tick=close_on_stop)
-        self._close_early()
+        try:
+            each(chosen, one, name="converse", tick=close_on_stop)
+        finally:
+            self._close_early()
 
     def chorus(
         self, helper: Helper, *, only: Collection[int], stop: threading.Event
@@ -319,8 +321,10 @@ class Threads(Fleet):
                 failed[w] = str(exc) or type(exc).__name__
 
         reached = self._reached(only)
-        each(reached, one, name="chorus")
-        self._close_early()
+        try:
+            each(reached, one, name="chorus")
+        finally:
+            self._close_early()
         return PipeChorus({r.worker.index: pipes[r.worker.index] for r in reached if r.worker.index in pipes},
                           failed, stop)  # fmt: skip
 

@@ -165,7 +165,8 @@ class JobRun:
         self.hung = False  # stopped by --on-hang stop
         self.notice: protocol.Notice | None = None  # the first notice of a host event its workers heard of
         self.on_notice = on_notice  # what the job's processes are told of one (ends.on_notice)
-        self.settle_at: float | None = None  # a process ended after the notice: what still runs is stopped then
+        self.noticed_at = 0.0  # when the notice came (monotonic)
+        self.settle_at: float | None = None  # a process ended after the notice: what still runs is stopped then (monotonic)
         self.spend_for = spend_for
         # the workers' supervisors pass notices on to each other at their internal addresses, signed with this key
         # (the workers the job runs on: every one, or the one `--worker` chose; the first of them is the hub)
@@ -326,7 +327,7 @@ class JobRun:
         with self.lock:
             if self.notice is not None:
                 return
-            self.notice = notice
+            self.notice, self.noticed_at = notice, time.monotonic()
         workers = self.target.all_workers
         self.out.notice(notice, workers[notice.worker].name if notice.worker < len(workers) else f"w{notice.worker}")
 
@@ -347,20 +348,30 @@ class JobRun:
             elif self.notice is None:
                 self.out.info(f"{name} failed ({o.ending}): stopping the job everywhere")
                 self.stop.set()
-            elif self.settle_at is None:
-                # after a notice a process that ends is its notice's doing, not a failure of the program (ends.judge);
-                # the others were told too and may still be saving: they are left to end until the host may go
-                self.settle_at = agent_notices.settle_by(self.notice, time.time())
-                if self.settle_at is None:
-                    self.out.info(f"{name} ended after the notice ({o.ending}): stopping the job everywhere")
-                    self.stop.set()
-                else:
-                    left = self.settle_at - time.time()
-                    self.out.info(f"{name} ended after the notice ({o.ending}): the others may end on their own "
-                                  f"within {left:.0f} s, then the job is stopped everywhere")  # fmt: skip
+            else:
+                self._settle(name, o.ending)
         elif o.failed and o.status is not ProcessStatus.KILLED and self.first_failure is None:
             with self.lock:
                 self.first_failure = o  # its worker's agent reported the killed sibling first
+
+    def _settle(self, name: str, ending: str) -> None:
+        """NAME ended (ENDING) after the notice: its doing, not a failure of the program (ends.judge). The others
+        were told too and may still be saving: they are left to end until the host may go (`settle_by`, on the
+        worker's clock: counted here from when the notice came, this machine's clock may differ)."""
+        assert self.notice is not None
+        with self.lock:
+            if self.settle_at is not None:
+                return
+            since = time.monotonic() - self.noticed_at
+            by = agent_notices.settle_by(self.notice, self.notice.seen + since)
+            left = None if by is None else by - (self.notice.seen + since)
+            self.settle_at = time.monotonic() + (left or 0.0)
+        if left is None:
+            self.out.info(f"{name} ended after the notice ({ending}): stopping the job everywhere")
+            self.stop.set()
+        else:
+            self.out.info(f"{name} ended after the notice ({ending}): the others may end on their own within "
+                          f"{left:.0f} s, then the job is stopped everywhere")  # fmt: skip
 
     def spent(self) -> bool:
         """Whether the job's --budget is (about to be) spent: its supervisors stop it then, a grace early."""
@@ -408,7 +419,7 @@ class JobRun:
             self.all_started = started >= self.size
             self.out.starting(started, self.size)
         self.out.waiting(waiting)
-        if self.settle_at is not None and time.time() >= self.settle_at and not self.stop.is_set():
+        if self.settle_at is not None and time.monotonic() >= self.settle_at and not self.stop.is_set():
             self.out.info("the notice's time to end is up: stopping the job everywhere")
             self.stop.set()
         h = self.hang

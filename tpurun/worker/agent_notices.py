@@ -70,7 +70,7 @@ def deliver(notice: Notice, job: str, groups: list, jdir: str) -> str:
 
 def settle_by(notice: Notice | None, ended: float) -> float | None:
     """When (epoch seconds) the processes of a job that still run are stopped, once one of them ended at ENDED
-    after NOTICE: by the notice's deadline (a preemption's: PREEMPTION_NOTICE from when it was seen) and SETTLE
+    after NOTICE: by the notice's deadline (where it has none, PREEMPTION_NOTICE from when it was seen) and SETTLE
     at most. None where the notice's action stops the job anyway (or there was no notice): stop now."""
     if notice is None or notice.action == ON_STOP:
         return None
@@ -158,12 +158,14 @@ class NoticeWatch:
         threading.Thread(target=self._watch, daemon=True).start()
 
     def stop(self) -> None:
-        """No notice is taken after this (the job is over here). A notice being passed on is passed on first, within
-        SEND_TIMEOUT a round: its thread is a daemon, and a supervisor whose processes ended at the notice would
+        """No notice is taken after this (the job is over here). A notice being passed on is passed on first, for
+        2 × SEND_TIMEOUT at most: its thread is a daemon, and a supervisor whose processes ended at the notice would
         otherwise exit before its peers were told (a loaded worker 1 did, and worker 0 never heard)."""
-        self.done.set()
-        if self.telling is not None:
-            self.telling.join(2 * SEND_TIMEOUT)
+        with self.lock:
+            self.done.set()
+            telling = self.telling
+        if telling is not None:
+            telling.join(2 * SEND_TIMEOUT)
         if self.listener is not None:
             try:
                 self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
@@ -178,8 +180,8 @@ class NoticeWatch:
             if self.got is not None or self.done.is_set():
                 return False
             self.got = notice
-        self.telling = threading.Thread(target=self.tell_peers, args=(notice,), daemon=True)
-        self.telling.start()
+            self.telling = threading.Thread(target=self.tell_peers, args=(notice,), daemon=True)
+            self.telling.start()
         self.on_notice(notice)
         return True
 

@@ -464,10 +464,11 @@ class Supervisor:
             for p in x.pids:
                 x.note_end(p)
         first = min(gone, key=lambda x: min(x.died_at.values(), default=now()))
-        self.first_failure = FirstFailure(
+        self.first_failure = self.first_failure or FirstFailure(
             first.index, first.reported, min(first.died_at.values(), default=now()), self.worker
         )
-        self.request_stop(f"chip {first.index} died {why}", JobStatus.FAILED)
+        if not self.settling(f"chip {first.index}"):
+            self.request_stop(f"chip {first.index} died {why}", JobStatus.FAILED)
         return True
 
     # --- state
