@@ -30,7 +30,7 @@ from tpurun.fleet.channels import Chan
 from tpurun.fleet.interface import connect_all, connect_window
 from tpurun.fleet.threads import Reach
 from tpurun.naming import which
-from tpurun.transport.runner import INTERNAL_PORT, Runner, Stream, Worker, open_stream
+from tpurun.transport.runner import BEHIND_TIMEOUTS, INTERNAL_PORT, Runner, Stream, Worker, open_stream
 from tpurun.worker import bundle_name, relay_wire
 from tpurun.worker.protocol import AgentExit
 
@@ -124,7 +124,9 @@ class Link:
                         self.tree.dispatch(self, kind, number, payload)
                 else:
                     self.tree.idle(self)
-                    if time.monotonic() - heard > self.tree.silence:
+                    silent = time.monotonic() - heard
+                    # silent: not where what it sent waits unread here (this process behind), up to a bound
+                    if silent > self.tree.silence * (BEHIND_TIMEOUTS if self.stream.behind() else 1):
                         self.lose(f"relay {self.root.label} stopped answering for {self.tree.silence:.0f} s")
                         self.stream.kill()
                         return

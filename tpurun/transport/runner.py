@@ -27,6 +27,9 @@ LineSink = Callable[[int, str, str], None]  # (worker index, "out"|"err", line w
 
 INTERNAL_PORT = 22  # where a worker's sshd listens at its address inside the slice (Worker.internal)
 RUN_GRACE = 3.0  # seconds between SIGTERM and SIGKILL for a command a Runner runs (exec); a job's: protocol.JOB_GRACE
+# A connection whose worker's bytes wait unread in this machine's socket is not silent: this process is behind
+# (starved of CPU), and a reply may wait behind them. It is given this many times its timeout, not one.
+BEHIND_TIMEOUTS = 4
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,10 @@ class Stream:
 
     def kill(self) -> None:
         raise NotImplementedError
+
+    def behind(self) -> bool:
+        """Whether bytes the worker sent wait unread on this machine (it spoke; this process is behind)."""
+        return False
 
 
 class Pipe(Protocol):

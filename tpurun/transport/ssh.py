@@ -27,7 +27,18 @@ from tpurun import config
 from tpurun.cloud import keys
 from tpurun.errors import UnreachableError, UsageError
 from tpurun.transport._paramiko import paramiko
-from tpurun.transport.runner import RUN_GRACE, LineSink, LineSplitter, Pipe, Run, Runner, Stream, Worker, refuse_nul
+from tpurun.transport.runner import (
+    BEHIND_TIMEOUTS,
+    RUN_GRACE,
+    LineSink,
+    LineSplitter,
+    Pipe,
+    Run,
+    Runner,
+    Stream,
+    Worker,
+    refuse_nul,
+)
 
 # Opens the byte stream to a worker's sshd within its seconds, where that is not a TCP connection from here to the
 # worker's address: IAP's tunnel (iap.py), a user's ProxyCommand (proxy_command.py). A socket, or what paramiko
@@ -87,7 +98,13 @@ class Liveness:
                 answered.set()
 
             threading.Thread(target=ping, daemon=True, name=f"ping-w{self.worker.index}").start()
-            if not answered.wait(self.timeout) and not self._stop.is_set():
+            waited = answered.wait(self.timeout)
+            # the reply may wait behind bytes this process has not read yet: the worker spoke, we are behind
+            for _ in range(int(self.timeout * (BEHIND_TIMEOUTS - 1))):
+                if waited or self._stop.is_set() or not unread(t):
+                    break
+                waited = answered.wait(1.0)
+            if not waited and not self._stop.is_set():
                 self.dead = (
                     f"worker {self.worker.label()} stopped answering: no reply to an SSH keepalive "
                     f"for {self.timeout:.0f} s"
@@ -488,6 +505,20 @@ def send_all(chan: paramiko.Channel, data: bytes | bytearray | memoryview) -> No
         view = view[sent:]
 
 
+def unread(transport: paramiko.Transport) -> int:
+    """Bytes TRANSPORT's worker sent that wait unread in this machine's socket (0 where it is not a socket)."""
+    import fcntl  # here: asked only of a connection silent for long
+    import sys
+    import termios
+
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(transport.sock.fileno(), termios.FIONREAD, buf)
+    except (AttributeError, OSError, ValueError):
+        return 0
+    return int.from_bytes(buf, sys.byteorder)
+
+
 class SshStream(Stream):
     def __init__(self, chan: paramiko.Channel, liveness: Liveness | None, worker: Worker) -> None:
         self.chan = chan
@@ -498,6 +529,9 @@ class SshStream(Stream):
     def write(self, data: bytes) -> None:
         with _converted(self.worker, self.liveness):
             send_all(self.chan, data)
+
+    def behind(self) -> bool:
+        return unread(self.chan.get_transport()) > 0
 
     def close_stdin(self) -> None:
         try:
