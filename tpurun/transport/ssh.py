@@ -39,6 +39,7 @@ from tpurun.transport.runner import (
     Worker,
     refuse_nul,
 )
+from tpurun.worker import relay_wire
 
 # Opens the byte stream to a worker's sshd within its seconds, where that is not a TCP connection from here to the
 # worker's address: IAP's tunnel (iap.py), a user's ProxyCommand (proxy_command.py). A socket, or what paramiko
@@ -507,16 +508,10 @@ def send_all(chan: paramiko.Channel, data: bytes | bytearray | memoryview) -> No
 
 def unread(transport: paramiko.Transport) -> int:
     """Bytes TRANSPORT's worker sent that wait unread in this machine's socket (0 where it is not a socket)."""
-    import fcntl  # here: asked only of a connection silent for long
-    import sys
-    import termios
-
-    buf = bytearray(4)
     try:
-        fcntl.ioctl(transport.sock.fileno(), termios.FIONREAD, buf)
-    except (AttributeError, OSError, ValueError):
+        return relay_wire.unread(transport.sock.fileno())
+    except (AttributeError, OSError, ValueError):  # a ProxyCommand's: no socket; a closed one
         return 0
-    return int.from_bytes(buf, sys.byteorder)
 
 
 class SshStream(Stream):

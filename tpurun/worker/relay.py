@@ -417,16 +417,11 @@ class Child:
     def _unread(self) -> int:
         """Bytes the child sent that this relay has not read yet: where there are, the child spoke and this
         relay's reader is behind (starved of CPU, as 256 emulated workers on 2 cores make it), not the child silent."""
-        import fcntl  # here: asked only of a child silent for long
-        import termios
-
         assert self.proc.stdout is not None
-        buf = bytearray(4)
         try:
-            fcntl.ioctl(self.proc.stdout.fileno(), termios.FIONREAD, buf)
-        except (OSError, ValueError):
+            return relay_wire.unread(self.proc.stdout.fileno())
+        except ValueError:  # closed
             return 0
-        return int.from_bytes(buf, sys.byteorder)
 
 
 class Relay:

@@ -79,6 +79,21 @@ PARENT_TIMES = 4  # a relay whose parent sent nothing, not even a heartbeat, for
 MAX_PAYLOAD = 1 << 24  # a frame bigger than this is a broken link, not a frame
 
 
+def unread(fd: int) -> int:
+    """Bytes waiting unread on descriptor FD (a pipe or a socket): where there are, its sender spoke and the reader
+    is behind (starved of CPU), not the sender silent; what a relay and this machine ask before giving one up."""
+    import fcntl  # here: asked only of a link silent for long
+    import sys
+    import termios
+
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except (OSError, ValueError):
+        return 0
+    return int.from_bytes(buf, sys.byteorder)
+
+
 def frame(kind: int, channel: int = 0, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, channel, len(payload)) + payload
 
