@@ -201,12 +201,14 @@ def test_a_long_setup_is_work_not_idle_time(tp, emulator):
 
 def test_autostop_off_disarms_and_setting_it_again_arms(tp, emulator):
     assert tp("create", "toggle", "-t", "v4-8").code == 0
-    r = tp("train", "job.py", "3", "0", "--runtime", "cpu", "--launch", "host", "--detach")
+    # it runs until released, so the TPU is busy while autostop is armed and then disarmed, however slow the machine
+    r = tp("train", "until.py", "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip()
     assert tp("autostop", "toggle", "2s").code == 0
     r = tp("autostop", "toggle", "off")
     assert r.code == 0 and "toggle: autostop off" in r.err, r.err
+    assert tp("exec", "--", "touch", "release").code == 0  # the job may end now
     assert tp("logs", job, "--follow").code == 0
     time.sleep(5)  # the job's end plus more than the old period
     assert _exists(emulator, "toggle")
