@@ -238,6 +238,9 @@ class Run:
             proc.kill()
             print(f"  ! stop {mode}: only {started}/{n} cores started", file=sys.stderr)
             return None
+        from tpurun.emulator import procs
+
+        running = self.worker_pids(node, "stopme.py")
         if mode == "sigint":
             time.sleep(0.2)
             t_event = time.time()
@@ -245,10 +248,12 @@ class Run:
         else:
             while t_event is None and time.time() < deadline:
                 time.sleep(0.005)
-        # the last remote process gone: poll every worker's process table
+        # the last remote process gone: each of those seen running, polled by pid (a scan of every worker's
+        # process table each 10 ms would itself take a core from the stop it measures at hundreds of workers)
         t_gone = None
         while time.time() < deadline:
-            if not self.worker_pids(node, "stopme.py"):
+            running = [p for p in running if procs.cmdline(p)]  # (a zombie's is empty: it is gone)
+            if not running:
                 t_gone = time.time()
                 break
             time.sleep(0.01)

@@ -57,6 +57,7 @@ import versions
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
 from agent_files import (
     CHUNK,
+    IDLE_POLL,
     POLL,
     SPEC,
     STATE,
@@ -100,6 +101,9 @@ from protocol import (
 )
 from protocol_calls import JobSpec, Preflight, StopRequest, read_claim_start
 from zygote import SUPERVISOR_NAME, name_self
+
+HELD_STOP = 5.0  # seconds an attached stream leaves the stop to the supervisor that holds the lifeline too
+STOP_LOOK = 0.1  # seconds between two looks of a stream, at most, while its job stops
 
 # Set by the relay's zygote that forked this process: the relay streams a claimed job itself once it started
 # (preflight --claim then ends with AgentExit.RELAY_STREAMS), so that no agent process runs beside the job.
@@ -356,6 +360,9 @@ def stop_job(job: str, grace: float | None) -> JobState:
     deadline = now() + grace + 10
     pgids = [s.pgid for s in st.slots]
     killed = False
+    # each look reads /proc: 20 ms apart at first, further apart while the job's processes take their time
+    # to end (the relays of a pod stop hundreds of jobs on a host's cores at once, each looking so)
+    looks = 0
     while True:
         st = _load_state(job)
         pgids = list({*pgids, *(s.pgid for s in st.slots)})
@@ -375,7 +382,8 @@ def stop_job(job: str, grace: float | None) -> JobState:
                 killed = True
             elif now() > deadline + 10:
                 raise AgentError(f"processes of job {job} survive SIGKILL: {left + marked}", code=AgentExit.INTERNAL)
-        time.sleep(POLL)
+        time.sleep(min(IDLE_POLL, POLL * 1.5**looks))
+        looks += 1
     if st.status not in TERMINAL or st.status == JobStatus.LOST:
         # The supervisor did not write the end (it was killed): record it ourselves. A lost job stays lost: its end
         # came before this stop, which only took what it left behind.
@@ -444,10 +452,14 @@ def cmd_stream(args) -> int:
         return AgentExit.OK
 
 
-def stream_job(job: str, out, pace: Pace, follow: bool, lifeline: threading.Event | None, offsets: dict) -> int:
+def stream_job(
+    job: str, out, pace: Pace, follow: bool, lifeline: threading.Event | None, offsets: dict, held: bool = False
+) -> int:
     """JOB's records to OUT (`write`, `flush`) from OFFSETS ({slot: byte offset}) on, until its end where FOLLOW.
     Attached (a LIFELINE: set once the client is gone or asks the job to stop, waking PACE), the job is stopped
-    then and its last records still sent. The stream of `stream`, or of the relay that forked a claim's agent."""
+    then and its last records still sent. HELD: the job's supervisor holds the lifeline too and stops the job at
+    its end; this stream stops it only where it has not ended HELD_STOP seconds later (its supervisor gone or
+    hung). The stream of `stream`, or of the relay that forked a claim's agent."""
     jdir = job_dir(job)
     st = _load_state(job)
     spec = _load_spec(jdir)
@@ -467,6 +479,7 @@ def stream_job(job: str, out, pace: Pace, follow: bool, lifeline: threading.Even
     sent_passages: dict[int, list] = {}  # slot -> its passages through rendezvous points (the state's), as last sent
     reported: dict[int, float] = {}  # slot -> the end sent (a chip may run again: the spawner's next round)
     stopping = False
+    stop_at = None  # once the lifeline is cut: when this stream stops the job (`stop_job`), unless it ended
     told = False  # the job's notice of a host event, sent
     last_touch = 0.0
     while True:
@@ -502,13 +515,18 @@ def stream_job(job: str, out, pace: Pace, follow: bool, lifeline: threading.Even
             if now() - last_touch > 1.0:
                 _touch(lease)
                 last_touch = now()
-            if lifeline.is_set() and not stopping:
+            if lifeline.is_set() and stop_at is None:
+                stop_at = now() + (HELD_STOP if held else 0.0)
+            if stop_at is not None and not stopping and now() >= stop_at:
                 stopping = True
                 _stop_async(job)
-        if got or stopping or st.status != JobStatus.RUNNING or not all(r.offset for r in readers.values()):
+        if got or st.status != JobStatus.RUNNING or not all(r.offset for r in readers.values()):
             pace.busy()  # lines come, the job starts or ends, a process's first line is awaited: look soon
         if not got:
-            pace.wait()
+            # while the job stops, a look each STOP_LOOK at least (its end is awaited), not each POLL: a pod's
+            # hundreds of streams looking 50 times a second would take the cores its processes need to end
+            most = None if stop_at is None else STOP_LOOK if stopping else max(0.0, min(STOP_LOOK, stop_at - now()))
+            pace.wait(most)
 
 
 def _drain(readers: dict, out, only: int | None = None, until_empty: bool = True) -> bool:

@@ -315,16 +315,17 @@ def boot_time() -> float:
         return 0.0
 
 
-def watch_exit(on_end: Callable[[int], None], pid: int) -> None:
+def watch_exit(on_end: Callable[[int], None], pid: int) -> bool:
     """Note when PID ends, at once where Linux gives a pidfd (3.9+): which of several chip processes
-    ended first decides which one the job's failure is blamed on."""
+    ended first decides which one the job's failure is blamed on, and a loop woken by it need not poll for
+    the end. Whether it is watched so."""
     opener = getattr(os, "pidfd_open", None)
     if opener is None:
-        return
+        return False
     try:
         fd = opener(pid)
     except OSError:
-        return
+        return False
 
     def wait() -> None:
         import select
@@ -336,6 +337,7 @@ def watch_exit(on_end: Callable[[int], None], pid: int) -> None:
             os.close(fd)
 
     threading.Thread(target=wait, daemon=True).start()
+    return True
 
 
 def pdeathsig_preexec():

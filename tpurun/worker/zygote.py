@@ -336,7 +336,7 @@ def stream_claimed(job: str, send: Callable[[bytes, bool], None], lifeline: thre
             pass
 
     try:
-        return agent.stream_job(job, Up(), pace, follow=True, lifeline=lifeline, offsets={})
+        return agent.stream_job(job, Up(), pace, follow=True, lifeline=lifeline, offsets={}, held=True)
     except agent.AgentError as e:
         send(f"tpurun agent: {e}\n".encode(), True)
         return e.code
