@@ -70,7 +70,7 @@ def wait_over(home: Path, job: str, timeout: float = 30) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         st = state(home, job)
-        if st["status"] in ("finished", "stopped", "failed", "lost"):
+        if st["status"] in ("finished", "stopped", "failed", "lost", "spent"):
             return st
         time.sleep(0.05)
     raise AssertionError(f"job {job} still {st['status']}")
@@ -417,6 +417,80 @@ def test_cores_die_with_their_supervisor(home: Path, tmp_path: Path) -> None:
     answer = json.loads(r.stdout)
     assert r.returncode == 0 and (answer["status"], answer["status_before_stop"]) == ("lost", "lost")
     assert state(home, "j8")["status"] == "lost"
+
+
+# a relay's stream of the job it claimed (zygote.stream_claimed): its lifeline cut when the stream starts
+HELD_STREAM = """
+import json, sys, threading, time
+sys.path[0] = sys.argv[1]
+import agent
+class Out:
+    def write(self, data): pass
+    def flush(self): pass
+cut = threading.Event()
+cut.set()
+print(json.dumps({"cut": time.time(), "held_stop": agent.HELD_STOP}), flush=True)
+print(json.dumps({"rc": agent.stream_job(sys.argv[2], Out(), agent.Pace(), True, cut, {}, held=True)}), flush=True)
+"""
+
+
+def test_a_relays_stream_stops_the_job_itself_only_when_its_supervisor_did_not(home: Path, tmp_path: Path) -> None:
+    """The relay that streams a job it claimed leaves the stop to the job's supervisor, which holds the lifeline
+    too; where the job has not ended HELD_STOP seconds after the cut (its supervisor hung: here stopped with
+    SIGSTOP), the stream stops it itself, as `agent.py stop` does, and ends with the job's end."""
+    p = script(tmp_path, "sleeper.py", "import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    msg = start(home, "jh", [core(0, p)], grace=1)
+    os.kill(msg["supervisor_pid"], signal.SIGSTOP)
+    try:
+        env = dict(os.environ, HOME=str(home))
+        r = subprocess.run(
+            [sys.executable, "-c", HELD_STREAM, str(AGENT_PATH.parent), "jh"],
+            capture_output=True, text=True, env=env, timeout=90,
+        )  # fmt: skip
+    finally:
+        os.kill(msg["supervisor_pid"], signal.SIGCONT)  # (killed by then: a stop's SIGKILL takes a stopped process)
+    assert r.returncode == 0, r.stderr
+    said = [json.loads(line) for line in r.stdout.splitlines()]
+    assert said[-1] == {"rc": 0}, said
+    asked = (home / ".tpurun" / "jobs" / "jh" / "stop.json").stat().st_mtime  # `agent.py stop`'s request
+    assert asked >= said[0]["cut"] + said[0]["held_stop"] - 0.1, (asked, said)
+    st = state(home, "jh")
+    assert st["status"] == "lost", st  # its supervisor killed by the stop, as `agent.py stop` records a hung one
+    assert_nothing_left(st)
+
+
+def test_a_supervisor_waits_out_a_grace_without_spinning(home: Path, tmp_path: Path) -> None:
+    """A supervisor whose job's --budget is spent stops it, then waits through the grace for a process that
+    ignores SIGTERM: woken by the process's end or the grace's, not looking again at once each round (past its
+    stop time it once waited 0 s a round: a core busy for the whole grace)."""
+    p = script(
+        tmp_path,
+        "stubborn.py",
+        """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(120)
+        """,
+    )
+    grace = 4.0
+    msg = start(home, "jg", [core(0, p)], grace=grace, spend_for=grace + 0.5)  # its stop starts 0.5 s in
+    pid, log = msg["supervisor_pid"], home / ".tpurun" / "jobs" / "jg" / "supervisor.log"
+
+    def cpu() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    deadline = time.time() + 10
+    while "stopping (its --budget is spent)" not in log.read_text():
+        assert time.time() < deadline, log.read_text()
+        time.sleep(0.05)
+    before = cpu()
+    time.sleep(grace / 2)  # inside the grace: the process ignores SIGTERM, nothing happens
+    spent = cpu() - before
+    assert spent < grace / 8, f"the supervisor used {spent:.2f} s of CPU in {grace / 2:.1f} s of its grace"
+    st = wait_over(home, "jg")
+    assert st["status"] == "spent" and st["cores"][0]["exit_code"] == -signal.SIGKILL, st
 
 
 def test_a_supervisor_that_wrote_its_last_state_and_exited_is_not_lost(tmp_path: Path, monkeypatch) -> None:
