@@ -275,17 +275,17 @@ def test_after_a_notice_a_core_that_ends_leaves_the_others_until_the_host_may_go
     assert_nothing_left(st)
 
 
+# ignores SIGTERM: only the grace's SIGKILL ends it
+STUBBORN = """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
 def test_stop_kills_a_core_that_ignores_sigterm_after_the_grace(home: Path, tmp_path: Path) -> None:
-    p = script(
-        tmp_path,
-        "stubborn.py",
-        """
-        import signal, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("ready", flush=True)
-        time.sleep(120)
-        """,
-    )
+    p = script(tmp_path, "stubborn.py", STUBBORN)
     start(home, "j4", [core(0, p), core(1, p)], grace=30)
     time.sleep(0.5)
     t0 = time.time()
@@ -463,16 +463,7 @@ def test_a_supervisor_waits_out_a_grace_without_spinning(home: Path, tmp_path: P
     """A supervisor whose job's --budget is spent stops it, then waits through the grace for a process that
     ignores SIGTERM: woken by the process's end or the grace's, not looking again at once each round (past its
     stop time it once waited 0 s a round: a core busy for the whole grace)."""
-    p = script(
-        tmp_path,
-        "stubborn.py",
-        """
-        import signal, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("ready", flush=True)
-        time.sleep(120)
-        """,
-    )
+    p = script(tmp_path, "stubborn.py", STUBBORN)
     grace = 4.0
     msg = start(home, "jg", [core(0, p)], grace=grace, spend_for=grace + 0.5)  # its stop starts 0.5 s in
     pid, log = msg["supervisor_pid"], home / ".tpurun" / "jobs" / "jg" / "supervisor.log"
