@@ -459,6 +459,41 @@ def test_a_relays_stream_stops_the_job_itself_only_when_its_supervisor_did_not(h
     assert_nothing_left(st)
 
 
+def test_a_relays_stream_takes_what_a_supervisor_that_died_before_the_stop_left(home: Path, tmp_path: Path) -> None:
+    """The supervisor dies (SIGKILL) before it stopped the job whose lifeline was cut: its own processes die with
+    it (PDEATHSIG), but one that left their group lives on; the relay's stream takes it before it ends."""
+    p = script(
+        tmp_path,
+        "leaver.py",
+        """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        print("ready", flush=True)
+        time.sleep(120)
+        """,
+    )
+    msg = start(home, "jd", [core(0, p)], grace=1)
+    def job(fields: list[str], pid: int) -> bool:
+        try:
+            return b"TPURUN_JOB_ID=jd\0" in Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return False
+
+    deadline = time.time() + 20
+    while len(live_processes(job)) < 2:  # the script and what it left its group with
+        assert time.time() < deadline, live_processes(job)
+        time.sleep(0.05)
+    os.kill(msg["supervisor_pid"], signal.SIGKILL)
+    env = dict(os.environ, HOME=str(home))
+    r = subprocess.run(
+        [sys.executable, "-c", HELD_STREAM, str(AGENT_PATH.parent), "jd"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == '{"rc": 0}', (r.stdout, r.stderr)
+    assert state(home, "jd")["status"] == "lost"
+    assert live_processes(job) == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in live_processes(job)]
+
+
 def test_a_supervisor_waits_out_a_grace_without_spinning(home: Path, tmp_path: Path) -> None:
     """A supervisor whose job's --budget is spent stops it, then waits through the grace for a process that
     ignores SIGTERM: woken by the process's end or the grace's, not looking again at once each round (past its

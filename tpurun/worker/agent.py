@@ -504,6 +504,8 @@ def stream_job(
         # written the rest, is gone: no more will come, and a follower must not wait for it)
         over = st.status in TERMINAL and (st.status == JobStatus.LOST or all(c in reported for c in slots))
         if over:
+            if st.status == JobStatus.LOST and lifeline is not None and lifeline.is_set() and not stopping:
+                _quiet_stop(job)  # its supervisor died before it stopped the job: what it left is taken here
             _drain(readers, out)
             out.write(encode(Done(worker, st)))
             out.flush()
