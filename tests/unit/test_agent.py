@@ -275,6 +275,13 @@ def test_after_a_notice_a_core_that_ends_leaves_the_others_until_the_host_may_go
     assert_nothing_left(st)
 
 
+# leaves a grandchild in its own session: no process-group signal reaches it
+ESCAPE = """
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    print("up", flush=True)
+    time.sleep(600)
+"""
 # ignores SIGTERM: only the grace's SIGKILL ends it
 STUBBORN = """
     import signal, time
@@ -462,16 +469,7 @@ def test_a_relays_stream_stops_the_job_itself_only_when_its_supervisor_did_not(h
 def test_a_relays_stream_takes_what_a_supervisor_that_died_before_the_stop_left(home: Path, tmp_path: Path) -> None:
     """The supervisor dies (SIGKILL) before it stopped the job whose lifeline was cut: its own processes die with
     it (PDEATHSIG), but one that left their group lives on; the relay's stream takes it before it ends."""
-    p = script(
-        tmp_path,
-        "leaver.py",
-        """
-        import subprocess, sys, time
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-        print("ready", flush=True)
-        time.sleep(120)
-        """,
-    )
+    p = script(tmp_path, "escape.py", ESCAPE)
     msg = start(home, "jd", [core(0, p)], grace=1)
     def job(fields: list[str], pid: int) -> bool:
         try:
@@ -714,17 +712,7 @@ def test_host_launch_a_chip_that_dies_is_named(home: Path, tmp_path: Path) -> No
 
 
 def test_stop_reaches_chip_processes_that_left_the_group(home: Path, tmp_path: Path) -> None:
-    p = script(
-        tmp_path,
-        "escape.py",
-        """
-        import os, subprocess, sys, time
-        # a grandchild in its own session: no process-group signal reaches it
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-        print("up", flush=True)
-        time.sleep(600)
-        """,
-    )
+    p = script(tmp_path, "escape.py", ESCAPE)
     start(home, f"h5-{RUN}", [host(p)], launch="host", grace=1)
     deadline = time.time() + 20
     while len(job_processes_left(f"h5-{RUN}")) < 2 and time.time() < deadline:
