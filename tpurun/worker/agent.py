@@ -57,7 +57,6 @@ import versions
 # the bundle's files sit side by side on a worker (python3 agent.py puts their directory on sys.path)
 from agent_files import (
     CHUNK,
-    IDLE_POLL,
     POLL,
     SPEC,
     STATE,
@@ -65,6 +64,7 @@ from agent_files import (
     AgentError,
     Pace,
     agent_root,
+    backoff,
     claim,
     claim_holder,
     end_claim,
@@ -382,7 +382,7 @@ def stop_job(job: str, grace: float | None) -> JobState:
                 killed = True
             elif now() > deadline + 10:
                 raise AgentError(f"processes of job {job} survive SIGKILL: {left + marked}", code=AgentExit.INTERNAL)
-        time.sleep(min(IDLE_POLL, POLL * 1.5**looks))
+        time.sleep(backoff(looks))
         looks += 1
     if st.status not in TERMINAL or st.status == JobStatus.LOST:
         # The supervisor did not write the end (it was killed): record it ourselves. A lost job stays lost: its end
@@ -458,8 +458,8 @@ def stream_job(
     """JOB's records to OUT (`write`, `flush`) from OFFSETS ({slot: byte offset}) on, until its end where FOLLOW.
     Attached (a LIFELINE: set once the client is gone or asks the job to stop, waking PACE), the job is stopped
     then and its last records still sent. HELD: the job's supervisor holds the lifeline too and stops the job at
-    its end; this stream stops it only where it has not ended HELD_STOP seconds later (its supervisor gone or
-    hung). The stream of `stream`, or of the relay that forked a claim's agent."""
+    its end; this stream stops it only where that supervisor died first (what the job left is taken then) or
+    the job has not ended HELD_STOP seconds later (its supervisor hung). The stream of `stream`, or of the relay that forked a claim's agent."""
     jdir = job_dir(job)
     st = _load_state(job)
     spec = _load_spec(jdir)

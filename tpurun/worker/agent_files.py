@@ -315,17 +315,16 @@ def boot_time() -> float:
         return 0.0
 
 
-def watch_exit(on_end: Callable[[int], None], pid: int) -> bool:
+def watch_exit(on_end: Callable[[int], None], pid: int) -> None:
     """Note when PID ends, at once where Linux gives a pidfd (3.9+): which of several chip processes
-    ended first decides which one the job's failure is blamed on, and a loop woken by it need not poll for
-    the end. Whether it is watched so."""
+    ended first decides which one the job's failure is blamed on."""
     opener = getattr(os, "pidfd_open", None)
     if opener is None:
-        return False
+        return
     try:
         fd = opener(pid)
     except OSError:
-        return False
+        return
 
     def wait() -> None:
         import select
@@ -337,7 +336,6 @@ def watch_exit(on_end: Callable[[int], None], pid: int) -> bool:
             os.close(fd)
 
     threading.Thread(target=wait, daemon=True).start()
-    return True
 
 
 def pdeathsig_preexec():
@@ -413,6 +411,11 @@ def state_with_liveness(path: str) -> JobState | None:
     return st
 
 
+def backoff(looks: int) -> float:
+    """How long to wait after LOOKS quiet looks: POLL at first, then longer and longer, IDLE_POLL at most."""
+    return min(IDLE_POLL, POLL * 1.5**looks)
+
+
 class Pace:
     """How long a loop that looks for changes (the supervisor's, a stream's) waits between looks: POLL while
     things happen, then longer and longer while nothing does, up to IDLE_POLL (a quiet job's hundreds of loops on a
@@ -432,7 +435,7 @@ class Pace:
 
     def delay(self) -> float:
         """How long the next wait lasts, at most; each one after a quiet look is longer."""
-        delay = min(IDLE_POLL, POLL * 1.5**self.idle)
+        delay = backoff(self.idle)
         self.idle = min(self.idle + 1, 16)
         return delay
 

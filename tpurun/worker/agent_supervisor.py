@@ -210,7 +210,6 @@ class Supervisor:
         self.lifeline = lifeline  # where the job is attached through a relay: its end stops the job (_hold_on)
         self.pace = Pace()  # the loop's waits: short while things happen, longer while the job is quiet
         self.stop_deadline: float | None = None
-        self.exits_watched = True  # each process's end wakes the loop (watch_exit)
         self.stop_told: set = set()  # the processes the stop's SIGTERM was sent to (never twice)
         self.killed = False
         self.saved_at = 0.0
@@ -541,8 +540,6 @@ class Supervisor:
         for c in self.snapshot():
             if c.proc is None:
                 self.on_exit(c, 127)
-            elif not watch_exit(lambda pid: self.pace.wake(), c.proc.pid):
-                self.exits_watched = False  # (no pidfd) the loop looks for ends each POLL while the job stops
 
     def request_stop(self, reason: str, status: JobStatus | None) -> None:
         """Stop every process (SIGTERM, SIGKILL after the grace period); STATUS: the job's end, unless one
@@ -648,11 +645,10 @@ class Supervisor:
                 if self.stop_deadline is None:  # every slot ended but children linger: clean them up
                     self.request_stop("processes left behind by exited slots", None)
             ending = any(c.ended_at is None and c.exited_at is not None for c in self.snapshot())
-            stopping = self.stop_requested or self.stop_deadline is not None
-            if changed or fresh or ending or (stopping and not self.exits_watched):
+            if changed or fresh or ending:
                 self.pace.busy()
-            # (a process's end wakes the loop: a stop looks at once, not 50 times a second until the end, which
-            # on a pod emulated on one machine's cores took those its processes needed to end)
+            # (a process's end wakes the loop, SIGCHLD or a chip's pidfd: a stop looks at once, not 50 times a
+            # second until the end, which on a pod emulated on one machine's cores took those its processes needed)
             due = [t - now() for t in (self.spend_stop, self.stop_deadline) if t is not None and t > now()]
             self.pace.wait(min(due) if due else None)  # (one past is acted on above: no wait of 0 in a loop)
 
