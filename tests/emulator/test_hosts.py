@@ -6,10 +6,13 @@ tests that may run at the same time on this machine (they allocate slots from 1)
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import re
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,6 +215,36 @@ def test_metadata_server(env: Env) -> None:
     assert code == "403"
     recursive = env.ssh(w, f"{get}/instance/attributes/?recursive=true").stdout
     assert '"agent-worker-number": "1"' in recursive
+
+
+def _get(address: str, path: str, timeout: float = 30) -> tuple[str, str]:
+    """(body, ETag) of a GET of PATH from the metadata server at ADDRESS."""
+    request = urllib.request.Request(f"http://{address}/computeMetadata/v1/{path}", headers={"Metadata-Flavor": "Google"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return answer.read().decode(), answer.headers["ETag"]
+
+
+def test_a_get_that_waits_for_a_change_is_answered_when_a_host_event_changes(env: Env) -> None:
+    """`?wait_for_change=true`: answered at once where `last_etag` is not the value's tag, after `timeout_sec`
+    with the same value and tag where nothing changed, and with the new value as soon as the host's events
+    change (the tag a hash of the value: the quiet value's tag again once the event is over)."""
+    address = env.hosts.workers(NODE)[2].address
+    key = "instance/maintenance-event"
+    quiet, tag = _get(address, key)
+    assert quiet == "NONE" and re.fullmatch(r"[0-9a-f]{16}", tag)
+    assert _get(address, f"{key}?wait_for_change=true&last_etag=0000000000000000") == (quiet, tag)
+    t0 = time.monotonic()
+    assert _get(address, f"{key}?wait_for_change=true&last_etag={tag}&timeout_sec=0.5") == (quiet, tag)
+    assert time.monotonic() - t0 >= 0.5
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_get, address, f"{key}?wait_for_change=true&last_etag={tag}&timeout_sec=60")
+        env.hosts.set_events(NODE, [2], {"maintenance-event": "TERMINATE_ON_HOST_MAINTENANCE"})
+        try:
+            changed, new_tag = waiting.result(timeout=20)
+        finally:
+            env.hosts.set_events(NODE, [2], {"maintenance-event": None})
+    assert changed == "TERMINATE_ON_HOST_MAINTENANCE" and new_tag != tag
+    assert _get(address, key) == (quiet, tag)
 
 
 def test_second_user_and_key_scoping(env: Env) -> None:

@@ -9,16 +9,24 @@ Served below ``/computeMetadata/v1/`` (header ``Metadata-Flavor: Google`` requir
 403 otherwise): the tree a `MetadataSource` returns (directory listings, leaves as text,
 ``?recursive=true`` / ``?alt=json`` as JSON), ``instance/guest-attributes/NS/KEY``
 (PUT stores, GET reads) and ``oslogin/...`` (the source's answers, JSON; POST for 2FA's sessions).
+
+Every answer of the tree carries an ``ETag`` (a hash of its body). ``?wait_for_change=true`` holds a GET
+until its answer differs from ``last_etag`` (from the answer at the time of asking, without one), or for
+``timeout_sec`` seconds, then answers as a plain GET would. A change of a host's events wakes the GETs waiting
+at once (`MetadataService.touch`); any other change of the tree is seen within `RECHECK` seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import select
 import selectors
 import socket
 import sys
 import threading
+import time
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import TCPServer, ThreadingMixIn
@@ -27,6 +35,7 @@ from urllib.parse import parse_qs, urlsplit
 
 PREFIX = "/computeMetadata/v1"
 _MAX_GUEST_VALUE = 256 * 1024
+RECHECK = 1.0  # seconds between two looks of a waiting GET at a tree no one told it had changed
 
 
 class JsonText(str):
@@ -49,6 +58,19 @@ class MetadataSource(Protocol):
     def guest_items(self) -> dict[tuple[str, str], str]: ...
 
 
+TEXT = "application/text"
+_Answer = tuple[int, str, str]  # (status, body, content type)
+
+
+def _flag(query: dict[str, list[str]], name: str) -> bool:
+    return query.get(name, ["false"])[0].lower() == "true"
+
+
+def _etag(body: str) -> str:
+    """The ETag of an answer whose body is BODY: the same body, the same tag (16 hex digits, as Google's)."""
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
 def _camel(name: str) -> str:
     head, *rest = name.split("-")
     return head + "".join(p[:1].upper() + p[1:] for p in rest)
@@ -69,12 +91,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
         pass
 
-    def _reply(self, code: int, body: str, ctype: str = "application/text") -> None:
+    def _reply(self, code: int, body: str, ctype: str = TEXT, etag: str | None = None) -> None:
         data = body.encode()
         self.send_response(code)
         self.send_header("Metadata-Flavor", "Google")
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
+        if etag is not None:
+            self.send_header("ETag", etag)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
@@ -98,10 +122,50 @@ class _Handler(BaseHTTPRequestHandler):
         if routed is None:
             return
         parts, query = routed
-        src = self.server.source
         if parts[:1] == ["oslogin"]:
             self._oslogin(parts, query)
             return
+        answer = self._answer(parts, query)
+        if answer[0] == 200 and _flag(query, "wait_for_change"):
+            try:
+                timeout = float(query["timeout_sec"][0]) if "timeout_sec" in query else None
+            except ValueError:
+                self._reply(400, "Bad Request\n", "text/plain")
+                return
+            answer = self._changed(parts, query, answer, query.get("last_etag", [""])[0], timeout)
+        code, body, ctype = answer
+        self._reply(code, body, ctype, _etag(body) if code == 200 else None)
+
+    def _changed(
+        self, parts: list[str], query: dict[str, list[str]], answer: _Answer, last: str, timeout: float | None
+    ) -> _Answer:
+        """ANSWER once it differs from the one whose ETag is LAST (from ANSWER itself, when LAST is empty), or
+        after TIMEOUT seconds (None: none) as it is then."""
+        want = last or _etag(answer[1])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        changed = self.server.changed
+        while answer[0] == 200 and _etag(answer[1]) == want:
+            left = RECHECK if deadline is None else min(RECHECK, deadline - time.monotonic())
+            if left <= 0:
+                break
+            with changed:
+                changed.wait(left)
+            if self._hung_up():
+                break
+            answer = self._answer(parts, query)
+        return answer
+
+    def _hung_up(self) -> bool:
+        """The client closed its end while its GET waited (nothing else may come on a GET's connection here)."""
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            return bool(ready) and not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+
+    def _answer(self, parts: list[str], query: dict[str, list[str]]) -> _Answer:
+        """(status, body, content type) of a GET of PARTS below the prefix, as things are now."""
+        src = self.server.source
         if parts[:2] == ["instance", "guest-attributes"]:
             items = src.guest_items()
             node: Any = {}
@@ -113,23 +177,19 @@ class _Handler(BaseHTTPRequestHandler):
             tree = src.tree()
         for p in parts:
             if not isinstance(tree, dict) or p not in tree:
-                self._reply(404, "Not Found\n", "text/plain")
-                return
+                return 404, "Not Found\n", "text/plain"
             tree = tree[p]
-        recursive = query.get("recursive", ["false"])[0].lower() == "true"
         as_json = query.get("alt", [""])[0] == "json"
         if isinstance(tree, dict):
-            if recursive or as_json:
+            if _flag(query, "recursive") or as_json:
                 raw = bool(parts) and parts[-1] == "attributes"
-                self._reply(200, json.dumps(_recursive_json(tree, raw_keys=raw)), "application/json")
-            else:
-                self._reply(200, "".join(k + ("/" if isinstance(v, dict) else "") + "\n" for k, v in tree.items()))
-        elif isinstance(tree, JsonText):
-            self._reply(200, str(tree), "application/json")
-        elif as_json:
-            self._reply(200, json.dumps(tree), "application/json")
-        else:
-            self._reply(200, str(tree))
+                return 200, json.dumps(_recursive_json(tree, raw_keys=raw)), "application/json"
+            return 200, "".join(k + ("/" if isinstance(v, dict) else "") + "\n" for k, v in tree.items()), TEXT
+        if isinstance(tree, JsonText):
+            return 200, str(tree), "application/json"
+        if as_json:
+            return 200, json.dumps(tree), "application/json"
+        return 200, str(tree), TEXT
 
     do_HEAD = do_GET
 
@@ -179,8 +239,9 @@ class _Server(ThreadingMixIn, HTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], source: MetadataSource) -> None:
+    def __init__(self, address: tuple[str, int], source: MetadataSource, changed: threading.Condition) -> None:
         self.source = source
+        self.changed = changed  # notified when a host's events change (`MetadataService.touch`)
         super().__init__(address, _Handler)
 
     def handle_error(self, request: object, client_address: object) -> None:
@@ -205,6 +266,7 @@ class MetadataService:
         self._servers: dict[str, _Server] = {}
         self._ops: list[tuple[str, _Server, threading.Event]] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -222,10 +284,15 @@ class MetadataService:
         self._wake_w.send(b"x")
         done.wait()
 
+    def touch(self) -> None:
+        """Something a worker's tree shows changed: the GETs waiting for a change look again now."""
+        with self._changed:
+            self._changed.notify_all()
+
     def add(self, address: str, source: MetadataSource) -> None:
         """Start serving `source` on address:port (replacing what served there before)."""
         self.remove(address)
-        server = _Server((address, self.port), source)  # binds now: errors surface here
+        server = _Server((address, self.port), source, self._changed)  # binds now: errors surface here
         with self._lock:
             self._servers[address] = server
         self._submit("add", server)

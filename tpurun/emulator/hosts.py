@@ -544,16 +544,15 @@ class WorkerHosts:
 
     def set_events(self, node_key: str, indices: list[int], events: dict[str, str | None]) -> None:
         """What the metadata servers of the workers at INDICES say of host events from now on (tpu_vm.HOST_EVENTS'
-        keys; None: back to the key's quiet value)."""
+        keys; None: back to the key's quiet value), told at once to the GETs that wait for a change."""
         node = self._get(node_key)
         with node.guest_lock:
-            for i in indices:
-                w = node.workers[i]
-                for key, value in events.items():
-                    if value is None:
-                        w.events.pop(key, None)
-                    else:
-                        w.events[key] = value
+            for w in (node.workers[i] for i in indices):
+                w.events.update({k: v for k, v in events.items() if v is not None})
+                for key in [k for k, v in events.items() if v is None]:
+                    w.events.pop(key, None)
+        if self._metadata is not None:
+            self._metadata.touch()
 
     def refresh_access(self, node_key: str) -> None:
         """Whether each worker's VM is private changed (it gained or lost its external address): its init follows at
