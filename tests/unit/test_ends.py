@@ -4,6 +4,7 @@ notice watch (worker/agent_notices): what the metadata server says, and peers th
 from __future__ import annotations
 
 import json
+import queue
 import socket
 import subprocess
 import sys
@@ -12,13 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from tpurun.emulator._metadata import MetadataService
+from tpurun.emulator.tpu_vm import HOST_EVENTS
 from tpurun.errors import UsageError
 from tpurun.fleet.targets import Target
 from tpurun.job.attempt import JobRun
 from tpurun.job.ends import Budgets, End, on_notice
 from tpurun.job.env_contract import SlotSpec
 from tpurun.transport.runner import Worker
-from tpurun.worker import agent_notices, protocol
+from tpurun.worker import agent_notices, metaserver, protocol
 from tpurun.worker.protocol import JobState, JobStatus, Launch, Notice, NoticeKind
 from tpurun.worker.protocol_calls import JobSpec
 
@@ -101,6 +104,77 @@ def test_what_the_metadata_server_announces():
     )
     assert n is not None and n.kind is NoticeKind.MAINTENANCE
     assert agent_notices.look(0, "file", _metadata({})) is None  # no metadata server: nothing announced
+
+
+class _Host:
+    """One VM's host events, as the emulator's metadata server serves them (a MetadataSource)."""
+
+    def __init__(self) -> None:
+        self.events = dict(HOST_EVENTS)
+
+    def tree(self) -> dict:
+        return {"instance": dict(self.events)}
+
+
+@pytest.fixture
+def metadata_server(monkeypatch):
+    """The emulator's metadata server on a free port of 127.0.0.1, serving a _Host, found by the watch through
+    GCE_METADATA_HOST; each exchange a watch makes with it counted."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service, host, exchanges = MetadataService(port), _Host(), []
+    service.add("127.0.0.1", host)  # type: ignore[arg-type]
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{port}")
+    exchange = metaserver._exchange
+    monkeypatch.setattr(metaserver, "_exchange", lambda *a: exchanges.append(a[1]) or exchange(*a))
+    yield service, host, exchanges
+    service.close()
+
+
+def _watch(spec_worker: int = 0):
+    told: queue.Queue = queue.Queue()
+    spec = SimpleNamespace(
+        job_id="j", worker=spec_worker, on_notice="file", notice_address=None, peers=[], notice_port=0, notice_key=""
+    )
+    watch = agent_notices.NoticeWatch(spec, told.put)
+    watch.start(print)
+    return watch, told
+
+
+def test_the_watch_waits_on_the_metadata_server_for_a_change_rather_than_asking_again(metadata_server):
+    """One GET per value, then one more held by the metadata server while nothing changes (a watch that asked
+    every second would have made twelve in the 4.5 s); a preemption is then told as soon as it is announced."""
+    service, host, exchanges = metadata_server
+    watch, told = _watch()
+    try:
+        time.sleep(4.5)  # the quiet the count is about
+        assert told.empty() and len(exchanges) <= 6, exchanges
+        host.events["preempted"] = "TRUE"
+        service.touch()
+        notice = told.get(timeout=10)
+        assert notice.kind is NoticeKind.PREEMPTED and notice.detail == "instance/preempted: TRUE"
+    finally:
+        watch.stop()
+
+
+def test_a_window_announced_beyond_the_lead_is_told_once_the_lead_begins_with_nothing_changed(metadata_server):
+    """The GET for upcoming-maintenance is held no longer than until NOTICE_LEAD before the window: the
+    window is told then, though the metadata server's value never changed."""
+    service, host, _ = metadata_server
+    start = time.time() + protocol.NOTICE_LEAD + 2
+    window = {"maintenance_status": "PENDING", "type": "SCHEDULED"}
+    host.events["upcoming-maintenance"] = json.dumps(
+        window | {"window_start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))}
+    )
+    watch, told = _watch(3)
+    try:
+        assert told.empty()
+        notice = told.get(timeout=15)
+        assert notice.kind is NoticeKind.MAINTENANCE and notice.worker == 3
+        assert time.time() >= start - protocol.NOTICE_LEAD - 1
+    finally:
+        watch.stop()
 
 
 def test_how_long_the_others_may_run_once_a_process_ended_after_a_notice():

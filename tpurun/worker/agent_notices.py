@@ -1,8 +1,9 @@
 """A job's notices of host events, on each worker (stdlib only, Python >= 3.8; part of the bundle).
 
-Each worker's supervisor watches its own VM's metadata server once a second: `instance/upcoming-maintenance`
-(maintenance announced for this host), `instance/maintenance-event` (it is starting) and `instance/preempted`
-(this VM is being preempted). A TPU slice is interrupted as a whole when one of its hosts goes, so a notice seen
+Each worker's supervisor watches its own VM's metadata server: `instance/upcoming-maintenance` (maintenance
+announced for this host), `instance/maintenance-event` (it is starting) and `instance/preempted` (this VM is being
+preempted), each with a GET the metadata server holds until the value changes (`wait_for_change`), for WAIT
+seconds at most, less where an announced window's NOTICE_LEAD begins sooner. A TPU slice is interrupted as a whole when one of its hosts goes, so a notice seen
 on one worker is for the whole job. The supervisors listen on the job's notice port at their internal addresses
 and pass a notice on through worker 0's: a worker tells worker 0, worker 0 tells every other (each spec carries
 only whom its worker tells: one address, or the pod's for worker 0, not every address for every worker). Each
@@ -32,7 +33,9 @@ else:  # on a worker: the bundle's files side by side
     from protocol import NOTICE_LEAD, Notice, NoticeKind  # type: ignore[no-redef]
     from protocol_calls import ON_FILE, ON_SIGNAL, ON_STOP  # type: ignore[no-redef]
 
-POLL = 1.0  # seconds between two looks at the metadata server
+WATCHED = ("instance/preempted", "instance/upcoming-maintenance", "instance/maintenance-event")
+WAIT = 60  # seconds the metadata server holds a GET for a change, at most
+POLL = 1.0  # seconds before a look again where the metadata server did not answer
 SEND_TIMEOUT = 5.0  # seconds a peer may take to take a notice
 SENDERS = 32  # peers told at once
 # A preemption's notice carries no deadline: the metadata server says `instance/preempted` TRUE and nothing of
@@ -89,6 +92,18 @@ def _when(text: object) -> float | None:
         return datetime.fromisoformat(re.sub(r"\.\d+", "", text.strip()).replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+def _wait(path: str, value: str | None) -> int:
+    """How long a GET for a change of PATH, whose value is VALUE, may be held: WAIT, less where the maintenance
+    VALUE announces is to be told sooner (`look` tells it NOTICE_LEAD seconds before its window)."""
+    if path != "instance/upcoming-maintenance" or not value:
+        return WAIT
+    try:
+        start = _when(json.loads(value).get("window_start_time"))
+    except (ValueError, AttributeError):
+        return WAIT
+    return WAIT if start is None else int(max(1, min(WAIT, start - NOTICE_LEAD - time.time() + 1)))
 
 
 def look(worker: int, action: str, read=metaserver.text) -> Notice | None:
@@ -186,10 +201,25 @@ class NoticeWatch:
         return True
 
     def _watch(self) -> None:
-        while not self.done.wait(POLL):
-            notice = look(self.worker, self.action)
-            if notice is not None and self._take(notice):
-                return
+        """Each watched value followed on a thread of its own; what they show looked at after each change."""
+        seen: dict = {}
+        for path in WATCHED[1:]:
+            threading.Thread(target=self._follow, args=(path, seen), daemon=True).start()
+        self._follow(WATCHED[0], seen)
+
+    def _follow(self, path: str, seen: dict) -> None:
+        """PATH's value, into SEEN, as it changes, until the job is over here or a notice was taken."""
+        tag, wait = "", 0
+        while not self.done.is_set() and self.got is None:
+            value, tag = metaserver.tagged(path, tag, wait)
+            if value is not None:
+                seen[path] = value
+                notice = look(self.worker, self.action, seen.get)
+                if notice is not None and self._take(notice):
+                    return
+            wait = _wait(path, value) if tag else 0
+            if not tag:  # no answer, or one without a tag to wait on: looked at again after POLL
+                self.done.wait(POLL)
 
     def tell_peers(self, notice: Notice) -> None:
         """NOTICE to the supervisors this one tells (a peer that does not answer is passed over); a peer that had

@@ -31,20 +31,31 @@ def request(method: str, url: str, body: bytes | None = None, headers: dict | No
             raise ValueError(f"{method} {url}: {exc!r}") from None
         finally:
             conn.close()
+    status, _, data = _exchange(method, url, body, headers, 15.0)
+    return status, data
+
+
+def _exchange(method: str, url: str, body: bytes | None, headers: dict | None, timeout: float) -> tuple[int, dict, bytes]:
+    """(status, header fields (names and values lowercased), body) of one plain HTTP request, TIMEOUT seconds per
+    read."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    target = u.path + ("?" + u.query if u.query else "")
     lines = [f"{method} {target} HTTP/1.0", f"Host: {u.netloc}", "Connection: close"]
     lines += [f"Content-Length: {len(body or b'')}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
     if any(c in line for line in lines for c in "\r\n\0"):
         raise ValueError(f"{method} {url}: a line break in the request")
     # The host as bytes: a str one is encoded to IDNA first, which loads 1.7 MiB of unicode tables into every
     # supervisor that looks for a notice.
-    with socket.create_connection(((u.hostname or "").encode(), u.port or 80), timeout=15) as sock:  # type: ignore[arg-type]
+    with socket.create_connection(((u.hostname or "").encode(), u.port or 80), timeout=timeout) as sock:  # type: ignore[arg-type]
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
         return _answer(sock, f"{method} {url}")
 
 
-def _answer(sock: socket.socket, what: str) -> tuple[int, bytes]:
-    """(status, body) read from SOCK: its Content-Length's worth, else up to the server's close."""
-    data, size = b"", None
+def _answer(sock: socket.socket, what: str) -> tuple[int, dict, bytes]:
+    """(status, header fields, body) read from SOCK: its Content-Length's worth, else up to the server's close."""
+    data, size, fields = b"", None, {}
     while size is None or len(data) < size:
         chunk = sock.recv(1 << 16)
         if not chunk:
@@ -63,7 +74,7 @@ def _answer(sock: socket.socket, what: str) -> tuple[int, bytes]:
         raise ValueError(f"{what}: not an HTTP answer")
     if size is not None and len(data) < size:
         raise ValueError(f"{what}: the answer ended early")
-    return int(status[1]), rest
+    return int(status[1]), {k.strip(): v.strip() for k, v in fields.items()}, rest
 
 
 def url(path: str) -> str:
@@ -74,8 +85,18 @@ def url(path: str) -> str:
 
 def text(path: str) -> str | None:
     """The value at PATH, or None (no answer, or not 200)."""
+    return tagged(path)[0]
+
+
+def tagged(path: str, last: str = "", wait: int = 0) -> tuple[str | None, str]:
+    """The value at PATH and its ETag; (None, "") without an answer or a 200. With WAIT seconds, the metadata
+    server holds the GET until the value is no longer the one tagged LAST, or WAIT seconds have gone, as Google's
+    does (`wait_for_change`; with LAST, a change made between two such GETs is not missed)."""
+    query = f"?wait_for_change=true&last_etag={last}&timeout_sec={wait}" if wait else ""
     try:
-        code, data = request("GET", url(path), headers=ASK)
+        code, fields, data = _exchange("GET", url(path) + query, None, ASK, 15.0 + wait)
     except NET_ERRORS:
-        return None
-    return data.decode("utf-8", "replace") if code == 200 else None
+        return None, ""
+    if code != 200:
+        return None, ""
+    return data.decode("utf-8", "replace"), fields.get(b"etag", b"").decode("ascii", "replace")
