@@ -247,6 +247,28 @@ def test_a_get_that_waits_for_a_change_is_answered_when_a_host_event_changes(env
     assert _get(address, key) == (quiet, tag)
 
 
+def test_a_get_that_waits_on_a_directory_is_answered_when_the_nodes_metadata_changes(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recursive GET of the attributes waiting for a change sees a new key as soon as the API's metadata
+    update is told to the hosts (as `refresh_ssh_keys` is on every update), with no look of its own meanwhile."""
+    monkeypatch.setattr("tpurun.emulator._metadata.RECHECK", 3600.0)
+    address = env.hosts.workers(NODE)[3].address
+    path = "instance/attributes/?recursive=true"
+    before, tag = _get(address, path)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_get, address, f"{path}&wait_for_change=true&last_etag={tag}&timeout_sec=600")
+        assert not concurrent.futures.wait([waiting], timeout=1.0).done  # held: nothing changed
+        env.metadata["waited-for"] = "here"
+        try:
+            env.hosts.refresh_ssh_keys(NODE)
+            after, _ = waiting.result(timeout=30)
+        finally:
+            del env.metadata["waited-for"]
+            env.hosts.refresh_ssh_keys(NODE)
+    assert '"waited-for": "here"' in after and '"waited-for"' not in before
+
+
 def test_second_user_and_key_scoping(env: Env) -> None:
     w = env.hosts.workers(NODE)[0]
     out = env.ssh(w, "echo $USER $HOME; id -u", user="alice", key=env.alice_key).stdout.split()

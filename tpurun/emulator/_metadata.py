@@ -12,8 +12,9 @@ Served below ``/computeMetadata/v1/`` (header ``Metadata-Flavor: Google`` requir
 
 Every answer of the tree carries an ``ETag`` (a hash of its body). ``?wait_for_change=true`` holds a GET
 until its answer differs from ``last_etag`` (from the answer at the time of asking, without one), or for
-``timeout_sec`` seconds, then answers as a plain GET would. A change of a host's events wakes the GETs waiting
-at once (`MetadataService.touch`); any other change of the tree is seen within `RECHECK` seconds.
+``timeout_sec`` seconds, then answers as a plain GET would. A change of a host's events or of the metadata a
+node, a VM or a project is given wakes the GETs waiting at once (`MetadataService.touch`); any other change of
+the tree is seen within `RECHECK` seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from urllib.parse import parse_qs, urlsplit
 
 PREFIX = "/computeMetadata/v1"
 _MAX_GUEST_VALUE = 256 * 1024
-RECHECK = 1.0  # seconds between two looks of a waiting GET at a tree no one told it had changed
+RECHECK = 5.0  # seconds between two looks of a waiting GET at a tree no one told it had changed
 
 
 class JsonText(str):

@@ -555,8 +555,7 @@ class WorkerHosts:
             self._metadata.touch()
 
     def refresh_access(self, node_key: str) -> None:
-        """Whether each worker's VM is private changed (it gained or lost its external address): its init follows at
-        the next connection."""
+        """Whether each worker's VM is private changed: its init follows at the next connection."""
         node = self._get(node_key)
         with node.lock:
             for w in node.workers:
@@ -566,6 +565,8 @@ class WorkerHosts:
     def refresh_ssh_keys(self, node_key: str) -> None:
         """`ssh-keys` metadata changed: rewrite authorized keys after the propagation delay (background)."""
         node = self._get(node_key)
+        if self._metadata is not None:  # the metadata server shows the change now: its waiting GETs look again
+            self._metadata.touch()
 
         def apply() -> None:
             with self._lock:
