@@ -242,7 +242,7 @@ class _Server(ThreadingMixIn, HTTPServer):
 
     def __init__(self, address: tuple[str, int], source: MetadataSource, changed: threading.Condition) -> None:
         self.source = source
-        self.changed = changed  # notified when a host's events change (`MetadataService.touch`)
+        self.changed = changed  # notified when a tree changed (`MetadataService.touch`)
         super().__init__(address, _Handler)
 
     def handle_error(self, request: object, client_address: object) -> None:
