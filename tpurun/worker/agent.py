@@ -459,7 +459,8 @@ def stream_job(
     Attached (a LIFELINE: set once the client is gone or asks the job to stop, waking PACE), the job is stopped
     then and its last records still sent. HELD: the job's supervisor holds the lifeline too and stops the job at
     its end; this stream stops it only where that supervisor died first (what the job left is taken then) or
-    the job has not ended HELD_STOP seconds later (its supervisor hung). The stream of `stream`, or of the relay that forked a claim's agent."""
+    the job has not ended HELD_STOP seconds later (its supervisor hung). The stream of `stream`, or of the relay
+    that forked a claim's agent."""
     jdir = job_dir(job)
     st = _load_state(job)
     spec = _load_spec(jdir)

@@ -2,14 +2,15 @@
 
 Each worker's supervisor watches its own VM's metadata server: `instance/upcoming-maintenance` (maintenance
 announced for this host), `instance/maintenance-event` (it is starting) and `instance/preempted` (this VM is being
-preempted), each with a GET the metadata server holds until the value changes (`wait_for_change`), for WAIT
-seconds at most, less where an announced window's NOTICE_LEAD begins sooner. A TPU slice is interrupted as a
-whole when one of its hosts goes, so a notice seen on one worker is for the whole job. The supervisors listen on the job's notice port at their internal addresses
-and pass a notice on through worker 0's: a worker tells worker 0, worker 0 tells every other (each spec carries
-only whom its worker tells: one address, or the pod's for worker 0, not every address for every worker). Each
-notice is signed with the job's key (HMAC-SHA256; the key reaches the supervisors in the job's spec, readable by
-the job's user only). Each supervisor then tells its processes as the job asked (`protocol_calls.ON_SIGNAL`, `ON_FILE`, `ON_STOP`), once; the client,
-which may be asleep on a laptop, has no part in it.
+preempted), each with a GET the metadata server holds until the value changes (`wait_for_change`), for WAIT seconds
+at most, less where an announced window's NOTICE_LEAD begins sooner. A TPU slice is interrupted as a whole when one
+of its hosts goes, so a notice seen on one worker is for the whole job. The supervisors listen on the job's notice
+port at their internal addresses and pass a notice on through worker 0's: a worker tells worker 0, worker 0 tells
+every other (each spec carries only whom its worker tells: one address, or the pod's for worker 0, not every address
+for every worker). Each notice is signed with the job's key (HMAC-SHA256; the key reaches the supervisors in the
+job's spec, readable by the job's user only). Each supervisor then tells its processes as the job asked
+(`protocol_calls.ON_SIGNAL`, `ON_FILE`, `ON_STOP`), once; the client, which may be asleep on a laptop, has no part
+in it.
 """
 
 from __future__ import annotations
