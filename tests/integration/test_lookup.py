@@ -246,7 +246,26 @@ def test_a_missing_tpu_is_answered_without_importing_compute_engines_client(plac
         assert r.err.count("retrying") == 2 and "no TPU named 'nosuch'" in r.err, r.err
     finally:
         emulator.restore()
-    # a Compute Engine TPU is found through its client: the check above can tell
+    # a zone without any VM lists its TPUs, and a new node's name is checked free in both APIs (and the
+    # project's metadata read for its OS Login policy), without the client either
+    r, modules = imported("list", "--json")
+    assert r.code == 0 and "demo" in {t["name"] for t in json.loads(r.out)}, r.err[-2000:]
+    assert not {m for m in modules if m.startswith("google.cloud.compute_v1")}
+    r, modules = imported("create", "demo", "-t", "v4-8")
+    assert r.code == 2 and "the Cloud TPU API already has a TPU of that name" in r.err, r.err[-2000:]
+    assert not {m for m in modules if m.startswith("google.cloud.compute_v1")}
+    r, modules = imported("create", "two", "-t", "v4-8", "--no-wait")
+    try:
+        assert r.code == 0, r.err[-2000:]
+        assert not {m for m in modules if m.startswith("google.cloud.compute_v1")}
+    finally:
+        assert cli("delete", "two", "--yes").code == 0
+    # a Compute Engine TPU is found and listed through its client: the checks above can tell
     r, modules = imported("describe", "one", "--zone", FAR, "--json")
     assert r.code == 0 and json.loads(r.out)["backend"] == "compute", r.err[-2000:]
     assert "google.cloud.compute_v1" in modules
+    r, modules = imported("list", "--zone", FAR, "--json")
+    assert r.code == 0 and "one" in {t["name"] for t in json.loads(r.out)}, r.err[-2000:]
+    assert "google.cloud.compute_v1" in modules
+    r, modules = imported("create", "one", "-t", "v4-8", "--zone", FAR)
+    assert r.code == 2 and "the Compute Engine already has a TPU of that name" in r.err, r.err[-2000:]

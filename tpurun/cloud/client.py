@@ -225,24 +225,29 @@ class Cloud:
             hint = f"did you mean {', '.join(similar)}?" if similar else "`tpurun list` shows the TPUs that exist"
         return NoSuchTpu(message, hint=hint)
 
-    def compute_has(self, path: str) -> bool:
-        """Whether Compute Engine has the resource PATH of the project (`zones/Z/instances/N`): one plain REST GET,
-        retried and explained as `call` does, without Compute Engine's client (a second to import)."""
+    def compute_get(self, path: str) -> dict[str, Any] | None:
+        """Compute Engine's resource PATH of the project (`zones/Z/instances/N`) as its REST JSON, None where it
+        does not exist: one plain GET, retried and explained as `call` does, without Compute Engine's client
+        (whose import costs two seconds of CPU, for commands that need one resource or none)."""
         from google.auth.transport.requests import AuthorizedSession
 
-        url = f"{compute_endpoint(self.endpoint)}/compute/v1/projects/{self.project}/{path}"
+        url = f"{compute_endpoint(self.endpoint)}/compute/v1/projects/{self.project}{'/' if path else ''}{path}"
         session = AuthorizedSession(self.credentials)
 
-        def get() -> bool:
+        def get() -> dict[str, Any]:
             response = session.get(url, timeout=60)
             if response.status_code >= 400:
                 raise gexc.from_http_response(response)
-            return True
+            return dict(response.json())
 
         try:
-            return bool(self.find(f"get {path}", get, api=COMPUTE_API))
+            return self.find(f"get {path or 'the project'}", get, api=COMPUTE_API)
         finally:
             session.close()
+
+    def compute_has(self, path: str) -> bool:
+        """Whether Compute Engine has the resource PATH of the project (see `compute_get`)."""
+        return self.compute_get(path) is not None
 
     def similar_names(self, name: str) -> list[str]:
         try:

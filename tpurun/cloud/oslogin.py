@@ -51,18 +51,10 @@ def policy_of(cloud: Cloud, own: Mapping[str, str]) -> Policy:
 
 
 def project_metadata(cloud: Cloud) -> dict[str, str]:
-    """The project's common metadata (Compute Engine's `projects.get`)."""
-    from google.cloud import compute_v1
-
-    from tpurun.cloud.services import COMPUTE_API, compute_endpoint
-
-    client = compute_v1.ProjectsClient(
-        transport="rest",
-        client_options={"api_endpoint": compute_endpoint(cloud.endpoint)},
-        credentials=cloud.credentials,
-    )
-    project = cloud.call("read the project's metadata", lambda: client.get(project=cloud.project), api=COMPUTE_API)
-    return {item.key: item.value for item in project.common_instance_metadata.items}
+    """The project's common metadata (Compute Engine's `projects.get`, by plain REST: see `Cloud.compute_get`)."""
+    project = cloud.compute_get("") or {}  # (a project Compute Engine does not know has none)
+    items = project.get("commonInstanceMetadata", {}).get("items", [])
+    return {item["key"]: item.get("value", "") for item in items}
 
 
 def acting_account(s: Settings, credentials: Any = None) -> tuple[str, str]:

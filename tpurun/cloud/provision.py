@@ -242,6 +242,14 @@ def make(
     """Make the TPU SPEC asks for (REQUEST: `prepare_create`'s); with `spec.wait`, return once every worker
     finished its startup script (else its view as the API has it). Ctrl-C once the name is known to be free
     (whatever exists of it then is what this create asked for) raises CreateInterrupted."""
+    taken = routing.locate(cloud, spec.name, strict=True)
+    if taken is not None:  # one name, one TPU: every command finds a TPU by its name in either API
+        owner, view = taken
+        raise UsageError(
+            f"{spec.name}: the {owner.kind.api_name} already has a TPU of that name ({view.accelerator_type}, "
+            f"{view.state})",
+            hint=f"choose another name, or `tpurun delete {spec.name}` first",
+        )
     _watched(cloud, spec, request)
     home = s.home_path
     identity.forget(home, cloud.project, cloud.zone, spec.name)  # a new TPU: a new identity
@@ -249,14 +257,6 @@ def make(
     if not oslogin.policy_of(cloud, request.metadata).oslogin:  # (under OS Login the workers ignore ssh-keys)
         request.metadata["ssh-keys"] = keys.ssh_keys_entry(keys.ssh_user(), public) + "\n"
     maker = routing.of_kind(cloud, request.backend)
-    for each in routing.backends(cloud):
-        taken = each.find(spec.name)
-        if taken is not None:  # one name, one TPU: every command finds a TPU by its name in either API
-            raise UsageError(
-                f"{spec.name}: the {each.kind.api_name} already has a TPU of that name ({taken.accelerator_type}, "
-                f"{taken.state})",
-                hint=f"choose another name, or `tpurun delete {spec.name}` first",
-            )
     asked = CreateInterrupted(spec.name, maker.kind, maker.asked_for(spec, request.topology))
     try:
         maker.create(spec, request, progress)

@@ -63,11 +63,12 @@ def backend_for(topo: Topology, asked: str | None) -> Kind:
     return kind
 
 
-def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
+def locate(cloud: Cloud, name: str, *, strict: bool = False) -> tuple[Backend, NodeView] | None:
     """The TPU NAME and the API that made it; None when neither has one. An API that cannot be asked (not
     enabled in the project, no permission) is passed over with a warning when the other says it has no
-    such TPU; its failure is raised only when no API could answer. Compute Engine's client is imported (a
-    second) only when Compute Engine has something NAME could be: a name it does not know is answered fast."""
+    such TPU; its failure is raised only when no API could answer, or, STRICT (a name to be taken), at all.
+    Compute Engine's client is imported (a second) only when Compute Engine has something NAME could be: a
+    name it does not know is answered fast."""
     failures: list[ApiError] = []
     answered = False
     for kind in Kind:
@@ -83,7 +84,7 @@ def locate(cloud: Cloud, name: str) -> tuple[Backend, NodeView] | None:
         if view is not None:
             return backend, view
         answered = True
-    if failures and not answered:
+    if failures and (strict or not answered):
         raise failures[0]
     for failure in failures:
         log.warning("%s (looking for %s there too)", failure.message, name)
@@ -100,6 +101,16 @@ def _compute_may_have(cloud: Cloud, name: str) -> bool:
     return any(cloud.compute_has(f"{where}/{look}") for look in looks)
 
 
+def _compute_has_any(cloud: Cloud) -> bool:
+    """Whether the zone has any VM or instance group at all (what `Compute.all_tpus` would sort through): one
+    item of each asked for by plain REST, so that a zone without any lists its TPUs without Compute Engine's
+    client. Every zone at once is left to the client."""
+    if cloud.zone == EVERY_ZONE:
+        return True
+    looks = (f"zones/{cloud.zone}/instances?maxResults=1", f"zones/{cloud.zone}/instanceGroupManagers?maxResults=1")
+    return any((cloud.compute_get(look) or {}).get("items") for look in looks)
+
+
 def list_all(cloud: Cloud) -> tuple[list[NodeView], bool]:
     """Every TPU of the zone, both APIs asked at once (Compute Engine's client takes a second to import,
     while the Cloud TPU API answers), and whether both answered. An API that cannot be asked is passed over
@@ -108,6 +119,8 @@ def list_all(cloud: Cloud) -> tuple[list[NodeView], bool]:
 
     def ask(kind: Kind) -> list[NodeView] | ApiError:
         try:
+            if kind is Kind.COMPUTE and kind not in cloud.backends and not _compute_has_any(cloud):
+                return []
             return of_kind(cloud, kind).all_tpus()
         except ApiError as exc:
             return exc
