@@ -251,9 +251,13 @@ def test_a_missing_tpu_is_answered_without_importing_compute_engines_client(plac
     r, modules = imported("list", "--json")
     assert r.code == 0 and "demo" in {t["name"] for t in json.loads(r.out)}, r.err[-2000:]
     assert not {m for m in modules if m.startswith("google.cloud.compute_v1")}
+    pinned = sorted((cli.tpurun_home / "nodes").glob("*--demo.json"))
+    assert pinned and all(f.stat().st_size for f in pinned)
+    known = [f.read_bytes() for f in pinned]
     r, modules = imported("create", "demo", "-t", "v4-8")
     assert r.code == 2 and "the Cloud TPU API already has a TPU of that name" in r.err, r.err[-2000:]
     assert not {m for m in modules if m.startswith("google.cloud.compute_v1")}
+    assert [f.read_bytes() for f in pinned] == known  # the TPU that has the name keeps what tpurun knows of it
     r, modules = imported("create", "two", "-t", "v4-8", "--no-wait")
     try:
         assert r.code == 0, r.err[-2000:]
