@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, job_pids, popen
+from tests.helpers import create_node, finish, job_pids, popen, read_until
 from tpurun.topology import parse_accelerator_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -308,31 +308,34 @@ def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
             "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        out = cli("logs", job).out
-        tags = sorted(m.group(2) for m in map(REPORT.match, out.splitlines()) if m)
-        if len(tags) == 4:
-            break
-        time.sleep(1)
-    assert tags == ["0", "1", "2", "3"], out
-    # kill-stale frees the chips the spawned processes hold; the job then ends by itself
+    follow = popen(cli, "logs", job, "--follow")
+    try:
+        lines = read_until(follow, lambda ls: len([ln for ln in ls if REPORT.match(ln)]) == 4, timeout=120)
+    except BaseException:
+        follow.kill()
+        raise
+    tags = sorted(m.group(2) for m in map(REPORT.match, lines) if m)
+    assert tags == ["0", "1", "2", "3"], lines
+    # kill-stale frees the chips the spawned processes hold; the job then ends by itself, and its follow with it
     r = cli("kill-stale", "--grace", "1")
     assert r.code == 0, r.err
+    finish(follow, timeout=60)
     deadline = time.monotonic() + 60
     while _python_left(emulator, name) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _python_left(emulator, name) == []
 
-    # cancel stops a detached job's spawned processes
+    # cancel stops a detached job's spawned process (one chip's: xmp.spawn makes one for --cores 1)
     r = cli("train", "xmp_spawn.py", "--runtime", "pjrt", "--python", sys.executable,
-            "--env", "PYTHONPATH=tpu_stop", "--detach")  # fmt: skip
+            "--env", "PYTHONPATH=tpu_stop", "--cores", "1", "--detach")  # fmt: skip
     job = r.out.strip().splitlines()[-1]
-    deadline = time.monotonic() + 120
-    while len([ln for ln in cli("logs", job).out.splitlines() if "TPU-START" in ln]) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(1)
-    assert cli("cancel", job).code == 0
+    follow = popen(cli, "logs", job, "--follow")
+    try:
+        read_until(follow, lambda ls: any("TPU-START" in ln for ln in ls), timeout=120)
+        assert cli("cancel", job).code == 0
+        finish(follow, timeout=60)
+    finally:
+        follow.kill()
     _no_python_left(emulator, name)
 
     # the attached client killed outright: the agent stops the job on its own

@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import create_node, delete_every_tpu
+from tests.helpers import create_node, delete_every_tpu, popen, read_until
 from tests.integration.conftest import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-# Nothing of tpurun or of a profiler in it: each host steps its own jitted function until it is stopped.
+# Nothing of tpurun or of a profiler in it: each host steps its own jitted function until it is stopped (a few
+# hundred steps a second, not as fast as it can: two such hosts would take both of the suite's cores).
 LOOP = """\
+import time
 import jax, jax.numpy as jnp
 
 @jax.jit
@@ -31,6 +33,7 @@ x = jnp.ones((128, 128))
 print("stepping", flush=True)
 while True:
     x = tpurun_profiled_step(x).block_until_ready()
+    time.sleep(0.002)
 """
 # Nothing of tpurun either: a few steps, then a step that never returns (its callback waits forever, as a collective
 # waits for a peer that never comes), so no work runs while it is captured.
@@ -60,6 +63,7 @@ tpurun_hung_step(x).block_until_ready()
 END = "print('done', flush=True)\n"
 # torch_xla on CPU, nothing of tpurun or a profiler in it either: one process per host stepping until stopped
 XLA_LOOP = """\
+import time
 import torch, torch_xla, torch_xla.core.xla_model as xm
 
 x = torch.ones(128, 128, device=torch_xla.device())
@@ -67,6 +71,7 @@ print("stepping", flush=True)
 while True:
     x = torch.tanh(x @ x) * 0.5
     xm.mark_step()
+    time.sleep(0.002)
 """
 
 
@@ -91,10 +96,12 @@ def _detached(pod: Cli, script: str, line: str) -> Iterator[str]:
     r = pod("train", script, "--runtime", "cpu", "--launch", "host", "--detach")
     assert r.code == 0, r.err
     job = r.out.strip().splitlines()[-1]
-    deadline = time.monotonic() + 180
-    while sum(line in x for x in pod("--plain", "logs", job).out.splitlines()) < 2:
-        assert time.monotonic() < deadline, pod("--plain", "logs", job).out
-        time.sleep(0.5)
+    follow = popen(pod, "--plain", "logs", job, "--follow")
+    try:
+        read_until(follow, lambda lines: sum(line in x for x in lines) == 2, timeout=180)
+    finally:
+        follow.kill()
+        follow.wait()
     try:
         yield job
     finally:
