@@ -73,6 +73,12 @@ def test_readme_tour_runs_as_written(tmp_path):
     accuracies = [float(a) for a in re.findall(r"^\[w0/c0\] final test accuracy: ([0-9.]+)$", out, re.M)]
     assert len(accuracies) == 2 and min(accuracies) >= 0.9, out[-3000:]  # attached run, then the detached one's logs
     assert {f"[w{w}/c{c}]" for w in range(4) for c in range(2)} <= set(re.findall(r"^\[w\d/c\d\]", out, re.M))
+    # gloo joined every process of each run across the 4 workers: each saw the sum of every rank + 1
+    checks = re.findall(r"^\[w(\d)/c(\d)\] \[rank (\d)/(\d)\] all-reduce check: (.*)$", out, re.M)
+    assert sorted((w, c, world, seen) for w, c, _, world, seen in checks) == sorted(
+        [(str(w), str(c), "8", "36.0 (expected 36.0)") for w in range(4) for c in range(2)]
+        + [(str(w), "0", "4", "10.0 (expected 10.0)") for w in range(4)]
+    ), checks
     assert re.search(r"^\d{8}-\d{6}-[0-9a-f]{4}\s+demo\s", out, re.M), out  # jobs lists the detached job
     assert "an emulated worker" in out  # doctor: no TPU here, said so
     assert "FAIL" not in out

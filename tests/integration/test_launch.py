@@ -182,13 +182,19 @@ def _check_one_replica_per_chip(reports, topo, addresses: list[str], what: str) 
 # v5e's four hosts, torch_xla's own topology code run for each chip by one process per host (chip_env.py: the
 # 16 chip processes cost a minute of a 2-core machine, and their spawning and filing are those of the other
 # generations). Every script on every generation cost minutes more of the suite without reaching a path these
-# do not.
-XMP, LAUNCH, LIGHTNING, CHIP_ENV = "xmp_spawn.py", "launch.py", "lightning_tpu.py", "chip_env.py"
+# do not. SPMD (one process per host driving all of its chips) on two TensorCores per chip, on two hosts and on
+# eight chips; v5e's four hosts add only four more processes of the same path.
+XMP, LAUNCH, LIGHTNING, CHIP_ENV, SPMD = "xmp_spawn.py", "launch.py", "lightning_tpu.py", "chip_env.py", "spmd.py"
 
 
 @pytest.mark.parametrize(
     ("accel", "scripts"),
-    [("v3-8", (XMP,)), ("v4-16", (XMP, LIGHTNING)), ("v5litepod-16", (CHIP_ENV,)), ("v6e-8", (LAUNCH,))],
+    [
+        ("v3-8", (XMP, SPMD)),
+        ("v4-16", (XMP, LIGHTNING, SPMD)),
+        ("v5litepod-16", (CHIP_ENV,)),
+        ("v6e-8", (LAUNCH, SPMD)),
+    ],
 )
 def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel, scripts):
     topo = parse_accelerator_type(accel)
@@ -200,17 +206,23 @@ def test_unmodified_scripts_make_one_replica_per_chip(cli, emulator, accel, scri
         if script == CHIP_ENV:
             _check_chip_env(cli, topo, addresses)
             continue
+        if script == SPMD:
+            _check_spmd(cli, emulator, name, topo)
+            continue
         run = _train(cli, script)
         reports = run.wait_reports(topo.chips)
         code = run.interrupt()
         _check_one_replica_per_chip(reports, topo, addresses, f"{script} on {accel}\n{run.context()}")
         assert code == 130, run.context()
         _no_python_left(emulator, name)
-    # SPMD: one process per host drives all of its chips
-    run = _train(cli, "spmd.py")
+
+
+def _check_spmd(cli, emulator, name: str, topo) -> None:
+    """SPMD: one process per host drives all of its chips."""
+    run = _train(cli, SPMD)
     reports = run.wait_reports(topo.hosts)
     code = run.interrupt()
-    what = f"spmd.py on {accel}\n{run.context()}"
+    what = f"{SPMD} on {topo.name}\n{run.context()}"
     assert sorted(w for w, _, _ in reports) == list(range(topo.hosts)), what
     for w, c, r in reports:
         assert c is None, what  # the host process's own lines: [wN]

@@ -136,7 +136,9 @@ def _modules(path: Path, tmp: Path) -> dict[str, str]:
     shutil.copy(path, copy)
     raw_to_tool_data.xspace_to_tool_names([str(copy)])
     names = [f.name.removesuffix(".hlo_proto.pb") for f in tmp.glob("*.hlo_proto.pb")]
-    pages = {n: raw_to_tool_data.xspace_to_tool_data([str(copy)], "memory_viewer", {"module_name": n})[0] for n in names}
+    pages = {
+        n: raw_to_tool_data.xspace_to_tool_data([str(copy)], "memory_viewer", {"module_name": n})[0] for n in names
+    }
     return {n: p.decode() if isinstance(p, bytes) else p for n, p in pages.items()}
 
 
