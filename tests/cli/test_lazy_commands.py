@@ -69,3 +69,15 @@ def test_data_plane_commands_never_load_the_cloud_client(name):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_emulators_commands_load_none_of_its_server():
+    """`tpurun emulator status` and the fault commands talk to a running emulator through its admin client: the
+    server's modules (its state, Compute Engine's types: two seconds of CPU to import) stay unloaded."""
+    code = (
+        "import sys\nimport tpurun.emulator.cli\n"
+        "loaded = [m for m in ('tpurun.emulator.api', 'tpurun.emulator.state', 'google.cloud.compute_v1')"
+        " if m in sys.modules]\nassert not loaded, loaded\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -29,7 +29,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, oslogin_v1, tpu_v2
 from google.cloud.oslogin_v1 import common
 
-from tpurun.emulator.api import AdminClient
+from tpurun.emulator.admin_client import AdminClient
 from tpurun.emulator.pytest_plugin import fast_polling
 from tpurun.topology import default_runtime_version
 

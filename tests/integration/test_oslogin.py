@@ -24,7 +24,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, oslogin_v1, tpu_v2
 
 from tests.helpers import assert_clean_error, autostop_starts_the_watchdogs, create_node, detached_loop, pids_in
-from tpurun.emulator.api import AdminClient
+from tpurun.emulator.admin_client import AdminClient
 from tpurun.emulator.oslogin import posix_uid
 from tpurun.emulator.pytest_plugin import fast_polling, global_client
 

@@ -32,7 +32,6 @@ from tpurun.cloud.services import (
     Service,
     compute_endpoint,
     credentials,
-    is_emulator,  # noqa: F401 - the emulator's command line asks it here
 )
 from tpurun.errors import ApiError, NoSuchTpu
 from tpurun.naming import validate_zone

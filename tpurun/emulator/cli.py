@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 import typer
 
 from tpurun import config, errors, naming, ui
-from tpurun.cloud.client import is_emulator
-from tpurun.emulator.api import AdminClient
+from tpurun.cloud.services import is_emulator
+from tpurun.emulator.admin_client import AdminClient
 from tpurun.emulator.model import ApiError, Delays
 from tpurun.errors import ExitCode, TpurunError, UsageError
 from tpurun.settings import Setting, Settings

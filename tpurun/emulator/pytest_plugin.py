@@ -135,7 +135,7 @@ class EmulatorHandle:
 
     @property
     def admin(self) -> Any:
-        from tpurun.emulator.api import AdminClient
+        from tpurun.emulator.admin_client import AdminClient
 
         return AdminClient(self.endpoint)
 
