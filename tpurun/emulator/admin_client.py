@@ -1,12 +1,16 @@
 """The client of a running emulator's admin interface (ADMIN_PREFIX): what `tpurun emulator`'s fault commands
-and the tests' fixtures use. Stdlib only, and apart from the server's modules, so that a fault command does
-not load the whole emulator (its Google types take seconds of CPU to import).
+and the tests' fixtures use. Apart from the server's modules (of the emulator it needs only the model's error and
+words), so that a fault command does not load the whole server: its state and Compute Engine's types take
+seconds of CPU to import.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from typing import Any
+from urllib.parse import quote
 
 from tpurun.emulator.model import UNSCHEDULED, ApiError
 
@@ -22,10 +26,6 @@ class AdminClient:
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """METHOD ADMIN_PREFIX/PATH; raises ApiError with the server's message on an error answer."""
-        import urllib.error
-        import urllib.request
-        from urllib.parse import quote
-
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             f"{self.endpoint}{ADMIN_PREFIX}/{quote(path, safe='/:')}",
