@@ -191,7 +191,7 @@ def test_tpu7x_slice_through_a_managed_instance_group(cli, emulator, clean):
     # one name, one TPU: the Cloud TPU API is not asked for a node of a name Compute Engine has
     r = cli("create", "ironwood", "-t", "v4-8")
     assert_clean_error(r, 2)
-    assert "Compute Engine already has a TPU of that name" in r.err
+    assert "ironwood: Compute Engine already has a TPU of that name" in r.err, r.err
     assert not list(emulator.client().list_nodes(parent=emulator.parent))
 
     for refused in (["stop", "ironwood"], ["autostop", "ironwood", "30m", "--action", "stop"]):

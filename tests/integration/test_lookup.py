@@ -272,4 +272,4 @@ def test_a_missing_tpu_is_answered_without_importing_compute_engines_client(plac
     assert r.code == 0 and "one" in {t["name"] for t in json.loads(r.out)}, r.err[-2000:]
     assert "google.cloud.compute_v1" in modules
     r, modules = imported("create", "one", "-t", "v4-8", "--zone", FAR)
-    assert r.code == 2 and "the Compute Engine already has a TPU of that name" in r.err, r.err[-2000:]
+    assert r.code == 2 and "one: Compute Engine already has a TPU of that name" in r.err, r.err[-2000:]

@@ -245,9 +245,9 @@ def make(
     taken = routing.locate(cloud, spec.name, strict=True)
     if taken is not None:  # one name, one TPU: every command finds a TPU by its name in either API
         owner, view = taken
+        the_api = f"the {owner.kind.api_name}" if owner.kind is Kind.TPU_API else owner.kind.api_name
         raise UsageError(
-            f"{spec.name}: the {owner.kind.api_name} already has a TPU of that name ({view.accelerator_type}, "
-            f"{view.state})",
+            f"{spec.name}: {the_api} already has a TPU of that name ({view.accelerator_type}, {view.state})",
             hint=f"choose another name, or `tpurun delete {spec.name}` first",
         )
     _watched(cloud, spec, request)
