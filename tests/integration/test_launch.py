@@ -323,15 +323,14 @@ def test_guarantees_hold_for_spawned_chip_processes(cli, emulator):
     follow = popen(cli, "logs", job, "--follow")
     try:
         lines = read_until(follow, lambda ls: len([ln for ln in ls if REPORT.match(ln)]) == 4, timeout=120)
-    except BaseException:
+        tags = sorted(m.group(2) for m in map(REPORT.match, lines) if m)
+        assert tags == ["0", "1", "2", "3"], lines
+        # kill-stale frees the chips the spawned processes hold; the job then ends by itself, and its follow with it
+        r = cli("kill-stale", "--grace", "1")
+        assert r.code == 0, r.err
+        finish(follow, timeout=60)
+    finally:
         follow.kill()
-        raise
-    tags = sorted(m.group(2) for m in map(REPORT.match, lines) if m)
-    assert tags == ["0", "1", "2", "3"], lines
-    # kill-stale frees the chips the spawned processes hold; the job then ends by itself, and its follow with it
-    r = cli("kill-stale", "--grace", "1")
-    assert r.code == 0, r.err
-    finish(follow, timeout=60)
     deadline = time.monotonic() + 60
     while _python_left(emulator, name) and time.monotonic() < deadline:
         time.sleep(0.5)

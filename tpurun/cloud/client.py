@@ -228,21 +228,22 @@ class Cloud:
         """Compute Engine's resource PATH of the project (`zones/Z/instances/N`) as its REST JSON, None where it
         does not exist: one plain GET, retried and explained as `call` does, without Compute Engine's client
         (whose import costs two seconds of CPU, for commands that need one resource or none)."""
-        from google.auth.transport.requests import AuthorizedSession
-
         url = f"{compute_endpoint(self.endpoint)}/compute/v1/projects/{self.project}{'/' if path else ''}{path}"
-        session = AuthorizedSession(self.credentials)
 
         def get() -> dict[str, Any]:
-            response = session.get(url, timeout=60)
+            response = self._compute_session.get(url, timeout=60)
             if response.status_code >= 400:
                 raise gexc.from_http_response(response)
             return dict(response.json())
 
-        try:
-            return self.find(f"get {path or 'the project'}", get, api=COMPUTE_API)
-        finally:
-            session.close()
+        return self.find(f"get {path or 'the project'}", get, api=COMPUTE_API)
+
+    @functools.cached_property
+    def _compute_session(self) -> Any:
+        """The one authorized HTTP session of `compute_get`'s GETs: a command's few share one connection."""
+        from google.auth.transport.requests import AuthorizedSession
+
+        return AuthorizedSession(self.credentials)
 
     def compute_has(self, path: str) -> bool:
         """Whether Compute Engine has the resource PATH of the project (see `compute_get`)."""
